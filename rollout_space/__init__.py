@@ -1,0 +1,1 @@
+"""The rollout fleet: replicas that follow the bucket and generate completions."""

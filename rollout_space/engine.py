@@ -1,0 +1,99 @@
+"""The rollout engine interface: what a replica needs from an inference engine.
+
+A replica's :class:`~shared.protocol.Subscriber` keeps the canonical, hash-checked
+weights; engines only ever receive updates that already verified. Engines live
+in ``rollout_space/engines/``, one file per engine, and register by name.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Callable, Mapping
+
+import torch
+
+from shared.patch import TensorPatch
+
+
+@dataclasses.dataclass
+class Completion:
+    """One sampled completion.
+
+    Attributes:
+        text: The decoded completion (without the prompt).
+        token_ids: Generated token ids.
+        logprobs: Log-probability of each generated token under the sampling policy.
+    """
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@dataclasses.dataclass
+class SamplingSettings:
+    """How to sample: G completions per prompt."""
+
+    n: int = 4
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+class Engine(abc.ABC):
+    """An inference engine whose weights a replica keeps in sync with the bucket."""
+
+    #: Registry name, e.g. ``"transformers"`` or ``"vllm"``.
+    name: str
+
+    @abc.abstractmethod
+    def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Replace all weights with ``state`` (Hugging Face names, serving dtype)."""
+
+    @abc.abstractmethod
+    def apply_patches(
+        self, patches: Mapping[str, TensorPatch], state: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Apply a verified sparse update.
+
+        Args:
+            patches: Changed elements per tensor, in checkpoint coordinates.
+            state: The full verified state after the update, for engines that
+                must reload whole tensors instead of patching in place.
+        """
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[str], sampling: SamplingSettings) -> list[list[Completion]]:
+        """Sample ``sampling.n`` completions for each prompt."""
+
+    def close(self) -> None:
+        """Release the engine's resources."""
+
+
+_ENGINES: dict[str, Callable[..., Engine]] = {}
+
+
+def register_engine(name: str, factory: Callable[..., Engine]) -> None:
+    """Register an engine factory under ``name``."""
+    _ENGINES[name] = factory
+
+
+def create_engine(name: str, **kwargs) -> Engine:
+    """Create the engine registered as ``name``.
+
+    Raises:
+        ValueError: no engine has that name.
+    """
+    if name not in _ENGINES:
+        # engines register on import; import the known ones lazily
+        import importlib
+
+        try:
+            importlib.import_module(f"rollout_space.engines.{name}_engine")
+        except ImportError as exc:
+            raise ValueError(f"unknown or unavailable engine {name!r}: {exc}") from exc
+    if name not in _ENGINES:
+        raise ValueError(f"unknown engine {name!r}; known: {sorted(_ENGINES)}")
+    return _ENGINES[name](**kwargs)

@@ -1,0 +1,85 @@
+"""Bucket backends behind one interface, chosen by URL.
+
+>>> bucket = open_bucket("./runs/demo")               # local folder
+>>> bucket = open_bucket("hf://buckets/me/rl-sync")   # Hugging Face Bucket
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .base import (
+    Bucket,
+    BucketError,
+    InvalidKeyError,
+    ObjectInfo,
+    ObjectNotFoundError,
+    TransientBucketError,
+    validate_key,
+)
+from .local import LocalBucket
+
+__all__ = [
+    "Bucket",
+    "BucketError",
+    "InvalidKeyError",
+    "LocalBucket",
+    "ObjectInfo",
+    "ObjectNotFoundError",
+    "TransientBucketError",
+    "open_bucket",
+    "register_backend",
+    "validate_key",
+]
+
+_BACKENDS: dict[str, Callable[[str], Bucket]] = {}
+
+
+def register_backend(scheme: str, factory: Callable[[str], Bucket]) -> None:
+    """Register ``factory(url)`` as the backend for URLs starting with ``scheme://``."""
+    _BACKENDS[scheme] = factory
+
+
+def _open_local(url: str) -> Bucket:
+    from urllib.parse import unquote, urlparse
+
+    if url.startswith("file://"):
+        parsed = urlparse(url)
+        if parsed.netloc not in ("", "localhost"):
+            raise BucketError(f"file URL with a remote host is not supported: {url}")
+        return LocalBucket(unquote(parsed.path))
+    return LocalBucket(url)
+
+
+def _open_hf(url: str) -> Bucket:
+    from .hf import HfBucket
+
+    return HfBucket.from_url(url)
+
+
+register_backend("file", _open_local)
+register_backend("hf", _open_hf)
+
+
+def open_bucket(url: str) -> Bucket:
+    """Open a bucket from a URL or path.
+
+    Args:
+        url: A local path or ``file://`` URL, or ``hf://buckets/OWNER/NAME[/PREFIX]``.
+
+    Returns:
+        The bucket backend for that URL.
+
+    Raises:
+        BucketError: the URL scheme has no registered backend.
+    """
+    if "://" not in url:
+        return _open_local(url)
+    scheme = url.split("://", 1)[0]
+    try:
+        factory = _BACKENDS[scheme]
+    except KeyError:
+        raise BucketError(
+            f"unsupported bucket URL {url!r}: use a local path, file://PATH or hf://buckets/OWNER/NAME"
+        ) from None
+    return factory(url)

@@ -1,0 +1,149 @@
+"""The bucket interface: whole-object put, get, list and delete.
+
+Every backend (local folder, Hugging Face Bucket, fault-injecting wrapper)
+implements :class:`Bucket`. The sync protocol never needs partial reads or
+appends, so the interface is deliberately small. Keys are ``/``-separated
+relative paths; :func:`validate_key` rejects anything that could escape the
+bucket (``..``, absolute paths, backslashes, empty segments).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import re
+from pathlib import Path
+from typing import Iterable
+
+__all__ = [
+    "Bucket",
+    "BucketError",
+    "ObjectInfo",
+    "ObjectNotFoundError",
+    "TransientBucketError",
+    "InvalidKeyError",
+    "validate_key",
+]
+
+
+class BucketError(Exception):
+    """A bucket operation failed and retrying will not help."""
+
+
+class ObjectNotFoundError(BucketError, KeyError):
+    """The requested object does not exist."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "object not found"
+
+
+class TransientBucketError(BucketError):
+    """A bucket operation failed in a way that may succeed if retried (5xx, 429).
+
+    Args:
+        message: What failed.
+        retry_after: Seconds the server asked us to wait, if it said.
+    """
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class InvalidKeyError(BucketError, ValueError):
+    """An object key is not a safe relative path."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    """One object in a bucket listing."""
+
+    key: str
+    size: int
+
+
+_SEGMENT = re.compile(r"^[A-Za-z0-9._=+@-]+$")
+MAX_KEY_LENGTH = 1024
+
+
+def validate_key(key: str) -> str:
+    """Check that ``key`` is a safe, relative object key and return it.
+
+    Raises:
+        InvalidKeyError: the key is empty, absolute, contains ``..``, ``.``,
+            empty segments, backslashes or characters outside ``[A-Za-z0-9._=+@-]``.
+    """
+    if not isinstance(key, str) or not key:
+        raise InvalidKeyError(f"invalid object key {key!r}: must be a non-empty string")
+    if len(key) > MAX_KEY_LENGTH:
+        raise InvalidKeyError(f"invalid object key: longer than {MAX_KEY_LENGTH} characters")
+    if key.startswith("/") or "\\" in key or ":" in key:
+        raise InvalidKeyError(f"invalid object key {key!r}: must be a relative '/'-separated path")
+    for segment in key.split("/"):
+        if segment in ("", ".", ".."):
+            raise InvalidKeyError(f"invalid object key {key!r}: empty, '.' or '..' segment")
+        if not _SEGMENT.match(segment):
+            raise InvalidKeyError(f"invalid object key {key!r}: unsupported characters")
+    return key
+
+
+def validate_prefix(prefix: str) -> str:
+    """Check a listing prefix: empty, or a valid key optionally ending in ``/``."""
+    if prefix == "":
+        return prefix
+    validate_key(prefix.rstrip("/"))
+    return prefix
+
+
+class Bucket(abc.ABC):
+    """An object store holding whole objects under string keys.
+
+    Implementations must make :meth:`put` atomic from a reader's point of view:
+    a concurrent :meth:`get` sees either the old object, the new one, or
+    :class:`ObjectNotFoundError`, never a partial object.
+    """
+
+    #: The URL this bucket was opened from (``file:///...``, ``hf://buckets/...``).
+    url: str
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes) -> None:
+        """Store ``data`` under ``key``, replacing any existing object."""
+
+    def put_file(self, key: str, path: str | Path) -> None:
+        """Store the contents of the local file ``path`` under ``key``."""
+        self.put(key, Path(path).read_bytes())
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes:
+        """Return the whole object stored under ``key``.
+
+        Raises:
+            ObjectNotFoundError: no object has that key.
+        """
+
+    def get_file(self, key: str, path: str | Path) -> None:
+        """Download the object ``key`` into the local file ``path``."""
+        data = self.get(key)
+        tmp = Path(f"{path}.part")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """List objects whose key starts with ``prefix``, sorted by key."""
+
+    @abc.abstractmethod
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete the given objects; keys that do not exist are ignored."""
+
+    def exists(self, key: str) -> bool:
+        """Whether an object with this key exists."""
+        try:
+            self.get(key)
+        except ObjectNotFoundError:
+            return False
+        return True
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
