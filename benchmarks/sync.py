@@ -1,0 +1,179 @@
+"""Sync benchmark: bytes and speed of each way to ship one RL step's weights.
+
+Synthetic RL-like updates: weights drawn like an LLM's (matrices ~N(0, 0.02),
+norm weights near 1), fp32 master weights, AdamW steps at several learning
+rates, published as bf16. For each codec it prints % changed, bytes per changed
+element, ratio to the full snapshot, encode and decode+apply throughput (GB of
+bf16 model per second), and the time of a bare bit comparison of the same two
+states, the memory-bound physical reference, all measured in this run.
+
+    python -m benchmarks.sync                      # ~100M parameters
+    python -m benchmarks.sync --params 20e6 --lrs 1e-6 1e-5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+
+import numpy as np
+import safetensors.torch
+import torch
+import zstandard
+
+from shared.detect import ChangeDetector
+from shared.dtypes import int_view
+from shared.format import decode_delta, encode_delta
+from shared.hashing import state_hash
+
+logger = logging.getLogger("benchmarks.sync")
+
+
+def make_model(params: float, *, hidden: int = 1024, seed: int = 0) -> dict[str, torch.Tensor]:
+    """fp32 master weights shaped like a decoder-only LLM with about ``params`` parameters."""
+    gen = torch.Generator().manual_seed(seed)
+    inter = 3 * hidden
+    per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
+    vocab = 32000
+    layers = max(1, round((params - 2 * vocab * hidden) / per_layer))
+    state: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen) * 0.02,
+        "lm_head.weight": torch.randn(vocab, hidden, generator=gen) * 0.02,
+        "model.norm.weight": 1 + torch.randn(hidden, generator=gen) * 0.02,
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for name, shape in [
+            ("self_attn.q_proj.weight", (hidden, hidden)),
+            ("self_attn.k_proj.weight", (hidden, hidden)),
+            ("self_attn.v_proj.weight", (hidden, hidden)),
+            ("self_attn.o_proj.weight", (hidden, hidden)),
+            ("mlp.gate_proj.weight", (inter, hidden)),
+            ("mlp.up_proj.weight", (inter, hidden)),
+            ("mlp.down_proj.weight", (hidden, inter)),
+        ]:
+            state[p + name] = torch.randn(*shape, generator=gen) * 0.02
+        state[p + "input_layernorm.weight"] = 1 + torch.randn(hidden, generator=gen) * 0.02
+        state[p + "post_attention_layernorm.weight"] = 1 + torch.randn(hidden, generator=gen) * 0.02
+    return state
+
+
+def adamw_steps(master: dict[str, torch.Tensor], lr: float, steps: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Run AdamW with random gradients; return the bf16 state after each step."""
+    params = {n: torch.nn.Parameter(t.clone()) for n, t in master.items()}
+    opt = torch.optim.AdamW(params.values(), lr=lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        for p in params.values():
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+        out.append({n: p.detach().to(torch.bfloat16) for n, p in params.items()})
+    return out
+
+
+def best_of(fn, repeat: int) -> tuple[float, object]:
+    best, result = float("inf"), None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, result
+
+
+def bare_compare(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:
+    """The physical reference: one memory-bound pass comparing the bits of two states."""
+    return sum(int(np.count_nonzero(int_view(old[n]).numpy() != int_view(new[n]).numpy())) for n in old)
+
+
+def measure(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], codecs: list[str], repeat: int) -> list[dict]:
+    model_bytes = sum(t.numel() * t.element_size() for t in new.values())
+    total = sum(t.numel() for t in new.values())
+    compare_s, changed = best_of(lambda: bare_compare(old, new), repeat)
+    rows = []
+
+    def row(name, nbytes, enc_s, dec_s):
+        rows.append({
+            "method": name, "changed_pct": 100 * changed / total,
+            "bytes_per_changed": nbytes / max(changed, 1), "bytes": nbytes,
+            "ratio_to_full": nbytes / model_bytes,
+            "encode_gbps": model_bytes / enc_s / 1e9, "decode_apply_gbps": model_bytes / dec_s / 1e9,
+            "encode_s": enc_s, "decode_apply_s": dec_s, "compare_s": compare_s,
+            "encode_vs_compare": enc_s / compare_s,
+        })  # fmt: skip
+
+    enc_s, blob = best_of(lambda: safetensors.torch.save(new), repeat)
+    dec_s, _ = best_of(lambda: safetensors.torch.load(blob), repeat)
+    row("full safetensors", len(blob), enc_s, dec_s)
+    cctx, dctx = zstandard.ZstdCompressor(level=3, threads=-1), zstandard.ZstdDecompressor()
+    enc_z, zblob = best_of(lambda: cctx.compress(safetensors.torch.save(new)), 1)
+    dec_z, _ = best_of(lambda: safetensors.torch.load(dctx.decompress(zblob)), 1)
+    row("full safetensors + zstd", len(zblob), enc_z, dec_z)
+
+    target = state_hash(new)
+    for codec in codecs:
+        detector = ChangeDetector(dtype=None)
+        detector.published = old
+
+        def encode():
+            changes = detector.diff(new)
+            return encode_delta(changes, step=1, base_step=0, base_hash="", state_hash="", total=total, codec=codec)
+
+        enc_s, data = best_of(encode, repeat)
+        work = {n: t.clone() for n, t in old.items()}
+
+        def decode_apply():
+            delta = decode_delta(data, work)
+            for name, patch in delta.patches.items():
+                patch.apply_(work[name])
+
+        dec_s, _ = best_of(decode_apply, 1)
+        if state_hash(work) != target:
+            raise AssertionError(f"{codec}: decode+apply is not bit-exact")
+        row(f"delta {codec}", len(data), enc_s, dec_s)
+    return rows
+
+
+def print_table(lr: float, rows: list[dict]) -> None:
+    print(f"\nlr={lr:g}: {rows[0]['changed_pct']:.3f}% of elements changed; bare comparison {rows[0]['compare_s'] * 1e3:.1f} ms")
+    print(f"{'method':26s} {'bytes':>12s} {'B/changed':>10s} {'vs full':>9s} {'enc GB/s':>9s} {'enc/cmp':>8s} {'dec+apply GB/s':>15s}")
+    for r in rows:
+        print(
+            f"{r['method']:26s} {r['bytes']:12,d} {r['bytes_per_changed']:10.3f} {r['ratio_to_full']:9.5f} "
+            f"{r['encode_gbps']:9.2f} {r['encode_vs_compare']:8.2f} {r['decode_apply_gbps']:15.2f}"
+        )
+    by = {r["method"]: r for r in rows}
+    if "delta gapzz" in by and "delta trl" in by:
+        print(f"gapzz is {by['delta trl']['bytes'] / by['delta gapzz']['bytes']:.2f}x smaller than the TRL layout")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, default=100e6, help="model size in parameters (default 100e6)")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 3e-6, 1e-5])
+    ap.add_argument("--warmup-steps", type=int, default=2, help="AdamW steps before the measured one")
+    ap.add_argument("--codecs", nargs="+", default=["trl", "gapzz"])
+    ap.add_argument("--repeat", type=int, default=3, help="timing repeats (best of)")
+    ap.add_argument("--json", help="also write the rows to this file")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    master = make_model(args.params, hidden=args.hidden)
+    n = sum(t.numel() for t in master.values())
+    print(f"model: {n / 1e6:.1f}M parameters, {len(master)} tensors, bf16 snapshot {2 * n / 1e6:.0f} MB; torch threads {torch.get_num_threads()}")
+    results = {}
+    for lr in args.lrs:
+        states = adamw_steps(master, lr, args.warmup_steps + 1, seed=1)
+        old = states[-2] if len(states) > 1 else {k: v.to(torch.bfloat16) for k, v in master.items()}
+        rows = measure(old, states[-1], args.codecs, args.repeat)
+        print_table(lr, rows)
+        results[str(lr)] = rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The codec interface: how one tensor's changed elements are stored in a delta.
+
+A codec turns (sorted flat positions, old bits, new bits) of one tensor into
+named safetensors entries plus a few JSON-able parameters, and back. Change
+detection (which elements changed) is not the codec's job; see
+:mod:`shared.detect`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+
+@dataclasses.dataclass
+class EncodedTensor:
+    """One tensor's share of a delta file.
+
+    Attributes:
+        entries: safetensors entries to store, keyed by their full name.
+        params: Small JSON-able values the decoder needs (stored in the metadata).
+    """
+
+    entries: dict[str, torch.Tensor]
+    params: dict[str, Any]
+
+
+class Codec(abc.ABC):
+    """Encodes and decodes the changed elements of one tensor."""
+
+    #: Name written into the delta's metadata and used with :func:`get_codec`.
+    name: str
+    #: Version written into the metadata; decoders refuse other versions.
+    version: int
+
+    @abc.abstractmethod
+    def entry_names(self, name: str) -> list[str]:
+        """The safetensors entry names this codec stores for tensor ``name``."""
+
+    @abc.abstractmethod
+    def encode(self, name: str, index: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray) -> EncodedTensor:
+        """Encode the changed elements of tensor ``name``.
+
+        Args:
+            name: The tensor's name (entries are named after it).
+            index: Sorted, unique flat positions, ``int64``.
+            old_bits: The published bit patterns at ``index`` (unsigned ints of the dtype's width).
+            new_bits: The new bit patterns at ``index``, same dtype as ``old_bits``.
+        """
+
+    @abc.abstractmethod
+    def decode(
+        self,
+        name: str,
+        entries: Mapping[str, torch.Tensor],
+        params: Mapping[str, Any],
+        *,
+        count: int,
+        numel: int,
+        itemsize: int,
+        old_bits_at: Callable[[np.ndarray], np.ndarray],
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Decode one tensor's entries into ``(index, new_bits)``.
+
+        Args:
+            name: The tensor's name.
+            entries: Its safetensors entries, as read from the file.
+            params: The parameters :meth:`encode` returned.
+            count: The number of changed elements the metadata declares.
+            numel: The number of elements of the tensor being patched.
+            itemsize: Bytes per element of the tensor being patched.
+            old_bits_at: Returns the current bit patterns at given positions.
+
+        Returns:
+            Sorted, unique, in-range ``int64`` positions and the new bit patterns.
+
+        Raises:
+            FormatError: the entries are malformed or hostile (out-of-range or
+                duplicate indices, wrong sizes or dtypes).
+        """
+
+
+_CODECS: dict[str, Codec] = {}
+
+
+def register_codec(codec: Codec) -> Codec:
+    """Make ``codec`` available under ``codec.name``."""
+    _CODECS[codec.name] = codec
+    return codec
+
+
+def get_codec(name: str) -> Codec:
+    """The codec registered under ``name``.
+
+    Raises:
+        FormatError: no codec has that name.
+    """
+    from ..errors import FormatError
+
+    try:
+        return _CODECS[name]
+    except KeyError:
+        raise FormatError(f"unknown codec {name!r}; known codecs: {sorted(_CODECS)}") from None
+
+
+def list_codecs() -> list[str]:
+    """Names of all registered codecs."""
+    return sorted(_CODECS)

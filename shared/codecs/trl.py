@@ -1,0 +1,68 @@
+"""``trl``: the plain layout of the public TRL delta-sync design, our baseline.
+
+Per changed tensor, ``{name}.indices`` holds flat positions as ``int32`` (``int64``
+for tensors over 2**31 - 1 elements, which int32 cannot address) and
+``{name}.values`` the new values in the tensor's own dtype: 6 bytes per changed
+bf16 element, uncompressed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+from ..dtypes import int_view, uint_dtype
+from ..errors import FormatError
+from .base import Codec, EncodedTensor, register_codec
+from .checks import check_index, require_entry
+
+_INT32_LIMIT = 2**31 - 1
+
+
+class TrlCodec(Codec):
+    """Uncompressed int32 indices and raw values."""
+
+    name = "trl"
+    version = 1
+
+    def entry_names(self, name: str) -> list[str]:
+        return [f"{name}.indices", f"{name}.values"]
+
+    def encode(self, name: str, index: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray) -> EncodedTensor:
+        wide = index.size > 0 and int(index[-1]) > _INT32_LIMIT
+        idx = torch.from_numpy(index.astype(np.int64 if wide else np.int32))
+        signed = new_bits.view(np.dtype(f"int{8 * new_bits.itemsize}"))
+        return EncodedTensor(
+            entries={f"{name}.indices": idx, f"{name}.values": torch.from_numpy(np.ascontiguousarray(signed))},
+            params={},
+        )
+
+    def decode(
+        self,
+        name: str,
+        entries: Mapping[str, torch.Tensor],
+        params: Mapping[str, Any],
+        *,
+        count: int,
+        numel: int,
+        itemsize: int,
+        old_bits_at: Callable[[np.ndarray], np.ndarray],
+    ) -> tuple[np.ndarray, np.ndarray]:
+        idx_key, val_key = self.entry_names(name)
+        if idx_key not in entries:
+            raise FormatError(f"missing entry {idx_key!r}")
+        idx_dtype = entries[idx_key].dtype
+        if idx_dtype not in (torch.int32, torch.int64):
+            raise FormatError(f"entry {idx_key!r}: expected int32 or int64 indices, got {idx_dtype}")
+        index = require_entry(entries, idx_key, idx_dtype, count).numpy().astype(np.int64)
+        values = entries.get(val_key)
+        if values is None or values.dim() != 1 or values.numel() != count or values.element_size() != itemsize:
+            raise FormatError(f"entry {val_key!r}: expected {count} values of {itemsize} bytes")
+        check_index(name, index, numel)
+        bits = int_view(values).numpy().view(uint_dtype(itemsize))
+        return index, bits
+
+
+register_codec(TrlCodec())

@@ -1,0 +1,435 @@
+"""The wire format: anchors and deltas as safetensors files with string metadata.
+
+Anchor: the full state under Hugging Face parameter names in the serving dtype,
+readable by any safetensors reader; large states split into shards with a
+``model.safetensors.index.json`` as Hugging Face checkpoints are. Metadata:
+``format``, ``format_version``, ``kind=anchor``, ``sparse=False``, ``step``,
+``state_hash``, ``total`` (elements).
+
+Delta: only changed tensors, encoded by a codec (:mod:`shared.codecs`). Metadata:
+``kind=delta``, ``sparse=True``, ``step``, ``base_step``, ``base_hash``,
+``state_hash`` (result), ``codec``, ``codec_version``, ``changed``/``total``
+element counts over the whole model, and ``tensors``: a JSON object giving each
+changed tensor's dtype, shape, changed count and codec parameters.
+
+Readers parse and check the header themselves before handing bytes to
+safetensors, so hostile files fail with :class:`~shared.errors.FormatError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from .codecs import DEFAULT_CODEC, get_codec
+from .dtypes import bits_to_numpy, dtype_from_name, dtype_name, int_view, numpy_to_values
+from .errors import FormatError
+from .patch import TensorPatch
+from .workers import worker_pool
+
+FORMAT_NAME = "rlsync"
+FORMAT_VERSION = 1
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """The changed elements of one tensor, as found by change detection.
+
+    Attributes:
+        index: Sorted, unique flat positions (``int64`` numpy array).
+        old_bits: Published bit patterns at ``index``.
+        new_bits: New bit patterns at ``index``.
+        dtype: The tensor's dtype.
+        shape: The tensor's shape.
+    """
+
+    index: np.ndarray
+    old_bits: np.ndarray
+    new_bits: np.ndarray
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class Delta:
+    """A decoded, validated delta."""
+
+    step: int
+    base_step: int
+    base_hash: str
+    state_hash: str
+    codec: str
+    changed: int
+    total: int
+    patches: dict[str, TensorPatch]
+    nbytes: int
+
+
+# ---------------------------------------------------------------------------
+# header parsing
+
+
+def parse_header(data: bytes | memoryview, *, file_size: int | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """Parse and check a safetensors header without trusting any declared size.
+
+    Args:
+        data: The file's bytes, or at least its first 8 + header-length bytes.
+        file_size: The whole file's size when ``data`` holds only its start.
+
+    Returns:
+        ``(entries, metadata)``: entry name -> ``{"dtype", "shape", "data_offsets"}``,
+        and the ``__metadata__`` strings.
+
+    Raises:
+        FormatError: truncated file, oversized or malformed header, offsets past
+            the end of the file, overlapping or mis-sized entries.
+    """
+    size = len(data) if file_size is None else file_size
+    if size < 8:
+        raise FormatError(f"not a safetensors file: {size} bytes is shorter than the 8-byte header length")
+    (header_len,) = struct.unpack("<Q", bytes(data[:8]))
+    if header_len > MAX_HEADER_BYTES or header_len > size - 8:
+        raise FormatError(f"safetensors header declares {header_len} bytes but the file has {size} bytes")
+    if len(data) < 8 + header_len:
+        raise FormatError("safetensors header is truncated")
+    try:
+        header = json.loads(bytes(data[8 : 8 + header_len]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"malformed safetensors header: {exc}") from None
+    if not isinstance(header, dict):
+        raise FormatError("malformed safetensors header: not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise FormatError("malformed safetensors metadata: values must be strings")
+    body = size - 8 - header_len
+    spans = []
+    for name, info in header.items():
+        try:
+            dtype = dtype_from_name(info["dtype"])
+            shape = [int(d) for d in info["shape"]]
+            start, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"malformed safetensors entry {name!r}: {exc}") from None
+        if any(d < 0 for d in shape) or not 0 <= start <= end <= body:
+            raise FormatError(f"entry {name!r}: data offsets {start}..{end} outside the {body}-byte data section")
+        if (end - start) != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
+            raise FormatError(f"entry {name!r}: {end - start} bytes do not match shape {shape} of {info['dtype']}")
+        spans.append((start, end))
+    spans.sort()
+    for (_, end_a), (start_b, _) in zip(spans, spans[1:]):
+        if start_b < end_a:
+            raise FormatError("safetensors entries overlap")
+    return header, metadata
+
+
+def read_header_file(path: str | Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """:func:`parse_header` for a file on disk, reading only its header."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) == 8:
+            (n,) = struct.unpack("<Q", head)
+            if n <= MAX_HEADER_BYTES and n <= size - 8:
+                head += f.read(n)
+    return parse_header(head, file_size=size)
+
+
+def _require(metadata: Mapping[str, str], key: str) -> str:
+    if key not in metadata:
+        raise FormatError(f"metadata has no {key!r}")
+    return metadata[key]
+
+
+def _int_field(metadata: Mapping[str, str], key: str) -> int:
+    value = _require(metadata, key)
+    try:
+        return int(value)
+    except ValueError:
+        raise FormatError(f"metadata {key!r} is not an integer: {value!r}") from None
+
+
+def check_format(metadata: Mapping[str, str], kind: str) -> None:
+    """Check format name, version and kind.
+
+    Raises:
+        FormatError: another format, an unknown version or the wrong kind.
+    """
+    if metadata.get("format") != FORMAT_NAME:
+        raise FormatError(f"not an {FORMAT_NAME} file (format={metadata.get('format')!r})")
+    if metadata.get("format_version") != str(FORMAT_VERSION):
+        raise FormatError(f"unsupported format version {metadata.get('format_version')!r}; this reader knows {FORMAT_VERSION}")
+    if metadata.get("kind") != kind:
+        raise FormatError(f"expected a {kind}, got kind={metadata.get('kind')!r}")
+
+
+def file_kind(metadata: Mapping[str, str]) -> str:
+    """``"anchor"`` or ``"delta"`` for one of our files; raises FormatError otherwise."""
+    kind = metadata.get("kind")
+    if kind not in ("anchor", "delta"):
+        raise FormatError(f"unknown file kind {kind!r}")
+    check_format(metadata, kind)
+    return kind
+
+
+# ---------------------------------------------------------------------------
+# deltas
+
+
+def encode_delta(
+    changes: Mapping[str, Change],
+    *,
+    step: int,
+    base_step: int,
+    base_hash: str,
+    state_hash: str,
+    total: int,
+    codec: str = DEFAULT_CODEC,
+    extra_metadata: Mapping[str, str] | None = None,
+) -> bytes:
+    """Serialize changed elements into a delta file.
+
+    Args:
+        changes: Changed tensors by name; tensors without changes must be left out.
+        step: The step of the resulting state.
+        base_step: The step of the state the delta applies to.
+        base_hash: Hash of the base state.
+        state_hash: Hash of the resulting state.
+        total: Number of elements of the whole model.
+        codec: Codec name (see :func:`shared.codecs.list_codecs`).
+        extra_metadata: More metadata strings to store (may not replace ours).
+
+    Returns:
+        The delta file's bytes.
+    """
+    coder = get_codec(codec)
+    entries: dict[str, torch.Tensor] = {}
+    table: dict[str, dict[str, Any]] = {}
+    names = sorted(changes)
+    encode = lambda n: coder.encode(n, changes[n].index, changes[n].old_bits, changes[n].new_bits)  # noqa: E731
+    for name, encoded in zip(names, worker_pool().map(encode, names)):
+        ch = changes[name]
+        entries.update(encoded.entries)
+        table[name] = {"dtype": dtype_name(ch.dtype), "shape": list(ch.shape), "count": int(ch.index.size), **encoded.params}
+    metadata = {
+        "format": FORMAT_NAME,
+        "format_version": str(FORMAT_VERSION),
+        "kind": "delta",
+        "sparse": "True",
+        "step": str(step),
+        "base_step": str(base_step),
+        "base_hash": base_hash,
+        "state_hash": state_hash,
+        "codec": coder.name,
+        "codec_version": str(coder.version),
+        "changed": str(sum(t["count"] for t in table.values())),
+        "total": str(total),
+        "tensors": json.dumps(table, separators=(",", ":")),
+    }
+    for key, value in (extra_metadata or {}).items():
+        if key in metadata:
+            raise ValueError(f"extra metadata may not replace {key!r}")
+        metadata[key] = value
+    return safetensors.torch.save(entries, metadata=metadata)
+
+
+def read_delta_metadata(data: bytes) -> dict[str, str]:
+    """Parse a delta's header and check its format; returns the metadata."""
+    _, metadata = parse_header(data)
+    check_format(metadata, "delta")
+    return metadata
+
+
+def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
+    """Decode and fully validate a delta against the state it will be applied to.
+
+    Nothing is written: the result holds patches to apply later.
+
+    Args:
+        data: The delta file's bytes.
+        state: The current state (only read).
+
+    Returns:
+        The decoded delta.
+
+    Raises:
+        FormatError: malformed or hostile file, unknown codec or version, a
+            tensor missing from the state, a dtype or shape that does not match,
+            indices out of range or duplicated.
+    """
+    header, metadata = parse_header(data)
+    check_format(metadata, "delta")
+    coder = get_codec(_require(metadata, "codec"))
+    if _require(metadata, "codec_version") != str(coder.version):
+        raise FormatError(f"unsupported {coder.name} codec version {metadata['codec_version']!r}")
+    try:
+        table = json.loads(_require(metadata, "tensors"))
+    except json.JSONDecodeError as exc:
+        raise FormatError(f"metadata 'tensors' is not valid JSON: {exc}") from None
+    if not isinstance(table, dict):
+        raise FormatError("metadata 'tensors' is not a JSON object")
+    expected_entries = {e for name in table for e in coder.entry_names(name)}
+    if set(header) != expected_entries:
+        raise FormatError("delta entries do not match its tensor table")
+    try:
+        entries = safetensors.torch.load(bytes(data))
+    except Exception as exc:  # safetensors raises its own error types
+        raise FormatError(f"unreadable safetensors data: {exc}") from None
+    patches: dict[str, TensorPatch] = {}
+    changed = 0
+    for name, info in table.items():
+        if name not in state:
+            raise FormatError(f"delta patches {name!r}, which is not in the model")
+        target = state[name]
+        if not isinstance(info, dict):
+            raise FormatError(f"{name}: tensor table entry is not an object")
+        if info.get("dtype") != dtype_name(target.dtype) or list(info.get("shape", ())) != list(target.shape):
+            raise FormatError(
+                f"{name}: delta is for {info.get('dtype')} {info.get('shape')}, model has "
+                f"{dtype_name(target.dtype)} {list(target.shape)}"
+            )
+        count = info.get("count")
+        if not isinstance(count, int) or not 0 < count <= target.numel():
+            raise FormatError(f"{name}: invalid changed count {count!r}")
+        bits = int_view(target)
+        index, new_bits = coder.decode(
+            name,
+            {k: entries[k] for k in coder.entry_names(name)},
+            info,
+            count=count,
+            numel=target.numel(),
+            itemsize=target.element_size(),
+            old_bits_at=lambda idx, bits=bits: bits_to_numpy(bits[torch.from_numpy(idx).to(bits.device)]),
+        )
+        patches[name] = TensorPatch(
+            index=torch.from_numpy(index), values=numpy_to_values(new_bits, target.dtype), shape=tuple(target.shape)
+        )
+        changed += count
+    if changed != _int_field(metadata, "changed"):
+        raise FormatError(f"metadata says {metadata['changed']} changed elements, tensors hold {changed}")
+    return Delta(
+        step=_int_field(metadata, "step"),
+        base_step=_int_field(metadata, "base_step"),
+        base_hash=_require(metadata, "base_hash"),
+        state_hash=_require(metadata, "state_hash"),
+        codec=coder.name,
+        changed=changed,
+        total=_int_field(metadata, "total"),
+        patches=patches,
+        nbytes=len(data),
+    )
+
+
+# ---------------------------------------------------------------------------
+# anchors
+
+
+def anchor_metadata(*, step: int, state_hash: str, total: int) -> dict[str, str]:
+    """Metadata strings written into every shard of an anchor."""
+    return {
+        "format": FORMAT_NAME,
+        "format_version": str(FORMAT_VERSION),
+        "kind": "anchor",
+        "sparse": "False",
+        "step": str(step),
+        "state_hash": state_hash,
+        "total": str(total),
+    }
+
+
+def plan_shards(state: Mapping[str, torch.Tensor], max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[list[str]]:
+    """Group tensor names (sorted) into shards of at most ``max_shard_bytes`` (one oversized tensor gets its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(state):
+        nbytes = state[name].numel() * state[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    """File names of an anchor with ``count`` shards, Hugging Face style."""
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def write_anchor(
+    state: Mapping[str, torch.Tensor],
+    folder: str | Path,
+    *,
+    step: int,
+    state_hash: str,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[Path]:
+    """Write an anchor into ``folder`` (shards plus, if sharded, an index file).
+
+    Returns:
+        The written files, index file last.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    total = sum(t.numel() for t in state.values())
+    metadata = anchor_metadata(step=step, state_hash=state_hash, total=total)
+    groups = plan_shards(state, max_shard_bytes)
+    files = []
+    weight_map = {}
+    for names, fname in zip(groups, shard_names(len(groups))):
+        shard = {n: state[n].detach().cpu().contiguous() for n in names}
+        safetensors.torch.save_file(shard, folder / fname, metadata=metadata)
+        files.append(folder / fname)
+        weight_map.update({n: fname for n in names})
+    if len(groups) > 1:
+        index = {"metadata": {**metadata, "total_size": sum(f.stat().st_size for f in files)}, "weight_map": weight_map}
+        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+        files.append(folder / INDEX_FILE)
+    return files
+
+
+def load_anchor(files: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read an anchor's shards (index file, if any, is ignored here; shards carry the metadata).
+
+    Returns:
+        ``(state, metadata)``.
+
+    Raises:
+        FormatError: a shard is malformed, not an anchor, or disagrees with the others.
+    """
+    state: dict[str, torch.Tensor] = {}
+    first: dict[str, str] | None = None
+    for path in files:
+        if path.name == INDEX_FILE:
+            continue
+        _, metadata = read_header_file(path)
+        check_format(metadata, "anchor")
+        if first is None:
+            first = metadata
+        elif metadata != first:
+            raise FormatError(f"{path.name}: shard metadata disagrees with the other shards")
+        try:
+            tensors = safetensors.torch.load_file(path)
+        except Exception as exc:
+            raise FormatError(f"{path.name}: unreadable safetensors data: {exc}") from None
+        overlap = state.keys() & tensors.keys()
+        if overlap:
+            raise FormatError(f"{path.name}: tensors appear in two shards: {sorted(overlap)[:3]}")
+        state.update(tensors)
+    if first is None:
+        raise FormatError("anchor has no shard files")
+    return state, first

@@ -1,0 +1,43 @@
+"""The bucket protocol: publisher, subscriber, anchor policies, retention, pointer."""
+
+from .manifest import (
+    CONTROL_KEY,
+    POINTER_KEY,
+    STATUS_PREFIX,
+    AnchorEntry,
+    DeltaEntry,
+    FileEntry,
+    Manifest,
+    anchor_folder,
+    delta_key,
+)
+from .policy import Adaptive, AnchorPolicy, FixedInterval, policy_from_json, policy_from_settings, policy_to_json
+from .publisher import PublishRecord, Publisher, read_manifest
+from .retention import prune, sweep_orphans
+from .subscriber import Subscriber, SubscriberStats, Update
+
+__all__ = [
+    "CONTROL_KEY",
+    "POINTER_KEY",
+    "STATUS_PREFIX",
+    "Adaptive",
+    "AnchorEntry",
+    "AnchorPolicy",
+    "DeltaEntry",
+    "FileEntry",
+    "FixedInterval",
+    "Manifest",
+    "PublishRecord",
+    "Publisher",
+    "Subscriber",
+    "SubscriberStats",
+    "Update",
+    "anchor_folder",
+    "delta_key",
+    "policy_from_json",
+    "policy_from_settings",
+    "policy_to_json",
+    "prune",
+    "read_manifest",
+    "sweep_orphans",
+]

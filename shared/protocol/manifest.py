@@ -1,0 +1,200 @@
+"""Bucket layout and the pointer ("weights ready") object.
+
+Layout of a bucket::
+
+    latest.json                           the pointer: written last, after the data it names
+    anchors/000000000010/model.safetensors  (or model-0000k-of-0000n.safetensors + index)
+    deltas/000000000011.safetensors
+    control/publisher.json                anchor policy set from any panel
+    status/replica-<id>.json              one status object per replica
+
+The pointer is a small JSON manifest of every retained version: the anchors
+(step, files, sizes, hash) and the deltas (step, base step, file, size, result
+hash), plus the newest step and its hash. Readers never need a listing (which
+object stores may serve stale) and never see a pointer to an incomplete file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from ..bucket import InvalidKeyError, validate_key
+from ..errors import FormatError
+from ..format import FORMAT_NAME, FORMAT_VERSION
+
+POINTER_KEY = "latest.json"
+ANCHOR_PREFIX = "anchors/"
+DELTA_PREFIX = "deltas/"
+CONTROL_KEY = "control/publisher.json"
+STATUS_PREFIX = "status/"
+MAX_POINTER_BYTES = 16 * 1024 * 1024
+
+
+def anchor_folder(step: int) -> str:
+    """Key prefix of the anchor of ``step``."""
+    return f"{ANCHOR_PREFIX}{step:012d}"
+
+
+def delta_key(step: int) -> str:
+    """Key of the delta producing ``step``."""
+    return f"{DELTA_PREFIX}{step:012d}.safetensors"
+
+
+@dataclasses.dataclass(frozen=True)
+class FileEntry:
+    """One object of a published version."""
+
+    key: str
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AnchorEntry:
+    """A published anchor."""
+
+    step: int
+    state_hash: str
+    files: tuple[FileEntry, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaEntry:
+    """A published delta from ``base_step`` to ``step``."""
+
+    step: int
+    base_step: int
+    state_hash: str
+    file: FileEntry
+    changed: int = 0
+    total: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.file.size
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """The pointer object: every retained version, newest last."""
+
+    step: int
+    state_hash: str
+    anchors: tuple[AnchorEntry, ...]
+    deltas: tuple[DeltaEntry, ...]
+    run_id: str = ""
+
+    @property
+    def newest_anchor(self) -> AnchorEntry:
+        return self.anchors[-1]
+
+    def delta_after(self, step: int) -> DeltaEntry | None:
+        """The delta whose base is ``step``, if retained."""
+        for d in self.deltas:
+            if d.base_step == step:
+                return d
+        return None
+
+    def deltas_since(self, step: int) -> list[DeltaEntry]:
+        """Deltas with a step above ``step``, in order."""
+        return [d for d in self.deltas if d.step > step]
+
+    def catchup_bytes(self) -> int:
+        """What a newly joining replica downloads: the newest anchor plus the deltas after it."""
+        anchor = self.newest_anchor
+        return anchor.nbytes + sum(d.nbytes for d in self.deltas_since(anchor.step))
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "run_id": self.run_id,
+            "step": self.step,
+            "state_hash": self.state_hash,
+            "anchors": [dataclasses.asdict(a) for a in self.anchors],
+            "deltas": [dataclasses.asdict(d) for d in self.deltas],
+        }
+        return json.dumps(doc, indent=1).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "Manifest":
+        """Parse and check a pointer object.
+
+        Raises:
+            FormatError: invalid JSON, unknown version, unsafe keys, inconsistent steps.
+        """
+        if len(data) > MAX_POINTER_BYTES:
+            raise FormatError(f"pointer object is {len(data)} bytes, more than {MAX_POINTER_BYTES}")
+        try:
+            doc = json.loads(data)
+            if doc.get("format") != FORMAT_NAME:
+                raise FormatError(f"pointer is not an {FORMAT_NAME} pointer")
+            if doc.get("format_version") != FORMAT_VERSION:
+                raise FormatError(f"unsupported pointer format version {doc.get('format_version')!r}")
+            anchors = tuple(
+                AnchorEntry(
+                    step=_int(a["step"]),
+                    state_hash=_str(a["state_hash"]),
+                    files=tuple(_file(f) for f in a["files"]),
+                )
+                for a in doc["anchors"]
+            )
+            deltas = tuple(
+                DeltaEntry(
+                    step=_int(d["step"]),
+                    base_step=_int(d["base_step"]),
+                    state_hash=_str(d["state_hash"]),
+                    file=_file(d["file"]),
+                    changed=_int(d.get("changed", 0)),
+                    total=_int(d.get("total", 0)),
+                )
+                for d in doc["deltas"]
+            )
+            manifest = cls(
+                step=_int(doc["step"]),
+                state_hash=_str(doc["state_hash"]),
+                anchors=anchors,
+                deltas=deltas,
+                run_id=_str(doc.get("run_id", "")),
+            )
+        except FormatError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError, InvalidKeyError) as exc:
+            raise FormatError(f"malformed pointer object: {exc}") from None
+        manifest.check()
+        return manifest
+
+    def check(self) -> None:
+        """Check internal consistency: steps increase, the newest version is described."""
+        if not self.anchors:
+            raise FormatError("pointer lists no anchor")
+        steps = [a.step for a in self.anchors]
+        if steps != sorted(set(steps)) or [d.step for d in self.deltas] != sorted({d.step for d in self.deltas}):
+            raise FormatError("pointer steps are not strictly increasing")
+        for d in self.deltas:
+            if d.base_step >= d.step:
+                raise FormatError(f"delta {d.step} has base step {d.base_step}")
+        newest = max([a.step for a in self.anchors] + [d.step for d in self.deltas])
+        if newest != self.step:
+            raise FormatError(f"pointer step {self.step} is not its newest version {newest}")
+
+
+def _int(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise FormatError(f"expected a non-negative integer, got {value!r}")
+    return value
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str) or len(value) > 256:
+        raise FormatError(f"expected a short string, got {type(value).__name__}")
+    return value
+
+
+def _file(value: Any) -> FileEntry:
+    return FileEntry(key=validate_key(value["key"]), size=_int(value["size"]))

@@ -1,0 +1,120 @@
+"""Anchor policies: when the publisher writes a full anchor instead of a delta.
+
+Policies are plain objects whose settings may be changed while a run goes on
+(from the UI, or through the control object in the bucket); the publisher asks
+the policy at every publish, so a change takes effect at the next one.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+from typing import Any
+
+from ..errors import FormatError
+from .manifest import Manifest
+
+DEFAULT_INTERVAL = 10
+DEFAULT_MAX_CATCHUP_RATIO = 2.0
+
+
+class AnchorPolicy(abc.ABC):
+    """Decides whether the next publish is an anchor."""
+
+    name: str
+
+    @abc.abstractmethod
+    def wants_anchor(self, manifest: Manifest) -> bool:
+        """Whether the publish after the version ``manifest`` describes should be an anchor."""
+
+    @abc.abstractmethod
+    def settings(self) -> dict[str, Any]:
+        """JSON-able settings, as stored in the control object."""
+
+
+@dataclasses.dataclass
+class FixedInterval(AnchorPolicy):
+    """An anchor every ``interval`` publishes (the others are deltas).
+
+    Args:
+        interval: Publishes per anchor; 1 makes every publish an anchor.
+    """
+
+    interval: int = DEFAULT_INTERVAL
+    name = "fixed"
+
+    def __post_init__(self) -> None:
+        if self.interval < 1:
+            raise ValueError(f"anchor interval must be at least 1, got {self.interval}")
+
+    def wants_anchor(self, manifest: Manifest) -> bool:
+        return len(manifest.deltas_since(manifest.newest_anchor.step)) + 1 >= self.interval
+
+    def settings(self) -> dict[str, Any]:
+        return {"policy": self.name, "interval": self.interval}
+
+
+@dataclasses.dataclass
+class Adaptive(AnchorPolicy):
+    """An anchor when catching up would cost a new replica too much.
+
+    A replica joining now downloads the newest anchor plus every delta after it.
+    When that, plus one more delta the size of the last one, would exceed
+    ``max_catchup_ratio`` anchors, the next publish is an anchor.
+
+    Args:
+        max_catchup_ratio: Bound on catch-up bytes relative to one anchor (> 1).
+    """
+
+    max_catchup_ratio: float = DEFAULT_MAX_CATCHUP_RATIO
+    name = "adaptive"
+
+    def __post_init__(self) -> None:
+        if self.max_catchup_ratio <= 1.0:
+            raise ValueError(f"max_catchup_ratio must exceed 1, got {self.max_catchup_ratio}")
+
+    def wants_anchor(self, manifest: Manifest) -> bool:
+        anchor = manifest.newest_anchor
+        since = manifest.deltas_since(anchor.step)
+        next_delta = since[-1].nbytes if since else 0
+        return manifest.catchup_bytes() + next_delta > self.max_catchup_ratio * anchor.nbytes
+
+    def settings(self) -> dict[str, Any]:
+        return {"policy": self.name, "max_catchup_ratio": self.max_catchup_ratio}
+
+
+def policy_from_settings(settings: dict[str, Any]) -> AnchorPolicy:
+    """Build a policy from its :meth:`AnchorPolicy.settings`.
+
+    Raises:
+        FormatError: unknown policy or invalid values.
+    """
+    try:
+        kind = settings.get("policy", "fixed")
+        if kind == FixedInterval.name:
+            interval = settings.get("interval", DEFAULT_INTERVAL)
+            if not isinstance(interval, int) or isinstance(interval, bool):
+                raise ValueError(f"interval must be an integer, got {interval!r}")
+            return FixedInterval(interval)
+        if kind == Adaptive.name:
+            return Adaptive(float(settings.get("max_catchup_ratio", DEFAULT_MAX_CATCHUP_RATIO)))
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise FormatError(f"invalid anchor policy settings: {exc}") from None
+    raise FormatError(f"unknown anchor policy {kind!r}; use 'fixed' or 'adaptive'")
+
+
+def policy_to_json(policy: AnchorPolicy) -> bytes:
+    """Serialize a policy for the control object."""
+    return json.dumps(policy.settings()).encode()
+
+
+def policy_from_json(data: bytes) -> AnchorPolicy:
+    """Parse a control object written by :func:`policy_to_json`."""
+    try:
+        settings = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FormatError(f"control object is not JSON: {exc}") from None
+    if not isinstance(settings, dict):
+        raise FormatError("control object is not a JSON object")
+    return policy_from_settings(settings)

@@ -1,0 +1,282 @@
+"""The publisher: the trainer's side of the bucket protocol.
+
+``publish(step, state)`` writes an anchor or a delta (as the anchor policy
+decides), then the pointer, then deletes what retention drops. Data objects are
+always complete before the pointer names them, so a crash at any moment leaves
+the bucket readable at the previous version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from ..bucket import Bucket, BucketError, ObjectNotFoundError
+from ..codecs import DEFAULT_CODEC, get_codec
+from ..detect import DEFAULT_CHUNK_ELEMENTS, ChangeDetector, serving_copy
+from ..errors import FormatError, SyncError
+from ..format import DEFAULT_MAX_SHARD_BYTES, encode_delta, write_anchor
+from ..hashing import combine_digests, tensor_digest
+from .manifest import (
+    CONTROL_KEY,
+    POINTER_KEY,
+    AnchorEntry,
+    DeltaEntry,
+    FileEntry,
+    Manifest,
+    anchor_folder,
+    delta_key,
+)
+from .policy import AnchorPolicy, FixedInterval, policy_from_json
+from .retention import DEFAULT_KEEP_ANCHORS, prune, sweep_orphans
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class PublishRecord:
+    """What one publish wrote and what it cost."""
+
+    step: int
+    kind: str
+    nbytes: int
+    changed: int
+    total: int
+    state_hash: str
+    encode_s: float
+    hash_s: float
+    upload_s: float
+    catchup_bytes: int
+    keys: list[str]
+
+    @property
+    def changed_fraction(self) -> float:
+        return self.changed / self.total if self.total else 0.0
+
+
+def read_manifest(bucket: Bucket) -> Manifest | None:
+    """The bucket's pointer object, or ``None`` before the first publish.
+
+    Raises:
+        FormatError: the pointer exists but is invalid.
+    """
+    try:
+        data = bucket.get(POINTER_KEY)
+    except ObjectNotFoundError:
+        return None
+    return Manifest.from_json(data)
+
+
+class Publisher:
+    """Publishes a trainer's weights to a bucket as anchors and deltas.
+
+    Args:
+        bucket: Where to publish.
+        policy: When to write anchors; default an anchor every 10 publishes.
+            Its settings may be changed while running.
+        keep_anchors: Anchors retained (with the deltas after the oldest kept one).
+        codec: Delta codec name.
+        dtype: Serving dtype for floating-point tensors (``None``: as given).
+        max_shard_bytes: Largest anchor shard.
+        follow_control: Read the anchor policy from the bucket's control object at
+            every publish, so any panel can change it without a restart.
+        chunk_elements: Elements compared at once by change detection.
+    """
+
+    def __init__(
+        self,
+        bucket: Bucket,
+        *,
+        policy: AnchorPolicy | None = None,
+        keep_anchors: int = DEFAULT_KEEP_ANCHORS,
+        codec: str = DEFAULT_CODEC,
+        dtype: torch.dtype | None = torch.bfloat16,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        follow_control: bool = True,
+        chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+        run_id: str = "",
+    ) -> None:
+        get_codec(codec)
+        self.bucket = bucket
+        self.policy = policy or FixedInterval()
+        self.keep_anchors = keep_anchors
+        self.codec = codec
+        self.dtype = dtype
+        self.max_shard_bytes = max_shard_bytes
+        self.follow_control = follow_control
+        self.run_id = run_id
+        self.detector = ChangeDetector(dtype, chunk_elements)
+        self.manifest: Manifest | None = None
+        self._digests: dict[str, bytes] = {}
+        self._resumed = False
+
+    @property
+    def step(self) -> int | None:
+        """The last published step, or ``None``."""
+        return self.manifest.step if self.manifest else None
+
+    def resume(self) -> dict[str, torch.Tensor] | None:
+        """Continue a run already in the bucket.
+
+        Replays the newest chain with a :class:`~shared.protocol.Subscriber`,
+        verifying every hash, and makes it the published state.
+
+        Returns:
+            The last published state (serving dtype), or ``None`` for an empty bucket.
+        """
+        from .subscriber import Subscriber
+
+        self._resumed = True
+        manifest = read_manifest(self.bucket)
+        if manifest is None:
+            return None
+        sub = Subscriber(self.bucket)
+        sub.sync()
+        if sub.step != manifest.step:
+            manifest = read_manifest(self.bucket)  # a version landed meanwhile; not expected with one trainer
+            if manifest is None or sub.step != manifest.step:
+                raise SyncError("the bucket changed while resuming; is another trainer publishing?")
+        self.detector.published = {n: t.clone() for n, t in sub.state.items()}
+        self._digests = {n: tensor_digest(t) for n, t in sub.state.items()}
+        self.manifest = manifest
+        if not self.run_id:
+            self.run_id = manifest.run_id
+        logger.info("resumed at step %d (hash %s)", manifest.step, manifest.state_hash[:12])
+        return {n: t.clone() for n, t in sub.state.items()}
+
+    def _refresh_policy(self) -> None:
+        if not self.follow_control:
+            return
+        try:
+            data = self.bucket.get(CONTROL_KEY)
+        except ObjectNotFoundError:
+            return
+        try:
+            policy = policy_from_json(data)
+        except FormatError as exc:
+            logger.warning("ignoring invalid control object: %s", exc)
+            return
+        if policy != self.policy:
+            logger.info("anchor policy now %s", policy.settings())
+            self.policy = policy
+
+    def publish(self, step: int, state: Mapping[str, torch.Tensor]) -> PublishRecord:
+        """Publish ``state`` as version ``step``.
+
+        Args:
+            step: The new version; must exceed the last published step.
+            state: Tensors under Hugging Face names (any dtype; floating-point
+                tensors are cast to the serving dtype).
+
+        Returns:
+            What was written and what it cost.
+
+        Raises:
+            SyncError: ``step`` does not advance, or the bucket already holds a
+                run this publisher did not :meth:`resume`.
+            BucketError: the bucket failed; the previous version stays published
+                and the publish may be retried.
+        """
+        if self.manifest is None and not self._resumed and read_manifest(self.bucket) is not None:
+            raise SyncError(f"{self.bucket.url} already holds a published run; call resume() or use an empty bucket")
+        if self.step is not None and step <= self.step:
+            raise SyncError(f"step {step} does not advance past the published step {self.step}")
+        self._refresh_policy()
+        anchor = (
+            self.manifest is None
+            or not self.detector.compatible(state)
+            or self.policy.wants_anchor(self.manifest)
+        )
+        return self._publish_anchor(step, state) if anchor else self._publish_delta(step, state)
+
+    def _hash(self, state: Mapping[str, torch.Tensor], names) -> str:
+        for name in names:
+            self._digests[name] = tensor_digest(serving_copy(state[name], self.dtype))
+        return combine_digests(self._digests)
+
+    def _publish_delta(self, step: int, state: Mapping[str, torch.Tensor]) -> PublishRecord:
+        assert self.manifest is not None
+        t0 = time.perf_counter()
+        changes = self.detector.diff(state)
+        t1 = time.perf_counter()
+        old_digests = dict(self._digests)
+        result_hash = self._hash(state, changes)
+        t2 = time.perf_counter()
+        total = sum(t.numel() for t in state.values())
+        data = encode_delta(
+            changes,
+            step=step,
+            base_step=self.manifest.step,
+            base_hash=self.manifest.state_hash,
+            state_hash=result_hash,
+            total=total,
+            codec=self.codec,
+        )
+        t3 = time.perf_counter()
+        key = delta_key(step)
+        changed = sum(c.index.size for c in changes.values())
+        entry = DeltaEntry(step, self.manifest.step, result_hash, FileEntry(key, len(data)), changed, total)
+        manifest = dataclasses.replace(self.manifest, step=step, state_hash=result_hash, deltas=self.manifest.deltas + (entry,))
+        try:
+            self.bucket.put(key, data)
+            self._commit(manifest)
+        except BaseException:
+            self._digests = old_digests
+            raise
+        self.detector.commit(changes)
+        t4 = time.perf_counter()
+        logger.info("published delta %d: %d bytes, %d/%d changed (%.3f%%)", step, len(data), changed, total, 100 * changed / max(total, 1))
+        return PublishRecord(
+            step, "delta", len(data), changed, total, result_hash,
+            encode_s=(t1 - t0) + (t3 - t2), hash_s=t2 - t1, upload_s=t4 - t3,
+            catchup_bytes=self.manifest.catchup_bytes(), keys=[key],
+        )  # fmt: skip
+
+    def _publish_anchor(self, step: int, state: Mapping[str, torch.Tensor]) -> PublishRecord:
+        t0 = time.perf_counter()
+        serving = {n: serving_copy(t, self.dtype) for n, t in state.items()}
+        self._digests = {}
+        result_hash = self._hash(serving, serving)
+        t1 = time.perf_counter()
+        folder = anchor_folder(step)
+        with tempfile.TemporaryDirectory(prefix="rlsync-anchor-") as tmp:
+            files = write_anchor(serving, tmp, step=step, state_hash=result_hash, max_shard_bytes=self.max_shard_bytes)
+            t2 = time.perf_counter()
+            entries = tuple(FileEntry(f"{folder}/{p.name}", p.stat().st_size) for p in files)
+            for path, entry in zip(files, entries):
+                self.bucket.put_file(entry.key, path)
+        anchor = AnchorEntry(step, result_hash, entries)
+        if self.manifest is None:
+            manifest = Manifest(step, result_hash, (anchor,), (), run_id=self.run_id)
+        else:
+            manifest = dataclasses.replace(self.manifest, step=step, state_hash=result_hash, anchors=self.manifest.anchors + (anchor,))
+        self._commit(manifest)
+        t3 = time.perf_counter()
+        self.detector.published = serving
+        total = sum(t.numel() for t in serving.values())
+        nbytes = sum(e.size for e in entries)
+        logger.info("published anchor %d: %d bytes in %d file(s)", step, nbytes, len(entries))
+        return PublishRecord(
+            step, "anchor", nbytes, total, total, result_hash,
+            encode_s=t2 - t1, hash_s=t1 - t0, upload_s=t3 - t2,
+            catchup_bytes=self.manifest.catchup_bytes() if self.manifest else nbytes, keys=[e.key for e in entries],
+        )  # fmt: skip
+
+    def _commit(self, manifest: Manifest) -> None:
+        """Write the pointer for ``manifest`` (after retention), then delete what it dropped."""
+        pruned, dropped = prune(manifest, self.keep_anchors)
+        self.bucket.put(POINTER_KEY, pruned.to_json())
+        self.manifest = pruned
+        try:
+            if dropped:
+                self.bucket.delete(dropped)
+            if len(pruned.deltas_since(pruned.newest_anchor.step)) == 0:  # after each anchor
+                sweep_orphans(self.bucket, pruned)
+        except BucketError as exc:  # the pointer no longer names them; the next sweep retries
+            logger.warning("retention could not delete old objects: %s", exc)

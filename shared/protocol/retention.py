@@ -1,0 +1,62 @@
+"""Retention: keep the last K anchors and the deltas after the oldest kept one."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..bucket import Bucket
+from .manifest import ANCHOR_PREFIX, DELTA_PREFIX, Manifest
+
+DEFAULT_KEEP_ANCHORS = 2
+
+
+def prune(manifest: Manifest, keep_anchors: int = DEFAULT_KEEP_ANCHORS) -> tuple[Manifest, list[str]]:
+    """Drop versions older than the ``keep_anchors``-th newest anchor.
+
+    Args:
+        manifest: The manifest about to be published.
+        keep_anchors: Anchors to keep (at least 1).
+
+    Returns:
+        The pruned manifest and the object keys that may be deleted once it is published.
+    """
+    if keep_anchors < 1:
+        raise ValueError(f"keep_anchors must be at least 1, got {keep_anchors}")
+    kept = manifest.anchors[-keep_anchors:]
+    oldest = kept[0].step
+    dropped = [f.key for a in manifest.anchors[:-keep_anchors] for f in a.files]
+    dropped += [d.file.key for d in manifest.deltas if d.step <= oldest]
+    pruned = dataclasses.replace(
+        manifest,
+        anchors=tuple(kept),
+        deltas=tuple(d for d in manifest.deltas if d.step > oldest),
+    )
+    return pruned, dropped
+
+
+def sweep_orphans(bucket: Bucket, manifest: Manifest) -> list[str]:
+    """Delete anchor and delta objects older than the oldest retained version that
+    the manifest does not name (left by failed deletes or crashed publishes).
+
+    Objects newer than the manifest's oldest version are left alone: they may
+    belong to a publish in progress.
+
+    Returns:
+        The deleted keys.
+    """
+    named = {f.key for a in manifest.anchors for f in a.files} | {d.file.key for d in manifest.deltas}
+    oldest = manifest.anchors[0].step
+    stale = [
+        obj.key
+        for prefix in (ANCHOR_PREFIX, DELTA_PREFIX)
+        for obj in bucket.list(prefix)
+        if obj.key not in named and _step_of(obj.key) is not None and _step_of(obj.key) < oldest
+    ]
+    if stale:
+        bucket.delete(stale)
+    return stale
+
+
+def _step_of(key: str) -> int | None:
+    name = key.split("/")[1].split(".")[0]
+    return int(name) if name.isdigit() else None

@@ -1,0 +1,290 @@
+"""The subscriber: a replica's side of the bucket protocol.
+
+A subscriber bootstraps from the newest anchor, then applies the deltas after
+it in order. Work is split in two so that a replica can keep generating while
+an update downloads:
+
+* :meth:`Subscriber.fetch` downloads, decodes and validates the next update
+  (sizes, format, names, shapes, dtypes, indices, anchor hash) without touching
+  the state;
+* :meth:`Subscriber.apply` applies it (the only step that needs generation
+  paused), checks the base and result hashes, and rolls back on any mismatch.
+
+On a missing, truncated or corrupt delta, or a hash mismatch, the subscriber
+refuses the update, keeps its last good state, and waits for an anchor newer
+than its state to resynchronise. Applying a delta twice is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ..bucket import Bucket, ObjectNotFoundError
+from ..errors import ChainError, FormatError, HashMismatchError, SyncError
+from ..format import decode_delta, load_anchor
+from ..hashing import combine_digests, tensor_digest
+from ..patch import TensorPatch
+from .manifest import POINTER_KEY, AnchorEntry, DeltaEntry, Manifest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Update:
+    """A downloaded, validated update, ready to apply.
+
+    Attributes:
+        kind: ``"anchor"`` or ``"delta"``.
+        step: The version after applying it.
+        base_step: The version it applies to (``None`` for anchors).
+        base_hash: Hash of that version (``None`` for anchors).
+        state_hash: Hash of the resulting state.
+        nbytes: Bytes downloaded.
+        tensors: The full state (anchors).
+        patches: Changed elements per tensor (deltas).
+        changed: Changed elements (deltas) or all elements (anchors).
+        download_s: Seconds spent downloading.
+        decode_s: Seconds spent decoding and validating.
+    """
+
+    kind: str
+    step: int
+    base_step: int | None
+    base_hash: str | None
+    state_hash: str
+    nbytes: int
+    tensors: dict[str, torch.Tensor] | None = None
+    patches: dict[str, TensorPatch] | None = None
+    changed: int = 0
+    download_s: float = 0.0
+    decode_s: float = 0.0
+
+
+@dataclasses.dataclass
+class SubscriberStats:
+    """Counters a replica reports in its status object."""
+
+    reads: int = 0
+    bytes_downloaded: int = 0
+    anchors_applied: int = 0
+    deltas_applied: int = 0
+    refused: int = 0
+    last_error: str = ""
+    last_apply_s: float = 0.0
+
+
+class Subscriber:
+    """Follows a bucket and keeps a bit-exact copy of the published state.
+
+    Args:
+        bucket: The bucket to follow (read access is enough).
+        device: Where the state's tensors live.
+        workdir: Scratch folder for anchor downloads (default: a temporary folder).
+    """
+
+    def __init__(self, bucket: Bucket, *, device: str | torch.device = "cpu", workdir: str | Path | None = None) -> None:
+        self.bucket = bucket
+        self.device = torch.device(device)
+        self.workdir = Path(workdir) if workdir else None
+        self.state: dict[str, torch.Tensor] = {}
+        self.step: int | None = None
+        self.state_hash: str | None = None
+        self.stats = SubscriberStats()
+        self._digests: dict[str, bytes] = {}
+        self._resync = False
+        self.manifest: Manifest | None = None
+
+    # -- reading the bucket -------------------------------------------------
+
+    def _get(self, key: str) -> bytes:
+        data = self.bucket.get(key)
+        self.stats.reads += 1
+        self.stats.bytes_downloaded += len(data)
+        return data
+
+    def read_manifest(self) -> Manifest | None:
+        """Read the pointer; ``None`` before the first publish."""
+        try:
+            data = self._get(POINTER_KEY)
+        except ObjectNotFoundError:
+            return None
+        self.manifest = Manifest.from_json(data)
+        return self.manifest
+
+    @property
+    def needs_resync(self) -> bool:
+        """True after a refused update, until an anchor newer than the state is applied."""
+        return self._resync
+
+    def fetch(self) -> Update | None:
+        """Download and validate the next update toward the newest version.
+
+        Returns:
+            The update, or ``None`` when up to date (or, after a refused update,
+            when no newer anchor exists yet).
+
+        Raises:
+            SyncError: the update is missing, truncated, corrupt or does not
+                match; the state is untouched and the subscriber will resync
+                from the next anchor.
+            BucketError: the bucket failed; retry later.
+        """
+        manifest = self.read_manifest()
+        if manifest is None or manifest.step == self.step:
+            return None
+        if self.step is not None and manifest.step < self.step:
+            raise self._refuse(ChainError(f"pointer went back from {self.step} to {manifest.step}"))
+        if self.step is not None and not self._resync:
+            entry = manifest.delta_after(self.step)
+            if entry is not None:
+                return self._fetch_delta(entry)
+        newer = [a for a in manifest.anchors if self.step is None or a.step > self.step]
+        if not newer:
+            if not self._resync:
+                raise self._refuse(ChainError(f"no retained delta or anchor continues step {self.step}"))
+            return None
+        return self._fetch_anchor(newer[-1])
+
+    def _refuse(self, error: SyncError) -> SyncError:
+        self._resync = True
+        self.stats.refused += 1
+        self.stats.last_error = str(error)
+        logger.error("refused update: %s; keeping step %s until the next anchor", error, self.step)
+        return error
+
+    def _fetch_delta(self, entry: DeltaEntry) -> Update:
+        t0 = time.perf_counter()
+        try:
+            data = self._get(entry.file.key)
+        except ObjectNotFoundError as exc:
+            raise self._refuse(ChainError(f"delta {entry.step} is missing: {exc}")) from None
+        t1 = time.perf_counter()
+        try:
+            if len(data) != entry.file.size:
+                raise FormatError(f"{entry.file.key}: {len(data)} bytes, the pointer promised {entry.file.size} (truncated?)")
+            delta = decode_delta(data, self.state)
+            if (delta.step, delta.base_step, delta.state_hash) != (entry.step, entry.base_step, entry.state_hash):
+                raise FormatError(f"{entry.file.key}: metadata disagrees with the pointer")
+            if delta.base_hash != self.state_hash:
+                raise HashMismatchError(f"delta {entry.step} is based on another state than step {self.step}")
+        except SyncError as exc:
+            raise self._refuse(exc) from None
+        return Update(
+            "delta", delta.step, delta.base_step, delta.base_hash, delta.state_hash, len(data),
+            patches=delta.patches, changed=delta.changed, download_s=t1 - t0, decode_s=time.perf_counter() - t1,
+        )  # fmt: skip
+
+    def _fetch_anchor(self, entry: AnchorEntry) -> Update:
+        t0 = time.perf_counter()
+        folder = Path(tempfile.mkdtemp(prefix="rlsync-anchor-", dir=self.workdir))
+        try:
+            files = []
+            for f in entry.files:
+                path = folder / f.key.rsplit("/", 1)[-1]
+                try:
+                    self.bucket.get_file(f.key, path)
+                except ObjectNotFoundError as exc:
+                    raise ChainError(f"anchor {entry.step} is missing a file: {exc}") from None
+                self.stats.reads += 1
+                self.stats.bytes_downloaded += path.stat().st_size
+                if path.stat().st_size != f.size:
+                    raise FormatError(f"{f.key}: {path.stat().st_size} bytes, the pointer promised {f.size} (truncated?)")
+                files.append(path)
+            t1 = time.perf_counter()
+            tensors, metadata = load_anchor(files)
+            if metadata.get("step") != str(entry.step) or metadata.get("state_hash") != entry.state_hash:
+                raise FormatError(f"anchor {entry.step}: metadata disagrees with the pointer")
+            if self.state and not _same_schema(self.state, tensors):
+                raise FormatError(f"anchor {entry.step}: tensor names, shapes or dtypes differ from the model")
+            tensors = {n: t.to(self.device) for n, t in tensors.items()}
+            digests = {n: tensor_digest(t) for n, t in tensors.items()}
+            if combine_digests(digests) != entry.state_hash:
+                raise HashMismatchError(f"anchor {entry.step}: content does not match its hash")
+        except SyncError as exc:
+            self.stats.refused += 1
+            self.stats.last_error = str(exc)
+            logger.error("refused anchor %d: %s", entry.step, exc)
+            raise
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        update = Update(
+            "anchor", entry.step, None, None, entry.state_hash, entry.nbytes, tensors=tensors,
+            changed=sum(t.numel() for t in tensors.values()), download_s=t1 - t0, decode_s=time.perf_counter() - t1,
+        )  # fmt: skip
+        update._digests = digests  # type: ignore[attr-defined]
+        return update
+
+    # -- applying -----------------------------------------------------------
+
+    def apply(self, update: Update) -> None:
+        """Apply a fetched update to :attr:`state`.
+
+        Raises:
+            ChainError: the update does not follow the current state (replayed,
+                out of order); nothing changes.
+            HashMismatchError: the result does not match its promised hash; the
+                state is rolled back and the subscriber waits for the next anchor.
+        """
+        t0 = time.perf_counter()
+        if update.kind == "anchor":
+            assert update.tensors is not None
+            self.state = update.tensors
+            self._digests = update._digests  # type: ignore[attr-defined]
+            self._resync = False
+            self.stats.anchors_applied += 1
+        else:
+            self._apply_delta(update)
+            self.stats.deltas_applied += 1
+        self.step = update.step
+        self.state_hash = update.state_hash
+        self.stats.last_apply_s = time.perf_counter() - t0
+        logger.info("applied %s %d (%d bytes)", update.kind, update.step, update.nbytes)
+
+    def _apply_delta(self, update: Update) -> None:
+        assert update.patches is not None
+        if update.base_step != self.step or update.base_hash != self.state_hash or self._resync:
+            raise ChainError(f"delta {update.base_step}->{update.step} does not apply to step {self.step}")
+        undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        digests = dict(self._digests)
+        try:
+            for name, patch in update.patches.items():
+                flat = self.state[name].view(-1)
+                index = patch.index.to(flat.device)
+                undo.append((flat, index, flat[index].clone()))
+                flat[index] = patch.values.to(flat.device)
+                digests[name] = tensor_digest(self.state[name])
+            if combine_digests(digests) != update.state_hash:
+                raise HashMismatchError(f"state after delta {update.step} does not match its hash")
+        except BaseException as exc:
+            for flat, index, old in reversed(undo):
+                flat[index] = old
+            if isinstance(exc, SyncError):
+                raise self._refuse(exc) from None
+            raise
+        self._digests = digests
+
+    def sync(self, max_updates: int | None = None) -> list[Update]:
+        """Fetch and apply updates until up to date.
+
+        Returns:
+            The applied updates.
+        """
+        applied = []
+        while max_updates is None or len(applied) < max_updates:
+            update = self.fetch()
+            if update is None:
+                break
+            self.apply(update)
+            applied.append(update)
+        return applied
+
+
+def _same_schema(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[n].shape == b[n].shape and a[n].dtype == b[n].dtype for n in a)

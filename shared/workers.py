@@ -1,0 +1,14 @@
+"""The library's worker threads (numpy, torch and zstd release the GIL)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import os
+
+
+@functools.lru_cache(maxsize=1)
+def worker_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """A process-wide thread pool sized by ``RLSYNC_THREADS`` or the CPU count."""
+    workers = int(os.environ.get("RLSYNC_THREADS", "0")) or os.cpu_count() or 1
+    return concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rlsync")
