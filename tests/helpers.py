@@ -1,0 +1,31 @@
+"""Small synthetic models and RL-like updates for tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+def master_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    """fp32 master weights of a toy model (plus an integer buffer)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(64, 48, generator=g) * 0.02,
+        "model.layers.0.mlp.up_proj.weight": torch.randn(96, 48, generator=g) * 0.02,
+        "model.norm.weight": 1 + torch.randn(48, generator=g) * 0.02,
+        "lm_head.weight": torch.randn(40, 48, generator=g) * 0.02,
+        "model.step_counter": torch.tensor([0], dtype=torch.int64),
+    }
+
+
+def rl_step(master: dict[str, torch.Tensor], seed: int, scale: float = 2e-4) -> None:
+    """An in-place update that flips a few percent of the bf16 weights."""
+    g = torch.Generator().manual_seed(10_000 + seed)
+    for name, t in master.items():
+        if t.is_floating_point():
+            t += torch.randn(t.shape, generator=g) * scale
+    master["model.step_counter"] += 1
+
+
+def bf16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Cast floating-point tensors as the publisher serves them."""
+    return {n: t.to(torch.bfloat16) if t.is_floating_point() else t.clone() for n, t in state.items()}

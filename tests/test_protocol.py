@@ -1,0 +1,309 @@
+"""Bucket protocol: bootstrap, late joiners, gaps, corruption, crashes, policies, retention, resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shared.bucket import LocalBucket
+from shared.errors import ChainError, FormatError, HashMismatchError, SyncError
+from shared.format import encode_delta
+from shared.hashing import state_hash
+from shared.protocol import (
+    CONTROL_KEY,
+    POINTER_KEY,
+    Adaptive,
+    FixedInterval,
+    Publisher,
+    Subscriber,
+    delta_key,
+    policy_to_json,
+    read_manifest,
+)
+from shared.protocol.verify import verify_bucket
+from tests.helpers import bf16, master_state, rl_step
+
+
+def run(pub: Publisher, master, steps, start=0, sub: Subscriber | None = None):
+    records = []
+    for step in range(start, start + steps):
+        if step:
+            rl_step(master, step)
+        records.append(pub.publish(step, master))
+        if sub is not None:
+            sub.sync()
+            assert sub.state_hash == records[-1].state_hash == state_hash(bf16(master))
+    return records
+
+
+def test_follower_is_bit_exact_and_anchors_follow_interval(bucket):
+    master = master_state()
+    sub = Subscriber(bucket)
+    records = run(Publisher(bucket, policy=FixedInterval(3)), master, 8, sub=sub)
+    assert [r.kind for r in records] == ["anchor", "delta", "delta"] * 2 + ["anchor", "delta"]
+    assert all(0 < r.changed < r.total for r in records if r.kind == "delta")
+    assert state_hash(sub.state) == state_hash(bf16(master))
+
+
+def test_late_joiner_downloads_newest_anchor_and_following_deltas(bucket):
+    master = master_state()
+    run(Publisher(bucket, policy=FixedInterval(4)), master, 7)  # anchors 0, 4; deltas 5, 6
+    late = Subscriber(bucket)
+    applied = late.sync()
+    assert [(u.kind, u.step) for u in applied] == [("anchor", 4), ("delta", 5), ("delta", 6)]
+    assert late.state_hash == state_hash(bf16(master))
+
+
+def test_publishing_every_k_optimizer_steps_stays_exact(bucket):
+    """Sub-threshold updates accumulate in fp32 until they flip bf16 bits; deltas are
+    relative to the last *published* state, so skipping steps loses nothing."""
+    master = master_state()
+    pub, sub = Publisher(bucket, policy=FixedInterval(100)), Subscriber(bucket)
+    pub.publish(0, master)
+    for step in range(1, 13):
+        rl_step(master, step, scale=3e-5)
+        if step % 3 == 0:
+            pub.publish(step, master)
+            sub.sync()
+            assert sub.state_hash == state_hash(bf16(master))
+
+
+def test_missing_delta_keeps_state_and_resyncs_from_next_anchor(bucket):
+    master = master_state()
+    pub, sub = Publisher(bucket, policy=FixedInterval(4)), Subscriber(bucket)
+    run(pub, master, 2, sub=sub)
+    run(pub, master, 2, start=2)
+    bucket.delete([delta_key(2)])
+    good = (sub.step, sub.state_hash, {n: t.clone() for n, t in sub.state.items()})
+    with pytest.raises(ChainError, match="missing"):
+        sub.fetch()
+    assert (sub.step, sub.state_hash) == good[:2] and state_hash(sub.state) == state_hash(good[2])
+    assert sub.needs_resync and sub.fetch() is None  # waits: no newer anchor yet
+    run(pub, master, 2, start=4)  # step 4 is an anchor
+    applied = sub.sync()
+    assert applied[0].kind == "anchor" and sub.step == 5
+    assert sub.state_hash == state_hash(bf16(master)) and not sub.needs_resync
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage"])
+def test_damaged_delta_is_refused_without_touching_state(bucket, damage):
+    master = master_state()
+    pub, sub = Publisher(bucket, policy=FixedInterval(3)), Subscriber(bucket)
+    run(pub, master, 1, sub=sub)
+    run(pub, master, 1, start=1)
+    path = bucket.root / delta_key(1)
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        for i in range(len(data) - 40, len(data), 7):
+            data[i] ^= 0x5A
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data = bytearray(b"\x00" * len(data))
+    path.write_bytes(bytes(data))
+    before = state_hash(sub.state)
+    with pytest.raises(SyncError):
+        sub.fetch()
+    assert state_hash(sub.state) == before == sub.state_hash and sub.step == 0
+    run(pub, master, 2, start=2)  # step 3 is the next anchor
+    sub.sync()
+    assert sub.step == 3 and sub.state_hash == state_hash(bf16(master))
+
+
+def test_hash_mismatch_after_apply_rolls_back(bucket):
+    """A well-formed delta whose values do not produce the promised state is undone."""
+    master = master_state()
+    pub, sub = Publisher(bucket, policy=FixedInterval(10)), Subscriber(bucket)
+    run(pub, master, 1, sub=sub)
+    rec = run(pub, master, 1, start=1)[0]
+    # forge: same hashes and steps, but values from another update
+    forged_master = master_state()
+    rl_step(forged_master, 99)
+    pub2 = Publisher(LocalBucket(bucket.root.parent / "other"), policy=FixedInterval(10))
+    pub2.publish(0, master_state())
+    changes = pub2.detector.diff(forged_master)
+    data = encode_delta(
+        changes, step=1, base_step=0, base_hash=read_manifest(bucket).anchors[0].state_hash,
+        state_hash=rec.state_hash, total=rec.total,
+    )  # fmt: skip
+    bucket.put(delta_key(1), data)
+    pointer = json.loads(bucket.get(POINTER_KEY))
+    pointer["deltas"][0]["file"]["size"] = len(data)
+    bucket.put(POINTER_KEY, json.dumps(pointer).encode())
+    before = {n: t.clone() for n, t in sub.state.items()}
+    update = sub.fetch()
+    with pytest.raises(HashMismatchError):
+        sub.apply(update)
+    assert state_hash(sub.state) == state_hash(before) == sub.state_hash and sub.step == 0
+    assert sub.needs_resync
+
+
+def test_same_delta_twice_is_refused(bucket):
+    master = master_state()
+    pub, sub = Publisher(bucket), Subscriber(bucket)
+    run(pub, master, 1, sub=sub)
+    run(pub, master, 1, start=1)
+    update = sub.fetch()
+    sub.apply(update)
+    after = state_hash(sub.state)
+    with pytest.raises(ChainError):
+        sub.apply(update)
+    assert state_hash(sub.state) == after == sub.state_hash
+
+
+def test_out_of_order_delta_is_refused(bucket):
+    master = master_state()
+    pub, sub = Publisher(bucket), Subscriber(bucket)
+    run(pub, master, 1, sub=sub)
+    run(pub, master, 2, start=1)
+    first = sub.fetch()
+    sub.apply(first)
+    second = sub.fetch()
+    sub2 = Subscriber(bucket)
+    sub2.apply(Subscriber(bucket).fetch())  # an anchor-only replica at step 0
+    before = sub2.state_hash
+    with pytest.raises(ChainError):
+        sub2.apply(second)
+    assert sub2.state_hash == before == state_hash(sub2.state)
+
+
+class _FailOnce(LocalBucket):
+    def __init__(self, root, fail_key):
+        super().__init__(root)
+        self.fail_key = fail_key
+
+    def put(self, key, data):
+        if key == self.fail_key:
+            self.fail_key = None
+            raise OSError("simulated crash before the pointer was written")
+        super().put(key, data)
+
+
+def test_crash_between_data_and_pointer_leaves_bucket_readable(tmp_path):
+    bucket = _FailOnce(tmp_path / "b", fail_key=None)
+    master = master_state()
+    pub, sub = Publisher(bucket, policy=FixedInterval(5)), Subscriber(bucket)
+    run(pub, master, 2, sub=sub)
+    rl_step(master, 2)
+    bucket.fail_key = POINTER_KEY
+    with pytest.raises(OSError):
+        pub.publish(2, master)
+    assert bucket.exists(delta_key(2))  # data landed, pointer did not
+    assert sub.fetch() is None and sub.step == 1
+    assert verify_bucket(bucket).ok
+    pub.publish(2, master)  # the publisher state was not advanced: retry works
+    sub.sync()
+    assert sub.step == 2 and sub.state_hash == state_hash(bf16(master))
+
+
+def test_anchor_interval_changed_through_control_object(bucket):
+    master = master_state()
+    pub = Publisher(bucket, policy=FixedInterval(5))
+    kinds = [r.kind for r in run(pub, master, 6)]
+    assert kinds == ["anchor"] + ["delta"] * 4 + ["anchor"]
+    bucket.put(CONTROL_KEY, policy_to_json(FixedInterval(2)))
+    kinds = [r.kind for r in run(pub, master, 4, start=6)]
+    assert kinds == ["delta", "anchor", "delta", "anchor"]
+    assert pub.policy == FixedInterval(2)
+    bucket.put(CONTROL_KEY, b'{"policy": "fixed", "interval": 0}')  # invalid: ignored, old policy kept
+    run(pub, master, 1, start=10)
+    assert pub.policy == FixedInterval(2)
+
+
+def test_adaptive_policy_bounds_catchup_bytes(bucket):
+    master = master_state()
+    pub = Publisher(bucket, policy=Adaptive(max_catchup_ratio=1.5))
+    records = run(pub, master, 12)
+    anchors = [r.step for r in records if r.kind == "anchor"]
+    assert len(anchors) >= 2
+    manifest = read_manifest(bucket)
+    assert manifest.catchup_bytes() <= 1.5 * manifest.newest_anchor.nbytes
+    assert all(r.catchup_bytes <= 1.5 * manifest.newest_anchor.nbytes for r in records)
+
+
+def test_retention_keeps_last_anchors_and_following_deltas(bucket):
+    master = master_state()
+    pub = Publisher(bucket, policy=FixedInterval(3), keep_anchors=2)
+    run(pub, master, 11)  # anchors 0, 3, 6, 9
+    manifest = read_manifest(bucket)
+    assert [a.step for a in manifest.anchors] == [6, 9]
+    assert [d.step for d in manifest.deltas] == [7, 8, 10]
+    named = {f.key for a in manifest.anchors for f in a.files} | {d.file.key for d in manifest.deltas}
+    stored = {o.key for o in bucket.list() if o.key.startswith(("anchors/", "deltas/"))}
+    assert stored == named
+    late = Subscriber(bucket)
+    late.sync()
+    assert late.state_hash == state_hash(bf16(master))
+
+
+def test_resume_continues_versions(bucket):
+    master = master_state()
+    run(Publisher(bucket, policy=FixedInterval(4)), master, 6)
+    with pytest.raises(SyncError, match="already holds"):
+        Publisher(bucket).publish(6, master)
+    pub = Publisher(bucket, policy=FixedInterval(4))
+    state = pub.resume()
+    assert pub.step == 5 and state_hash(state) == state_hash(bf16(master))
+    with pytest.raises(SyncError, match="does not advance"):
+        pub.publish(5, master)
+    rl_step(master, 6)
+    rec = pub.publish(6, master)
+    assert rec.kind == "delta"
+    sub = Subscriber(bucket)
+    sub.sync()
+    assert sub.step == 6 and sub.state_hash == state_hash(bf16(master))
+
+
+@pytest.mark.parametrize(
+    "pointer",
+    [
+        b"not json",
+        b'{"format": "rlsync", "format_version": 99}',
+        None,  # key with '..', built below
+    ],
+)
+def test_hostile_pointer_is_refused(bucket, pointer):
+    master = master_state()
+    sub = Subscriber(bucket)
+    run(Publisher(bucket), master, 1, sub=sub)
+    if pointer is None:
+        doc = json.loads(bucket.get(POINTER_KEY))
+        doc["anchors"][0]["files"][0]["key"] = "../../etc/passwd"
+        pointer = json.dumps(doc).encode()
+    bucket.put(POINTER_KEY, pointer)
+    with pytest.raises(FormatError):
+        Subscriber(bucket).fetch()
+    with pytest.raises(FormatError):
+        sub.fetch()
+    assert sub.step == 0 and sub.state_hash == state_hash(sub.state)
+
+
+def test_verify_detects_corruption(bucket):
+    master = master_state()
+    run(Publisher(bucket, policy=FixedInterval(3)), master, 5)
+    report = verify_bucket(bucket)
+    assert report.ok and report.anchors_checked == 2 and report.deltas_checked == 3
+    path = bucket.root / delta_key(4)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert not verify_bucket(bucket).ok
+
+
+def test_non_bf16_tensors_are_shipped_in_their_own_dtype(bucket):
+    """With ``dtype=None`` each tensor is compared and shipped by the bits of its own dtype."""
+    sub = Subscriber(bucket)
+    pub = Publisher(bucket, dtype=None)
+    state = bf16(master_state())
+    state["router.bias"] = torch.zeros(16, dtype=torch.float32)
+    for step in range(3):
+        state["router.bias"][step] = float("nan") if step == 2 else -0.0
+        state["model.step_counter"] += 1
+        pub.publish(step, state)
+        sub.sync()
+        assert sub.state_hash == state_hash(state)
+    assert sub.state["router.bias"].dtype == torch.float32
+    assert sub.state["model.step_counter"].dtype == torch.int64 and int(sub.state["model.step_counter"]) == 3
+    assert torch.isnan(sub.state["router.bias"][2]) and torch.signbit(sub.state["router.bias"][1])
