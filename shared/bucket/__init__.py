@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .base import (
     Bucket,
@@ -17,20 +17,38 @@ from .base import (
     TransientBucketError,
     validate_key,
 )
+from .faulty import FaultyBucket
 from .local import LocalBucket
+from .retry import RetryingBucket
 
 __all__ = [
     "Bucket",
     "BucketError",
+    "FaultyBucket",
+    "HfBucket",
     "InvalidKeyError",
     "LocalBucket",
     "ObjectInfo",
     "ObjectNotFoundError",
+    "RetryingBucket",
     "TransientBucketError",
     "open_bucket",
     "register_backend",
     "validate_key",
 ]
+
+if TYPE_CHECKING:
+    from .hf import HfBucket
+
+
+def __getattr__(name: str):
+    # HfBucket is loaded on first use so that importing the package never imports huggingface_hub.
+    if name == "HfBucket":
+        from .hf import HfBucket
+
+        return HfBucket
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _BACKENDS: dict[str, Callable[[str], Bucket]] = {}
 

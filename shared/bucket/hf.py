@@ -1,0 +1,419 @@
+"""A Hugging Face Bucket (``hf://buckets/OWNER/NAME[/PREFIX]``) as a :class:`Bucket`.
+
+Objects are uploaded with :meth:`huggingface_hub.HfApi.batch_bucket_files` (the bytes go to Xet
+storage first, then one ``/batch`` call makes them visible, so readers see either the old or the
+new object), downloaded with :meth:`~huggingface_hub.HfApi.download_bucket_files`, and listed with
+:meth:`~huggingface_hub.HfApi.list_bucket_tree`.
+
+Errors from ``huggingface_hub`` are mapped onto the bucket error types:
+
+- 404 on an object -> :class:`ObjectNotFoundError`;
+- 404 on the bucket itself -> :class:`BucketError` (a missing bucket is a configuration error, not
+  an empty bucket);
+- 408, 429, 5xx and connection/timeouts -> :class:`TransientBucketError`, with ``retry_after`` taken
+  from the ``Retry-After`` header (or the Hub's ``RateLimit`` header) when the server sent one;
+- anything else -> :class:`BucketError`.
+
+The access token comes from the ``token`` argument, else the ``HF_TOKEN`` environment variable,
+else ``huggingface_hub``'s own lookup. It never appears in an exception message, ``repr`` or log
+line raised or written by this module: messages are built from the status code, the server's
+message and the request id, and scrubbed of the token in case the server echoed it.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import logging
+import os
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Iterable, TypeVar
+
+import httpx2
+from huggingface_hub import BucketFile, HfApi
+from huggingface_hub.errors import (
+    BucketBatchError,
+    BucketNotFoundError,
+    EntryNotFoundError,
+    HfHubHTTPError,
+    OfflineModeIsEnabled,
+)
+from huggingface_hub.utils import parse_hf_uri, parse_ratelimit_headers
+
+try:  # hf_xet is a dependency of huggingface_hub's bucket API
+    from hf_xet import XetObjectNotFoundError
+except ImportError:  # pragma: no cover
+    XetObjectNotFoundError = None  # type: ignore[assignment,misc]
+
+from .base import (
+    Bucket,
+    BucketError,
+    ObjectInfo,
+    ObjectNotFoundError,
+    TransientBucketError,
+    validate_key,
+    validate_prefix,
+)
+
+__all__ = ["HfBucket"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+#: HTTP statuses worth retrying: request timeout, rate limit, server errors.
+_TRANSIENT_STATUSES = frozenset({408, 429})
+#: Connection-level failures (no HTTP status) worth retrying.
+_TRANSIENT_EXCEPTIONS: tuple[type[BaseException], ...] = (
+    httpx2.TimeoutException,
+    httpx2.NetworkError,
+    httpx2.RemoteProtocolError,
+    ConnectionError,
+    TimeoutError,
+)
+_REDACTED = "<redacted>"
+
+
+def _retry_after_seconds(headers: httpx2.Headers) -> float | None:
+    """Seconds to wait according to ``Retry-After`` (delay or HTTP date) or the Hub's ``RateLimit`` header."""
+    value = headers.get("Retry-After")
+    if value:
+        value = value.strip()
+        try:
+            return max(0.0, float(value))
+        except ValueError:
+            pass
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            when = None
+        if when is not None and when.tzinfo is not None:
+            return max(0.0, when.timestamp() - time.time())
+    info = parse_ratelimit_headers(headers)
+    if info is not None and info.remaining == 0:
+        return float(info.reset_in_seconds)
+    return None
+
+
+class HfBucket(Bucket):
+    """A bucket on the Hugging Face Hub, optionally restricted to a folder (prefix) inside it.
+
+    Args:
+        bucket_id (`str`):
+            The bucket, as `"namespace/name"`.
+        prefix (`str`, *optional*):
+            A folder inside the bucket. Keys are stored under `"{prefix}/{key}"` and listed relative to it.
+        token (`str`, *optional*):
+            A Hugging Face access token. Defaults to the `HF_TOKEN` environment variable, then to
+            `huggingface_hub`'s own lookup (the locally saved token).
+        api ([`~huggingface_hub.HfApi`], *optional*):
+            The client to use. Defaults to a new `HfApi(token=token)`.
+        create (`bool`, *optional*, defaults to `False`):
+            Create the bucket if it does not exist (`create_bucket(..., exist_ok=True)`, with the Hub's
+            default visibility).
+
+    Raises:
+        [`BucketError`]: `bucket_id` is not `"namespace/name"`, the prefix is not a valid key, or
+            creating the bucket failed.
+    """
+
+    def __init__(
+        self,
+        bucket_id: str,
+        *,
+        prefix: str = "",
+        token: str | None = None,
+        api: HfApi | None = None,
+        create: bool = False,
+    ) -> None:
+        parts = bucket_id.split("/") if isinstance(bucket_id, str) else []
+        if len(parts) != 2 or not all(parts):
+            raise BucketError(f"invalid bucket id {bucket_id!r}: expected 'namespace/name'")
+        self.bucket_id = bucket_id
+        prefix = prefix.strip("/")
+        if prefix:
+            validate_key(prefix)
+        self.prefix = prefix
+        self._path_prefix = f"{prefix}/" if prefix else ""
+        self._token = token if token is not None else (os.environ.get("HF_TOKEN") or None)
+        self._api = api if api is not None else HfApi(token=self._token)
+        self.url = f"hf://buckets/{bucket_id}" + (f"/{prefix}" if prefix else "")
+        self._warned_skipped = False
+        if create:
+            self._call(
+                "create bucket", None, lambda: self._api.create_bucket(bucket_id, exist_ok=True, token=self._token)
+            )
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs) -> "HfBucket":
+        """Open a bucket from a `hf://buckets/OWNER/NAME[/PREFIX]` URL.
+
+        Args:
+            url (`str`):
+                The bucket URL. A Hub web URL (`https://huggingface.co/buckets/OWNER/NAME`) is accepted too.
+            **kwargs:
+                Passed to [`HfBucket`] (`token`, `api`, `create`).
+
+        Returns:
+            [`HfBucket`]: the bucket, with `PREFIX` as its prefix.
+
+        Raises:
+            [`BucketError`]: the URL is not a bucket URL.
+        """
+        try:
+            parsed = parse_hf_uri(url)
+        except ValueError as err:
+            raise BucketError(f"invalid Hugging Face bucket URL {url!r}: {err}") from None
+        if not parsed.is_bucket:
+            raise BucketError(f"invalid Hugging Face bucket URL {url!r}: expected hf://buckets/OWNER/NAME[/PREFIX]")
+        return cls(parsed.id, prefix=parsed.path_in_repo or "", **kwargs)
+
+    # -- key mapping -------------------------------------------------------------------------------
+
+    def _remote(self, key: str) -> str:
+        return self._path_prefix + validate_key(key)
+
+    def _local_key(self, remote_path: str) -> str | None:
+        if not remote_path.startswith(self._path_prefix):
+            return None
+        return remote_path[len(self._path_prefix) :]
+
+    # -- error mapping -----------------------------------------------------------------------------
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets():
+            text = text.replace(secret, _REDACTED)
+        return text
+
+    def _secrets(self) -> list[str]:
+        """The tokens this bucket knows of (its own, and the client's if set explicitly)."""
+        secrets = [self._token] if self._token else []
+        api_token = getattr(self._api, "token", None)
+        if isinstance(api_token, str) and api_token and api_token not in secrets:
+            secrets.append(api_token)
+        return secrets
+
+    def _call(self, op: str, key: str | None, fn: Callable[[], _T]) -> _T:
+        """Run one `huggingface_hub` call, mapping its errors onto the bucket error types."""
+        try:
+            return fn()
+        except BucketError:
+            raise
+        except Exception as err:
+            mapped = self._map_error(op, key, err)
+            # Keep the original exception (and its chain) for debugging unless its text carries the token.
+            text = "".join(traceback.format_exception(err))
+            leaks = any(secret in text for secret in self._secrets())
+            raise mapped from (None if leaks else err)
+
+    def _map_error(self, op: str, key: str | None, err: Exception) -> BucketError:
+        what = f"{op} {key!r} in {self.url}" if key is not None else f"{op} {self.url}"
+        if isinstance(err, BucketNotFoundError):
+            return BucketError(
+                self._scrub(
+                    f"{what} failed: bucket {self.bucket_id!r} not found, or the token cannot access it "
+                    f"(create it first or pass create=True){self._detail(err)}"
+                )
+            )
+        if isinstance(err, BucketBatchError):
+            failures = "; ".join(f"{f.get('path')}: {f.get('error')}" for f in err.failures) or "unknown"
+            return BucketError(self._scrub(f"{what} failed: the server rejected the operation ({failures})"))
+        if (isinstance(err, EntryNotFoundError) and not isinstance(err, HfHubHTTPError)) or (
+            XetObjectNotFoundError is not None and isinstance(err, XetObjectNotFoundError)
+        ):
+            return ObjectNotFoundError(self._scrub(f"{what} failed: no such object"))
+        if isinstance(err, HfHubHTTPError) and getattr(err, "response", None) is not None:
+            status = err.response.status_code
+            detail = self._detail(err)
+            if status == 404:
+                return ObjectNotFoundError(self._scrub(f"{what} failed: no such object (HTTP 404){detail}"))
+            if status in _TRANSIENT_STATUSES or status >= 500:
+                retry_after = _retry_after_seconds(err.response.headers)
+                hint = f", retry after {retry_after:g}s" if retry_after is not None else ""
+                return TransientBucketError(
+                    self._scrub(f"{what} failed with HTTP {status}{hint}{detail}"), retry_after=retry_after
+                )
+            if status in (401, 403):
+                return BucketError(
+                    self._scrub(
+                        f"{what} failed with HTTP {status}: not authorized; check that the token "
+                        f"(token= or HF_TOKEN) has access to {self.bucket_id!r}{detail}"
+                    )
+                )
+            return BucketError(self._scrub(f"{what} failed with HTTP {status}{detail}"))
+        if isinstance(err, OfflineModeIsEnabled):
+            return BucketError(self._scrub(f"{what} failed: HF_HUB_OFFLINE is set, the Hub cannot be reached"))
+        if isinstance(err, _TRANSIENT_EXCEPTIONS):
+            return TransientBucketError(self._scrub(f"{what} failed: connection error ({type(err).__name__}: {err})"))
+        return BucketError(self._scrub(f"{what} failed: {type(err).__name__}: {err}"))
+
+    @staticmethod
+    def _detail(err: HfHubHTTPError) -> str:
+        parts = []
+        if err.server_message:
+            parts.append(err.server_message.strip())
+        if err.request_id:
+            parts.append(f"request id {err.request_id}")
+        return (": " + "; ".join(parts)) if parts else ""
+
+    # -- Bucket API --------------------------------------------------------------------------------
+
+    def put(self, key: str, data: bytes) -> None:
+        """Upload `data` under `key` (one `batch_bucket_files` call).
+
+        Raises:
+            [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
+        """
+        remote = self._remote(key)
+        logger.debug("put %s (%d bytes) to %s", remote, len(data), self.bucket_id)
+        payload = bytes(data)  # huggingface_hub tells raw content from a path by the `bytes` type
+        self._call(
+            "put",
+            key,
+            lambda: self._api.batch_bucket_files(self.bucket_id, add=[(payload, remote)], token=self._token),
+        )
+
+    def put_file(self, key: str, path: str | Path) -> None:
+        """Upload the local file `path` under `key` without reading it into memory.
+
+        Raises:
+            [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
+        """
+        remote = self._remote(key)
+        local = str(Path(path))
+        logger.debug("put_file %s -> %s in %s", local, remote, self.bucket_id)
+        self._call(
+            "put", key, lambda: self._api.batch_bucket_files(self.bucket_id, add=[(local, remote)], token=self._token)
+        )
+
+    def _download(self, key: str, remote: str, dest: Path) -> None:
+        self._call(
+            "get",
+            key,
+            lambda: self._api.download_bucket_files(
+                self.bucket_id, [(remote, str(dest))], raise_on_missing_files=True, token=self._token
+            ),
+        )
+        if not dest.is_file():  # the client skipped it: treat as missing rather than return garbage
+            raise ObjectNotFoundError(f"get {key!r} in {self.url} failed: no such object")
+
+    def get(self, key: str) -> bytes:
+        """Download the object `key` (via a temporary file) and return its bytes.
+
+        Raises:
+            [`ObjectNotFoundError`]: no object has that key.
+            [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
+        """
+        remote = self._remote(key)
+        logger.debug("get %s from %s", remote, self.bucket_id)
+        with tempfile.TemporaryDirectory(prefix="hfbucket-") as tmp:
+            dest = Path(tmp, "object")
+            self._download(key, remote, dest)
+            return dest.read_bytes()
+
+    def get_file(self, key: str, path: str | Path) -> None:
+        """Download the object `key` into `path`, through `path.part` renamed at the end.
+
+        Raises:
+            [`ObjectNotFoundError`]: no object has that key.
+            [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
+        """
+        remote = self._remote(key)
+        tmp = Path(f"{path}.part")
+        tmp.unlink(missing_ok=True)
+        logger.debug("get_file %s from %s -> %s", remote, self.bucket_id, path)
+        try:
+            self._download(key, remote, tmp)
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """List objects whose key starts with `prefix` (`list_bucket_tree(..., recursive=True)`).
+
+        Keys are returned relative to this bucket's prefix, sorted. Remote files whose names are not
+        valid keys (written by other tools) are skipped with a warning.
+
+        Raises:
+            [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
+        """
+        validate_prefix(prefix)
+        full = self._path_prefix + prefix
+
+        def fetch() -> list[BucketFile]:
+            # The server matches the prefix lexically; filter again below to be safe.
+            tree = self._api.list_bucket_tree(self.bucket_id, prefix=full or None, recursive=True, token=self._token)
+            return [item for item in tree if isinstance(item, BucketFile)]
+
+        try:
+            files = self._call("list", prefix, fetch)
+        except ObjectNotFoundError:  # 404 on a folder that does not exist: nothing there
+            return []
+        out = []
+        skipped = 0
+        for item in files:
+            if not item.path.startswith(full):
+                continue
+            key = self._local_key(item.path)
+            try:
+                validate_key(key or "")
+            except BucketError:
+                skipped += 1
+                continue
+            out.append(ObjectInfo(key, int(item.size)))
+        if skipped:
+            log = logger.debug if self._warned_skipped else logger.warning
+            self._warned_skipped = True
+            log("list %s: skipped %d remote files whose names are not valid keys", self.url, skipped)
+        return sorted(out, key=lambda o: o.key)
+
+    def _existing(self, op: str, keys: list[str]) -> set[str]:
+        remotes = [self._remote(key) for key in keys]
+        infos = self._call(
+            op,
+            keys[0] if len(keys) == 1 else f"{len(keys)} keys",
+            lambda: list(self._api.get_bucket_paths_info(self.bucket_id, remotes, token=self._token)),
+        )
+        return {info.path for info in infos}
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete the given objects; keys that do not exist are ignored.
+
+        Only the paths that exist (per `get_bucket_paths_info`) are sent to `batch_bucket_files`, so a
+        missing key never makes the batch fail.
+
+        Raises:
+            [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
+        """
+        keys = [validate_key(key) for key in keys]
+        if not keys:
+            return
+        existing = self._existing("delete", keys)
+        remotes = [self._remote(key) for key in keys if self._remote(key) in existing]
+        if not remotes:
+            return
+        logger.debug("delete %d objects from %s", len(remotes), self.url)
+        what = keys[0] if len(keys) == 1 else f"{len(keys)} keys"
+        try:
+            self._call(
+                "delete",
+                what,
+                lambda: self._api.batch_bucket_files(self.bucket_id, delete=remotes, token=self._token),
+            )
+        except BucketError as err:
+            if isinstance(err, TransientBucketError):
+                raise
+            # A concurrent delete may have removed some paths first: fine if none is left.
+            left = self._existing("delete", [self._local_key(r) or r for r in remotes])
+            if left:
+                raise
+
+    def exists(self, key: str) -> bool:
+        """Whether an object with this key exists (metadata only, nothing is downloaded).
+
+        Raises:
+            [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
+        """
+        return self._remote(key) in self._existing("exists", [key])

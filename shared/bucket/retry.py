@@ -1,0 +1,129 @@
+"""Retry transient bucket failures with exponential backoff.
+
+:class:`RetryingBucket` wraps any :class:`Bucket` and retries operations that raised
+:class:`TransientBucketError` (5xx, 429, dropped connections). Every bucket operation is
+idempotent (whole-object put, delete of a set of keys), so retrying is always safe.
+Permanent failures (:class:`ObjectNotFoundError`, :class:`InvalidKeyError`, any other
+:class:`BucketError`) are raised at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Callable, Iterable, TypeVar
+
+from .base import Bucket, BucketError, ObjectInfo, TransientBucketError
+
+__all__ = ["RetryingBucket"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+class RetryingBucket(Bucket):
+    """A bucket that retries transient failures of the bucket it wraps.
+
+    The wait before retry `n` (1-based) is `min(max_delay, base_delay * 2**(n-1))` scaled by a random
+    factor in `[0.5, 1.0]` (jitter, so many clients do not retry in lockstep). When the error carries
+    `retry_after` (the server said how long to wait), the wait is at least that long, even beyond
+    `max_delay`: retrying earlier would only be throttled again.
+
+    Args:
+        inner ([`Bucket`]):
+            The bucket to wrap.
+        max_attempts (`int`, *optional*, defaults to 6):
+            Attempts per operation, the first included.
+        base_delay (`float`, *optional*, defaults to 0.2):
+            Wait before the first retry, in seconds (before jitter).
+        max_delay (`float`, *optional*, defaults to 10.0):
+            Cap on the exponential backoff, in seconds.
+        sleep (`Callable[[float], None]`, *optional*, defaults to `time.sleep`):
+            Called with each wait; tests pass a recorder.
+
+    Raises:
+        `ValueError`: `max_attempts` is below 1 or a delay is negative.
+    """
+
+    def __init__(
+        self,
+        inner: Bucket,
+        *,
+        max_attempts: int = 6,
+        base_delay: float = 0.2,
+        max_delay: float = 10.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
+        if base_delay < 0 or max_delay < 0:
+            raise ValueError("base_delay and max_delay must not be negative")
+        self.inner = inner
+        self.max_attempts = max_attempts
+        self.base_delay = base_delay
+        self.max_delay = max_delay
+        self._sleep = sleep
+        self._random = random.Random()
+        self.url = inner.url
+
+    def backoff(self, retry: int, retry_after: float | None = None) -> float:
+        """Seconds to wait before retry number `retry` (1-based).
+
+        Args:
+            retry (`int`): Which retry this is (1 for the first).
+            retry_after (`float`, *optional*): The server's requested wait, if any.
+
+        Returns:
+            `float`: the wait in seconds.
+        """
+        delay = min(self.max_delay, self.base_delay * 2 ** (retry - 1)) * self._random.uniform(0.5, 1.0)
+        if retry_after is not None:
+            delay = max(delay, retry_after)
+        return delay
+
+    def _run(self, op: str, what: str, fn: Callable[[], _T]) -> _T:
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return fn()
+            except TransientBucketError as err:
+                if attempt == self.max_attempts:
+                    raise BucketError(
+                        f"{op} {what} on {self.url} failed after {attempt} attempt"
+                        f"{'s' if attempt > 1 else ''}; last error: {err}"
+                    ) from err
+                delay = self.backoff(attempt, err.retry_after)
+                logger.warning(
+                    "%s %s on %s failed (attempt %d/%d): %s; retrying in %.2fs",
+                    op, what, self.url, attempt, self.max_attempts, err, delay,
+                )
+                self._sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def put(self, key: str, data: bytes) -> None:
+        self._run("put", repr(key), lambda: self.inner.put(key, data))
+
+    def put_file(self, key: str, path: str | Path) -> None:
+        self._run("put", repr(key), lambda: self.inner.put_file(key, path))
+
+    def get(self, key: str) -> bytes:
+        return self._run("get", repr(key), lambda: self.inner.get(key))
+
+    def get_file(self, key: str, path: str | Path) -> None:
+        self._run("get", repr(key), lambda: self.inner.get_file(key, path))
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return self._run("list", f"prefix {prefix!r}", lambda: self.inner.list(prefix))
+
+    def delete(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        what = repr(keys[0]) if len(keys) == 1 else f"{len(keys)} keys"
+        self._run("delete", what, lambda: self.inner.delete(keys))
+
+    def exists(self, key: str) -> bool:
+        return self._run("exists", repr(key), lambda: self.inner.exists(key))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.inner!r}, max_attempts={self.max_attempts})"
