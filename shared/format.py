@@ -106,11 +106,12 @@ def parse_header(data: bytes | memoryview, *, file_size: int | None = None) -> t
         raise FormatError("safetensors header is truncated")
     try:
         header = json.loads(bytes(data[8 : 8 + header_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limit; deep nesting
         raise FormatError(f"malformed safetensors header: {exc}") from None
     if not isinstance(header, dict):
         raise FormatError("malformed safetensors header: not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise FormatError("malformed safetensors metadata: values must be strings")
     body = size - 8 - header_len
@@ -118,8 +119,8 @@ def parse_header(data: bytes | memoryview, *, file_size: int | None = None) -> t
     for name, info in header.items():
         try:
             dtype = dtype_from_name(info["dtype"])
-            shape = [int(d) for d in info["shape"]]
-            start, end = (int(o) for o in info["data_offsets"])
+            shape = [_json_int(d) for d in info["shape"]]
+            start, end = (_json_int(o) for o in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"malformed safetensors entry {name!r}: {exc}") from None
         if any(d < 0 for d in shape) or not 0 <= start <= end <= body:
@@ -132,6 +133,13 @@ def parse_header(data: bytes | memoryview, *, file_size: int | None = None) -> t
         if start_b < end_a:
             raise FormatError("safetensors entries overlap")
     return header, metadata
+
+
+def _json_int(value: Any) -> int:
+    """``value`` if it is a JSON integer; raises TypeError for floats (Infinity, NaN, 1.5), bools and the rest."""
+    if type(value) is not int:
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
 
 
 def read_header_file(path: str | Path) -> tuple[dict[str, Any], dict[str, str]]:
@@ -295,7 +303,7 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
         target = state[name]
         if not isinstance(info, dict):
             raise FormatError(f"{name}: tensor table entry is not an object")
-        if info.get("dtype") != dtype_name(target.dtype) or list(info.get("shape", ())) != list(target.shape):
+        if info.get("dtype") != dtype_name(target.dtype) or info.get("shape") != list(target.shape):
             raise FormatError(
                 f"{name}: delta is for {info.get('dtype')} {info.get('shape')}, model has "
                 f"{dtype_name(target.dtype)} {list(target.shape)}"

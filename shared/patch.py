@@ -6,6 +6,8 @@ import dataclasses
 
 import torch
 
+_SIGNED_TWIN = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
 
 @dataclasses.dataclass(frozen=True)
 class TensorPatch:
@@ -29,5 +31,9 @@ class TensorPatch:
     def apply_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Write the patch into ``tensor`` in place (any device) and return it."""
         flat = tensor.view(-1)
-        flat[self.index.to(flat.device)] = self.values.to(flat.device)
+        values = self.values.to(flat.device)
+        if flat.dtype in _SIGNED_TWIN and values.dtype == flat.dtype:
+            # torch has no index_put for uint16/32/64: write the same bits through signed views
+            flat, values = flat.view(_SIGNED_TWIN[flat.dtype]), values.view(_SIGNED_TWIN[flat.dtype])
+        flat[self.index.to(flat.device)] = values
         return tensor

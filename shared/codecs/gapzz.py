@@ -116,7 +116,7 @@ class GapZigzagCodec(Codec):
         old_bits_at: Callable[[np.ndarray], np.ndarray],
     ) -> tuple[np.ndarray, np.ndarray]:
         width = params.get("gap_bytes")
-        if width not in (1, 2, 4, 8):
+        if type(width) is not int or width not in (1, 2, 4, 8):
             raise FormatError(f"{name}: invalid gap_bytes {width!r}")
         pos_key, val_key = self.entry_names(name)
         pos = self._decompress(pos_key, require_entry(entries, pos_key, torch.uint8), count * width)
