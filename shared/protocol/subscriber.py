@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -100,6 +101,7 @@ class Subscriber:
         self._digests: dict[str, bytes] = {}
         self._resync = False
         self.manifest: Manifest | None = None
+        self._lock = threading.RLock()  # fetch validates against the state that apply changes
 
     # -- reading the bucket -------------------------------------------------
 
@@ -136,6 +138,10 @@ class Subscriber:
                 from the next anchor.
             BucketError: the bucket failed; retry later.
         """
+        with self._lock:
+            return self._fetch()
+
+    def _fetch(self) -> Update | None:
         manifest = self.read_manifest()
         if manifest is None or manifest.step == self.step:
             return None
@@ -232,6 +238,10 @@ class Subscriber:
             HashMismatchError: the result does not match its promised hash; the
                 state is rolled back and the subscriber waits for the next anchor.
         """
+        with self._lock:
+            self._apply(update)
+
+    def _apply(self, update: Update) -> None:
         t0 = time.perf_counter()
         if update.kind == "anchor":
             assert update.tensors is not None

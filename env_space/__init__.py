@@ -1,0 +1,1 @@
+"""The environment Space: publishes tasks, scores completions, writes rewards."""

@@ -1,0 +1,13 @@
+"""Run the environment simulator headless: ``python -m env_space [--bucket URL] [--environment NAME]``.
+
+Every setting also comes from ``ENV_<FIELD>`` environment variables.
+"""
+
+from __future__ import annotations
+
+from shared.runner import run_role
+
+from .simulator import EnvConfig, EnvSimulator
+
+if __name__ == "__main__":
+    run_role("env", EnvConfig, EnvSimulator)

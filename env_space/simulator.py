@@ -1,0 +1,194 @@
+"""The environment simulator role: tasks out, rewards back, only through the bucket.
+
+Each iteration it keeps ``queue_depth`` task batches waiting for replicas,
+scores every rollouts object that replicas wrote (regenerating the batch's
+tasks from its seed, so answers never leave the environment), writes the
+scored samples for the trainer, and mirrors its figures to ``metrics/env.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+
+from shared.bucket import Bucket, BucketError, open_bucket
+from shared.exchange import (
+    ROLLOUTS_PREFIX,
+    SCORES_PREFIX,
+    TASKS_PREFIX,
+    MetricsLog,
+    get_json,
+    list_batches,
+    put_json,
+    read_samples,
+    replica_of,
+    score_key,
+    task_key,
+    write_samples,
+)
+from shared.settings import from_env
+
+from .environments import Environment, Task, get_environment
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EnvConfig:
+    """Settings of the environment Space (environment variables ``ENV_<FIELD>``)."""
+
+    bucket: str = dataclasses.field(default="./runs/bucket", metadata={"help": "bucket URL or path"})
+    environment: str = dataclasses.field(default="reverse", metadata={"help": "environment name"})
+    tasks_per_batch: int = dataclasses.field(default=8, metadata={"help": "tasks in one batch"})
+    queue_depth: int = dataclasses.field(default=2, metadata={"help": "batches kept waiting for replicas"})
+    keep_batches: int = dataclasses.field(default=64, metadata={"help": "batches kept in the bucket"})
+    poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls"})
+    seed: int = dataclasses.field(default=0, metadata={"help": "base seed of task generation"})
+
+    @classmethod
+    def from_env(cls, **overrides) -> "EnvConfig":
+        return from_env(cls, "ENV", **overrides)
+
+
+class EnvSimulator:
+    """Publishes task batches and scores the completions replicas write back.
+
+    Args:
+        config: Settings.
+        bucket: Bucket to use (default: opened from ``config.bucket``).
+    """
+
+    def __init__(self, config: EnvConfig, bucket: Bucket | None = None) -> None:
+        self.config = config
+        self.bucket = bucket or open_bucket(config.bucket)
+        self.environment: Environment = get_environment(config.environment)
+        self.metrics = MetricsLog(self.bucket, "env")
+        self.episodes: list[dict] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._tasks_made = 0
+        self._scored = 0
+        self._t0 = time.time()
+
+    # -- tasks --------------------------------------------------------------
+
+    def batch_tasks(self, batch: int, doc: dict) -> dict[str, Task]:
+        """The tasks of a batch, regenerated from its environment and seed."""
+        env = self.environment if doc.get("env") == self.environment.name else get_environment(doc["env"])
+        return {t.task_id: t for t in env.tasks(int(doc["n"]), seed=int(doc["seed"]))}
+
+    def publish_tasks(self) -> int:
+        """Publish one batch of tasks; returns its number."""
+        batches = list_batches(self.bucket, TASKS_PREFIX)
+        batch = max(batches, default=-1) + 1
+        seed = self.config.seed * 1_000_003 + batch
+        tasks = self.environment.tasks(self.config.tasks_per_batch, seed=seed)
+        put_json(self.bucket, task_key(batch), {
+            "batch": batch, "env": self.environment.name, "seed": seed, "n": len(tasks), "created_at": time.time(),
+            "tasks": [{"task_id": t.task_id, "prompt": t.prompt} for t in tasks],
+        })  # fmt: skip
+        self._tasks_made += len(tasks)
+        logger.info("published task batch %d (%d %s tasks)", batch, len(tasks), self.environment.name)
+        return batch
+
+    def waiting_batches(self) -> list[int]:
+        """Batches no replica has answered yet."""
+        answered = set(list_batches(self.bucket, ROLLOUTS_PREFIX)) | set(list_batches(self.bucket, SCORES_PREFIX))
+        return [b for b in list_batches(self.bucket, TASKS_PREFIX) if b not in answered]
+
+    # -- scoring ------------------------------------------------------------
+
+    def score_rollouts(self) -> int:
+        """Score every rollouts object in the bucket; returns the number of samples scored."""
+        scored = 0
+        for batch, keys in sorted(list_batches(self.bucket, ROLLOUTS_PREFIX).items()):
+            doc = get_json(self.bucket, task_key(batch))
+            for key in keys:
+                replica = replica_of(key)
+                read = read_samples(self.bucket, key)
+                if doc is None or read is None or replica is None:
+                    logger.warning("dropping %s: unreadable, or its task batch is gone", key)
+                    self.bucket.delete([key])
+                    continue
+                header, samples = read
+                tasks = self.batch_tasks(batch, doc)
+                kept = [s for s in samples if s.task_id in tasks]
+                for s in kept:
+                    s.reward = float(self.environment.score(tasks[s.task_id], s.completion))
+                write_samples(self.bucket, score_key(batch, replica), kept, batch=batch, replica=replica, env=doc["env"])
+                self.bucket.delete([key])
+                self._record(kept)
+                scored += len(kept)
+        return scored
+
+    def _record(self, samples) -> None:
+        if not samples:
+            return
+        versions = sorted({s.version for s in samples})
+        for v in versions:
+            rewards = [s.reward for s in samples if s.version == v]
+            self.metrics.add(version=v, mean_reward=sum(rewards) / len(rewards), count=len(rewards))
+        for s in samples[:4]:
+            self.episodes.append({"version": s.version, "prompt": s.prompt, "completion": s.completion, "reward": round(s.reward, 3)})
+        del self.episodes[:-20]
+        self._scored += len(samples)
+
+    # -- housekeeping -------------------------------------------------------
+
+    def prune(self) -> None:
+        """Delete tasks, rollouts and scores of batches older than ``keep_batches``."""
+        batches = list_batches(self.bucket, TASKS_PREFIX)
+        if not batches:
+            return
+        cutoff = max(batches) - self.config.keep_batches
+        old = [k for prefix in (TASKS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX)
+               for b, keys in list_batches(self.bucket, prefix).items() if b < cutoff for k in keys]  # fmt: skip
+        if old:
+            self.bucket.delete(old)
+
+    def step(self) -> None:
+        """One iteration: top up the task queue, score what arrived, publish figures."""
+        while len(self.waiting_batches()) < self.config.queue_depth:
+            self.publish_tasks()
+        self.score_rollouts()
+        self.prune()
+        elapsed = max(time.time() - self._t0, 1e-9)
+        self.metrics.extra = {
+            "env": self.environment.name,
+            "episodes": self.episodes,
+            "tasks_per_s": self._tasks_made / elapsed,
+            "scores_per_s": self._scored / elapsed,
+            "scored": self._scored,
+        }
+        self.metrics.flush()
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def run(self) -> None:
+        """Run until :meth:`stop`; bucket errors are logged and retried."""
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except BucketError as exc:
+                logger.warning("bucket error, retrying: %s", exc)
+            self._stop.wait(self.config.poll_s)
+
+    def start(self) -> None:
+        """Run in a background thread."""
+        if self.running:
+            return
+        self._stop.clear()
+        self._t0 = time.time()
+        self._thread = threading.Thread(target=self.run, name="env", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=30)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()

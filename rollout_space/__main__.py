@@ -1,0 +1,13 @@
+"""Run one rollout replica headless: ``python -m rollout_space [--bucket URL] [--replica-id ID]``.
+
+Every setting also comes from ``ROLLOUT_<FIELD>`` environment variables.
+"""
+
+from __future__ import annotations
+
+from shared.runner import run_role
+
+from .replica import Replica, ReplicaConfig
+
+if __name__ == "__main__":
+    run_role("rollout", ReplicaConfig, Replica)

@@ -1,0 +1,292 @@
+"""One replica of the rollout fleet.
+
+A replica follows the bucket with the shared :class:`~shared.protocol.Subscriber`
+and generates completions for the environment's task batches. Downloading and
+validating the next update runs in a background thread while the engine keeps
+generating; only applying it pauses generation, and that pause is measured as
+"inference idle per sync".
+
+Sharing tasks between replicas: the trainer never knows how many replicas exist.
+Each replica takes the oldest task batch that no replica has answered yet, so a
+fleet spreads batches over its members without coordination. Two replicas can
+race for the same batch; then both answers are kept and the trainer simply gets
+more groups for those tasks (the env counts them). Every replica writes
+``status/<replica>.json`` so any panel can show the fleet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+
+from shared.bucket import Bucket, BucketError, open_bucket
+from shared.errors import SyncError
+from shared.exchange import (
+    ROLLOUTS_PREFIX,
+    SCORES_PREFIX,
+    TASKS_PREFIX,
+    Sample,
+    check_id,
+    get_json,
+    list_batches,
+    put_json,
+    rollout_key,
+    status_key,
+    task_key,
+    write_samples,
+)
+from shared.hashing import state_hash
+from shared.protocol import Subscriber, Update
+from shared.settings import from_env
+
+from .engine import Engine, SamplingSettings, create_engine
+
+logger = logging.getLogger(__name__)
+
+
+def default_replica_id() -> str:
+    """``<host>-<pid>``, sanitised for object keys."""
+    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40] or "replica"
+    return f"{host}-{os.getpid()}"
+
+
+@dataclasses.dataclass
+class ReplicaConfig:
+    """Settings of a rollout replica (environment variables ``ROLLOUT_<FIELD>``)."""
+
+    bucket: str = dataclasses.field(default="./runs/bucket", metadata={"help": "bucket URL or path (read access to weights, write to rollouts/ and status/)"})
+    replica_id: str = dataclasses.field(default="", metadata={"help": "unique id (default host-pid)"})
+    engine: str = dataclasses.field(default="transformers", metadata={"help": "'transformers' or 'vllm'"})
+    model: str = dataclasses.field(default="", metadata={"help": "model folder with config and tokenizer (default: the tiny offline model)"})
+    device: str = dataclasses.field(default="cpu", metadata={"help": "torch device for the transformers engine"})
+    samples_per_task: int = dataclasses.field(default=4, metadata={"help": "G completions per task"})
+    max_new_tokens: int = dataclasses.field(default=8, metadata={"help": "completion length limit"})
+    temperature: float = dataclasses.field(default=1.0, metadata={"help": "sampling temperature"})
+    poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls"})
+    seed: int = dataclasses.field(default=0, metadata={"help": "sampling seed (mixed with batch and version)"})
+    verify_engine: bool = dataclasses.field(default=False, metadata={"help": "hash the engine's own weights after every apply (slow on big models)"})
+
+    @classmethod
+    def from_env(cls, **overrides) -> "ReplicaConfig":
+        return from_env(cls, "ROLLOUT", **overrides)
+
+
+class Replica:
+    """Follows the bucket's weights and answers task batches.
+
+    Args:
+        config: Settings.
+        bucket: Bucket to use (default: opened from ``config.bucket``).
+        engine: Inference engine (default: created from ``config.engine`` and ``config.model``).
+    """
+
+    def __init__(self, config: ReplicaConfig, bucket: Bucket | None = None, engine: Engine | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.replica_id = check_id(config.replica_id or default_replica_id())
+        self.bucket = bucket or open_bucket(config.bucket)
+        model = config.model or str(_tiny_model())
+        self.engine = engine or create_engine(config.engine, model_path=model, **({"device": config.device} if config.engine == "transformers" else {}))
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.subscriber = Subscriber(self.bucket)
+        self._pending: Update | None = None
+        self._slot = threading.Condition()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.syncs: list[dict] = []
+        self.done_batches: set[int] = set()
+        self.tokens = 0
+        self.gen_s = 0.0
+        self.completions = 0
+        self.newest_step: int | None = None
+        self.engine_state_hash: str | None = None
+
+    # -- weights ------------------------------------------------------------
+
+    def fetch_loop(self) -> None:
+        """Background thread: download and validate the next update while generation goes on."""
+        while not self._stop.is_set():
+            with self._slot:
+                while self._pending is not None and not self._stop.is_set():
+                    self._slot.wait(0.5)
+            if self._stop.is_set():
+                return
+            try:
+                update = self.subscriber.fetch()
+            except (SyncError, BucketError) as exc:
+                logger.warning("replica %s: update refused or unavailable: %s", self.replica_id, exc)
+                update = None
+            if self.subscriber.manifest is not None:
+                self.newest_step = self.subscriber.manifest.step
+            if update is None:
+                self._stop.wait(self.config.poll_s)
+                continue
+            with self._slot:
+                self._pending = update
+
+    def apply_pending(self) -> bool:
+        """Apply a downloaded update, pausing generation; returns whether one was applied.
+
+        The fetch thread waits until this returns before it fetches the next
+        update, which is validated against the state this apply produces.
+        """
+        with self._slot:
+            update = self._pending
+        if update is None:
+            return False
+        try:
+            return self._apply(update)
+        finally:
+            with self._slot:
+                self._pending = None
+                self._slot.notify_all()
+
+    def _apply(self, update: Update) -> bool:
+        t0 = time.perf_counter()
+        try:
+            self.subscriber.apply(update)
+        except SyncError as exc:
+            logger.error("replica %s: refused %s %d: %s", self.replica_id, update.kind, update.step, exc)
+            return False
+        t1 = time.perf_counter()
+        if update.kind == "anchor":
+            self.engine.load_state(self.subscriber.state)
+        else:
+            self.engine.apply_patches(update.patches or {}, self.subscriber.state)
+        idle = time.perf_counter() - t0
+        if self.config.verify_engine and hasattr(self.engine, "state_dict"):
+            self.engine_state_hash = state_hash(self.engine.state_dict())
+            if self.engine_state_hash != self.subscriber.state_hash:
+                logger.error("replica %s: engine weights differ from the verified state at %d", self.replica_id, update.step)
+        self.syncs.append({
+            "step": update.step, "kind": update.kind, "nbytes": update.nbytes, "download_s": update.download_s,
+            "decode_s": update.decode_s, "verify_s": t1 - t0, "idle_s": idle, "time": time.time(),
+        })  # fmt: skip
+        del self.syncs[:-500]
+        logger.info("replica %s: applied %s %d, idle %.3fs", self.replica_id, update.kind, update.step, idle)
+        return True
+
+    # -- tasks --------------------------------------------------------------
+
+    def next_batch(self) -> int | None:
+        """The oldest task batch that nobody has answered and this replica has not done."""
+        answered = set(list_batches(self.bucket, ROLLOUTS_PREFIX)) | set(list_batches(self.bucket, SCORES_PREFIX))
+        for batch in sorted(list_batches(self.bucket, TASKS_PREFIX)):
+            if batch not in answered and batch not in self.done_batches:
+                return batch
+        return None
+
+    def answer(self, batch: int) -> int:
+        """Generate G completions per task of ``batch`` and write them; returns samples written."""
+        doc = get_json(self.bucket, task_key(batch))
+        self.done_batches.add(batch)
+        if not isinstance(doc, dict) or not isinstance(doc.get("tasks"), list):
+            return 0
+        tasks = [t for t in doc["tasks"] if isinstance(t, dict) and isinstance(t.get("prompt"), str)]
+        version = self.subscriber.step
+        assert version is not None
+        sampling = SamplingSettings(
+            n=self.config.samples_per_task, max_new_tokens=self.config.max_new_tokens,
+            temperature=self.config.temperature, seed=(self.config.seed * 1_000_003 + batch) * 7919 + version,
+        )  # fmt: skip
+        t0 = time.perf_counter()
+        groups = self.engine.generate([t["prompt"] for t in tasks], sampling)
+        self.gen_s += time.perf_counter() - t0
+        samples = []
+        for task, group in zip(tasks, groups):
+            prompt_ids = self.tokenizer(task["prompt"])["input_ids"]
+            for c in group:
+                samples.append(Sample(str(task["task_id"]), task["prompt"], c.text, prompt_ids, c.token_ids, c.logprobs, version))
+                self.tokens += len(c.token_ids)
+        write_samples(self.bucket, rollout_key(batch, self.replica_id), samples, batch=batch, replica=self.replica_id, version=version)
+        self.completions += len(samples)
+        return len(samples)
+
+    # -- status -------------------------------------------------------------
+
+    def status(self) -> dict:
+        """The status object this replica publishes."""
+        last = self.syncs[-1] if self.syncs else {}
+        deltas = [s for s in self.syncs if s["kind"] == "delta"]
+        applied = self.subscriber.step
+        return {
+            "replica_id": self.replica_id,
+            "engine": self.engine.name,
+            "applied_step": applied,
+            "newest_step": self.newest_step,
+            "lag": None if applied is None or self.newest_step is None else self.newest_step - applied,
+            "apply_s": last.get("idle_s"),
+            "idle_per_sync_s": sum(s["idle_s"] for s in deltas) / len(deltas) if deltas else None,
+            "bytes_downloaded": self.subscriber.stats.bytes_downloaded,
+            "reads": self.subscriber.stats.reads,
+            "refused": self.subscriber.stats.refused,
+            "tokens_per_s": self.tokens / self.gen_s if self.gen_s else 0.0,
+            "completions": self.completions,
+            "state_hash": self.subscriber.state_hash,
+            "engine_state_hash": self.engine_state_hash,
+            "updated_at": time.time(),
+        }
+
+    def publish_status(self) -> None:
+        try:
+            put_json(self.bucket, status_key(self.replica_id), self.status())
+        except BucketError as exc:
+            logger.warning("could not write status: %s", exc)
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def step(self) -> bool:
+        """One iteration of the main loop; returns whether it did any work."""
+        worked = self.apply_pending()
+        if self.subscriber.step is not None:
+            batch = self.next_batch()
+            if batch is not None:
+                self.answer(batch)
+                worked = True
+        self.publish_status()
+        return worked
+
+    def run(self) -> None:
+        """Run until :meth:`stop` (fetching in a background thread)."""
+        fetcher = threading.Thread(target=self.fetch_loop, name=f"fetch-{self.replica_id}", daemon=True)
+        fetcher.start()
+        self._threads.append(fetcher)
+        while not self._stop.is_set():
+            try:
+                worked = self.step()
+            except BucketError as exc:
+                logger.warning("bucket error, retrying: %s", exc)
+                worked = False
+            if not worked:
+                self._stop.wait(self.config.poll_s)
+
+    def start(self) -> None:
+        """Run in background threads."""
+        if self.running:
+            return
+        self._stop.clear()
+        thread = threading.Thread(target=self.run, name=f"replica-{self.replica_id}", daemon=True)
+        thread.start()
+        self._threads = [thread]
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._slot:
+            self._slot.notify_all()
+        for t in self._threads:
+            t.join(timeout=60)
+
+    @property
+    def running(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
+
+
+def _tiny_model():
+    from shared.tiny_model import tiny_model_path
+
+    return tiny_model_path()

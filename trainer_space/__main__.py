@@ -1,0 +1,13 @@
+"""Run the trainer headless: ``python -m trainer_space [--bucket URL] [--max-steps N]``.
+
+Every setting also comes from ``TRAINER_<FIELD>`` environment variables.
+"""
+
+from __future__ import annotations
+
+from shared.runner import run_role
+
+from .trainer import Trainer, TrainerConfig
+
+if __name__ == "__main__":
+    run_role("trainer", TrainerConfig, Trainer)
