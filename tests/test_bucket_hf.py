@@ -668,7 +668,9 @@ def test_token_not_logged_on_success(bucket, api, caplog, tmp_path):
 
 def test_open_bucket_hf_url_reads_hf_token_env(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", TOKEN)
-    bucket = open_bucket("hf://buckets/someone/rl-sync/runs/exp1")
+    wrapped = open_bucket("hf://buckets/someone/rl-sync/runs/exp1")
+    bucket = wrapped.inner
     assert isinstance(bucket, HfBucket) and bucket._api.token == TOKEN
+    assert TOKEN not in repr(wrapped)
     assert TOKEN not in repr(bucket)
     assert os.environ["HF_TOKEN"] == TOKEN

@@ -248,12 +248,16 @@ def test_open_bucket_hf_url(monkeypatch):
     monkeypatch.delenv("HF_TOKEN", raising=False)
     from shared.bucket.hf import HfBucket
 
-    bucket = open_bucket("hf://buckets/someone/rl-sync/runs/exp-1")
+    from shared.bucket import RetryingBucket
+
+    wrapped = open_bucket("hf://buckets/someone/rl-sync/runs/exp-1")
+    assert isinstance(wrapped, RetryingBucket)  # the Hub throttles: hf:// buckets retry by default
+    bucket = wrapped.inner
     assert isinstance(bucket, HfBucket)
     assert (bucket.bucket_id, bucket.prefix) == ("someone/rl-sync", "runs/exp-1")
-    assert bucket.url == "hf://buckets/someone/rl-sync/runs/exp-1"
+    assert bucket.url == wrapped.url == "hf://buckets/someone/rl-sync/runs/exp-1"
 
-    bare = open_bucket("hf://buckets/someone/rl-sync")
+    bare = open_bucket("hf://buckets/someone/rl-sync").inner
     assert (bare.bucket_id, bare.prefix, bare.url) == ("someone/rl-sync", "", "hf://buckets/someone/rl-sync")
 
 

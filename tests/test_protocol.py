@@ -307,3 +307,29 @@ def test_non_bf16_tensors_are_shipped_in_their_own_dtype(bucket):
     assert sub.state["router.bias"].dtype == torch.float32
     assert sub.state["model.step_counter"].dtype == torch.int64 and int(sub.state["model.step_counter"]) == 3
     assert torch.isnan(sub.state["router.bias"][2]) and torch.signbit(sub.state["router.bias"][1])
+
+
+def test_second_trainer_is_refused_and_a_taken_over_one_is_fenced(bucket):
+    from shared.protocol import FencedError, RunLockedError
+
+    master = master_state()
+    first = Publisher(bucket, owner="trainer-a")
+    run(first, master, 2)
+    other = Publisher(bucket, owner="trainer-b")
+    with pytest.raises(RunLockedError, match="trainer-a"):
+        other.resume()
+    # the same trainer restarted (e.g. after kill -9) takes over at once ...
+    restarted = Publisher(bucket, owner="trainer-a")
+    restarted.resume()
+    rl_step(master, 2)
+    restarted.publish(2, master)
+    # ... and the old process, still running, can no longer write into the chain
+    before = bucket.get(POINTER_KEY)
+    with pytest.raises(FencedError):
+        first.publish(3, master)
+    assert bucket.get(POINTER_KEY) == before and not bucket.exists(delta_key(3))
+    # a stale lock (no heartbeat for longer than the TTL) can be taken over
+    late = Publisher(bucket, owner="trainer-b", lock_ttl_s=0.0)
+    late.resume()
+    rl_step(master, 3)
+    assert late.publish(3, master).step == 3

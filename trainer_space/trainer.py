@@ -55,6 +55,7 @@ class TrainerConfig:
     max_steps: int = dataclasses.field(default=0, metadata={"help": "stop after this many optimizer steps (0: never)"})
     poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls"})
     seed: int = dataclasses.field(default=0, metadata={"help": "torch seed"})
+    trainer_id: str = dataclasses.field(default="", metadata={"help": "run-lock owner id; a restart with the same id takes over (default: SPACE_ID or host name)"})
 
     @classmethod
     def from_env(cls, **overrides) -> "TrainerConfig":
@@ -99,7 +100,11 @@ class Trainer:
         self.model.train()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-        self.publisher = Publisher(self.bucket, policy=config.policy(), keep_anchors=config.keep_anchors, codec=config.codec)
+        self.publisher = Publisher(
+            self.bucket, policy=config.policy(), keep_anchors=config.keep_anchors, codec=config.codec,
+            owner=config.trainer_id or None,
+        )  # fmt: skip
+        self._last_heartbeat = time.time()
         self.metrics = MetricsLog(self.bucket, "trainer")
         self.version: int | None = None
         self.opt_steps = 0
@@ -205,6 +210,11 @@ class Trainer:
         self.setup()
         self.collect()
         trained = self.train_step()
+        if trained:
+            self._last_heartbeat = time.time()
+        elif time.time() - self._last_heartbeat > 60:  # keep the run lock fresh while waiting for data
+            self.publisher.heartbeat()
+            self._last_heartbeat = time.time()
         self.metrics.extra = {"version": self.version, "opt_steps": self.opt_steps, "buffered_groups": len(self.buffer)}
         self.metrics.flush()
         return trained

@@ -72,7 +72,7 @@ def _open_local(url: str) -> Bucket:
 def _open_hf(url: str) -> Bucket:
     from .hf import HfBucket
 
-    return HfBucket.from_url(url)
+    return RetryingBucket(HfBucket.from_url(url))  # the Hub throttles (429) and has bad moments (5xx)
 
 
 register_backend("file", _open_local)

@@ -1,5 +1,6 @@
 """The bucket protocol: publisher, subscriber, anchor policies, retention, pointer."""
 
+from .lock import LOCK_KEY, FencedError, RunLockedError, read_lock
 from .manifest import (
     CONTROL_KEY,
     POINTER_KEY,
@@ -18,6 +19,10 @@ from .subscriber import Subscriber, SubscriberStats, Update
 
 __all__ = [
     "CONTROL_KEY",
+    "LOCK_KEY",
+    "FencedError",
+    "RunLockedError",
+    "read_lock",
     "POINTER_KEY",
     "STATUS_PREFIX",
     "Adaptive",

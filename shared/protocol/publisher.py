@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ from ..detect import DEFAULT_CHUNK_ELEMENTS, ChangeDetector, serving_copy
 from ..errors import FormatError, SyncError
 from ..format import DEFAULT_MAX_SHARD_BYTES, encode_delta, write_anchor
 from ..hashing import combine_digests, tensor_digest
+from .lock import DEFAULT_LOCK_TTL_S, RunLock, acquire, check_fence, write_lock
 from .manifest import (
     CONTROL_KEY,
     POINTER_KEY,
@@ -87,6 +90,11 @@ class Publisher:
         follow_control: Read the anchor policy from the bucket's control object at
             every publish, so any panel can change it without a restart.
         chunk_elements: Elements compared at once by change detection.
+        run_id: Free-form run name stored in the pointer.
+        owner: Stable id of this trainer for the run lock (a restart with the same
+            id takes over at once; another id is refused while the lock is fresh).
+            Default: ``SPACE_ID`` or the host name.
+        lock_ttl_s: Age after which another owner's lock may be taken over.
     """
 
     def __init__(
@@ -101,6 +109,8 @@ class Publisher:
         follow_control: bool = True,
         chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
         run_id: str = "",
+        owner: str | None = None,
+        lock_ttl_s: float = DEFAULT_LOCK_TTL_S,
     ) -> None:
         get_codec(codec)
         self.bucket = bucket
@@ -115,6 +125,9 @@ class Publisher:
         self.manifest: Manifest | None = None
         self._digests: dict[str, bytes] = {}
         self._resumed = False
+        self.owner = owner or os.environ.get("SPACE_ID") or socket.gethostname()
+        self.lock_ttl_s = lock_ttl_s
+        self.lock: RunLock | None = None
 
     @property
     def step(self) -> int | None:
@@ -133,6 +146,7 @@ class Publisher:
         from .subscriber import Subscriber
 
         self._resumed = True
+        self._lock()
         manifest = read_manifest(self.bucket)
         if manifest is None:
             return None
@@ -149,6 +163,20 @@ class Publisher:
             self.run_id = manifest.run_id
         logger.info("resumed at step %d (hash %s)", manifest.step, manifest.state_hash[:12])
         return {n: t.clone() for n, t in sub.state.items()}
+
+    def _lock(self) -> None:
+        """Take the run lock once, then check at every publish that it is still ours."""
+        if self.lock is None:
+            self.lock = acquire(self.bucket, self.owner, self.lock_ttl_s)
+        else:
+            check_fence(self.bucket, self.lock)
+
+    def heartbeat(self) -> None:
+        """Refresh the run lock's heartbeat (call while training without publishing for long)."""
+        if self.lock is not None:
+            check_fence(self.bucket, self.lock)
+            self.lock = dataclasses.replace(self.lock, heartbeat=time.time())
+            write_lock(self.bucket, self.lock)
 
     def _refresh_policy(self) -> None:
         if not self.follow_control:
@@ -180,11 +208,14 @@ class Publisher:
         Raises:
             SyncError: ``step`` does not advance, or the bucket already holds a
                 run this publisher did not :meth:`resume`.
+            RunLockedError: another trainer holds the run lock.
+            FencedError: another trainer took the run over since this one started.
             BucketError: the bucket failed; the previous version stays published
                 and the publish may be retried.
         """
         if self.manifest is None and not self._resumed and read_manifest(self.bucket) is not None:
             raise SyncError(f"{self.bucket.url} already holds a published run; call resume() or use an empty bucket")
+        self._lock()
         if self.step is not None and step <= self.step:
             raise SyncError(f"step {step} does not advance past the published step {self.step}")
         self._refresh_policy()
