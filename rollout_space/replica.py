@@ -22,6 +22,7 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 from shared.bucket import Bucket, BucketError, open_bucket
 from shared.errors import SyncError
@@ -90,7 +91,7 @@ class Replica:
         self.config = config
         self.replica_id = check_id(config.replica_id or default_replica_id())
         self.bucket = bucket or open_bucket(config.bucket)
-        model = config.model or str(_tiny_model())
+        model = resolve_model(config.model) if config.model else str(_tiny_model())
         self.engine = engine or create_engine(config.engine, model_path=model, **({"device": config.device} if config.engine == "transformers" else {}))
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.subscriber = Subscriber(self.bucket)
@@ -284,6 +285,16 @@ class Replica:
     @property
     def running(self) -> bool:
         return any(t.is_alive() for t in self._threads)
+
+
+def resolve_model(model: str) -> str:
+    """A local folder for ``model``: itself if it is a folder, else its Hub snapshot
+    (engines such as vLLM's weight patcher read the checkpoint files directly)."""
+    if Path(model).is_dir():
+        return model
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
 
 
 def _tiny_model():

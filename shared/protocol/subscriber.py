@@ -53,6 +53,7 @@ class Update:
         changed: Changed elements (deltas) or all elements (anchors).
         download_s: Seconds spent downloading.
         decode_s: Seconds spent decoding and validating.
+        digests: Per-tensor digests of an anchor's tensors (already verified).
     """
 
     kind: str
@@ -66,6 +67,7 @@ class Update:
     changed: int = 0
     download_s: float = 0.0
     decode_s: float = 0.0
+    digests: dict[str, bytes] | None = dataclasses.field(default=None, repr=False)
 
 
 @dataclasses.dataclass
@@ -143,7 +145,11 @@ class Subscriber:
 
     def _fetch(self) -> Update | None:
         manifest = self.read_manifest()
-        if manifest is None or manifest.step == self.step:
+        if manifest is None:
+            return None
+        if manifest.step == self.step:
+            if manifest.state_hash != self.state_hash and not self._resync:  # same step, other state: a fork
+                raise self._refuse(ChainError(f"the pointer names step {self.step} with another state than this one"))
             return None
         if self.step is not None and manifest.step < self.step:
             raise self._refuse(ChainError(f"pointer went back from {self.step} to {manifest.step}"))
@@ -223,8 +229,8 @@ class Subscriber:
         update = Update(
             "anchor", entry.step, None, None, entry.state_hash, entry.nbytes, tensors=tensors,
             changed=sum(t.numel() for t in tensors.values()), download_s=t1 - t0, decode_s=time.perf_counter() - t1,
+            digests=digests,
         )  # fmt: skip
-        update._digests = digests  # type: ignore[attr-defined]
         return update
 
     # -- applying -----------------------------------------------------------
@@ -246,7 +252,8 @@ class Subscriber:
         if update.kind == "anchor":
             assert update.tensors is not None
             self.state = update.tensors
-            self._digests = update._digests  # type: ignore[attr-defined]
+            assert update.digests is not None
+            self._digests = update.digests
             self._resync = False
             self.stats.anchors_applied += 1
         else:
