@@ -1,0 +1,353 @@
+"""A rollout engine on plain ``transformers``: simple, exact, and runs on CPU.
+
+Weights are addressed by their checkpoint names (the tensor names in the model
+folder's ``model.safetensors``), so a replica can hand this engine exactly what
+it received from the bucket. Tied parameters (e.g. ``lm_head.weight`` tied to
+``model.embed_tokens.weight``) are written once, through the name that the
+checkpoint stores.
+
+Sampling is done here, token by token with a KV cache, so the reported
+log-probabilities are those of the distribution actually sampled from:
+``log_softmax(logits.float() / temperature)``, renormalised over the top-p
+nucleus when ``top_p < 1``. ``temperature <= GREEDY_TEMPERATURE`` means greedy
+decoding; its log-probabilities are then those of the unscaled logits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from rollout_space.engine import Completion, Engine, SamplingSettings, register_engine
+from shared.patch import TensorPatch
+
+logger = logging.getLogger(__name__)
+
+#: Temperatures at or below this decode greedily.
+GREEDY_TEMPERATURE = 1e-5
+
+
+class TransformersEngine(Engine):
+    """Serve a causal LM with ``transformers``.
+
+    Args:
+        model_path: A local model folder (config, tokenizer, safetensors weights).
+        device: Torch device for the model.
+        dtype: Serving dtype of the weights.
+
+    Raises:
+        ValueError: The checkpoint's tensor names cannot be matched to the model's
+            parameters and buffers (weight renaming on load is not supported).
+    """
+
+    name = "transformers"
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_path = Path(model_path)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(self.device)
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self._targets, self._aliases = _map_checkpoint_names(self.model, _checkpoint_names(self.model_path))
+        self._eos_ids = _eos_ids(self.model, self.tokenizer)
+        self._pad_id = self.tokenizer.pad_token_id
+        if self._pad_id is None:
+            self._pad_id = next(iter(self._eos_ids))
+        logger.info("transformers engine: %s on %s (%s)", self.model_path, self.device, dtype)
+
+    # -- weights -------------------------------------------------------------------
+
+    def checkpoint_names(self) -> list[str]:
+        """Names of the tensors the engine's weights are addressed by, sorted."""
+        return sorted(self._targets)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Return the current weights under their checkpoint names.
+
+        Returns:
+            Detached tensors in the serving dtype, on CPU. On a CPU engine they share
+            memory with the model, so clone them before mutating or keeping them
+            across updates.
+        """
+        return {name: t.detach().cpu() for name, t in sorted(self._targets.items())}
+
+    def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Copy a full state (checkpoint names, serving dtype) into the model bit-exactly.
+
+        Args:
+            state: One tensor per checkpoint name. Names of tied aliases (e.g.
+                ``lm_head.weight`` when tied) may be included if they hold the same
+                bits as the tensor they alias.
+
+        Raises:
+            KeyError: A checkpoint tensor is missing, or an unknown name is given.
+            ValueError: A shape, dtype or tied-alias mismatch. Nothing is written then.
+        """
+        missing = set(self._targets) - set(state)
+        if missing:
+            raise KeyError(f"state lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        for name in set(state) - set(self._targets):
+            source = self._aliases.get(name)
+            if source is None:
+                raise KeyError(f"unknown tensor name {name!r}")
+            if not _same_bits(state[name], state[source]):
+                raise ValueError(f"{name!r} is tied to {source!r} but holds different values")
+        for name, target in self._targets.items():
+            _check_compatible(name, target, state[name].dtype, tuple(state[name].shape))
+        with torch.no_grad():
+            for name, target in self._targets.items():
+                target.copy_(state[name])
+
+    def apply_patches(
+        self, patches: Mapping[str, TensorPatch], state: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
+        """Write the patched elements into the model's tensors in place.
+
+        Args:
+            patches: Changed elements per checkpoint name (tied aliases resolve to
+                the tensor they alias).
+            state: Unused; this engine patches in place.
+
+        Raises:
+            KeyError: A patch names an unknown tensor.
+            ValueError: A patch's shape or dtype does not match. Nothing is written then.
+        """
+        resolved: list[tuple[torch.Tensor, TensorPatch]] = []
+        for name, patch in patches.items():
+            key = self._aliases.get(name, name)
+            if key not in self._targets:
+                raise KeyError(f"unknown tensor name {name!r}")
+            target = self._targets[key]
+            _check_compatible(name, target, patch.values.dtype, tuple(patch.shape))
+            resolved.append((target, patch))
+        with torch.no_grad():
+            for target, patch in resolved:
+                patch.apply_(target)
+
+    # -- sampling ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[str], sampling: SamplingSettings) -> list[list[Completion]]:
+        """Sample ``sampling.n`` completions per prompt.
+
+        Completions stop after an EOS token (which is kept in ``token_ids`` and
+        ``logprobs`` but not in ``text``) or after ``sampling.max_new_tokens``.
+        With a ``sampling.seed`` the result is reproducible for the same weights,
+        prompts and settings.
+
+        Args:
+            prompts: Plain-text prompts; the tokenizer adds its special tokens.
+            sampling: Sampling settings.
+
+        Returns:
+            For each prompt, ``sampling.n`` completions.
+
+        Raises:
+            ValueError: ``n`` or ``max_new_tokens`` is below 1, or ``top_p`` is not in ``(0, 1]``.
+        """
+        if sampling.n < 1 or sampling.max_new_tokens < 1:
+            raise ValueError("sampling.n and sampling.max_new_tokens must be >= 1")
+        if not 0.0 < sampling.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p}")
+        if not prompts:
+            return []
+        encoded = [self.tokenizer(p)["input_ids"] for p in prompts]
+        rows = [ids for ids in encoded for _ in range(sampling.n)]
+        input_ids, attention = _left_pad(rows, self._pad_id, self.device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+
+        generator = torch.Generator(device=self.device)
+        if sampling.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(sampling.seed)
+
+        batch = len(rows)
+        eos = torch.tensor(sorted(self._eos_ids), device=self.device)
+        finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        tokens: list[list[int]] = [[] for _ in range(batch)]
+        logprobs: list[list[float]] = [[] for _ in range(batch)]
+
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        for step in range(sampling.max_new_tokens):
+            next_ids, next_lp = sample_tokens(out.logits[:, -1, :], sampling, generator)
+            active = (~finished).tolist()
+            for i, (tok, lp) in enumerate(zip(next_ids.tolist(), next_lp.tolist())):
+                if active[i]:
+                    tokens[i].append(tok)
+                    logprobs[i].append(lp)
+            finished |= torch.isin(next_ids, eos)
+            if bool(finished.all()) or step == sampling.max_new_tokens - 1:
+                break
+            next_ids = torch.where(finished, torch.full_like(next_ids, self._pad_id), next_ids)
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+            positions = positions[:, -1:] + 1
+            out = self.model(
+                input_ids=next_ids[:, None],
+                attention_mask=attention,
+                position_ids=positions,
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
+
+        completions = [
+            Completion(
+                text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                token_ids=ids,
+                logprobs=lps,
+            )
+            for ids, lps in zip(tokens, logprobs)
+        ]
+        n = sampling.n
+        return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def close(self) -> None:
+        """Drop the model and tokenizer."""
+        self.model = None
+        self.tokenizer = None
+        self._targets = {}
+
+
+def sample_tokens(
+    logits: torch.Tensor, sampling: SamplingSettings, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row and return it with its log-probability.
+
+    Args:
+        logits: ``(batch, vocab)`` next-token logits, any float dtype.
+        sampling: Temperature and top-p.
+        generator: Random generator on the logits' device.
+
+    Returns:
+        ``(token_ids, logprobs)``, both ``(batch,)``; log-probabilities are float32
+        and taken from the distribution that was sampled from.
+    """
+    logits = logits.float()
+    if sampling.temperature <= GREEDY_TEMPERATURE:
+        logp = torch.log_softmax(logits, dim=-1)
+        ids = logits.argmax(dim=-1)
+    else:
+        scaled = logits / sampling.temperature
+        if sampling.top_p < 1.0:
+            scaled = _top_p_mask(scaled, sampling.top_p)
+        logp = torch.log_softmax(scaled, dim=-1)
+        ids = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
+
+
+def _top_p_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Set logits outside the smallest set whose probability reaches ``top_p`` to ``-inf``."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+    drop_sorted = before >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def _left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _checkpoint_names(model_path: Path) -> list[str] | None:
+    """Tensor names stored in the folder's safetensors checkpoint, or ``None`` if there is none."""
+    from safetensors import safe_open
+
+    index = model_path / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(json.loads(index.read_text())["weight_map"])
+    single = model_path / "model.safetensors"
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return sorted(f.keys())
+    return None
+
+
+def _map_checkpoint_names(
+    model: torch.nn.Module, names: list[str] | None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Map checkpoint names to the model's tensors, and tied aliases to their checkpoint name.
+
+    Raises:
+        ValueError: A checkpoint name has no model tensor, or a model tensor is
+            neither in the checkpoint nor tied to one that is.
+    """
+    own = model.state_dict(keep_vars=True)
+    if names is None:  # no safetensors file: keep the first name of each storage
+        seen: set[int] = set()
+        names = []
+        for name, t in own.items():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                names.append(name)
+    unknown = [n for n in names if n not in own]
+    if unknown:
+        raise ValueError(f"checkpoint tensors without a same-named model tensor (renamed on load?): {unknown[:3]}")
+    targets = {n: own[n] for n in names}
+    by_ptr = {t.data_ptr(): n for n, t in targets.items()}
+    aliases: dict[str, str] = {}
+    for name, t in own.items():
+        if name in targets:
+            continue
+        source = by_ptr.get(t.data_ptr())
+        if source is None or targets[source].shape != t.shape:
+            raise ValueError(f"model tensor {name!r} is not in the checkpoint and not tied to a tensor that is")
+        aliases[name] = source
+    return targets, aliases
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif gen_eos:
+        ids.update(gen_eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not ids:
+        raise ValueError("the model has no EOS token id")
+    return ids
+
+
+def _check_compatible(name: str, target: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if dtype != target.dtype:
+        raise ValueError(f"{name!r}: dtype {dtype} does not match the model's {target.dtype}")
+    if shape != tuple(target.shape):
+        raise ValueError(f"{name!r}: shape {shape} does not match the model's {tuple(target.shape)}")
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bool(torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+
+
+register_engine("transformers", TransformersEngine)
