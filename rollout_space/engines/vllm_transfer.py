@@ -1,0 +1,269 @@
+"""The ``bucket`` weight-transfer backend: ``vllm serve`` following the bucket itself.
+
+vLLM's RL weight-sync API (``init_weight_transfer_engine``, ``start_weight_update``,
+``update_weights``, ``finish_weight_update``; HTTP routes of the same names under
+``VLLM_SERVER_DEV_MODE=1``, methods of ``vllm.LLM`` offline) delegates transport to a
+``WeightTransferEngine`` chosen by ``--weight-transfer-config '{"backend": NAME}'``
+from ``WeightTransferEngineFactory``. This module adds one named ``bucket``: inside
+each vLLM worker it runs a :class:`~shared.protocol.Subscriber` on the bucket, so an
+``update_weights`` call downloads, verifies (hashes) and applies every update up to
+the requested step, through the same code as the offline engine
+(:class:`~rollout_space.engines.vllm_worker.ModelWeights`). No tensor crosses HTTP.
+
+Registration. vLLM builds the backend inside its worker processes, so the name must
+be registered there. Two ways:
+
+* a plain ``vllm serve``: declare the general plugin (loaded by vLLM in every
+  process) in the project's ``pyproject.toml`` and install the project::
+
+      [project.entry-points."vllm.general_plugins"]
+      rlsync_bucket = "rollout_space.engines.vllm_transfer:register"
+
+* ``vllm.LLM(..., worker_extension_cls="rollout_space.engines.vllm_worker.SyncWorkerExtension")``:
+  importing the worker extension registers it as well.
+
+Serving::
+
+    VLLM_SERVER_DEV_MODE=1 ROLLOUT_BUCKET=hf://buckets/me/run vllm serve MODEL \\
+        --weight-transfer-config '{"backend": "bucket"}'
+
+then drive syncs with :class:`BucketSyncClient` (pause, update to the bucket's
+newest step, reset the prefix cache, resume). ``--weight-transfer-config`` accepts
+only ``backend`` (vLLM's config forbids extra keys), so the bucket URL comes from
+``init_info`` (``{"bucket": URL}``) or, by default, ``$ROLLOUT_BUCKET``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from shared.bucket import open_bucket
+from shared.protocol import Subscriber
+
+if TYPE_CHECKING:  # imported lazily: vllm_worker registers this backend when it is imported
+    from .vllm_worker import ModelWeights
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "bucket"
+#: Environment variable holding the default bucket URL.
+BUCKET_ENV = "ROLLOUT_BUCKET"
+
+
+@dataclasses.dataclass
+class BucketInitInfo(WeightTransferInitInfo):
+    """``init_info`` of the bucket backend.
+
+    Attributes:
+        bucket: Bucket URL or path (default ``$ROLLOUT_BUCKET``).
+        workdir: Scratch folder for anchor downloads.
+    """
+
+    bucket: str = ""
+    workdir: str | None = None
+
+
+@dataclasses.dataclass
+class BucketUpdateInfo(WeightTransferUpdateInfo):
+    """``update_info`` of the bucket backend.
+
+    Attributes:
+        step: Sync up to this step (must be reached exactly); ``None``: to the newest.
+    """
+
+    step: int | None = None
+
+
+class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpdateInfo]):
+    """Follows the bucket from inside a vLLM worker (see the module docstring)."""
+
+    init_info_cls = BucketInitInfo
+    update_info_cls = BucketUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.subscriber: Subscriber | None = None
+        self._weights: ModelWeights | None = None
+        self._diverged = False
+
+    def init_transfer_engine(self, init_info: BucketInitInfo) -> None:
+        """Open the bucket and start a subscriber (state empty until the first update).
+
+        Raises:
+            ValueError: No bucket URL given and ``$ROLLOUT_BUCKET`` is unset.
+        """
+        url = init_info.bucket or os.environ.get(BUCKET_ENV, "")
+        if not url:
+            raise ValueError(f"bucket backend: pass init_info={{'bucket': URL}} or set ${BUCKET_ENV}")
+        self.subscriber = Subscriber(open_bucket(url), workdir=init_info.workdir)
+        self._diverged = True  # the model holds the checkpoint it started from, not a bucket state
+        logger.info("bucket weight transfer: following %s", url)
+
+    def start_weight_update(self) -> None:
+        """No-op: updates are applied in place or per module, not via layerwise reload of the whole model."""
+
+    def finish_weight_update(self) -> None:
+        """No-op (see :meth:`start_weight_update`)."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Sync to the requested step. Unlike the base class, never calls
+        ``torch.accelerator.synchronize()`` (it raises on CPU); :meth:`ModelWeights.apply`
+        synchronizes CUDA itself."""
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: BucketUpdateInfo) -> None:
+        """Fetch, verify and apply updates until the requested (or newest) step.
+
+        Raises:
+            SyncError: An update was refused (missing, corrupt, hash mismatch); the
+                model keeps the last verified state.
+            RuntimeError: The requested step is not reachable from the bucket.
+        """
+        from .vllm_worker import plan_update
+
+        if self.subscriber is None:
+            self.init_transfer_engine(BucketInitInfo())
+        sub = self.subscriber
+        assert sub is not None
+        weights = self._model_weights()
+        target = update_info.step
+        t0 = time.perf_counter()
+        applied = 0
+        while target is None or sub.step is None or sub.step < target:
+            update = sub.fetch()
+            if update is None:
+                break
+            sub.apply(update)  # verifies; the model is touched only after this succeeded
+            self._diverged = True
+            if update.kind == "anchor":
+                weights.reload(_loadable(weights, sub.state))
+            else:
+                sparse, full = plan_update(weights.layout(), update.patches or {}, sub.state)
+                weights.apply(sparse, full)
+            self._diverged = False
+            applied += 1
+        if self._diverged and sub.step is not None:  # a previous apply failed half-way, or a fresh start
+            weights.reload(_loadable(weights, sub.state))
+            self._diverged = False
+        if target is not None and sub.step != target:
+            raise RuntimeError(f"bucket backend: asked for step {target}, reached {sub.step}")
+        logger.info("bucket weight transfer: %d updates to step %s in %.3f s", applied, sub.step, time.perf_counter() - t0)
+
+    def _model_weights(self) -> "ModelWeights":
+        from .vllm_worker import ModelWeights
+
+        if self._weights is None or self._weights.model is not self.model:
+            self._weights = ModelWeights(self.model, self.model_config)
+        return self._weights
+
+    def shutdown(self) -> None:
+        """Drop the subscriber and its state."""
+        self.subscriber = None
+        self._weights = None
+
+
+def _loadable(weights: "ModelWeights", state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state tensors the model loads (e.g. without a tied ``lm_head.weight``)."""
+    names = set(weights.checkpoint_names)
+    missing = names - set(state)
+    if missing:
+        raise KeyError(f"bucket state lacks {len(missing)} tensors the model loads, e.g. {sorted(missing)[:3]}")
+    return {n: state[n] for n in names}
+
+
+def register() -> None:
+    """Register the ``bucket`` backend with vLLM (the ``vllm.general_plugins`` entry point).
+
+    Safe to call more than once per process.
+    """
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND_NAME, __name__, "BucketWeightTransferEngine")
+    except ValueError:  # already registered in this process
+        pass
+
+
+class BucketSyncClient:
+    """Drives a ``vllm serve --weight-transfer-config '{"backend": "bucket"}'`` server.
+
+    Each :meth:`sync` pauses generation (in-flight requests finish first), has the
+    server's workers update to the bucket's newest step, resets the prefix cache
+    and resumes. Requires ``VLLM_SERVER_DEV_MODE=1`` on the server (vLLM mounts its
+    RL and ``collective_rpc`` routes only then).
+
+    Args:
+        base_url: The server, e.g. ``http://127.0.0.1:8000``.
+        bucket: Bucket URL, read here to learn the newest step and passed to the server.
+        verify: After each sync, compare the served weights' hash (worker method
+            ``sync_state_hash``; needs ``--worker-extension-cls
+            rollout_space.engines.vllm_worker.SyncWorkerExtension``) with the bucket's.
+        timeout_s: HTTP timeout per call.
+    """
+
+    def __init__(self, base_url: str, bucket: str, *, verify: bool = True, timeout_s: float = 600.0) -> None:
+        import httpx
+
+        self.bucket_url = bucket
+        self.bucket = open_bucket(bucket)
+        self.verify = verify
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s)
+        self.step: int | None = None
+        self._initialized = False
+
+    def _post(self, path: str, **kwargs: Any) -> Any:
+        response = self.http.post(path, **kwargs)
+        response.raise_for_status()
+        return response.json() if response.content else None
+
+    def served_state_hash(self) -> str:
+        """The state hash of the weights the server's worker serves (tensor parallel 1)."""
+        return self._post("/collective_rpc", json={"method": "sync_state_hash"})["results"][0]
+
+    def sync(self) -> int | None:
+        """Bring the server to the bucket's newest step if it is behind.
+
+        Returns:
+            The step the server now serves (``None`` before the first publish).
+
+        Raises:
+            RuntimeError: ``verify`` is on and the served weights do not hash equal
+                to the bucket's state.
+            httpx.HTTPStatusError: The server refused a call (e.g. a refused update).
+        """
+        from shared.protocol import read_manifest
+
+        manifest = read_manifest(self.bucket)
+        if manifest is None or manifest.step == self.step:
+            return self.step
+        if not self._initialized:
+            self._post("/init_weight_transfer_engine", json={"init_info": {"bucket": self.bucket_url}})
+            self._initialized = True
+        self._post("/pause", params={"mode": "wait"})
+        try:
+            self._post("/start_weight_update")
+            self._post("/update_weights", json={"update_info": {"step": manifest.step}})
+            self._post("/finish_weight_update", json={"weight_version": str(manifest.step)})
+            self._post("/reset_prefix_cache")
+        finally:
+            self._post("/resume")
+        self.step = manifest.step
+        if self.verify and self.served_state_hash() != manifest.state_hash:
+            raise RuntimeError(f"the server's weights do not hash equal to bucket step {manifest.step}")
+        return self.step
+
+    def close(self) -> None:
+        """Close the HTTP client."""
+        self.http.close()

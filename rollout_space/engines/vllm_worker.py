@@ -1,0 +1,563 @@
+"""Worker-side weight sync for vLLM: applying verified updates inside a vLLM worker.
+
+vLLM runs the model in worker processes; the driver reaches them with
+``LLM.collective_rpc``. :class:`SyncWorkerExtension` is mixed into the worker
+class (``LLM(worker_extension_cls="rollout_space.engines.vllm_worker.SyncWorkerExtension")``)
+and adds the ``sync_*`` methods the :class:`~rollout_space.engines.vllm_engine.VllmEngine`
+calls. The same :class:`ModelWeights` logic serves the ``bucket`` weight-transfer
+backend (``vllm_transfer.py``), which runs inside the worker too.
+
+How an update reaches the weights depends on how a module keeps them:
+
+* **In place** (CUDA, and CPU modules without a prepacked kernel, e.g. RMSNorm):
+  sparse patches go through vLLM's
+  :func:`~vllm.model_executor.model_loader.checkpoint_weight_patch.load_checkpoint_weight_patches`,
+  i.e. the model's own ``load_weights`` in checkpoint coordinates (packed
+  ``qkv_proj``/``gate_up_proj``, vocab padding and TP slicing handled by vLLM),
+  writing only the changed elements.
+* **Prepacked** (vLLM's CPU backend): after loading, every linear layer's weight
+  is repacked into a oneDNN/SGL kernel handle and the parameter is replaced by an
+  empty tensor, so there is nothing to patch in place. For those modules the
+  full checkpoint tensors of the touched modules are rebuilt from the verified
+  state and reloaded through vLLM's layerwise reload path (restore, ``load_weights``,
+  ``process_weights_after_loading``, which prepacks again), scoped to the touched
+  modules. Modules that share a parameter with a reloaded one (a tied ``lm_head``)
+  are re-processed too, since vLLM's layerwise reload only re-processes the
+  module that owns the loaded weight.
+
+Reading back (:meth:`ModelWeights.read`) returns checkpoint names and layouts:
+packed parameters are split back into ``q/k/v`` and ``gate/up``, vocabulary
+padding is cut off. A prepacked CPU weight cannot be read from memory, so it is
+read *through its kernel*: multiplying the identity by ``W^T`` with the very
+kernel that serves requests returns ``W`` exactly (one non-zero product per
+output, fp32 accumulation, a bf16-representable result). The one value this
+cannot recover is the sign of a zero: ``-0.0`` reads back as ``+0.0`` (and a
+weight of ``+-inf`` would poison its column); a trainer state holding ``-0.0``
+therefore hashes differently when read back from the CPU backend.
+
+Tensor payloads between the driver and the workers are safetensors blobs (see
+:func:`pack_tensors`): inline bytes when small, a file in a spool folder when
+large, because ``collective_rpc`` arguments are msgpack-encoded control messages.
+Read-back supports tensor parallelism 1 only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import tempfile
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+import torch
+
+from shared.patch import TensorPatch
+
+if TYPE_CHECKING:
+    from vllm.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+#: Payloads up to this size travel inline through ``collective_rpc``; larger ones via a file.
+INLINE_PAYLOAD_BYTES = 64 << 20
+
+_INDEX = "\x00index"
+_VALUES = "\x00values"
+
+
+# -- payloads ---------------------------------------------------------------------------
+
+
+def pack_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    meta: Mapping[str, Any] | None = None,
+    spool_dir: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """Serialize tensors for a ``collective_rpc`` call (safetensors format).
+
+    Args:
+        tensors: Tensors to send (moved to CPU, made contiguous).
+        meta: JSON-serializable metadata carried along.
+        spool_dir: Folder for payloads above :data:`INLINE_PAYLOAD_BYTES`
+            (default: the system temporary folder). Must be visible to the workers.
+
+    Returns:
+        ``{"data": bytes, "meta": ...}`` or ``{"path": str, "meta": ...}``.
+    """
+    from safetensors.torch import save, save_file
+
+    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    nbytes = sum(t.numel() * t.element_size() for t in cpu.values())
+    info = {"meta": json.dumps(dict(meta or {}))}
+    if nbytes <= INLINE_PAYLOAD_BYTES:
+        return {"data": save(cpu, metadata=info), "meta": info["meta"]}
+    folder = Path(spool_dir or tempfile.gettempdir())
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"vllm-sync-{uuid.uuid4().hex}.safetensors"
+    save_file(cpu, str(path), metadata=info)
+    return {"path": str(path), "meta": info["meta"]}
+
+
+def unpack_tensors(payload: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict]:
+    """Inverse of :func:`pack_tensors`. A spooled file is left for its sender to remove.
+
+    Args:
+        payload: What :func:`pack_tensors` returned.
+
+    Returns:
+        ``(tensors, meta)``.
+    """
+    from safetensors.torch import load, load_file
+
+    tensors = load(bytes(payload["data"])) if "data" in payload else load_file(payload["path"])
+    return tensors, json.loads(payload.get("meta") or "{}")
+
+
+def pack_patches(patches: Mapping[str, TensorPatch], **kwargs: Any) -> dict[str, Any]:
+    """Serialize sparse patches (see :func:`pack_tensors`)."""
+    tensors: dict[str, torch.Tensor] = {}
+    shapes: dict[str, list[int]] = {}
+    for name, patch in patches.items():
+        small = math.prod(patch.shape) < 2**31
+        tensors[name + _INDEX] = patch.index.to(torch.int32) if small else patch.index  # halves index bytes
+        tensors[name + _VALUES] = patch.values
+        shapes[name] = list(patch.shape)
+    return pack_tensors(tensors, meta={"shapes": shapes}, **kwargs)
+
+
+def unpack_patches(payload: Mapping[str, Any]) -> dict[str, TensorPatch]:
+    """Inverse of :func:`pack_patches`."""
+    tensors, meta = unpack_tensors(payload)
+    return {
+        name: TensorPatch(tensors[name + _INDEX].long(), tensors[name + _VALUES], tuple(shape))
+        for name, shape in meta["shapes"].items()
+    }
+
+
+# -- planning (driver side and worker side) ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightLayout:
+    """Where each checkpoint tensor lives in the vLLM model.
+
+    Attributes:
+        module_of: Checkpoint name -> path of the vLLM module that loads it.
+        in_place: Module paths whose weights can be patched element-wise in place
+            (no prepacked kernel copy).
+        ignored_prefixes: Checkpoint-name prefixes vLLM skips on load (``lm_head.``
+            when the embeddings are tied).
+    """
+
+    module_of: dict[str, str]
+    in_place: frozenset[str]
+    ignored_prefixes: tuple[str, ...] = ()
+
+    def ignores(self, name: str) -> bool:
+        """Whether vLLM skips this checkpoint name on load (e.g. a tied ``lm_head.weight``)."""
+        return name.startswith(self.ignored_prefixes) if self.ignored_prefixes else False
+
+    def to_json(self) -> dict[str, Any]:
+        """A msgpack/JSON-friendly form."""
+        return {
+            "module_of": self.module_of,
+            "in_place": sorted(self.in_place),
+            "ignored_prefixes": list(self.ignored_prefixes),
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "WeightLayout":
+        """Inverse of :meth:`to_json`."""
+        return cls(dict(obj["module_of"]), frozenset(obj["in_place"]), tuple(obj.get("ignored_prefixes", ())))
+
+
+def plan_update(
+    layout: WeightLayout, patches: Mapping[str, TensorPatch], state: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, TensorPatch], dict[str, torch.Tensor]]:
+    """Split a verified delta into in-place patches and whole-tensor reloads.
+
+    Args:
+        layout: The model's layout (see :meth:`ModelWeights.layout`).
+        patches: The delta, in checkpoint names and coordinates.
+        state: The full verified state after the delta.
+
+    Returns:
+        ``(sparse, full)``: patches for in-place modules, and for every touched
+        prepacked module the full state tensors of *all* checkpoint names it loads
+        (a packed ``qkv_proj`` needs ``q``, ``k`` and ``v`` together).
+
+    Raises:
+        KeyError: A patch names a tensor the model does not load (and does not
+            deliberately skip, like a tied ``lm_head.weight``).
+    """
+    sparse: dict[str, TensorPatch] = {}
+    reload_modules: set[str] = set()
+    for name, patch in patches.items():
+        if patch.numel == 0 or layout.ignores(name):
+            continue
+        try:
+            module = layout.module_of[name]
+        except KeyError:
+            raise KeyError(f"the vLLM model does not load a tensor named {name!r}") from None
+        if module in layout.in_place:
+            sparse[name] = patch
+        else:
+            reload_modules.add(module)
+    full = {name: state[name] for name, module in layout.module_of.items() if module in reload_modules}
+    return sparse, full
+
+
+# -- the model, seen from inside a worker ------------------------------------------------
+
+
+class ModelWeights:
+    """Load, patch and read a vLLM model's weights in checkpoint names.
+
+    Args:
+        model: The worker's model (``model_runner.get_model()``).
+        model_config: The worker's ``vllm_config.model_config``.
+        checkpoint_names: Tensor names of the checkpoint; default: the names in
+            the model folder's safetensors files.
+
+    Raises:
+        ValueError: A checkpoint name cannot be located in the model.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, model_config: "ModelConfig", checkpoint_names: Iterable[str] | None = None
+    ) -> None:
+        self.model = model
+        self.model_config = model_config
+        names = list(checkpoint_names) if checkpoint_names is not None else checkpoint_names_of(model_config.model)
+        self._locations = {name: self._locate(name) for name in names}
+        self._locations = {n: loc for n, loc in self._locations.items() if loc is not None}
+        self._aliases = _parameter_aliases(model)
+
+    # -- layout -------------------------------------------------------------------
+
+    def _locate(self, name: str) -> tuple[str, str, int | None] | None:
+        """``(module path, parameter name, shard index)`` for a checkpoint name, or ``None`` if vLLM skips it."""
+        mapped = name
+        mapper = getattr(self.model, "hf_to_vllm_mapper", None)
+        if mapper is not None:
+            mapped = mapper.get_rename_mapper().map_name(name)
+            if mapped is None:
+                return None
+        if _tied(self.model) and mapped.startswith("lm_head."):
+            return None  # vLLM skips it: lm_head shares embed_tokens' weight
+        module_path, _, param = mapped.rpartition(".")
+        parent, _, leaf = module_path.rpartition(".")
+        shard = None
+        for packed, parts in getattr(self.model, "packed_modules_mapping", {}).items():
+            if leaf in parts:
+                module_path, shard = f"{parent}.{packed}" if parent else packed, parts.index(leaf)
+                break
+        try:
+            module = self.model.get_submodule(module_path)
+        except AttributeError:
+            raise ValueError(f"cannot locate checkpoint tensor {name!r} in the vLLM model ({module_path!r})") from None
+        if not hasattr(module, param):
+            raise ValueError(f"vLLM module {module_path!r} has no parameter {param!r} for {name!r}")
+        return module_path, param, shard
+
+    @property
+    def checkpoint_names(self) -> list[str]:
+        """Checkpoint names the model loads, sorted."""
+        return sorted(self._locations)
+
+    def layout(self) -> WeightLayout:
+        """Where each checkpoint tensor lives, and which modules can be patched in place."""
+        module_of = {name: loc[0] for name, loc in self._locations.items()}
+        in_place = {m for m in module_of.values() if not _is_prepacked(self.model.get_submodule(m))}
+        return WeightLayout(module_of, frozenset(in_place), ("lm_head.",) if _tied(self.model) else ())
+
+    # -- writing ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def apply(self, sparse: Mapping[str, TensorPatch], full: Mapping[str, torch.Tensor]) -> None:
+        """Apply in-place patches and whole-module reloads (see :func:`plan_update`).
+
+        Raises:
+            ValueError: A sparse patch carries NaN (vLLM uses NaN as the "unchanged" sentinel).
+        """
+        if sparse:
+            from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+                CheckpointWeightPatch,
+                load_checkpoint_weight_patches,
+            )
+
+            device = _model_device(self.model)
+            patches = [
+                CheckpointWeightPatch(
+                    name=name,
+                    shape=tuple(p.shape),
+                    dtype=p.values.dtype,
+                    values=p.values.to(device, non_blocking=True),
+                    indices=p.index.to(device, non_blocking=True),
+                )
+                for name, p in sparse.items()
+            ]
+            load_checkpoint_weight_patches(self.model, patches)
+        if full:
+            self.reload(full)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    @torch.no_grad()
+    def reload(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Reload whole checkpoint tensors through vLLM's layerwise reload, scoped to their modules.
+
+        Every checkpoint tensor a touched module loads must be included (see
+        :func:`plan_update`); otherwise the module's missing part is left undefined.
+
+        Raises:
+            KeyError: A name is not a checkpoint tensor of the model.
+        """
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        unknown = [n for n in tensors if n not in self._locations]
+        if unknown:
+            raise KeyError(f"not checkpoint tensors of the model: {unknown[:3]}")
+        paths = sorted({self._locations[n][0] for n in tensors})
+        modules = [self.model.get_submodule(p) for p in paths]
+        for module in modules:
+            initialize_layerwise_reload(module)
+        try:
+            self.model.load_weights(list(tensors.items()))
+        finally:
+            for module in modules:
+                finalize_layerwise_reload(module, self.model_config)
+        self._reprocess_aliases(modules)
+
+    def _reprocess_aliases(self, modules: list[torch.nn.Module]) -> None:
+        """Re-run weight processing on modules that share a parameter with a reloaded one."""
+        touched = {id(p) for m in modules for p in m.parameters(recurse=False)}
+        done = {id(m) for m in modules}
+        for module in self._aliases:
+            if id(module) in done or not any(id(p) in touched for p in module.parameters(recurse=False)):
+                continue
+            quant_method = getattr(module, "quant_method", None)
+            if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
+                quant_method.process_weights_after_loading(module)
+
+    # -- reading ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def read(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """Read weights back in checkpoint names and layout, on CPU.
+
+        Args:
+            names: Checkpoint names to read (default: all the model loads).
+
+        Returns:
+            One tensor per name, as the serving kernels see it (see the module docstring
+            for prepacked CPU weights).
+
+        Raises:
+            KeyError: An unknown name.
+            RuntimeError: A tied ``lm_head`` kernel disagrees with the embedding it is tied to.
+            NotImplementedError: Tensor parallelism above 1.
+        """
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        if get_tensor_model_parallel_world_size() != 1:
+            raise NotImplementedError("reading weights back supports tensor parallelism 1 only")
+        names = self.checkpoint_names if names is None else list(names)
+        cache: dict[tuple[str, str], torch.Tensor] = {}
+        out = {}
+        for name in names:
+            if name not in self._locations:
+                raise KeyError(f"not a checkpoint tensor of the model: {name!r}")
+            path, param, shard = self._locations[name]
+            key = (path, param)
+            if key not in cache:
+                cache[key] = self._served_tensor(self.model.get_submodule(path), param)
+            full = cache[key]
+            module = self.model.get_submodule(path)
+            if shard is not None:
+                sizes = list(module.output_sizes)
+                start = sum(sizes[:shard])
+                full = full[start : start + sizes[shard]]
+            out[name] = full.contiguous().clone()
+        self._check_tied_head()
+        return out
+
+    def _served_tensor(self, module: torch.nn.Module, param: str) -> torch.Tensor:
+        """A module parameter as used for serving, in vLLM layout minus vocabulary padding."""
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+        lookup = isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)
+        if param == "weight" and _is_prepacked(module) and not lookup:
+            tensor = _read_through_kernel(module)
+        else:
+            tensor = getattr(module, param).detach()
+        if isinstance(module, VocabParallelEmbedding) and param == "weight":
+            tensor = tensor[: module.org_vocab_size]
+        elif param == "bias" and _is_prepacked(module):
+            tensor = tensor.to(self.model_config.dtype)  # the SGL CPU kernel keeps biases in fp32
+        return tensor.to("cpu")
+
+    def _check_tied_head(self) -> None:
+        """On CPU a tied ``lm_head`` has its own packed copy of the embedding: it must match."""
+        head = getattr(self.model, "lm_head", None)
+        embed = getattr(getattr(self.model, "model", None), "embed_tokens", None)
+        if head is None or embed is None or not _tied(self.model):
+            return
+        if not _is_prepacked(head):
+            return
+        served = _read_through_kernel(head)[: head.org_vocab_size]
+        if not torch.equal(served.cpu(), embed.weight.detach()[: embed.org_vocab_size].cpu()):
+            raise RuntimeError("the tied lm_head kernel is stale: it no longer matches model.embed_tokens.weight")
+
+    def digests(self, names: Iterable[str] | None = None) -> dict[str, bytes]:
+        """Per-tensor digests (``shared.hashing.tensor_digest``) of :meth:`read`, for state hashes."""
+        from shared.hashing import tensor_digest
+
+        names = self.checkpoint_names if names is None else list(names)
+        out = {}
+        for i in range(0, len(names), 16):  # bound the memory of read-back copies
+            for name, tensor in self.read(names[i : i + 16]).items():
+                out[name] = tensor_digest(tensor)
+        return out
+
+
+def _tied(model: torch.nn.Module) -> bool:
+    return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+
+
+def _is_prepacked(module: torch.nn.Module) -> bool:
+    """Whether vLLM's CPU backend serves this module from a prepacked kernel copy."""
+    return callable(getattr(module, "cpu_linear", None))
+
+
+def _read_through_kernel(module: torch.nn.Module) -> torch.Tensor:
+    """Recover ``W`` (``(out, in)``) from a prepacked CPU linear by multiplying the identity."""
+    if hasattr(module, "input_size_per_partition"):
+        k, n = module.input_size_per_partition, sum(module.output_partition_sizes)
+    else:  # ParallelLMHead
+        k, n = module.embedding_dim, module.num_embeddings_per_partition
+    eye = torch.eye(k, dtype=module.weight.dtype)
+    out = module.cpu_linear(eye, module.weight, None)
+    if tuple(out.shape) != (k, n):
+        raise RuntimeError(f"kernel probe returned shape {tuple(out.shape)}, expected {(k, n)}")
+    return out.t().contiguous()
+
+
+def _parameter_aliases(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Modules holding a parameter object that another module also holds (tied weights)."""
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(module)
+    return [m for mods in owners.values() if len(mods) > 1 for m in mods]
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def checkpoint_names_of(model_path: str | os.PathLike) -> list[str]:
+    """Tensor names of a local model folder's safetensors checkpoint.
+
+    Raises:
+        FileNotFoundError: The folder has no safetensors checkpoint.
+    """
+    from safetensors import safe_open
+
+    folder = Path(model_path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(json.loads(index.read_text())["weight_map"])
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors checkpoint in {folder}")
+    names: list[str] = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            names.extend(sf.keys())
+    return sorted(names)
+
+
+# -- the worker extension -------------------------------------------------------------------
+
+
+class SyncWorkerExtension:
+    """Mixed into vLLM's worker class; its methods are called with ``LLM.collective_rpc``.
+
+    Method names carry a ``sync_`` prefix so they cannot clash with the worker's own.
+    Payloads are those of :func:`pack_tensors` / :func:`pack_patches`.
+    """
+
+    def _sync_weights(self) -> ModelWeights:
+        weights = getattr(self, "_rlsync_weights", None)
+        if weights is None:
+            weights = ModelWeights(self.model_runner.get_model(), self.vllm_config.model_config)
+            self._rlsync_weights = weights
+        return weights
+
+    def sync_layout(self) -> dict[str, Any]:
+        """The model's :class:`WeightLayout`, JSON-friendly."""
+        return self._sync_weights().layout().to_json()
+
+    def sync_load(self, payload: Mapping[str, Any]) -> None:
+        """Replace all weights with a full state (checkpoint names)."""
+        tensors, _ = unpack_tensors(payload)
+        self._sync_weights().reload(tensors)
+
+    def sync_load_weights(self, payload: Mapping[str, Any]) -> None:
+        """Copy a full state in with the model's plain ``load_weights`` (the usual RL refit).
+
+        Only valid where no module is prepacked (GPU); used as the full-load baseline.
+
+        Raises:
+            RuntimeError: Some module is prepacked (vLLM's CPU backend).
+        """
+        weights = self._sync_weights()
+        if weights.layout().in_place != frozenset(weights.layout().module_of.values()):
+            raise RuntimeError("plain load_weights cannot update prepacked (CPU) modules; use sync_load")
+        tensors, _ = unpack_tensors(payload)
+        with torch.no_grad():
+            weights.model.load_weights(list(tensors.items()))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def sync_apply(self, sparse: Mapping[str, Any] | None, full: Mapping[str, Any] | None) -> None:
+        """Apply a planned update (see :func:`plan_update`)."""
+        patches = unpack_patches(sparse) if sparse else {}
+        tensors = unpack_tensors(full)[0] if full else {}
+        self._sync_weights().apply(patches, tensors)
+
+    def sync_read(self, names: list[str] | None = None, spool_dir: str | None = None) -> dict[str, Any]:
+        """Weights in checkpoint names and layout, as a payload."""
+        return pack_tensors(self._sync_weights().read(names), spool_dir=spool_dir)
+
+    def sync_state_hash(self) -> str:
+        """``shared.hashing.state_hash`` of the served weights, in checkpoint names and layout.
+
+        JSON-friendly, so a ``vllm serve`` client can call it too
+        (``POST /collective_rpc {"method": "sync_state_hash"}``, dev mode).
+        """
+        from shared.hashing import combine_digests
+
+        return combine_digests(self._sync_weights().digests())
+
+
+def _register_bucket_backend() -> None:
+    """Make ``--weight-transfer-config '{"backend": "bucket"}'`` work in every process
+    that imports the worker extension (vLLM workers import it before loading the model)."""
+    from .vllm_transfer import register
+
+    register()
+
+
+_register_bucket_backend()
