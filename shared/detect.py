@@ -24,7 +24,6 @@ import torch
 from .dtypes import bits_to_numpy, int_view
 from .errors import SyncError
 from .format import Change
-from .workers import worker_pool
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 24
 CPU_CHUNK_ELEMENTS = 1 << 18  # fits in L2 cache: compare, scan and gather touch memory once
@@ -45,6 +44,33 @@ def serving_dtype_of(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.d
 def serving_copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """A contiguous copy of ``tensor`` in its serving dtype, on its own device."""
     return cast_chunk(tensor.detach(), dtype).clone().contiguous()
+
+
+def changed_elements(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Positions, old bits and new bits of the elements whose bits differ (1-D uint arrays).
+
+    Narrow dtypes are compared 8 bytes at a time first: at RL densities most
+    64-bit words are unchanged, so the scan for changes touches 4 (bf16) or 8
+    (fp8) times fewer entries, and only changed words are split into elements.
+    """
+    lanes = 8 // old.itemsize
+    usable = old.size - old.size % lanes
+    if lanes == 1 or usable == 0:
+        idx = np.flatnonzero(old != new)
+        return idx, old[idx], new[idx]
+    old_words, new_words = old[:usable].view(np.uint64), new[:usable].view(np.uint64)
+    words = np.flatnonzero(old_words != new_words)
+    old_lanes = old_words[words].view(old.dtype).reshape(-1, lanes)
+    new_lanes = new_words[words].view(old.dtype).reshape(-1, lanes)
+    hits = np.flatnonzero(old_lanes != new_lanes)
+    idx = words[hits // lanes] * lanes + hits % lanes
+    old_bits, new_bits = old_lanes.reshape(-1)[hits], new_lanes.reshape(-1)[hits]
+    if usable < old.size:  # the last few elements that do not fill a word
+        tail = np.flatnonzero(old[usable:] != new[usable:])
+        idx = np.concatenate([idx, tail + usable])
+        old_bits = np.concatenate([old_bits, old[usable:][tail]])
+        new_bits = np.concatenate([new_bits, new[usable:][tail]])
+    return idx, old_bits, new_bits
 
 
 class ChangeDetector:
@@ -78,8 +104,8 @@ class ChangeDetector:
         """Changed elements of ``state`` relative to the published state.
 
         Does not modify the published state; call :meth:`commit` once the delta is published.
-        CPU tensors are compared with numpy in cache-sized chunks on a thread pool;
-        tensors on an accelerator are compared there with torch.
+        CPU tensors are compared with numpy in cache-sized chunks (memory-bound:
+        more threads do not help); tensors on an accelerator are compared there with torch.
 
         Raises:
             SyncError: nothing published yet, or ``state`` is not :meth:`compatible`.
@@ -87,38 +113,36 @@ class ChangeDetector:
         if not self.compatible(state):
             raise SyncError("state does not match the published state's names, shapes and dtypes; publish an anchor")
         assert self.published is not None
-        tasks = []
-        for name, tensor in state.items():
-            numel = tensor.numel()
-            step = self.chunk_elements if tensor.device.type != "cpu" else min(self.chunk_elements, CPU_CHUNK_ELEMENTS)
-            tasks += [(name, start, min(start + step, numel)) for start in range(0, numel, step)]
-
-        def run(task):
-            name, start, stop = task
-            shadow = int_view(self.published[name])[start:stop]
-            current = int_view(cast_chunk(state[name].detach().reshape(-1)[start:stop], self.dtype))
-            if current.device.type == "cpu":
-                old, new = bits_to_numpy(shadow), bits_to_numpy(current)
-                idx = np.flatnonzero(old != new)
-                return name, idx + start, old[idx], new[idx]
-            idx = torch.nonzero(shadow != current).squeeze(1)
-            return name, idx.cpu().numpy() + start, bits_to_numpy(shadow[idx]), bits_to_numpy(current[idx])
-
-        parts: dict[str, list] = {}
-        for name, idx, old, new in worker_pool().map(run, tasks):
-            if idx.size:
-                parts.setdefault(name, []).append((idx, old, new))
         changes = {}
-        for name, chunks in parts.items():
-            shadow = self.published[name]
-            changes[name] = Change(
-                index=np.concatenate([c[0] for c in chunks]).astype(np.int64, copy=False),
-                old_bits=np.concatenate([c[1] for c in chunks]),
-                new_bits=np.concatenate([c[2] for c in chunks]),
-                dtype=shadow.dtype,
-                shape=tuple(shadow.shape),
-            )
+        for name, tensor in state.items():
+            change = self._diff_tensor(self.published[name], tensor.detach().reshape(-1))
+            if change is not None:
+                changes[name] = change
         return changes
+
+    def _diff_tensor(self, published: torch.Tensor, current: torch.Tensor) -> Change | None:
+        shadow = int_view(published)
+        on_cpu = current.device.type == "cpu"
+        step = min(self.chunk_elements, CPU_CHUNK_ELEMENTS) if on_cpu else self.chunk_elements
+        parts = []
+        for start in range(0, shadow.numel(), step):
+            old_bits, new_bits = shadow[start : start + step], int_view(cast_chunk(current[start : start + step], self.dtype))
+            if on_cpu:
+                idx, old, new = changed_elements(bits_to_numpy(old_bits), bits_to_numpy(new_bits))
+            else:
+                found = torch.nonzero(old_bits != new_bits).squeeze(1)
+                idx, old, new = found.cpu().numpy(), bits_to_numpy(old_bits[found]), bits_to_numpy(new_bits[found])
+            if idx.size:
+                parts.append((idx + start, old, new))
+        if not parts:
+            return None
+        return Change(
+            index=np.concatenate([p[0] for p in parts]).astype(np.int64, copy=False),
+            old_bits=np.concatenate([p[1] for p in parts]),
+            new_bits=np.concatenate([p[2] for p in parts]),
+            dtype=published.dtype,
+            shape=tuple(published.shape),
+        )
 
     def commit(self, changes: Mapping[str, Change]) -> None:
         """Write published changes into the shadow copy."""

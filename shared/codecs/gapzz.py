@@ -27,7 +27,7 @@ from ..errors import FormatError
 from .base import Codec, EncodedTensor, register_codec
 from .checks import check_index, require_entry
 
-ZSTD_LEVEL = 3
+ZSTD_LEVEL = 1
 
 
 def _byte_width(max_value: int) -> int:
