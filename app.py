@@ -1,0 +1,282 @@
+"""All three roles in one process with one combined panel: ``python app.py``.
+
+By default this starts, on the embedded setup (a local folder bucket
+``./runs/bucket``, the tiny offline model, CPU), one environment, two rollout
+replicas and one trainer, and serves a panel with an Overview tab (reward,
+published sizes, fleet) and one tab per role (the same panels as the three
+Spaces' ``app.py``, with their Start / Stop buttons and the anchor policy
+controls). Within a few minutes the plots move: versions are published as
+anchors and deltas, replicas follow them, and the mean reward per version is
+plotted.
+
+Flags::
+
+    --bucket URL        bucket (default $RLSYNC_BUCKET or ./runs/bucket; hf://buckets/OWNER/NAME works)
+    --replicas N        rollout replicas in this process (default 2)
+    --port P            panel port (default $PORT or 7860; host from $GRADIO_SERVER_NAME, default 0.0.0.0)
+    --no-autostart      start nothing until Start is pressed in the panel
+    --fresh             delete the bucket's run objects first (weights, tasks, scores, status, metrics)
+    --environment NAME  environment of the env role (default: ENV_ENVIRONMENT or "reverse")
+    --max-steps N       stop the trainer after N optimizer steps (default: TRAINER_MAX_STEPS or never)
+
+Every other setting comes from the roles' environment variables
+(``TRAINER_*``, ``ROLLOUT_*``, ``ENV_*``, see each Space's README). "Start all"
+on the Overview tab starts the roles with these settings; a role tab's Start
+uses that tab's form. The panel's access is protected like the Spaces'
+(``PANEL_AUTH`` with ``SPACE_ID``). SIGTERM or Ctrl-C stops the roles cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import gradio as gr
+
+from env_space import app as env_app
+from env_space.simulator import EnvConfig
+from rollout_space import app as rollout_app
+from rollout_space.replica import ReplicaConfig
+from shared import ui
+from shared.bucket import Bucket, open_bucket
+from shared.exchange import METRICS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX, STATUS_PREFIX, TASKS_PREFIX
+from shared.protocol.lock import LOCK_KEY
+from shared.protocol.manifest import ANCHOR_PREFIX, CONTROL_KEY, DELTA_PREFIX, POINTER_KEY
+from trainer_space import app as trainer_app
+from trainer_space.trainer import TrainerConfig
+
+logger = logging.getLogger("app")
+
+DEFAULT_BUCKET = "./runs/bucket"
+#: Keys and key prefixes of one run's objects, deleted by ``--fresh`` (nothing else in the folder is touched).
+RUN_PREFIXES = (
+    POINTER_KEY,
+    LOCK_KEY,
+    ANCHOR_PREFIX,
+    DELTA_PREFIX,
+    CONTROL_KEY.split("/")[0] + "/",
+    STATUS_PREFIX,
+    METRICS_PREFIX,
+    TASKS_PREFIX,
+    ROLLOUTS_PREFIX,
+    SCORES_PREFIX,
+)
+PROGRESS_EVERY_S = 20.0
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--bucket", default=os.environ.get("RLSYNC_BUCKET") or DEFAULT_BUCKET, help="bucket URL or folder"
+    )
+    parser.add_argument("--replicas", type=int, default=2, help="rollout replicas in this process")
+    parser.add_argument(
+        "--port", type=int, default=int(os.environ.get("PORT") or os.environ.get("GRADIO_SERVER_PORT") or 7860)
+    )
+    parser.add_argument(
+        "--no-autostart", dest="autostart", action="store_false", help="start the roles from the panel only"
+    )
+    parser.add_argument("--fresh", action="store_true", help="delete the bucket's run objects first")
+    parser.add_argument("--environment", default=None, help="environment name (default from ENV_ENVIRONMENT)")
+    parser.add_argument("--max-steps", type=int, default=None, help="trainer optimizer steps (0: never stop)")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    if args.replicas < 1:
+        parser.error("--replicas must be at least 1")
+    return args
+
+
+def clear_run(bucket: Bucket) -> int:
+    """Delete a run's objects (:data:`RUN_PREFIXES`) from ``bucket``; returns how many."""
+    keys = [o.key for o in bucket.list() if o.key.startswith(RUN_PREFIXES)]
+    if keys:
+        bucket.delete(keys)
+    logger.info("fresh start: deleted %d objects from %s", len(keys), bucket.url)
+    return len(keys)
+
+
+class Stack:
+    """The three roles' runners and configs of the combined app.
+
+    Args:
+        bucket: Bucket URL shared by the roles.
+        replicas: Rollout replicas.
+        environment: Environment name (``None``: from ``ENV_ENVIRONMENT``).
+        max_steps: Trainer step limit (``None``: from ``TRAINER_MAX_STEPS``).
+    """
+
+    def __init__(
+        self, bucket: str, replicas: int, environment: str | None = None, max_steps: int | None = None
+    ) -> None:
+        self.bucket = bucket
+        self.replicas = replicas
+        self.trainer_config = TrainerConfig.from_env(bucket=bucket, max_steps=max_steps)
+        self.env_config = EnvConfig.from_env(bucket=bucket, environment=environment)
+        self.replica_config = ReplicaConfig.from_env(
+            bucket=bucket, replica_id=os.environ.get("ROLLOUT_REPLICA_ID") or "replica"
+        )
+        self.trainer = trainer_app.make_runner()
+        self.env = env_app.make_runner()
+        self.rollout = rollout_app.make_runner()
+
+    @property
+    def runners(self) -> list[ui.RoleRunner]:
+        return [self.trainer, self.env, self.rollout]
+
+    def start_all(self) -> str:
+        """Start every role that is not running, with the default settings."""
+        logger.info("starting trainer, env and %d replica(s) on %s", self.replicas, self.bucket)
+        self.trainer.start(self.trainer_config)
+        self.env.start(self.env_config)
+        self.rollout.start((self.replica_config, self.replicas))
+        return self.status()
+
+    def stop_all(self, wait: bool = True) -> str:
+        """Stop every role (replicas and env first, then the trainer).
+
+        Args:
+            wait: Wait until they stopped (otherwise they stop in background threads).
+        """
+        for runner in (self.rollout, self.env, self.trainer):
+            runner.stop(wait=wait)
+        return self.status()
+
+    def status(self) -> str:
+        return " · ".join(r.status() for r in self.runners)
+
+
+def progress_line(snap: ui.Snapshot) -> str:
+    """One log line of the run's progress, from a bucket snapshot."""
+    parts = []
+    if snap.manifest is not None:
+        pubs = ui.publish_frame(snap)
+        anchors = int((pubs["kind"] == "anchor").sum())
+        parts.append(f"version {snap.manifest.step} ({anchors} anchors, {len(pubs) - anchors} deltas published)")
+        deltas = pubs[pubs["kind"] == "delta"]
+        if len(deltas):
+            parts.append(f"last delta {deltas['KB'].iloc[-1]:.0f} KB ({deltas['changed_pct'].iloc[-1]:.1f}% changed)")
+    else:
+        parts.append("nothing published yet")
+    rewards = ui.reward_frame(snap)
+    env = rewards[rewards["source"] == "env"]
+    if len(env):
+        head, tail = env.head(10), env.tail(10)
+        parts.append(
+            f"env mean reward {head['mean_reward'].mean():.3f} (v{head['version'].min()}-{head['version'].max()})"
+            f" -> {tail['mean_reward'].mean():.3f} (v{tail['version'].min()}-{tail['version'].max()})"
+        )
+    for st in snap.statuses:
+        parts.append(f"{st.get('replica_id')} at v{st.get('applied_step')} (lag {st.get('lag')})")
+    return "; ".join(parts)
+
+
+def log_progress(stack: Stack, stop: threading.Event, every: float = PROGRESS_EVERY_S) -> None:
+    """Log :func:`progress_line` every ``every`` seconds while any role runs."""
+    view = ui.bucket_view(stack.bucket)
+    while not stop.wait(every):
+        if any(r.running for r in stack.runners):
+            logger.info("progress: %s", progress_line(view.snapshot()))
+
+
+def build_app(stack: Stack) -> gr.Blocks:
+    """The combined panel: an Overview tab and one tab per role, all reading ``stack.bucket``.
+
+    Each tab has its own refresh timer, active only while the tab is selected.
+    """
+    url = stack.bucket
+    names = ["overview", "trainer", "rollout", "env"]
+    with gr.Blocks(title="RL Sync: async RL weight sync") as demo:
+        gr.Markdown(
+            "# RL Sync: asynchronous RL weight sync\n"
+            "A trainer publishes bf16 weights to the bucket as full **anchors** and sparse **deltas**; "
+            "rollout replicas follow them bit-exactly; an environment hands out tasks and scores completions. "
+            f"Bucket: `{url}`."
+        )
+        timers = {name: gr.Timer(ui.REFRESH_S, active=(name == "overview")) for name in names}
+        with gr.Tabs():
+            with gr.Tab("Overview", id="overview", elem_id="tab-overview") as overview:
+                with gr.Row():
+                    start = gr.Button("Start all", variant="primary", elem_id="start-all")
+                    stop = gr.Button("Stop all", variant="stop", elem_id="stop-all")
+                status = gr.Markdown(stack.status(), elem_id="overview-status")
+                start.click(stack.start_all, outputs=status)
+                stop.click(lambda: stack.stop_all(wait=False), outputs=status)
+                with ui.Live(url, timers["overview"]) as live:
+                    live.add(status, lambda view, snap: stack.status())
+                    ui.summary_line(live, ui.trainer_summary, elem_id="overview-trainer-summary")
+                    ui.summary_line(live, ui.env_summary, elem_id="overview-env-summary")
+                    with gr.Row():
+                        ui.reward_plot(live, prefix="overview-")
+                        ui.size_plot(live, prefix="overview-")
+                    ui.fleet_table(live, prefix="overview-")
+            with gr.Tab("Trainer", id="trainer", elem_id="tab-trainer") as trainer_tab:
+                trainer_app.build_panel(
+                    stack.trainer, stack.trainer_config, bucket_url=url, timer=timers["trainer"], prefix="trainer-"
+                )
+            with gr.Tab("Rollout", id="rollout", elem_id="tab-rollout") as rollout_tab:
+                rollout_app.build_panel(
+                    stack.rollout,
+                    stack.replica_config,
+                    count=stack.replicas,
+                    bucket_url=url,
+                    timer=timers["rollout"],
+                    prefix="rollout-",
+                )
+            with gr.Tab("Environment", id="env", elem_id="tab-env") as env_tab:
+                env_app.build_panel(stack.env, stack.env_config, bucket_url=url, timer=timers["env"], prefix="env-")
+        for name, tab in zip(names, (overview, trainer_tab, rollout_tab, env_tab)):
+            tab.select(
+                lambda shown=name: [gr.Timer(active=(other == shown)) for other in names],
+                outputs=[timers[n] for n in names],
+                show_progress="hidden",
+            )
+    return demo
+
+
+def _interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "shared.protocol.subscriber"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    stack = Stack(args.bucket, args.replicas, environment=args.environment, max_steps=args.max_steps)
+    demo = build_app(stack)
+    options: dict[str, Any] = {**ui.launch_options(), "server_port": args.port}
+    demo.launch(prevent_thread_lock=True, **options)  # first, so a busy port stops us before any role runs
+    logger.info(
+        "panel on http://%s:%d",
+        "localhost" if options["server_name"] == "0.0.0.0" else options["server_name"],
+        args.port,
+    )
+    if args.fresh:
+        clear_run(open_bucket(args.bucket))
+    if args.autostart:
+        stack.start_all()
+    else:
+        logger.info("not starting the roles: press 'Start all' (or a tab's Start) in the panel")
+    stop = threading.Event()
+    threading.Thread(target=log_progress, args=(stack, stop), name="progress", daemon=True).start()
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the roles cleanly on SIGTERM as on Ctrl-C
+    try:
+        demo.block_thread()
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        stop.set()
+        logger.info("stopping the roles")
+        stack.stop_all()
+        demo.close()
+        logger.info("stopped")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Gradio panel of a rollout Space: ``python rollout_space/app.py``.
+
+The settings form is prefilled from ``ReplicaConfig.from_env()`` (``ROLLOUT_<FIELD>``
+variables); Start builds the replica(s) with the form's values and runs them in
+background threads, Stop stops them. The page then shows, read from the
+bucket's ``status/`` objects: this Space's replicas (version, newest version,
+lag, apply time, inference idle per sync, tokens/s), their apply time per
+version, and the whole fleet.
+
+Access: on a public Space anyone could press Start / Stop. Set the ``PANEL_AUTH``
+secret to ``user:password`` and the panel asks for that login (Gradio auth)
+whenever ``SPACE_ID`` is set; or make the Space private, or hide the controls
+behind Hugging Face OAuth (``gr.LoginButton``). The HF token is only read from
+the environment and never shown.
+
+Server: ``GRADIO_SERVER_NAME`` (default ``0.0.0.0``), ``PORT`` (default 7860).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # run as a script, from the repository or a Space root
+    sys.path.insert(0, _ROOT)
+
+import dataclasses
+import logging
+from typing import Any
+
+import gradio as gr
+
+from rollout_space.replica import Replica, ReplicaConfig, default_replica_id
+from shared import ui
+
+logger = logging.getLogger(__name__)
+
+
+def build_replicas(config: ReplicaConfig, count: int = 1) -> list[Replica]:
+    """``count`` replicas of ``config``; with several, their ids get ``-0``, ``-1``, ... suffixes.
+
+    Raises:
+        ValueError: ``count`` is below 1.
+    """
+    if count < 1:
+        raise ValueError(f"need at least one replica, got {count}")
+    if count == 1:
+        return [Replica(config)]
+    base = config.replica_id or default_replica_id()
+    return [Replica(dataclasses.replace(config, replica_id=f"{base}-{i}", seed=config.seed + i)) for i in range(count)]
+
+
+def make_runner() -> ui.RoleRunner:
+    """A runner hosting replicas; start it with ``(ReplicaConfig, count)``."""
+    return ui.RoleRunner("rollout", lambda spec: build_replicas(*spec))
+
+
+def hosted_ids(runner: ui.RoleRunner) -> list[str]:
+    """Ids of the replicas ``runner`` hosts (empty before Start)."""
+    return [obj.replica_id for obj in runner.objects if isinstance(obj, Replica)]
+
+
+def build_panel(
+    runner: ui.RoleRunner,
+    config: ReplicaConfig,
+    count: int = 1,
+    bucket_url: ui.BucketSource | None = None,
+    timer: Any | None = None,
+    prefix: str = "",
+) -> dict[str, Any]:
+    """Create the rollout panel's components in the current ``gr.Blocks`` context.
+
+    Args:
+        runner: The replicas this panel starts and stops (from :func:`make_runner`).
+        config: Defaults of the settings form.
+        count: Default number of replicas started in this process.
+        bucket_url: The bucket the panel reads (fixed, e.g. in the combined app); ``None``:
+            the form has a bucket field and the panel follows the bucket of the last Start.
+        timer: The ``gr.Timer`` refreshing the panel (default: a new one).
+        prefix: Prepended to the components' ``elem_id`` (several panels on one page).
+
+    Returns:
+        The main components by name.
+    """
+    current = {"url": config.bucket}
+    live = ui.Live(bucket_url if bucket_url is not None else (lambda: current["url"]), timer)
+    skip = ("bucket",) if bucket_url is not None else ()
+    with gr.Accordion("Replica settings", open=False):
+        replicas = gr.Number(
+            count, precision=0, minimum=1, label="replicas in this process", elem_id=f"{prefix}cfg-replicas"
+        )
+        form = ui.config_form(
+            config,
+            overrides={"engine": lambda **kw: gr.Dropdown(["transformers", "vllm"], **kw)},
+            skip=skip,
+            prefix=prefix,
+        )
+
+    def make_config(n: float | None, *values: Any) -> tuple[ReplicaConfig, int]:
+        if n is None or n < 1 or float(n) != int(n):
+            raise ValueError(f"replicas must be a whole number >= 1, got {n!r}")
+        return ui.config_from_form(config, list(form), values), int(n)
+
+    with live:
+        controls = ui.role_controls(
+            runner,
+            make_config,
+            [replicas, *form.values()],
+            live,
+            on_started=lambda c: current.update(url=c[0].bucket),
+            prefix=prefix,
+        )
+        gr.Markdown("### This Space's replicas")
+        mine = ui.fleet_table(
+            live, replicas=lambda: hosted_ids(runner), label="Replicas hosted here", prefix=f"{prefix}own-"
+        )
+        apply = ui.apply_plot(live, replicas=lambda: hosted_ids(runner), prefix=prefix)
+        gr.Markdown("### Fleet")
+        fleet = ui.fleet_table(live, prefix=prefix)
+    return {**controls, "form": form, "replicas": replicas, "own": mine, "apply": apply, "fleet": fleet, "live": live}
+
+
+def build_app(config: ReplicaConfig | None = None, runner: ui.RoleRunner | None = None, count: int = 1) -> gr.Blocks:
+    """The rollout Space's panel as a ``gr.Blocks`` (not launched).
+
+    Args:
+        config: Form defaults (default: ``ReplicaConfig.from_env()``).
+        runner: The replica runner (default: a new one).
+        count: Default number of replicas.
+    """
+    config = config or ReplicaConfig.from_env()
+    runner = runner or make_runner()
+    with gr.Blocks(title="RL Sync: rollout") as demo:
+        gr.Markdown(
+            "# RL Sync: rollout\nReplicas following the trainer's weights bit-exactly and answering task batches."
+        )
+        build_panel(runner, config, count)
+    return demo
+
+
+def main() -> None:
+    """Launch the rollout panel (``GRADIO_SERVER_NAME``, ``PORT``, ``PANEL_AUTH``)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    build_app().launch(**ui.launch_options())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Gradio panel of the trainer Space: ``python trainer_space/app.py``.
+
+The settings form is prefilled from ``TrainerConfig.from_env()`` (``TRAINER_<FIELD>``
+variables); Start builds a :class:`~trainer_space.trainer.Trainer` with the form's
+values and runs it in background threads, Stop stops it. Everything else on the
+page is read from the bucket, so the plots and the fleet table show the whole
+run wherever its parts execute: published size per version (anchors marked),
+% of parameters changed, encode / hash / upload times, mean reward per policy
+version, the recent publishes, the rollout fleet, and the anchor policy
+controls, which write the bucket's control object (the trainer follows it from
+its next publish).
+
+Access: on a public Space anyone could press Start / Stop or change the anchor
+policy. Set the ``PANEL_AUTH`` secret to ``user:password`` and the panel asks
+for that login (Gradio auth) whenever ``SPACE_ID`` is set; or make the Space
+private, or hide the controls behind Hugging Face OAuth (``gr.LoginButton``).
+The HF token is only read from the environment and never shown.
+
+Server: ``GRADIO_SERVER_NAME`` (default ``0.0.0.0``), ``PORT`` (default 7860).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # run as a script, from the repository or a Space root
+    sys.path.insert(0, _ROOT)
+
+import logging
+from typing import Any
+
+import gradio as gr
+
+from shared import ui
+from trainer_space.trainer import Trainer, TrainerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def make_runner() -> ui.RoleRunner:
+    """A runner hosting one :class:`Trainer`."""
+    return ui.RoleRunner("trainer", lambda config: [Trainer(config)])
+
+
+def build_panel(
+    runner: ui.RoleRunner,
+    config: TrainerConfig,
+    bucket_url: ui.BucketSource | None = None,
+    timer: Any | None = None,
+    prefix: str = "",
+) -> dict[str, Any]:
+    """Create the trainer panel's components in the current ``gr.Blocks`` context.
+
+    Args:
+        runner: The trainer this panel starts and stops.
+        config: Defaults of the settings form.
+        bucket_url: The bucket the panel reads (fixed, e.g. in the combined app); ``None``:
+            the form has a bucket field and the panel follows the bucket of the last Start.
+        timer: The ``gr.Timer`` refreshing the panel (default: a new one, ticking every ``ui.REFRESH_S``).
+        prefix: Prepended to the components' ``elem_id`` (several panels on one page).
+
+    Returns:
+        The main components by name (``"start"``, ``"stop"``, ``"status"``, ``"anchor"``, ...).
+    """
+    current = {"url": config.bucket}
+    live = ui.Live(bucket_url if bucket_url is not None else (lambda: current["url"]), timer)
+    skip = ("bucket",) if bucket_url is not None else ()
+    with gr.Accordion("Trainer settings", open=False):
+        form = ui.config_form(
+            config,
+            overrides={"anchor_policy": lambda **kw: gr.Radio(["fixed", "adaptive"], **kw)},
+            skip=skip,
+            prefix=prefix,
+        )
+
+    def make_config(*values: Any) -> TrainerConfig:
+        return ui.config_from_form(config, list(form), values)
+
+    with live:
+        controls = ui.role_controls(
+            runner,
+            make_config,
+            list(form.values()),
+            live,
+            on_started=lambda c: current.update(url=c.bucket),
+            prefix=prefix,
+        )
+        summary = ui.summary_line(live, ui.trainer_summary, elem_id=f"{prefix}trainer-summary")
+        gr.Markdown("### Anchor policy")
+        anchor = ui.anchor_policy_controls(live, default=config.policy(), prefix=prefix)
+        gr.Markdown("### Weight sync")
+        plots = ui.sync_plots(live, prefix=prefix)
+        with gr.Row():
+            with gr.Column(scale=3):
+                reward = ui.reward_plot(live, prefix=prefix)
+            with gr.Column(scale=2):
+                publishes = ui.publishes_table(live, prefix=prefix)
+        fleet = ui.fleet_table(live, prefix=prefix)
+    return {
+        **controls,
+        "form": form,
+        "summary": summary,
+        "anchor": anchor,
+        "plots": plots,
+        "reward": reward,
+        "publishes": publishes,
+        "fleet": fleet,
+        "live": live,
+    }
+
+
+def build_app(config: TrainerConfig | None = None, runner: ui.RoleRunner | None = None) -> gr.Blocks:
+    """The trainer Space's panel as a ``gr.Blocks`` (not launched).
+
+    Args:
+        config: Form defaults (default: ``TrainerConfig.from_env()``).
+        runner: The trainer runner (default: a new one).
+    """
+    config = config or TrainerConfig.from_env()
+    runner = runner or make_runner()
+    with gr.Blocks(title="RL Sync: trainer") as demo:
+        gr.Markdown("# RL Sync: trainer\nAsync GRPO trainer publishing bf16 anchors and sparse deltas to the bucket.")
+        build_panel(runner, config)
+    return demo
+
+
+def main() -> None:
+    """Launch the trainer panel (``GRADIO_SERVER_NAME``, ``PORT``, ``PANEL_AUTH``)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    build_app().launch(**ui.launch_options())
+
+
+if __name__ == "__main__":
+    main()
