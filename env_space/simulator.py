@@ -75,9 +75,20 @@ class EnvSimulator:
     # -- tasks --------------------------------------------------------------
 
     def batch_tasks(self, batch: int, doc: dict) -> dict[str, Task]:
-        """The tasks of a batch, regenerated from its environment and seed."""
-        env = self.environment if doc.get("env") == self.environment.name else get_environment(doc["env"])
-        return {t.task_id: t for t in env.tasks(int(doc["n"]), seed=int(doc["seed"]))}
+        """The tasks of a batch, regenerated from its environment and seed.
+
+        Raises:
+            ValueError: ``doc`` is not a task object an environment wrote (unknown environment,
+                ``n`` or ``seed`` not integers, ``n`` not the number of tasks it lists).
+        """
+        try:
+            env = self.environment if doc.get("env") == self.environment.name else get_environment(doc["env"])
+            n, seed = doc["n"], doc["seed"]
+            if type(n) is not int or type(seed) is not int or not isinstance(doc.get("tasks"), list) or n != len(doc["tasks"]):
+                raise ValueError(f"n={n!r}, seed={seed!r} do not describe its task list")
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"task batch {batch}: {exc}") from None
+        return {t.task_id: t for t in env.tasks(n, seed=seed)}
 
     def publish_tasks(self) -> int:
         """Publish one batch of tasks; returns its number."""
@@ -105,15 +116,19 @@ class EnvSimulator:
         scored = 0
         for batch, keys in sorted(list_batches(self.bucket, ROLLOUTS_PREFIX).items()):
             doc = get_json(self.bucket, task_key(batch))
+            try:
+                tasks = self.batch_tasks(batch, doc) if isinstance(doc, dict) else None
+            except ValueError as exc:
+                logger.warning("ignoring task batch %d: %s", batch, exc)
+                tasks = None
             for key in keys:
                 replica = replica_of(key)
                 read = read_samples(self.bucket, key)
-                if doc is None or read is None or replica is None:
+                if tasks is None or read is None or replica is None:
                     logger.warning("dropping %s: unreadable, or its task batch is gone", key)
                     self.bucket.delete([key])
                     continue
                 header, samples = read
-                tasks = self.batch_tasks(batch, doc)
                 kept = [s for s in samples if s.task_id in tasks]
                 for s in kept:
                     s.reward = float(self.environment.score(tasks[s.task_id], s.completion))

@@ -17,6 +17,7 @@ more groups for those tasks (the env counts them). Every replica writes
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import socket
@@ -188,12 +189,12 @@ class Replica:
         self.done_batches.add(batch)
         if not isinstance(doc, dict) or not isinstance(doc.get("tasks"), list):
             return 0
-        tasks = [t for t in doc["tasks"] if isinstance(t, dict) and isinstance(t.get("prompt"), str)]
+        tasks = [t for t in doc["tasks"] if isinstance(t, dict) and isinstance(t.get("prompt"), str) and "task_id" in t]
         version = self.subscriber.step
         assert version is not None
         sampling = SamplingSettings(
             n=self.config.samples_per_task, max_new_tokens=self.config.max_new_tokens,
-            temperature=self.config.temperature, seed=(self.config.seed * 1_000_003 + batch) * 7919 + version,
+            temperature=self.config.temperature, seed=self._sampling_seed(batch, version),
         )  # fmt: skip
         t0 = time.perf_counter()
         groups = self.engine.generate([t["prompt"] for t in tasks], sampling)
@@ -207,6 +208,11 @@ class Replica:
         write_samples(self.bucket, rollout_key(batch, self.replica_id), samples, batch=batch, replica=self.replica_id, version=version)
         self.completions += len(samples)
         return len(samples)
+
+    def _sampling_seed(self, batch: int, version: int) -> int:
+        """Seed of one batch: differs between replicas, so racing replicas add new samples, not copies."""
+        replica = int.from_bytes(hashlib.sha256(self.replica_id.encode()).digest()[:4], "little")
+        return ((self.config.seed * 1_000_003 + batch) * 7919 + version) ^ replica
 
     # -- status -------------------------------------------------------------
 
@@ -230,6 +236,9 @@ class Replica:
             "completions": self.completions,
             "state_hash": self.subscriber.state_hash,
             "engine_state_hash": self.engine_state_hash,
+            "recent_syncs": [
+                {k: s[k] for k in ("step", "kind", "nbytes", "download_s", "idle_s", "time")} for s in self.syncs[-50:]
+            ],
             "updated_at": time.time(),
         }
 
@@ -276,11 +285,17 @@ class Replica:
         self._threads = [thread]
 
     def stop(self) -> None:
+        """Stop the loops; the engine stays loaded so :meth:`start` can resume (see :meth:`close`)."""
         self._stop.set()
         with self._slot:
             self._slot.notify_all()
         for t in self._threads:
             t.join(timeout=60)
+
+    def close(self) -> None:
+        """Stop and release the engine (GPU memory with vLLM)."""
+        self.stop()
+        self.engine.close()
 
     @property
     def running(self) -> bool:

@@ -37,7 +37,7 @@ _ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 def check_id(value: str) -> str:
     """Check a replica or role id used inside object keys."""
-    if not isinstance(value, str) or not _ID.match(value) or value in (".", ".."):
+    if not isinstance(value, str) or not _ID.fullmatch(value) or value in (".", ".."):
         raise ValueError(f"invalid id {value!r}: use 1-64 of A-Z a-z 0-9 _ . -")
     return value
 
@@ -69,9 +69,10 @@ def batch_of(key: str) -> int | None:
 
 
 def replica_of(key: str) -> str | None:
-    """The replica id in a ``rollouts/`` or ``scores/`` key."""
+    """The replica id in a ``rollouts/`` or ``scores/`` key; ``None`` unless it is a valid id (see :func:`check_id`)."""
     parts = key.split("/")
-    return parts[2][: -len(".json")] if len(parts) == 3 and parts[2].endswith(".json") else None
+    replica = parts[2][: -len(".json")] if len(parts) == 3 and parts[2].endswith(".json") else None
+    return replica if replica is not None and _ID.fullmatch(replica) and replica not in (".", "..") else None
 
 
 def put_json(bucket: Bucket, key: str, doc: Any) -> None:
@@ -90,7 +91,7 @@ def get_json(bucket: Bucket, key: str) -> Any | None:
         return None
     try:
         return json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: deeply nested
         logger.warning("ignoring malformed %s: %s", key, exc)
         return None
 
@@ -132,7 +133,7 @@ def read_samples(bucket: Bucket, key: str) -> tuple[dict[str, Any], list[Sample]
         return None
     try:
         samples = [Sample.from_dict(s) for s in doc.get("samples", [])]
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(Infinity)
         logger.warning("ignoring malformed %s: %s", key, exc)
         return None
     header = {k: v for k, v in doc.items() if k != "samples"}
@@ -174,6 +175,9 @@ class MetricsLog:
         self.keep = keep
         self.rows: list[dict[str, Any]] = []
         self.extra: dict[str, Any] = {}
+        previous = get_json(bucket, self.key) if bucket is not None else None
+        if isinstance(previous, dict) and isinstance(previous.get("rows"), list):  # a restarted role keeps its history
+            self.rows = [r for r in previous["rows"] if isinstance(r, dict)][-keep:]
 
     def add(self, **row: Any) -> None:
         self.rows.append({"time": time.time(), **row})

@@ -50,5 +50,5 @@ def run_role(name: str, config_cls: Any, role_cls: Callable[..., Any], argv: Seq
     role.start()
     while role.running and not done.is_set():
         done.wait(0.5)
-    role.stop()
+    getattr(role, "close", role.stop)()
     logger.info("%s stopped", name)

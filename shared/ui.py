@@ -569,8 +569,8 @@ class RoleRunner:
         objects = list(self.objects)
 
         def stop_all() -> None:
-            for obj in objects:
-                obj.stop()
+            for obj in objects:  # close() also releases engines (GPU memory); Start builds new objects
+                getattr(obj, "close", obj.stop)()
             logger.info("%s stopped", self.name)
 
         if wait:
