@@ -89,50 +89,60 @@ def bare_compare(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> 
 
 
 def measure(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], codecs: list[str], repeat: int) -> list[dict]:
+    """Bytes and times of every method on one pair of states.
+
+    Timings are interleaved: each round times the bare comparison and every
+    method's encode once, and the best of ``repeat`` rounds is kept for each,
+    so that a noisy machine affects the reference and the methods alike.
+    """
     model_bytes = sum(t.numel() * t.element_size() for t in new.values())
     total = sum(t.numel() for t in new.values())
-    compare_s, changed = best_of(lambda: bare_compare(old, new), repeat)
-    rows = []
-
-    def row(name, nbytes, enc_s, dec_s):
-        rows.append({
-            "method": name, "changed_pct": 100 * changed / total,
-            "bytes_per_changed": nbytes / max(changed, 1), "bytes": nbytes,
-            "ratio_to_full": nbytes / model_bytes,
-            "encode_gbps": model_bytes / enc_s / 1e9, "decode_apply_gbps": model_bytes / dec_s / 1e9,
-            "encode_s": enc_s, "decode_apply_s": dec_s, "compare_s": compare_s,
-            "encode_vs_compare": enc_s / compare_s,
-        })  # fmt: skip
-
-    enc_s, blob = best_of(lambda: safetensors.torch.save(new), repeat)
-    dec_s, _ = best_of(lambda: safetensors.torch.load(blob), repeat)
-    row("full safetensors", len(blob), enc_s, dec_s)
+    changed = bare_compare(old, new)
     cctx, dctx = zstandard.ZstdCompressor(level=3, threads=-1), zstandard.ZstdDecompressor()
-    enc_z, zblob = best_of(lambda: cctx.compress(safetensors.torch.save(new)), 1)
-    dec_z, _ = best_of(lambda: safetensors.torch.load(dctx.decompress(zblob)), 1)
-    row("full safetensors + zstd", len(zblob), enc_z, dec_z)
 
-    target = state_hash(new)
-    for codec in codecs:
+    def delta_encoder(codec: str):
         detector = ChangeDetector(dtype=None)
         detector.published = old
+        return lambda: encode_delta(detector.diff(new), step=1, base_step=0, base_hash="", state_hash="", total=total, codec=codec)
 
-        def encode():
-            changes = detector.diff(new)
-            return encode_delta(changes, step=1, base_step=0, base_hash="", state_hash="", total=total, codec=codec)
+    encoders = {
+        "full safetensors": lambda: safetensors.torch.save(new),
+        "full safetensors + zstd": lambda: cctx.compress(safetensors.torch.save(new)),
+        **{f"delta {codec}": delta_encoder(codec) for codec in codecs},
+    }
+    best = {name: float("inf") for name in ["compare", *encoders]}
+    outputs: dict[str, bytes] = {}
+    for _ in range(repeat):
+        for name, fn in [("compare", lambda: bare_compare(old, new)), *encoders.items()]:
+            seconds, out = best_of(fn, 1)
+            best[name] = min(best[name], seconds)
+            outputs[name] = out
+    target = state_hash(new)
+    rows = []
+    for name in encoders:
+        data = outputs[name]
+        if name == "full safetensors":
+            dec_s, _ = best_of(lambda: safetensors.torch.load(data), repeat)
+        elif name == "full safetensors + zstd":
+            dec_s, _ = best_of(lambda: safetensors.torch.load(dctx.decompress(data)), 1)
+        else:
+            work = {n: t.clone() for n, t in old.items()}
 
-        enc_s, data = best_of(encode, repeat)
-        work = {n: t.clone() for n, t in old.items()}
+            def decode_apply():
+                for tensor_name, patch in decode_delta(data, work).patches.items():
+                    patch.apply_(work[tensor_name])
 
-        def decode_apply():
-            delta = decode_delta(data, work)
-            for name, patch in delta.patches.items():
-                patch.apply_(work[name])
-
-        dec_s, _ = best_of(decode_apply, 1)
-        if state_hash(work) != target:
-            raise AssertionError(f"{codec}: decode+apply is not bit-exact")
-        row(f"delta {codec}", len(data), enc_s, dec_s)
+            dec_s, _ = best_of(decode_apply, 1)
+            if state_hash(work) != target:
+                raise AssertionError(f"{name}: decode+apply is not bit-exact")
+        rows.append({
+            "method": name, "changed_pct": 100 * changed / total,
+            "bytes_per_changed": len(data) / max(changed, 1), "bytes": len(data),
+            "ratio_to_full": len(data) / model_bytes,
+            "encode_gbps": model_bytes / best[name] / 1e9, "decode_apply_gbps": model_bytes / dec_s / 1e9,
+            "encode_s": best[name], "decode_apply_s": dec_s, "compare_s": best["compare"],
+            "encode_vs_compare": best[name] / best["compare"],
+        })  # fmt: skip
     return rows
 
 
@@ -154,9 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--params", type=float, default=100e6, help="model size in parameters (default 100e6)")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 3e-6, 1e-5])
-    ap.add_argument("--warmup-steps", type=int, default=2, help="AdamW steps before the measured one")
+    ap.add_argument("--warmup-steps", type=int, default=10, help="AdamW steps before the measured one (later steps change fewer elements)")
     ap.add_argument("--codecs", nargs="+", default=["trl", "gapzz"])
-    ap.add_argument("--repeat", type=int, default=3, help="timing repeats (best of)")
+    ap.add_argument("--repeat", type=int, default=5, help="interleaved timing rounds (best of)")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
     torch.manual_seed(0)

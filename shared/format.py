@@ -32,7 +32,7 @@ import torch
 from .codecs import DEFAULT_CODEC, get_codec
 from .dtypes import bits_to_numpy, dtype_from_name, dtype_name, int_view, numpy_to_values
 from .errors import FormatError
-from .patch import TensorPatch
+from .patch import TensorPatch, gather
 from .workers import worker_pool
 
 FORMAT_NAME = "rlsync"
@@ -311,7 +311,6 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
         count = info.get("count")
         if not isinstance(count, int) or not 0 < count <= target.numel():
             raise FormatError(f"{name}: invalid changed count {count!r}")
-        bits = int_view(target)
         index, new_bits = coder.decode(
             name,
             {k: entries[k] for k in coder.entry_names(name)},
@@ -319,7 +318,7 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
             count=count,
             numel=target.numel(),
             itemsize=target.element_size(),
-            old_bits_at=lambda idx, bits=bits: bits_to_numpy(bits[torch.from_numpy(idx).to(bits.device)]),
+            old_bits_at=lambda idx, target=target: bits_to_numpy(int_view(gather(target, torch.from_numpy(idx)))),
         )
         patches[name] = TensorPatch(
             index=torch.from_numpy(index), values=numpy_to_values(new_bits, target.dtype), shape=tuple(target.shape)

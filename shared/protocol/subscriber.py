@@ -31,7 +31,7 @@ from ..bucket import Bucket, ObjectNotFoundError
 from ..errors import ChainError, FormatError, HashMismatchError, SyncError
 from ..format import decode_delta, load_anchor
 from ..hashing import combine_digests, tensor_digest
-from ..patch import TensorPatch
+from ..patch import TensorPatch, gather, scatter_
 from .manifest import POINTER_KEY, AnchorEntry, DeltaEntry, Manifest
 
 logger = logging.getLogger(__name__)
@@ -272,16 +272,15 @@ class Subscriber:
         digests = dict(self._digests)
         try:
             for name, patch in update.patches.items():
-                flat = self.state[name].view(-1)
-                index = patch.index.to(flat.device)
-                undo.append((flat, index, flat[index].clone()))
-                flat[index] = patch.values.to(flat.device)
-                digests[name] = tensor_digest(self.state[name])
+                tensor = self.state[name]
+                undo.append((tensor, patch.index, gather(tensor, patch.index)))
+                patch.apply_(tensor)
+                digests[name] = tensor_digest(tensor)
             if combine_digests(digests) != update.state_hash:
                 raise HashMismatchError(f"state after delta {update.step} does not match its hash")
         except BaseException as exc:
-            for flat, index, old in reversed(undo):
-                flat[index] = old
+            for tensor, index, old in reversed(undo):
+                scatter_(tensor, index, old)
             if isinstance(exc, SyncError):
                 raise self._refuse(exc) from None
             raise
