@@ -82,7 +82,7 @@ def validate_key(key: str) -> str:
     for segment in key.split("/"):
         if segment in ("", ".", ".."):
             raise InvalidKeyError(f"invalid object key {key!r}: empty, '.' or '..' segment")
-        if not _SEGMENT.match(segment):
+        if not _SEGMENT.fullmatch(segment):  # match() would let a trailing newline through '$'
             raise InvalidKeyError(f"invalid object key {key!r}: unsupported characters")
     return key
 

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterable
 
-from .base import Bucket, ObjectInfo, ObjectNotFoundError, validate_key, validate_prefix
+from .base import Bucket, InvalidKeyError, ObjectInfo, ObjectNotFoundError, validate_key, validate_prefix
 
 _TMP_MARK = ".tmp-"
 
@@ -79,6 +79,10 @@ class LocalBucket(Bucket):
                     continue
                 full = Path(dirpath, name)
                 key = full.relative_to(self.root).as_posix()
+                try:
+                    validate_key(key)
+                except InvalidKeyError:  # put there by another tool; no get() could read it (as HfBucket.list)
+                    continue
                 if key.startswith(prefix):
                     try:
                         out.append(ObjectInfo(key, full.stat().st_size))

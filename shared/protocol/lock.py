@@ -53,7 +53,7 @@ def read_lock(bucket: Bucket) -> RunLock | None:
         return RunLock(str(doc["owner"]), int(doc["epoch"]), float(doc["heartbeat"]))
     except ObjectNotFoundError:
         return None
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: deeply nested JSON
         logger.warning("ignoring malformed %s: %s", LOCK_KEY, exc)
         return None
 

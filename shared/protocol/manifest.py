@@ -164,7 +164,7 @@ class Manifest:
             )
         except FormatError:
             raise
-        except (ValueError, KeyError, TypeError, AttributeError, InvalidKeyError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, InvalidKeyError, RecursionError) as exc:  # deep nesting
             raise FormatError(f"malformed pointer object: {exc}") from None
         manifest.check()
         return manifest

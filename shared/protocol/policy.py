@@ -113,7 +113,7 @@ def policy_from_json(data: bytes) -> AnchorPolicy:
     """Parse a control object written by :func:`policy_to_json`."""
     try:
         settings = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: deeply nested
         raise FormatError(f"control object is not JSON: {exc}") from None
     if not isinstance(settings, dict):
         raise FormatError("control object is not a JSON object")

@@ -25,7 +25,7 @@ from ..detect import DEFAULT_CHUNK_ELEMENTS, ChangeDetector, serving_copy
 from ..errors import FormatError, SyncError
 from ..format import DEFAULT_MAX_SHARD_BYTES, encode_delta, write_anchor
 from ..hashing import combine_digests, tensor_digest
-from .lock import DEFAULT_LOCK_TTL_S, RunLock, acquire, check_fence, write_lock
+from .lock import DEFAULT_LOCK_TTL_S, FencedError, RunLock, acquire, check_fence, write_lock
 from .manifest import (
     CONTROL_KEY,
     POINTER_KEY,
@@ -128,6 +128,7 @@ class Publisher:
         self.owner = owner or os.environ.get("SPACE_ID") or socket.gethostname()
         self.lock_ttl_s = lock_ttl_s
         self.lock: RunLock | None = None
+        self._written: set[tuple[int, str]] = set()  # (step, hash) of pointers this publisher wrote or tried to
 
     @property
     def step(self) -> int | None:
@@ -159,6 +160,7 @@ class Publisher:
         self.detector.published = {n: t.clone() for n, t in sub.state.items()}
         self._digests = {n: tensor_digest(t) for n, t in sub.state.items()}
         self.manifest = manifest
+        self._written = {(manifest.step, manifest.state_hash)}
         if not self.run_id:
             self.run_id = manifest.run_id
         logger.info("resumed at step %d (hash %s)", manifest.step, manifest.state_hash[:12])
@@ -170,6 +172,29 @@ class Publisher:
             self.lock = acquire(self.bucket, self.owner, self.lock_ttl_s)
         else:
             check_fence(self.bucket, self.lock)
+
+    def _check_pointer(self) -> None:
+        """Refuse to write when the pointer names a version this publisher did not write.
+
+        A trainer taken over while its publish was in flight can land that pointer
+        after the new trainer resumed; publishing on would overwrite the objects it
+        names. An unreadable pointer (an upload cut short) is ours to rewrite.
+
+        Raises:
+            FencedError: the pointer moved to a version this publisher did not publish.
+        """
+        if self.manifest is None:
+            return
+        try:
+            current = read_manifest(self.bucket)
+        except FormatError:
+            return
+        if current is None or (current.step, current.state_hash) in self._written:
+            return
+        raise FencedError(
+            f"{self.bucket.url}: the pointer names step {current.step}, which this trainer did not publish "
+            f"(its last was {self.manifest.step}); another trainer wrote into the chain; resume() before publishing"
+        )
 
     def heartbeat(self) -> None:
         """Refresh the run lock's heartbeat (call while training without publishing for long)."""
@@ -209,13 +234,15 @@ class Publisher:
             SyncError: ``step`` does not advance, or the bucket already holds a
                 run this publisher did not :meth:`resume`.
             RunLockedError: another trainer holds the run lock.
-            FencedError: another trainer took the run over since this one started.
+            FencedError: another trainer took the run over since this one started, or the
+                pointer names a version this publisher did not write (resume() again).
             BucketError: the bucket failed; the previous version stays published
                 and the publish may be retried.
         """
         if self.manifest is None and not self._resumed and read_manifest(self.bucket) is not None:
             raise SyncError(f"{self.bucket.url} already holds a published run; call resume() or use an empty bucket")
         self._lock()
+        self._check_pointer()
         if self.step is not None and step <= self.step:
             raise SyncError(f"step {step} does not advance past the published step {self.step}")
         self._refresh_policy()
@@ -302,6 +329,10 @@ class Publisher:
     def _commit(self, manifest: Manifest) -> None:
         """Write the pointer for ``manifest`` (after retention), then delete what it dropped."""
         pruned, dropped = prune(manifest, self.keep_anchors)
+        if self.lock is not None:  # the data may have taken long to upload: still ours?
+            check_fence(self.bucket, self.lock)
+        self._written = {(self.manifest.step, self.manifest.state_hash)} if self.manifest else set()
+        self._written.add((pruned.step, pruned.state_hash))  # a put that failed may still have landed
         self.bucket.put(POINTER_KEY, pruned.to_json())
         self.manifest = pruned
         try:
