@@ -45,6 +45,8 @@ def test_follower_is_bit_exact_and_anchors_follow_interval(bucket):
     assert [r.kind for r in records] == ["anchor", "delta", "delta"] * 2 + ["anchor", "delta"]
     assert all(0 < r.changed < r.total for r in records if r.kind == "delta")
     assert state_hash(sub.state) == state_hash(bf16(master))
+    # anchors 3 and 6 come with a companion delta: a replica that keeps up downloads one anchor only
+    assert sub.stats.anchors_applied == 1 and sub.stats.deltas_applied == 7
 
 
 def test_late_joiner_downloads_newest_anchor_and_following_deltas(bucket):
@@ -229,7 +231,7 @@ def test_retention_keeps_last_anchors_and_following_deltas(bucket):
     run(pub, master, 11)  # anchors 0, 3, 6, 9
     manifest = read_manifest(bucket)
     assert [a.step for a in manifest.anchors] == [6, 9]
-    assert [d.step for d in manifest.deltas] == [7, 8, 10]
+    assert [d.step for d in manifest.deltas] == [7, 8, 9, 10]  # 9: the companion delta of anchor 9
     named = {f.key for a in manifest.anchors for f in a.files} | {d.file.key for d in manifest.deltas}
     stored = {o.key for o in bucket.list() if o.key.startswith(("anchors/", "deltas/"))}
     assert stored == named
@@ -284,7 +286,7 @@ def test_verify_detects_corruption(bucket):
     master = master_state()
     run(Publisher(bucket, policy=FixedInterval(3)), master, 5)
     report = verify_bucket(bucket)
-    assert report.ok and report.anchors_checked == 2 and report.deltas_checked == 3
+    assert report.ok and report.anchors_checked == 2 and report.deltas_checked == 4  # incl. the companion of anchor 3
     path = bucket.root / delta_key(4)
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF

@@ -297,11 +297,24 @@ class Publisher:
         )  # fmt: skip
 
     def _publish_anchor(self, step: int, state: Mapping[str, torch.Tensor]) -> PublishRecord:
+        """Write a full anchor; when the state continues the published one, also a companion
+        delta of the same step, so that replicas keeping up never need to download anchors."""
         t0 = time.perf_counter()
         serving = {n: serving_copy(t, self.dtype) for n, t in state.items()}
         self._digests = {}
         result_hash = self._hash(serving, serving)
         t1 = time.perf_counter()
+        total = sum(t.numel() for t in serving.values())
+        companion: tuple[DeltaEntry, ...] = ()
+        if self.manifest is not None and self.detector.compatible(serving):
+            changes = self.detector.diff(serving)
+            data = encode_delta(
+                changes, step=step, base_step=self.manifest.step, base_hash=self.manifest.state_hash,
+                state_hash=result_hash, total=total, codec=self.codec,
+            )  # fmt: skip
+            changed = sum(c.index.size for c in changes.values())
+            companion = (DeltaEntry(step, self.manifest.step, result_hash, FileEntry(delta_key(step), len(data)), changed, total),)
+            self.bucket.put(delta_key(step), data)
         folder = anchor_folder(step)
         with tempfile.TemporaryDirectory(prefix="rlsync-anchor-") as tmp:
             files = write_anchor(serving, tmp, step=step, state_hash=result_hash, max_shard_bytes=self.max_shard_bytes)
@@ -313,17 +326,20 @@ class Publisher:
         if self.manifest is None:
             manifest = Manifest(step, result_hash, (anchor,), (), run_id=self.run_id)
         else:
-            manifest = dataclasses.replace(self.manifest, step=step, state_hash=result_hash, anchors=self.manifest.anchors + (anchor,))
+            manifest = dataclasses.replace(
+                self.manifest, step=step, state_hash=result_hash,
+                anchors=self.manifest.anchors + (anchor,), deltas=self.manifest.deltas + companion,
+            )  # fmt: skip
         self._commit(manifest)
         t3 = time.perf_counter()
         self.detector.published = serving
-        total = sum(t.numel() for t in serving.values())
         nbytes = sum(e.size for e in entries)
         logger.info("published anchor %d: %d bytes in %d file(s)", step, nbytes, len(entries))
         return PublishRecord(
             step, "anchor", nbytes, total, total, result_hash,
             encode_s=t2 - t1, hash_s=t1 - t0, upload_s=t3 - t2,
-            catchup_bytes=self.manifest.catchup_bytes() if self.manifest else nbytes, keys=[e.key for e in entries],
+            catchup_bytes=self.manifest.catchup_bytes() if self.manifest else nbytes,
+            keys=[e.key for e in entries] + [c.file.key for c in companion],
         )  # fmt: skip
 
     def _commit(self, manifest: Manifest) -> None:

@@ -50,9 +50,10 @@ def verify_bucket(bucket: Bucket) -> VerifyReport:
         report.errors.append(f"anchor {manifest.anchors[0].step}: {exc}")
         return report
     later = {a.step: a for a in manifest.anchors[1:]}
+    replayed: dict[int, str] = {}
     try:
         for entry in manifest.deltas_since(sub.step):
-            if entry.base_step != sub.step and entry.base_step in later:
+            if entry.base_step != sub.step and entry.base_step in later:  # an anchor without companion delta
                 sub.apply(sub._fetch_anchor(later.pop(entry.base_step)))
                 report.anchors_checked += 1
             if entry.base_step != sub.step:
@@ -60,8 +61,14 @@ def verify_bucket(bucket: Bucket) -> VerifyReport:
                 return report
             sub.apply(sub._fetch_delta(entry))
             report.deltas_checked += 1
-        for anchor in sorted(later.values(), key=lambda a: a.step):
-            sub.apply(sub._fetch_anchor(anchor))
+            replayed[entry.step] = sub.state_hash or ""
+        for step, anchor in sorted(later.items()):
+            if step > (sub.step or -1):  # beyond the deltas: continue the replay from it
+                sub.apply(sub._fetch_anchor(anchor))
+            else:  # reached by deltas: its content must check out and equal the replayed state
+                Subscriber(bucket)._fetch_anchor(anchor)
+                if replayed.get(step) != anchor.state_hash:
+                    report.errors.append(f"anchor {step} differs from the state the deltas replay to")
             report.anchors_checked += 1
     except SyncError as exc:
         report.errors.append(f"at step {sub.step}: {exc}")
