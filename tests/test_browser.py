@@ -230,8 +230,8 @@ def test_panel_start_and_anchor_interval(app: App) -> None:
             kept = [a["step"] for a in manifest["anchors"]]
             new_kept = [s for s in kept if s >= first_new]
             assert len(new_kept) >= 2 and all(b - a == NEW_INTERVAL for a, b in itertools.pairwise(new_kept)), manifest
-            bucket_kinds = {a["step"]: "anchor" for a in manifest["anchors"]} | {
-                d["step"]: "delta" for d in manifest["deltas"]
+            bucket_kinds = {d["step"]: "delta" for d in manifest["deltas"]} | {
+                a["step"]: "anchor" for a in manifest["anchors"]  # an anchor step also has a companion delta
             }
             page_rows = dict(publishes_from_page(page))
             common = set(page_rows) & set(bucket_kinds)
