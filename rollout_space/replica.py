@@ -43,7 +43,7 @@ from shared.exchange import (
 )
 from shared.hashing import state_hash
 from shared.protocol import Subscriber, Update
-from shared.settings import from_env
+from shared.settings import default_model, from_env, resolve_device
 
 from .engine import Engine, SamplingSettings, create_engine
 
@@ -62,9 +62,9 @@ class ReplicaConfig:
 
     bucket: str = dataclasses.field(default="./runs/bucket", metadata={"help": "bucket URL or path (read access to weights, write to rollouts/ and status/)"})
     replica_id: str = dataclasses.field(default="", metadata={"help": "unique id (default host-pid)"})
-    engine: str = dataclasses.field(default="transformers", metadata={"help": "'transformers' or 'vllm'"})
-    model: str = dataclasses.field(default="", metadata={"help": "model folder with config and tokenizer (default: the tiny offline model)"})
-    device: str = dataclasses.field(default="cpu", metadata={"help": "torch device for the transformers engine"})
+    engine: str = dataclasses.field(default="auto", metadata={"help": "'transformers', 'vllm', or 'auto' (vllm on a GPU when installed)"})
+    model: str = dataclasses.field(default="", metadata={"help": "model name or folder (default: Qwen/Qwen3-0.6B on a GPU, the tiny offline model on CPU)"})
+    device: str = dataclasses.field(default="auto", metadata={"help": "torch device for the transformers engine ('auto': cuda if available)"})
     samples_per_task: int = dataclasses.field(default=4, metadata={"help": "G completions per task"})
     max_new_tokens: int = dataclasses.field(default=8, metadata={"help": "completion length limit"})
     temperature: float = dataclasses.field(default=1.0, metadata={"help": "sampling temperature"})
@@ -92,8 +92,11 @@ class Replica:
         self.config = config
         self.replica_id = check_id(config.replica_id or default_replica_id())
         self.bucket = bucket or open_bucket(config.bucket)
-        model = resolve_model(config.model) if config.model else str(_tiny_model())
-        self.engine = engine or create_engine(config.engine, model_path=model, **({"device": config.device} if config.engine == "transformers" else {}))
+        device = resolve_device(config.device)
+        name = config.model or default_model(device)
+        model = resolve_model(name) if name else str(_tiny_model())
+        kind = config.engine if config.engine != "auto" else _auto_engine(device)
+        self.engine = engine or create_engine(kind, model_path=model, **({"device": device} if kind == "transformers" else {}))
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.subscriber = Subscriber(self.bucket)
         self._pending: Update | None = None
@@ -300,6 +303,13 @@ class Replica:
     @property
     def running(self) -> bool:
         return any(t.is_alive() for t in self._threads)
+
+
+def _auto_engine(device: str) -> str:
+    """vLLM on a GPU when it is installed, else transformers."""
+    import importlib.util
+
+    return "vllm" if device.startswith("cuda") and importlib.util.find_spec("vllm") is not None else "transformers"
 
 
 def resolve_model(model: str) -> str:

@@ -60,3 +60,20 @@ def settings_table(cls: type, prefix: str) -> list[tuple[str, str, str]]:
         default = field.default if field.default is not dataclasses.MISSING else ""
         rows.append((f"{prefix}_{field.name}".upper(), repr(default), field.metadata.get("help", "")))
     return rows
+
+
+GPU_DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
+
+
+def resolve_device(device: str) -> str:
+    """``"auto"`` becomes ``"cuda"`` when a GPU is visible, else ``"cpu"``; other values pass through."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_model(device: str) -> str | None:
+    """The model used when none is set: Qwen3-0.6B on a GPU, ``None`` (the tiny offline model) on CPU."""
+    return GPU_DEFAULT_MODEL if device.startswith("cuda") else None

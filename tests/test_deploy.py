@@ -493,9 +493,9 @@ def test_deployed_variables_are_real_settings(gpu):
         config = from_env(cls, space.role.env_prefix, environ=space.variables)
         assert config.bucket == f"hf://buckets/{NS}/rl-sync"
         if space.role.name == "rollout":
-            assert config.engine == ("vllm" if gpu else "transformers") and config.replica_id == "rl-sync-rollout"
+            assert config.engine == ("vllm" if gpu else "auto") and config.replica_id == "rl-sync-rollout"
         if space.role.uses_model:
-            assert config.device == ("cuda" if gpu else "cpu")
+            assert config.device == ("cuda" if gpu else "auto")  # auto: cuda when the Space has a GPU
             assert config.model == ("/models/Qwen3-0.6B" if gpu else "")
 
 

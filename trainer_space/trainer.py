@@ -25,7 +25,7 @@ import torch
 from shared.bucket import Bucket, BucketError, open_bucket
 from shared.exchange import SCORES_PREFIX, MetricsLog, Sample, list_batches, read_samples
 from shared.protocol import CONTROL_KEY, Adaptive, FixedInterval, Publisher, policy_to_json
-from shared.settings import from_env
+from shared.settings import default_model, from_env, resolve_device
 
 from .grpo import grpo_loss
 
@@ -37,8 +37,8 @@ class TrainerConfig:
     """Settings of the trainer Space (environment variables ``TRAINER_<FIELD>``)."""
 
     bucket: str = dataclasses.field(default="./runs/bucket", metadata={"help": "bucket URL or path (write access)"})
-    model: str = dataclasses.field(default="", metadata={"help": "model name or folder (default: the tiny offline model; Qwen/Qwen3-0.6B on a GPU Space)"})
-    device: str = dataclasses.field(default="cpu", metadata={"help": "torch device"})
+    model: str = dataclasses.field(default="", metadata={"help": "model name or folder (default: Qwen/Qwen3-0.6B on a GPU, the tiny offline model on CPU)"})
+    device: str = dataclasses.field(default="auto", metadata={"help": "torch device ('auto': cuda if available, else cpu)"})
     lr: float = dataclasses.field(default=3e-4, metadata={"help": "AdamW learning rate"})
     weight_decay: float = dataclasses.field(default=0.0, metadata={"help": "AdamW weight decay"})
     groups_per_step: int = dataclasses.field(default=8, metadata={"help": "task groups per optimizer step"})
@@ -92,9 +92,10 @@ class Trainer:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.manual_seed(config.seed)
-        self.config = config
         self.bucket = bucket or open_bucket(config.bucket)
-        model = config.model or str(_tiny_model())
+        config = dataclasses.replace(config, device=resolve_device(config.device))
+        self.config = config
+        model = config.model or default_model(config.device) or str(_tiny_model())
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(config.device)
         self.model.train()
