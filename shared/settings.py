@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
 import typing
 from typing import Any, Mapping, TypeVar
 
@@ -17,7 +18,7 @@ T = TypeVar("T")
 
 def _convert(raw: str, kind: Any, name: str) -> Any:
     origin = typing.get_origin(kind)
-    if origin is typing.Union or str(origin) == "types.UnionType":
+    if origin is typing.Union or origin is types.UnionType:
         args = [a for a in typing.get_args(kind) if a is not type(None)]
         if raw == "" or raw.lower() == "none":
             return None
