@@ -24,6 +24,7 @@ import torch
 from .dtypes import bits_to_numpy, int_view
 from .errors import SyncError
 from .format import Change
+from .workers import worker_pool
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 24
 CPU_CHUNK_ELEMENTS = 1 << 18  # fits in L2 cache: compare, scan and gather touch memory once
@@ -63,7 +64,8 @@ def changed_elements(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.n
     old_lanes = old_words[words].view(old.dtype).reshape(-1, lanes)
     new_lanes = new_words[words].view(old.dtype).reshape(-1, lanes)
     hits = np.flatnonzero(old_lanes != new_lanes)
-    idx = words[hits // lanes] * lanes + hits % lanes
+    shift = lanes.bit_length() - 1  # lanes is 2, 4 or 8
+    idx = (words[hits >> shift] << shift) | (hits & (lanes - 1))
     old_bits, new_bits = old_lanes.reshape(-1)[hits], new_lanes.reshape(-1)[hits]
     if usable < old.size:  # the last few elements that do not fill a word
         tail = np.flatnonzero(old[usable:] != new[usable:])
@@ -104,8 +106,8 @@ class ChangeDetector:
         """Changed elements of ``state`` relative to the published state.
 
         Does not modify the published state; call :meth:`commit` once the delta is published.
-        CPU tensors are compared with numpy in cache-sized chunks (memory-bound:
-        more threads do not help); tensors on an accelerator are compared there with torch.
+        CPU tensors are compared with numpy in cache-sized chunks, tensors spread over
+        the worker threads; tensors on an accelerator are compared there with torch.
 
         Raises:
             SyncError: nothing published yet, or ``state`` is not :meth:`compatible`.
@@ -113,11 +115,9 @@ class ChangeDetector:
         if not self.compatible(state):
             raise SyncError("state does not match the published state's names, shapes and dtypes; publish an anchor")
         assert self.published is not None
-        changes = {}
-        for name, tensor in state.items():
-            change = self._diff_tensor(self.published[name], tensor.detach().reshape(-1))
-            if change is not None:
-                changes[name] = change
+        names = list(state)
+        found = worker_pool().map(lambda n: self._diff_tensor(self.published[n], state[n].detach().reshape(-1)), names)
+        changes = {name: change for name, change in zip(names, found) if change is not None}
         return changes
 
     def _diff_tensor(self, published: torch.Tensor, current: torch.Tensor) -> Change | None:

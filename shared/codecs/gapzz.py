@@ -95,7 +95,11 @@ class GapZigzagCodec(Codec):
         return np.frombuffer(raw, dtype=np.uint8)
 
     def encode(self, name: str, index: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray) -> EncodedTensor:
-        gaps = np.diff(index, prepend=np.int64(-1)) - 1
+        gaps = np.empty_like(index)
+        if index.size:
+            gaps[0] = index[0]
+            np.subtract(index[1:], index[:-1], out=gaps[1:])
+            gaps[1:] -= 1
         width = _byte_width(int(gaps.max())) if gaps.size else 1
         gap_planes = _split_planes(gaps.astype(uint_dtype(width)))
         val_planes = _split_planes(_zigzag(new_bits - old_bits))
