@@ -21,7 +21,7 @@ import torch
 
 from ..bucket import Bucket, BucketError, ObjectNotFoundError
 from ..codecs import DEFAULT_CODEC, get_codec
-from ..detect import DEFAULT_CHUNK_ELEMENTS, ChangeDetector, serving_copy
+from ..detect import DEFAULT_CHUNK_ELEMENTS, ChangeDetector, cast_chunk, serving_copy
 from ..errors import FormatError, SyncError
 from ..format import DEFAULT_MAX_SHARD_BYTES, encode_delta, write_anchor
 from ..hashing import combine_digests, tensor_digest
@@ -254,8 +254,8 @@ class Publisher:
         return self._publish_anchor(step, state) if anchor else self._publish_delta(step, state)
 
     def _hash(self, state: Mapping[str, torch.Tensor], names) -> str:
-        for name in names:
-            self._digests[name] = tensor_digest(serving_copy(state[name], self.dtype))
+        for name in names:  # cast without a defensive copy: the digest only reads the bits
+            self._digests[name] = tensor_digest(cast_chunk(state[name].detach(), self.dtype))
         return combine_digests(self._digests)
 
     def _publish_delta(self, step: int, state: Mapping[str, torch.Tensor]) -> PublishRecord:
