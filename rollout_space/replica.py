@@ -43,7 +43,8 @@ from shared.exchange import (
 )
 from shared.hashing import state_hash
 from shared.protocol import Subscriber, Update
-from shared.settings import default_model, from_env, resolve_device
+from shared.settings import from_env, resolve_device
+from shared.tiny_model import model_or_default
 
 from .engine import Engine, SamplingSettings, create_engine
 
@@ -93,8 +94,7 @@ class Replica:
         self.replica_id = check_id(config.replica_id or default_replica_id())
         self.bucket = bucket or open_bucket(config.bucket)
         device = resolve_device(config.device)
-        name = config.model or default_model(device)
-        model = resolve_model(name) if name else str(_tiny_model())
+        model = resolve_model(model_or_default(config.model, device))
         kind = config.engine if config.engine != "auto" else _auto_engine(device)
         self.engine = engine or create_engine(kind, model_path=model, **({"device": device} if kind == "transformers" else {}))
         self.tokenizer = AutoTokenizer.from_pretrained(model)
@@ -320,9 +320,3 @@ def resolve_model(model: str) -> str:
     from huggingface_hub import snapshot_download
 
     return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
-
-
-def _tiny_model():
-    from shared.tiny_model import tiny_model_path
-
-    return tiny_model_path()

@@ -369,3 +369,11 @@ def _supervised_batch(
         attention[i, : len(r)] = 1
         labels[i, : len(lab)] = torch.tensor(lab)
     return input_ids, attention, labels
+
+
+def model_or_default(model: str, device: str) -> str:
+    """``model`` if set, else the device's default (:func:`shared.settings.default_model`: Qwen3-0.6B on a
+    GPU), else this tiny offline model's folder (built once, deterministically, without any download)."""
+    from .settings import default_model
+
+    return model or default_model(device) or str(tiny_model_path())

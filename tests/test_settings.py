@@ -38,3 +38,14 @@ def test_real_model_only_on_a_gpu():
     assert resolve_device("cpu") == "cpu" and resolve_device("cuda:1") == "cuda:1"
     assert default_model("cuda") == GPU_DEFAULT_MODEL == "Qwen/Qwen3-0.6B"
     assert default_model("cpu") is None  # the tiny offline model: nothing is downloaded on CPU
+
+
+def test_model_or_default_prefers_the_setting_then_the_device_default():
+    from pathlib import Path
+
+    from shared.tiny_model import model_or_default
+
+    assert model_or_default("my/model", "cpu") == "my/model"
+    assert model_or_default("", "cuda") == GPU_DEFAULT_MODEL
+    tiny = Path(model_or_default("", "cpu"))
+    assert (tiny / "model.safetensors").is_file() and (tiny / "tokenizer.json").is_file()

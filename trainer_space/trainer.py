@@ -25,7 +25,8 @@ import torch
 from shared.bucket import Bucket, BucketError, open_bucket
 from shared.exchange import SCORES_PREFIX, MetricsLog, Sample, list_batches, read_samples
 from shared.protocol import CONTROL_KEY, Adaptive, FixedInterval, Publisher, policy_to_json
-from shared.settings import default_model, from_env, resolve_device
+from shared.settings import from_env, resolve_device
+from shared.tiny_model import model_or_default
 
 from .grpo import grpo_loss
 
@@ -95,7 +96,7 @@ class Trainer:
         self.bucket = bucket or open_bucket(config.bucket)
         config = dataclasses.replace(config, device=resolve_device(config.device))
         self.config = config
-        model = config.model or default_model(config.device) or str(_tiny_model())
+        model = model_or_default(config.model, config.device)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(config.device)
         self.model.train()
@@ -252,9 +253,3 @@ class Trainer:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
-
-
-def _tiny_model():
-    from shared.tiny_model import tiny_model_path
-
-    return tiny_model_path()
