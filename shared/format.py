@@ -253,13 +253,6 @@ def encode_delta(
     return safetensors.torch.save(entries, metadata=metadata)
 
 
-def read_delta_metadata(data: bytes) -> dict[str, str]:
-    """Parse a delta's header and check its format; returns the metadata."""
-    _, metadata = parse_header(data)
-    check_format(metadata, "delta")
-    return metadata
-
-
 def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
     """Decode and fully validate a delta against the state it will be applied to.
 
