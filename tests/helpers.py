@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 
@@ -29,3 +31,8 @@ def rl_step(master: dict[str, torch.Tensor], seed: int, scale: float = 2e-4) -> 
 def bf16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Cast floating-point tensors as the publisher serves them."""
     return {n: t.to(torch.bfloat16) if t.is_floating_point() else t.clone() for n, t in state.items()}
+
+
+def files_under(root: Path) -> dict[str, bytes]:
+    """Every file below ``root`` with its bytes: compare before and after to show nothing was written."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}

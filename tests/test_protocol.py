@@ -23,7 +23,7 @@ from shared.protocol import (
     read_manifest,
 )
 from shared.protocol.verify import verify_bucket
-from tests.helpers import bf16, master_state, rl_step
+from tests.helpers import bf16, files_under, master_state, rl_step
 
 
 def run(pub: Publisher, master, steps, start=0, sub: Subscriber | None = None):
@@ -266,7 +266,7 @@ def test_resume_continues_versions(bucket):
         None,  # key with '..', built below
     ],
 )
-def test_hostile_pointer_is_refused(bucket, pointer):
+def test_hostile_pointer_is_refused(bucket, tmp_path, pointer):
     master = master_state()
     sub = Subscriber(bucket)
     run(Publisher(bucket), master, 1, sub=sub)
@@ -275,11 +275,15 @@ def test_hostile_pointer_is_refused(bucket, pointer):
         doc["anchors"][0]["files"][0]["key"] = "../../etc/passwd"
         pointer = json.dumps(doc).encode()
     bucket.put(POINTER_KEY, pointer)
-    with pytest.raises(FormatError):
-        Subscriber(bucket).fetch()
-    with pytest.raises(FormatError):
-        sub.fetch()
-    assert sub.step == 0 and sub.state_hash == state_hash(sub.state)
+    held = (sub.step, sub.state_hash, {n: t.clone() for n, t in sub.state.items()})
+    files = files_under(tmp_path)
+    for reader in (Subscriber(bucket), sub):
+        downloaded = reader.stats.bytes_downloaded
+        with pytest.raises(FormatError):
+            reader.fetch()
+        assert reader.stats.bytes_downloaded - downloaded == len(pointer)  # nothing read past the pointer
+    assert files_under(tmp_path) == files  # and nothing written anywhere
+    assert (sub.step, sub.state_hash) == held[:2] == (0, state_hash(held[2])) and state_hash(sub.state) == held[1]
 
 
 def test_verify_detects_corruption(bucket):
