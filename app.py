@@ -42,9 +42,9 @@ from env_space import app as env_app
 from env_space.simulator import EnvConfig
 from rollout_space import app as rollout_app
 from rollout_space.replica import ReplicaConfig
-from shared import ui
+from shared.spaces import ui
 from shared.bucket import Bucket, open_bucket
-from shared.exchange import METRICS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX, STATUS_PREFIX, TASKS_PREFIX
+from shared.spaces.exchange import METRICS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX, STATUS_PREFIX, TASKS_PREFIX
 from shared.protocol.lock import LOCK_KEY
 from shared.protocol.manifest import ANCHOR_PREFIX, CONTROL_KEY, DELTA_PREFIX, POINTER_KEY
 from trainer_space import app as trainer_app

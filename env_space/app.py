@@ -33,7 +33,7 @@ import gradio as gr
 
 from env_space.environments import list_environments
 from env_space.simulator import EnvConfig, EnvSimulator
-from shared import ui
+from shared.spaces import ui
 
 logger = logging.getLogger(__name__)
 

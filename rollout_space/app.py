@@ -32,7 +32,7 @@ from typing import Any
 import gradio as gr
 
 from rollout_space.replica import Replica, ReplicaConfig, default_replica_id
-from shared import ui
+from shared.spaces import ui
 
 logger = logging.getLogger(__name__)
 

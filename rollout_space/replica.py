@@ -27,7 +27,7 @@ from pathlib import Path
 
 from shared.bucket import Bucket, BucketError, open_bucket
 from shared.errors import SyncError
-from shared.exchange import (
+from shared.spaces.exchange import (
     ROLLOUTS_PREFIX,
     SCORES_PREFIX,
     TASKS_PREFIX,
@@ -43,8 +43,8 @@ from shared.exchange import (
 )
 from shared.hashing import state_hash
 from shared.protocol import Subscriber, Update
-from shared.settings import from_env, resolve_device
-from shared.tiny_model import model_or_default
+from shared.spaces.settings import from_env, resolve_device
+from shared.spaces.tiny_model import model_or_default
 
 from .engine import Engine, SamplingSettings, create_engine
 

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 from shared.bucket import LocalBucket
-from shared.exchange import get_json, metrics_key, status_key
+from shared.spaces.exchange import get_json, metrics_key, status_key
 from shared.protocol import Subscriber, read_manifest
-from shared.tiny_model import tiny_model_path
+from shared.spaces.tiny_model import tiny_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 60

@@ -21,7 +21,7 @@ import safetensors.torch
 from benchmarks import soak
 from shared.bucket import LocalBucket
 from shared.errors import ChainError, FormatError
-from shared.exchange import (
+from shared.spaces.exchange import (
     Sample,
     check_id,
     get_json,

@@ -215,7 +215,7 @@ def test_three_roles_on_a_flaky_hub_never_show_the_token(hub, hf_bucket, logs, c
 
 
 def test_panels_never_show_the_token(hub, hf_bucket, logs, capfd):
-    ui = pytest.importorskip("shared.ui", reason="the panels' data functions (shared/ui.py) are not there yet")
+    ui = pytest.importorskip("shared.spaces.ui", reason="the panels' data functions (shared/spaces/ui.py) are not there yet")
     master = master_state()
     pub = Publisher(hf_bucket, owner="trainer")
     for step in range(3):

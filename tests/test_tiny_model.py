@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from env_space.environments import get_environment
-from shared import tiny_model
-from shared.tiny_model import (
+from shared.spaces import tiny_model
+from shared.spaces.tiny_model import (
     BOS_TOKEN,
     EOS_TOKEN,
     WarmupSettings,

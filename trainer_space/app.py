@@ -33,7 +33,7 @@ from typing import Any
 
 import gradio as gr
 
-from shared import ui
+from shared.spaces import ui
 from trainer_space.trainer import Trainer, TrainerConfig
 
 logger = logging.getLogger(__name__)

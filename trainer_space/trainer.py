@@ -23,10 +23,10 @@ import time
 import torch
 
 from shared.bucket import Bucket, BucketError, open_bucket
-from shared.exchange import SCORES_PREFIX, MetricsLog, Sample, list_batches, read_samples
+from shared.spaces.exchange import SCORES_PREFIX, MetricsLog, Sample, list_batches, read_samples
 from shared.protocol import CONTROL_KEY, Adaptive, FixedInterval, Publisher, policy_to_json
-from shared.settings import from_env, resolve_device
-from shared.tiny_model import model_or_default
+from shared.spaces.settings import from_env, resolve_device
+from shared.spaces.tiny_model import model_or_default
 
 from .grpo import grpo_loss
 

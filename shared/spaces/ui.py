@@ -35,10 +35,10 @@ from typing import Any, Protocol, Self
 
 import pandas as pd
 
-from .bucket import Bucket, BucketError, ObjectNotFoundError, open_bucket
-from .errors import FormatError
+from ..bucket import Bucket, BucketError, ObjectNotFoundError, open_bucket
+from ..errors import FormatError
 from .exchange import STATUS_PREFIX, get_json, metrics_key
-from .protocol import (
+from ..protocol import (
     CONTROL_KEY,
     Adaptive,
     AnchorPolicy,
@@ -48,7 +48,7 @@ from .protocol import (
     policy_to_json,
     read_manifest,
 )
-from .protocol.policy import DEFAULT_INTERVAL, DEFAULT_MAX_CATCHUP_RATIO
+from ..protocol.policy import DEFAULT_INTERVAL, DEFAULT_MAX_CATCHUP_RATIO
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ therefore stops a short supervised run early (:data:`DEFAULT_WARMUP`): the model
 is partly right, and RL visibly raises the reward within a few minutes.
 
 Example:
-    >>> from shared.tiny_model import tiny_model_path
+    >>> from shared.spaces.tiny_model import tiny_model_path
     >>> path = tiny_model_path()            # built once, then reused from the cache
 """
 
@@ -372,7 +372,7 @@ def _supervised_batch(
 
 
 def model_or_default(model: str, device: str) -> str:
-    """``model`` if set, else the device's default (:func:`shared.settings.default_model`: Qwen3-0.6B on a
+    """``model`` if set, else the device's default (:func:`shared.spaces.settings.default_model`: Qwen3-0.6B on a
     GPU), else this tiny offline model's folder (built once, deterministically, without any download)."""
     from .settings import default_model
 
