@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from env_space.environments import get_environment
 from shared.bucket import Bucket, BucketError, open_bucket
 from shared.errors import SyncError
 from shared.spaces.exchange import (
@@ -94,7 +95,7 @@ class Replica:
         self.replica_id = check_id(config.replica_id or default_replica_id())
         self.bucket = bucket or open_bucket(config.bucket)
         device = resolve_device(config.device)
-        model = resolve_model(model_or_default(config.model, device))
+        model = resolve_model(model_or_default(config.model, device, get_environment))
         kind = config.engine if config.engine != "auto" else _auto_engine(device)
         self.engine = engine or create_engine(kind, model_path=model, **({"device": device} if kind == "transformers" else {}))
         self.tokenizer = AutoTokenizer.from_pretrained(model)

@@ -116,7 +116,7 @@ class SpaceRole:
         return getattr(importlib.import_module(module), name)
 
 
-# shared/spaces/tiny_model.py (the CPU default model of trainer and replicas) imports env_space.environments.
+# Trainer and replicas warm up their CPU default model (shared/spaces/tiny_model.py) on env_space.environments.
 _ENVIRONMENTS = ("env_space/__init__.py", "env_space/environments.py")
 
 ROLES: dict[str, SpaceRole] = {
