@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from rollout_space.replica import Replica, ReplicaConfig
 from shared.hashing import state_hash
 from shared.protocol import FixedInterval, Publisher
-from shared.tiny_model import build_tiny_model
+from shared.spaces.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="module")

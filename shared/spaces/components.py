@@ -422,7 +422,7 @@ def anchor_policy_controls(
             new = make_policy(kind, every, bound)
             write_policy(bucket_view(live.source).bucket, new)
         except (ValueError, BucketError) as exc:
-            logger.warning("anchor policy not applied: %s", exc)
+            logger.warning("anchor policy not applied: %s", redact(str(exc)))
             return redact(f":x: not applied: {exc}")
         return f"Applied `{json.dumps(new.settings())}`: takes effect at the next publish."
 
