@@ -40,18 +40,28 @@ def _publish(pub, master, steps):
         pub.publish(step, master)
 
 
-def test_delta_with_another_base_hash_is_refused_at_fetch_and_healed_by_the_next_anchor(bucket):
+def _follower_one_delta_behind(bucket):
+    """Versions 0 (anchor) and 1 followed by a subscriber, then version 2 published; anchors every 3."""
     master = master_state()
     pub, sub = Publisher(bucket, policy=FixedInterval(3)), Subscriber(bucket)
     _publish(pub, master, [0, 1])
     sub.sync()
     _publish(pub, master, [2])
+    return master, pub, sub
+
+
+def _held(sub):
+    return sub.step, sub.state_hash, state_hash(sub.state)
+
+
+def test_delta_with_another_base_hash_is_refused_at_fetch_and_healed_by_the_next_anchor(bucket):
+    master, pub, sub = _follower_one_delta_behind(bucket)
     _rewrite_delta_base_hash(bucket, 2, OTHER_HASH)
-    good = (sub.step, sub.state_hash, state_hash(sub.state))
+    good = _held(sub)
 
     with pytest.raises(HashMismatchError, match="based on another state"):
         sub.fetch()
-    assert (sub.step, sub.state_hash, state_hash(sub.state)) == good
+    assert _held(sub) == good
     assert sub.stats.refused == 1 and sub.needs_resync and "another state" in sub.stats.last_error
 
     # no loop on the bad delta: until an anchor exists, fetch waits without downloading it again
@@ -68,31 +78,22 @@ def test_delta_with_another_base_hash_is_refused_at_fetch_and_healed_by_the_next
 
 def test_apply_of_an_update_for_another_state_at_the_same_step_is_refused_and_resyncs(bucket):
     """Defence in depth: an update whose base hash disagrees reaching ``apply`` counts and triggers a resync."""
-    master = master_state()
-    pub, sub = Publisher(bucket, policy=FixedInterval(3)), Subscriber(bucket)
-    _publish(pub, master, [0, 1])
-    sub.sync()
-    _publish(pub, master, [2])
+    _, _, sub = _follower_one_delta_behind(bucket)
     update = sub.fetch()
-    good = (sub.step, sub.state_hash, state_hash(sub.state))
-
+    good = _held(sub)
     with pytest.raises(ChainError, match="another state"):
         sub.apply(dataclasses.replace(update, base_hash=OTHER_HASH))
-    assert (sub.step, sub.state_hash, state_hash(sub.state)) == good
+    assert _held(sub) == good
     assert sub.stats.refused == 1 and sub.needs_resync
 
 
 def test_replayed_update_is_refused_without_a_resync(bucket):
     """An update for an older step (applied twice) is a caller's mistake, not a fork: no resync, not counted."""
-    master = master_state()
-    pub, sub = Publisher(bucket, policy=FixedInterval(10)), Subscriber(bucket)
-    _publish(pub, master, [0, 1])
-    sub.sync()
-    _publish(pub, master, [2])
+    master, pub, sub = _follower_one_delta_behind(bucket)
     update = sub.fetch()
     sub.apply(update)
     with pytest.raises(ChainError):
         sub.apply(update)
     assert not sub.needs_resync and sub.stats.refused == 0
-    _publish(pub, master, [3])
-    assert [u.kind for u in sub.sync()] == ["delta"]
+    _publish(pub, master, [3, 4])  # an anchor (with its companion delta) and a delta
+    assert [u.kind for u in sub.sync()] == ["delta", "delta"]
