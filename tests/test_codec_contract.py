@@ -1,0 +1,79 @@
+"""Codecs called directly, as the interface in ``shared/codecs/base.py`` allows: empty changes, and
+refusals that name the tensor and the entry at fault (delta files reach the codecs only after
+``decode_delta`` checked the entry names, so these paths are unreachable through the format)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from shared.codecs import get_codec, list_codecs
+from shared.codecs.checks import check_index, require_entry
+from shared.errors import FormatError
+
+CODECS = ["gapzz", "trl"]
+
+
+def _no_old_bits(index: np.ndarray) -> np.ndarray:
+    return np.zeros(index.size, dtype=np.uint16)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_empty_change_round_trips(codec: str) -> None:
+    codec_ = get_codec(codec)
+    empty = np.zeros(0, dtype=np.int64)
+    encoded = codec_.encode("w", empty, np.zeros(0, np.uint16), np.zeros(0, np.uint16))
+    assert sorted(encoded.entries) == sorted(codec_.entry_names("w"))
+    index, bits = codec_.decode("w", encoded.entries, encoded.params, count=0, numel=10, itemsize=2, old_bits_at=_no_old_bits)
+    assert index.size == 0 and bits.size == 0
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("which", [0, 1])
+def test_missing_entry_is_named(codec: str, which: int) -> None:
+    codec_ = get_codec(codec)
+    encoded = codec_.encode("layer.w", np.array([1, 4], np.int64), np.zeros(2, np.uint16), np.ones(2, np.uint16))
+    missing = codec_.entry_names("layer.w")[which]
+    del encoded.entries[missing]
+    with pytest.raises(FormatError, match=re.escape(f"'{missing}'")):
+        codec_.decode("layer.w", encoded.entries, encoded.params, count=2, numel=8, itemsize=2, old_bits_at=_no_old_bits)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_index_refusals_name_the_tensor(codec: str) -> None:
+    codec_ = get_codec(codec)
+    encoded = codec_.encode("layer.w", np.array([1, 7], np.int64), np.zeros(2, np.uint16), np.ones(2, np.uint16))
+    with pytest.raises(FormatError, match=r"^layer\.w: index out of range for a tensor of 7 elements$"):
+        codec_.decode("layer.w", encoded.entries, encoded.params, count=2, numel=7, itemsize=2, old_bits_at=_no_old_bits)
+
+
+def test_check_index_messages_name_the_tensor() -> None:
+    check_index("t", np.array([5], np.int64), 6)  # a single in-range position is fine
+    with pytest.raises(FormatError, match=r"^t: index out of range for a tensor of 6 elements$"):
+        check_index("t", np.array([-1, 2], np.int64), 6)
+    with pytest.raises(FormatError, match=r"^t: indices are not strictly increasing \(duplicates or unsorted\)$"):
+        check_index("t", np.array([2, 2], np.int64), 6)
+
+
+def test_require_entry_checks_dtype_rank_and_length() -> None:
+    entries = {"a": torch.zeros(3, dtype=torch.uint8), "b": torch.zeros(1, 3, dtype=torch.uint8)}
+    assert require_entry(entries, "a", torch.uint8, 3) is entries["a"]
+    with pytest.raises(FormatError, match=r"^entry 'a': expected 1-D torch.int32, got 1-D torch.uint8$"):
+        require_entry(entries, "a", torch.int32)
+    with pytest.raises(FormatError, match=r"^entry 'b': expected 1-D torch.uint8, got 2-D torch.uint8$"):
+        require_entry(entries, "b", torch.uint8)
+    with pytest.raises(FormatError, match=r"^entry 'a': expected 4 elements, got 3$"):
+        require_entry(entries, "a", torch.uint8, 4)
+    with pytest.raises(FormatError, match=r"^missing entry 'c'$"):
+        require_entry(entries, "c", torch.uint8)
+
+
+def test_registered_codecs_are_the_codec_objects() -> None:
+    for name in list_codecs():
+        assert get_codec(name).name == name
+    with pytest.raises(FormatError, match=r"^unknown codec 'zip'; known codecs: \[") as info:
+        get_codec("zip")
+    assert str(list_codecs()) in str(info.value)
