@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from shared.codecs import get_codec, list_codecs
+from shared.codecs import GapZigzagCodec, get_codec, list_codecs, register_codec
+from shared.codecs import base as codecs_base
 from shared.codecs.checks import check_index, require_entry
 from shared.errors import FormatError
 
@@ -77,3 +78,26 @@ def test_registered_codecs_are_the_codec_objects() -> None:
     with pytest.raises(FormatError, match=r"^unknown codec 'zip'; known codecs: \[") as info:
         get_codec("zip")
     assert str(list_codecs()) in str(info.value)
+
+
+def test_a_registered_codec_is_what_get_codec_returns(monkeypatch) -> None:
+    monkeypatch.setattr(codecs_base, "_CODECS", dict(codecs_base._CODECS))
+    codec = GapZigzagCodec(level=3)
+    codec.name = "gapzz-level3"
+    assert register_codec(codec) is codec
+    assert get_codec("gapzz-level3") is codec and "gapzz-level3" in list_codecs()
+
+
+def test_gapzz_compression_level_is_used_and_decodes_the_same() -> None:
+    index = np.arange(0, 60_000, 3, dtype=np.int64)
+    old = (np.arange(index.size) % 251).astype(np.uint16)
+    new = old + (np.arange(index.size) % 3).astype(np.uint16)
+    fast, strong = GapZigzagCodec(level=1), GapZigzagCodec(level=19)
+    encoded = [c.encode("w", index, old, new) for c in (fast, strong)]
+    assert not torch.equal(encoded[0].entries["w.val"], encoded[1].entries["w.val"])  # the level reached zstd
+    for enc in encoded:
+        got_index, got_bits = fast.decode(
+            "w", enc.entries, enc.params, count=index.size, numel=60_000, itemsize=2, old_bits_at=lambda i: old
+        )
+        np.testing.assert_array_equal(got_index, index)
+        np.testing.assert_array_equal(got_bits, new)
