@@ -101,3 +101,12 @@ def test_gapzz_compression_level_is_used_and_decodes_the_same() -> None:
         )
         np.testing.assert_array_equal(got_index, index)
         np.testing.assert_array_equal(got_bits, new)
+
+
+@pytest.mark.parametrize("part", ["pos", "val"])
+def test_gapzz_stream_refusals_name_the_entry(part: str) -> None:
+    codec = get_codec("gapzz")
+    encoded = codec.encode("layer.w", np.array([1, 4], np.int64), np.zeros(2, np.uint16), np.ones(2, np.uint16))
+    encoded.entries[f"layer.w.{part}"] = torch.frombuffer(bytearray(b"not zstd at all"), dtype=torch.uint8)
+    with pytest.raises(FormatError, match=rf"^entry 'layer\.w\.{part}': not a zstd frame"):
+        codec.decode("layer.w", encoded.entries, encoded.params, count=2, numel=8, itemsize=2, old_bits_at=_no_old_bits)
