@@ -31,8 +31,10 @@ from shared.format import (
     FORMAT_VERSION,
     INDEX_FILE,
     Change,
+    anchor_metadata,
     decode_delta,
     encode_delta,
+    file_kind,
     load_anchor,
     parse_header,
     plan_shards,
@@ -675,3 +677,27 @@ def test_delta_metadata_readable_by_safe_open(tmp_path: Path, state, codec: str)
     for name, patch in delta.patches.items():
         patch.apply_(work[name])
     assert state_hash(work) == meta["state_hash"]
+
+
+# ---------------------------------------------------------------------------
+# which of our files a header describes (``file_kind``, used by ``python -m shared inspect``)
+
+
+def test_file_kind_of_anchors_and_deltas() -> None:
+    assert file_kind(anchor_metadata(step=3, state_hash="0" * 64, total=10)) == "anchor"
+    assert file_kind(delta_metadata()) == "delta"
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"kind": "checkpoint"}, r"^unknown file kind 'checkpoint'$"),
+        ({"kind": None}, r"^unknown file kind None$"),
+        ({"format": "other"}, r"^not an rlsync file \(format='other'\)$"),
+        ({"format_version": "2"}, r"^unsupported format version '2'; this reader knows 1$"),
+    ],
+)
+def test_file_kind_refuses_other_files(changes: dict, message: str) -> None:
+    metadata = {k: v for k, v in {**delta_metadata(), **changes}.items() if v is not None}
+    with pytest.raises(FormatError, match=message):
+        file_kind(metadata)
