@@ -136,7 +136,7 @@ def test_hash_mismatch_after_apply_rolls_back(bucket):
     bucket.put(POINTER_KEY, json.dumps(pointer).encode())
     before = {n: t.clone() for n, t in sub.state.items()}
     update = sub.fetch()
-    with pytest.raises(HashMismatchError):
+    with pytest.raises(HashMismatchError, match="^state after delta 1 does not match its hash$"):
         sub.apply(update)
     assert state_hash(sub.state) == state_hash(before) == sub.state_hash and sub.step == 0
     assert sub.needs_resync
@@ -150,7 +150,7 @@ def test_same_delta_twice_is_refused(bucket):
     update = sub.fetch()
     sub.apply(update)
     after = state_hash(sub.state)
-    with pytest.raises(ChainError):
+    with pytest.raises(ChainError, match="^delta 0->1 does not apply to step 1$"):
         sub.apply(update)
     assert state_hash(sub.state) == after == sub.state_hash
 
@@ -339,3 +339,71 @@ def test_second_trainer_is_refused_and_a_taken_over_one_is_fenced(bucket):
     late.resume()
     rl_step(master, 3)
     assert late.publish(3, master).step == 3
+
+
+# -- subscriber details (each found unchecked by mutation testing) ------------------------------
+
+
+def test_pointer_going_back_is_refused_counted_and_logged(bucket, caplog):
+    master = master_state()
+    pub, sub = Publisher(bucket, policy=FixedInterval(10)), Subscriber(bucket)
+    run(pub, master, 2, sub=sub)
+    older = bucket.get(POINTER_KEY)
+    run(pub, master, 1, start=2, sub=sub)
+    bucket.put(POINTER_KEY, older)  # a stale pointer (a cache, a lagging replica of the store)
+    with pytest.raises(ChainError, match="^pointer went back from 2 to 1$"):
+        sub.fetch()
+    assert sub.stats.refused == 1 and sub.needs_resync and sub.stats.last_error == "pointer went back from 2 to 1"
+    with pytest.raises(ChainError):
+        sub.fetch()
+    assert sub.stats.refused == 2  # every refusal counts
+    assert [r.getMessage() for r in caplog.records if r.name == "shared.protocol.subscriber"][-1] == (
+        "refused update: pointer went back from 2 to 1; keeping step 2 until the next anchor"
+    )
+
+
+def test_delta_disagreeing_with_its_pointer_entry_is_refused(bucket):
+    master = master_state()
+    pub, sub = Publisher(bucket, policy=FixedInterval(10)), Subscriber(bucket)
+    run(pub, master, 1, sub=sub)
+    run(pub, master, 1, start=1)
+    doc = json.loads(bucket.get(POINTER_KEY))
+    doc["deltas"][-1]["state_hash"] = doc["state_hash"] = "0" * 64
+    bucket.put(POINTER_KEY, json.dumps(doc).encode())
+    with pytest.raises(FormatError, match=f"^{delta_key(1)}: metadata disagrees with the pointer$"):
+        sub.fetch()
+    assert sub.stats.refused == 1 and sub.step == 0
+
+
+def test_fetched_delta_reports_its_size_changes_and_times(bucket):
+    import time
+
+    master = master_state()
+    pub, sub = Publisher(bucket, policy=FixedInterval(10)), Subscriber(bucket)
+    run(pub, master, 1, sub=sub)
+    record = run(pub, master, 1, start=1)[0]
+    t0 = time.perf_counter()
+    update = sub.fetch()
+    elapsed = time.perf_counter() - t0
+    entry = read_manifest(bucket).deltas[-1]
+    assert (update.kind, update.step, update.base_step) == ("delta", 1, 0)
+    assert update.nbytes == entry.file.size == len(bucket.get(delta_key(1)))
+    assert update.changed == record.changed == sum(p.numel for p in update.patches.values()) > 0
+    assert 0 <= update.download_s and 0 <= update.decode_s and update.download_s + update.decode_s <= elapsed
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+def test_anchor_of_another_schema_is_refused(tmp_path, change):
+    """A replica never swaps its model for one of other shapes or dtypes under the same names."""
+    ours, theirs = LocalBucket(tmp_path / "ours"), LocalBucket(tmp_path / "theirs")
+    Publisher(ours).publish(0, master_state())
+    sub = Subscriber(ours)
+    sub.sync()
+    other = master_state()
+    name = "model.norm.weight" if change == "shape" else "model.step_counter"
+    other[name] = other[name][:-1] if change == "shape" else other[name].to(torch.int32)
+    Publisher(theirs).publish(5, other)
+    sub.bucket = theirs
+    with pytest.raises(FormatError, match="^anchor 5: tensor names, shapes or dtypes differ from the model$"):
+        sub.fetch()
+    assert sub.step == 0 and sub.state_hash == state_hash(sub.state) == state_hash(bf16(master_state()))
