@@ -407,3 +407,55 @@ def test_anchor_of_another_schema_is_refused(tmp_path, change):
     with pytest.raises(FormatError, match="^anchor 5: tensor names, shapes or dtypes differ from the model$"):
         sub.fetch()
     assert sub.step == 0 and sub.state_hash == state_hash(sub.state) == state_hash(bf16(master_state()))
+
+
+def test_apply_counts_times_and_logs_each_update(bucket, caplog):
+    import logging
+    import time
+
+    caplog.set_level(logging.INFO, logger="shared.protocol.subscriber")
+    master = master_state()
+    pub = Publisher(bucket, policy=FixedInterval(2))
+    run(pub, master, 3)  # anchors 0 and 2, deltas 1 and 2
+    sub = Subscriber(bucket)
+    sub.apply(sub.fetch())  # anchor 2
+    assert sub.needs_resync is False and sub.stats.anchors_applied == 1
+    run(pub, master, 3, start=3)  # anchor 4, deltas 3..5
+    bucket.delete([delta_key(3)])
+    with pytest.raises(ChainError):
+        sub.fetch()
+    assert sub.needs_resync is True
+    t0 = time.perf_counter()
+    update = sub.fetch()
+    sub.apply(update)  # anchor 4
+    elapsed = time.perf_counter() - t0
+    assert (update.kind, update.step) == ("anchor", 4) and sub.needs_resync is False
+    assert sub.stats.anchors_applied == 2 and 0 <= sub.stats.last_apply_s <= elapsed
+    sub.apply(delta := sub.fetch())
+    assert sub.stats.deltas_applied == 1
+    messages = [r.getMessage() for r in caplog.records if r.name == "shared.protocol.subscriber"]
+    assert messages[-1] == f"applied delta 5 ({delta.nbytes} bytes)" and f"applied anchor 4 ({update.nbytes} bytes)" in messages
+
+
+def test_refused_subscriber_at_an_anchor_step_waits_instead_of_refetching_it(bucket):
+    master = master_state()
+    pub, sub = Publisher(bucket, policy=FixedInterval(3)), Subscriber(bucket)
+    run(pub, master, 4, sub=sub)  # at step 3, which is also an anchor
+    run(pub, master, 1, start=4)
+    bucket.put(delta_key(4), b"garbage")
+    with pytest.raises(SyncError):
+        sub.fetch()
+    assert sub.fetch() is None and sub.step == 3  # anchor 3 is not newer than the state: nothing to fetch
+
+
+def test_pointer_without_anything_continuing_the_state_is_refused(bucket):
+    master = master_state()
+    pub, sub = Publisher(bucket, policy=FixedInterval(10)), Subscriber(bucket)
+    run(pub, master, 2, sub=sub)
+    run(pub, master, 1, start=2)
+    doc = json.loads(bucket.get(POINTER_KEY))
+    doc["deltas"] = [dict(d, base_step=0) for d in doc["deltas"] if d["step"] == 2]  # no delta starts at step 1
+    bucket.put(POINTER_KEY, json.dumps(doc).encode())
+    with pytest.raises(ChainError, match="^no retained delta or anchor continues step 1$"):
+        sub.fetch()
+    assert sub.stats.refused == 1 and sub.needs_resync and sub.step == 1
