@@ -362,14 +362,24 @@ def test_pointer_going_back_is_refused_counted_and_logged(bucket, caplog):
     )
 
 
-def test_delta_disagreeing_with_its_pointer_entry_is_refused(bucket):
+def _following(bucket, followed: int, published: int, interval: int = 10):
+    """A subscriber that followed the first ``followed`` versions of ``published`` ones."""
     master = master_state()
-    pub, sub = Publisher(bucket, policy=FixedInterval(10)), Subscriber(bucket)
-    run(pub, master, 1, sub=sub)
-    run(pub, master, 1, start=1)
+    pub, sub = Publisher(bucket, policy=FixedInterval(interval)), Subscriber(bucket)
+    run(pub, master, followed, sub=sub)
+    run(pub, master, published - followed, start=followed)
+    return master, pub, sub
+
+
+def _edit_pointer(bucket, edit) -> None:
     doc = json.loads(bucket.get(POINTER_KEY))
-    doc["deltas"][-1]["state_hash"] = doc["state_hash"] = "0" * 64
+    edit(doc)
     bucket.put(POINTER_KEY, json.dumps(doc).encode())
+
+
+def test_delta_disagreeing_with_its_pointer_entry_is_refused(bucket):
+    _, _, sub = _following(bucket, 1, 2)
+    _edit_pointer(bucket, lambda doc: doc.update(state_hash="0" * 64, deltas=[dict(doc["deltas"][-1], state_hash="0" * 64)]))
     with pytest.raises(FormatError, match=f"^{delta_key(1)}: metadata disagrees with the pointer$"):
         sub.fetch()
     assert sub.stats.refused == 1 and sub.step == 0
@@ -378,17 +388,14 @@ def test_delta_disagreeing_with_its_pointer_entry_is_refused(bucket):
 def test_fetched_delta_reports_its_size_changes_and_times(bucket):
     import time
 
-    master = master_state()
-    pub, sub = Publisher(bucket, policy=FixedInterval(10)), Subscriber(bucket)
-    run(pub, master, 1, sub=sub)
-    record = run(pub, master, 1, start=1)[0]
+    _, _, sub = _following(bucket, 1, 2)
     t0 = time.perf_counter()
     update = sub.fetch()
     elapsed = time.perf_counter() - t0
     entry = read_manifest(bucket).deltas[-1]
     assert (update.kind, update.step, update.base_step) == ("delta", 1, 0)
     assert update.nbytes == entry.file.size == len(bucket.get(delta_key(1)))
-    assert update.changed == record.changed == sum(p.numel for p in update.patches.values()) > 0
+    assert update.changed == entry.changed == sum(p.numel for p in update.patches.values()) > 0
     assert 0 <= update.download_s and 0 <= update.decode_s and update.download_s + update.decode_s <= elapsed
 
 
@@ -438,10 +445,7 @@ def test_apply_counts_times_and_logs_each_update(bucket, caplog):
 
 
 def test_refused_subscriber_at_an_anchor_step_waits_instead_of_refetching_it(bucket):
-    master = master_state()
-    pub, sub = Publisher(bucket, policy=FixedInterval(3)), Subscriber(bucket)
-    run(pub, master, 4, sub=sub)  # at step 3, which is also an anchor
-    run(pub, master, 1, start=4)
+    _, _, sub = _following(bucket, 4, 5, interval=3)  # at step 3, which is also an anchor
     bucket.put(delta_key(4), b"garbage")
     with pytest.raises(SyncError):
         sub.fetch()
@@ -449,13 +453,8 @@ def test_refused_subscriber_at_an_anchor_step_waits_instead_of_refetching_it(buc
 
 
 def test_pointer_without_anything_continuing_the_state_is_refused(bucket):
-    master = master_state()
-    pub, sub = Publisher(bucket, policy=FixedInterval(10)), Subscriber(bucket)
-    run(pub, master, 2, sub=sub)
-    run(pub, master, 1, start=2)
-    doc = json.loads(bucket.get(POINTER_KEY))
-    doc["deltas"] = [dict(d, base_step=0) for d in doc["deltas"] if d["step"] == 2]  # no delta starts at step 1
-    bucket.put(POINTER_KEY, json.dumps(doc).encode())
+    _, _, sub = _following(bucket, 2, 3)
+    _edit_pointer(bucket, lambda doc: doc.update(deltas=[dict(doc["deltas"][-1], base_step=0)]))  # none from step 1
     with pytest.raises(ChainError, match="^no retained delta or anchor continues step 1$"):
         sub.fetch()
     assert sub.stats.refused == 1 and sub.needs_resync and sub.step == 1
