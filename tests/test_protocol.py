@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -458,3 +459,24 @@ def test_pointer_without_anything_continuing_the_state_is_refused(bucket):
     with pytest.raises(ChainError, match="^no retained delta or anchor continues step 1$"):
         sub.fetch()
     assert sub.stats.refused == 1 and sub.needs_resync and sub.step == 1
+
+
+def test_fresh_subscriber_then_anchor_downloaded_in_its_workdir_and_reads_counted(bucket, tmp_path, monkeypatch):
+    sub = Subscriber(bucket, workdir=tmp_path / "scratch")
+    assert (sub.state, sub.step, sub.state_hash, sub.manifest, sub.needs_resync) == ({}, None, None, None, False)
+    (tmp_path / "scratch").mkdir()
+    master = master_state()
+    pub = Publisher(bucket, policy=FixedInterval(10))
+    run(pub, master, 2)
+    downloads = []
+    get_file = type(bucket).get_file
+    monkeypatch.setattr(bucket, "get_file", lambda key, path: downloads.append(Path(path)) or get_file(bucket, key, path))
+    sub.apply(sub.fetch())  # pointer + the anchor's one file
+    assert sub.stats.reads == 2 and len(downloads) == 1
+    folder = downloads[0].parent
+    assert folder.parent == tmp_path / "scratch" and folder.name.startswith("rlsync-anchor-") and not folder.exists()
+    sub.apply(sub.fetch())  # pointer + delta
+    assert sub.stats.reads == 4 and sub.step == 1
+    assert sub.stats.bytes_downloaded == 2 * len(bucket.get(POINTER_KEY)) + read_manifest(bucket).anchors[0].nbytes + len(
+        bucket.get(delta_key(1))
+    )
