@@ -86,15 +86,20 @@ class GapZigzagCodec(Codec):
             raise FormatError(f"entry {key!r}: not a zstd frame ({exc})") from None
         if declared != expected:
             raise FormatError(f"entry {key!r}: declares {declared} bytes, expected {expected}")
-        try:
-            raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=expected)
+        stream = zstandard.ZstdDecompressor().decompressobj()
+        try:  # libzstd stops at the declared content size, so the output stays bounded
+            raw = stream.decompress(blob)
         except zstandard.ZstdError as exc:
             raise FormatError(f"entry {key!r}: corrupt zstd data ({exc})") from None
+        if not stream.eof or stream.unused_data:
+            raise FormatError(f"entry {key!r}: not exactly one complete zstd frame")
         if len(raw) != expected:
             raise FormatError(f"entry {key!r}: decompressed to {len(raw)} bytes, expected {expected}")
         return np.frombuffer(raw, dtype=np.uint8)
 
-    def encode(self, name: str, index: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray) -> EncodedTensor:
+    def encode(
+        self, name: str, index: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray, *, base: torch.Tensor | None = None
+    ) -> EncodedTensor:
         gaps = np.empty_like(index)
         if index.size:
             gaps[0] = index[0]
@@ -118,6 +123,7 @@ class GapZigzagCodec(Codec):
         numel: int,
         itemsize: int,
         old_bits_at: Callable[[np.ndarray], np.ndarray],
+        base: torch.Tensor | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         width = params.get("gap_bytes")
         if type(width) is not int or width not in (1, 2, 4, 8):
