@@ -91,8 +91,10 @@ class GapZigzagCodec(Codec):
             raw = stream.decompress(blob)
         except zstandard.ZstdError as exc:
             raise FormatError(f"entry {key!r}: corrupt zstd data ({exc})") from None
-        if not stream.eof or stream.unused_data:
-            raise FormatError(f"entry {key!r}: not exactly one complete zstd frame")
+        if not stream.eof:
+            raise FormatError(f"entry {key!r}: corrupt zstd data (the frame is cut short)")
+        if stream.unused_data:
+            raise FormatError(f"entry {key!r}: {len(stream.unused_data)} bytes after the zstd frame")
         if len(raw) != expected:
             raise FormatError(f"entry {key!r}: decompressed to {len(raw)} bytes, expected {expected}")
         return np.frombuffer(raw, dtype=np.uint8)
