@@ -32,7 +32,8 @@ import torch
 from ..dtypes import dtype_name, int_view
 from ..errors import FormatError
 from .base import EncodedTensor, register_codec
-from .gapzz import GapZigzagCodec
+from .checks import require_entry
+from .gapzz import GapZigzagCodec, join_planes, split_planes
 
 #: Elements per class-ordering chunk; part of the format (changing it needs a new version).
 CHUNK = 1 << 20
@@ -152,10 +153,13 @@ class ClassOrder:
 
 
 class ClassGapCodec(GapZigzagCodec):
-    """``gapzz`` over the changed elements taken in the old weights' exponent-class order."""
+    """Ranks in the old weights' exponent-class order, gap-coded; value magnitudes zstd-coded, signs as raw bits."""
 
     name = "classgap"
     version = 1
+
+    def entry_names(self, name: str) -> list[str]:
+        return [f"{name}.pos", f"{name}.val", f"{name}.sign"]
 
     def encode(
         self, name: str, index: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray, *, base: torch.Tensor | None = None
@@ -185,31 +189,55 @@ class ClassGapCodec(GapZigzagCodec):
         base: torch.Tensor | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         order, dtype = params.get("order"), params.get("dtype")
-        sizes = dict(count=count, numel=numel, itemsize=itemsize)
-        if order == "flat":
-            return super().decode(name, entries, params, **sizes, old_bits_at=old_bits_at)
         field = EXPONENT_FIELDS.get(dtype) if isinstance(dtype, str) else None
-        if order != "exponent" or field is None:
+        if order not in ("flat", "exponent") or (order == "exponent" and field is None):
             raise FormatError(f"{name}: invalid order {order!r} for dtype {dtype!r}")
-        found: dict[str, np.ndarray] = {}
-
-        def old_bits_at_ranks(ranks: np.ndarray) -> np.ndarray:
-            if base is not None:  # the class order is built where the old weights are (a GPU replica's device)
-                coding_order = ClassOrder.of_tensor(base, field)
-            else:
-                chunks = (
-                    torch.from_numpy(signed_view(old_bits_at(np.arange(s, min(s + CHUNK, numel), dtype=np.int64))))
-                    for s in range(0, numel, CHUNK)
-                )
-                coding_order = ClassOrder(exponent_classes(chunks, numel, field, torch.device("cpu")), field[1] + 1)
-            device = coding_order.classes.device
-            found["positions"] = coding_order.positions_of(torch.from_numpy(ranks).to(device)).cpu().numpy()
-            return old_bits_at(found["positions"])
-
-        _, new_bits = super().decode(name, entries, params, **sizes, old_bits_at=old_bits_at_ranks)
-        positions = found["positions"]
+        ranks = self._decode_positions(name, entries, params, count=count, numel=numel)
+        diff = self._decode_values(name, entries, count=count, itemsize=itemsize)
+        if order == "flat":
+            return ranks, old_bits_at(ranks) + diff
+        assert field is not None
+        if base is not None:  # the class order is built where the old weights are (a GPU replica's device)
+            coding_order = ClassOrder.of_tensor(base, field)
+        else:
+            chunks = (
+                torch.from_numpy(signed_view(old_bits_at(np.arange(s, min(s + CHUNK, numel), dtype=np.int64))))
+                for s in range(0, numel, CHUNK)
+            )
+            coding_order = ClassOrder(exponent_classes(chunks, numel, field, torch.device("cpu")), field[1] + 1)
+        device = coding_order.classes.device
+        positions = coding_order.positions_of(torch.from_numpy(ranks).to(device)).cpu().numpy()
         flat_order = np.argsort(positions, kind="stable")
-        return positions[flat_order], new_bits[flat_order]
+        index = positions[flat_order]
+        return index, old_bits_at(index) + diff[flat_order]
+
+    def _encode_values(self, name: str, old_bits: np.ndarray, new_bits: np.ndarray) -> dict[str, torch.Tensor]:
+        """Magnitude minus one of each wrapping difference as ``{name}.val`` (zstd), its sign as ``{name}.sign``.
+
+        RL steps move values up and down about equally often, so a sign costs one
+        bit whatever the coder; stored apart, the magnitudes (mostly 0: one unit in
+        the last place) compress far better than zigzag codes mixing both.
+        """
+        diff = new_bits - old_bits
+        negative = signed_view(diff) < 0
+        magnitude = np.where(negative, diff.dtype.type(0) - diff, diff) - diff.dtype.type(1)
+        return {
+            f"{name}.val": self._compress(split_planes(magnitude)),
+            f"{name}.sign": torch.from_numpy(np.packbits(negative, bitorder="little")),
+        }
+
+    def _decode_values(self, name: str, entries: Mapping[str, torch.Tensor], *, count: int, itemsize: int) -> np.ndarray:
+        val_key, sign_key = f"{name}.val", f"{name}.sign"
+        raw = self._decompress(val_key, require_entry(entries, val_key, torch.uint8), count * itemsize)
+        magnitude = join_planes(raw, itemsize)
+        if magnitude.size and int(magnitude.max()) >= 1 << (8 * itemsize - 1):
+            raise FormatError(f"entry {val_key!r}: a magnitude does not fit the dtype's signed range")
+        packed = require_entry(entries, sign_key, torch.uint8, (count + 7) // 8).numpy()
+        negative = np.unpackbits(packed, count=None, bitorder="little").view(bool)
+        if negative[count:].any():
+            raise FormatError(f"entry {sign_key!r}: padding bits after the last sign are set")
+        step = magnitude + magnitude.dtype.type(1)
+        return np.where(negative[:count], magnitude.dtype.type(0) - step, step)
 
 
 register_codec(ClassGapCodec())

@@ -37,14 +37,14 @@ def _byte_width(max_value: int) -> int:
     raise AssertionError("unreachable")
 
 
-def _split_planes(values: np.ndarray) -> np.ndarray:
+def split_planes(values: np.ndarray) -> np.ndarray:
     """(n,) unsigned ints of width w -> (w * n,) bytes, plane by plane, low byte first."""
     w = values.itemsize
     return np.ascontiguousarray(values.astype(values.dtype.newbyteorder("<"), copy=False).view(np.uint8).reshape(-1, w).T).reshape(-1)
 
 
-def _join_planes(planes: np.ndarray, width: int) -> np.ndarray:
-    """Inverse of :func:`_split_planes`."""
+def join_planes(planes: np.ndarray, width: int) -> np.ndarray:
+    """Inverse of :func:`split_planes`."""
     count = planes.size // width
     joined = np.ascontiguousarray(planes.reshape(width, count).T).reshape(-1)
     return joined.view(uint_dtype(width).newbyteorder("<")).astype(uint_dtype(width), copy=False)
@@ -102,18 +102,8 @@ class GapZigzagCodec(Codec):
     def encode(
         self, name: str, index: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray, *, base: torch.Tensor | None = None
     ) -> EncodedTensor:
-        gaps = np.empty_like(index)
-        if index.size:
-            gaps[0] = index[0]
-            np.subtract(index[1:], index[:-1], out=gaps[1:])
-            gaps[1:] -= 1
-        width = _byte_width(int(gaps.max())) if gaps.size else 1
-        gap_planes = _split_planes(gaps.astype(uint_dtype(width)))
-        val_planes = _split_planes(_zigzag(new_bits - old_bits))
-        return EncodedTensor(
-            entries={f"{name}.pos": self._compress(gap_planes), f"{name}.val": self._compress(val_planes)},
-            params={"gap_bytes": width},
-        )
+        pos, width = self._encode_positions(index)
+        return EncodedTensor(entries={f"{name}.pos": pos, **self._encode_values(name, old_bits, new_bits)}, params={"gap_bytes": width})
 
     def decode(
         self,
@@ -127,20 +117,44 @@ class GapZigzagCodec(Codec):
         old_bits_at: Callable[[np.ndarray], np.ndarray],
         base: torch.Tensor | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
+        index = self._decode_positions(name, entries, params, count=count, numel=numel)
+        diff = self._decode_values(name, entries, count=count, itemsize=itemsize)
+        return index, old_bits_at(index) + diff
+
+    def _encode_positions(self, index: np.ndarray) -> tuple[torch.Tensor, int]:
+        """Gap-coded ``index`` as one zstd entry, and the gap width in bytes."""
+        gaps = np.empty_like(index)
+        if index.size:
+            gaps[0] = index[0]
+            np.subtract(index[1:], index[:-1], out=gaps[1:])
+            gaps[1:] -= 1
+        width = _byte_width(int(gaps.max())) if gaps.size else 1
+        return self._compress(split_planes(gaps.astype(uint_dtype(width)))), width
+
+    def _decode_positions(
+        self, name: str, entries: Mapping[str, torch.Tensor], params: Mapping[str, Any], *, count: int, numel: int
+    ) -> np.ndarray:
+        """Strictly increasing positions in ``[0, numel)`` from ``{name}.pos``; raises FormatError otherwise."""
         width = params.get("gap_bytes")
         if type(width) is not int or width not in (1, 2, 4, 8):
             raise FormatError(f"{name}: invalid gap_bytes {width!r}")
-        pos_key, val_key = self.entry_names(name)
-        pos = self._decompress(pos_key, require_entry(entries, pos_key, torch.uint8), count * width)
-        val = self._decompress(val_key, require_entry(entries, val_key, torch.uint8), count * itemsize)
-        gaps = _join_planes(pos, width)
+        pos_key = f"{name}.pos"
+        gaps = join_planes(self._decompress(pos_key, require_entry(entries, pos_key, torch.uint8), count * width), width)
         if width == 8 and gaps.size and int(gaps.max()) >= numel:  # narrower gaps cannot overflow the sum
             raise FormatError(f"{name}: index out of range for a tensor of {numel} elements")
         index = np.cumsum(gaps.astype(np.int64) + 1) - 1  # strictly increasing by construction
         if index.size and index[-1] >= numel:
             raise FormatError(f"{name}: index out of range for a tensor of {numel} elements")
-        new_bits = old_bits_at(index) + _unzigzag(_join_planes(val, itemsize))
-        return index, new_bits
+        return index
+
+    def _encode_values(self, name: str, old_bits: np.ndarray, new_bits: np.ndarray) -> dict[str, torch.Tensor]:
+        """The zigzag wrapping differences as ``{name}.val``."""
+        return {f"{name}.val": self._compress(split_planes(_zigzag(new_bits - old_bits)))}
+
+    def _decode_values(self, name: str, entries: Mapping[str, torch.Tensor], *, count: int, itemsize: int) -> np.ndarray:
+        """The wrapping differences (new bits minus old bits) stored by :meth:`_encode_values`."""
+        val_key = f"{name}.val"
+        return _unzigzag(join_planes(self._decompress(val_key, require_entry(entries, val_key, torch.uint8), count * itemsize), itemsize))
 
 
 register_codec(GapZigzagCodec())
