@@ -64,7 +64,8 @@ def delta_entropy(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
             continue
         shift, mask = field
         classes = (o.astype(np.int64) >> shift) & mask
-        bits["positions_exponent"] += _binary_bits(np.bincount(classes[changed], minlength=mask + 1), np.bincount(classes, minlength=mask + 1))
+        per_class = np.bincount(classes[changed], minlength=mask + 1)
+        bits["positions_exponent"] += _binary_bits(per_class, np.bincount(classes, minlength=mask + 1))
         bits["values_exponent"] += _conditional_bits(zigzag, classes[changed])
     out = {key: value / 8 / max(changed_total, 1) for key, value in bits.items()}
     out["bound_free"] = out["positions_free"] + out["values_free"]

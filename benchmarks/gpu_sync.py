@@ -20,7 +20,7 @@ the replica's own weights) and scatters into the device tensors in place. It pri
 and checks that the replica's weights hash equal to the publisher's after every apply.
 
     python -m benchmarks.gpu_sync                                   # CUDA, Qwen3-0.6B shape, < 5 min
-    python -m benchmarks.gpu_sync --device cpu --layers 2 --vocab 4096   # the same logic, small, on CPU
+    python -m benchmarks.gpu_sync --device cpu --layers 2 --hidden 256 --vocab 4096   # the same logic, small, on CPU
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def best_time(fn: Callable[[], object], device: torch.device, repeat: int, reset: Callable[[], None] | None = None) -> tuple[float, object]:
+def best_time(
+    fn: Callable[[], object], device: torch.device, repeat: int, reset: Callable[[], None] | None = None
+) -> tuple[float, object]:
     """Best wall time of ``repeat`` calls (device work included); ``reset`` runs untimed before each."""
     best, out = float("inf"), None
     for _ in range(repeat):
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--layers", type=int, default=QWEN3_0_6B["num_hidden_layers"])
     ap.add_argument("--vocab", type=int, default=QWEN3_0_6B["vocab_size"])
+    ap.add_argument("--hidden", type=int, default=QWEN3_0_6B["hidden_size"], help="smaller for CPU checks of the logic")
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--warmup-steps", type=int, default=3, help="AdamW steps before the measured one")
     ap.add_argument("--codecs", nargs="+", default=["gapzz", "classgap"])
@@ -83,6 +86,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     config = {**QWEN3_0_6B, "num_hidden_layers": args.layers, "vocab_size": args.vocab}
+    if args.hidden != QWEN3_0_6B["hidden_size"]:
+        heads = max(1, args.hidden // 64)
+        config.update(hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_attention_heads=heads)
+        config.update(num_key_value_heads=max(1, heads // 2), head_dim=64)
 
     master = random_qwen3_state(config, seed=0, device=str(device))
     n = sum(t.numel() for t in master.values())
@@ -98,11 +105,14 @@ def main(argv: list[str] | None = None) -> None:
     adamw_step(params, opt, gen)
     new = {name: p.detach().to(torch.bfloat16) for name, p in params.items()}
     target = state_hash(new)
-    print(f"model: Qwen3-0.6B shape with {args.layers} layers, vocab {args.vocab}: {n / 1e6:.0f}M parameters on {device}")
+    shape = f"{args.layers} layers, hidden {config['hidden_size']}, vocab {args.vocab}"
+    print(f"model: Qwen3-0.6B configuration with {shape}: {n / 1e6:.1f}M parameters on {device}")
 
     compare_s, changed = best_time(lambda: bare_compare(old, new), device, args.repeat)
     print(f"\nlr={args.lr:g}: {100 * changed / n:.3f}% of elements changed; bare on-device comparison {compare_s * 1e3:.1f} ms")
-    print(f"{'codec':10s} {'B/changed':>10s} {'detect+encode ms':>17s} {'vs compare':>11s} {'decode ms':>10s} {'apply ms':>9s} {'index_copy_ ms':>15s}")
+    header = ["B/changed", "detect+encode ms", "vs compare", "decode ms", "apply ms", "index_copy_ ms"]
+    widths = [max(len(h), 9) for h in header]
+    print(f"{'codec':10s} " + " ".join(f"{h:>{w}s}" for h, w in zip(header, widths)))
     replica = {name: t.clone() for name, t in old.items()}
     restore = lambda: [replica[name].copy_(old[name]) for name in old]  # noqa: E731
     last_patches = None
@@ -126,10 +136,8 @@ def main(argv: list[str] | None = None) -> None:
         if state_hash(replica) != target:
             raise AssertionError(f"{codec}: decode + apply is not bit-exact")
         copy_s, _ = best_time(index_copy, device, args.repeat, reset=restore)
-        print(
-            f"{codec:10s} {len(data) / changed:10.3f} {encode_s * 1e3:17.1f} {encode_s / compare_s:11.2f} "
-            f"{decode_s * 1e3:10.1f} {apply_s * 1e3:9.1f} {copy_s * 1e3:15.1f}"
-        )
+        figures = [len(data) / changed, encode_s * 1e3, encode_s / compare_s, decode_s * 1e3, apply_s * 1e3, copy_s * 1e3]
+        print(f"{codec:10s} " + " ".join(f"{x:{w}.{3 if i == 0 else 2 if i == 2 else 1}f}" for i, (x, w) in enumerate(zip(figures, widths))))
         last_patches = delta.patches
     engine_idle(config, old, new, last_patches, device, args.repeat)
 

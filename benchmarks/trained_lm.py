@@ -114,11 +114,12 @@ def main(argv: list[str] | None = None) -> None:
     split = text.numel() * 3 // 4
     model = byte_lm(args.hidden, args.layers, seed=0)
     n = sum(p.numel() for p in model.parameters())
-    print(f"model: Qwen3 architecture, {n / 1e6:.1f}M parameters, byte vocabulary; corpus {text.numel() / 1e6:.1f} MB of stdlib sources")
+    print(f"model: Qwen3 architecture, {n / 1e6:.1f}M parameters, byte vocabulary; {text.numel() / 1e6:.1f} MB of stdlib sources")
     t0 = time.perf_counter()
     losses = train(model, Batches(text[:split], args.batch, args.length, seed=1), args.pretrain_lr, args.pretrain_steps)
     tokens = args.pretrain_steps * args.batch * args.length
-    print(f"pretrained {args.pretrain_steps} steps ({tokens / 1e3:.0f}k tokens) in {time.perf_counter() - t0:.0f} s: loss {losses[0]:.2f} -> {losses[-1]:.2f}")
+    seconds = time.perf_counter() - t0
+    print(f"pretrained {args.pretrain_steps} steps ({tokens / 1e3:.0f}k tokens) in {seconds:.0f} s: loss {losses[0]:.2f} -> {losses[-1]:.2f}")
     pretrained = {k: v.clone() for k, v in model.state_dict().items()}
     for lr in args.lrs:
         model.load_state_dict(pretrained)

@@ -26,7 +26,8 @@ from shared.codecs.classgap import EXPONENT_FIELDS, ClassOrder
 from shared.detect import ChangeDetector
 from shared.dtypes import dtype_name
 from shared.format import Change, decode_delta, encode_delta, parse_header
-from tests.test_codecs import FLOAT_DTYPES, HYPOTHESIS as ROUND_TRIP_SETTINGS, _rl_deltas, bits_of, from_bits, mutate, publish_and_follow, random_bits
+from tests.test_codecs import FLOAT_DTYPES, _rl_deltas, bits_of, from_bits, mutate, publish_and_follow, random_bits
+from tests.test_codecs import HYPOTHESIS as ROUND_TRIP_SETTINGS
 from tests.test_format_hostile import NAME, assert_refused, make_delta, rewrite, state  # noqa: F401 (fixture)
 
 HYPOTHESIS = settings(ROUND_TRIP_SETTINGS, derandomize=True)
@@ -167,7 +168,8 @@ def test_invalid_order_refused(state, order) -> None:
 def test_exponent_order_for_an_integer_tensor_refused(state) -> None:
     """An integer tensor has no exponent: a delta claiming exponent order for one is refused."""
     name = "model.step_table"
-    change = Change(index=np.array([1, 2]), old_bits=np.zeros(2, np.uint64), new_bits=np.ones(2, np.uint64), dtype=torch.int64, shape=(3, 4))
+    bits = np.zeros(2, np.uint64)
+    change = Change(index=np.array([1, 2]), old_bits=bits, new_bits=bits + 1, dtype=torch.int64, shape=(3, 4))
     data = encode_delta({name: change}, step=5, base_step=4, base_hash="0" * 64, state_hash="1" * 64, total=1, codec="classgap")
     data = rewrite(data, table=lambda t: t[name].update(order="exponent"))
     assert_refused(data, state, "invalid order")
@@ -228,3 +230,16 @@ def test_magnitude_beyond_the_signed_range_refused(state) -> None:
     planes = np.zeros(2 * count, dtype=np.uint8)
     planes[count] = 0x80  # high byte of the first magnitude
     assert_refused(rewrite(data, entries=lambda e: e.update({NAME + ".val": codec._compress(planes)})), state, "does not fit")
+
+
+def test_gpu_sync_benchmark_logic_on_cpu(capsys) -> None:
+    """benchmarks.gpu_sync with the device as a parameter: every codec round-trips bit-exactly into the state and the engine."""
+    from benchmarks import gpu_sync
+
+    gpu_sync.main(["--device", "cpu", "--layers", "1", "--hidden", "128", "--vocab", "512", "--repeat", "1"])
+    out = capsys.readouterr().out
+    assert "% of elements changed" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["gapzz"], ["classgap"])]
+    sizes = {row[0]: float(row[1]) for row in rows}
+    assert set(sizes) == {"gapzz", "classgap"} and sizes["classgap"] < sizes["gapzz"]
+    assert "transformers engine: generation paused" in out

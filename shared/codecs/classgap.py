@@ -24,16 +24,16 @@ GPU trainer the sort runs there and only the changed elements' ranks come back.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 import torch
 
 from ..dtypes import dtype_name, int_view
 from ..errors import FormatError
-from .base import EncodedTensor, register_codec
+from .base import register_codec
 from .checks import require_entry
-from .gapzz import GapZigzagCodec, join_planes, split_planes
+from .gapzz import GapZigzagCodec, OldWeights, join_planes, split_planes
 
 #: Elements per class-ordering chunk; part of the format (changing it needs a new version).
 CHUNK = 1 << 20
@@ -161,55 +161,33 @@ class ClassGapCodec(GapZigzagCodec):
     def entry_names(self, name: str) -> list[str]:
         return [f"{name}.pos", f"{name}.val", f"{name}.sign"]
 
-    def encode(
-        self, name: str, index: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray, *, base: torch.Tensor | None = None
-    ) -> EncodedTensor:
+    def _coding_order(self, index: np.ndarray, base: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None, dict[str, Any]]:
         if base is None or index.size == 0 or dtype_name(base.dtype) not in EXPONENT_FIELDS:
-            encoded = super().encode(name, index, old_bits, new_bits)
-            encoded.params["order"] = "flat"
-            return encoded
+            return index, None, {"order": "flat"}
         order = ClassOrder.of_tensor(base, EXPONENT_FIELDS[dtype_name(base.dtype)])
         rank, position = order.ranks_of(torch.from_numpy(index).to(base.device))
-        ranks, positions = rank.cpu().numpy(), position.cpu().numpy()
-        where = np.searchsorted(index, positions)
-        encoded = super().encode(name, ranks, old_bits[where], new_bits[where])
-        encoded.params["order"] = "exponent"
-        return encoded
+        return rank.cpu().numpy(), np.searchsorted(index, position.cpu().numpy()), {"order": "exponent"}
 
-    def decode(
-        self,
-        name: str,
-        entries: Mapping[str, torch.Tensor],
-        params: Mapping[str, Any],
-        *,
-        count: int,
-        numel: int,
-        itemsize: int,
-        old_bits_at: Callable[[np.ndarray], np.ndarray],
-        base: torch.Tensor | None = None,
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def _flat_positions(
+        self, name: str, coded: np.ndarray, params: Mapping[str, Any], old: OldWeights
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         order, dtype = params.get("order"), params.get("dtype")
         field = EXPONENT_FIELDS.get(dtype) if isinstance(dtype, str) else None
-        if order not in ("flat", "exponent") or (order == "exponent" and field is None):
-            raise FormatError(f"{name}: invalid order {order!r} for dtype {dtype!r}")
-        ranks = self._decode_positions(name, entries, params, count=count, numel=numel)
-        diff = self._decode_values(name, entries, count=count, itemsize=itemsize)
         if order == "flat":
-            return ranks, old_bits_at(ranks) + diff
-        assert field is not None
-        if base is not None:  # the class order is built where the old weights are (a GPU replica's device)
-            coding_order = ClassOrder.of_tensor(base, field)
+            return coded, None
+        if order != "exponent" or field is None:
+            raise FormatError(f"{name}: invalid order {order!r} for dtype {dtype!r}")
+        if old.tensor is not None:  # the class order is built where the old weights are (a GPU replica's device)
+            coding_order = ClassOrder.of_tensor(old.tensor, field)
         else:
             chunks = (
-                torch.from_numpy(signed_view(old_bits_at(np.arange(s, min(s + CHUNK, numel), dtype=np.int64))))
-                for s in range(0, numel, CHUNK)
+                torch.from_numpy(signed_view(old.bits_at(np.arange(s, min(s + CHUNK, old.numel), dtype=np.int64))))
+                for s in range(0, old.numel, CHUNK)
             )
-            coding_order = ClassOrder(exponent_classes(chunks, numel, field, torch.device("cpu")), field[1] + 1)
-        device = coding_order.classes.device
-        positions = coding_order.positions_of(torch.from_numpy(ranks).to(device)).cpu().numpy()
+            coding_order = ClassOrder(exponent_classes(chunks, old.numel, field, torch.device("cpu")), field[1] + 1)
+        positions = coding_order.positions_of(torch.from_numpy(coded).to(coding_order.classes.device)).cpu().numpy()
         flat_order = np.argsort(positions, kind="stable")
-        index = positions[flat_order]
-        return index, old_bits_at(index) + diff[flat_order]
+        return positions[flat_order], flat_order
 
     def _encode_values(self, name: str, old_bits: np.ndarray, new_bits: np.ndarray) -> dict[str, torch.Tensor]:
         """Magnitude minus one of each wrapping difference as ``{name}.val`` (zstd), its sign as ``{name}.sign``.

@@ -16,6 +16,7 @@ NaN payload, infinity, -0.0 or subnormal round-trips exactly.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -28,6 +29,21 @@ from .base import Codec, EncodedTensor, register_codec
 from .checks import require_entry
 
 ZSTD_LEVEL = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class OldWeights:
+    """What the receiver holds of the tensor being patched.
+
+    Attributes:
+        numel: Its number of elements.
+        bits_at: Returns its bit patterns at given flat positions.
+        tensor: The tensor itself (only read), when the caller has it.
+    """
+
+    numel: int
+    bits_at: Callable[[np.ndarray], np.ndarray]
+    tensor: torch.Tensor | None
 
 
 def _byte_width(max_value: int) -> int:
@@ -102,8 +118,12 @@ class GapZigzagCodec(Codec):
     def encode(
         self, name: str, index: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray, *, base: torch.Tensor | None = None
     ) -> EncodedTensor:
-        pos, width = self._encode_positions(index)
-        return EncodedTensor(entries={f"{name}.pos": pos, **self._encode_values(name, old_bits, new_bits)}, params={"gap_bytes": width})
+        coded, order, params = self._coding_order(index, base)
+        if order is not None:
+            old_bits, new_bits = old_bits[order], new_bits[order]
+        pos, width = self._encode_positions(coded)
+        entries = {f"{name}.pos": pos, **self._encode_values(name, old_bits, new_bits)}
+        return EncodedTensor(entries=entries, params={"gap_bytes": width, **params})
 
     def decode(
         self,
@@ -117,9 +137,25 @@ class GapZigzagCodec(Codec):
         old_bits_at: Callable[[np.ndarray], np.ndarray],
         base: torch.Tensor | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        index = self._decode_positions(name, entries, params, count=count, numel=numel)
+        coded = self._decode_positions(name, entries, params, count=count, numel=numel)
         diff = self._decode_values(name, entries, count=count, itemsize=itemsize)
-        return index, old_bits_at(index) + diff
+        index, order = self._flat_positions(name, coded, params, OldWeights(numel, old_bits_at, base))
+        return index, old_bits_at(index) + (diff if order is None else diff[order])
+
+    def _coding_order(self, index: np.ndarray, base: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None, dict[str, Any]]:
+        """The increasing numbers to gap-code for sorted positions ``index`` (here: the positions themselves).
+
+        Returns:
+            ``(coded, order, params)``: the numbers, which element of ``index`` each one
+            stands for (``None``: the same order), and parameters the decoder needs.
+        """
+        return index, None, {}
+
+    def _flat_positions(
+        self, name: str, coded: np.ndarray, params: Mapping[str, Any], old: OldWeights
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Inverse of :meth:`_coding_order`: sorted positions and, unless ``None``, the coded element at each."""
+        return coded, None
 
     def _encode_positions(self, index: np.ndarray) -> tuple[torch.Tensor, int]:
         """Gap-coded ``index`` as one zstd entry, and the gap width in bytes."""
