@@ -18,13 +18,21 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["MAX_ABANDONED", "BoundedResult", "FailureCounts", "call_bounded", "finite_reward"]
+__all__ = ["MAX_ABANDONED", "BoundedResult", "FailureCounts", "ScoringFailure", "call_bounded", "finite_reward"]
 
 #: Abandoned (timed-out, still running) calls tolerated before new calls are refused.
 MAX_ABANDONED = 16
 
 _abandoned: set[threading.Thread] = set()
 _lock = threading.Lock()
+
+
+class ScoringFailure(Exception):
+    """Raised by a scorer that already knows why a sample failed; the reason is counted as is."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class BoundedResult:
@@ -56,7 +64,7 @@ def call_bounded(fn: Callable[..., Any], *args: Any, timeout_s: float, **kwargs:
 
     Returns:
         ``BoundedResult(value)``, or a failure: ``"timeout"``, ``"saturated"`` (too many earlier
-        calls still running), or ``"error:<ExceptionType>"``.
+        calls still running), ``"error:<ExceptionType>"``, or a :class:`ScoringFailure`'s reason.
     """
     if _abandoned_alive() >= MAX_ABANDONED:
         return BoundedResult(failure="saturated")
@@ -76,7 +84,8 @@ def call_bounded(fn: Callable[..., Any], *args: Any, timeout_s: float, **kwargs:
             _abandoned.add(thread)
         return BoundedResult(failure="timeout")
     if "error" in box:
-        return BoundedResult(failure=f"error:{type(box['error']).__name__}")
+        error = box["error"]
+        return BoundedResult(failure=error.reason if isinstance(error, ScoringFailure) else f"error:{type(error).__name__}")
     return BoundedResult(box.get("value"))
 
 
