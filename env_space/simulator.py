@@ -245,6 +245,9 @@ class EnvSimulator:
         self._stop.set()
         if self._thread:
             self._thread.join(timeout=30)
+        close = getattr(self.environment, "close", None)  # sources holding connections (openenv)
+        if close is not None:
+            close()
 
     @property
     def running(self) -> bool:
