@@ -287,3 +287,19 @@ def test_simulator_publishes_and_scores_reasoning_gym_through_the_bucket(bucket)
     by_type = get_json(bucket, "metrics/env.json")["by_type"]
     assert set(by_type) <= {"reasoning_gym / leg_counting", "reasoning_gym / basic_arithmetic"}
     assert sum(v["count"] for v in by_type.values()) == 12
+
+
+@pytest.mark.parametrize("module, cls, prefix", [
+    ("env_space.sources.reasoning_gym", "ReasoningGymConfig", "ENV_RG"),
+    ("env_space.sources.datasets_source", "DatasetSourceConfig", "ENV_DATASET"),
+    ("env_space.sources.openenv_client", "OpenEnvConfig", "ENV_OPENENV"),
+])  # fmt: skip
+def test_readme_documents_every_source_setting(module, cls, prefix):
+    import importlib
+    from pathlib import Path
+
+    from shared.settings import settings_table
+
+    readme = (Path(__file__).resolve().parents[1] / "env_space" / "README.md").read_text(encoding="utf-8")
+    for variable, default, _ in settings_table(getattr(importlib.import_module(module), cls), prefix):
+        assert f"| `{variable}` | `{default}` |" in readme, variable
