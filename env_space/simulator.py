@@ -224,12 +224,15 @@ class EnvSimulator:
     # -- lifecycle ----------------------------------------------------------
 
     def run(self) -> None:
-        """Run until :meth:`stop`; bucket errors are logged and retried."""
+        """Run until :meth:`stop`; bucket errors and failing sources are logged (and counted) and retried."""
         while not self._stop.is_set():
             try:
                 self.step()
             except BucketError as exc:
                 logger.warning("bucket error, retrying: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - a source (user code, a remote server) failing must not end the role
+                logger.exception("environment step failed, retrying")
+                self.failures.add("step", f"error:{type(exc).__name__}")
             self._stop.wait(self.config.poll_s)
 
     def start(self) -> None:

@@ -147,3 +147,17 @@ def test_other_field_names_and_an_unreproducible_reset_count_as_failures(bucket)
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_an_unreachable_openenv_server_is_counted_and_the_env_keeps_running(bucket):
+    env = EnvSimulator(EnvConfig(bucket=str(bucket.root), environment="reverse", poll_s=0.05), bucket=bucket)
+    env.environment = OpenEnvEnvironment(f"http://127.0.0.1:{_free_port()}", OpenEnvConfig(timeout_s=2))  # nobody listens
+    env.start()
+    try:
+        deadline = time.monotonic() + 20
+        while env.failures.total() < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert env.running and env.failures.as_dict() == {"step: error:ConnectionError": env.failures.total()}
+    finally:
+        env.stop()
+    assert not env.running

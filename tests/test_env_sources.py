@@ -303,3 +303,27 @@ def test_readme_documents_every_source_setting(module, cls, prefix):
     readme = (Path(__file__).resolve().parents[1] / "env_space" / "README.md").read_text(encoding="utf-8")
     for variable, default, _ in settings_table(getattr(importlib.import_module(module), cls), prefix):
         assert f"| `{variable}` | `{default}` |" in readme, variable
+
+
+def test_chat_template_renders_the_published_prompts(tmp_path, bucket):
+    """ENV_CHAT_TEMPLATE: the prompts replicas get are the tokenizer's chat rendering of the source's messages."""
+    from shared.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    tokenizer.save_pretrained(tmp_path / "tok")
+    config = EnvConfig(bucket=str(bucket.root), environment=RG_SPEC, chat_template=str(tmp_path / "tok"), tasks_per_batch=3)
+    env = EnvSimulator(config, bucket=bucket)
+    doc = get_json(bucket, task_key(env.publish_tasks()))
+    for published, task in zip(doc["tasks"], env.environment.tasks(3, seed=doc["seed"])):
+        messages = task.meta["messages"]
+        assert [m["role"] for m in messages] == ["system", "user"] and "<answer>" in messages[0]["content"]
+        assert published["prompt"] == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert published["prompt"].startswith("<|system|>") and published["prompt"].endswith("<|assistant|>")
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path / "plain")
+    with pytest.raises(ValueError, match="no chat template"):
+        open_environment(RG_SPEC, chat_template=str(tmp_path / "plain"), settings=ReasoningGymConfig())

@@ -21,6 +21,8 @@ from typing import Any
 
 from env_space.environments import Environment, get_environment
 
+from .prompts import render_prompt
+
 __all__ = ["SOURCES", "open_environment", "parse_weighted"]
 
 #: Source prefix -> (module, the pip package it needs).
@@ -63,11 +65,13 @@ def open_environment(spec: str, *, chat_template: str = "", settings: Any | None
     Raises:
         KeyError: Unknown environment or source.
         ImportError: The source's package is not installed.
-        ValueError: Bad settings.
+        ValueError: Bad settings, or a chat template that cannot be loaded.
     """
     source, sep, argument = spec.partition(":")
     if not sep:
         return get_environment(spec)
+    if chat_template:  # fail at start, not at the first batch
+        render_prompt([{"role": "user", "content": "check"}], chat_template)
     if source not in SOURCES:
         raise KeyError(f"unknown environment source {source!r}; known: {sorted(SOURCES)}")
     module_name, package = SOURCES[source]
