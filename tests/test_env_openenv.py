@@ -21,7 +21,8 @@ from reasoning_gym.utils import extract_answer
 
 from env_space.simulator import EnvConfig, EnvSimulator
 from env_space.sources import open_environment
-from env_space.sources.openenv_client import OpenEnvConfig, OpenEnvEnvironment
+from env_space.sources.openenv_client import OpenEnvEnvironment
+from env_space.sources.settings import OpenEnvConfig
 from shared.exchange import Sample, get_json, read_samples, rollout_key, score_key, task_key, write_samples
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,8 +17,7 @@ from reasoning_gym.utils import extract_answer
 from env_space import bounded
 from env_space.simulator import EnvConfig, EnvSimulator
 from env_space.sources import open_environment, parse_weighted
-from env_space.sources.datasets_source import DatasetSourceConfig
-from env_space.sources.reasoning_gym import ReasoningGymConfig
+from env_space.sources.settings import DatasetSourceConfig, ReasoningGymConfig
 from env_space.sources.rewards import format_reward
 from shared.exchange import Sample, get_json, read_samples, rollout_key, score_key, task_key, write_samples
 
@@ -290,9 +289,9 @@ def test_simulator_publishes_and_scores_reasoning_gym_through_the_bucket(bucket)
 
 
 @pytest.mark.parametrize("module, cls, prefix", [
-    ("env_space.sources.reasoning_gym", "ReasoningGymConfig", "ENV_RG"),
-    ("env_space.sources.datasets_source", "DatasetSourceConfig", "ENV_DATASET"),
-    ("env_space.sources.openenv_client", "OpenEnvConfig", "ENV_OPENENV"),
+    ("env_space.sources.settings", "ReasoningGymConfig", "ENV_RG"),
+    ("env_space.sources.settings", "DatasetSourceConfig", "ENV_DATASET"),
+    ("env_space.sources.settings", "OpenEnvConfig", "ENV_OPENENV"),
 ])  # fmt: skip
 def test_readme_documents_every_source_setting(module, cls, prefix):
     import importlib

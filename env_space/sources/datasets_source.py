@@ -17,7 +17,6 @@ the wrong number of values fails the sample with that reason (see
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -25,34 +24,16 @@ import datasets
 
 from env_space.bounded import ScoringFailure, call_bounded, finite_reward
 from env_space.environments import Environment, Task
-from shared.settings import from_env
 
 from . import parse_weighted
 from .prompts import render_prompt
 from .rewards import RewardFunction, load_reward
+from .settings import DatasetSourceConfig
 
-__all__ = ["DatasetEnvironment", "DatasetSourceConfig", "from_spec", "load_split"]
+__all__ = ["DatasetEnvironment", "from_spec", "load_split"]
 
 _NOT_COLUMNS = ("prompt", "completion", "completion_ids", "prompts", "completions")  # as TRL: not passed by name
 
-
-@dataclasses.dataclass
-class DatasetSourceConfig:
-    """Settings of the dataset source (environment variables ``ENV_DATASET_<FIELD>``)."""
-
-    subset: str = dataclasses.field(default="", metadata={"help": "dataset configuration name, e.g. main for gsm8k"})
-    split: str = dataclasses.field(default="train", metadata={"help": "split to draw prompts from"})
-    prompt_column: str = dataclasses.field(default="prompt", metadata={"help": "column with the prompt (text or chat messages)"})
-    answer_column: str = dataclasses.field(default="answer", metadata={"help": "column with the reference answer"})
-    type_column: str = dataclasses.field(default="", metadata={"help": "column naming the task type for the panel ('' = none)"})
-    rewards: str = dataclasses.field(default="math_verify", metadata={"help": "reward functions with weights: NAME[=W],... (built-in or module.function)"})
-    system_prompt: str = dataclasses.field(default="", metadata={"help": "system message put before string prompts ('' = none)"})
-    answer_tag: str = dataclasses.field(default="answer", metadata={"help": "tag of the final answer for exact_match and format"})
-    reward_timeout_s: float = dataclasses.field(default=5.0, metadata={"help": "time bound of one reward function call"})
-
-    @classmethod
-    def from_env(cls, **overrides: Any) -> "DatasetSourceConfig":
-        return from_env(cls, "ENV_DATASET", **overrides)
 
 
 def load_split(name: str, subset: str, split: str) -> datasets.Dataset:

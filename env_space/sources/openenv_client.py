@@ -19,7 +19,6 @@ that module's docstring for how they would fit.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -28,23 +27,11 @@ from openenv.core.generic_client import GenericEnvClient
 
 from env_space.bounded import ScoringFailure
 from env_space.environments import Environment, Task
-from shared.settings import from_env
 
-__all__ = ["OpenEnvConfig", "OpenEnvEnvironment", "from_spec"]
+from .settings import OpenEnvConfig
 
+__all__ = ["OpenEnvEnvironment", "from_spec"]
 
-@dataclasses.dataclass
-class OpenEnvConfig:
-    """Settings of the OpenEnv source (environment variables ``ENV_OPENENV_<FIELD>``)."""
-
-    prompt_field: str = dataclasses.field(default="prompt", metadata={"help": "observation field holding the prompt"})
-    action_field: str = dataclasses.field(default="message", metadata={"help": "action field the completion is sent in"})
-    type_field: str = dataclasses.field(default="task_type", metadata={"help": "observation field naming the task type ('' = none)"})
-    timeout_s: float = dataclasses.field(default=30.0, metadata={"help": "connect and message timeout"})
-
-    @classmethod
-    def from_env(cls, **overrides: Any) -> "OpenEnvConfig":
-        return from_env(cls, "ENV_OPENENV", **overrides)
 
 
 class OpenEnvEnvironment(Environment):

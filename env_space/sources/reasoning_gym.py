@@ -21,26 +21,13 @@ from reasoning_gym.composite import DatasetSpec
 from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
 
 from env_space.environments import Environment, Task
-from shared.settings import from_env
 
 from . import parse_weighted
 from .prompts import render_prompt
+from .settings import ReasoningGymConfig
 
-__all__ = ["ReasoningGymConfig", "ReasoningGymEnvironment", "from_spec"]
+__all__ = ["ReasoningGymEnvironment", "from_spec"]
 
-
-@dataclasses.dataclass
-class ReasoningGymConfig:
-    """Settings of the reasoning-gym source (environment variables ``ENV_RG_<FIELD>``)."""
-
-    level: int = dataclasses.field(default=-1, metadata={"help": "difficulty: curriculum level of every generator (0 = easiest); -1 = the generators' defaults"})
-    overrides: str = dataclasses.field(default="", metadata={"help": 'JSON: generator config fields, e.g. {"leg_counting": {"max_animals": 4}}'})
-    system_prompt: str = dataclasses.field(default="default", metadata={"help": "a key of reasoning_gym.utils.SYSTEM_PROMPTS, or the text itself"})
-    answer_tag: str = dataclasses.field(default="answer", metadata={"help": "tag holding the final answer: <answer>...</answer>"})
-
-    @classmethod
-    def from_env(cls, **overrides: Any) -> "ReasoningGymConfig":
-        return from_env(cls, "ENV_RG", **overrides)
 
 
 def _generator_config(name: str, level: int, overrides: dict[str, Any]) -> dict[str, Any]:
