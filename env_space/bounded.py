@@ -85,7 +85,9 @@ def call_bounded(fn: Callable[..., Any], *args: Any, timeout_s: float, **kwargs:
         return BoundedResult(failure="timeout")
     if "error" in box:
         error = box["error"]
-        return BoundedResult(failure=error.reason if isinstance(error, ScoringFailure) else f"error:{type(error).__name__}")
+        return BoundedResult(
+            failure=error.reason if isinstance(error, ScoringFailure) else f"error:{type(error).__name__}"
+        )
     return BoundedResult(box.get("value"))
 
 

@@ -101,7 +101,7 @@ class EnvSimulator:
         """
         try:
             if doc.get("env") != self.environment.name:
-                raise ValueError(f"made by environment {doc.get('env')!r}, this simulator runs {self.environment.name!r}")
+                raise ValueError(f"made by {doc.get('env')!r}, not by this simulator's {self.environment.name!r}")
             env = self.environment
             n, seed = doc["n"], doc["seed"]
             if type(n) is not int or type(seed) is not int or not isinstance(doc.get("tasks"), list) or n != len(doc["tasks"]):
@@ -185,7 +185,8 @@ class EnvSimulator:
         for s in samples[:4]:
             self.episodes.append({
                 "version": s.version, "type": tasks[s.task_id].meta.get("type", source),
-                "prompt": s.prompt[-_EPISODE_CHARS:], "completion": s.completion[:_EPISODE_CHARS], "reward": round(s.reward, 3),
+                "prompt": s.prompt[-_EPISODE_CHARS:], "completion": s.completion[:_EPISODE_CHARS],
+                "reward": round(s.reward, 3),
             })  # fmt: skip
         del self.episodes[:-20]
         self._scored += len(samples)
@@ -230,7 +231,7 @@ class EnvSimulator:
                 self.step()
             except BucketError as exc:
                 logger.warning("bucket error, retrying: %s", exc)
-            except Exception as exc:  # noqa: BLE001 - a source (user code, a remote server) failing must not end the role
+            except Exception as exc:  # a failing source (user code, a remote server) must not end the role
                 logger.exception("environment step failed, retrying")
                 self.failures.add("step", f"error:{type(exc).__name__}")
             self._stop.wait(self.config.poll_s)

@@ -94,7 +94,9 @@ def test_simulator_runs_an_openenv_source_through_the_bucket(served_url, bucket)
     samples = []
     for t, task in zip(doc["tasks"], env.environment.tasks(3, seed=doc["seed"])):
         answer = local.tasks(1, seed=task.meta["seed"])[0].answer
-        samples += [Sample(t["task_id"], t["prompt"], c, [1], [2], [-0.5], 0) for c in (f"<answer>{answer}</answer>", "wrong")]
+        samples += [
+            Sample(t["task_id"], t["prompt"], c, [1], [2], [-0.5], 0) for c in (f"<answer>{answer}</answer>", "wrong")
+        ]
     write_samples(bucket, rollout_key(batch, "r0"), samples, batch=batch)
     assert env.score_rollouts() == 6
     assert [s.reward for s in read_samples(bucket, score_key(batch, "r0"))[1]] == [1.0, 0.0] * 3
@@ -152,7 +154,9 @@ def test_other_field_names_and_an_unreproducible_reset_count_as_failures(bucket)
 
 def test_an_unreachable_openenv_server_is_counted_and_the_env_keeps_running(bucket):
     env = EnvSimulator(EnvConfig(bucket=str(bucket.root), environment="reverse", poll_s=0.05), bucket=bucket)
-    env.environment = OpenEnvEnvironment(f"http://127.0.0.1:{_free_port()}", OpenEnvConfig(timeout_s=2))  # nobody listens
+    env.environment = OpenEnvEnvironment(
+        f"http://127.0.0.1:{_free_port()}", OpenEnvConfig(timeout_s=2)
+    )  # nobody listens
     env.start()
     try:
         deadline = time.monotonic() + 20

@@ -17,8 +17,8 @@ from reasoning_gym.utils import extract_answer
 from env_space import bounded
 from env_space.simulator import EnvConfig, EnvSimulator
 from env_space.sources import open_environment, parse_weighted
-from env_space.sources.settings import DatasetSourceConfig, ReasoningGymConfig
 from env_space.sources.rewards import format_reward
+from env_space.sources.settings import DatasetSourceConfig, ReasoningGymConfig
 from shared.exchange import Sample, get_json, read_samples, rollout_key, score_key, task_key, write_samples
 
 RG_SPEC = "reasoning_gym:leg_counting=2,basic_arithmetic"
@@ -68,7 +68,8 @@ def test_reasoning_gym_scores_as_the_library_does():
 def test_reasoning_gym_difficulty_and_overrides_reach_the_generators():
     easy = open_environment("reasoning_gym:leg_counting", settings=ReasoningGymConfig(level=0))
     hard = open_environment(
-        "reasoning_gym:leg_counting", settings=ReasoningGymConfig(level=3, overrides='{"leg_counting": {"max_animals": 2}}')
+        "reasoning_gym:leg_counting",
+        settings=ReasoningGymConfig(level=3, overrides='{"leg_counting": {"max_animals": 2}}'),
     )
     easy_n = [t.meta["entry"]["metadata"]["num_animals"] for t in easy.tasks(50, seed=0)]
     hard_tasks = hard.tasks(50, seed=0)
@@ -77,7 +78,9 @@ def test_reasoning_gym_difficulty_and_overrides_reach_the_generators():
     with pytest.raises(ValueError, match="unknown reasoning-gym generators"):
         open_environment("reasoning_gym:no_such_generator", settings=ReasoningGymConfig())
     with pytest.raises(ValueError, match="not selected"):
-        open_environment("reasoning_gym:leg_counting", settings=ReasoningGymConfig(overrides='{"basic_arithmetic": {}}'))
+        open_environment(
+            "reasoning_gym:leg_counting", settings=ReasoningGymConfig(overrides='{"basic_arithmetic": {}}')
+        )
 
 
 def test_weighted_lists_parse_and_reject():
@@ -145,11 +148,16 @@ def test_dataset_math_verify_and_user_reward_score_as_the_libraries_do(local_dat
     env = _dataset_env(local_dataset, "math_verify=1,user_rewards.brevity=0.5")
     for task in env.tasks(8, seed=0):
         reference = task.answer
-        scripted = {"correct": f"so the result is ${reference}$", "wrong": "so the result is $7/9$", "malformed": "no idea"}
+        scripted = {
+            "correct": f"so the result is ${reference}$",
+            "wrong": "so the result is $7/9$",
+            "malformed": "no idea",
+        }
         for kind, completion in scripted.items():
-            expected = float(verify(parse(reference), parse(completion))) + 0.5 * user_rewards.brevity(
-                [task.meta["row"]["question"]], [completion], answer=[reference]
-            )[0]
+            expected = (
+                float(verify(parse(reference), parse(completion)))
+                + 0.5 * user_rewards.brevity([task.meta["row"]["question"]], [completion], answer=[reference])[0]
+            )
             assert env.score(task, completion) == pytest.approx(expected, abs=0), (task.task_id, kind)
         assert env.score(task, scripted["correct"]) > env.score(task, scripted["wrong"])
 
@@ -205,7 +213,9 @@ def test_hostile_reward_function_is_bounded_counted_and_never_stops_the_env(loca
     monkeypatch.setenv("ENV_DATASET_REWARDS", "user_rewards.hostile,exact_match")
     monkeypatch.setenv("ENV_DATASET_REWARD_TIMEOUT_S", "0.3")
     monkeypatch.setenv("ENV_DATASET_TYPE_COLUMN", "topic")
-    config = EnvConfig(bucket=str(bucket.root), environment=f"dataset:{local_dataset}", tasks_per_batch=2, failure_reward=-1.0)
+    config = EnvConfig(
+        bucket=str(bucket.root), environment=f"dataset:{local_dataset}", tasks_per_batch=2, failure_reward=-1.0
+    )
     env = EnvSimulator(config, bucket=bucket)
     batch = env.publish_tasks()
     completions = ["fine", "raise", "sleep", "nan", "many"]
@@ -230,7 +240,9 @@ def test_hostile_reward_function_is_bounded_counted_and_never_stops_the_env(loca
 
 def test_hostile_scorer_is_bounded_for_any_environment(bucket, monkeypatch):
     """The simulator's own bound covers verifiers and environments too, not only reward functions."""
-    env = EnvSimulator(EnvConfig(bucket=str(bucket.root), environment="reverse", tasks_per_batch=1, score_timeout_s=0.3), bucket=bucket)
+    env = EnvSimulator(
+        EnvConfig(bucket=str(bucket.root), environment="reverse", tasks_per_batch=1, score_timeout_s=0.3), bucket=bucket
+    )
     original = env.environment.score
 
     def hostile(task, completion):
@@ -258,7 +270,11 @@ def test_abandoned_calls_are_capped(monkeypatch):
     monkeypatch.setattr(bounded, "MAX_ABANDONED", 2)
     monkeypatch.setattr(bounded, "_abandoned", set())
     release = threading.Event()
-    assert [bounded.call_bounded(release.wait, timeout_s=0.05).failure for _ in range(3)] == ["timeout", "timeout", "saturated"]
+    assert [bounded.call_bounded(release.wait, timeout_s=0.05).failure for _ in range(3)] == [
+        "timeout",
+        "timeout",
+        "saturated",
+    ]
     release.set()
     time.sleep(0.1)
     assert bounded.call_bounded(lambda: 3, timeout_s=1).value == 3  # finished threads free their places
@@ -274,9 +290,13 @@ def test_simulator_publishes_and_scores_reasoning_gym_through_the_bucket(bucket)
     tasks = {t.task_id: t for t in env.environment.tasks(4, seed=doc["seed"])}
     samples = []
     for t in doc["tasks"]:
-        for kind, completion in _completions(tasks[t["task_id"]].answer).items():
+        for completion in _completions(tasks[t["task_id"]].answer).values():
             samples.append(Sample(t["task_id"], t["prompt"], completion, [1], [2], [-0.5], 0))
-    samples.append(Sample(doc["tasks"][0]["task_id"], "a prompt that was never published", "<answer>1</answer>", [1], [2], [0.0], 0))
+    samples.append(
+        Sample(
+            doc["tasks"][0]["task_id"], "a prompt that was never published", "<answer>1</answer>", [1], [2], [0.0], 0
+        )
+    )
     write_samples(bucket, rollout_key(batch, "r0"), samples, batch=batch)
     assert env.score_rollouts() == 12  # the sample with a foreign prompt is dropped and counted
     scored = read_samples(bucket, score_key(batch, "r0"))[1]
@@ -314,13 +334,17 @@ def test_chat_template_renders_the_published_prompts(tmp_path, bucket):
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
     tokenizer.save_pretrained(tmp_path / "tok")
-    config = EnvConfig(bucket=str(bucket.root), environment=RG_SPEC, chat_template=str(tmp_path / "tok"), tasks_per_batch=3)
+    config = EnvConfig(
+        bucket=str(bucket.root), environment=RG_SPEC, chat_template=str(tmp_path / "tok"), tasks_per_batch=3
+    )
     env = EnvSimulator(config, bucket=bucket)
     doc = get_json(bucket, task_key(env.publish_tasks()))
     for published, task in zip(doc["tasks"], env.environment.tasks(3, seed=doc["seed"])):
         messages = task.meta["messages"]
         assert [m["role"] for m in messages] == ["system", "user"] and "<answer>" in messages[0]["content"]
-        assert published["prompt"] == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert published["prompt"] == tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
         assert published["prompt"].startswith("<|system|>") and published["prompt"].endswith("<|assistant|>")
     tokenizer.chat_template = None
     tokenizer.save_pretrained(tmp_path / "plain")

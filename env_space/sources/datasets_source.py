@@ -35,7 +35,6 @@ __all__ = ["DatasetEnvironment", "from_spec", "load_split"]
 _NOT_COLUMNS = ("prompt", "completion", "completion_ids", "prompts", "completions")  # as TRL: not passed by name
 
 
-
 def load_split(name: str, subset: str, split: str) -> datasets.Dataset:
     """A local ``save_to_disk`` folder, or a Hub dataset, as one split.
 
@@ -65,17 +64,25 @@ class DatasetEnvironment(Environment):
         ValueError: A missing column, an empty dataset, or a reward that cannot be loaded.
     """
 
-    def __init__(self, dataset: datasets.Dataset, name: str, config: DatasetSourceConfig | None = None, chat_template: str = "") -> None:
+    def __init__(
+        self, dataset: datasets.Dataset, name: str, config: DatasetSourceConfig | None = None, chat_template: str = ""
+    ) -> None:
         self.config = config or DatasetSourceConfig()
         self.dataset = dataset
         self.name = f"dataset:{name}"
         self.chat_template = chat_template
-        columns = [self.config.prompt_column, self.config.answer_column] + ([self.config.type_column] if self.config.type_column else [])
+        columns = [self.config.prompt_column, self.config.answer_column] + (
+            [self.config.type_column] if self.config.type_column else []
+        )
         missing = [c for c in columns if c not in dataset.column_names]
         if missing or len(dataset) == 0:
             raise ValueError(f"{name}: missing columns {missing} (has {dataset.column_names}) or no rows")
         self.rewards: list[tuple[str, float, RewardFunction]] = [
-            (reward, weight, load_reward(reward, answer_column=self.config.answer_column, answer_tag=self.config.answer_tag))
+            (
+                reward,
+                weight,
+                load_reward(reward, answer_column=self.config.answer_column, answer_tag=self.config.answer_tag),
+            )
             for reward, weight in parse_weighted(self.config.rewards).items()
         ]
         self.conversational = isinstance(dataset[0][self.config.prompt_column], list)
@@ -95,7 +102,14 @@ class DatasetEnvironment(Environment):
             messages = self._messages(row[self.config.prompt_column])
             kind = str(row[self.config.type_column]) if self.config.type_column else self.name.partition(":")[2]
             meta = {"type": kind, "row": row, "messages": messages}
-            out.append(Task(f"ds-{seed}-{i}-{index}", render_prompt(messages, self.chat_template), str(row[self.config.answer_column]), meta))
+            out.append(
+                Task(
+                    f"ds-{seed}-{i}-{index}",
+                    render_prompt(messages, self.chat_template),
+                    str(row[self.config.answer_column]),
+                    meta,
+                )
+            )
         return out
 
     def score(self, task: Task, completion: str) -> float:
@@ -121,7 +135,9 @@ class DatasetEnvironment(Environment):
         return total
 
 
-def from_spec(argument: str, *, chat_template: str = "", settings: DatasetSourceConfig | None = None) -> DatasetEnvironment:
+def from_spec(
+    argument: str, *, chat_template: str = "", settings: DatasetSourceConfig | None = None
+) -> DatasetEnvironment:
     """Build the source from ``ENV_ENVIRONMENT=dataset:<name or path>``."""
     config = settings or DatasetSourceConfig.from_env()
     return DatasetEnvironment(load_split(argument, config.subset, config.split), argument, config, chat_template)

@@ -33,7 +33,6 @@ from .settings import OpenEnvConfig
 __all__ = ["OpenEnvEnvironment", "from_spec"]
 
 
-
 class OpenEnvEnvironment(Environment):
     """Tasks and rewards from an OpenEnv server, one step per episode.
 
@@ -90,7 +89,9 @@ class OpenEnvEnvironment(Environment):
             for i in range(n):
                 episode_seed = self.episode_seed(seed, i)
                 observation = client.reset(seed=episode_seed).observation
-                kind = str(observation.get(self.config.type_field) or "openenv") if self.config.type_field else "openenv"
+                kind = (
+                    str(observation.get(self.config.type_field) or "openenv") if self.config.type_field else "openenv"
+                )
                 out.append(Task(f"oe-{seed}-{i}", self._prompt(observation), "", {"type": kind, "seed": episode_seed}))
         return out
 
@@ -100,7 +101,9 @@ class OpenEnvEnvironment(Environment):
                 raise ScoringFailure("openenv: reset gave another prompt for the same seed")
             result = client.step({self.config.action_field: completion})
         if result.reward is None:
-            reason = result.observation.get("metadata", {}).get("failure") if isinstance(result.observation, dict) else None
+            reason = (
+                result.observation.get("metadata", {}).get("failure") if isinstance(result.observation, dict) else None
+            )
             raise ScoringFailure(f"openenv: step gave no reward{f' ({reason})' if reason else ''}")
         return result.reward
 

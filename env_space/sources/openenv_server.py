@@ -21,7 +21,8 @@ import argparse
 import uuid
 from typing import Any
 
-from openenv.core.env_server import Action, Environment as OpenEnvEnvironment, Observation, State, create_app
+from openenv.core.env_server import Action, Observation, State, create_app
+from openenv.core.env_server import Environment as OpenEnvEnvironment
 
 from env_space.bounded import call_bounded, finite_reward
 from env_space.environments import Environment, Task
@@ -81,7 +82,9 @@ class SingleStepEpisode(OpenEnvEnvironment):
     def _observation(self, **fields: Any) -> PromptObservation:
         task = self._task
         kind = str(task.meta.get("type", self.environment.name)) if task else ""
-        return PromptObservation(prompt=task.prompt if task else "", task_id=task.task_id if task else "", task_type=kind, **fields)
+        return PromptObservation(
+            prompt=task.prompt if task else "", task_id=task.task_id if task else "", task_type=kind, **fields
+        )
 
     @property
     def state(self) -> State:
@@ -105,7 +108,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from env_space.sources import open_environment
 
-    parser = argparse.ArgumentParser(prog="python -m env_space.sources.openenv_server", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m env_space.sources.openenv_server", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--environment", default="reverse", help="what ENV_ENVIRONMENT accepts")
     parser.add_argument("--chat-template", default="", help="model id/path whose chat template formats prompts")
     parser.add_argument("--host", default="127.0.0.1")

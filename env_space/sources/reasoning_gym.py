@@ -29,7 +29,6 @@ from .settings import ReasoningGymConfig
 __all__ = ["ReasoningGymEnvironment", "from_spec"]
 
 
-
 def _generator_config(name: str, level: int, overrides: dict[str, Any]) -> dict[str, Any]:
     config: dict[str, Any] = {}
     if level >= 0 and name in reasoning_gym.factory.CURRICULA:
@@ -52,7 +51,9 @@ class ReasoningGymEnvironment(Environment):
         ValueError: Unknown generator, bad override, or bad settings.
     """
 
-    def __init__(self, generators: dict[str, float], config: ReasoningGymConfig | None = None, chat_template: str = "") -> None:
+    def __init__(
+        self, generators: dict[str, float], config: ReasoningGymConfig | None = None, chat_template: str = ""
+    ) -> None:
         self.config = config or ReasoningGymConfig()
         self.chat_template = chat_template
         self.name = "reasoning_gym:" + ",".join(f"{g}={w:g}" for g, w in generators.items())
@@ -64,7 +65,10 @@ class ReasoningGymEnvironment(Environment):
             raise ValueError("ENV_RG_OVERRIDES must be a JSON object of objects, one per generator")
         if set(overrides) - set(generators):
             raise ValueError(f"overrides name generators not selected: {sorted(set(overrides) - set(generators))}")
-        self.specs = [DatasetSpec(g, w, _generator_config(g, self.config.level, overrides.get(g, {}))) for g, w in generators.items()]
+        self.specs = [
+            DatasetSpec(g, w, _generator_config(g, self.config.level, overrides.get(g, {})))
+            for g, w in generators.items()
+        ]
         self.system_prompt = SYSTEM_PROMPTS.get(self.config.system_prompt, self.config.system_prompt)
         self._verifiers = self._composite(1, seed=0).datasets  # name -> generator, for score_answer
 
@@ -79,7 +83,10 @@ class ReasoningGymEnvironment(Environment):
         out = []
         for i in range(n):
             entry = dataset[i]
-            messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": entry["question"]}]
+            messages = [
+                {"role": "system", "content": self.system_prompt},
+                {"role": "user", "content": entry["question"]},
+            ]
             meta = {"type": entry["metadata"]["source_dataset"], "entry": entry, "messages": messages}
             out.append(Task(f"rg-{seed}-{i}", render_prompt(messages, self.chat_template), str(entry["answer"]), meta))
         return out
@@ -90,6 +97,8 @@ class ReasoningGymEnvironment(Environment):
         return float(self._verifiers[entry["metadata"]["source_dataset"]].score_answer(answer=answer, entry=entry))
 
 
-def from_spec(argument: str, *, chat_template: str = "", settings: ReasoningGymConfig | None = None) -> ReasoningGymEnvironment:
+def from_spec(
+    argument: str, *, chat_template: str = "", settings: ReasoningGymConfig | None = None
+) -> ReasoningGymEnvironment:
     """Build the source from ``ENV_ENVIRONMENT=reasoning_gym:<argument>``."""
     return ReasoningGymEnvironment(parse_weighted(argument), settings or ReasoningGymConfig.from_env(), chat_template)

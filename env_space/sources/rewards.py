@@ -25,7 +25,15 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["BUILTIN_REWARDS", "RewardFunction", "completion_text", "exact_match", "format_reward", "load_reward", "math_verify_reward"]
+__all__ = [
+    "BUILTIN_REWARDS",
+    "RewardFunction",
+    "completion_text",
+    "exact_match",
+    "format_reward",
+    "load_reward",
+    "math_verify_reward",
+]
 
 RewardFunction = Callable[..., list[Any]]
 
@@ -42,7 +50,14 @@ def _tagged(text: str, tag: str) -> str | None:
     return found[-1].strip() if found else None
 
 
-def exact_match(prompts: list[Any], completions: list[Any], *, answer_column: str = "answer", answer_tag: str = "answer", **columns: Any) -> list[float]:
+def exact_match(
+    prompts: list[Any],
+    completions: list[Any],
+    *,
+    answer_column: str = "answer",
+    answer_tag: str = "answer",
+    **columns: Any,
+) -> list[float]:
     """1.0 where the (tagged, else whole) stripped answer equals the reference column, else 0.0."""
     out = []
     for completion, reference in zip(completions, columns[answer_column]):
@@ -52,7 +67,9 @@ def exact_match(prompts: list[Any], completions: list[Any], *, answer_column: st
     return out
 
 
-def math_verify_reward(prompts: list[Any], completions: list[Any], *, answer_column: str = "answer", **columns: Any) -> list[float | None]:
+def math_verify_reward(
+    prompts: list[Any], completions: list[Any], *, answer_column: str = "answer", **columns: Any
+) -> list[float | None]:
     """math-verify equivalence of each completion with the reference (``None`` if the reference does not parse).
 
     Timeouts of math-verify itself (``signal.alarm``, main thread only) are off; the
@@ -71,7 +88,9 @@ def math_verify_reward(prompts: list[Any], completions: list[Any], *, answer_col
     return out
 
 
-def format_reward(prompts: list[Any], completions: list[Any], *, answer_tag: str = "answer", **columns: Any) -> list[float]:
+def format_reward(
+    prompts: list[Any], completions: list[Any], *, answer_tag: str = "answer", **columns: Any
+) -> list[float]:
     """1.0 where the completion ends with one ``<answer>...</answer>`` block, else 0.0."""
     tag = re.escape(answer_tag)
     pattern = re.compile(rf"(?:(?!<{tag}>).)*<{tag}>(?:(?!<{tag}>).)+?</{tag}>\s*", flags=re.DOTALL)
@@ -79,7 +98,11 @@ def format_reward(prompts: list[Any], completions: list[Any], *, answer_tag: str
 
 
 #: Built-in reward functions by name.
-BUILTIN_REWARDS: dict[str, RewardFunction] = {"exact_match": exact_match, "math_verify": math_verify_reward, "format": format_reward}
+BUILTIN_REWARDS: dict[str, RewardFunction] = {
+    "exact_match": exact_match,
+    "math_verify": math_verify_reward,
+    "format": format_reward,
+}
 
 
 def load_reward(name: str, *, answer_column: str = "answer", answer_tag: str = "answer") -> RewardFunction:

@@ -18,13 +18,24 @@ __all__ = ["SOURCE_SETTINGS", "DatasetSourceConfig", "OpenEnvConfig", "Reasoning
 class ReasoningGymConfig:
     """Settings of the reasoning-gym source (environment variables ``ENV_RG_<FIELD>``)."""
 
-    level: int = dataclasses.field(default=-1, metadata={"help": "difficulty: curriculum level of every generator (0 = easiest); -1 = the generators' defaults"})
-    overrides: str = dataclasses.field(default="", metadata={"help": 'JSON: generator config fields, e.g. {"leg_counting": {"max_animals": 4}}'})
-    system_prompt: str = dataclasses.field(default="default", metadata={"help": "a key of reasoning_gym.utils.SYSTEM_PROMPTS, or the text itself"})
-    answer_tag: str = dataclasses.field(default="answer", metadata={"help": "tag holding the final answer: <answer>...</answer>"})
+    level: int = dataclasses.field(
+        default=-1,
+        metadata={
+            "help": "difficulty: curriculum level of every generator (0 = easiest); -1 = the generators' defaults"
+        },
+    )
+    overrides: str = dataclasses.field(
+        default="", metadata={"help": 'JSON: generator config fields, e.g. {"leg_counting": {"max_animals": 4}}'}
+    )
+    system_prompt: str = dataclasses.field(
+        default="default", metadata={"help": "a key of reasoning_gym.utils.SYSTEM_PROMPTS, or the text itself"}
+    )
+    answer_tag: str = dataclasses.field(
+        default="answer", metadata={"help": "tag holding the final answer: <answer>...</answer>"}
+    )
 
     @classmethod
-    def from_env(cls, **overrides: Any) -> "ReasoningGymConfig":
+    def from_env(cls, **overrides: Any) -> ReasoningGymConfig:
         return from_env(cls, "ENV_RG", **overrides)
 
 
@@ -34,16 +45,29 @@ class DatasetSourceConfig:
 
     subset: str = dataclasses.field(default="", metadata={"help": "dataset configuration name, e.g. main for gsm8k"})
     split: str = dataclasses.field(default="train", metadata={"help": "split to draw prompts from"})
-    prompt_column: str = dataclasses.field(default="prompt", metadata={"help": "column with the prompt (text or chat messages)"})
+    prompt_column: str = dataclasses.field(
+        default="prompt", metadata={"help": "column with the prompt (text or chat messages)"}
+    )
     answer_column: str = dataclasses.field(default="answer", metadata={"help": "column with the reference answer"})
-    type_column: str = dataclasses.field(default="", metadata={"help": "column naming the task type for the panel ('' = none)"})
-    rewards: str = dataclasses.field(default="math_verify", metadata={"help": "reward functions with weights: NAME[=W],... (built-in or module.function)"})
-    system_prompt: str = dataclasses.field(default="", metadata={"help": "system message put before string prompts ('' = none)"})
-    answer_tag: str = dataclasses.field(default="answer", metadata={"help": "tag of the final answer for exact_match and format"})
-    reward_timeout_s: float = dataclasses.field(default=5.0, metadata={"help": "time bound of one reward function call"})
+    type_column: str = dataclasses.field(
+        default="", metadata={"help": "column naming the task type for the panel ('' = none)"}
+    )
+    rewards: str = dataclasses.field(
+        default="math_verify",
+        metadata={"help": "reward functions with weights: NAME[=W],... (built-in or module.function)"},
+    )
+    system_prompt: str = dataclasses.field(
+        default="", metadata={"help": "system message put before string prompts ('' = none)"}
+    )
+    answer_tag: str = dataclasses.field(
+        default="answer", metadata={"help": "tag of the final answer for exact_match and format"}
+    )
+    reward_timeout_s: float = dataclasses.field(
+        default=5.0, metadata={"help": "time bound of one reward function call"}
+    )
 
     @classmethod
-    def from_env(cls, **overrides: Any) -> "DatasetSourceConfig":
+    def from_env(cls, **overrides: Any) -> DatasetSourceConfig:
         return from_env(cls, "ENV_DATASET", **overrides)
 
 
@@ -52,13 +76,22 @@ class OpenEnvConfig:
     """Settings of the OpenEnv source (environment variables ``ENV_OPENENV_<FIELD>``)."""
 
     prompt_field: str = dataclasses.field(default="prompt", metadata={"help": "observation field holding the prompt"})
-    action_field: str = dataclasses.field(default="message", metadata={"help": "action field the completion is sent in"})
-    type_field: str = dataclasses.field(default="task_type", metadata={"help": "observation field naming the task type ('' = none)"})
+    action_field: str = dataclasses.field(
+        default="message", metadata={"help": "action field the completion is sent in"}
+    )
+    type_field: str = dataclasses.field(
+        default="task_type", metadata={"help": "observation field naming the task type ('' = none)"}
+    )
     timeout_s: float = dataclasses.field(default=30.0, metadata={"help": "connect and message timeout"})
 
     @classmethod
-    def from_env(cls, **overrides: Any) -> "OpenEnvConfig":
+    def from_env(cls, **overrides: Any) -> OpenEnvConfig:
         return from_env(cls, "ENV_OPENENV", **overrides)
 
+
 #: Source prefix of ``ENV_ENVIRONMENT`` -> its settings dataclass.
-SOURCE_SETTINGS: dict[str, type] = {"reasoning_gym": ReasoningGymConfig, "dataset": DatasetSourceConfig, "openenv": OpenEnvConfig}
+SOURCE_SETTINGS: dict[str, type] = {
+    "reasoning_gym": ReasoningGymConfig,
+    "dataset": DatasetSourceConfig,
+    "openenv": OpenEnvConfig,
+}
