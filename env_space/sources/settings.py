@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from shared.settings import from_env
+from shared.spaces.settings import from_env
 
 __all__ = ["SOURCE_SETTINGS", "DatasetSourceConfig", "OpenEnvConfig", "ReasoningGymConfig"]
 
