@@ -38,6 +38,7 @@ from shared.spaces.settings import from_env
 from .bounded import FailureCounts, call_bounded, finite_reward
 from .environments import Environment, Task
 from .sources import open_environment
+from .sources.settings import source_settings
 
 logger = logging.getLogger(__name__)
 _EPISODE_CHARS = 400  # prompt tail / completion head kept per recent episode for the panel
@@ -54,6 +55,9 @@ class EnvConfig:
     )
     chat_template: str = dataclasses.field(
         default="", metadata={"help": "model id/path whose chat template formats source prompts ('' = plain text)"}
+    )
+    source_settings: str = dataclasses.field(
+        default="", metadata={"help": "JSON object of source settings, over the ENV_RG_/ENV_DATASET_/ENV_OPENENV_ variables"}
     )
     score_timeout_s: float = dataclasses.field(default=10.0, metadata={"help": "time bound of one scoring call"})
     failure_reward: float = dataclasses.field(default=0.0, metadata={"help": "reward of a sample whose scoring failed"})
@@ -79,7 +83,10 @@ class EnvSimulator:
     def __init__(self, config: EnvConfig, bucket: Bucket | None = None) -> None:
         self.config = config
         self.bucket = bucket or open_bucket(config.bucket)
-        self.environment: Environment = open_environment(config.environment, chat_template=config.chat_template)
+        settings = source_settings(config.environment, config.source_settings)
+        self.environment: Environment = open_environment(
+            config.environment, chat_template=config.chat_template, settings=settings
+        )
         self.failures = FailureCounts()
         self.by_type: dict[str, list[float]] = {}  # "<source> / <task type>" -> [reward sum, count]
         self.metrics = MetricsLog(self.bucket, "env")

@@ -350,3 +350,21 @@ def test_chat_template_renders_the_published_prompts(tmp_path, bucket):
     tokenizer.save_pretrained(tmp_path / "plain")
     with pytest.raises(ValueError, match="no chat template"):
         open_environment(RG_SPEC, chat_template=str(tmp_path / "plain"), settings=ReasoningGymConfig())
+
+
+def test_source_settings_come_from_variables_then_the_json_overrides(monkeypatch, bucket):
+    from env_space.sources.settings import source_settings
+
+    monkeypatch.setenv("ENV_RG_LEVEL", "2")
+    monkeypatch.setenv("ENV_RG_ANSWER_TAG", "final")
+    assert source_settings(RG_SPEC) == ReasoningGymConfig(level=2, answer_tag="final")
+    assert source_settings(RG_SPEC, '{"level": 0}') == ReasoningGymConfig(level=0, answer_tag="final")
+    assert source_settings("reverse") is None
+    for spec, bad in ((RG_SPEC, '{"nope": 1}'), (RG_SPEC, "[1]"), ("reverse", '{"level": 1}')):
+        with pytest.raises(ValueError):
+            source_settings(spec, bad)
+    config = EnvConfig(bucket=str(bucket.root), environment="reasoning_gym:leg_counting", source_settings='{"level": 0}')
+    env = EnvSimulator(config, bucket=bucket)
+    assert env.environment.config.level == 0 and env.environment.config.answer_tag == "final"
+    task = env.environment.tasks(1, seed=0)[0]
+    assert env.score_sample(task, f"<final>{task.answer}</final>") == 1.0

@@ -7,11 +7,12 @@ reasoning-gym, datasets or openenv-core.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from shared.spaces.settings import from_env
 
-__all__ = ["SOURCE_SETTINGS", "DatasetSourceConfig", "OpenEnvConfig", "ReasoningGymConfig"]
+__all__ = ["SOURCE_SETTINGS", "DatasetSourceConfig", "OpenEnvConfig", "ReasoningGymConfig", "source_settings"]
 
 
 @dataclasses.dataclass
@@ -95,3 +96,30 @@ SOURCE_SETTINGS: dict[str, type] = {
     "dataset": DatasetSourceConfig,
     "openenv": OpenEnvConfig,
 }
+
+
+def source_settings(spec: str, overrides: str = "") -> Any | None:
+    """The settings of the source ``spec`` selects: its ``ENV_<SOURCE>_*`` variables, then ``overrides``.
+
+    Args:
+        spec: ``ENV_ENVIRONMENT`` (``reasoning_gym:...``); a registered environment name has no settings.
+        overrides: JSON object of field values (what the panel's source form sets), ``""`` for none.
+
+    Returns:
+        The settings dataclass, or ``None`` for a registered environment or an unknown source.
+
+    Raises:
+        ValueError: ``overrides`` is not a JSON object of the source's fields, or a variable does not parse.
+    """
+    cls = SOURCE_SETTINGS.get(spec.partition(":")[0]) if ":" in spec else None
+    values = json.loads(overrides) if overrides.strip() else {}
+    if not isinstance(values, dict):
+        raise ValueError(f"source settings must be a JSON object, got {overrides!r}")
+    if cls is None:
+        if values:
+            raise ValueError(f"{spec!r} takes no source settings, got {sorted(values)}")
+        return None
+    unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"unknown {spec.partition(':')[0]} settings {sorted(unknown)}")
+    return cls.from_env(**values)
