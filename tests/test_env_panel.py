@@ -79,7 +79,9 @@ def panel(tmp_path):
 def _answer_published_tasks(bucket_path: Path, log: Path) -> int:
     """Play a replica: answer the first task batch with correct, wrong and malformed completions."""
     tasks_dir = bucket_path / "tasks"
-    first = _wait("a published task batch", lambda: sorted(tasks_dir.glob("*.json")) if tasks_dir.exists() else [], 60, log)
+    first = _wait(
+        "a published task batch", lambda: sorted(tasks_dir.glob("*.json")) if tasks_dir.exists() else [], 60, log
+    )
     doc = json.loads(first[0].read_bytes())
     assert doc["env"] == "reasoning_gym:leg_counting=2,basic_arithmetic=1"
     source = open_environment(SPEC, settings=ReasoningGymConfig(level=0, system_prompt=MARK))

@@ -363,8 +363,27 @@ def test_source_settings_come_from_variables_then_the_json_overrides(monkeypatch
     for spec, bad in ((RG_SPEC, '{"nope": 1}'), (RG_SPEC, "[1]"), ("reverse", '{"level": 1}')):
         with pytest.raises(ValueError):
             source_settings(spec, bad)
-    config = EnvConfig(bucket=str(bucket.root), environment="reasoning_gym:leg_counting", source_settings='{"level": 0}')
+    config = EnvConfig(
+        bucket=str(bucket.root), environment="reasoning_gym:leg_counting", source_settings='{"level": 0}'
+    )
     env = EnvSimulator(config, bucket=bucket)
     assert env.environment.config.level == 0 and env.environment.config.answer_tag == "final"
     task = env.environment.tasks(1, seed=0)[0]
     assert env.score_sample(task, f"<final>{task.answer}</final>") == 1.0
+
+
+def test_trl_reward_helper_by_dotted_path_scores_as_trl_does(tmp_path):
+    """TRL's own accuracy_reward, named by dotted path, gets what GRPOTrainer would pass it."""
+    trl_rewards = pytest.importorskip("trl.rewards")
+    path = str(tmp_path / "chat-math")
+    datasets.Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": "What is 1/3 of 1?"}], [{"role": "user", "content": "Half of 1?"}]],
+        "solution": ["\\frac{1}{3}", "\\frac{1}{2}"],
+    }).save_to_disk(path)  # fmt: skip
+    config = DatasetSourceConfig(answer_column="solution", rewards="trl.rewards.accuracy_reward")
+    env = open_environment(f"dataset:{path}", settings=config)
+    for task in env.tasks(6, seed=0):
+        for completion in ("so \\boxed{\\frac{1}{3}}", "so \\boxed{\\frac{1}{2}}", "no idea"):
+            expected = trl_rewards.accuracy_reward([[{"role": "assistant", "content": completion}]], [task.answer])[0]
+            assert env.score(task, completion) == expected
+        assert env.score(task, f"so \\boxed{{{task.answer}}}") == 1.0

@@ -17,6 +17,7 @@ the wrong number of values fails the sample with that reason (see
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -119,7 +120,8 @@ class DatasetEnvironment(Environment):
         columns = {k: [v] for k, v in row.items() if k not in _NOT_COLUMNS}
         total, applied = 0.0, 0
         for name, weight, fn in self.rewards:
-            result = call_bounded(fn, [prompt], [done], timeout_s=self.config.reward_timeout_s, **columns)
+            call = functools.partial(fn, prompts=[prompt], completions=[done], **columns)  # by keyword, as TRL calls
+            result = call_bounded(call, timeout_s=self.config.reward_timeout_s)
             if result.ok and (not isinstance(result.value, (list, tuple)) or len(result.value) != 1):
                 raise ScoringFailure(f"reward {name}: not one value per completion")
             if result.ok and result.value[0] is None:

@@ -1,8 +1,10 @@
 """Reward functions in TRL's form, and loading them by name.
 
-A reward function has TRL's signature ``reward(prompts, completions, **columns) -> list[float | None]``:
-one value per completion, ``None`` where it does not apply. ``columns`` holds every
-dataset column by name, one value per completion. Completions are strings, or,
+A reward function has TRL's signature ``reward(prompts, completions, **columns) -> list[float | None]``
+and is called by keyword, as TRL's ``GRPOTrainer`` calls it: one value per completion, ``None``
+where it does not apply. ``columns`` holds every dataset column by name (except ``prompt`` and
+``completion``), one value per completion; TRL's trainer-only arguments (``completion_ids``,
+``trainer_state``, ``log_extra``, ``log_metric``) are not passed. Completions are strings, or,
 for conversational datasets (a prompt column of chat messages), TRL's
 ``[{"role": "assistant", "content": ...}]``. So a function written for TRL's
 ``GRPOTrainer(reward_funcs=...)`` works here unchanged.
