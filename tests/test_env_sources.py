@@ -3,6 +3,7 @@ and hostile reward functions that raise, hang or return NaN without stopping the
 
 from __future__ import annotations
 
+import collections
 import math
 import textwrap
 import threading
@@ -108,6 +109,12 @@ def hostile(prompts, completions, **columns):
         return [float("nan")]
     if "many" in text:
         return [1.0, 1.0]
+    if "spin" in text:
+        while True:  # CPU-bound, never returns: only a process can be stopped
+            pass
+    if "exit" in text:
+        import os
+        os._exit(3)  # the process dies under the call
     return [0.5]
 """
 
@@ -182,7 +189,7 @@ def test_conversational_prompts_get_trl_style_completions(tmp_path, monkeypatch)
     monkeypatch.setattr("env_space.sources.rewards.BUILTIN_REWARDS", {"spy": spy})
     path = str(tmp_path / "chat")
     datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]], "answer": ["x"]}).save_to_disk(path)
-    env = open_environment(f"dataset:{path}", settings=DatasetSourceConfig(rewards="spy"))
+    env = open_environment(f"dataset:{path}", settings=DatasetSourceConfig(rewards="spy", reward_isolation="thread"))
     task = env.tasks(1, seed=0)[0]
     assert env.score(task, "hello") == 1.0
     assert seen["prompts"] == [[{"role": "user", "content": "hi"}]]
@@ -208,34 +215,49 @@ def _rollouts(bucket, batch: int, completions: list[str]) -> None:
     write_samples(bucket, rollout_key(batch, "r0"), samples, batch=batch)
 
 
-def test_hostile_reward_function_is_bounded_counted_and_never_stops_the_env(local_dataset, bucket, monkeypatch):
+HOSTILE = {  # completion -> (reward, failure reason); "spin" and "exit" only where a process can take them
+    "fine": (0.5, None),
+    "raise": (-1.0, "error:RuntimeError"),
+    "sleep": (-1.0, "timeout"),
+    "nan": (-1.0, "non_finite"),
+    "many": (-1.0, "not one value per completion"),
+    "spin": (-1.0, "timeout"),
+    "exit": (-1.0, "worker_died"),
+}
+
+
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_hostile_reward_function_is_bounded_counted_and_never_stops_the_env(
+    local_dataset, bucket, monkeypatch, isolation
+):
     monkeypatch.setenv("ENV_DATASET_PROMPT_COLUMN", "question")
     monkeypatch.setenv("ENV_DATASET_REWARDS", "user_rewards.hostile,exact_match")
     monkeypatch.setenv("ENV_DATASET_REWARD_TIMEOUT_S", "0.3")
     monkeypatch.setenv("ENV_DATASET_TYPE_COLUMN", "topic")
+    monkeypatch.setenv("ENV_DATASET_REWARD_ISOLATION", isolation)
     config = EnvConfig(
         bucket=str(bucket.root), environment=f"dataset:{local_dataset}", tasks_per_batch=2, failure_reward=-1.0
     )
     env = EnvSimulator(config, bucket=bucket)
     batch = env.publish_tasks()
-    completions = ["fine", "raise", "sleep", "nan", "many"]
+    completions = [c for c in HOSTILE if isolation == "process" or c not in ("spin", "exit")]
     _rollouts(bucket, batch, completions)
     start = time.monotonic()
     assert env.score_rollouts() == 2 * len(completions)
-    assert time.monotonic() - start < 2 * 0.3 + 2.0  # two sleeps, each abandoned at the bound, not waited out
+    assert time.monotonic() - start < 30  # the 3 s sleeps and endless loops are cut at the bound, not waited out
     rewards = {s.completion: s.reward for s in read_samples(bucket, score_key(batch, "r0"))[1]}
-    assert rewards == {"fine": 0.5, "raise": -1.0, "sleep": -1.0, "nan": -1.0, "many": -1.0}
-    assert env.failures.as_dict() == {
-        "score: reward user_rewards.hostile: error:RuntimeError": 2,
-        "score: reward user_rewards.hostile: timeout": 2,
-        "score: reward user_rewards.hostile: non_finite": 2,
-        "score: reward user_rewards.hostile: not one value per completion": 2,
-    }
+    assert rewards == {c: HOSTILE[c][0] for c in completions}
+    expected = collections.Counter(HOSTILE[c][1] for c in completions if HOSTILE[c][1])
+    assert env.failures.as_dict() == {f"score: reward user_rewards.hostile: {r}": 2 * n for r, n in expected.items()}
     env.step()  # the loop goes on and publishes the counts
     metrics = get_json(bucket, "metrics/env.json")
-    assert sum(metrics["failures"].values()) == 8
+    assert sum(metrics["failures"].values()) == 2 * sum(expected.values())
     topics = {"dataset / fractions", "dataset / powers", "dataset / algebra", "dataset / decimals"}
-    assert set(metrics["by_type"]) <= topics and sum(v["count"] for v in metrics["by_type"].values()) == 10
+    assert set(metrics["by_type"]) <= topics
+    assert sum(v["count"] for v in metrics["by_type"].values()) == 2 * len(completions)
+    if isolation == "process":
+        assert env.environment.worker.restarts == 6  # killed after each sleep and spin, replaced after each exit
+    env.stop()
 
 
 def test_hostile_scorer_is_bounded_for_any_environment(bucket, monkeypatch):

@@ -10,9 +10,11 @@ chat messages (TRL's conversational form); it is rendered with ``ENV_CHAT_TEMPLA
 The reward is TRL's: the weighted sum of the reward functions' values
 (``ENV_DATASET_REWARDS=math_verify=1,format=0.2,my_pkg.rewards.brevity=0.5``), skipping a
 function that returns ``None`` for the sample. Each function call is bounded by
-``reward_timeout_s``; one that raises, overstays, returns a non-finite value or
-the wrong number of values fails the sample with that reason (see
-:mod:`env_space.bounded`), and the simulator scores it ``failure_reward``.
+``reward_timeout_s`` and runs in a child process that is killed when a call overstays
+(``reward_isolation=process``, :mod:`.reward_worker`) or on an abandoned thread
+(``thread``, :mod:`env_space.bounded`); one that raises, overstays, returns a
+non-finite value or the wrong number of values fails the sample with that reason,
+and the simulator scores it ``failure_reward``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from env_space.environments import Environment, Task
 
 from . import parse_weighted
 from .prompts import render_prompt
+from .reward_worker import RewardWorker
 from .rewards import RewardFunction, load_reward
 from .settings import DatasetSourceConfig
 
@@ -87,6 +90,13 @@ class DatasetEnvironment(Environment):
             for reward, weight in parse_weighted(self.config.rewards).items()
         ]
         self.conversational = isinstance(dataset[0][self.config.prompt_column], list)
+        if self.config.reward_isolation not in ("process", "thread"):
+            raise ValueError(f"reward_isolation must be process or thread, got {self.config.reward_isolation!r}")
+        self.worker = (
+            RewardWorker([r for r, _, _ in self.rewards], self.config.answer_column, self.config.answer_tag)
+            if self.config.reward_isolation == "process"
+            else None
+        )
 
     def _messages(self, prompt: Any) -> list[dict[str, Any]]:
         system = [{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []
@@ -120,8 +130,11 @@ class DatasetEnvironment(Environment):
         columns = {k: [v] for k, v in row.items() if k not in _NOT_COLUMNS}
         total, applied = 0.0, 0
         for name, weight, fn in self.rewards:
-            call = functools.partial(fn, prompts=[prompt], completions=[done], **columns)  # by keyword, as TRL calls
-            result = call_bounded(call, timeout_s=self.config.reward_timeout_s)
+            kwargs = {"prompts": [prompt], "completions": [done], **columns}  # by keyword, as TRL calls
+            if self.worker is not None:
+                result = self.worker.call(name, self.config.reward_timeout_s, **kwargs)
+            else:
+                result = call_bounded(functools.partial(fn, **kwargs), timeout_s=self.config.reward_timeout_s)
             if result.ok and (not isinstance(result.value, (list, tuple)) or len(result.value) != 1):
                 raise ScoringFailure(f"reward {name}: not one value per completion")
             if result.ok and result.value[0] is None:
@@ -135,6 +148,11 @@ class DatasetEnvironment(Environment):
         if not applied:
             raise ScoringFailure("no reward function applies")
         return total
+
+    def close(self) -> None:
+        """Stop the reward worker process (if any)."""
+        if self.worker is not None:
+            self.worker.close()
 
 
 def from_spec(

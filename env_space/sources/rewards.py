@@ -27,6 +27,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from math_verify import parse, verify
+
 __all__ = [
     "BUILTIN_REWARDS",
     "RewardFunction",
@@ -77,8 +79,6 @@ def math_verify_reward(
     Timeouts of math-verify itself (``signal.alarm``, main thread only) are off; the
     caller bounds the call in time instead.
     """
-    from math_verify import parse, verify
-
     out: list[float | None] = []
     for completion, reference in zip(completions, columns[answer_column]):
         gold = parse(str(reference), parsing_timeout=None)

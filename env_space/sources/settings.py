@@ -66,6 +66,9 @@ class DatasetSourceConfig:
     reward_timeout_s: float = dataclasses.field(
         default=5.0, metadata={"help": "time bound of one reward function call"}
     )
+    reward_isolation: str = dataclasses.field(
+        default="process", metadata={"help": "process (a child killed when a call overstays) or thread"}
+    )
 
     @classmethod
     def from_env(cls, **overrides: Any) -> DatasetSourceConfig:
