@@ -113,9 +113,9 @@ class FailureCounts:
         self._counts: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
 
-    def add(self, where: str, reason: str) -> None:
+    def add(self, where: str, reason: str, n: int = 1) -> None:
         with self._lock:
-            self._counts[f"{where}: {reason}"] += 1
+            self._counts[f"{where}: {reason}"] += n
 
     def as_dict(self) -> dict[str, int]:
         with self._lock:

@@ -158,7 +158,7 @@ class EnvSimulator:
                 header, samples = read
                 kept = [s for s in samples if s.task_id in tasks and s.prompt == tasks[s.task_id].prompt]
                 if len(kept) < len(samples):
-                    self.failures.add("rollouts", "unknown task or changed prompt")
+                    self.failures.add("rollouts", "unknown task or changed prompt", len(samples) - len(kept))
                 for s in kept:
                     s.reward = self.score_sample(tasks[s.task_id], s.completion)
                 write_samples(self.bucket, score_key(batch, replica), kept, batch=batch, replica=replica, env=doc["env"])
