@@ -70,7 +70,7 @@ class ReasoningGymEnvironment(Environment):
             for g, w in generators.items()
         ]
         self.system_prompt = SYSTEM_PROMPTS.get(self.config.system_prompt, self.config.system_prompt)
-        self._verifiers = self._composite(1, seed=0).datasets  # name -> generator, for score_answer
+        self.verifiers = self._composite(1, seed=0).datasets  # name -> generator, for score_answer
 
     def _composite(self, n: int, *, seed: int) -> Any:
         try:
@@ -94,7 +94,7 @@ class ReasoningGymEnvironment(Environment):
     def score(self, task: Task, completion: str) -> float:
         entry = task.meta["entry"]
         answer = extract_answer(completion, tag_name=self.config.answer_tag)
-        return float(self._verifiers[entry["metadata"]["source_dataset"]].score_answer(answer=answer, entry=entry))
+        return float(self.verifiers[entry["metadata"]["source_dataset"]].score_answer(answer=answer, entry=entry))
 
 
 def from_spec(
