@@ -57,6 +57,18 @@ def _completions(tasks) -> list[str]:
     return [f"<answer>{t.answer}</answer>" if i % 2 == 0 else "<answer>-1</answer>" for i, t in enumerate(tasks)]
 
 
+def _dataset_row(path: str, isolation: str, n: int, root: str) -> tuple[str, float, float]:
+    config = DatasetSourceConfig(rewards="math_verify", reward_isolation=isolation)
+    source = open_environment(f"dataset:{path}", settings=config)
+    tasks = source.tasks(n, seed=0)
+    texts = [f"so ${t.answer}$" if i % 2 == 0 else "so $-1$" for i, t in enumerate(tasks)]
+    direct = _per_sample_us(lambda i: float(verify(parse(tasks[i].answer), parse(texts[i]))), n)
+    simulator = _simulator(source, root)
+    bounded = _per_sample_us(lambda i: simulator.score_sample(tasks[i], texts[i]), n)
+    source.close()
+    return f"dataset math_verify ({isolation})", direct, bounded
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=400)
@@ -80,16 +92,7 @@ def main() -> None:
     path = f"{root}/math"
     values = [str(v) for v in range(50)]
     datasets.Dataset.from_dict({"prompt": [f"What is {v}?" for v in values], "answer": values}).save_to_disk(path)
-    for isolation in ("thread", "process"):
-        config = DatasetSourceConfig(rewards="math_verify", reward_isolation=isolation)
-        source = open_environment(f"dataset:{path}", settings=config)
-        ds_tasks = source.tasks(n, seed=0)
-        ds_texts = [f"so ${t.answer}$" if i % 2 == 0 else "so $-1$" for i, t in enumerate(ds_tasks)]
-        direct = _per_sample_us(lambda i: float(verify(parse(ds_tasks[i].answer), parse(ds_texts[i]))), n)
-        simulator = _simulator(source, root)
-        bounded = _per_sample_us(lambda i: simulator.score_sample(ds_tasks[i], ds_texts[i]), n)
-        rows.append((f"dataset math_verify ({isolation})", direct, bounded))
-        source.close()
+    rows += [_dataset_row(path, isolation, n, root) for isolation in ("thread", "process")]
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
