@@ -243,3 +243,11 @@ def test_gpu_sync_benchmark_logic_on_cpu(capsys) -> None:
     sizes = {row[0]: float(row[1]) for row in rows}
     assert set(sizes) == {"gapzz", "classgap"} and sizes["classgap"] < sizes["gapzz"]
     assert "transformers engine: generation paused" in out
+
+
+def test_default_codec_per_device() -> None:
+    """classgap where the trainer's weights are on an accelerator, gapzz (cheap to encode on CPU) on CPU."""
+    from shared.codecs import default_codec
+
+    assert default_codec("cpu") == default_codec(torch.device("cpu")) == "gapzz"
+    assert default_codec("cuda") == default_codec(torch.device("cuda", 1)) == "classgap"
