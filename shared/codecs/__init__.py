@@ -8,7 +8,7 @@ from .gapzz import GapZigzagCodec
 from .trl import TrlCodec
 
 #: The codec for weights on CPU (and the library default): its encode stays within ~2-3x a bare
-#: comparison of the two states, while classgap's per-chunk sort costs ~15-25x that on CPU.
+#: comparison of the two states, while classgap's per-chunk sort costs ~18-45x that on CPU (README).
 DEFAULT_CODEC = GapZigzagCodec.name
 #: The codec for weights on an accelerator, where classgap's sorts run beside the comparison.
 ACCELERATOR_CODEC = ClassGapCodec.name
