@@ -9,17 +9,19 @@ changes are about equally likely, so the gaps there are short and regular where
 changes are dense and long where they are rare, which zstd codes much better than
 gaps in flat order (the context-free position entropy is the floor for those).
 
-The class order is built chunk by chunk (:data:`CHUNK` elements, so the work
-memory stays bounded): inside a chunk, elements sorted stably by class (so by
-position within a class), chunks one after another. The changed elements' ranks
-in that order are gap-coded and their zigzag value differences stored in the same
-order (values within a class move by similar numbers of units in the last place),
-both exactly as :mod:`~shared.codecs.gapzz` does.
+The coding order is class by class over the whole tensor, flat order within a
+class; both sides build it chunk by chunk (:data:`CHUNK` elements: a stable sort
+per chunk and a chunks x classes table of counts), so the work memory beyond one
+byte of class per element stays bounded. The changed elements' ranks in that
+order are gap-coded as :mod:`~shared.codecs.gapzz` codes positions. Their values,
+in the same order, are split into the sign of the wrapping difference (one raw
+bit each: RL steps go up and down about equally often) and its magnitude minus
+one (byte planes, zstd; mostly 0, as most changes are one unit in the last place).
 
 Tensors whose dtype has no exponent field (integers, bool) or that are encoded
-without their base tensor use flat order (``"order": "flat"``): the same bytes as
-``gapzz``. Ordering is computed with torch on the base tensor's device, so on a
-GPU trainer the sort runs there and only the changed elements' ranks come back.
+without their base tensor use flat order (``"order": "flat"``; positions exactly
+as ``gapzz``). The order is computed with torch on the base tensor's device, so
+on a GPU trainer the sorts run there and only the changed elements' ranks come back.
 """
 
 from __future__ import annotations
