@@ -29,6 +29,8 @@ from shared.format import Change, decode_delta, encode_delta, parse_header
 from tests.test_codecs import FLOAT_DTYPES, _rl_deltas, bits_of, from_bits, mutate, publish_and_follow, random_bits
 from tests.test_codecs import HYPOTHESIS as ROUND_TRIP_SETTINGS
 from tests.test_format_hostile import NAME, assert_refused, make_delta, rewrite, state  # noqa: F401 (fixture)
+from tests.test_format_hostile import test_every_truncation_refused as every_truncation_refused
+from tests.test_format_hostile import test_flipped_bytes_never_escape as flipped_bytes_never_escape
 
 HYPOTHESIS = settings(ROUND_TRIP_SETTINGS, derandomize=True)
 
@@ -251,3 +253,14 @@ def test_default_codec_per_device() -> None:
 
     assert default_codec("cpu") == default_codec(torch.device("cpu")) == "gapzz"
     assert default_codec("cuda") == default_codec(torch.device("cuda", 1)) == "classgap"
+
+
+def test_every_truncation_refused(state) -> None:
+    """test_format_hostile's check for classgap: every proper prefix raises FormatError and writes nothing."""
+    every_truncation_refused(state, "classgap")
+
+
+@pytest.mark.parametrize("mask", [0x01, 0x80, 0xFF])
+def test_flipped_bytes_never_escape(state, mask: int) -> None:
+    """test_format_hostile's check for classgap: any flipped byte is refused or yields in-range patches that miss the promised hash."""
+    flipped_bytes_never_escape(state, "classgap", mask)
