@@ -33,7 +33,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from shared.bucket import LocalBucket  # noqa: E402
 from shared.protocol import FixedInterval, Publisher  # noqa: E402
-from shared.tiny_model import build_tiny_model  # noqa: E402
+from shared.spaces.tiny_model import build_tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DELTAS = 3
