@@ -129,6 +129,17 @@ class HubServer:
         with self._lock:
             self.faults[side].extend(faults)
 
+    def clear_faults(self) -> None:
+        """Drop every queued fault."""
+        with self._lock:
+            for queue in self.faults.values():
+                queue.clear()
+
+    def pending(self, side: str, path: str = "") -> int:
+        """How many queued faults of `side` are for paths matching `path` (as a fault's own pattern)."""
+        with self._lock:
+            return sum(1 for f in self.faults[side] if f.path == path)
+
     def count(self, side: str, path: str = "") -> int:
         """How many requests reached `side` (optionally only those whose path matches `path`)."""
         with self._lock:
@@ -187,7 +198,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
 
     def _error(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-        self._send(status, {"error": message}, headers)
+        # Like the Hub: the message in the JSON body and in X-Error-Message (a HEAD response has no body).
+        self._send(status, {"error": message}, {"X-Error-Message": message, **(headers or {})})
 
     def _drop(self) -> None:
         self.close_connection = True

@@ -16,7 +16,8 @@ Two settings, applied once per process before the first bucket request:
   total time.
 
 Outside bucket calls (e.g. a model download through the same library) the library keeps its own
-retries; only the timeouts apply.
+retries; only the timeouts apply. httpcore2's DEBUG trace (raw response headers, where a server may
+echo a token) is raised to INFO unless the application set its level.
 """
 
 from __future__ import annotations
@@ -164,6 +165,10 @@ def install(config: HfTransferConfig | None = None) -> None:
         if explicit:
             _xet._GLOBAL_XET_HOLDER.sigint_abort()  # the next transfer creates a session with the new settings
         _installed = config
+        # httpcore2's DEBUG trace prints raw response headers: a server echoing a token there would leak it.
+        trace = logging.getLogger("httpcore2")
+        if trace.level == logging.NOTSET:
+            trace.setLevel(logging.INFO)
 
         def factory() -> httpx2.Client:
             template = _http.default_client_factory()
