@@ -1,4 +1,4 @@
-"""shared.spaces.deploy with the real HfApi against the local Hub stand-in server (tests/hub_server.py).
+"""shared.spaces.deploy with the real HfApi against the local Hub stand-in server (benchmarks/hub_server.py).
 
 The recording stand-in in test_deploy.py checks every call of a full deployment; these tests check
 what only the real client shows: the type `create_bucket` really returns, and the messages for the
@@ -13,7 +13,7 @@ import pytest
 from huggingface_hub import HfApi
 
 from shared.spaces import deploy
-from tests.hub_server import Fault
+from benchmarks.hub_server import Fault
 
 TOKEN = "hf_DEPLOYsecretTOKEN0123456789abcdef"
 

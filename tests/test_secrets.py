@@ -1,7 +1,7 @@
 """The Hugging Face token never leaks.
 
 ``HF_TOKEN`` is set to a recognisable fake and ``hf://`` buckets are the real huggingface_hub +
-hf_xet client talking to the local Hub stand-in server (``tests/hub_server.py``), which here
+hf_xet client talking to the local Hub stand-in server (``benchmarks/hub_server.py``), which here
 answers with the errors the Hub can send with the token in them: echoed in the server's message
 (429, 503, 401), or only in the request's ``Authorization`` header. (A proxy's connection error
 quoting the token cannot come from a server; its text goes through the same scrubbing as an
@@ -25,7 +25,7 @@ from shared.bucket import BucketError, open_bucket
 from shared.bucket.hf import HfBucket
 from shared.protocol import FixedInterval, Publisher, Subscriber
 from tests.helpers import master_state, rl_step
-from tests.hub_server import Fault, HubServer
+from benchmarks.hub_server import Fault, HubServer
 
 TOKEN = "hf_TESTsecretTOKEN0123456789abcdefXYZ"
 BUCKET = "someone/rl-sync"

@@ -1,7 +1,8 @@
-"""A local stand-in for the Hugging Face Hub's bucket API and its Xet storage, for tests.
+"""A local stand-in for the Hugging Face Hub's bucket API and its Xet storage, for tests and soak trials.
 
 The real ``huggingface_hub`` + ``hf_xet`` client code talks to this server through ``HF_ENDPOINT``
-(the ``hub`` fixture in ``conftest.py`` points the library at it). It implements the HTTP calls
+(the ``hub`` fixture in ``tests/conftest.py`` points the library at it; the soak trial
+``hub_storage`` passes its URL to ``HfApi(endpoint=...)``). It implements the HTTP calls
 huggingface_hub 2.4.0's bucket methods make:
 
 - ``POST /api/buckets/{ns}/{name}`` (create_bucket) and ``GET`` (bucket_info);
@@ -20,13 +21,16 @@ hf_xet sends there gets the injected fault.
 Faults (:meth:`HubServer.inject`) are queued per side (``"api"``: the Hub API, ``"token"``: the
 Xet token endpoint, ``"storage"``: Xet storage) and each is consumed by one request (one token grant
 for storage): an HTTP status with headers, a dropped connection, or a stall (the server holds the
-request for ``stall`` seconds, bounded, then drops it).
+request for ``stall`` seconds, bounded, then drops it). :meth:`HubServer.chaos` adds random faults
+(429 with ``Retry-After: 0``, 503, dropped connections) at a given rate per side, drawn from a seeded
+generator.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import re
 import socket
 import struct
@@ -110,6 +114,9 @@ class HubServer:
             self.faults: dict[str, list[Fault]] = {"api": [], "token": [], "storage": []}
             self.requests: list[Request] = []
             self.storage_fault = Fault()
+            self.rates: dict[str, float] = {}
+            self._rng = random.Random(0)
+            self.chaotic: dict[str, int] = {"api": 0, "token": 0, "storage": 0}
             #: token -> "read" or "write"; a request with any other bearer token gets 401.
             self.tokens: dict[str, str] = {}
             self.storage = Path(tempfile.mkdtemp(prefix="xet-", dir=self.root))
@@ -123,6 +130,13 @@ class HubServer:
     def create_bucket(self, bucket_id: str) -> None:
         with self._lock:
             self.buckets.setdefault(bucket_id, {})
+
+    def chaos(self, rates: dict[str, float], seed: int = 0) -> None:
+        """Fail this share of the requests of each side ("api", "token"; "storage": of the token grants)
+        with a random retryable fault; `{}` stops. :attr:`chaotic` counts the faults served."""
+        with self._lock:
+            self.rates = dict(rates)
+            self._rng = random.Random(seed)
 
     def inject(self, side: str, *faults: Fault) -> None:
         """Queue faults for `side` ("api", "token" or "storage")."""
@@ -157,6 +171,9 @@ class HubServer:
             for i, fault in enumerate(self.faults[side]):
                 if fault.matches(method, path):
                     return self.faults[side].pop(i)
+            if self.rates and self._rng.random() < self.rates.get(side, 0.0):
+                self.chaotic[side] += 1
+                return self._rng.choice([Fault(429, {"Retry-After": "0"}), Fault(503), Fault(drop=True)])
         return None
 
 
