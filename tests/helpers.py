@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import torch
 
 
@@ -34,6 +37,18 @@ def sparse_rl_step(master: dict[str, torch.Tensor], seed: int) -> None:
         flat = t.view(-1)
         idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() * 3 // 100)]
         flat[idx] += torch.randn(idx.numel(), generator=g) * 0.02
+
+
+def snapshot_in_hub_cache(model_dir: Path, cache: Path, repo_id: str) -> Path:
+    """Copy a model folder into a local Hub cache as the ``main`` snapshot of ``repo_id`` (the layout
+    huggingface_hub writes: ``models--OWNER--NAME/{refs/main, snapshots/COMMIT/}``); returns the snapshot."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(model_dir, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
 
 
 def bf16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

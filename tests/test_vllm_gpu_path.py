@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -33,12 +32,11 @@ from safetensors.torch import load_file  # noqa: E402
 from shared.bucket import LocalBucket  # noqa: E402
 from shared.protocol import FixedInterval, Publisher  # noqa: E402
 from shared.spaces.tiny_model import build_tiny_model  # noqa: E402
-from tests.helpers import sparse_rl_step  # noqa: E402
+from tests.helpers import snapshot_in_hub_cache, sparse_rl_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DELTAS = 3
 HUB_ID = "rlsync/tiny-tied"
-SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"
 
 
 def _publish(model_dir: Path, bucket_dir: Path) -> Path:
@@ -53,22 +51,13 @@ def _publish(model_dir: Path, bucket_dir: Path) -> Path:
     return bucket_dir
 
 
-def _hub_cache(model_dir: Path, cache: Path) -> Path:
-    """A local Hub cache holding `model_dir` as the snapshot of HUB_ID (the layout huggingface_hub writes)."""
-    repo = cache / f"models--{HUB_ID.replace('/', '--')}"
-    shutil.copytree(model_dir, repo / "snapshots" / SNAPSHOT)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(SNAPSHOT)
-    return cache
-
-
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu-path")
     tied = build_tiny_model(root / "tied", seed=0, config_overrides={"tie_word_embeddings": True})
     untied = build_tiny_model(root / "untied", seed=1, config_overrides={"tie_word_embeddings": False})
     return {
-        "cache": str(_hub_cache(tied, root / "hub-cache")),
+        "cache": str(snapshot_in_hub_cache(tied, root / "hub-cache", HUB_ID).parents[2]),
         "cases": [
             {"name": "tied", "model": HUB_ID, "bucket": str(_publish(tied, root / "bucket-tied")), "check_skip": True},
             {"name": "untied", "model": str(untied), "bucket": str(_publish(untied, root / "bucket-untied"))},

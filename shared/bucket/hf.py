@@ -56,7 +56,6 @@ from huggingface_hub.utils import parse_hf_uri, parse_ratelimit_headers
 
 from hf_xet import XetAuthenticationError, XetObjectNotFoundError
 
-
 from .base import (
     Bucket,
     BucketError,
@@ -81,6 +80,7 @@ _TRANSIENT_EXCEPTIONS: tuple[type[BaseException], ...] = (
     httpx2.TimeoutException,
     httpx2.NetworkError,
     httpx2.RemoteProtocolError,
+    ConnectionError,
     TimeoutError,
 )
 #: The HTTP status hf_xet (reqwest) writes into its error messages, e.g. "(503 Service Unavailable)".
@@ -132,8 +132,8 @@ class HfBucket(Bucket):
             Create the bucket if it does not exist (`create_bucket(..., exist_ok=True)`, with the Hub's
             default visibility).
         transfer ([`HfTransferConfig`], *optional*):
-            Request timeouts. Defaults to `HfTransferConfig.from_env()`. The first bucket of a process
-            sets them for the whole process (see `shared.bucket.hf_transport`).
+            Request timeouts, process-wide (see `shared.bucket.hf_transport.install`). By default the
+            settings already installed are kept, else `HfTransferConfig.from_env()` is installed.
 
     Raises:
         [`BucketError`]: `bucket_id` is not `"namespace/name"`, the prefix is not a valid key, or
@@ -270,9 +270,8 @@ class HfBucket(Bucket):
         if isinstance(err, (RuntimeError, OSError)) and (match := _XET_STATUS.search(str(err))):
             # hf_xet: the Xet token endpoint or Xet storage answered with this status.
             return self._status_error(what, op, int(match[1]), None, "", f"Xet: {err}")
-        if isinstance(err, _TRANSIENT_EXCEPTIONS) or (
-            isinstance(err, (RuntimeError, ConnectionError)) and _XET_CONNECTION.search(str(err))
-        ):
+        xet_connection = isinstance(err, RuntimeError) and _XET_CONNECTION.search(str(err)) is not None
+        if isinstance(err, _TRANSIENT_EXCEPTIONS) or xet_connection:
             return TransientBucketError(self._scrub(f"{what} failed: connection error ({type(err).__name__}: {err})"))
         return BucketError(self._scrub(f"{what} failed: {type(err).__name__}: {err}"))
 
