@@ -4,22 +4,20 @@ storage, beneath a publisher and two subscribers; everything converges bit-exact
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import random
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Iterator
 
-from shared.bucket import BucketError, RetryingBucket
-from shared.errors import SyncError
+from shared.bucket import RetryingBucket
 from shared.protocol import Subscriber
 
 from ...hub_server import HubServer
 from ..invariants import Ledger, TrialResult, check_verified
 from ..processes import CHILD_TIMEOUT_S
-from ..toy import PublisherThread
+from ..toy import PublisherThread, follow_until_converged
 
 DEFAULT_TRIALS = 2
 TOKEN = "hf_SOAKtoken0123456789abcdefghijklmn"
@@ -82,35 +80,8 @@ def trial_hub_storage(rng: random.Random, workdir: Path, final: int | None = Non
             publisher = Checked(_bucket(server, 8), ledger, final, interval=4, keep=2, pause_s=0.0,
                                 seed=rng.randrange(1000))  # fmt: skip
             subs = [Subscriber(_bucket(server, 8)) for _ in range(2)]
-
-            def follow(i: int, sub: Subscriber) -> None:
-                deadline = time.time() + CHILD_TIMEOUT_S
-                while time.time() < deadline:
-                    try:
-                        update = sub.fetch()
-                        if update is not None:
-                            sub.apply(update)
-                            ledger.check_state(sub.step, sub.state, sub.state_hash, f"subscriber {i}")
-                            continue
-                    except (SyncError, BucketError):
-                        ledger.check_state(sub.step, sub.state, sub.state_hash, f"subscriber {i}")
-                    if not publisher.is_alive() and sub.step == final:
-                        return
-                    time.sleep(0.01)
-
-            threads = [threading.Thread(target=follow, args=(i, s), daemon=True) for i, s in enumerate(subs)]
-            publisher.start()
-            for t in threads:
-                t.start()
-            publisher.join(CHILD_TIMEOUT_S)
-            for t in threads:
-                t.join(CHILD_TIMEOUT_S)
+            follow_until_converged(publisher, subs, ledger, CHILD_TIMEOUT_S, collections.Counter())
             server.chaos({})
-            result.check(publisher.error is None, f"publisher failed: {publisher.error!r}")
-            for i, sub in enumerate(subs):
-                result.check(sub.step == final, f"subscriber {i} ended at {sub.step}, not {final}")
-                ledger.check_state(sub.step, sub.state, sub.state_hash, f"subscriber {i} at the end")
-            ledger.settle()
             ledger.observe(observer)
             check_verified(observer, result, "after the faulty Hub run")
             if publisher.retries:
