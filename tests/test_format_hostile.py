@@ -30,6 +30,7 @@ from shared.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     INDEX_FILE,
+    MAX_HEADER_BYTES,
     Change,
     anchor_metadata,
     decode_delta,
@@ -701,3 +702,38 @@ def test_file_kind_refuses_other_files(changes: dict, message: str) -> None:
     metadata = {k: v for k, v in {**delta_metadata(), **changes}.items() if v is not None}
     with pytest.raises(FormatError, match=message):
         file_kind(metadata)
+
+
+# ---------------------------------------------------------------------------
+# reading only what is needed
+
+
+@pytest.mark.parametrize(
+    "header_len", [64, MAX_HEADER_BYTES + 1, 2**64 - 1], ids=["small-header", "over-the-limit", "negative-if-signed"]
+)
+def test_read_header_file_reads_the_header_only(tmp_path: Path, header_len: int) -> None:
+    """A 160 MiB file (sparse on disk) is never read past its header, whatever its header length field says."""
+    path = tmp_path / "big.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", header_len) + b"{" + b" " * 62 + b"}")
+        f.truncate(160 * 2**20)
+    tracemalloc.start()
+    try:
+        if header_len == 64:  # a valid empty header: read, the body left alone
+            assert read_header_file(path) == ({}, {})
+        else:
+            with pytest.raises(FormatError, match="header declares"):
+                read_header_file(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20
+
+
+def test_load_anchor_skips_the_index_wherever_it_is_listed(tmp_path: Path) -> None:
+    state = anchor_state()
+    state.update({f"model.layers.{i}.w": torch.full((10, 10), float(i), dtype=torch.bfloat16) for i in range(4)})
+    files = write_anchor(state, tmp_path, step=3, state_hash=state_hash(state), max_shard_bytes=300)
+    assert files[-1].name == INDEX_FILE and len(files) > 2
+    loaded, metadata = load_anchor([files[-1], *files[:-1]])  # the index first, as a hostile pointer may list it
+    assert state_hash(loaded) == state_hash(state) and metadata["step"] == "3"

@@ -480,3 +480,50 @@ def test_fresh_subscriber_then_anchor_downloaded_in_its_workdir_and_reads_counte
     assert sub.stats.bytes_downloaded == 2 * len(bucket.get(POINTER_KEY)) + read_manifest(bucket).anchors[0].nbytes + len(
         bucket.get(delta_key(1))
     )
+
+
+def test_fetched_anchor_reports_its_size_elements_and_times(bucket):
+    import time
+
+    master = master_state()
+    run(Publisher(bucket), master, 1)
+    sub = Subscriber(bucket)
+    t0 = time.perf_counter()
+    update = sub.fetch()
+    elapsed = time.perf_counter() - t0
+    entry = read_manifest(bucket).anchors[0]
+    assert (update.kind, update.step, update.nbytes) == ("anchor", 0, entry.nbytes)
+    assert update.changed == sum(t.numel() for t in master.values())
+    assert 0 <= update.download_s and 0 <= update.decode_s and update.download_s + update.decode_s <= elapsed
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "pointer_hash", "content"])
+def test_refused_anchor_is_counted_logged_and_its_download_removed(bucket, tmp_path, caplog, damage):
+    master = master_state()
+    run(Publisher(bucket), master, 1)
+    key = read_manifest(bucket).anchors[0].files[0].key
+    if damage == "missing":
+        bucket.delete([key])
+        message = f"^anchor 0 is missing a file: {key}"
+    elif damage == "truncated":
+        size = len(bucket.get(key))
+        bucket.put(key, bucket.get(key)[:-3])
+        message = f"^{key}: {size - 3} bytes, the pointer promised {size} \\(truncated\\?\\)$"
+    elif damage == "pointer_hash":
+        _edit_pointer(bucket, lambda doc: doc.update(state_hash="0" * 64, anchors=[dict(doc["anchors"][0], state_hash="0" * 64)]))
+        message = "^anchor 0: metadata disagrees with the pointer$"
+    else:  # same size and metadata, other values
+        data = bytearray(bucket.get(key))
+        data[-1] ^= 0x01
+        bucket.put(key, bytes(data))
+        message = "^anchor 0: content does not match its hash$"
+    (tmp_path / "scratch").mkdir()
+    sub = Subscriber(bucket, workdir=tmp_path / "scratch")
+    for attempt in (1, 2):
+        with pytest.raises(SyncError, match=message) as info:
+            sub.fetch()
+        assert sub.stats.refused == attempt and sub.stats.last_error == str(info.value)
+    assert not any((tmp_path / "scratch").iterdir())  # the download folder is removed
+    logged = [r.getMessage() for r in caplog.records if r.name == "shared.protocol.subscriber"]
+    assert logged[-1] == f"refused anchor 0: {info.value}"
+    assert sub.step is None and sub.state == {}
