@@ -13,6 +13,7 @@ import torch
 from shared.codecs import GapZigzagCodec, get_codec, list_codecs, register_codec
 from shared.codecs import base as codecs_base
 from shared.codecs.checks import check_index, require_entry
+from shared.detect import changed_elements
 from shared.errors import FormatError
 
 CODECS = ["gapzz", "trl"]
@@ -111,3 +112,17 @@ def test_gapzz_stream_refusals_name_the_entry(part: str) -> None:
     encoded.entries[f"layer.w.{part}"] = torch.frombuffer(bytearray(b"not zstd at all"), dtype=torch.uint8)
     with pytest.raises(FormatError, match=rf"^entry 'layer\.w\.{part}': not a zstd frame"):
         codec.decode("layer.w", encoded.entries, encoded.params, count=2, numel=8, itemsize=2, old_bits_at=_no_old_bits)
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_change_detection_compares_words_by_bits(swap: bool) -> None:
+    """The 8-byte word scan of change detection compares bits: a word whose float64 reading equals
+    the other word's integer value (lanes [1, 0, 0, 0] against [0, 0, 0, 0x3FF0], i.e. 1 and 1.0) differs."""
+    old = np.array([1, 0, 0, 0, 7, 7, 7, 7, 5], dtype=np.uint16)
+    new = np.array([0, 0, 0, 0x3FF0, 7, 7, 7, 8, 5], dtype=np.uint16)
+    if swap:
+        old, new = new, old
+    index, old_bits, new_bits = changed_elements(old, new)
+    np.testing.assert_array_equal(index, [0, 3, 7])
+    np.testing.assert_array_equal(old_bits, old[[0, 3, 7]])
+    np.testing.assert_array_equal(new_bits, new[[0, 3, 7]])
