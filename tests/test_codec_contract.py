@@ -1,6 +1,6 @@
-"""Codecs called directly, as the interface in ``shared/codecs/base.py`` allows: empty changes, and
-refusals that name the tensor and the entry at fault (delta files reach the codecs only after
-``decode_delta`` checked the entry names, so these paths are unreachable through the format)."""
+"""Codecs and change detection called directly: empty changes, refusals that name the tensor and the
+entry at fault (delta files reach the codecs only after ``decode_delta`` checked the entry names, so
+these paths are unreachable through the format), the word scan and schema check of change detection."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 from shared.codecs import GapZigzagCodec, get_codec, list_codecs, register_codec
 from shared.codecs import base as codecs_base
 from shared.codecs.checks import check_index, require_entry
-from shared.detect import changed_elements
-from shared.errors import FormatError
+from shared.detect import ChangeDetector, changed_elements
+from shared.errors import FormatError, SyncError
 
 CODECS = ["gapzz", "trl"]
 
@@ -126,3 +126,20 @@ def test_change_detection_compares_words_by_bits(swap: bool) -> None:
     np.testing.assert_array_equal(index, [0, 3, 7])
     np.testing.assert_array_equal(old_bits, old[[0, 3, 7]])
     np.testing.assert_array_equal(new_bits, new[[0, 3, 7]])
+
+
+def test_change_detector_needs_the_published_names_shapes_and_dtypes() -> None:
+    state = {"a": torch.zeros(4, 3), "b": torch.zeros(5, dtype=torch.int64)}
+    detector = ChangeDetector()
+    assert not detector.compatible(state)  # nothing published yet
+    detector.reset(state)
+    assert detector.compatible({"a": torch.ones(4, 3), "b": torch.ones(5, dtype=torch.int64)})
+    for other in (
+        {"a": state["a"]},  # a tensor less
+        {**state, "c": torch.zeros(1)},  # a tensor more
+        {**state, "a": torch.zeros(3, 4)},  # same dtype, other shape
+        {**state, "b": torch.zeros(5, dtype=torch.int32)},  # same shape, other dtype
+    ):
+        assert not detector.compatible(other)
+        with pytest.raises(SyncError, match="^state does not match the published state's names, shapes and dtypes"):
+            detector.diff(other)
