@@ -36,7 +36,8 @@ from .patch import TensorPatch, gather
 from .workers import worker_pool
 
 FORMAT_NAME = "rlsync"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: tree state hash (shared.hashing); 1: flat state hash, still readable
+READABLE_FORMAT_VERSIONS = (1, 2)
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -177,8 +178,10 @@ def check_format(metadata: Mapping[str, str], kind: str) -> None:
     """
     if metadata.get("format") != FORMAT_NAME:
         raise FormatError(f"not an {FORMAT_NAME} file (format={metadata.get('format')!r})")
-    if metadata.get("format_version") != str(FORMAT_VERSION):
-        raise FormatError(f"unsupported format version {metadata.get('format_version')!r}; this reader knows {FORMAT_VERSION}")
+    if metadata.get("format_version") not in {str(v) for v in READABLE_FORMAT_VERSIONS}:
+        raise FormatError(
+            f"unsupported format version {metadata.get('format_version')!r}; this reader knows {READABLE_FORMAT_VERSIONS}"
+        )
     if metadata.get("kind") != kind:
         raise FormatError(f"expected a {kind}, got kind={metadata.get('kind')!r}")
 

@@ -5,6 +5,8 @@ Layout of a bucket::
     latest.json                           the pointer: written last, after the data it names
     anchors/000000000010/model.safetensors  (or model-0000k-of-0000n.safetensors + index)
     deltas/000000000011.safetensors
+    deltas/000000000011/e0003-part-00001-of-00004.safetensors   a sharded trainer's parts
+    anchors/000000000010/e0003-part-00001-of-00004.safetensors  (lock epoch 3, rank 1 of 4)
     control/publisher.json                anchor policy set from any panel
     status/replica-<id>.json              one status object per replica
 
@@ -22,7 +24,7 @@ from typing import Any
 
 from ..bucket import InvalidKeyError, validate_key
 from ..errors import FormatError
-from ..format import FORMAT_NAME, FORMAT_VERSION
+from ..format import FORMAT_NAME, FORMAT_VERSION, READABLE_FORMAT_VERSIONS
 
 POINTER_KEY = "latest.json"
 ANCHOR_PREFIX = "anchors/"
@@ -40,6 +42,20 @@ def anchor_folder(step: int) -> str:
 def delta_key(step: int) -> str:
     """Key of the delta producing ``step``."""
     return f"{DELTA_PREFIX}{step:012d}.safetensors"
+
+
+def part_name(epoch: int, part: int, parts: int) -> str:
+    """File name of part ``part`` (0-based) of ``parts`` written under run-lock epoch ``epoch``.
+
+    The epoch in the name keeps a trainer that was taken over mid-upload from
+    overwriting the files of the trainer that took over, at the same step.
+    """
+    return f"e{epoch:04d}-part-{part + 1:05d}-of-{parts:05d}.safetensors"
+
+
+def delta_part_key(step: int, epoch: int, part: int, parts: int) -> str:
+    """Key of one part of the sharded delta producing ``step``."""
+    return f"{DELTA_PREFIX}{step:012d}/{part_name(epoch, part, parts)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +81,12 @@ class AnchorEntry:
 
 @dataclasses.dataclass(frozen=True)
 class DeltaEntry:
-    """A published delta from ``base_step`` to ``step``."""
+    """A published delta from ``base_step`` to ``step``.
+
+    A sharded trainer's delta has one file per rank: ``file`` is part 1 and
+    ``parts`` the others, in rank order; each is a complete delta file holding
+    the changes of one rank's slices in global coordinates.
+    """
 
     step: int
     base_step: int
@@ -73,10 +94,16 @@ class DeltaEntry:
     file: FileEntry
     changed: int = 0
     total: int = 0
+    parts: tuple[FileEntry, ...] = ()
+
+    @property
+    def files(self) -> tuple[FileEntry, ...]:
+        """Every file of the delta, in apply order."""
+        return (self.file, *self.parts)
 
     @property
     def nbytes(self) -> int:
-        return self.file.size
+        return sum(f.size for f in self.files)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +115,7 @@ class Manifest:
     anchors: tuple[AnchorEntry, ...]
     deltas: tuple[DeltaEntry, ...]
     run_id: str = ""
+    format_version: int = FORMAT_VERSION
 
     @property
     def newest_anchor(self) -> AnchorEntry:
@@ -112,7 +140,7 @@ class Manifest:
     def to_json(self) -> bytes:
         doc = {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": self.format_version,
             "run_id": self.run_id,
             "step": self.step,
             "state_hash": self.state_hash,
@@ -134,7 +162,8 @@ class Manifest:
             doc = json.loads(data)
             if doc.get("format") != FORMAT_NAME:
                 raise FormatError(f"pointer is not an {FORMAT_NAME} pointer")
-            if doc.get("format_version") != FORMAT_VERSION:
+            version = doc.get("format_version")
+            if type(version) is not int or version not in READABLE_FORMAT_VERSIONS:
                 raise FormatError(f"unsupported pointer format version {doc.get('format_version')!r}")
             anchors = tuple(
                 AnchorEntry(
@@ -152,6 +181,7 @@ class Manifest:
                     file=_file(d["file"]),
                     changed=_int(d.get("changed", 0)),
                     total=_int(d.get("total", 0)),
+                    parts=tuple(_file(f) for f in d.get("parts", ())),
                 )
                 for d in doc["deltas"]
             )
@@ -161,6 +191,7 @@ class Manifest:
                 anchors=anchors,
                 deltas=deltas,
                 run_id=_str(doc.get("run_id", "")),
+                format_version=version,
             )
         except FormatError:
             raise

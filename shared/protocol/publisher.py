@@ -23,7 +23,7 @@ from ..bucket import Bucket, BucketError, ObjectNotFoundError
 from ..codecs import DEFAULT_CODEC, get_codec
 from ..detect import DEFAULT_CHUNK_ELEMENTS, ChangeDetector, cast_chunk, serving_copy
 from ..errors import FormatError, SyncError
-from ..format import DEFAULT_MAX_SHARD_BYTES, encode_delta, write_anchor
+from ..format import DEFAULT_MAX_SHARD_BYTES, FORMAT_VERSION, encode_delta, write_anchor
 from ..hashing import combine_digests, tensor_digest
 from .lock import DEFAULT_LOCK_TTL_S, FencedError, RunLock, acquire, check_fence, write_lock
 from .manifest import (
@@ -74,6 +74,19 @@ def read_manifest(bucket: Bucket) -> Manifest | None:
     except ObjectNotFoundError:
         return None
     return Manifest.from_json(data)
+
+
+def check_writable(manifest: Manifest) -> None:
+    """Refuse to extend a chain written in an older format version (its hashes are another kind).
+
+    Raises:
+        SyncError: the pointer's format version is not the current one.
+    """
+    if manifest.format_version != FORMAT_VERSION:
+        raise SyncError(
+            f"the bucket holds a format version {manifest.format_version} chain; this publisher writes version "
+            f"{FORMAT_VERSION} (another state hash): publish to a new bucket"
+        )
 
 
 class Publisher:
@@ -151,6 +164,7 @@ class Publisher:
         manifest = read_manifest(self.bucket)
         if manifest is None:
             return None
+        check_writable(manifest)
         sub = Subscriber(self.bucket)
         sub.sync()
         if sub.step != manifest.step:

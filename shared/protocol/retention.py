@@ -25,7 +25,7 @@ def prune(manifest: Manifest, keep_anchors: int = DEFAULT_KEEP_ANCHORS) -> tuple
     kept = manifest.anchors[-keep_anchors:]
     oldest = kept[0].step
     dropped = [f.key for a in manifest.anchors[:-keep_anchors] for f in a.files]
-    dropped += [d.file.key for d in manifest.deltas if d.step <= oldest]
+    dropped += [f.key for d in manifest.deltas if d.step <= oldest for f in d.files]
     pruned = dataclasses.replace(
         manifest,
         anchors=tuple(kept),
@@ -44,7 +44,7 @@ def sweep_orphans(bucket: Bucket, manifest: Manifest) -> list[str]:
     Returns:
         The deleted keys.
     """
-    named = {f.key for a in manifest.anchors for f in a.files} | {d.file.key for d in manifest.deltas}
+    named = {f.key for a in manifest.anchors for f in a.files} | {f.key for d in manifest.deltas for f in d.files}
     oldest = manifest.anchors[0].step
     stale = [
         obj.key
