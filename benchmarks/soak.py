@@ -470,11 +470,11 @@ def subscriber_loop(cfg: dict[str, Any]) -> None:
     if kill and kill[0] == "mid-apply":  # die while the patched tensors are being hashed
         real, calls = subscriber_module.tensor_digest, [0]
 
-        def digest_then_die(tensor: torch.Tensor) -> bytes:
+        def digest_then_die(tensor: torch.Tensor, **kwargs) -> bytes:
             calls[0] += 1
             if calls[0] == kill[1]:
                 die()
-            return real(tensor)
+            return real(tensor, **kwargs)
 
         subscriber_module.tensor_digest = digest_then_die
     sub = Subscriber(bucket, workdir=cfg["workdir"])
@@ -817,11 +817,11 @@ def trial_apply_interrupt(rng: random.Random, workdir: Path) -> TrialResult:
             patches = update.patches
             real, calls = subscriber_module.tensor_digest, [0]
 
-            def digest_raises(tensor: torch.Tensor, calls=calls, k=k, exc=exc, real=real) -> bytes:
+            def digest_raises(tensor: torch.Tensor, calls=calls, k=k, exc=exc, real=real, **kwargs) -> bytes:
                 calls[0] += 1
                 if calls[0] > k:
                     raise exc
-                return real(tensor)
+                return real(tensor, **kwargs)
 
             if how == "patch iteration raises":
                 update.patches = _RaisingPatches(patches, k, exc)

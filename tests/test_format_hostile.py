@@ -303,7 +303,7 @@ def test_flipped_bytes_never_escape(state, codec: str, mask: int) -> None:
     [
         (lambda m: m.update(format="safetensors"), "not an rlsync file"),
         (lambda m: m.pop("format"), "not an rlsync file"),
-        (lambda m: m.update(format_version="2"), "unsupported format version '2'"),
+        (lambda m: m.update(format_version="3"), "unsupported format version '3'"),
         (lambda m: m.update(format_version="1.0"), "unsupported format version"),
         (lambda m: m.pop("format_version"), "unsupported format version None"),
         (lambda m: m.update(kind="anchor"), "expected a delta, got kind='anchor'"),

@@ -87,21 +87,19 @@ def test_sharded_chain_is_bit_identical_to_the_single_process_publisher(tmp_path
 
 def test_rank_killed_mid_publish_leaves_the_previous_version_and_a_restarted_group_continues(tmp_path):
     bucket_dir = tmp_path / "bucket"
-    _spawn(2, bucket_dir, tmp_path / "r0.json", [1, 2, 3])
+    with pytest.raises(mp.ProcessExitedException):  # rank 1 dies as it uploads its part of delta 3
+        _spawn(2, bucket_dir, tmp_path / "r1.json", [1, 2, 3], die_rank=1, die_on="deltas/000000000003")
     bucket = LocalBucket(bucket_dir)
+    before = read_manifest(bucket)
+    assert before.step == 2 and verify_bucket(bucket).ok
+    assert any(o.key.startswith("deltas/000000000003/") for o in bucket.list("deltas/"))  # rank 0's part landed
     follower = Subscriber(bucket)
     follower.sync()
-    with pytest.raises(mp.ProcessExitedException):  # restarted; rank 1 dies as it uploads its part of delta 5
-        _spawn(2, bucket_dir, tmp_path / "r1.json", [4, 5], resume=True, die_rank=1, die_on="deltas/000000000005")
-    before = read_manifest(bucket)
-    assert before.step == 4 and verify_bucket(bucket).ok
-    assert any(o.key.startswith("deltas/000000000005/") for o in bucket.list("deltas/"))  # rank 0's part landed
-    follower.sync()
-    assert follower.step == 4 and follower.fetch() is None  # replicas serve step 4, nothing half-written shows
-    report = _spawn(2, bucket_dir, tmp_path / "r2.json", [5, 6], resume=True)
+    assert follower.step == 2 and follower.fetch() is None  # replicas serve step 2, nothing half-written shows
+    report = _spawn(2, bucket_dir, tmp_path / "r2.json", [3, 4], resume=True)
     assert [s["kind"] for s in report["steps"]] == ["anchor", "delta"]  # no replayed shadow: an anchor first
     manifest = read_manifest(bucket)
-    assert manifest.step == 6 and manifest.state_hash == report["steps"][-1]["full_hash"]
+    assert manifest.step == 4 and manifest.state_hash == report["steps"][-1]["full_hash"]
     assert verify_bucket(bucket).ok, verify_bucket(bucket).errors
     follower.sync()
-    assert follower.step == 6 and state_hash(follower.state) == manifest.state_hash
+    assert follower.step == 4 and state_hash(follower.state) == manifest.state_hash
