@@ -40,12 +40,12 @@ import torch.multiprocessing as mp
 from benchmarks.sync import init_weights, model_shapes
 from shared.bucket import LocalBucket
 from shared.format import Change, encode_delta
-from shared.protocol import FixedInterval
+from shared.protocol import FixedInterval, Publisher
 from shared.protocol.sharded import ShardedPublisher
 
 logger = logging.getLogger("benchmarks.scale")
 
-UPDATE_SCALE = 1.5e-6  # std of the per-step fp32 update; about 1-2% of bf16 weights flip
+UPDATE_SCALE = 4e-7  # std of the per-step fp32 update; about 1-2% of bf16 weights flip
 
 
 def _peak_rss() -> int:
@@ -92,6 +92,9 @@ def rank_main(rank: int, world: int, port: int, cfg: dict) -> None:
     mesh = init_device_mesh("cpu", (world,))
     state = sharded_state(model_shapes(cfg["params"], hidden=cfg["hidden"]), mesh, rank, world)
     publisher = ShardedPublisher(LocalBucket(cfg["bucket"]), policy=FixedInterval(1000), owner="scale", follow_control=False)
+    single = None  # baseline with one rank: the single-process Publisher on the same weights
+    if world == 1:
+        single = Publisher(LocalBucket(cfg["bucket"] + "-single"), policy=FixedInterval(1000), follow_control=False)
     gen = torch.Generator().manual_seed(rank)
     rows = []
     for step in range(1, cfg["deltas"] + 2):
@@ -105,10 +108,15 @@ def rank_main(rank: int, world: int, port: int, cfg: dict) -> None:
         t0 = time.perf_counter()
         record = publisher.publish(step, state)
         elapsed = time.perf_counter() - t0
+        single_s = None
+        if single is not None:
+            t1 = time.perf_counter()
+            single.publish(step, {n: t.to_local() for n, t in state.items()})
+            single_s = time.perf_counter() - t1
         rows.append({
             "step": step, "kind": record.kind, "publish_s": elapsed, "detect_hash_s": record.encode_s + record.hash_s,
             "bytes": record.nbytes, "changed": record.changed, "total": record.total,
-            "peak_added": _peak_rss() - before,
+            "peak_added": _peak_rss() - before, "single_publish_s": single_s,
         })  # fmt: skip
     local_bytes = sum(t.to_local().numel() * 2 for t in state.values())
     shadow = sum(t.numel() * t.element_size() for t in (publisher.detector.published or {}).values())
@@ -138,6 +146,7 @@ def summarize(world: int, ranks: list[dict]) -> dict:
     delta_s = statistics.median(max(d[i]["publish_s"] for d in deltas) for i in range(len(deltas[0])))
     detect = statistics.median(r["detect_hash_s"] for d in deltas for r in d)
     last = deltas[0][-1]
+    single = [r["single_publish_s"] for r in deltas[0] if r["single_publish_s"] is not None]
     return {
         "world": world,
         "anchor_s": anchor,
@@ -150,6 +159,7 @@ def summarize(world: int, ranks: list[dict]) -> dict:
         "peak_added_mb": max(r["peak_added"] for rank in ranks for r in rank["rows"][1:]) / 1e6,
         "anchor_peak_added_mb": max(rank["rows"][0]["peak_added"] for rank in ranks) / 1e6,
         "peak_rss_mb": max(rank["peak_rss"] for rank in ranks) / 1e6,
+        "single_delta_s": statistics.median(single) if single else None,
         "model_mb": sum(rank["local_bf16_bytes"] for rank in ranks) / 1e6,
     }
 
@@ -197,14 +207,26 @@ def simulate(rate_gbs: float, bpc: dict[float, dict[str, float]], sim: dict = SI
             for ranks in sim["trainer_ranks"]:
                 detect = model_bytes / ranks / (rate_gbs * 1e9)
                 upload = max(delta / ranks / (sim["rank_upload_gbs"] * 1e9), delta / (sim["bucket_ingress_gbs"] * 1e9))
+                row = {
+                    "changed_pct": 100 * density, "layout": layout, "delta_gib": delta / 2**30, "ranks": ranks,
+                    "part_mib": delta / ranks / 2**20, "publish_s": detect + upload + sim["pointer_round_s"],
+                }  # fmt: skip
                 for replicas in sim["replicas"]:
                     per_replica = min(sim["replica_download_gbs"], sim["bucket_egress_gbs"] / replicas)
-                    rows.append({
-                        "changed_pct": 100 * density, "layout": layout, "delta_gib": delta / 2**30, "ranks": ranks,
-                        "part_mib": delta / ranks / 2**20, "publish_s": detect + upload + sim["pointer_round_s"],
-                        "replicas": replicas, "catchup_s": delta / (per_replica * 1e9),
-                    })  # fmt: skip
+                    row[f"catchup_{replicas}_s"] = delta / (per_replica * 1e9)
+                rows.append(row)
     return rows
+
+
+def anchor_times(sim: dict = SIM) -> dict[str, float]:
+    """Upload of a sharded 1T anchor and one replica's download of it, at the stated bandwidths."""
+    model_bytes = sim["params"] * 2
+    ranks = max(sim["trainer_ranks"])
+    return {
+        "ranks": ranks,
+        "upload_s": max(model_bytes / ranks / (sim["rank_upload_gbs"] * 1e9), model_bytes / (sim["bucket_ingress_gbs"] * 1e9)),
+        "replica_download_s": model_bytes / (sim["replica_download_gbs"] * 1e9),
+    }
 
 
 def print_real(results: list[dict]) -> None:
@@ -212,6 +234,8 @@ def print_real(results: list[dict]) -> None:
     print(f"{'ranks':>5} {'model MB':>9} {'% chg':>6} {'delta B':>10} {'anchor s':>9} {'delta s':>8} "
           f"{'rank GB/s':>9} {'shadow MB/rank':>14} {'+peak MB/rank':>13} {'anchor +peak':>12} {'RSS MB/rank':>11}")  # fmt: skip
     for r in results:
+        if r["single_delta_s"] is not None:
+            print(f"      baseline with 1 rank: the single-process Publisher, same weights, delta publish {r['single_delta_s']:.2f} s")
         print(f"{r['world']:>5} {r['model_mb']:>9.0f} {r['changed_pct']:>6.2f} {r['delta_bytes']:>10,} {r['anchor_s']:>9.2f} "
               f"{r['delta_s']:>8.2f} {r['rank_rate_gbs']:>9.3f} {r['shadow_mb']:>14.1f} {r['peak_added_mb']:>13.1f} "
               f"{r['anchor_peak_added_mb']:>12.1f} {r['peak_rss_mb']:>11.0f}")  # fmt: skip
@@ -226,10 +250,16 @@ def print_simulation(rate: float, bpc: dict, rows: list[dict], sim: dict = SIM) 
     print(f"  upload {sim['rank_upload_gbs']} GB/s per rank, bucket ingress {sim['bucket_ingress_gbs']} GB/s and egress "
           f"{sim['bucket_egress_gbs']} GB/s aggregate, {sim['replica_download_gbs']} GB/s per replica, "
           f"pointer round {sim['pointer_round_s']} s; replicas download the whole delta (all parts) concurrently")  # fmt: skip
-    print(f"{'% chg':>5} {'layout':>6} {'delta GiB':>9} {'ranks':>5} {'part MiB':>8} {'publish s':>9} {'replicas':>8} {'catch-up s':>10}")
+    reps = sim["replicas"]
+    print(f"{'% chg':>5} {'layout':>6} {'delta GiB':>9} {'ranks':>5} {'part MiB/rank':>13} {'publish s':>9} "
+          + " ".join(f"{f'catch-up s, {r} repl.':>20}" for r in reps))  # fmt: skip
     for r in rows:
-        print(f"{r['changed_pct']:>5.0f} {r['layout']:>6} {r['delta_gib']:>9.1f} {r['ranks']:>5} {r['part_mib']:>8.1f} "
-              f"{r['publish_s']:>9.1f} {r['replicas']:>8} {r['catchup_s']:>10.1f}")  # fmt: skip
+        print(f"{r['changed_pct']:>5.0f} {r['layout']:>6} {r['delta_gib']:>9.1f} {r['ranks']:>5} {r['part_mib']:>13.1f} "
+              f"{r['publish_s']:>9.1f} " + " ".join(f"{r[f'catchup_{n}_s']:>20.1f}" for n in reps))  # fmt: skip
+    a = anchor_times(sim)
+    print(f"parts per rank: 1 per delta; 2 at an anchor (its part + the companion delta part). A sharded anchor "
+          f"(2 TB, {a['ranks']} parts) uploads in {a['upload_s']:.1f} s; one new replica downloads it in "
+          f"{a['replica_download_s']:.0f} s at {sim['replica_download_gbs']} GB/s.")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

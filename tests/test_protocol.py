@@ -77,7 +77,7 @@ def test_missing_delta_keeps_state_and_resyncs_from_next_anchor(bucket):
     pub, sub = Publisher(bucket, policy=FixedInterval(4)), Subscriber(bucket)
     run(pub, master, 2, sub=sub)
     run(pub, master, 2, start=2)
-    bucket.delete([delta_key(2)])
+    bucket.delete([delta_key(2, 1)])
     good = (sub.step, sub.state_hash, {n: t.clone() for n, t in sub.state.items()})
     with pytest.raises(ChainError, match="missing"):
         sub.fetch()
@@ -95,7 +95,7 @@ def test_damaged_delta_is_refused_without_touching_state(bucket, damage):
     pub, sub = Publisher(bucket, policy=FixedInterval(3)), Subscriber(bucket)
     run(pub, master, 1, sub=sub)
     run(pub, master, 1, start=1)
-    path = bucket.root / delta_key(1)
+    path = bucket.root / delta_key(1, 1)
     data = bytearray(path.read_bytes())
     if damage == "flip":
         for i in range(len(data) - 40, len(data), 7):
@@ -130,7 +130,7 @@ def test_hash_mismatch_after_apply_rolls_back(bucket):
         changes, step=1, base_step=0, base_hash=read_manifest(bucket).anchors[0].state_hash,
         state_hash=rec.state_hash, total=rec.total,
     )  # fmt: skip
-    bucket.put(delta_key(1), data)
+    bucket.put(delta_key(1, 1), data)
     pointer = json.loads(bucket.get(POINTER_KEY))
     pointer["deltas"][0]["file"]["size"] = len(data)
     bucket.put(POINTER_KEY, json.dumps(pointer).encode())
@@ -192,7 +192,7 @@ def test_crash_between_data_and_pointer_leaves_bucket_readable(tmp_path):
     bucket.fail_key = POINTER_KEY
     with pytest.raises(OSError):
         pub.publish(2, master)
-    assert bucket.exists(delta_key(2))  # data landed, pointer did not
+    assert bucket.exists(delta_key(2, 1))  # data landed, pointer did not
     assert sub.fetch() is None and sub.step == 1
     assert verify_bucket(bucket).ok
     pub.publish(2, master)  # the publisher state was not advanced: retry works
@@ -287,7 +287,7 @@ def test_verify_detects_corruption(bucket):
     run(Publisher(bucket, policy=FixedInterval(3)), master, 5)
     report = verify_bucket(bucket)
     assert report.ok and report.anchors_checked == 2 and report.deltas_checked == 4  # incl. the companion of anchor 3
-    path = bucket.root / delta_key(4)
+    path = bucket.root / delta_key(4, 1)
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -329,7 +329,7 @@ def test_second_trainer_is_refused_and_a_taken_over_one_is_fenced(bucket):
     before = bucket.get(POINTER_KEY)
     with pytest.raises(FencedError):
         first.publish(3, master)
-    assert bucket.get(POINTER_KEY) == before and not bucket.exists(delta_key(3))
+    assert bucket.get(POINTER_KEY) == before and not bucket.exists(delta_key(3, 1))
     # a stale lock (no heartbeat for longer than the TTL) can be taken over
     late = Publisher(bucket, owner="trainer-b", lock_ttl_s=0.0)
     late.resume()

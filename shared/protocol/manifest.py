@@ -3,12 +3,17 @@
 Layout of a bucket::
 
     latest.json                           the pointer: written last, after the data it names
-    anchors/000000000010/model.safetensors  (or model-0000k-of-0000n.safetensors + index)
-    deltas/000000000011.safetensors
-    deltas/000000000011/e0003-part-00001-of-00004.safetensors   a sharded trainer's parts
-    anchors/000000000010/e0003-part-00001-of-00004.safetensors  (lock epoch 3, rank 1 of 4)
+    anchors/000000000010-e0003/model.safetensors  (or model-0000k-of-0000n.safetensors + index)
+    anchors/000000000010-e0003/part-00001-of-00004.safetensors  a sharded trainer's parts (rank 0 of 4)
+    deltas/000000000011-e0003.safetensors
+    deltas/000000000011-e0003/part-00001-of-00004.safetensors
     control/publisher.json                anchor policy set from any panel
     status/replica-<id>.json              one status object per replica
+
+``e0003`` is the run-lock epoch of the trainer that wrote the files: a trainer
+taken over mid-upload writes under its own epoch, so it can never overwrite
+the files of the trainer that took over, even at the same step. The pointer
+names every file exactly.
 
 The pointer is a small JSON manifest of every retained version: the anchors
 (step, files, sizes, hash) and the deltas (step, base step, file, size, result
@@ -34,28 +39,24 @@ STATUS_PREFIX = "status/"
 MAX_POINTER_BYTES = 16 * 1024 * 1024
 
 
-def anchor_folder(step: int) -> str:
-    """Key prefix of the anchor of ``step``."""
-    return f"{ANCHOR_PREFIX}{step:012d}"
+def anchor_folder(step: int, epoch: int) -> str:
+    """Key prefix of the anchor of ``step`` written under run-lock epoch ``epoch``."""
+    return f"{ANCHOR_PREFIX}{step:012d}-e{epoch:04d}"
 
 
-def delta_key(step: int) -> str:
-    """Key of the delta producing ``step``."""
-    return f"{DELTA_PREFIX}{step:012d}.safetensors"
+def delta_key(step: int, epoch: int) -> str:
+    """Key of the delta producing ``step``, written under run-lock epoch ``epoch``."""
+    return f"{DELTA_PREFIX}{step:012d}-e{epoch:04d}.safetensors"
 
 
-def part_name(epoch: int, part: int, parts: int) -> str:
-    """File name of part ``part`` (0-based) of ``parts`` written under run-lock epoch ``epoch``.
-
-    The epoch in the name keeps a trainer that was taken over mid-upload from
-    overwriting the files of the trainer that took over, at the same step.
-    """
-    return f"e{epoch:04d}-part-{part + 1:05d}-of-{parts:05d}.safetensors"
+def part_name(part: int, parts: int) -> str:
+    """File name of part ``part`` (0-based) of ``parts`` of a sharded anchor or delta."""
+    return f"part-{part + 1:05d}-of-{parts:05d}.safetensors"
 
 
 def delta_part_key(step: int, epoch: int, part: int, parts: int) -> str:
     """Key of one part of the sharded delta producing ``step``."""
-    return f"{DELTA_PREFIX}{step:012d}/{part_name(epoch, part, parts)}"
+    return f"{DELTA_PREFIX}{step:012d}-e{epoch:04d}/{part_name(part, parts)}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -291,7 +291,8 @@ class Publisher:
             codec=self.codec,
         )
         t3 = time.perf_counter()
-        key = delta_key(step)
+        assert self.lock is not None
+        key = delta_key(step, self.lock.epoch)
         changed = sum(c.index.size for c in changes.values())
         entry = DeltaEntry(step, self.manifest.step, result_hash, FileEntry(key, len(data)), changed, total)
         manifest = dataclasses.replace(self.manifest, step=step, state_hash=result_hash, deltas=self.manifest.deltas + (entry,))
@@ -313,6 +314,7 @@ class Publisher:
     def _publish_anchor(self, step: int, state: Mapping[str, torch.Tensor]) -> PublishRecord:
         """Write a full anchor; when the state continues the published one, also a companion
         delta of the same step, so that replicas keeping up never need to download anchors."""
+        assert self.lock is not None
         t0 = time.perf_counter()
         serving = {n: serving_copy(t, self.dtype) for n, t in state.items()}
         self._digests = {}
@@ -327,9 +329,10 @@ class Publisher:
                 state_hash=result_hash, total=total, codec=self.codec,
             )  # fmt: skip
             changed = sum(c.index.size for c in changes.values())
-            companion = (DeltaEntry(step, self.manifest.step, result_hash, FileEntry(delta_key(step), len(data)), changed, total),)
-            self.bucket.put(delta_key(step), data)
-        folder = anchor_folder(step)
+            key = delta_key(step, self.lock.epoch)
+            companion = (DeltaEntry(step, self.manifest.step, result_hash, FileEntry(key, len(data)), changed, total),)
+            self.bucket.put(key, data)
+        folder = anchor_folder(step, self.lock.epoch)
         with tempfile.TemporaryDirectory(prefix="rlsync-anchor-") as tmp:
             files = write_anchor(serving, tmp, step=step, state_hash=result_hash, max_shard_bytes=self.max_shard_bytes)
             t2 = time.perf_counter()

@@ -58,5 +58,7 @@ def sweep_orphans(bucket: Bucket, manifest: Manifest) -> list[str]:
 
 
 def _step_of(key: str) -> int | None:
-    name = key.split("/")[1].split(".")[0]
+    """The step in ``anchors/<step>-e<epoch>/...`` or ``deltas/<step>-e<epoch>...``; ``None`` for other names."""
+    parts = key.split("/")
+    name = parts[1].split("-")[0].split(".")[0] if len(parts) > 1 else ""
     return int(name) if name.isdigit() else None

@@ -251,7 +251,7 @@ class ShardedPublisher(Publisher):
             report["delta"] = FileEntry(key, len(data))
         if plan.kind == "anchor":
             serving = {n: dataclasses.replace(s, data=cast_chunk(s.data, self.dtype)) for n, s in slices.items()}
-            key = f"{anchor_folder(step)}/{part_name(plan.epoch, self.rank, self.world)}"
+            key = f"{anchor_folder(step, plan.epoch)}/{part_name(self.rank, self.world)}"
             with tempfile.TemporaryDirectory(prefix="rlsync-anchor-part-") as tmp:
                 path = write_anchor_part(
                     serving, Path(tmp) / "part.safetensors", step=step, state_hash=result_hash, total=total,
