@@ -55,7 +55,7 @@ def build_sharded_model(world: int):
     from torch.distributed.fsdp import fully_shard
     from transformers import Qwen3ForCausalLM
 
-    from shared.tiny_model import tiny_model_config
+    from shared.spaces.tiny_model import tiny_model_config
 
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(tiny_model_config()).to(torch.float32)

@@ -19,7 +19,7 @@ from shared.hashing import merge_records, raw_bytes, slice_record, state_hash, t
 from shared.protocol import Subscriber, read_manifest
 from shared.protocol.verify import verify_bucket
 
-from sharded_trainer import run  # noqa: E402  (tests/ is on sys.path under pytest)
+from tests.sharded_trainer import run
 
 
 def _port() -> int:
