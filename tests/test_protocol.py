@@ -13,6 +13,7 @@ from shared.format import encode_delta
 from shared.hashing import state_hash
 from shared.protocol import (
     CONTROL_KEY,
+    FencedError,
     POINTER_KEY,
     Adaptive,
     FixedInterval,
@@ -335,3 +336,35 @@ def test_second_trainer_is_refused_and_a_taken_over_one_is_fenced(bucket):
     late.resume()
     rl_step(master, 3)
     assert late.publish(3, master).step == 3
+
+
+def test_trainer_taken_over_mid_upload_cannot_overwrite_the_new_trainers_files(bucket, tmp_path):
+    """Trainer A stalls uploading step 2; trainer B takes over and publishes step 2; A's upload then lands."""
+    master = master_state()
+    a = Publisher(bucket, owner="trainer-a")
+    run(a, master, 2)
+    taken_over: list[Publisher] = []
+
+    class Stalling(LocalBucket):
+        def put(self, key, data):
+            if key.startswith("deltas/000000000002") and not taken_over:  # B takes over before A's bytes land
+                b = Publisher(bucket, owner="trainer-a")
+                b.resume()
+                other = {n: t.clone() for n, t in master.items()}
+                rl_step(other, 99)
+                b.publish(2, other)
+                taken_over.append(b)
+            return super().put(key, data)
+
+    a.bucket = Stalling(bucket.root)
+    rl_step(master, 2)
+    with pytest.raises(FencedError):
+        a.publish(2, master)
+    b_manifest = read_manifest(bucket)
+    b_files = {f.key: bucket.get(f.key) for f in b_manifest.delta_after(1).files}
+    assert b_manifest.step == 2 and all("-e0002" in k for k in b_files)
+    sub = Subscriber(bucket)
+    sub.sync()
+    assert sub.state_hash == b_manifest.state_hash == taken_over[0].manifest.state_hash
+    assert verify_bucket(bucket).ok
+    assert any("-e0001" in o.key for o in bucket.list("deltas/"))  # A's bytes landed under its own epoch

@@ -92,7 +92,7 @@ def test_rank_killed_mid_publish_leaves_the_previous_version_and_a_restarted_gro
     bucket = LocalBucket(bucket_dir)
     before = read_manifest(bucket)
     assert before.step == 2 and verify_bucket(bucket).ok
-    assert any(o.key.startswith("deltas/000000000003/") for o in bucket.list("deltas/"))  # rank 0's part landed
+    assert any(o.key.startswith("deltas/000000000003-e0001/") for o in bucket.list("deltas/"))  # rank 0's part landed
     follower = Subscriber(bucket)
     follower.sync()
     assert follower.step == 2 and follower.fetch() is None  # replicas serve step 2, nothing half-written shows
@@ -100,6 +100,7 @@ def test_rank_killed_mid_publish_leaves_the_previous_version_and_a_restarted_gro
     assert [s["kind"] for s in report["steps"]] == ["anchor", "delta"]  # no replayed shadow: an anchor first
     manifest = read_manifest(bucket)
     assert manifest.step == 4 and manifest.state_hash == report["steps"][-1]["full_hash"]
+    assert all("-e0002/" in f.key for f in manifest.delta_after(3).files)  # the restarted group's own epoch
     assert verify_bucket(bucket).ok, verify_bucket(bucket).errors
     follower.sync()
     assert follower.step == 4 and state_hash(follower.state) == manifest.state_hash
