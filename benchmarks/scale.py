@@ -108,6 +108,7 @@ def rank_main(rank: int, world: int, port: int, cfg: dict) -> None:
         t0 = time.perf_counter()
         record = publisher.publish(step, state)
         elapsed = time.perf_counter() - t0
+        peak_added = _peak_rss() - before
         single_s = None
         if single is not None:
             t1 = time.perf_counter()
@@ -116,7 +117,7 @@ def rank_main(rank: int, world: int, port: int, cfg: dict) -> None:
         rows.append({
             "step": step, "kind": record.kind, "publish_s": elapsed, "detect_hash_s": record.encode_s + record.hash_s,
             "bytes": record.nbytes, "changed": record.changed, "total": record.total,
-            "peak_added": _peak_rss() - before, "single_publish_s": single_s,
+            "peak_added": peak_added, "single_publish_s": single_s,
         })  # fmt: skip
     local_bytes = sum(t.to_local().numel() * 2 for t in state.values())
     shadow = sum(t.numel() * t.element_size() for t in (publisher.detector.published or {}).values())

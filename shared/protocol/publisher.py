@@ -253,6 +253,15 @@ class Publisher:
             BucketError: the bucket failed; the previous version stays published
                 and the publish may be retried.
         """
+        anchor = self._prepare(step) or not self.detector.compatible(state)
+        return self._publish_anchor(step, state) if anchor else self._publish_delta(step, state)
+
+    def _prepare(self, step: int) -> bool:
+        """The checks before every publish (run lock, pointer, step); re-read the anchor policy.
+
+        Returns:
+            Whether the policy (or an empty chain) asks for an anchor.
+        """
         if self.manifest is None and not self._resumed and read_manifest(self.bucket) is not None:
             raise SyncError(f"{self.bucket.url} already holds a published run; call resume() or use an empty bucket")
         self._lock()
@@ -260,12 +269,7 @@ class Publisher:
         if self.step is not None and step <= self.step:
             raise SyncError(f"step {step} does not advance past the published step {self.step}")
         self._refresh_policy()
-        anchor = (
-            self.manifest is None
-            or not self.detector.compatible(state)
-            or self.policy.wants_anchor(self.manifest)
-        )
-        return self._publish_anchor(step, state) if anchor else self._publish_delta(step, state)
+        return self.manifest is None or self.policy.wants_anchor(self.manifest)
 
     def _hash(self, state: Mapping[str, torch.Tensor], names) -> str:
         for name in names:  # cast without a defensive copy: the digest only reads the bits

@@ -47,7 +47,7 @@ from .publisher import PublishRecord, Publisher, check_writable, read_manifest
 
 logger = logging.getLogger(__name__)
 
-_PROPAGATED = {cls.__name__: cls for cls in (FencedError, RunLockedError, SyncError)}
+_PROPAGATED = {cls.__name__: cls for cls in (FencedError, RunLockedError)}  # raised as such on every rank
 
 
 class ShardedPublishError(SyncError):
@@ -110,8 +110,7 @@ class ShardedPublisher(Publisher):
         if status == "error":
             if own is not None:
                 raise own
-            cls = _PROPAGATED.get(value[0], ShardedPublishError)
-            raise (cls if cls is not SyncError else ShardedPublishError)(value[1])
+            raise _PROPAGATED.get(value[0], ShardedPublishError)(value[1])
         return value
 
     # -- resume -------------------------------------------------------------
@@ -203,14 +202,7 @@ class ShardedPublisher(Publisher):
 
     def _plan(self, step: int, all_compatible: bool) -> _Plan:
         """Rank 0: the checks of :meth:`Publisher.publish`, then anchor or delta."""
-        if self.manifest is None and not self._resumed and read_manifest(self.bucket) is not None:
-            raise SyncError(f"{self.bucket.url} already holds a published run; call resume() or use an empty bucket")
-        self._lock()
-        self._check_pointer()
-        if self.step is not None and step <= self.step:
-            raise SyncError(f"step {step} does not advance past the published step {self.step}")
-        self._refresh_policy()
-        anchor = self.manifest is None or not all_compatible or self.policy.wants_anchor(self.manifest)
+        anchor = self._prepare(step) or not all_compatible
         assert self.lock is not None
         return _Plan("anchor" if anchor else "delta", self.lock.epoch, anchor and self.manifest is not None and all_compatible)
 
