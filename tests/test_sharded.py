@@ -104,3 +104,54 @@ def test_rank_killed_mid_publish_leaves_the_previous_version_and_a_restarted_gro
     assert verify_bucket(bucket).ok, verify_bucket(bucket).errors
     follower.sync()
     assert follower.step == 4 and state_hash(follower.state) == manifest.state_hash
+
+
+def _parts(tmp_path, tensor, cuts, **overrides):
+    """Anchor parts of one tensor cut at ``cuts`` (flat positions)."""
+    from shared.anchor_parts import write_anchor_part
+    from shared.shards import LocalSlice
+
+    bounds = [0, *cuts, tensor.numel()]
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        s = LocalSlice(tensor.reshape(-1)[a:b], overrides.get("offsets", {}).get(k, a), overrides.get("shape", tuple(tensor.shape)))
+        paths.append(write_anchor_part({"w": s}, tmp_path / f"p{k}.safetensors", step=3, state_hash="h", total=tensor.numel(),
+                                       part=overrides.get("parts_index", {}).get(k, k), parts=len(bounds) - 1))  # fmt: skip
+    return paths
+
+
+def test_anchor_parts_assemble_to_full_tensors_and_hostile_parts_are_refused(tmp_path):
+    from shared.anchor_parts import load_anchor_files
+    from shared.errors import FormatError
+
+    tensor = torch.randn(10, 7).to(torch.bfloat16)
+    state, metadata = load_anchor_files(_parts(tmp_path, tensor, [21, 50]))
+    assert torch.equal(state["w"].view(torch.int16), tensor.view(torch.int16)) and metadata["step"] == "3"
+    assert "slices" not in metadata
+    cases = {
+        "overlap": dict(offsets={1: 20}),
+        "hole": dict(offsets={1: 22}),
+        "huge shape": dict(shape=(1 << 40, 7)),  # refused before anything is allocated
+        "part numbers": dict(parts_index={0: 1, 1: 0}),
+    }
+    for name, overrides in cases.items():
+        with pytest.raises(FormatError):
+            load_anchor_files(_parts(tmp_path / name.replace(" ", "_"), tensor, [21, 50], **overrides))
+    with pytest.raises(FormatError):  # a part missing
+        load_anchor_files(_parts(tmp_path / "missing", tensor, [21, 50])[:2])
+
+
+def test_delta_parts_that_overlap_are_refused(tmp_path):
+    from shared.errors import FormatError
+    from shared.protocol.subscriber import _merge_patches
+    from shared.patch import TensorPatch
+
+    a = TensorPatch(torch.tensor([1, 5]), torch.ones(2, dtype=torch.bfloat16), (10,))
+    b = TensorPatch(torch.tensor([5, 7]), torch.ones(2, dtype=torch.bfloat16), (10,))
+    c = TensorPatch(torch.tensor([6, 9]), torch.ones(2, dtype=torch.bfloat16), (10,))
+    assert _merge_patches("w", [a, c]).index.tolist() == [1, 5, 6, 9]
+    with pytest.raises(FormatError):
+        _merge_patches("w", [a, b])
+    with pytest.raises(FormatError):
+        _merge_patches("w", [c, a])
