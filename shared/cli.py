@@ -156,7 +156,7 @@ def cmd_ls(args: argparse.Namespace) -> None:
     print(f"{'step':>8s} {'kind':7s} {'base':>8s} {'bytes':>14s} {'changed %':>10s}  key")
     rows = [(a.step, "anchor", "", a.nbytes, "", a.files[0].key.rsplit("/", 1)[0] + "/") for a in manifest.anchors]
     rows += [
-        (d.step, "delta", str(d.base_step), d.nbytes, f"{100 * d.changed / max(d.total, 1):.3f}", d.file.key)
+        (d.step, "delta", str(d.base_step), d.nbytes, f"{100 * d.changed / max(d.total, 1):.3f}", d.file.key + (f" (+{len(d.parts)} more parts)" if d.parts else ""))
         for d in manifest.deltas
     ]
     for step, kind, base, nbytes, pct, key in sorted(rows):
