@@ -368,3 +368,34 @@ def test_trainer_taken_over_mid_upload_cannot_overwrite_the_new_trainers_files(b
     assert sub.state_hash == b_manifest.state_hash == taken_over[0].manifest.state_hash
     assert verify_bucket(bucket).ok
     assert any("-e0001" in o.key for o in bucket.list("deltas/"))  # A's bytes landed under its own epoch
+
+
+def test_a_format_version_1_chain_is_read_with_its_own_hash_and_not_extended(bucket, tmp_path):
+    """Version-1 pointers name flat-SHA-256 state hashes; the subscriber hashes their states that way."""
+    from shared.detect import ChangeDetector
+    from shared.format import write_anchor
+    from shared.protocol import AnchorEntry, DeltaEntry, FileEntry, Manifest
+
+    master = master_state()
+    old = bf16(master)
+    rl_step(master, 1)
+    new = bf16(master)
+    old_hash, new_hash = state_hash(old, version=1), state_hash(new, version=1)
+    (path,) = write_anchor(old, tmp_path, step=0, state_hash=old_hash)
+    bucket.put_file("anchors/000000000000/model.safetensors", path)
+    detector = ChangeDetector()
+    detector.reset(old)
+    data = encode_delta(detector.diff(new), step=1, base_step=0, base_hash=old_hash, state_hash=new_hash, total=1)
+    bucket.put("deltas/000000000001.safetensors", data)
+    anchor = AnchorEntry(0, old_hash, (FileEntry("anchors/000000000000/model.safetensors", path.stat().st_size),))
+    delta = DeltaEntry(1, 0, new_hash, FileEntry("deltas/000000000001.safetensors", len(data)))
+    for version in (2, 1):  # the same files under a version-2 pointer do not check out
+        bucket.put(POINTER_KEY, Manifest(1, new_hash, (anchor,), (delta,), format_version=version).to_json())
+        sub = Subscriber(bucket)
+        if version == 2:
+            with pytest.raises(HashMismatchError):
+                sub.sync()
+    assert [u.kind for u in sub.sync()] == ["anchor", "delta"] and sub.step == 1 and sub.state_hash == new_hash
+    assert state_hash(sub.state) == state_hash(new)
+    with pytest.raises(SyncError, match="format version 1"):
+        Publisher(bucket).resume()
