@@ -15,22 +15,27 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shared.bucket import LocalBucket
+from shared.bucket import BucketError, LocalBucket
+from shared.errors import SyncError
 from shared.hashing import state_hash
 from shared.protocol import FixedInterval, Publisher
 from shared.protocol.sharded import ShardedPublisher
 
 
 class DyingBucket(LocalBucket):
-    """A local bucket whose process dies (as if killed) when it is about to upload ``die_on``."""
+    """A local bucket whose process dies (as if killed) when it is about to upload ``die_on``,
+    and whose first upload of ``fail_once_on`` fails."""
 
-    def __init__(self, root, die_on: str) -> None:
+    def __init__(self, root, die_on: str = "", fail_once_on: str = "") -> None:
         super().__init__(root)
-        self.die_on = die_on
+        self.die_on, self.fail_once_on = die_on, fail_once_on
 
     def _maybe_die(self, key: str) -> None:
         if self.die_on and self.die_on in key:
             os._exit(9)
+        if self.fail_once_on and self.fail_once_on in key:
+            self.fail_once_on = ""
+            raise BucketError(f"injected upload failure of {key}")
 
     def put(self, key, data):
         self._maybe_die(key)
@@ -74,8 +79,8 @@ def run(rank: int, world: int, port: int, bucket_dir: str, results: str, steps: 
     )
     model = build_sharded_model(world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    die_on = options.get("die_on", "") if rank == options.get("die_rank", -1) else ""
-    bucket = DyingBucket(bucket_dir, die_on)
+    faulty = rank == options.get("fault_rank", -1)
+    bucket = DyingBucket(bucket_dir, options.get("die_on", "") if faulty else "", options.get("fail_once_on", "") if faulty else "")
     publisher = ShardedPublisher(bucket, policy=FixedInterval(options.get("anchor_every", 3)), owner="trainer")
     if options.get("resume"):
         publisher.resume()
@@ -87,7 +92,11 @@ def run(rank: int, world: int, port: int, bucket_dir: str, results: str, steps: 
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        record = publisher.publish(step, model.state_dict())
+        try:
+            record = publisher.publish(step, model.state_dict())
+        except (SyncError, BucketError) as exc:  # every rank gets the error of a failed publish; retry once
+            report["steps"].append({"step": step, "failed": type(exc).__name__})
+            record = publisher.publish(step, model.state_dict())
         full = {n: t.full_tensor() for n, t in model.state_dict().items()}  # test only: the reference needs the whole state
         entry = {"step": step, "kind": record.kind, "hash": record.state_hash, "files": len(record.keys),
                  "full_hash": state_hash({n: t.to(torch.bfloat16) for n, t in full.items()})}  # fmt: skip

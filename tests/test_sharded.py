@@ -87,8 +87,8 @@ def test_sharded_chain_is_bit_identical_to_the_single_process_publisher(tmp_path
 
 def test_rank_killed_mid_publish_leaves_the_previous_version_and_a_restarted_group_continues(tmp_path):
     bucket_dir = tmp_path / "bucket"
-    with pytest.raises(mp.ProcessExitedException):  # rank 1 dies as it uploads its part of delta 3
-        _spawn(2, bucket_dir, tmp_path / "r1.json", [1, 2, 3], die_rank=1, die_on="deltas/000000000003")
+    with pytest.raises(mp.ProcessExitedException):  # rank 1 dies as it uploads its part of delta 3 (an anchor comes first)
+        _spawn(2, bucket_dir, tmp_path / "r1.json", [1, 2, 3], fault_rank=1, die_on="deltas/000000000003")
     bucket = LocalBucket(bucket_dir)
     before = read_manifest(bucket)
     assert before.step == 2 and verify_bucket(bucket).ok
@@ -96,8 +96,9 @@ def test_rank_killed_mid_publish_leaves_the_previous_version_and_a_restarted_gro
     follower = Subscriber(bucket)
     follower.sync()
     assert follower.step == 2 and follower.fetch() is None  # replicas serve step 2, nothing half-written shows
-    report = _spawn(2, bucket_dir, tmp_path / "r2.json", [3, 4], resume=True)
-    assert [s["kind"] for s in report["steps"]] == ["anchor", "delta"]  # no replayed shadow: an anchor first
+    # restarted; rank 1's first upload of delta 4 fails: every rank gets an error, the pointer stays, the retry lands
+    report = _spawn(2, bucket_dir, tmp_path / "r2.json", [3, 4], resume=True, fault_rank=1, fail_once_on="deltas/000000000004")
+    assert [s.get("kind", s.get("failed")) for s in report["steps"]] == ["anchor", "ShardedPublishError", "delta"]  # resumed: anchor first
     manifest = read_manifest(bucket)
     assert manifest.step == 4 and manifest.state_hash == report["steps"][-1]["full_hash"]
     assert all("-e0002/" in f.key for f in manifest.delta_after(3).files)  # the restarted group's own epoch

@@ -6,15 +6,17 @@ four rounds; in each, every rank does its own work and sends a small record to
 rank 0, which answers with one broadcast (an error anywhere stops every rank
 in the same round, so no rank waits forever on a failed peer):
 
-1. *plan*: rank 0 checks the run lock and the pointer and decides anchor or delta;
-2. *detect and hash*: each rank compares its slices with its own shadow (the
-   last published bits of its slices only) and sends the state-hash records of
-   its changed slices (:func:`shared.hashing.slice_record`: a few digests and at
-   most two partial 16 KiB leaves per tensor); rank 0 merges them into the state
-   hash, identical to a single-process publisher's;
-3. *write*: each rank encodes and uploads its own part file (positions in the
-   full tensors' flat coordinates) and reports its key and size;
-4. *commit*: once every part is confirmed, rank 0 writes the pointer naming all
+1. *plan*: each rank takes its slices; rank 0 checks the run lock and the
+   pointer and decides anchor or delta;
+2. *detect*: each rank compares its slices with its own shadow (the last
+   published bits of its slices only); rank 0 unites the changed tensors' names;
+3. *hash*: each rank sends the state-hash records of its slices of those tensors
+   (:func:`shared.hashing.slice_record`: a few digests and at most two partial
+   16 KiB leaves per tensor); rank 0 merges them into the state hash, identical
+   to a single-process publisher's;
+4. *write and commit*: each rank encodes and uploads its own part file
+   (positions in the full tensors' flat coordinates) and reports its key and
+   size; once every part is confirmed, rank 0 writes the pointer naming all
    parts, then every rank updates its shadow.
 
 No rank ever holds more than its own slices. A rank that dies mid-publish makes
@@ -163,25 +165,33 @@ class ShardedPublisher(Publisher):
             raise
 
     def _publish_slices(self, step: int, state: Mapping[str, torch.Tensor]) -> PublishRecord:
+        # Every step that can fail runs inside a round, so a failing rank never leaves the others waiting.
         t0 = time.perf_counter()
-        slices = local_slices(state, self.rank)
         shapes = {name: tuple(t.shape) for name, t in state.items()}
         total = sum(torch.Size(s).numel() for s in shapes.values())
-        serving = {n: s.data for n, s in slices.items()}
-        compatible = self._shadow_valid and self.detector.compatible(serving)
-        plan: _Plan = self._round(lambda: compatible, lambda flags: self._plan(step, all(flags)))
+        slices: dict[str, LocalSlice] = {}
         changes: dict[str, Change] = {}
-        if plan.kind == "delta" or plan.companion:
-            changes = self.detector.diff(serving)
+
+        def take_slices() -> bool:
+            slices.update(local_slices(state, self.rank))
+            return self._shadow_valid and self.detector.compatible({n: s.data for n, s in slices.items()})
+
+        plan: _Plan = self._round(take_slices, lambda flags: self._plan(step, all(flags)))
+
+        def detect() -> list[str]:
+            if plan.kind == "delta" or plan.companion:
+                changes.update(self.detector.diff({n: s.data for n, s in slices.items()}))
+            return sorted(changes)
+
+        changed_names = self._round(detect, lambda names: set().union(*names))
         t1 = time.perf_counter()
-        hashed = set(shapes) if plan.kind == "anchor" else set().union(*self._round(lambda: sorted(changes), lambda g: g))
+        hashed = set(shapes) if plan.kind == "anchor" else changed_names
         result_hash = self._round(
             lambda: self._records(slices, hashed & slices.keys()),
             lambda records: self._merge_hash(records, plan.kind, hashed, state),
         )
         t2 = time.perf_counter()
-        global_changes = {n: _to_global(c, slices[n]) for n, c in changes.items()}
-        write = lambda: self._write_part(step, plan, slices, global_changes, result_hash, total)  # noqa: E731
+        write = lambda: self._write_part(step, plan, slices, changes, result_hash, total)  # noqa: E731
         manifest_json = self._round(write, lambda parts: self._commit_parts(step, plan, parts, result_hash, total))
         self.manifest = Manifest.from_json(manifest_json)
         if plan.kind == "anchor":
@@ -229,12 +239,12 @@ class ShardedPublisher(Publisher):
     def _write_part(
         self, step: int, plan: _Plan, slices: Mapping[str, LocalSlice], changes: Mapping[str, Change], result_hash: str, total: int
     ) -> dict[str, Any]:
-        """Encode and upload this rank's part(s); return their keys and sizes."""
+        """Encode and upload this rank's part(s) (positions in global coordinates); return their keys and sizes."""
         report: dict[str, Any] = {"changed": sum(c.index.size for c in changes.values())}
         if plan.kind == "delta" or plan.companion:
             assert self.manifest is not None
             data = encode_delta(
-                changes, step=step, base_step=self.manifest.step, base_hash=self.manifest.state_hash,
+                {n: _to_global(c, slices[n]) for n, c in changes.items()}, step=step, base_step=self.manifest.step, base_hash=self.manifest.state_hash,
                 state_hash=result_hash, total=total, codec=self.codec,
                 extra_metadata={"part": str(self.rank), "parts": str(self.world)},
             )  # fmt: skip
