@@ -12,8 +12,10 @@ in the same round, so no rank waits forever on a failed peer):
    published bits of its slices only); rank 0 unites the changed tensors' names;
 3. *hash*: each rank sends the state-hash records of its slices of those tensors
    (:func:`shared.hashing.slice_record`: a few digests and at most two partial
-   16 KiB leaves per tensor); rank 0 merges them into the state hash, identical
-   to a single-process publisher's;
+   16 KiB leaves per tensor) to the tensor's owner rank (tensors are dealt out
+   round-robin; one all-to-all), which merges them into the tensor's digest;
+   rank 0 combines the digests into the state hash, identical to a
+   single-process publisher's;
 4. *write and commit*: each rank encodes and uploads its own part file
    (positions in the full tensors' flat coordinates) and reports its key and
    size; once every part is confirmed, rank 0 writes the pointer naming all
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import pickle
 import tempfile
 import time
 from pathlib import Path
@@ -186,10 +189,7 @@ class ShardedPublisher(Publisher):
         changed_names = self._round(detect, lambda names: set().union(*names))
         t1 = time.perf_counter()
         hashed = set(shapes) if plan.kind == "anchor" else changed_names
-        result_hash = self._round(
-            lambda: self._records(slices, hashed & slices.keys()),
-            lambda records: self._merge_hash(records, plan.kind, hashed, state),
-        )
+        result_hash = self._hash_slices(slices, sorted(hashed), plan.kind, state)
         t2 = time.perf_counter()
         write = lambda: self._write_part(step, plan, slices, changes, result_hash, total)  # noqa: E731
         manifest_json = self._round(write, lambda parts: self._commit_parts(step, plan, parts, result_hash, total))
@@ -226,15 +226,51 @@ class ShardedPublisher(Publisher):
             out[name] = slice_record(bits, s.offset * itemsize, s.numel * itemsize)
         return out
 
-    def _merge_hash(self, records: list[dict[str, Any]], kind: str, names: set[str], state: Mapping[str, torch.Tensor]) -> str:
-        """Rank 0: merge every rank's records into the new state hash."""
-        if kind == "anchor":
-            self._digests = {}
-        for name in names:
-            tensor = state[name]
-            dtype = tensor.dtype if self.dtype is None or not tensor.is_floating_point() else self.dtype
-            self._digests[name] = merge_records([r[name] for r in records if name in r], dtype, tuple(tensor.shape))
-        return combine_digests(self._digests)
+    def _hash_slices(self, slices: Mapping[str, LocalSlice], names: list[str], kind: str, state: Mapping[str, torch.Tensor]) -> str:
+        """The new state hash: each tensor's records go to one owner rank (all-to-all), which merges
+        them into its digest; rank 0 combines the digests. No rank receives more than the records of
+        the tensors it owns."""
+        owner = {name: i % self.world for i, name in enumerate(names)}
+        outgoing: list[dict[str, Any]] = [{} for _ in range(self.world)]
+
+        def records() -> None:
+            for name, record in self._records(slices, set(names) & slices.keys()).items():
+                outgoing[owner[name]][name] = record
+
+        self._round(records)
+        incoming = self._exchange(outgoing)
+
+        def merge() -> dict[str, bytes]:
+            out = {}
+            for name in (n for n in names if owner[n] == self.rank):
+                tensor = state[name]
+                dtype = tensor.dtype if self.dtype is None or not tensor.is_floating_point() else self.dtype
+                out[name] = merge_records([r[name] for r in incoming if name in r], dtype, tuple(tensor.shape))
+            return out
+
+        def combine(digests: list[dict[str, bytes]]) -> str:
+            if kind == "anchor":
+                self._digests = {}
+            for part in digests:
+                self._digests.update(part)
+            return combine_digests(self._digests)
+
+        return self._round(merge, combine)
+
+    def _exchange(self, outgoing: list[Any]) -> list[Any]:
+        """All-to-all of picklable objects: ``outgoing[r]`` goes to rank ``r``; returns what each rank sent here."""
+        payloads = [pickle.dumps(obj) for obj in outgoing]
+        send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64)
+        recv_sizes = torch.empty(self.world, dtype=torch.int64)
+        dist.all_to_all_single(recv_sizes, send_sizes, group=self.group)
+        send = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
+        recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
+        dist.all_to_all_single(recv, send, recv_sizes.tolist(), send_sizes.tolist(), group=self.group)
+        data, out, start = recv.numpy().tobytes(), [], 0
+        for size in recv_sizes.tolist():
+            out.append(pickle.loads(data[start : start + size]))  # from this trainer's own ranks, not the bucket
+            start += size
+        return out
 
     def _write_part(
         self, step: int, plan: _Plan, slices: Mapping[str, LocalSlice], changes: Mapping[str, Change], result_hash: str, total: int
