@@ -25,7 +25,7 @@ import zstandard
 from ..dtypes import uint_dtype
 from ..errors import FormatError
 from .base import Codec, EncodedTensor, register_codec
-from .checks import require_entry
+from .checks import decompress_frame, require_entry
 
 ZSTD_LEVEL = 1
 
@@ -77,23 +77,6 @@ class GapZigzagCodec(Codec):
         blob = zstandard.ZstdCompressor(level=self.level, write_content_size=True).compress(data.tobytes())
         return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
 
-    @staticmethod
-    def _decompress(key: str, entry: torch.Tensor, expected: int) -> np.ndarray:
-        blob = entry.numpy().tobytes()
-        try:
-            declared = zstandard.frame_content_size(blob)
-        except zstandard.ZstdError as exc:
-            raise FormatError(f"entry {key!r}: not a zstd frame ({exc})") from None
-        if declared != expected:
-            raise FormatError(f"entry {key!r}: declares {declared} bytes, expected {expected}")
-        try:
-            raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=expected)
-        except zstandard.ZstdError as exc:
-            raise FormatError(f"entry {key!r}: corrupt zstd data ({exc})") from None
-        if len(raw) != expected:
-            raise FormatError(f"entry {key!r}: decompressed to {len(raw)} bytes, expected {expected}")
-        return np.frombuffer(raw, dtype=np.uint8)
-
     def encode(self, name: str, index: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray) -> EncodedTensor:
         gaps = np.empty_like(index)
         if index.size:
@@ -123,8 +106,10 @@ class GapZigzagCodec(Codec):
         if type(width) is not int or width not in (1, 2, 4, 8):
             raise FormatError(f"{name}: invalid gap_bytes {width!r}")
         pos_key, val_key = self.entry_names(name)
-        pos = self._decompress(pos_key, require_entry(entries, pos_key, torch.uint8), count * width)
-        val = self._decompress(val_key, require_entry(entries, val_key, torch.uint8), count * itemsize)
+        pos_blob = require_entry(entries, pos_key, torch.uint8).numpy().tobytes()
+        val_blob = require_entry(entries, val_key, torch.uint8).numpy().tobytes()
+        pos = np.frombuffer(decompress_frame(pos_blob, what=f"entry {pos_key!r}", expected=count * width), dtype=np.uint8)
+        val = np.frombuffer(decompress_frame(val_blob, what=f"entry {val_key!r}", expected=count * itemsize), dtype=np.uint8)
         gaps = _join_planes(pos, width)
         if width == 8 and gaps.size and int(gaps.max()) >= numel:  # narrower gaps cannot overflow the sum
             raise FormatError(f"{name}: index out of range for a tensor of {numel} elements")

@@ -19,7 +19,7 @@ from typing import Mapping
 
 import torch
 
-from ..bucket import Bucket, BucketError, ObjectNotFoundError
+from ..bucket import Bucket, BucketError, ObjectNotFoundError, ObjectTooLargeError
 from ..codecs import DEFAULT_CODEC, get_codec
 from ..detect import DEFAULT_CHUNK_ELEMENTS, ChangeDetector, cast_chunk, serving_copy
 from ..errors import FormatError, SyncError
@@ -28,6 +28,7 @@ from ..hashing import combine_digests, tensor_digest
 from .lock import DEFAULT_LOCK_TTL_S, FencedError, RunLock, acquire, check_fence, write_lock
 from .manifest import (
     CONTROL_KEY,
+    MAX_POINTER_BYTES,
     POINTER_KEY,
     AnchorEntry,
     DeltaEntry,
@@ -36,7 +37,7 @@ from .manifest import (
     anchor_folder,
     delta_key,
 )
-from .policy import AnchorPolicy, FixedInterval, policy_from_json
+from .policy import MAX_CONTROL_BYTES, AnchorPolicy, FixedInterval, policy_from_json
 from .retention import DEFAULT_KEEP_ANCHORS, prune, sweep_orphans
 
 logger = logging.getLogger(__name__)
@@ -70,9 +71,11 @@ def read_manifest(bucket: Bucket) -> Manifest | None:
         FormatError: the pointer exists but is invalid.
     """
     try:
-        data = bucket.get(POINTER_KEY)
+        data = bucket.get_limited(POINTER_KEY, MAX_POINTER_BYTES)
     except ObjectNotFoundError:
         return None
+    except ObjectTooLargeError as exc:
+        raise FormatError(str(exc)) from None
     return Manifest.from_json(data)
 
 
@@ -207,8 +210,11 @@ class Publisher:
         if not self.follow_control:
             return
         try:
-            data = self.bucket.get(CONTROL_KEY)
+            data = self.bucket.get_limited(CONTROL_KEY, MAX_CONTROL_BYTES)
         except ObjectNotFoundError:
+            return
+        except ObjectTooLargeError as exc:
+            logger.warning("ignoring invalid control object: %s", exc)
             return
         try:
             policy = policy_from_json(data)

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from ..bucket import Bucket, ObjectNotFoundError
+from ..bucket import Bucket, ObjectNotFoundError, ObjectTooLargeError
 from ..errors import ChainError, FormatError, HashMismatchError, SyncError
 from ..format import decode_delta, load_anchor
 from ..hashing import combine_digests, tensor_digest
 from ..patch import TensorPatch, gather, scatter_
-from .manifest import POINTER_KEY, AnchorEntry, DeltaEntry, Manifest
+from .manifest import MAX_POINTER_BYTES, POINTER_KEY, AnchorEntry, DeltaEntry, Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +107,11 @@ class Subscriber:
 
     # -- reading the bucket -------------------------------------------------
 
-    def _get(self, key: str) -> bytes:
-        data = self.bucket.get(key)
+    def _get(self, key: str, max_bytes: int) -> bytes:
+        try:
+            data = self.bucket.get_limited(key, max_bytes)
+        except ObjectTooLargeError as exc:
+            raise FormatError(str(exc)) from None
         self.stats.reads += 1
         self.stats.bytes_downloaded += len(data)
         return data
@@ -116,7 +119,7 @@ class Subscriber:
     def read_manifest(self) -> Manifest | None:
         """Read the pointer; ``None`` before the first publish."""
         try:
-            data = self._get(POINTER_KEY)
+            data = self._get(POINTER_KEY, MAX_POINTER_BYTES)
         except ObjectNotFoundError:
             return None
         self.manifest = Manifest.from_json(data)
@@ -174,9 +177,11 @@ class Subscriber:
     def _fetch_delta(self, entry: DeltaEntry) -> Update:
         t0 = time.perf_counter()
         try:
-            data = self._get(entry.file.key)
+            data = self._get(entry.file.key, entry.file.size)
         except ObjectNotFoundError as exc:
             raise self._refuse(ChainError(f"delta {entry.step} is missing: {exc}")) from None
+        except FormatError as exc:
+            raise self._refuse(exc) from None
         t1 = time.perf_counter()
         try:
             if len(data) != entry.file.size:
@@ -201,9 +206,11 @@ class Subscriber:
             for f in entry.files:
                 path = folder / f.key.rsplit("/", 1)[-1]
                 try:
-                    self.bucket.get_file(f.key, path)
+                    self.bucket.get_file_limited(f.key, path, f.size)
                 except ObjectNotFoundError as exc:
                     raise ChainError(f"anchor {entry.step} is missing a file: {exc}") from None
+                except ObjectTooLargeError as exc:
+                    raise FormatError(str(exc)) from None
                 self.stats.reads += 1
                 self.stats.bytes_downloaded += path.stat().st_size
                 if path.stat().st_size != f.size:
