@@ -14,11 +14,14 @@ import threading
 import time
 
 from shared.bucket import Bucket, BucketError, open_bucket
+from shared.errors import FormatError
 from shared.exchange import (
     ROLLOUTS_PREFIX,
     SCORES_PREFIX,
     TASKS_PREFIX,
     MetricsLog,
+    Refusals,
+    SampleLimits,
     get_json,
     list_batches,
     put_json,
@@ -28,6 +31,7 @@ from shared.exchange import (
     task_key,
     write_samples,
 )
+from shared.protocol import read_manifest
 from shared.settings import from_env
 
 from .environments import Environment, Task, get_environment
@@ -46,6 +50,8 @@ class EnvConfig:
     keep_batches: int = dataclasses.field(default=64, metadata={"help": "batches kept in the bucket"})
     poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls"})
     seed: int = dataclasses.field(default=0, metadata={"help": "base seed of task generation"})
+    vocab_size: int = dataclasses.field(default=0, metadata={"help": "refuse token ids at or above it (0: the trainer checks them)"})
+    max_completion_tokens: int = dataclasses.field(default=4096, metadata={"help": "refuse rollouts with longer completions"})
 
     @classmethod
     def from_env(cls, **overrides) -> "EnvConfig":
@@ -71,6 +77,7 @@ class EnvSimulator:
         self._tasks_made = 0
         self._scored = 0
         self._t0 = time.time()
+        self.refusals = Refusals()
 
     # -- tasks --------------------------------------------------------------
 
@@ -111,10 +118,29 @@ class EnvSimulator:
 
     # -- scoring ------------------------------------------------------------
 
+    def sample_limits(self) -> SampleLimits:
+        """What a rollout may hold: token ids below ``vocab_size`` (when set), versions no newer
+        than the newest published one (none published yet: only version 0)."""
+        try:
+            manifest = read_manifest(self.bucket)
+        except FormatError:
+            manifest = None
+        return SampleLimits(
+            vocab_size=self.config.vocab_size or None,
+            max_version=manifest.step if manifest is not None else 0,
+            max_completion_tokens=self.config.max_completion_tokens,
+        )
+
     def score_rollouts(self) -> int:
-        """Score every rollouts object in the bucket; returns the number of samples scored."""
+        """Score every valid rollouts object in the bucket; returns the number of samples scored.
+
+        Objects that fail :func:`~shared.exchange.parse_samples` are deleted unscored and counted
+        in :attr:`refusals`.
+        """
         scored = 0
-        for batch, keys in sorted(list_batches(self.bucket, ROLLOUTS_PREFIX).items()):
+        listed = list_batches(self.bucket, ROLLOUTS_PREFIX)
+        limits = self.sample_limits()  # after listing: every listed rollout was made from a version published by now
+        for batch, keys in sorted(listed.items()):
             doc = get_json(self.bucket, task_key(batch))
             try:
                 tasks = self.batch_tasks(batch, doc) if isinstance(doc, dict) else None
@@ -123,7 +149,7 @@ class EnvSimulator:
                 tasks = None
             for key in keys:
                 replica = replica_of(key)
-                read = read_samples(self.bucket, key)
+                read = read_samples(self.bucket, key, limits=limits, refusals=self.refusals)
                 if tasks is None or read is None or replica is None:
                     logger.warning("dropping %s: unreadable, or its task batch is gone", key)
                     self.bucket.delete([key])
@@ -176,6 +202,7 @@ class EnvSimulator:
             "tasks_per_s": self._tasks_made / elapsed,
             "scores_per_s": self._scored / elapsed,
             "scored": self._scored,
+            "refused": self.refusals.as_dict(),
         }
         self.metrics.flush()
 

@@ -37,7 +37,7 @@ import pandas as pd
 
 from .bucket import Bucket, BucketError, ObjectNotFoundError, open_bucket
 from .errors import FormatError
-from .exchange import STATUS_PREFIX, get_json, metrics_key
+from .exchange import STATUS_PREFIX, get_json, metrics_key, parse_status
 from .protocol import (
     CONTROL_KEY,
     Adaptive,
@@ -48,7 +48,7 @@ from .protocol import (
     policy_to_json,
     read_manifest,
 )
-from .protocol.policy import DEFAULT_INTERVAL, DEFAULT_MAX_CATCHUP_RATIO
+from .protocol.policy import DEFAULT_INTERVAL, DEFAULT_MAX_CATCHUP_RATIO, MAX_CONTROL_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -126,16 +126,17 @@ def read_snapshot(bucket: Bucket) -> Snapshot:
         snap.trainer_rows, snap.trainer_extra = _metrics(bucket, "trainer")
         snap.env_rows, snap.env_extra = _metrics(bucket, "env")
         for obj in sorted(bucket.list(STATUS_PREFIX), key=lambda o: o.key):
-            doc = get_json(bucket, obj.key)
-            if isinstance(doc, dict):
-                snap.statuses.append(doc)
+            try:
+                snap.statuses.append(parse_status(get_json(bucket, obj.key)))
+            except ValueError as exc:
+                logger.warning("ignoring %s: %s", obj.key, exc)
         try:
             snap.manifest = read_manifest(bucket)
         except FormatError as exc:
             logger.warning("invalid pointer object: %s", exc)
             snap.error = f"invalid latest.json: {exc}"
         try:
-            snap.policy = policy_from_json(bucket.get(CONTROL_KEY))
+            snap.policy = policy_from_json(bucket.get_limited(CONTROL_KEY, MAX_CONTROL_BYTES))
         except ObjectNotFoundError:
             pass
         except FormatError as exc:
@@ -442,7 +443,17 @@ def trainer_summary(snap: Snapshot) -> str:
             parts.append(f"loss {last['loss']:.4f}")
         if _num(last.get("mean_reward")) is not None:
             parts.append(f"batch reward {last['mean_reward']:.3f}")
+    parts += refused_parts(snap.trainer_extra)
     return "Trainer: " + ", ".join(parts)
+
+
+def refused_parts(extra: dict[str, Any]) -> list[str]:
+    """``["N bucket objects refused (last: ...)"]`` from a role's metrics, or nothing."""
+    refused = extra.get("refused")
+    if not isinstance(refused, dict) or not _num(refused.get("total")):
+        return []
+    last = refused.get("last") if isinstance(refused.get("last"), str) else ""
+    return [f"**{int(refused['total'])} bucket objects refused** (last: `{last[:120]}`)"]
 
 
 def env_summary(snap: Snapshot) -> str:
@@ -461,6 +472,7 @@ def env_summary(snap: Snapshot) -> str:
     if len(env_rewards):
         last = env_rewards.iloc[-1]
         parts.append(f"mean reward {last['mean_reward']:.3f} at version {last['version']}")
+    parts += refused_parts(extra)
     return "Environment: " + ", ".join(parts)
 
 

@@ -23,7 +23,8 @@ from ..bucket import Bucket, BucketError, ObjectNotFoundError, ObjectTooLargeErr
 from ..codecs import DEFAULT_CODEC, get_codec
 from ..detect import DEFAULT_CHUNK_ELEMENTS, ChangeDetector, cast_chunk, serving_copy
 from ..errors import FormatError, SyncError
-from ..format import DEFAULT_MAX_SHARD_BYTES, encode_delta, write_anchor
+from ..dtypes import numpy_to_values
+from ..format import DEFAULT_MAX_SHARD_BYTES, Change, encode_delta, write_anchor
 from ..hashing import combine_digests, tensor_digest
 from .lock import DEFAULT_LOCK_TTL_S, FencedError, RunLock, acquire, check_fence, write_lock
 from .manifest import (
@@ -41,6 +42,31 @@ from .policy import MAX_CONTROL_BYTES, AnchorPolicy, FixedInterval, policy_from_
 from .retention import DEFAULT_KEEP_ANCHORS, prune, sweep_orphans
 
 logger = logging.getLogger(__name__)
+
+
+class NonFiniteError(SyncError):
+    """A publish would turn finite published values into NaN or Inf (see ``Publisher(allow_non_finite=...)``)."""
+
+
+def check_finite_changes(changes: Mapping[str, Change]) -> None:
+    """Refuse changes that turn a finite published value into NaN or Inf.
+
+    Only the changed elements are looked at, so the cost follows the delta, not the model.
+
+    Raises:
+        NonFiniteError: naming the first tensor concerned and how many values.
+    """
+    for name, change in changes.items():
+        if not change.dtype.is_floating_point or change.index.size == 0:
+            continue
+        new = numpy_to_values(change.new_bits, change.dtype)
+        old = numpy_to_values(change.old_bits, change.dtype)
+        introduced = int((~torch.isfinite(new) & torch.isfinite(old)).sum())
+        if introduced:
+            raise NonFiniteError(
+                f"{name}: {introduced} finite published values would become NaN or Inf; refusing to publish "
+                "(the trainer diverged or was fed bad data)"
+            )
 
 
 @dataclasses.dataclass
@@ -98,6 +124,8 @@ class Publisher:
             id takes over at once; another id is refused while the lock is fresh).
             Default: ``SPACE_ID`` or the host name.
         lock_ttl_s: Age after which another owner's lock may be taken over.
+        allow_non_finite: Publish states that turn finite values into NaN or Inf
+            (refused with :class:`NonFiniteError` by default).
     """
 
     def __init__(
@@ -114,6 +142,7 @@ class Publisher:
         run_id: str = "",
         owner: str | None = None,
         lock_ttl_s: float = DEFAULT_LOCK_TTL_S,
+        allow_non_finite: bool = False,
     ) -> None:
         get_codec(codec)
         self.bucket = bucket
@@ -130,6 +159,7 @@ class Publisher:
         self._resumed = False
         self.owner = owner or os.environ.get("SPACE_ID") or socket.gethostname()
         self.lock_ttl_s = lock_ttl_s
+        self.allow_non_finite = allow_non_finite
         self.lock: RunLock | None = None
         self._written: set[tuple[int, str]] = set()  # (step, hash) of pointers this publisher wrote or tried to
 
@@ -268,6 +298,8 @@ class Publisher:
         assert self.manifest is not None
         t0 = time.perf_counter()
         changes = self.detector.diff(state)
+        if not self.allow_non_finite:
+            check_finite_changes(changes)
         t1 = time.perf_counter()
         old_digests = dict(self._digests)
         result_hash = self._hash(state, changes)
@@ -307,13 +339,17 @@ class Publisher:
         delta of the same step, so that replicas keeping up never need to download anchors."""
         t0 = time.perf_counter()
         serving = {n: serving_copy(t, self.dtype) for n, t in state.items()}
+        continues = self.manifest is not None and self.detector.compatible(serving)
+        changes = self.detector.diff(serving) if continues else {}
+        if not self.allow_non_finite:
+            check_finite_changes(changes)
         self._digests = {}
         result_hash = self._hash(serving, serving)
         t1 = time.perf_counter()
         total = sum(t.numel() for t in serving.values())
         companion: tuple[DeltaEntry, ...] = ()
-        if self.manifest is not None and self.detector.compatible(serving):
-            changes = self.detector.diff(serving)
+        if continues:
+            assert self.manifest is not None
             data = encode_delta(
                 changes, step=step, base_step=self.manifest.step, base_hash=self.manifest.state_hash,
                 state_hash=result_hash, total=total, codec=self.codec,
