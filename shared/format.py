@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import struct
 from pathlib import Path
@@ -32,6 +33,7 @@ import torch
 from .codecs import DEFAULT_CODEC, get_codec
 from .dtypes import bits_to_numpy, dtype_from_name, dtype_name, int_view, numpy_to_values
 from .errors import FormatError
+from .files import open_regular
 from .jsonlimits import loads_bounded
 from .patch import TensorPatch, gather
 from .workers import worker_pool
@@ -170,10 +172,14 @@ def _json_int(value: Any) -> int:
 
 
 def read_header_file(path: str | Path) -> tuple[dict[str, Any], dict[str, str]]:
-    """:func:`parse_header` for a file on disk, reading only its header."""
-    path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    """:func:`parse_header` for a regular file on disk, reading only its header.
+
+    Raises:
+        FormatError: see :func:`parse_header`.
+        OSError: missing, or not a regular file (a FIFO is refused without blocking).
+    """
+    fd, size = open_regular(path)
+    with os.fdopen(fd, "rb") as f:
         head = f.read(8)
         if len(head) == 8:
             (n,) = struct.unpack("<Q", head)
@@ -188,8 +194,12 @@ def _require(metadata: Mapping[str, str], key: str) -> str:
     return metadata[key]
 
 
-def _int_field(metadata: Mapping[str, str], key: str) -> int:
-    """A non-negative decimal integer of at most 19 digits from the metadata."""
+def metadata_int(metadata: Mapping[str, str], key: str) -> int:
+    """A non-negative decimal integer of at most 19 digits from the metadata.
+
+    Raises:
+        FormatError: missing, or not such an integer.
+    """
     value = _require(metadata, key)
     if not _DECIMAL.fullmatch(value):
         raise FormatError(f"metadata {key!r} is not a non-negative integer: {value[:40]!r}")
@@ -347,16 +357,16 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
             index=torch.from_numpy(index), values=numpy_to_values(new_bits, target.dtype), shape=tuple(target.shape)
         )
         changed += count
-    if changed != _int_field(metadata, "changed"):
+    if changed != metadata_int(metadata, "changed"):
         raise FormatError(f"metadata says {metadata['changed']} changed elements, tensors hold {changed}")
     return Delta(
-        step=_int_field(metadata, "step"),
-        base_step=_int_field(metadata, "base_step"),
+        step=metadata_int(metadata, "step"),
+        base_step=metadata_int(metadata, "base_step"),
         base_hash=_require(metadata, "base_hash"),
         state_hash=_require(metadata, "state_hash"),
         codec=coder.name,
         changed=changed,
-        total=_int_field(metadata, "total"),
+        total=metadata_int(metadata, "total"),
         patches=patches,
         nbytes=len(data),
     )

@@ -107,5 +107,6 @@ def test_ls_and_verify_bucket(tmp_path):
     path.write_bytes(path.read_bytes()[:-10])
     r = cli("verify", str(bucket_dir))
     assert r.returncode == 1 and "FAIL" in r.stderr
+    (tmp_path / "empty").mkdir()
     r = cli("ls", str(tmp_path / "empty"))
     assert r.returncode == 1 and "no pointer" in r.stderr
