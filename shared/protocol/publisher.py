@@ -40,6 +40,7 @@ from .manifest import (
 )
 from .policy import MAX_CONTROL_BYTES, AnchorPolicy, FixedInterval, policy_from_json
 from .retention import DEFAULT_KEEP_ANCHORS, prune, sweep_orphans
+from .subscriber import SCRATCH_PREFIX, Subscriber
 
 logger = logging.getLogger(__name__)
 
@@ -177,8 +178,6 @@ class Publisher:
         Returns:
             The last published state (serving dtype), or ``None`` for an empty bucket.
         """
-        from .subscriber import Subscriber
-
         self._resumed = True
         self._lock()
         manifest = read_manifest(self.bucket)
@@ -358,7 +357,7 @@ class Publisher:
             companion = (DeltaEntry(step, self.manifest.step, result_hash, FileEntry(delta_key(step), len(data)), changed, total),)
             self.bucket.put(delta_key(step), data)
         folder = anchor_folder(step)
-        with tempfile.TemporaryDirectory(prefix="rlsync-anchor-") as tmp:
+        with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX) as tmp:
             files = write_anchor(serving, tmp, step=step, state_hash=result_hash, max_shard_bytes=self.max_shard_bytes)
             t2 = time.perf_counter()
             entries = tuple(FileEntry(f"{folder}/{p.name}", p.stat().st_size) for p in files)

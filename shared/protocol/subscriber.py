@@ -29,12 +29,16 @@ import torch
 
 from ..bucket import Bucket, ObjectNotFoundError, ObjectTooLargeError
 from ..errors import ChainError, FormatError, HashMismatchError, SyncError
+from ..files import age_out
 from ..format import decode_delta, load_anchor
 from ..hashing import combine_digests, tensor_digest
 from ..patch import TensorPatch, gather, scatter_
 from .manifest import MAX_POINTER_BYTES, POINTER_KEY, AnchorEntry, DeltaEntry, Manifest
 
 logger = logging.getLogger(__name__)
+
+SCRATCH_PREFIX = "rlsync-anchor-"
+SCRATCH_MAX_AGE_S = 6 * 3600.0  # scratch folders of killed processes are removed after this
 
 
 @dataclasses.dataclass
@@ -89,7 +93,8 @@ class Subscriber:
     Args:
         bucket: The bucket to follow (read access is enough).
         device: Where the state's tensors live.
-        workdir: Scratch folder for anchor downloads (default: a temporary folder).
+        workdir: Scratch folder for anchor downloads (default: a temporary folder); scratch
+            folders older than ``SCRATCH_MAX_AGE_S`` there (left by killed processes) are removed.
     """
 
     def __init__(self, bucket: Bucket, *, device: str | torch.device = "cpu", workdir: str | Path | None = None) -> None:
@@ -104,6 +109,7 @@ class Subscriber:
         self._resync = False
         self.manifest: Manifest | None = None
         self._lock = threading.RLock()  # fetch validates against the state that apply changes
+        age_out(self.workdir or tempfile.gettempdir(), max_age_s=SCRATCH_MAX_AGE_S, pattern=f"{SCRATCH_PREFIX}*")
 
     # -- reading the bucket -------------------------------------------------
 
@@ -200,7 +206,7 @@ class Subscriber:
 
     def _fetch_anchor(self, entry: AnchorEntry) -> Update:
         t0 = time.perf_counter()
-        folder = Path(tempfile.mkdtemp(prefix="rlsync-anchor-", dir=self.workdir))
+        folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=self.workdir))
         try:
             files = []
             for f in entry.files:
