@@ -150,8 +150,8 @@ class EnvSimulator:
             for key in keys:
                 replica = replica_of(key)
                 read = read_samples(self.bucket, key, limits=limits, refusals=self.refusals)
-                if tasks is None or read is None or replica is None:
-                    logger.warning("dropping %s: unreadable, or its task batch is gone", key)
+                if tasks is None or read is None or replica is None:  # refused objects are already logged and counted
+                    logger.info("dropping %s: refused, or its task batch is gone", key)
                     self.bucket.delete([key])
                     continue
                 header, samples = read
