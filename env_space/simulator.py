@@ -15,7 +15,7 @@ import time
 
 from shared.bucket import Bucket, BucketError, open_bucket
 from shared.errors import FormatError
-from shared.exchange import (
+from shared.spaces.exchange import (
     ROLLOUTS_PREFIX,
     SCORES_PREFIX,
     TASKS_PREFIX,
@@ -32,7 +32,7 @@ from shared.exchange import (
     write_samples,
 )
 from shared.protocol import read_manifest
-from shared.settings import from_env
+from shared.spaces.settings import from_env
 
 from .environments import Environment, Task, get_environment
 
@@ -134,7 +134,7 @@ class EnvSimulator:
     def score_rollouts(self) -> int:
         """Score every valid rollouts object in the bucket; returns the number of samples scored.
 
-        Objects that fail :func:`~shared.exchange.parse_samples` are deleted unscored and counted
+        Objects that fail :func:`~shared.spaces.exchange.parse_samples` are deleted unscored and counted
         in :attr:`refusals`.
         """
         scored = 0

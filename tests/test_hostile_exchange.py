@@ -2,7 +2,7 @@
 counted, and never reach the weights or stop a role.
 
 Each class of hostile field is tested through the one parser of its object type
-(:func:`shared.exchange.parse_samples`, :func:`parse_tasks`, :func:`parse_status`,
+(:func:`shared.spaces.exchange.parse_samples`, :func:`parse_tasks`, :func:`parse_status`,
 :func:`shared.protocol.policy.policy_from_json`, :func:`shared.protocol.lock.parse_lock`),
 then through the roles that read them (the env before it scores, the trainer again).
 """
@@ -18,7 +18,7 @@ import torch
 
 from env_space.simulator import EnvConfig, EnvSimulator
 from shared.errors import FormatError
-from shared.exchange import (
+from shared.spaces.exchange import (
     SampleLimits,
     parse_samples,
     parse_status,
@@ -114,7 +114,7 @@ def test_malformed_json_objects_refused_and_counted(bucket, raw: bytes, match: s
 
 def test_oversized_object_refused_before_reading(bucket, monkeypatch) -> None:
     """Finding 6: the size is checked before the bytes are read (the local backend never reads them)."""
-    from shared import exchange
+    from shared.spaces import exchange
 
     monkeypatch.setattr(exchange, "MAX_OBJECT_BYTES", 1000)
     key = rollout_key(0, "r1")
@@ -239,7 +239,7 @@ def test_hostile_control_values_refused(bucket, doc: bytes) -> None:
 
 
 def test_panel_refuses_nan_ratio() -> None:
-    from shared.ui import make_policy
+    from shared.spaces.anchor_policy import make_policy
 
     for value in (float("nan"), float("inf"), 1e300):
         with pytest.raises(ValueError):

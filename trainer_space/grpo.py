@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from shared.exchange import Sample
+from shared.spaces.exchange import Sample
 
 
 @dataclasses.dataclass

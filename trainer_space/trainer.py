@@ -22,11 +22,12 @@ import time
 
 import torch
 
+from env_space.environments import get_environment
 from shared.bucket import Bucket, BucketError, open_bucket
-from shared.exchange import SCORES_PREFIX, MetricsLog, Refusals, Sample, SampleLimits, list_batches, read_samples
 from shared.protocol import CONTROL_KEY, Adaptive, FixedInterval, NonFiniteError, Publisher, policy_to_json
-from shared.settings import from_env, resolve_device
-from shared.tiny_model import model_or_default
+from shared.spaces.exchange import SCORES_PREFIX, MetricsLog, Refusals, Sample, SampleLimits, list_batches, read_samples
+from shared.spaces.settings import from_env, resolve_device
+from shared.spaces.tiny_model import model_or_default
 
 from .grpo import grpo_loss
 
@@ -96,7 +97,7 @@ class Trainer:
         self.bucket = bucket or open_bucket(config.bucket)
         config = dataclasses.replace(config, device=resolve_device(config.device))
         self.config = config
-        model = model_or_default(config.model, config.device)
+        model = model_or_default(config.model, config.device, get_environment)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(config.device)
         self.model.train()

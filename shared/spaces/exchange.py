@@ -30,9 +30,9 @@ import threading
 import time
 from typing import Any
 
-from .bucket import Bucket, BucketError, ObjectNotFoundError, ObjectTooLargeError, validate_key
-from .errors import FormatError
-from .jsonlimits import loads_bounded
+from ..bucket import Bucket, BucketError, ObjectNotFoundError, ObjectTooLargeError, validate_key
+from ..errors import FormatError
+from ..jsonlimits import loads_bounded
 
 logger = logging.getLogger(__name__)
 
