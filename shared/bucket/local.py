@@ -189,7 +189,7 @@ class LocalBucket(Bucket):
                 with self._folder(key, create=False) as (dir_fd, name):
                     with contextlib.suppress(FileNotFoundError, IsADirectoryError, PermissionError):
                         os.unlink(name, dir_fd=dir_fd)  # removes a planted symlink itself, never its target
-            except _MissingFolder:
+            except (_MissingFolder, BucketError):  # behind a symlinked folder: not an object of this bucket
                 continue
             for depth in range(len(parts) - 1, 0, -1):  # remove folders left empty
                 try:
