@@ -202,7 +202,7 @@ class LocalBucket(Bucket):
         try:
             with self._folder(key, create=False) as (dir_fd, name):
                 return stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-        except (_MissingFolder, FileNotFoundError):
+        except (_MissingFolder, FileNotFoundError, BucketError):
             return False
 
     def sweep_temporary(self, max_age_s: float) -> int:
