@@ -175,38 +175,42 @@ def _delta_table(metadata: dict[str, str]) -> dict[str, dict]:
 
 def cmd_inspect(args: argparse.Namespace) -> None:
     header, metadata = read_header_file(args.file)
+    lines: list[str] = []  # printed only once the whole file checked out
     size = args.file.stat().st_size
-    print(f"file: {printable(args.file)} ({size:,} bytes)")
+    lines.append(f"file: {printable(args.file)} ({size:,} bytes)")
     try:
         kind = file_kind(metadata)
     except FormatError:
         kind = None
     if kind is None:
-        print("kind: plain safetensors (not an rlsync anchor or delta)")
+        lines.append("kind: plain safetensors (not an rlsync anchor or delta)")
     for key in ("kind", "step", "base_step", "codec", "codec_version", "state_hash", "base_hash"):
-        if key in metadata:
-            print(f"{key}: {printable(metadata[key])[:200]}")
+        if key in ("step", "base_step") and key in metadata and kind is not None:
+            lines.append(f"{key}: {metadata_int(metadata, key)}")
+        elif key in metadata:
+            lines.append(f"{key}: {printable(metadata[key])[:200]}")
     if kind == "delta":
         changed, total = metadata_int(metadata, "changed"), metadata_int(metadata, "total")
         table = _delta_table(metadata)
-        print(f"changed: {changed:,} of {total:,} elements ({100 * changed / max(total, 1):.4f}%)")
-        print(f"bytes per changed element: {size / max(changed, 1):.3f} (whole file)")
+        lines.append(f"changed: {changed:,} of {total:,} elements ({100 * changed / max(total, 1):.4f}%)")
+        lines.append(f"bytes per changed element: {size / max(changed, 1):.3f} (whole file)")
         stored: dict[str, int] = {}
         for entry, info in header.items():  # one pass: linear in the number of entries
             owner = entry.rsplit(".", 1)[0]
             stored[owner] = stored.get(owner, 0) + info["data_offsets"][1] - info["data_offsets"][0]
-        print(f"\n{'tensor':60s} {'dtype':6s} {'shape':>18s} {'changed':>10s} {'%':>8s} {'bytes':>10s}")
+        lines.append(f"\n{'tensor':60s} {'dtype':6s} {'shape':>18s} {'changed':>10s} {'%':>8s} {'bytes':>10s}")
         for name, info in sorted(table.items()):
             numel = shaped_nbytes(info["shape"], 1, limit=1 << 62)
             pct = f"{100 * info['count'] / numel:8.3f}" if numel else f"{'-':>8s}"
             shape = printable(tuple(info["shape"]))[:40]
-            print(f"{printable(name):60s} {printable(info['dtype'])[:6]:6s} {shape:>18s} {info['count']:10,d} {pct} {stored.get(name, 0):10,d}")
+            lines.append(f"{printable(name):60s} {printable(info['dtype'])[:6]:6s} {shape:>18s} {info['count']:10,d} {pct} {stored.get(name, 0):10,d}")
     else:
-        print(f"tensors: {len(header)}")
-        print(f"\n{'tensor':60s} {'dtype':6s} {'shape':>18s} {'bytes':>12s}")
+        lines.append(f"tensors: {len(header)}")
+        lines.append(f"\n{'tensor':60s} {'dtype':6s} {'shape':>18s} {'bytes':>12s}")
         for name, info in sorted(header.items()):
             start, end = info["data_offsets"]
-            print(f"{printable(name):60s} {info['dtype']:6s} {str(tuple(info['shape'])):>18s} {end - start:12,d}")
+            lines.append(f"{printable(name):60s} {info['dtype']:6s} {str(tuple(info['shape'])):>18s} {end - start:12,d}")
+    print("\n".join(lines))
 
 
 def cmd_ls(args: argparse.Namespace) -> None:
@@ -233,10 +237,8 @@ def cmd_verify(args: argparse.Namespace) -> None:
     from .protocol.verify import verify_bucket
 
     report = verify_bucket(open_bucket(args.bucket, create=False))
-    for err in report.errors:
-        print(f"FAIL: {printable(err)}", file=sys.stderr)
     if not report.ok:
-        raise SyncError(f"verification failed with {len(report.errors)} error(s)")
+        raise SyncError(f"verification failed with {len(report.errors)} error(s): " + "; ".join(report.errors))
     print(f"OK: {report.anchors_checked} anchor(s) and {report.deltas_checked} delta(s) verified up to step {report.newest_step}")
 
 

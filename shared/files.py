@@ -60,7 +60,7 @@ def open_regular(
         if not stat.S_ISREG(st.st_mode):
             raise NotRegularFileError(f"{name}: not a regular file")
         if max_bytes is not None and st.st_size > max_bytes:
-            raise FileTooLargeError(f"{name}: {st.st_size:,} bytes, more than the {max_bytes:,} allowed")
+            raise FileTooLargeError(f"{st.st_size:,} bytes, more than the {max_bytes:,} allowed")
     except BaseException:
         os.close(fd)
         raise
