@@ -204,3 +204,78 @@ def test_killed_writers_leftovers_are_aged_out(bucket, tmp_path: Path) -> None:
     (tmp_path / "elsewhere" / "keep").write_text("keep")
     assert age_out(scratch, max_age_s=-1, pattern=f"{SCRATCH_PREFIX}*") == 2  # the link is removed, not followed
     assert (tmp_path / "elsewhere" / "keep").read_text() == "keep"
+
+
+@pytest.mark.parametrize(
+    "tensors", ["[" * 100_000 + "]" * 100_000, '{"x": ' + "9" * 5000 + "}"], ids=["deep_nesting", "5000_digits"]
+)
+def test_replica_refuses_hostile_delta_metadata_and_syncs_again(bucket, tensors: str) -> None:
+    """Finding 4: hostile delta metadata killed a replica's fetch thread; it never synced again."""
+    import json
+
+    import safetensors.torch
+
+    from shared.format import parse_header
+
+    master = master_state()
+    pub = Publisher(bucket, policy=FixedInterval(2))
+    pub.publish(0, master)
+    sub = Subscriber(bucket)
+    sub.sync()
+    rl_step(master, 1)
+    pub.publish(1, master)
+    data = bucket.get(delta_key(1))
+    _, metadata = parse_header(data)
+    hostile = safetensors.torch.save(safetensors.torch.load(data), metadata={**metadata, "tensors": tensors})
+    bucket.put(delta_key(1), hostile)
+    pointer = json.loads(bucket.get("latest.json"))
+    pointer["deltas"][-1]["file"]["size"] = len(hostile)  # the pointer agrees: only the metadata is hostile
+    bucket.put("latest.json", json.dumps(pointer).encode())
+    with pytest.raises(FormatError):
+        sub.fetch()
+    assert sub.step == 0 and sub.needs_resync and sub.stats.refused == 1
+    rl_step(master, 2)
+    pub.publish(2, master)  # an anchor: the replica resynchronises
+    sub.sync()
+    assert sub.step == 2 and sub.state_hash == pub.manifest.state_hash
+
+
+def test_verify_tells_retention_from_missing(bucket) -> None:
+    """Finding 10: verify while a trainer publishes reported "delta 13 is missing" when retention
+    deleted files mid-replay. It now replays a newer snapshot; a file the pointer still names
+    but that is gone is still reported."""
+    from shared.protocol.verify import verify_bucket
+
+    master = master_state()
+    pub = Publisher(bucket, policy=FixedInterval(2), keep_anchors=1)
+    for step in range(4):
+        rl_step(master, step)
+        pub.publish(step, master)
+
+    class PublishingMidReplay(LocalBucket):
+        """Publishes four more versions (retention drops everything verify started from) on the first delta read."""
+
+        fired = False
+
+        def _race(self, key: str) -> None:
+            if key.startswith("deltas/") and not self.fired:
+                self.fired = True
+                for step in range(4, 8):
+                    rl_step(master, step)
+                    pub.publish(step, master)
+
+        def get(self, key: str) -> bytes:
+            self._race(key)
+            return super().get(key)
+
+        def get_limited(self, key: str, max_bytes: int) -> bytes:
+            self._race(key)
+            return super().get_limited(key, max_bytes)
+
+    racing = PublishingMidReplay(bucket.root)
+    report = verify_bucket(racing)
+    assert racing.fired and report.ok, report.errors
+    assert report.newest_step == 7
+    bucket.delete([delta_key(7)])  # still named by the pointer: missing, not retention
+    report = verify_bucket(bucket)
+    assert not report.ok and "missing" in " ".join(report.errors)
