@@ -299,3 +299,16 @@ def test_trainer_validates_scores_again_and_keeps_training(tmp_path) -> None:
     sub.sync()
     assert sub.step == 1 and all(torch.isfinite(t).all() for t in sub.state.values() if t.is_floating_point())
     assert json.loads(bucket.get("metrics/trainer.json"))["refused"]["total"] == len(hostile)
+
+
+def test_soak_trial_hostile_replicas(tmp_path) -> None:
+    """The soak's hostile-replica trial with a fixed seed: malformed objects among good ones,
+    0 states lost, 0 non-finite publishes, every role alive, refusals counted and shown."""
+    import random
+
+    from benchmarks.soak.kinds.hostile_replicas import trial_hostile_replicas
+
+    result = trial_hostile_replicas(random.Random(3), tmp_path)
+    assert not result.violations and result.lost == 0, result.violations
+    assert sum(n for k, n in result.faults.items() if k.startswith("hostile rollouts")) > 0
+    assert result.notes["refused by the env"] > 0 and result.notes["non-finite publishes"] == 0

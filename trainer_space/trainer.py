@@ -176,7 +176,10 @@ class Trainer:
                 if key in self.consumed:
                     continue
                 self.consumed.add(key)
-                limits = SampleLimits(vocab_size=self.model.get_input_embeddings().num_embeddings, max_version=self.version)
+                limits = SampleLimits(
+                    vocab_size=self.model.get_input_embeddings().num_embeddings, max_version=self.version,
+                    max_total_tokens=getattr(self.model.config, "max_position_embeddings", None),
+                )  # fmt: skip
                 read = read_samples(self.bucket, key, limits=limits, refusals=self.refusals)
                 if read is None:
                     continue

@@ -31,6 +31,7 @@ from .base import (
     validate_prefix,
 )
 
+_WRITE_ATTEMPTS = 5
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -75,6 +76,8 @@ class LocalBucket(Bucket):
                 try:
                     child = os.open(segment, _DIR_FLAGS, dir_fd=fd)
                 except FileNotFoundError:
+                    if create:  # removed between our mkdir and open by a concurrent delete
+                        raise
                     raise _MissingFolder(key) from None
                 except OSError:  # ELOOP: a symlink; ENOTDIR: a file
                     raise BucketError(f"{key}: {segment!r} in {self.url} is not a folder (symlinks are not followed)") from None
@@ -107,6 +110,14 @@ class LocalBucket(Bucket):
     # -- the interface ---------------------------------------------------------
 
     def _write_atomic(self, key: str, write) -> None:
+        for attempt in range(_WRITE_ATTEMPTS):
+            try:
+                return self._write_once(key, write)
+            except FileNotFoundError:  # a concurrent delete removed a folder on the path once it was empty
+                if attempt == _WRITE_ATTEMPTS - 1:
+                    raise
+
+    def _write_once(self, key: str, write) -> None:
         with self._folder(key, create=True) as (dir_fd, name):
             fd, tmp = create_new("", TMP_MARK, dir_fd=dir_fd)
             try:
@@ -126,7 +137,7 @@ class LocalBucket(Bucket):
     def put_file(self, key: str, path: str | Path) -> None:
         fd, size = open_regular(path)
         try:
-            self._write_atomic(key, lambda f: copy_regular(fd, size, f))
+            self._write_atomic(key, lambda f: (os.lseek(fd, 0, os.SEEK_SET), copy_regular(fd, size, f)))  # a retry starts over
         finally:
             os.close(fd)
 

@@ -142,6 +142,8 @@ class SampleLimits:
         max_version: The newest published version (``None``: unchecked).
         max_prompt_tokens: Longest prompt, in tokens.
         max_completion_tokens: Longest completion, in tokens.
+        max_total_tokens: Longest prompt plus completion (the trainer passes its model's
+            context length; ``None``: unchecked).
         max_samples: Most samples in one object.
         max_chars: Longest ``task_id``, ``prompt`` or ``completion`` string.
     """
@@ -150,6 +152,7 @@ class SampleLimits:
     max_version: int | None = None
     max_prompt_tokens: int = 4096
     max_completion_tokens: int = 4096
+    max_total_tokens: int | None = None
     max_samples: int = 4096
     max_chars: int = 1 << 16
 
@@ -214,11 +217,14 @@ class Sample:
         if type(version) is not int or not 0 <= version <= newest:
             raise ValueError(f"version must be an integer in [0, {newest}] (the newest published), got {version!r}"[:200])
         reward = doc.get("reward")
+        prompt_ids = _token_ids(doc, "prompt_ids", limits.max_prompt_tokens, limits.vocab_size)
+        if limits.max_total_tokens is not None and len(prompt_ids) + len(token_ids) > limits.max_total_tokens:
+            raise ValueError(f"prompt and completion hold more than {limits.max_total_tokens} tokens together")
         return cls(
             task_id=_str_field(doc, "task_id", 256),
             prompt=_str_field(doc, "prompt", limits.max_chars),
             completion=_str_field(doc, "completion", limits.max_chars),
-            prompt_ids=_token_ids(doc, "prompt_ids", limits.max_prompt_tokens, limits.vocab_size),
+            prompt_ids=prompt_ids,
             token_ids=token_ids,
             logprobs=[_finite(x, "a logprob", -1e4, 0.0) for x in logprobs],
             version=version,
