@@ -210,6 +210,7 @@ class LocalBucket(Bucket):
                     break
 
     def exists(self, key: str) -> bool:
+        validate_key(key)
         try:
             with self._folder(key, create=False) as (dir_fd, name):
                 return stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
