@@ -47,6 +47,18 @@ def run_bounded(fn, timeout: float = 10.0):
     return result.get("value")
 
 
+def synced_then_delta(bucket, interval: int) -> tuple[Publisher, Subscriber, dict]:
+    """Version 0 published and synced by a subscriber, then delta 1 published (not fetched yet)."""
+    master = master_state()
+    pub = Publisher(bucket, policy=FixedInterval(interval))
+    pub.publish(0, master)
+    sub = Subscriber(bucket)
+    sub.sync()
+    rl_step(master, 1)
+    pub.publish(1, master)
+    return pub, sub, master
+
+
 def test_symlinked_folder_is_never_followed(bucket, outside: Path) -> None:
     """Finding 9: a symlinked ``status/`` let a write and a delete reach outside the bucket."""
     (bucket.root / "status").symlink_to(outside)
@@ -118,13 +130,7 @@ def test_oversized_objects_refused_before_reading(bucket, tmp_path: Path, monkey
 def test_subscriber_refuses_a_delta_or_shard_larger_than_the_pointer_says(bucket) -> None:
     """Finding 6: a 6 GB pointer or delta raised MemoryError; a 300 MB shard whose pointer
     says 20 KB was copied in full. Now refused by size before any read, the replica keeps its state."""
-    master = master_state()
-    pub = Publisher(bucket, policy=FixedInterval(100))
-    pub.publish(0, master)
-    sub = Subscriber(bucket)
-    sub.sync()
-    rl_step(master, 1)
-    pub.publish(1, master)
+    pub, sub, _ = synced_then_delta(bucket, interval=100)
     path = bucket.root.joinpath(*delta_key(1).split("/"))
     with open(path, "ab") as f:
         f.truncate(path.stat().st_size + (1 << 30))  # sparse: 1 GiB larger, no disk used
@@ -217,13 +223,7 @@ def test_replica_refuses_hostile_delta_metadata_and_syncs_again(bucket, tensors:
 
     from shared.format import parse_header
 
-    master = master_state()
-    pub = Publisher(bucket, policy=FixedInterval(2))
-    pub.publish(0, master)
-    sub = Subscriber(bucket)
-    sub.sync()
-    rl_step(master, 1)
-    pub.publish(1, master)
+    pub, sub, master = synced_then_delta(bucket, interval=2)
     data = bucket.get(delta_key(1))
     _, metadata = parse_header(data)
     hostile = safetensors.torch.save(safetensors.torch.load(data), metadata={**metadata, "tensors": tensors})
