@@ -43,6 +43,7 @@ from .jsonlimits import loads_bounded
 
 HEADER_KEY = "file_header"
 FILE_HASH_KEY = "file_sha256"
+MAX_ERROR_CHARS = 600  # hostile files can make messages long (names, shapes); the error stays one readable line
 
 
 def _load(path: Path) -> tuple[dict[str, torch.Tensor], bytes]:
@@ -273,13 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.CRITICAL, format="%(levelname)s %(name)s: %(message)s")
     try:
         args.func(args)
     except (SyncError, BucketError, OSError) as exc:
-        print(f"error: {printable(exc)}", file=sys.stderr)
+        print(f"error: {printable(exc)[:MAX_ERROR_CHARS]}", file=sys.stderr)
         return 1
     except Exception as exc:  # a bug, not a refusal: still one line, and the tests look for it
-        print(f"error: unexpected {type(exc).__name__}: {printable(exc)}", file=sys.stderr)
+        print(f"error: unexpected {type(exc).__name__}: {printable(exc)[:MAX_ERROR_CHARS]}", file=sys.stderr)
         return 2
     return 0

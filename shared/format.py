@@ -129,7 +129,7 @@ def parse_header(data: bytes | memoryview, *, file_size: int | None = None) -> t
         if not 0 <= start <= end <= body:
             raise FormatError(f"entry {name!r}: data offsets {start}..{end} outside the {body}-byte data section")
         if shaped_nbytes(shape, torch.empty((), dtype=dtype).element_size(), limit=body) != end - start:
-            raise FormatError(f"entry {name!r}: {end - start} bytes do not match shape {shape} of {info['dtype']}")
+            raise FormatError(f"entry {name!r}: {end - start} bytes do not match shape {str(shape)[:80]} of {info['dtype']}")
         spans.append((start, end))
     spans.sort()
     for (_, end_a), (start_b, _) in zip(spans, spans[1:]):
@@ -151,7 +151,7 @@ def shaped_nbytes(shape: list[int], itemsize: int, *, limit: int) -> int | None:
     if len(shape) > MAX_DIMS:
         raise FormatError(f"shape has {len(shape)} dimensions, more than {MAX_DIMS}")
     if any(d < 0 for d in shape):
-        raise FormatError(f"shape {shape[:MAX_DIMS]} has a negative dimension")
+        raise FormatError(f"shape {str(shape)[:80]} has a negative dimension")
     if 0 in shape:
         return 0
     nbytes = itemsize

@@ -26,13 +26,14 @@ CHILD_TIMEOUT_S = 300
 
 DRIVER = textwrap.dedent(
     """
-    import contextlib, io, json, resource, sys, time
+    import contextlib, io, json, logging, resource, sys, time
     resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
     sys.path.insert(0, {root!r})
     from shared.cli import main
     results = []
     for argv in json.loads(sys.stdin.read()):
         out, err = io.StringIO(), io.StringIO()
+        logging.getLogger().handlers.clear()  # main() configures logging to this call's stderr
         t0 = time.perf_counter()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
@@ -63,6 +64,7 @@ def assert_one_error_line(result: dict) -> None:
     assert result["rc"] == 1, result
     lines = result["stderr"].splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "unexpected" not in lines[0], result
+    assert len(lines[0]) < 1000, result
     assert "Traceback" not in result["stderr"] and result["stdout"] == "", result
     assert all(c.isprintable() for c in lines[0]), result
 
