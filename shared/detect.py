@@ -142,6 +142,7 @@ class ChangeDetector:
             new_bits=np.concatenate([p[2] for p in parts]),
             dtype=published.dtype,
             shape=tuple(published.shape),
+            base=published,
         )
 
     def commit(self, changes: Mapping[str, Change]) -> None:

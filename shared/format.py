@@ -59,6 +59,8 @@ class Change:
         new_bits: New bit patterns at ``index``.
         dtype: The tensor's dtype.
         shape: The tensor's shape.
+        base: The whole published tensor the change applies to, for codecs that
+            code in an order derived from it (``None``: they fall back to flat order).
     """
 
     index: np.ndarray
@@ -66,6 +68,7 @@ class Change:
     new_bits: np.ndarray
     dtype: torch.dtype
     shape: tuple[int, ...]
+    base: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -263,7 +266,7 @@ def encode_delta(
     entries: dict[str, torch.Tensor] = {}
     table: dict[str, dict[str, Any]] = {}
     names = sorted(changes)
-    encode = lambda n: coder.encode(n, changes[n].index, changes[n].old_bits, changes[n].new_bits)  # noqa: E731
+    encode = lambda n: coder.encode(n, changes[n].index, changes[n].old_bits, changes[n].new_bits, base=changes[n].base)  # noqa: E731
     for name, encoded in zip(names, worker_pool().map(encode, names)):
         ch = changes[name]
         entries.update(encoded.entries)
@@ -350,6 +353,7 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
             numel=target.numel(),
             itemsize=target.element_size(),
             old_bits_at=old_bits_at,
+            base=target,
         )
         if bool(np.any(new_bits == old_bits_at(index))):
             raise FormatError(f"{name}: the delta lists elements that do not change (a zero difference is no change)")

@@ -24,6 +24,7 @@ import torch
 
 from env_space.environments import get_environment
 from shared.bucket import Bucket, BucketError, open_bucket
+from shared.codecs import default_codec
 from shared.protocol import CONTROL_KEY, Adaptive, FixedInterval, NonFiniteError, Publisher, policy_to_json
 from shared.spaces.exchange import SCORES_PREFIX, MetricsLog, Refusals, Sample, SampleLimits, list_batches, read_samples
 from shared.spaces.settings import from_env, resolve_device
@@ -53,7 +54,7 @@ class TrainerConfig:
     anchor_interval: int = dataclasses.field(default=10, metadata={"help": "publishes per anchor (fixed policy)"})
     max_catchup_ratio: float = dataclasses.field(default=2.0, metadata={"help": "adaptive policy bound, in anchors"})
     keep_anchors: int = dataclasses.field(default=2, metadata={"help": "anchors retained in the bucket"})
-    codec: str = dataclasses.field(default="gapzz", metadata={"help": "delta codec: 'gapzz' or 'trl'"})
+    codec: str = dataclasses.field(default="auto", metadata={"help": "delta codec: 'classgap', 'gapzz', 'trl' or 'auto' (classgap on a GPU, gapzz on CPU)"})
     max_steps: int = dataclasses.field(default=0, metadata={"help": "stop after this many optimizer steps (0: never)"})
     poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls"})
     seed: int = dataclasses.field(default=0, metadata={"help": "torch seed"})
@@ -95,7 +96,8 @@ class Trainer:
 
         torch.manual_seed(config.seed)
         self.bucket = bucket or open_bucket(config.bucket)
-        config = dataclasses.replace(config, device=resolve_device(config.device))
+        device = resolve_device(config.device)
+        config = dataclasses.replace(config, device=device, codec=default_codec(device) if config.codec == "auto" else config.codec)
         self.config = config
         model = model_or_default(config.model, config.device, get_environment)
         self.tokenizer = AutoTokenizer.from_pretrained(model)

@@ -43,6 +43,12 @@ Trial kinds (``--kinds``):
     :class:`~shared.bucket.RetryingBucket`, beneath the publisher and three
     subscriber threads: everything converges bit-exactly and no cut-short
     upload is ever named by the pointer.
+``hub_storage``
+    The real Hub client (huggingface_hub + hf_xet, :class:`~shared.bucket.hf.HfBucket` under a
+    :class:`~shared.bucket.RetryingBucket`) against the Hub stand-in server
+    (:mod:`benchmarks.hub_server`), which fails a random share of Hub API requests, Xet token
+    grants and Xet storage requests (429, 503, dropped connections), beneath the publisher and
+    two subscriber threads: everything converges bit-exactly.
 ``two_trainers``
     A second trainer with another owner id is refused (``RunLockedError``);
     then one that takes the run over (same owner id, or a stale lock) makes the
