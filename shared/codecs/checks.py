@@ -59,7 +59,7 @@ def decompress_frame(blob: bytes, *, what: str, expected: int | None = None, max
     except zstandard.ZstdError as exc:
         raise FormatError(f"{what}: corrupt zstd data ({exc})") from None
     if not reader.eof:
-        raise FormatError(f"{what}: the zstd frame is cut short")
+        raise FormatError(f"{what}: corrupt zstd data (the frame is cut short)")
     if reader.unused_data:
         raise FormatError(f"{what}: {len(reader.unused_data)} bytes after the zstd frame")
     if len(raw) != declared:
