@@ -312,3 +312,14 @@ def test_soak_trial_hostile_replicas(tmp_path) -> None:
     assert not result.violations and result.lost == 0, result.violations
     assert sum(n for k, n in result.faults.items() if k.startswith("hostile rollouts")) > 0
     assert result.notes["refused by the env"] > 0 and result.notes["non-finite publishes"] == 0
+
+
+def test_metrics_with_a_diverged_loss_stay_readable(bucket) -> None:
+    """Readers refuse NaN/Infinity, so the metrics writer stores non-finite figures as null."""
+    from shared.spaces.exchange import MetricsLog, get_json, metrics_key
+
+    log = MetricsLog(bucket, "trainer")
+    log.add(loss=float("nan"), reward=float("inf"), step=3)
+    log.flush()
+    rows = get_json(bucket, metrics_key("trainer"))["rows"]
+    assert rows[-1]["loss"] is None and rows[-1]["reward"] is None and rows[-1]["step"] == 3

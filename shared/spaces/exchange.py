@@ -354,7 +354,9 @@ class MetricsLog:
             self.rows = [r for r in previous["rows"] if isinstance(r, dict)][-keep:]
 
     def add(self, **row: Any) -> None:
-        self.rows.append({"time": time.time(), **row})
+        """Append a row; non-finite floats (a diverged loss) are stored as ``null``, since readers refuse ``NaN``/``Infinity``."""
+        clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+        self.rows.append({"time": time.time(), **clean})
         del self.rows[: -self.keep]
 
     def flush(self) -> None:
