@@ -323,3 +323,23 @@ def test_metrics_with_a_diverged_loss_stay_readable(bucket) -> None:
     log.flush()
     rows = get_json(bucket, metrics_key("trainer"))["rows"]
     assert rows[-1]["loss"] is None and rows[-1]["reward"] is None and rows[-1]["step"] == 3
+
+
+def test_trainer_restores_published_weights_instead_of_publishing_poison(tmp_path) -> None:
+    """If training still produced NaN weights, the trainer refuses to publish them, goes back to the
+    published weights with a fresh optimizer, and keeps running."""
+    from shared.bucket import LocalBucket
+    from trainer_space.trainer import Trainer, TrainerConfig, checkpoint_state
+
+    bucket = LocalBucket(tmp_path / "bucket")
+    trainer = Trainer(TrainerConfig(bucket=str(tmp_path / "bucket"), device="cpu"), bucket)
+    trainer.setup()
+    published = state_hash({n: t.detach().to(torch.bfloat16) for n, t in checkpoint_state(trainer.model).items()})
+    with torch.no_grad():
+        next(iter(checkpoint_state(trainer.model).values())).view(-1)[:10] = float("nan")
+    trainer.version += 1
+    trainer._publish()
+    assert trainer.non_finite_refused == 1 and trainer.version == 0
+    restored = {n: t.detach().to(torch.bfloat16) for n, t in checkpoint_state(trainer.model).items()}
+    assert state_hash(restored) == published
+    trainer.step()  # still alive
