@@ -92,10 +92,16 @@ def run(rank: int, world: int, port: int, bucket_dir: str, results: str, steps: 
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        poisoned = step == options.get("poison_step") and rank == options.get("fault_rank", -1)
+        if poisoned:  # one rank's weights turn NaN: every rank must refuse to publish
+            with torch.no_grad():
+                next(iter(model.parameters())).to_local().view(-1)[:8] = float("nan")
         try:
             record = publisher.publish(step, model.state_dict())
         except (SyncError, BucketError) as exc:  # every rank gets the error of a failed publish; retry once
-            report["steps"].append({"step": step, "failed": type(exc).__name__})
+            report["steps"].append({"step": step, "failed": type(exc).__name__, "message": str(exc)})
+            if step == options.get("poison_step"):
+                break
             record = publisher.publish(step, model.state_dict())
         full = {n: t.full_tensor() for n, t in model.state_dict().items()}  # test only: the reference needs the whole state
         entry = {"step": step, "kind": record.kind, "hash": record.state_hash, "files": len(record.keys),

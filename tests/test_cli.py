@@ -106,6 +106,7 @@ def test_ls_and_verify_bucket(tmp_path):
     path = bucket_dir / delta_key(4, 1)
     path.write_bytes(path.read_bytes()[:-10])
     r = cli("verify", str(bucket_dir))
-    assert r.returncode == 1 and "FAIL" in r.stderr
+    assert r.returncode == 1 and "verification failed" in r.stderr
+    (tmp_path / "empty").mkdir()
     r = cli("ls", str(tmp_path / "empty"))
     assert r.returncode == 1 and "no pointer" in r.stderr

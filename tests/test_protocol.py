@@ -298,7 +298,7 @@ def test_verify_detects_corruption(bucket):
 def test_non_bf16_tensors_are_shipped_in_their_own_dtype(bucket):
     """With ``dtype=None`` each tensor is compared and shipped by the bits of its own dtype."""
     sub = Subscriber(bucket)
-    pub = Publisher(bucket, dtype=None)
+    pub = Publisher(bucket, dtype=None, allow_non_finite=True)  # NaN published on purpose: bits, not values
     state = bf16(master_state())
     state["router.bias"] = torch.zeros(16, dtype=torch.float32)
     for step in range(3):

@@ -30,6 +30,7 @@ from typing import Any
 from ..bucket import InvalidKeyError, validate_key
 from ..errors import FormatError
 from ..format import FORMAT_NAME, FORMAT_VERSION, READABLE_FORMAT_VERSIONS
+from ..jsonlimits import loads_bounded
 
 POINTER_KEY = "latest.json"
 ANCHOR_PREFIX = "anchors/"
@@ -157,10 +158,8 @@ class Manifest:
         Raises:
             FormatError: invalid JSON, unknown version, unsafe keys, inconsistent steps.
         """
-        if len(data) > MAX_POINTER_BYTES:
-            raise FormatError(f"pointer object is {len(data)} bytes, more than {MAX_POINTER_BYTES}")
+        doc = loads_bounded(data, what="pointer object", max_bytes=MAX_POINTER_BYTES)
         try:
-            doc = json.loads(data)
             if doc.get("format") != FORMAT_NAME:
                 raise FormatError(f"pointer is not an {FORMAT_NAME} pointer")
             version = doc.get("format_version")
@@ -196,7 +195,7 @@ class Manifest:
             )
         except FormatError:
             raise
-        except (ValueError, KeyError, TypeError, AttributeError, InvalidKeyError, RecursionError) as exc:  # deep nesting
+        except (ValueError, KeyError, TypeError, AttributeError, InvalidKeyError) as exc:
             raise FormatError(f"malformed pointer object: {exc}") from None
         manifest.check()
         return manifest
@@ -205,6 +204,8 @@ class Manifest:
         """Check internal consistency: steps increase, the newest version is described."""
         if not self.anchors:
             raise FormatError("pointer lists no anchor")
+        if not all(a.files for a in self.anchors):
+            raise FormatError("pointer lists an anchor without files")
         steps = [a.step for a in self.anchors]
         if steps != sorted(set(steps)) or [d.step for d in self.deltas] != sorted({d.step for d in self.deltas}):
             raise FormatError("pointer steps are not strictly increasing")

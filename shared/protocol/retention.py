@@ -34,9 +34,13 @@ def prune(manifest: Manifest, keep_anchors: int = DEFAULT_KEEP_ANCHORS) -> tuple
     return pruned, dropped
 
 
+TMP_MAX_AGE_S = 6 * 3600.0
+
+
 def sweep_orphans(bucket: Bucket, manifest: Manifest) -> list[str]:
     """Delete anchor and delta objects older than the oldest retained version that
-    the manifest does not name (left by failed deletes or crashed publishes).
+    the manifest does not name (left by failed deletes or crashed publishes), and
+    temporary files of killed writers older than ``TMP_MAX_AGE_S``.
 
     Objects newer than the manifest's oldest version are left alone: they may
     belong to a publish in progress.
@@ -54,6 +58,7 @@ def sweep_orphans(bucket: Bucket, manifest: Manifest) -> list[str]:
     ]
     if stale:
         bucket.delete(stale)
+    bucket.sweep_temporary(TMP_MAX_AGE_S)
     return stale
 
 

@@ -48,7 +48,7 @@ from ..hashing import combine_digests, merge_records, raw_bytes, slice_record
 from ..shards import LocalSlice, local_slices
 from .lock import FencedError, RunLockedError
 from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest, anchor_folder, delta_part_key, part_name
-from .publisher import PublishRecord, Publisher, check_writable, read_manifest
+from .publisher import PublishRecord, Publisher, check_finite_changes, check_writable, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +184,8 @@ class ShardedPublisher(Publisher):
         def detect() -> list[str]:
             if plan.kind == "delta" or plan.companion:
                 changes.update(self.detector.diff({n: s.data for n, s in slices.items()}))
+            if not self.allow_non_finite:
+                check_finite_changes(changes)  # inside the round: every rank refuses together
             return sorted(changes)
 
         changed_names = self._round(detect, lambda names: set().union(*names))

@@ -32,17 +32,21 @@ from pathlib import Path
 
 import torch
 
-from ..bucket import Bucket, ObjectNotFoundError
+from ..bucket import Bucket, ObjectNotFoundError, ObjectTooLargeError
 from ..errors import ChainError, FormatError, HashMismatchError, SyncError
 from ..anchor_parts import load_anchor_files
+from ..files import age_out
 from ..format import FORMAT_VERSION, decode_delta
 from ..hashing import combine_digests, tensor_digest
 from ..patch import TensorPatch, gather, scatter_
-from .manifest import POINTER_KEY, AnchorEntry, DeltaEntry, FileEntry, Manifest
+from .manifest import MAX_POINTER_BYTES, POINTER_KEY, AnchorEntry, DeltaEntry, FileEntry, Manifest
 
 DEFAULT_MAX_PARALLEL_DOWNLOADS = 8
 
 logger = logging.getLogger(__name__)
+
+SCRATCH_PREFIX = "rlsync-anchor-"
+SCRATCH_MAX_AGE_S = 6 * 3600.0  # scratch folders of killed processes are removed after this
 
 
 @dataclasses.dataclass
@@ -99,7 +103,8 @@ class Subscriber:
     Args:
         bucket: The bucket to follow (read access is enough).
         device: Where the state's tensors live.
-        workdir: Scratch folder for anchor downloads (default: a temporary folder).
+        workdir: Scratch folder for anchor downloads (default: a temporary folder); scratch
+            folders older than ``SCRATCH_MAX_AGE_S`` there (left by killed processes) are removed.
         max_parallel_downloads: Files of one update downloaded at once.
     """
 
@@ -125,11 +130,15 @@ class Subscriber:
         self.manifest: Manifest | None = None
         self._lock = threading.RLock()  # fetch validates against the state that apply changes
         self._stats_lock = threading.Lock()
+        age_out(self.workdir or tempfile.gettempdir(), max_age_s=SCRATCH_MAX_AGE_S, pattern=f"{SCRATCH_PREFIX}*")
 
     # -- reading the bucket -------------------------------------------------
 
-    def _get(self, key: str) -> bytes:
-        data = self.bucket.get(key)
+    def _get(self, key: str, max_bytes: int) -> bytes:
+        try:
+            data = self.bucket.get_limited(key, max_bytes)
+        except ObjectTooLargeError as exc:
+            raise FormatError(str(exc)) from None
         with self._stats_lock:  # the download threads share the counters
             self.stats.reads += 1
             self.stats.bytes_downloaded += len(data)
@@ -138,7 +147,7 @@ class Subscriber:
     def read_manifest(self) -> Manifest | None:
         """Read the pointer; ``None`` before the first publish."""
         try:
-            data = self._get(POINTER_KEY)
+            data = self._get(POINTER_KEY, MAX_POINTER_BYTES)
         except ObjectNotFoundError:
             return None
         self.manifest = Manifest.from_json(data)
@@ -197,9 +206,11 @@ class Subscriber:
         t0 = time.perf_counter()
         version = self.manifest.format_version if self.manifest else FORMAT_VERSION
         try:
-            blobs = list(self._downloads.map(lambda f: self._get(f.key), entry.files))
+            blobs = list(self._downloads.map(lambda f: self._get(f.key, f.size), entry.files))
         except ObjectNotFoundError as exc:
             raise self._refuse(ChainError(f"delta {entry.step} is missing: {exc}")) from None
+        except FormatError as exc:
+            raise self._refuse(exc) from None
         t1 = time.perf_counter()
         patches: dict[str, list[TensorPatch]] = {}
         changed = 0
@@ -228,7 +239,7 @@ class Subscriber:
     def _fetch_anchor(self, entry: AnchorEntry) -> Update:
         t0 = time.perf_counter()
         version = self.manifest.format_version if self.manifest else FORMAT_VERSION
-        folder = Path(tempfile.mkdtemp(prefix="rlsync-anchor-", dir=self.workdir))
+        folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=self.workdir))
         try:
             files = list(self._downloads.map(lambda f: self._get_anchor_file(entry, f, folder), entry.files))
             t1 = time.perf_counter()
@@ -258,9 +269,11 @@ class Subscriber:
     def _get_anchor_file(self, entry: AnchorEntry, file: FileEntry, folder: Path) -> Path:
         path = folder / file.key.rsplit("/", 1)[-1]
         try:
-            self.bucket.get_file(file.key, path)
+            self.bucket.get_file_limited(file.key, path, file.size)
         except ObjectNotFoundError as exc:
             raise ChainError(f"anchor {entry.step} is missing a file: {exc}") from None
+        except ObjectTooLargeError as exc:
+            raise FormatError(str(exc)) from None
         with self._stats_lock:
             self.stats.reads += 1
             self.stats.bytes_downloaded += path.stat().st_size
