@@ -32,33 +32,42 @@ from shared.hashing import state_hash
 logger = logging.getLogger("benchmarks.sync")
 
 
-def make_model(params: float, *, hidden: int = 1024, seed: int = 0) -> dict[str, torch.Tensor]:
-    """fp32 master weights shaped like a decoder-only LLM with about ``params`` parameters."""
-    gen = torch.Generator().manual_seed(seed)
+def model_shapes(params: float, *, hidden: int = 1024) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of a decoder-only LLM with about ``params`` parameters (1-D tensors are norm weights)."""
     inter = 3 * hidden
     per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
     vocab = 32000
     layers = max(1, round((params - 2 * vocab * hidden) / per_layer))
-    state: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen) * 0.02,
-        "lm_head.weight": torch.randn(vocab, hidden, generator=gen) * 0.02,
-        "model.norm.weight": 1 + torch.randn(hidden, generator=gen) * 0.02,
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "lm_head.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
     }
     for i in range(layers):
         p = f"model.layers.{i}."
-        for name, shape in [
-            ("self_attn.q_proj.weight", (hidden, hidden)),
-            ("self_attn.k_proj.weight", (hidden, hidden)),
-            ("self_attn.v_proj.weight", (hidden, hidden)),
-            ("self_attn.o_proj.weight", (hidden, hidden)),
-            ("mlp.gate_proj.weight", (inter, hidden)),
-            ("mlp.up_proj.weight", (inter, hidden)),
-            ("mlp.down_proj.weight", (hidden, inter)),
-        ]:
-            state[p + name] = torch.randn(*shape, generator=gen) * 0.02
-        state[p + "input_layernorm.weight"] = 1 + torch.randn(hidden, generator=gen) * 0.02
-        state[p + "post_attention_layernorm.weight"] = 1 + torch.randn(hidden, generator=gen) * 0.02
-    return state
+        shapes.update({
+            p + "self_attn.q_proj.weight": (hidden, hidden),
+            p + "self_attn.k_proj.weight": (hidden, hidden),
+            p + "self_attn.v_proj.weight": (hidden, hidden),
+            p + "self_attn.o_proj.weight": (hidden, hidden),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        })  # fmt: skip
+    return shapes
+
+
+def init_weights(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """fp32 weights drawn like an LLM's: matrices ~N(0, 0.02), norm weights near 1."""
+    return torch.randn(*shape, generator=gen) * 0.02 + (1.0 if len(shape) == 1 else 0.0)
+
+
+def make_model(params: float, *, hidden: int = 1024, seed: int = 0) -> dict[str, torch.Tensor]:
+    """fp32 master weights shaped like a decoder-only LLM with about ``params`` parameters."""
+    gen = torch.Generator().manual_seed(seed)
+    return {name: init_weights(shape, gen) for name, shape in model_shapes(params, hidden=hidden).items()}
 
 
 def adamw_steps(master: dict[str, torch.Tensor], lr: float, steps: int, seed: int) -> list[dict[str, torch.Tensor]]:

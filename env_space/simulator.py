@@ -19,11 +19,14 @@ import threading
 import time
 
 from shared.bucket import Bucket, BucketError, open_bucket
+from shared.errors import FormatError
 from shared.spaces.exchange import (
     ROLLOUTS_PREFIX,
     SCORES_PREFIX,
     TASKS_PREFIX,
     MetricsLog,
+    Refusals,
+    SampleLimits,
     get_json,
     list_batches,
     put_json,
@@ -33,6 +36,7 @@ from shared.spaces.exchange import (
     task_key,
     write_samples,
 )
+from shared.protocol import read_manifest
 from shared.spaces.settings import from_env
 
 from .bounded import FailureCounts, call_bounded, finite_reward
@@ -66,6 +70,8 @@ class EnvConfig:
     keep_batches: int = dataclasses.field(default=64, metadata={"help": "batches kept in the bucket"})
     poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls"})
     seed: int = dataclasses.field(default=0, metadata={"help": "base seed of task generation"})
+    vocab_size: int = dataclasses.field(default=0, metadata={"help": "refuse token ids at or above it (0: the trainer checks them)"})
+    max_completion_tokens: int = dataclasses.field(default=4096, metadata={"help": "refuse rollouts with longer completions"})
 
     @classmethod
     def from_env(cls, **overrides) -> "EnvConfig":
@@ -96,6 +102,7 @@ class EnvSimulator:
         self._tasks_made = 0
         self._scored = 0
         self._t0 = time.time()
+        self.refusals = Refusals()
 
     # -- tasks --------------------------------------------------------------
 
@@ -138,10 +145,29 @@ class EnvSimulator:
 
     # -- scoring ------------------------------------------------------------
 
+    def sample_limits(self) -> SampleLimits:
+        """What a rollout may hold: token ids below ``vocab_size`` (when set), versions no newer
+        than the newest published one (none published yet: only version 0)."""
+        try:
+            manifest = read_manifest(self.bucket)
+        except FormatError:
+            manifest = None
+        return SampleLimits(
+            vocab_size=self.config.vocab_size or None,
+            max_version=manifest.step if manifest is not None else 0,
+            max_completion_tokens=self.config.max_completion_tokens,
+        )
+
     def score_rollouts(self) -> int:
-        """Score every rollouts object in the bucket; returns the number of samples scored."""
+        """Score every valid rollouts object in the bucket; returns the number of samples scored.
+
+        Objects that fail :func:`~shared.spaces.exchange.parse_samples` are deleted unscored and counted
+        in :attr:`refusals`.
+        """
         scored = 0
-        for batch, keys in sorted(list_batches(self.bucket, ROLLOUTS_PREFIX).items()):
+        listed = list_batches(self.bucket, ROLLOUTS_PREFIX)
+        limits = self.sample_limits()  # after listing: every listed rollout was made from a version published by now
+        for batch, keys in sorted(listed.items()):
             doc = get_json(self.bucket, task_key(batch))
             try:
                 tasks = self.batch_tasks(batch, doc) if isinstance(doc, dict) else None
@@ -150,9 +176,9 @@ class EnvSimulator:
                 tasks = None
             for key in keys:
                 replica = replica_of(key)
-                read = read_samples(self.bucket, key)
-                if tasks is None or read is None or replica is None:
-                    logger.warning("dropping %s: unreadable, or its task batch is gone", key)
+                read = read_samples(self.bucket, key, limits=limits, refusals=self.refusals)
+                if tasks is None or read is None or replica is None:  # refused objects are already logged and counted
+                    logger.info("dropping %s: refused, or its task batch is gone", key)
                     self.bucket.delete([key])
                     continue
                 header, samples = read
@@ -224,6 +250,7 @@ class EnvSimulator:
             "tasks_per_s": self._tasks_made / elapsed,
             "scores_per_s": self._scored / elapsed,
             "scored": self._scored,
+            "refused": self.refusals.as_dict(),
             "failures": self.failures.as_dict(),
             "by_type": {k: {"mean_reward": s / n, "count": n} for k, (s, n) in self.by_type.items()},
         }

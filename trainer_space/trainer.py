@@ -25,8 +25,8 @@ import torch
 from env_space.environments import get_environment
 from shared.bucket import Bucket, BucketError, open_bucket
 from shared.codecs import default_codec
-from shared.spaces.exchange import SCORES_PREFIX, MetricsLog, Sample, list_batches, read_samples
-from shared.protocol import CONTROL_KEY, Adaptive, FixedInterval, Publisher, policy_to_json
+from shared.protocol import CONTROL_KEY, Adaptive, FixedInterval, NonFiniteError, Publisher, policy_to_json
+from shared.spaces.exchange import SCORES_PREFIX, MetricsLog, Refusals, Sample, SampleLimits, list_batches, read_samples
 from shared.spaces.settings import from_env, resolve_device
 from shared.spaces.tiny_model import model_or_default
 
@@ -116,6 +116,8 @@ class Trainer:
         self.consumed: set[str] = set()
         self.buffer: list[list[Sample]] = []
         self.dropped_stale = 0
+        self.refusals = Refusals()
+        self.non_finite_refused = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -140,7 +142,17 @@ class Trainer:
     def _publish(self) -> None:
         assert self.version is not None
         state = {n: t.detach() for n, t in checkpoint_state(self.model).items()}
-        rec = self.publisher.publish(self.version, state)
+        try:
+            rec = self.publisher.publish(self.version, state)
+        except NonFiniteError as exc:  # never publish a poisoned model: go back to the published weights
+            logger.error("%s; restoring the published weights and resetting the optimizer", exc)
+            self.non_finite_refused += 1
+            self.version -= 1
+            with torch.no_grad():
+                for name, tensor in checkpoint_state(self.model).items():
+                    tensor.copy_(self.publisher.detector.published[name].to(tensor.dtype))
+            self.optimizer.state.clear()
+            return
         self.metrics.add(
             kind=rec.kind, version=rec.step, nbytes=rec.nbytes, changed_pct=100 * rec.changed_fraction,
             encode_s=rec.encode_s, hash_s=rec.hash_s, upload_s=rec.upload_s, catchup_bytes=rec.catchup_bytes,
@@ -166,7 +178,11 @@ class Trainer:
                 if key in self.consumed:
                     continue
                 self.consumed.add(key)
-                read = read_samples(self.bucket, key)
+                limits = SampleLimits(
+                    vocab_size=self.model.get_input_embeddings().num_embeddings, max_version=self.version,
+                    max_total_tokens=getattr(self.model.config, "max_position_embeddings", None),
+                )  # fmt: skip
+                read = read_samples(self.bucket, key, limits=limits, refusals=self.refusals)
                 if read is None:
                     continue
                 groups: dict[str, list[Sample]] = {}
@@ -220,7 +236,10 @@ class Trainer:
         elif time.time() - self._last_heartbeat > 60:  # keep the run lock fresh while waiting for data
             self.publisher.heartbeat()
             self._last_heartbeat = time.time()
-        self.metrics.extra = {"version": self.version, "opt_steps": self.opt_steps, "buffered_groups": len(self.buffer)}
+        self.metrics.extra = {
+            "version": self.version, "opt_steps": self.opt_steps, "buffered_groups": len(self.buffer),
+            "refused": self.refusals.as_dict(), "non_finite_refused": self.non_finite_refused,
+        }  # fmt: skip
         self.metrics.flush()
         return trained
 

@@ -53,6 +53,13 @@ Trial kinds (``--kinds``):
     A second trainer with another owner id is refused (``RunLockedError``);
     then one that takes the run over (same owner id, or a stale lock) makes the
     first one stop with ``FencedError``; the chain stays valid.
+``hostile_replicas``
+    The real trainer and env (tiny model, CPU) with honest replicas and hostile
+    ones writing random malformed rollouts among the good ones (non-finite
+    log-probs, token ids out of vocabulary, empty or overlong sequences, future
+    versions, deep or huge-integer JSON, oversized objects), scores straight into
+    ``scores/``, bad status objects and a NaN control value: 0 states lost, 0
+    non-finite publishes, every role alive, every hostile object refused and counted.
 
 Usage::
 

@@ -61,6 +61,7 @@ from .base import (
     BucketError,
     ObjectInfo,
     ObjectNotFoundError,
+    ObjectTooLargeError,
     TransientBucketError,
     validate_key,
     validate_prefix,
@@ -358,11 +359,26 @@ class HfBucket(Bucket):
             [`ObjectNotFoundError`]: no object has that key.
             [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
+        return self._read(key, None)
+
+    def get_limited(self, key: str, max_bytes: int) -> bytes:
+        """[`get`], refusing an object larger than `max_bytes` before its bytes are read into memory.
+
+        Raises:
+            [`ObjectTooLargeError`]: the object holds more than `max_bytes` bytes.
+            [`ObjectNotFoundError`], [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
+        """
+        return self._read(key, max_bytes)
+
+    def _read(self, key: str, max_bytes: int | None) -> bytes:
         remote = self._remote(key)
         logger.debug("get %s from %s", remote, self.bucket_id)
         with tempfile.TemporaryDirectory(prefix="hfbucket-") as tmp:
             dest = Path(tmp, "object")
             self._download(key, remote, dest)
+            size = dest.stat().st_size
+            if max_bytes is not None and size > max_bytes:
+                raise ObjectTooLargeError(f"{key}: {size:,} bytes, more than the {max_bytes:,} allowed")
             return dest.read_bytes()
 
     def get_file(self, key: str, path: str | Path) -> None:

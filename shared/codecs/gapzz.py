@@ -26,7 +26,7 @@ import zstandard
 from ..dtypes import uint_dtype
 from ..errors import FormatError
 from .base import Codec, EncodedTensor, register_codec
-from .checks import require_entry
+from .checks import decompress_frame, require_entry
 
 ZSTD_LEVEL = 1
 
@@ -96,25 +96,7 @@ class GapZigzagCodec(Codec):
 
     @staticmethod
     def _decompress(key: str, entry: torch.Tensor, expected: int) -> np.ndarray:
-        blob = entry.numpy().tobytes()
-        try:
-            declared = zstandard.frame_content_size(blob)
-        except zstandard.ZstdError as exc:
-            raise FormatError(f"entry {key!r}: not a zstd frame ({exc})") from None
-        if declared != expected:
-            raise FormatError(f"entry {key!r}: declares {declared} bytes, expected {expected}")
-        stream = zstandard.ZstdDecompressor().decompressobj()
-        try:  # libzstd stops at the declared content size, so the output stays bounded
-            raw = stream.decompress(blob)
-        except zstandard.ZstdError as exc:
-            raise FormatError(f"entry {key!r}: corrupt zstd data ({exc})") from None
-        if not stream.eof:
-            raise FormatError(f"entry {key!r}: corrupt zstd data (the frame is cut short)")
-        if stream.unused_data:
-            raise FormatError(f"entry {key!r}: {len(stream.unused_data)} bytes after the zstd frame")
-        if len(raw) != expected:
-            raise FormatError(f"entry {key!r}: decompressed to {len(raw)} bytes, expected {expected}")
-        return np.frombuffer(raw, dtype=np.uint8)
+        return np.frombuffer(decompress_frame(entry.numpy().tobytes(), what=f"entry {key!r}", expected=expected), dtype=np.uint8)
 
     def encode(
         self, name: str, index: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray, *, base: torch.Tensor | None = None

@@ -224,7 +224,17 @@ def trainer_summary(snap: Snapshot) -> str:
             parts.append(f"loss {last['loss']:.4f}")
         if as_number(last.get("mean_reward")) is not None:
             parts.append(f"batch reward {last['mean_reward']:.3f}")
+    parts += refused_parts(snap.trainer_extra)
     return "Trainer: " + ", ".join(parts)
+
+
+def refused_parts(extra: dict[str, Any]) -> list[str]:
+    """``["N bucket objects refused (last: ...)"]`` from a role's metrics, or nothing."""
+    refused = extra.get("refused")
+    if not isinstance(refused, dict) or not as_number(refused.get("total")):
+        return []
+    last = refused.get("last") if isinstance(refused.get("last"), str) else ""
+    return [f"**{int(refused['total'])} bucket objects refused** (last: `{last[:120]}`)"]
 
 
 def env_summary(snap: Snapshot) -> str:
@@ -246,4 +256,5 @@ def env_summary(snap: Snapshot) -> str:
     if len(env_rewards):
         last = env_rewards.iloc[-1]
         parts.append(f"mean reward {last['mean_reward']:.3f} at version {last['version']}")
+    parts += refused_parts(extra)
     return "Environment: " + ", ".join(parts)
