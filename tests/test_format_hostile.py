@@ -695,7 +695,7 @@ def test_file_kind_of_anchors_and_deltas() -> None:
         ({"kind": "checkpoint"}, r"^unknown file kind 'checkpoint'$"),
         ({"kind": None}, r"^unknown file kind None$"),
         ({"format": "other"}, r"^not an rlsync file \(format='other'\)$"),
-        ({"format_version": "2"}, r"^unsupported format version '2'; this reader knows 1$"),
+        ({"format_version": "99"}, r"^unsupported format version '99'; this reader knows"),
     ],
 )
 def test_file_kind_refuses_other_files(changes: dict, message: str) -> None:

@@ -445,7 +445,7 @@ def _edit_pointer(bucket, edit) -> None:
 def test_delta_disagreeing_with_its_pointer_entry_is_refused(bucket):
     _, _, sub = _following(bucket, 1, 2)
     _edit_pointer(bucket, lambda doc: doc.update(state_hash="0" * 64, deltas=[dict(doc["deltas"][-1], state_hash="0" * 64)]))
-    with pytest.raises(FormatError, match=f"^{delta_key(1)}: metadata disagrees with the pointer$"):
+    with pytest.raises(FormatError, match=f"^{delta_key(1, 1)}: metadata disagrees with the pointer$"):
         sub.fetch()
     assert sub.stats.refused == 1 and sub.step == 0
 
@@ -459,7 +459,7 @@ def test_fetched_delta_reports_its_size_changes_and_times(bucket):
     elapsed = time.perf_counter() - t0
     entry = read_manifest(bucket).deltas[-1]
     assert (update.kind, update.step, update.base_step) == ("delta", 1, 0)
-    assert update.nbytes == entry.file.size == len(bucket.get(delta_key(1)))
+    assert update.nbytes == entry.file.size == len(bucket.get(delta_key(1, 1)))
     assert update.changed == entry.changed == sum(p.numel for p in update.patches.values()) > 0
     assert 0 < update.download_s and 0 < update.decode_s and update.download_s + update.decode_s <= elapsed
 
@@ -493,7 +493,7 @@ def test_apply_counts_times_and_logs_each_update(bucket, caplog):
     sub.apply(sub.fetch())  # anchor 2
     assert sub.needs_resync is False and sub.stats.anchors_applied == 1
     run(pub, master, 3, start=3)  # anchor 4, deltas 3..5
-    bucket.delete([delta_key(3)])
+    bucket.delete([delta_key(3, 1)])
     with pytest.raises(ChainError):
         sub.fetch()
     assert sub.needs_resync is True
@@ -511,7 +511,7 @@ def test_apply_counts_times_and_logs_each_update(bucket, caplog):
 
 def test_refused_subscriber_at_an_anchor_step_waits_instead_of_refetching_it(bucket):
     _, _, sub = _following(bucket, 4, 5, interval=3)  # at step 3, which is also an anchor
-    bucket.put(delta_key(4), b"garbage")
+    bucket.put(delta_key(4, 1), b"garbage")
     with pytest.raises(SyncError):
         sub.fetch()
     assert sub.fetch() is None and sub.step == 3  # anchor 3 is not newer than the state: nothing to fetch
@@ -533,8 +533,10 @@ def test_fresh_subscriber_then_anchor_downloaded_in_its_workdir_and_reads_counte
     pub = Publisher(bucket, policy=FixedInterval(10))
     run(pub, master, 2)
     downloads = []
-    get_file = type(bucket).get_file
-    monkeypatch.setattr(bucket, "get_file", lambda key, path: downloads.append(Path(path)) or get_file(bucket, key, path))
+    get_file = type(bucket).get_file_limited
+    monkeypatch.setattr(
+        bucket, "get_file_limited", lambda key, path, size: downloads.append(Path(path)) or get_file(bucket, key, path, size)
+    )
     sub.apply(sub.fetch())  # pointer + the anchor's one file
     assert sub.stats.reads == 2 and len(downloads) == 1
     folder = downloads[0].parent
@@ -542,7 +544,7 @@ def test_fresh_subscriber_then_anchor_downloaded_in_its_workdir_and_reads_counte
     sub.apply(sub.fetch())  # pointer + delta
     assert sub.stats.reads == 4 and sub.step == 1
     assert sub.stats.bytes_downloaded == 2 * len(bucket.get(POINTER_KEY)) + read_manifest(bucket).anchors[0].nbytes + len(
-        bucket.get(delta_key(1))
+        bucket.get(delta_key(1, 1))
     )
 
 

@@ -160,8 +160,6 @@ def test_no_log_record_of_a_panel_run_carries_the_token(tmp_path, every_record) 
     assert not snapshots.read_snapshot(bucket).error
     bucket.failing = {"list"}
     assert snapshots.read_snapshot(bucket).error
-    bucket.failing = {"get"}
-    assert snapshots.read_snapshot(bucket).error
 
     def open_leaky(url):
         return LeakyBucket(tmp_path / "b", failing={"list"})
@@ -174,7 +172,7 @@ def test_no_log_record_of_a_panel_run_carries_the_token(tmp_path, every_record) 
     assert runner.state == "failed"
 
     texts = [record_text(r) for r in every_record]
-    assert sum("failed" in t for t in texts) >= 4  # the failures were logged: the scan saw them
-    assert any(r.name.startswith("shared.protocol") for r in every_record)  # and the run's own records
+    assert sum("failed" in t for t in texts) >= 3  # the failures were logged: the scan saw them
+    assert {"shared.spaces.snapshots", "shared.spaces.role_control"} <= {r.name for r in every_record}
     leaking = [t for t in texts if not shows_no_token(t)]
     assert not leaking, leaking[:3]

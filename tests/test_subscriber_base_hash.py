@@ -19,7 +19,7 @@ OTHER_HASH = "0" * 64
 
 def _rewrite_delta_base_hash(bucket, step: int, base_hash: str) -> None:
     """Replace the ``base_hash`` metadata of the published delta of ``step``; the pointer's size follows."""
-    key = delta_key(step)
+    key = delta_key(step, 1)
     path = bucket.root / key
     with safetensors.safe_open(path, "pt") as f:
         metadata = f.metadata()
