@@ -176,3 +176,20 @@ def test_no_log_record_of_a_panel_run_carries_the_token(tmp_path, every_record) 
     assert {"shared.spaces.snapshots", "shared.spaces.role_control"} <= {r.name for r in every_record}
     leaking = [t for t in texts if not shows_no_token(t)]
     assert not leaking, leaking[:3]
+
+
+def test_a_failing_panel_render_is_logged_without_the_token(tmp_path, every_record) -> None:
+    """A figure whose render raises an error naming the token: the panel logs the failure, redacted."""
+    import gradio as gr
+
+    from shared.spaces import components
+
+    def broken(view, snap):
+        raise BucketError(f"render failed: Authorization: Bearer {TOKEN}")
+
+    with gr.Blocks():
+        live = components.Live(str(tmp_path / "b"), timer=gr.Timer(60))
+        live.add(gr.Markdown(), broken)
+    assert len(live.values()) == 1
+    texts = [record_text(r) for r in every_record if r.name == "shared.spaces.components"]
+    assert any("render failed" in t for t in texts) and all(shows_no_token(t) for t in texts)

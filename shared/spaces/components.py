@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Self
 
@@ -93,7 +94,7 @@ class Live:
                 got = render(view, snap)
                 out += list(got) if n > 1 else [got]
             except Exception:  # one broken figure must not blank the panel
-                logger.exception("panel refresh failed")
+                logger.error("panel refresh failed: %s", redact(traceback.format_exc()))
                 out += [gr.skip()] * n
         return out
 
