@@ -417,6 +417,16 @@ def shard_names(count: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
+def write_anchor_shard(tensors: Mapping[str, torch.Tensor], path: str | Path, *, metadata: Mapping[str, str]) -> Path:
+    """Write one shard file of an anchor: whole tensors (on any device) with the anchor metadata.
+
+    Returns:
+        ``path``.
+    """
+    safetensors.torch.save_file({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, str(path), metadata=dict(metadata))
+    return Path(path)
+
+
 def write_anchor(
     state: Mapping[str, torch.Tensor],
     folder: str | Path,
@@ -438,15 +448,27 @@ def write_anchor(
     files = []
     weight_map = {}
     for names, fname in zip(groups, shard_names(len(groups))):
-        shard = {n: state[n].detach().cpu().contiguous() for n in names}
-        safetensors.torch.save_file(shard, folder / fname, metadata=metadata)
-        files.append(folder / fname)
+        files.append(write_anchor_shard({n: state[n] for n in names}, folder / fname, metadata=metadata))
         weight_map.update({n: fname for n in names})
     if len(groups) > 1:
-        index = {"metadata": {**metadata, "total_size": sum(f.stat().st_size for f in files)}, "weight_map": weight_map}
-        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+        (folder / INDEX_FILE).write_bytes(anchor_index(weight_map, metadata, total_size=sum(f.stat().st_size for f in files)))
         files.append(folder / INDEX_FILE)
     return files
+
+
+def anchor_index(weight_map: Mapping[str, str], metadata: Mapping[str, str], *, total_size: int) -> bytes:
+    """The ``model.safetensors.index.json`` of a sharded anchor.
+
+    Args:
+        weight_map: Tensor name -> shard file name.
+        metadata: The anchor metadata (as in every shard).
+        total_size: Bytes of all shard files together.
+
+    Returns:
+        The index file's bytes.
+    """
+    index = {"metadata": {**metadata, "total_size": total_size}, "weight_map": dict(weight_map)}
+    return json.dumps(index, indent=2, sort_keys=True).encode()
 
 
 def load_anchor(files: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
