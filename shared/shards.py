@@ -90,3 +90,57 @@ def _dtensor_slice(name: str, tensor) -> LocalSlice | None:
     row = math.prod(shape[1:]) if len(shape) > 1 else 1
     offset = global_offset[0] * row if shape else 0
     return LocalSlice(tensor.to_local().detach().reshape(-1), offset, shape)
+
+
+def assign_owners(sizes: Mapping[str, int], world: int) -> dict[str, int]:
+    """Give each tensor one owner rank, balanced by bytes and the same on every rank.
+
+    Largest tensor first (ties by name) goes to the least-loaded rank (ties: the
+    lowest), so the result depends only on the names and sizes.
+
+    Args:
+        sizes: Tensor name -> bytes.
+        world: Ranks in the group.
+
+    Returns:
+        Name -> owner rank.
+    """
+    load = [0] * world
+    owners = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owners[name] = rank
+        load[rank] += sizes[name]
+    return owners
+
+
+def slice_placement(tables: list[Mapping[str, tuple[int, int]]], numels: Mapping[str, int]) -> dict[str, list[tuple[int, int, int]]]:
+    """Check that the ranks' slices cover every tensor exactly once, and say who holds what.
+
+    Args:
+        tables: Per rank, name -> ``(offset, count)`` of its slice (flat elements).
+        numels: Name -> elements of the full tensor.
+
+    Returns:
+        Name -> ``[(rank, offset, count), ...]`` of the non-empty slices, sorted by offset.
+
+    Raises:
+        ValueError: a tensor is not in ``numels``, or slices overlap or leave elements uncovered.
+    """
+    placement: dict[str, list[tuple[int, int, int]]] = {name: [] for name in numels}
+    for rank, table in enumerate(tables):
+        for name, (offset, count) in table.items():
+            if name not in placement:
+                raise ValueError(f"rank {rank} holds a slice of {name!r}, which is not in the state")
+            if count:  # an empty slice (more ranks than rows) holds nothing to place
+                placement[name].append((rank, offset, count))
+    for name, runs in placement.items():
+        runs.sort(key=lambda r: (r[1], r[2]))
+        end = 0
+        for rank, offset, count in runs:
+            if offset != end:
+                raise ValueError(f"{name}: rank {rank}'s slice at {offset} overlaps or leaves elements {end}..{offset} uncovered")
+            end = offset + count
+        if end != numels[name]:
+            raise ValueError(f"{name}: the ranks' slices cover {end} of {numels[name]} elements")
+    return placement

@@ -11,13 +11,16 @@ import random
 import socket
 
 import pytest
+import safetensors.torch
 import torch
 import torch.multiprocessing as mp
+from safetensors import safe_open
 
 from shared.bucket import LocalBucket
 from shared.hashing import merge_records, raw_bytes, slice_record, state_hash, tensor_digest
 from shared.protocol import Subscriber, read_manifest
 from shared.protocol.verify import verify_bucket
+from shared.shards import assign_owners, slice_placement
 
 from tests.sharded_trainer import run
 
@@ -69,11 +72,12 @@ def test_sharded_chain_is_bit_identical_to_the_single_process_publisher(tmp_path
     assert kinds == ["anchor", "delta", "delta", "anchor", "delta"]
     for s in report["steps"]:  # hash for hash, and equal to the hash of the gathered bf16 state
         assert s["hash"] == s["reference_hash"] == s["full_hash"] and s["kind"] == s["reference_kind"]
-        assert s["files"] == world
+        assert s["files"] == world + (s["kind"] == "anchor")  # an anchor: one file per owner rank + the index
     sharded, single = LocalBucket(tmp_path / "sharded"), LocalBucket(tmp_path / "single")
     manifest = read_manifest(sharded)
     assert [d.state_hash for d in manifest.deltas] == [d.state_hash for d in read_manifest(single).deltas]
-    assert all(len(d.files) == world for d in manifest.deltas) and len(manifest.newest_anchor.files) == world
+    assert all(len(d.files) == world for d in manifest.deltas)
+    _check_hugging_face_anchor(sharded, single, tmp_path / "anchor", world, report["model_bytes"])
     assert verify_bucket(sharded).ok, verify_bucket(sharded).errors
     a, b = Subscriber(sharded, max_parallel_downloads=3), Subscriber(single)
     a.sync(), b.sync()
@@ -116,40 +120,56 @@ def test_a_rank_turning_weights_non_finite_stops_every_rank_and_keeps_the_previo
     assert not any(o.key.startswith("deltas/000000000003") for o in bucket.list("deltas/"))  # nothing uploaded
 
 
-def _parts(tmp_path, tensor, cuts, **overrides):
-    """Anchor parts of one tensor cut at ``cuts`` (flat positions)."""
-    from shared.anchor_parts import write_anchor_part
-    from shared.shards import LocalSlice
+def _check_hugging_face_anchor(sharded, single, folder, world, model_bytes):
+    """The sharded anchor is a Hugging Face sharded checkpoint of whole tensors, equal to the single-process one."""
+    newest = read_manifest(sharded).newest_anchor
+    names = [f.key.rsplit("/", 1)[-1] for f in newest.files]
+    assert names == [f"model-{k:05d}-of-{world:05d}.safetensors" for k in range(1, world + 1)] + ["model.safetensors.index.json"]
+    (folder / "single").mkdir(parents=True)
+    files = []
+    for entry in newest.files:
+        files.append(folder / entry.key.rsplit("/", 1)[-1])
+        sharded.get_file(entry.key, files[-1])
+    index = json.loads(files[-1].read_text())
+    reference = {}
+    for entry in read_manifest(single).newest_anchor.files:
+        path = folder / "single" / entry.key.rsplit("/", 1)[-1]
+        single.get_file(entry.key, path)
+        if path.suffix == ".safetensors":
+            reference.update(safetensors.torch.load_file(path))
+            reference_metadata = safe_open(path, "pt").metadata()
+    seen = {}
+    for path in files[:-1]:  # plain safetensors: whole tensors under Hugging Face names, the anchor metadata
+        tensors = safetensors.torch.load_file(path)
+        assert safe_open(path, "pt").metadata() == reference_metadata == {k: v for k, v in index["metadata"].items() if k != "total_size"}
+        assert all(index["weight_map"][n] == path.name for n in tensors) and not seen.keys() & tensors.keys()
+        assert sum(t.numel() * t.element_size() for t in tensors.values()) <= model_bytes / world + max(
+            t.numel() * t.element_size() for t in reference.values())  # owners balanced by bytes
+        seen.update(tensors)
+    assert seen.keys() == reference.keys() == index["weight_map"].keys()
+    assert all(seen[n].shape == reference[n].shape and torch.equal(seen[n].view(torch.int16), reference[n].view(torch.int16)) for n in seen)
+    assert index["metadata"]["total_size"] == sum(p.stat().st_size for p in files[:-1])
 
-    bounds = [0, *cuts, tensor.numel()]
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        s = LocalSlice(tensor.reshape(-1)[a:b], overrides.get("offsets", {}).get(k, a), overrides.get("shape", tuple(tensor.shape)))
-        paths.append(write_anchor_part({"w": s}, tmp_path / f"p{k}.safetensors", step=3, state_hash="h", total=tensor.numel(),
-                                       part=overrides.get("parts_index", {}).get(k, k), parts=len(bounds) - 1))  # fmt: skip
-    return paths
 
-
-def test_anchor_parts_assemble_to_full_tensors_and_hostile_parts_are_refused(tmp_path):
-    from shared.anchor_parts import load_anchor_files
-    from shared.errors import FormatError
-
-    tensor = torch.randn(10, 7).to(torch.bfloat16)
-    state, metadata = load_anchor_files(_parts(tmp_path, tensor, [21, 50]))
-    assert torch.equal(state["w"].view(torch.int16), tensor.view(torch.int16)) and metadata["step"] == "3"
-    assert "slices" not in metadata
+def test_owners_are_balanced_and_slices_must_cover_each_tensor_exactly_once():
+    sizes = {"a": 100, "b": 60, "c": 50, "d": 40, "e": 10, "f": 0}
+    owners = assign_owners(sizes, 3)
+    assert owners == assign_owners(dict(reversed(sizes.items())), 3)  # the same on every rank, whatever the order
+    loads = [sum(sizes[n] for n, r in owners.items() if r == rank) for rank in range(3)]
+    assert loads == [100, 70, 90] and set(owners) == set(sizes)
+    numels = {"w": 70, "v": 5}
+    placement = slice_placement([{"w": (21, 29), "v": (0, 5)}, {"w": (0, 21)}, {"w": (50, 20), "v": (5, 0)}], numels)
+    assert placement == {"w": [(1, 0, 21), (0, 21, 29), (2, 50, 20)], "v": [(0, 0, 5)]}
     cases = {
-        "overlap": dict(offsets={1: 20}),
-        "hole": dict(offsets={1: 22}),
-        "huge shape": dict(shape=(1 << 40, 7)),  # refused before anything is allocated
-        "part numbers": dict(parts_index={0: 1, 1: 0}),
+        "overlap": [{"w": (0, 21)}, {"w": (20, 50)}, {"v": (0, 5)}],
+        "hole": [{"w": (0, 21)}, {"w": (22, 48)}, {"v": (0, 5)}],
+        "short": [{"w": (0, 21)}, {"w": (21, 48)}, {"v": (0, 5)}],
+        "missing tensor": [{"w": (0, 70)}],
+        "unknown tensor": [{"w": (0, 70), "v": (0, 5), "x": (0, 1)}],
     }
-    for name, overrides in cases.items():
-        with pytest.raises(FormatError):
-            load_anchor_files(_parts(tmp_path / name.replace(" ", "_"), tensor, [21, 50], **overrides))
-    with pytest.raises(FormatError):  # a part missing
-        load_anchor_files(_parts(tmp_path / "missing", tensor, [21, 50])[:2])
+    for name, tables in cases.items():
+        with pytest.raises(ValueError):
+            slice_placement(tables, numels)
 
 
 def test_delta_parts_that_overlap_are_refused(tmp_path):

@@ -3,8 +3,8 @@
 Layout of a bucket::
 
     latest.json                           the pointer: written last, after the data it names
-    anchors/000000000010-e0003/model.safetensors  (or model-0000k-of-0000n.safetensors + index)
-    anchors/000000000010-e0003/part-00001-of-00004.safetensors  a sharded trainer's parts (rank 0 of 4)
+    anchors/000000000010-e0003/model.safetensors  (or model-0000k-of-0000n.safetensors + index;
+                                          a sharded trainer writes one such file per owner rank)
     deltas/000000000011-e0003.safetensors
     deltas/000000000011-e0003/part-00001-of-00004.safetensors
     control/publisher.json                anchor policy set from any panel
@@ -51,7 +51,7 @@ def delta_key(step: int, epoch: int) -> str:
 
 
 def part_name(part: int, parts: int) -> str:
-    """File name of part ``part`` (0-based) of ``parts`` of a sharded anchor or delta."""
+    """File name of part ``part`` (0-based) of ``parts`` of a sharded delta."""
     return f"part-{part + 1:05d}-of-{parts:05d}.safetensors"
 
 

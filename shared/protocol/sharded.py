@@ -16,15 +16,24 @@ in the same round, so no rank waits forever on a failed peer):
    round-robin; one all-to-all), which merges them into the tensor's digest;
    rank 0 combines the digests into the state hash, identical to a
    single-process publisher's;
-4. *write and commit*: each rank encodes and uploads its own part file
+4. *write and commit*: each rank encodes and uploads its own delta part
    (positions in the full tensors' flat coordinates) and reports its key and
    size; once every part is confirmed, rank 0 writes the pointer naming all
    parts, then every rank updates its shadow.
 
-No rank ever holds more than its own slices. A rank that dies mid-publish makes
-the others' collectives fail before the pointer is written, so the bucket stays
-at the previous version. Part files carry the run-lock epoch in their names, so
-a trainer taken over mid-upload cannot overwrite the new trainer's files.
+An anchor is a Hugging Face-style sharded checkpoint of whole tensors, written
+without gathering: each tensor has one owner rank (:func:`shared.shards.assign_owners`,
+balanced by bytes), every rank sends its slices straight to their owners
+(point-to-point), each owner writes ``model-0000k-of-0000n.safetensors`` with
+the whole tensors it owns, and once every file is confirmed rank 0 uploads
+``model.safetensors.index.json`` and the pointer. Replicas read it as any
+sharded anchor (:func:`shared.format.load_anchor`).
+
+No rank ever holds more than its own slices and, during an anchor, the tensors
+it owns. A rank that dies mid-publish makes the others' collectives fail
+before the pointer is written, so the bucket stays at the previous version.
+Files carry the run-lock epoch in their keys, so a trainer taken over
+mid-upload cannot overwrite the new trainer's files.
 """
 
 from __future__ import annotations
@@ -40,15 +49,15 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from ..anchor_parts import write_anchor_part
-from ..detect import cast_chunk, serving_copy
+from ..detect import cast_chunk, serving_copy, serving_dtype_of
 from ..errors import SyncError
-from ..format import Change, encode_delta
+from ..format import INDEX_FILE, Change, anchor_index, anchor_metadata, encode_delta, shard_names, write_anchor_shard
 from ..hashing import combine_digests, merge_records, raw_bytes, slice_record
-from ..shards import LocalSlice, local_slices
+from ..shards import LocalSlice, assign_owners, local_slices, slice_placement
 from .lock import FencedError, RunLockedError
-from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest, anchor_folder, delta_part_key, part_name
+from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest, anchor_folder, delta_part_key
 from .publisher import PublishRecord, Publisher, check_finite_changes, check_writable, read_manifest
+from .subscriber import SCRATCH_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +82,7 @@ class ShardedPublisher(Publisher):
         bucket: Where to publish (every rank needs write access).
         group: The process group of the trainer (default: the world).
         **kwargs: As for :class:`Publisher`; ``max_shard_bytes`` is not used
-            (each rank writes one anchor part).
+            (each owner rank writes one anchor file).
     """
 
     def __init__(self, bucket, *, group: dist.ProcessGroup | None = None, **kwargs: Any) -> None:
@@ -192,9 +201,15 @@ class ShardedPublisher(Publisher):
         t1 = time.perf_counter()
         hashed = set(shapes) if plan.kind == "anchor" else changed_names
         result_hash = self._hash_slices(slices, sorted(hashed), plan.kind, state)
+        owners: dict[str, int] = {}
+        owned: dict[str, torch.Tensor] = {}
+        if plan.kind == "anchor":
+            owners, owned = self._owned_tensors(slices, state)
         t2 = time.perf_counter()
-        write = lambda: self._write_part(step, plan, slices, changes, result_hash, total)  # noqa: E731
-        manifest_json = self._round(write, lambda parts: self._commit_parts(step, plan, parts, result_hash, total))
+        write = lambda: self._write_part(step, plan, slices, changes, owners, owned, result_hash, total)  # noqa: E731
+        commit = lambda parts: self._commit_parts(step, plan, parts, owners, result_hash, total)  # noqa: E731
+        manifest_json = self._round(write, commit)
+        owned.clear()
         self.manifest = Manifest.from_json(manifest_json)
         if plan.kind == "anchor":
             self.detector.published = {n: serving_copy(s.data, self.dtype) for n, s in slices.items()}
@@ -229,10 +244,10 @@ class ShardedPublisher(Publisher):
         return out
 
     def _hash_slices(self, slices: Mapping[str, LocalSlice], names: list[str], kind: str, state: Mapping[str, torch.Tensor]) -> str:
-        """The new state hash: each tensor's records go to one owner rank (all-to-all), which merges
+        """The new state hash: each tensor's records go to its owner rank (all-to-all), which merges
         them into its digest; rank 0 combines the digests. No rank receives more than the records of
         the tensors it owns."""
-        owner = {name: i % self.world for i, name in enumerate(names)}
+        owner = assign_owners({n: state[n].numel() * _itemsize(state[n], self.dtype) for n in names}, self.world)
         outgoing: list[dict[str, Any]] = [{} for _ in range(self.world)]
 
         def records() -> None:
@@ -274,10 +289,48 @@ class ShardedPublisher(Publisher):
             start += size
         return out
 
+    def _owned_tensors(self, slices: Mapping[str, LocalSlice], state: Mapping[str, torch.Tensor]) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
+        """Every tensor's owner, and the whole tensors (serving dtype) this rank owns.
+
+        Rank 0 checks that the ranks' slices cover every tensor exactly once; then
+        every rank sends each slice straight to the tensor's owner, which receives
+        it in place (point-to-point, one message per slice), so a rank holds only
+        its own slices and the tensors it owns.
+        """
+        dtypes = {n: serving_dtype_of(t, self.dtype) for n, t in state.items()}
+        numels = {n: t.numel() for n, t in state.items()}
+        owners = assign_owners({n: numels[n] * _itemsize(t, self.dtype) for n, t in state.items()}, self.world)
+        device = next((s.data.device for s in slices.values()), torch.device("cpu"))
+        serving: dict[str, torch.Tensor] = {}
+        owned: dict[str, torch.Tensor] = {}
+
+        def prepare() -> dict[str, tuple[int, int]]:
+            serving.update({n: cast_chunk(s.data, self.dtype).contiguous() for n, s in slices.items()})
+            owned.update({n: torch.empty(numels[n], dtype=dtypes[n], device=device) for n, r in owners.items() if r == self.rank})
+            return {n: (s.offset, s.data.numel()) for n, s in slices.items()}
+
+        placement = self._round(prepare, lambda tables: slice_placement(tables, numels))
+        works = []
+        for tag, name in enumerate(sorted(placement)):
+            owner = owners[name]
+            for rank, offset, count in placement[name]:
+                if rank == self.rank and owner == self.rank:
+                    owned[name][offset : offset + count] = serving[name]
+                elif rank == self.rank:
+                    works.append(dist.isend(serving[name].view(torch.uint8), group=self.group, group_dst=owner, tag=tag))
+                elif owner == self.rank:
+                    target = owned[name][offset : offset + count].view(torch.uint8)
+                    works.append(dist.irecv(target, group=self.group, group_src=rank, tag=tag))
+        for work in works:
+            work.wait()
+        return owners, {n: t.view(tuple(state[n].shape)) for n, t in owned.items()}
+
     def _write_part(
-        self, step: int, plan: _Plan, slices: Mapping[str, LocalSlice], changes: Mapping[str, Change], result_hash: str, total: int
-    ) -> dict[str, Any]:
-        """Encode and upload this rank's part(s) (positions in global coordinates); return their keys and sizes."""
+        self, step: int, plan: _Plan, slices: Mapping[str, LocalSlice], changes: Mapping[str, Change],
+        owners: Mapping[str, int], owned: Mapping[str, torch.Tensor], result_hash: str, total: int,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Encode and upload this rank's delta part (positions in global coordinates) and, at an anchor,
+        its anchor file (the whole tensors it owns); return their keys and sizes."""
         report: dict[str, Any] = {"changed": sum(c.index.size for c in changes.values())}
         if plan.kind == "delta" or plan.companion:
             assert self.manifest is not None
@@ -289,20 +342,20 @@ class ShardedPublisher(Publisher):
             key = delta_part_key(step, plan.epoch, self.rank, self.world)
             self.bucket.put(key, data)
             report["delta"] = FileEntry(key, len(data))
-        if plan.kind == "anchor":
-            serving = {n: dataclasses.replace(s, data=cast_chunk(s.data, self.dtype)) for n, s in slices.items()}
-            key = f"{anchor_folder(step, plan.epoch)}/{part_name(self.rank, self.world)}"
-            with tempfile.TemporaryDirectory(prefix="rlsync-anchor-part-") as tmp:
-                path = write_anchor_part(
-                    serving, Path(tmp) / "part.safetensors", step=step, state_hash=result_hash, total=total,
-                    part=self.rank, parts=self.world,
-                )  # fmt: skip
+        if owned:
+            name = _anchor_file_names(owners)[self.rank]
+            key = f"{anchor_folder(step, plan.epoch)}/{name}"
+            metadata = anchor_metadata(step=step, state_hash=result_hash, total=total)
+            with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX) as tmp:
+                path = write_anchor_shard(owned, Path(tmp) / name, metadata=metadata)
                 self.bucket.put_file(key, path)
                 report["anchor"] = FileEntry(key, path.stat().st_size)
         return report
 
-    def _commit_parts(self, step: int, plan: _Plan, parts: list[dict[str, Any]], result_hash: str, total: int) -> bytes:
-        """Rank 0: every part is confirmed; write the pointer naming them all."""
+    def _commit_parts(
+        self, step: int, plan: _Plan, parts: list[dict[str, Any]], owners: Mapping[str, int], result_hash: str, total: int
+    ) -> bytes:
+        """Rank 0: every part is confirmed; write the anchor's index (if sharded), then the pointer naming them all."""
         changed = sum(p["changed"] for p in parts)
         deltas: tuple[DeltaEntry, ...] = ()
         if "delta" in parts[0]:
@@ -310,7 +363,17 @@ class ShardedPublisher(Publisher):
             files = [p["delta"] for p in parts]
             deltas = (DeltaEntry(step, self.manifest.step, result_hash, files[0], changed, total, tuple(files[1:])),)
         if plan.kind == "anchor":
-            anchor = AnchorEntry(step, result_hash, tuple(p["anchor"] for p in parts))
+            files = [p["anchor"] for p in parts if "anchor" in p]  # in rank order: the shard files' order
+            if len(files) > 1:
+                names = _anchor_file_names(owners)
+                index = anchor_index(
+                    {n: names[r] for n, r in owners.items()}, anchor_metadata(step=step, state_hash=result_hash, total=total),
+                    total_size=sum(f.size for f in files),
+                )  # fmt: skip
+                key = f"{anchor_folder(step, plan.epoch)}/{INDEX_FILE}"
+                self.bucket.put(key, index)
+                files.append(FileEntry(key, len(index)))
+            anchor = AnchorEntry(step, result_hash, tuple(files))
             if self.manifest is None:
                 manifest = Manifest(step, result_hash, (anchor,), (), run_id=self.run_id)
             else:
@@ -324,6 +387,12 @@ class ShardedPublisher(Publisher):
         self._commit(manifest)
         assert self.manifest is not None
         return self.manifest.to_json()
+
+
+def _anchor_file_names(owners: Mapping[str, int]) -> dict[int, str]:
+    """Owner rank -> its anchor file's name: the ranks that own tensors, in order, named as Hugging Face shards."""
+    writers = sorted(set(owners.values()))
+    return dict(zip(writers, shard_names(len(writers))))
 
 
 def _itemsize(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:

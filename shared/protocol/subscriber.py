@@ -34,9 +34,8 @@ import torch
 
 from ..bucket import Bucket, ObjectNotFoundError, ObjectTooLargeError
 from ..errors import ChainError, FormatError, HashMismatchError, SyncError
-from ..anchor_parts import load_anchor_files
 from ..files import age_out
-from ..format import FORMAT_VERSION, decode_delta
+from ..format import FORMAT_VERSION, decode_delta, load_anchor
 from ..hashing import combine_digests, tensor_digest
 from ..patch import TensorPatch, gather, scatter_
 from .manifest import MAX_POINTER_BYTES, POINTER_KEY, AnchorEntry, DeltaEntry, FileEntry, Manifest
@@ -243,7 +242,7 @@ class Subscriber:
         try:
             files = list(self._downloads.map(lambda f: self._get_anchor_file(entry, f, folder), entry.files))
             t1 = time.perf_counter()
-            tensors, metadata = load_anchor_files(files)
+            tensors, metadata = load_anchor(files)
             if metadata.get("step") != str(entry.step) or metadata.get("state_hash") != entry.state_hash:
                 raise FormatError(f"anchor {entry.step}: metadata disagrees with the pointer")
             if self.state and not _same_schema(self.state, tensors):
