@@ -258,8 +258,9 @@ def print_simulation(rate: float, bpc: dict, rows: list[dict], sim: dict = SIM) 
         print(f"{r['changed_pct']:>5.0f} {r['layout']:>6} {r['delta_gib']:>9.1f} {r['ranks']:>5} {r['part_mib']:>13.1f} "
               f"{r['publish_s']:>9.1f} " + " ".join(f"{r[f'catchup_{n}_s']:>20.1f}" for n in reps))  # fmt: skip
     a = anchor_times(sim)
-    print(f"parts per rank: 1 per delta; 2 at an anchor (its part + the companion delta part). A sharded anchor "
-          f"(2 TB, {a['ranks']} parts) uploads in {a['upload_s']:.1f} s; one new replica downloads it in "
+    print(f"files per rank: 1 delta part per delta; at an anchor also one file of the whole tensors it owns (about "
+          f"1/ranks of the model, received from the other ranks over the interconnect, not modelled). A sharded anchor "
+          f"(2 TB, {a['ranks']} files + index) uploads in {a['upload_s']:.1f} s; one new replica downloads it in "
           f"{a['replica_download_s']:.0f} s at {sim['replica_download_gbs']} GB/s.")  # fmt: skip
 
 
