@@ -24,18 +24,19 @@ from shared.protocol.sharded import ShardedPublisher
 
 class DyingBucket(LocalBucket):
     """A local bucket whose process dies (as if killed) when it is about to upload ``die_on``,
-    and whose first upload of ``fail_once_on`` fails."""
+    and whose first upload of a key containing each of ``fail_once_on`` fails."""
 
-    def __init__(self, root, die_on: str = "", fail_once_on: str = "") -> None:
+    def __init__(self, root, die_on: str = "", fail_once_on: tuple[str, ...] = ()) -> None:
         super().__init__(root)
-        self.die_on, self.fail_once_on = die_on, fail_once_on
+        self.die_on, self.fail_once_on = die_on, list(fail_once_on)
 
     def _maybe_die(self, key: str) -> None:
         if self.die_on and self.die_on in key:
             os._exit(9)
-        if self.fail_once_on and self.fail_once_on in key:
-            self.fail_once_on = ""
-            raise BucketError(f"injected upload failure of {key}")
+        for part in self.fail_once_on:
+            if part in key:
+                self.fail_once_on.remove(part)
+                raise BucketError(f"injected upload failure of {key}")
 
     def put(self, key, data):
         self._maybe_die(key)
@@ -80,7 +81,7 @@ def run(rank: int, world: int, port: int, bucket_dir: str, results: str, steps: 
     model = build_sharded_model(world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     faulty = rank == options.get("fault_rank", -1)
-    bucket = DyingBucket(bucket_dir, options.get("die_on", "") if faulty else "", options.get("fail_once_on", "") if faulty else "")
+    bucket = DyingBucket(bucket_dir, options.get("die_on", "") if faulty else "", tuple(options.get("fail_once_on", ())) if faulty else ())
     publisher = ShardedPublisher(bucket, policy=FixedInterval(options.get("anchor_every", 3)), owner="trainer")
     if options.get("resume"):
         publisher.resume()

@@ -100,9 +100,12 @@ def test_rank_killed_mid_publish_leaves_the_previous_version_and_a_restarted_gro
     follower = Subscriber(bucket)
     follower.sync()
     assert follower.step == 2 and follower.fetch() is None  # replicas serve step 2, nothing half-written shows
-    # restarted; rank 1's first upload of delta 4 fails: every rank gets an error, the pointer stays, the retry lands
-    report = _spawn(2, bucket_dir, tmp_path / "r2.json", [3, 4], resume=True, fault_rank=1, fail_once_on="deltas/000000000004")
-    assert [s.get("kind", s.get("failed")) for s in report["steps"]] == ["anchor", "ShardedPublishError", "delta"]  # resumed: anchor first
+    # restarted; rank 1's first uploads of its anchor file of step 3 and of its part of delta 4 fail:
+    # every rank gets an error, the pointer stays, the retry lands
+    fail = ["anchors/000000000003", "deltas/000000000004"]
+    report = _spawn(2, bucket_dir, tmp_path / "r2.json", [3, 4], resume=True, fault_rank=1, fail_once_on=fail)
+    kinds = [s.get("kind", s.get("failed")) for s in report["steps"]]
+    assert kinds == ["ShardedPublishError", "anchor", "ShardedPublishError", "delta"]  # resumed: anchor first
     manifest = read_manifest(bucket)
     assert manifest.step == 4 and manifest.state_hash == report["steps"][-1]["full_hash"]
     assert all("-e0002/" in f.key for f in manifest.delta_after(3).files)  # the restarted group's own epoch

@@ -12,8 +12,8 @@ in the same round, so no rank waits forever on a failed peer):
    published bits of its slices only); rank 0 unites the changed tensors' names;
 3. *hash*: each rank sends the state-hash records of its slices of those tensors
    (:func:`shared.hashing.slice_record`: a few digests and at most two partial
-   16 KiB leaves per tensor) to the tensor's owner rank (tensors are dealt out
-   round-robin; one all-to-all), which merges them into the tensor's digest;
+   16 KiB leaves per tensor) to the tensor's owner rank (owners balanced by
+   bytes; one all-to-all), which merges them into the tensor's digest;
    rank 0 combines the digests into the state hash, identical to a
    single-process publisher's;
 4. *write and commit*: each rank encodes and uploads its own delta part
@@ -396,7 +396,7 @@ def _anchor_file_names(owners: Mapping[str, int]) -> dict[int, str]:
 
 
 def _itemsize(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
-    return torch.empty((), dtype=dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype).element_size()
+    return torch.empty((), dtype=serving_dtype_of(tensor, dtype)).element_size()
 
 
 def _to_global(change: Change, s: LocalSlice) -> Change:
