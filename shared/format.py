@@ -423,7 +423,8 @@ def write_anchor_shard(tensors: Mapping[str, torch.Tensor], path: str | Path, *,
     Returns:
         ``path``.
     """
-    safetensors.torch.save_file({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, str(path), metadata=dict(metadata))
+    cpu = {n: t.detach().cpu().contiguous() for n, t in tensors.items()}
+    safetensors.torch.save_file(cpu, str(path), metadata=dict(metadata))
     return Path(path)
 
 
@@ -451,7 +452,8 @@ def write_anchor(
         files.append(write_anchor_shard({n: state[n] for n in names}, folder / fname, metadata=metadata))
         weight_map.update({n: fname for n in names})
     if len(groups) > 1:
-        (folder / INDEX_FILE).write_bytes(anchor_index(weight_map, metadata, total_size=sum(f.stat().st_size for f in files)))
+        total_size = sum(f.stat().st_size for f in files)
+        (folder / INDEX_FILE).write_bytes(anchor_index(weight_map, metadata, total_size=total_size))
         files.append(folder / INDEX_FILE)
     return files
 

@@ -114,7 +114,9 @@ def assign_owners(sizes: Mapping[str, int], world: int) -> dict[str, int]:
     return owners
 
 
-def slice_placement(tables: list[Mapping[str, tuple[int, int]]], numels: Mapping[str, int]) -> dict[str, list[tuple[int, int, int]]]:
+def slice_placement(
+    tables: list[Mapping[str, tuple[int, int]]], numels: Mapping[str, int]
+) -> dict[str, list[tuple[int, int, int]]]:
     """Check that the ranks' slices cover every tensor exactly once, and say who holds what.
 
     Args:
@@ -139,7 +141,9 @@ def slice_placement(tables: list[Mapping[str, tuple[int, int]]], numels: Mapping
         end = 0
         for rank, offset, count in runs:
             if offset != end:
-                raise ValueError(f"{name}: rank {rank}'s slice at {offset} overlaps or leaves elements {end}..{offset} uncovered")
+                raise ValueError(
+                    f"{name}: rank {rank}'s slice at {offset} overlaps or leaves elements {end}..{offset} uncovered"
+                )
             end = offset + count
         if end != numels[name]:
             raise ValueError(f"{name}: the ranks' slices cover {end} of {numels[name]} elements")

@@ -289,7 +289,9 @@ class ShardedPublisher(Publisher):
             start += size
         return out
 
-    def _owned_tensors(self, slices: Mapping[str, LocalSlice], state: Mapping[str, torch.Tensor]) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
+    def _owned_tensors(
+        self, slices: Mapping[str, LocalSlice], state: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
         """Every tensor's owner, and the whole tensors (serving dtype) this rank owns.
 
         Rank 0 checks that the ranks' slices cover every tensor exactly once; then
@@ -306,7 +308,8 @@ class ShardedPublisher(Publisher):
 
         def prepare() -> dict[str, tuple[int, int]]:
             serving.update({n: cast_chunk(s.data, self.dtype).contiguous() for n, s in slices.items()})
-            owned.update({n: torch.empty(numels[n], dtype=dtypes[n], device=device) for n, r in owners.items() if r == self.rank})
+            mine = [n for n, r in owners.items() if r == self.rank]
+            owned.update({n: torch.empty(numels[n], dtype=dtypes[n], device=device) for n in mine})
             return {n: (s.offset, s.data.numel()) for n, s in slices.items()}
 
         placement = self._round(prepare, lambda tables: slice_placement(tables, numels))
@@ -317,7 +320,8 @@ class ShardedPublisher(Publisher):
                 if rank == self.rank and owner == self.rank:
                     owned[name][offset : offset + count] = serving[name]
                 elif rank == self.rank:
-                    works.append(dist.isend(serving[name].view(torch.uint8), group=self.group, group_dst=owner, tag=tag))
+                    source = serving[name].view(torch.uint8)
+                    works.append(dist.isend(source, group=self.group, group_dst=owner, tag=tag))
                 elif owner == self.rank:
                     target = owned[name][offset : offset + count].view(torch.uint8)
                     works.append(dist.irecv(target, group=self.group, group_src=rank, tag=tag))
@@ -353,8 +357,9 @@ class ShardedPublisher(Publisher):
         return report
 
     def _commit_parts(
-        self, step: int, plan: _Plan, parts: list[dict[str, Any]], owners: Mapping[str, int], result_hash: str, total: int
-    ) -> bytes:
+        self, step: int, plan: _Plan, parts: list[dict[str, Any]], owners: Mapping[str, int], result_hash: str,
+        total: int,
+    ) -> bytes:  # fmt: skip
         """Rank 0: every part is confirmed; write the anchor's index (if sharded), then the pointer naming them all."""
         changed = sum(p["changed"] for p in parts)
         deltas: tuple[DeltaEntry, ...] = ()
@@ -366,10 +371,9 @@ class ShardedPublisher(Publisher):
             files = [p["anchor"] for p in parts if "anchor" in p]  # in rank order: the shard files' order
             if len(files) > 1:
                 names = _anchor_file_names(owners)
-                index = anchor_index(
-                    {n: names[r] for n, r in owners.items()}, anchor_metadata(step=step, state_hash=result_hash, total=total),
-                    total_size=sum(f.size for f in files),
-                )  # fmt: skip
+                metadata = anchor_metadata(step=step, state_hash=result_hash, total=total)
+                weight_map = {n: names[r] for n, r in owners.items()}
+                index = anchor_index(weight_map, metadata, total_size=sum(f.size for f in files))
                 key = f"{anchor_folder(step, plan.epoch)}/{INDEX_FILE}"
                 self.bucket.put(key, index)
                 files.append(FileEntry(key, len(index)))
