@@ -43,8 +43,11 @@ def serving_dtype_of(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.d
 
 
 def serving_copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A contiguous copy of ``tensor`` in its serving dtype, on its own device."""
-    return cast_chunk(tensor.detach(), dtype).clone().contiguous()
+    """A contiguous copy of ``tensor`` in its serving dtype, on its own device (a cast already copies)."""
+    cast = cast_chunk(tensor.detach(), dtype)
+    if cast.data_ptr() == tensor.data_ptr():
+        cast = cast.clone()
+    return cast.contiguous()
 
 
 def changed_elements(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -52,7 +52,7 @@ class LocalBucket(Bucket):
 
     def put_file(self, key: str, path: str | Path) -> None:
         with open(path, "rb") as src:
-            self._write_atomic(key, lambda f: shutil.copyfileobj(src, f, 1 << 24))
+            self._write_atomic(key, lambda f: shutil.copyfileobj(src, f, 1 << 20))  # 1 MiB: memory stays flat
 
     def get(self, key: str) -> bytes:
         try:

@@ -219,6 +219,15 @@ class Publisher:
             logger.info("anchor policy now %s", policy.settings())
             self.policy = policy
 
+    def _check_step(self, step: int) -> None:
+        """Take or check the run lock and refuse a step that does not continue this publisher's chain."""
+        if self.manifest is None and not self._resumed and read_manifest(self.bucket) is not None:
+            raise SyncError(f"{self.bucket.url} already holds a published run; call resume() or use an empty bucket")
+        self._lock()
+        self._check_pointer()
+        if self.step is not None and step <= self.step:
+            raise SyncError(f"step {step} does not advance past the published step {self.step}")
+
     def publish(self, step: int, state: Mapping[str, torch.Tensor]) -> PublishRecord:
         """Publish ``state`` as version ``step``.
 
@@ -239,12 +248,7 @@ class Publisher:
             BucketError: the bucket failed; the previous version stays published
                 and the publish may be retried.
         """
-        if self.manifest is None and not self._resumed and read_manifest(self.bucket) is not None:
-            raise SyncError(f"{self.bucket.url} already holds a published run; call resume() or use an empty bucket")
-        self._lock()
-        self._check_pointer()
-        if self.step is not None and step <= self.step:
-            raise SyncError(f"step {step} does not advance past the published step {self.step}")
+        self._check_step(step)
         self._refresh_policy()
         anchor = (
             self.manifest is None
@@ -268,12 +272,9 @@ class Publisher:
                 published tensors with their shapes and dtypes.
             RunLockedError, FencedError, BucketError: as :meth:`publish`.
         """
+        self._check_step(step)
         if self.manifest is None or self.detector.published is None:
-            return self.publish(step, {name: serving_copy(t, self.dtype) for name, t in tensors})
-        self._lock()
-        self._check_pointer()
-        if step <= self.manifest.step:
-            raise SyncError(f"step {step} does not advance past the published step {self.manifest.step}")
+            return self._publish_anchor(step, {name: serving_copy(t, self.dtype) for name, t in tensors}, owned=True)
         t0 = time.perf_counter()
         changes: dict[str, Change] = {}
         digests: dict[str, bytes] = {}
@@ -295,7 +296,7 @@ class Publisher:
             raise SyncError(f"the publish of step {step} lacks {len(missing)} published tensor(s), e.g. {sorted(missing)[0]!r}")
         self._refresh_policy()
         if self.policy.wants_anchor(self.manifest):
-            return self._publish_anchor(step, PatchedState(self.detector.published, changes))
+            return self._publish_anchor(step, PatchedState(self.detector.published, changes), owned=True)
         old_digests, self._digests = self._digests, digests
         total = sum(t.numel() for t in self.detector.published.values())
         hash_s = time.perf_counter() - t0 - encode_s
@@ -353,11 +354,12 @@ class Publisher:
             catchup_bytes=self.manifest.catchup_bytes(), keys=[key],
         )  # fmt: skip
 
-    def _publish_anchor(self, step: int, state: Mapping[str, torch.Tensor]) -> PublishRecord:
+    def _publish_anchor(self, step: int, state: Mapping[str, torch.Tensor], owned: bool = False) -> PublishRecord:
         """Write a full anchor; when the state continues the published one, also a companion
-        delta of the same step, so that replicas keeping up never need to download anchors."""
+        delta of the same step, so that replicas keeping up never need to download anchors.
+        ``owned``: ``state`` holds contiguous serving-dtype tensors nobody else modifies, kept without a copy."""
         t0 = time.perf_counter()
-        serving = {n: serving_copy(t, self.dtype) for n, t in state.items()}
+        serving = dict(state) if owned else {n: serving_copy(t, self.dtype) for n, t in state.items()}
         self._digests = {}
         result_hash = self._hash(serving, serving)
         t1 = time.perf_counter()

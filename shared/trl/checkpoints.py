@@ -43,6 +43,8 @@ MARKER = "COMPLETE.json"
 DEFAULT_MAX_FILE_BYTES = 64 * 1024**3
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _PICKLED = (".pt", ".pth", ".bin")
+#: Written by ``Trainer`` but not read on resume; a full pickle (not loadable with ``weights_only``), so not uploaded.
+SKIPPED_FILES = ("training_args.bin",)
 
 
 class CheckpointError(ValueError):
@@ -95,7 +97,7 @@ class BucketCheckpoints:
         target = checkpoint_folder(step, self.prefix)
         files = {}
         for path in sorted(Path(folder).iterdir()):
-            if not path.is_file() or not _FILE_NAME.fullmatch(path.name) or path.name == MARKER:
+            if not path.is_file() or not _FILE_NAME.fullmatch(path.name) or path.name in (MARKER, *SKIPPED_FILES):
                 continue
             self.bucket.put_file(f"{target}/{path.name}", path)
             files[path.name] = path.stat().st_size

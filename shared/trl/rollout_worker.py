@@ -152,9 +152,7 @@ class BucketRolloutWorker:
         """Start polling the bucket (TRL calls this after the initial weight sync)."""
         if self._thread is not None and self._thread.is_alive():
             return
-        if self.version_offset is None:
-            manifest = read_manifest(self.bucket)
-            self.version_offset = (manifest.step if manifest else 0) - self.model_version
+        self.align_versions()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="bucket-rollouts", daemon=True)
         self._thread.start()
@@ -164,6 +162,13 @@ class BucketRolloutWorker:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+
+    def align_versions(self) -> None:
+        """Fix the offset between bucket and trainer versions: the live bucket version is the
+        trainer's current one (TRL has just synced when it calls :meth:`start`)."""
+        if self.version_offset is None:
+            manifest = read_manifest(self.bucket)
+            self.version_offset = (manifest.step if manifest else 0) - self.model_version
 
     def update_model_version(self, model_version: int) -> None:
         """The trainer's current policy version (its own numbering)."""
