@@ -42,9 +42,9 @@ from env_space import app as env_app
 from env_space.simulator import EnvConfig
 from rollout_space import app as rollout_app
 from rollout_space.replica import ReplicaConfig
-from shared import ui
+from shared.spaces import components, frames, role_control, snapshots
 from shared.bucket import Bucket, open_bucket
-from shared.exchange import METRICS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX, STATUS_PREFIX, TASKS_PREFIX
+from shared.spaces.exchange import METRICS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX, STATUS_PREFIX, TASKS_PREFIX
 from shared.protocol.lock import LOCK_KEY
 from shared.protocol.manifest import ANCHOR_PREFIX, CONTROL_KEY, DELTA_PREFIX, POINTER_KEY
 from trainer_space import app as trainer_app
@@ -127,7 +127,7 @@ class Stack:
         self.rollout = rollout_app.make_runner()
 
     @property
-    def runners(self) -> list[ui.RoleRunner]:
+    def runners(self) -> list[role_control.RoleRunner]:
         return [self.trainer, self.env, self.rollout]
 
     def start_all(self) -> str:
@@ -152,11 +152,11 @@ class Stack:
         return " · ".join(r.status() for r in self.runners)
 
 
-def progress_line(snap: ui.Snapshot) -> str:
+def progress_line(snap: snapshots.Snapshot) -> str:
     """One log line of the run's progress, from a bucket snapshot."""
     parts = []
     if snap.manifest is not None:
-        pubs = ui.publish_frame(snap)
+        pubs = frames.publish_frame(snap)
         anchors = int((pubs["kind"] == "anchor").sum())
         parts.append(f"version {snap.manifest.step} ({anchors} anchors, {len(pubs) - anchors} deltas published)")
         deltas = pubs[pubs["kind"] == "delta"]
@@ -164,7 +164,7 @@ def progress_line(snap: ui.Snapshot) -> str:
             parts.append(f"last delta {deltas['KB'].iloc[-1]:.0f} KB ({deltas['changed_pct'].iloc[-1]:.1f}% changed)")
     else:
         parts.append("nothing published yet")
-    rewards = ui.reward_frame(snap)
+    rewards = frames.reward_frame(snap)
     env = rewards[rewards["source"] == "env"]
     if len(env):
         head, tail = env.head(10), env.tail(10)
@@ -179,7 +179,7 @@ def progress_line(snap: ui.Snapshot) -> str:
 
 def log_progress(stack: Stack, stop: threading.Event, every: float = PROGRESS_EVERY_S) -> None:
     """Log :func:`progress_line` every ``every`` seconds while any role runs."""
-    view = ui.bucket_view(stack.bucket)
+    view = snapshots.bucket_view(stack.bucket)
     while not stop.wait(every):
         if any(r.running for r in stack.runners):
             logger.info("progress: %s", progress_line(view.snapshot()))
@@ -199,7 +199,7 @@ def build_app(stack: Stack) -> gr.Blocks:
             "rollout replicas follow them bit-exactly; an environment hands out tasks and scores completions. "
             f"Bucket: `{url}`."
         )
-        timers = {name: gr.Timer(ui.REFRESH_S, active=(name == "overview")) for name in names}
+        timers = {name: gr.Timer(components.REFRESH_S, active=(name == "overview")) for name in names}
         with gr.Tabs():
             with gr.Tab("Overview", id="overview", elem_id="tab-overview") as overview:
                 with gr.Row():
@@ -208,14 +208,14 @@ def build_app(stack: Stack) -> gr.Blocks:
                 status = gr.Markdown(stack.status(), elem_id="overview-status")
                 start.click(stack.start_all, outputs=status)
                 stop.click(lambda: stack.stop_all(wait=False), outputs=status)
-                with ui.Live(url, timers["overview"]) as live:
+                with components.Live(url, timers["overview"]) as live:
                     live.add(status, lambda view, snap: stack.status())
-                    ui.summary_line(live, ui.trainer_summary, elem_id="overview-trainer-summary")
-                    ui.summary_line(live, ui.env_summary, elem_id="overview-env-summary")
+                    components.summary_line(live, frames.trainer_summary, elem_id="overview-trainer-summary")
+                    components.summary_line(live, frames.env_summary, elem_id="overview-env-summary")
                     with gr.Row():
-                        ui.reward_plot(live, prefix="overview-")
-                        ui.size_plot(live, prefix="overview-")
-                    ui.fleet_table(live, prefix="overview-")
+                        components.reward_plot(live, prefix="overview-")
+                        components.size_plot(live, prefix="overview-")
+                    components.fleet_table(live, prefix="overview-")
             with gr.Tab("Trainer", id="trainer", elem_id="tab-trainer") as trainer_tab:
                 trainer_app.build_panel(
                     stack.trainer, stack.trainer_config, bucket_url=url, timer=timers["trainer"], prefix="trainer-"
@@ -251,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     stack = Stack(args.bucket, args.replicas, environment=args.environment, max_steps=args.max_steps)
     demo = build_app(stack)
-    options: dict[str, Any] = {**ui.launch_options(), "server_port": args.port}
+    options: dict[str, Any] = {**components.launch_options(), "server_port": args.port}
     demo.launch(prevent_thread_lock=True, **options)  # first, so a busy port stops us before any role runs
     logger.info(
         "panel on http://%s:%d",

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.soak import CHILD_TIMEOUT_S, Journal, mp_context, read_journal, wait_for
+from benchmarks.soak.processes import CHILD_TIMEOUT_S, Journal, mp_context, read_journal, wait_for
 from shared.bucket import LocalBucket
 from shared.hashing import state_hash
 from shared.protocol import POINTER_KEY, FixedInterval, Publisher, Subscriber

@@ -96,7 +96,7 @@ def write_model_folder(path: Path, config: dict[str, Any], state: dict[str, torc
     from safetensors.torch import save_file
     from transformers import Qwen3Config
 
-    from shared.tiny_model import build_tokenizer
+    from shared.spaces.tiny_model import build_tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
     Qwen3Config(**config, dtype="bfloat16", architectures=["Qwen3ForCausalLM"]).save_pretrained(path)

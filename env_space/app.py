@@ -33,20 +33,20 @@ import gradio as gr
 
 from env_space.environments import list_environments
 from env_space.simulator import EnvConfig, EnvSimulator
-from shared import ui
+from shared.spaces import components, forms, frames, role_control, snapshots
 
 logger = logging.getLogger(__name__)
 
 
-def make_runner() -> ui.RoleRunner:
+def make_runner() -> role_control.RoleRunner:
     """A runner hosting one :class:`EnvSimulator`."""
-    return ui.RoleRunner("env", lambda config: [EnvSimulator(config)])
+    return role_control.RoleRunner("env", lambda config: [EnvSimulator(config)])
 
 
 def build_panel(
-    runner: ui.RoleRunner,
+    runner: role_control.RoleRunner,
     config: EnvConfig,
-    bucket_url: ui.BucketSource | None = None,
+    bucket_url: snapshots.BucketSource | None = None,
     timer: Any | None = None,
     prefix: str = "",
 ) -> dict[str, Any]:
@@ -64,19 +64,19 @@ def build_panel(
         The main components by name.
     """
     current = {"url": config.bucket}
-    live = ui.Live(bucket_url if bucket_url is not None else (lambda: current["url"]), timer)
+    live = components.Live(bucket_url if bucket_url is not None else (lambda: current["url"]), timer)
     skip = ("bucket",) if bucket_url is not None else ()
     envs = list_environments()
     with gr.Accordion("Environment settings", open=bucket_url is None):
-        form = ui.config_form(
+        form = forms.config_form(
             config, overrides={"environment": lambda **kw: gr.Dropdown(envs, **kw)}, skip=skip, prefix=prefix
         )
 
     def make_config(*values: Any) -> EnvConfig:
-        return ui.config_from_form(config, list(form), values)
+        return forms.config_from_form(config, list(form), values)
 
     with live:
-        controls = ui.role_controls(
+        controls = components.role_controls(
             runner,
             make_config,
             list(form.values()),
@@ -84,13 +84,13 @@ def build_panel(
             on_started=lambda c: current.update(url=c.bucket),
             prefix=prefix,
         )
-        summary = ui.summary_line(live, ui.env_summary, elem_id=f"{prefix}env-summary")
-        reward = ui.reward_plot(live, prefix=prefix)
-        episodes = ui.episodes_table(live, prefix=prefix)
+        summary = components.summary_line(live, frames.env_summary, elem_id=f"{prefix}env-summary")
+        reward = components.reward_plot(live, prefix=prefix)
+        episodes = components.episodes_table(live, prefix=prefix)
     return {**controls, "form": form, "summary": summary, "reward": reward, "episodes": episodes, "live": live}
 
 
-def build_app(config: EnvConfig | None = None, runner: ui.RoleRunner | None = None) -> gr.Blocks:
+def build_app(config: EnvConfig | None = None, runner: role_control.RoleRunner | None = None) -> gr.Blocks:
     """The environment Space's panel as a ``gr.Blocks`` (not launched).
 
     Args:
@@ -108,7 +108,7 @@ def build_app(config: EnvConfig | None = None, runner: ui.RoleRunner | None = No
 def main() -> None:
     """Launch the environment panel (``GRADIO_SERVER_NAME``, ``PORT``, ``PANEL_AUTH``)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    build_app().launch(**ui.launch_options())
+    build_app().launch(**components.launch_options())
 
 
 if __name__ == "__main__":

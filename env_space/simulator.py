@@ -14,7 +14,7 @@ import threading
 import time
 
 from shared.bucket import Bucket, BucketError, open_bucket
-from shared.exchange import (
+from shared.spaces.exchange import (
     ROLLOUTS_PREFIX,
     SCORES_PREFIX,
     TASKS_PREFIX,
@@ -28,7 +28,7 @@ from shared.exchange import (
     task_key,
     write_samples,
 )
-from shared.settings import from_env
+from shared.spaces.settings import from_env
 
 from .environments import Environment, Task, get_environment
 

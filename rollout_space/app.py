@@ -32,7 +32,7 @@ from typing import Any
 import gradio as gr
 
 from rollout_space.replica import Replica, ReplicaConfig, default_replica_id
-from shared import ui
+from shared.spaces import components, forms, role_control, snapshots
 
 logger = logging.getLogger(__name__)
 
@@ -51,21 +51,21 @@ def build_replicas(config: ReplicaConfig, count: int = 1) -> list[Replica]:
     return [Replica(dataclasses.replace(config, replica_id=f"{base}-{i}", seed=config.seed + i)) for i in range(count)]
 
 
-def make_runner() -> ui.RoleRunner:
+def make_runner() -> role_control.RoleRunner:
     """A runner hosting replicas; start it with ``(ReplicaConfig, count)``."""
-    return ui.RoleRunner("rollout", lambda spec: build_replicas(*spec))
+    return role_control.RoleRunner("rollout", lambda spec: build_replicas(*spec))
 
 
-def hosted_ids(runner: ui.RoleRunner) -> list[str]:
+def hosted_ids(runner: role_control.RoleRunner) -> list[str]:
     """Ids of the replicas ``runner`` hosts (empty before Start)."""
     return [obj.replica_id for obj in runner.objects if isinstance(obj, Replica)]
 
 
 def build_panel(
-    runner: ui.RoleRunner,
+    runner: role_control.RoleRunner,
     config: ReplicaConfig,
     count: int = 1,
-    bucket_url: ui.BucketSource | None = None,
+    bucket_url: snapshots.BucketSource | None = None,
     timer: Any | None = None,
     prefix: str = "",
 ) -> dict[str, Any]:
@@ -84,13 +84,13 @@ def build_panel(
         The main components by name.
     """
     current = {"url": config.bucket}
-    live = ui.Live(bucket_url if bucket_url is not None else (lambda: current["url"]), timer)
+    live = components.Live(bucket_url if bucket_url is not None else (lambda: current["url"]), timer)
     skip = ("bucket",) if bucket_url is not None else ()
     with gr.Accordion("Replica settings", open=False):
         replicas = gr.Number(
             count, precision=0, minimum=1, label="replicas in this process", elem_id=f"{prefix}cfg-replicas"
         )
-        form = ui.config_form(
+        form = forms.config_form(
             config,
             overrides={"engine": lambda **kw: gr.Dropdown(["transformers", "vllm"], **kw)},
             skip=skip,
@@ -100,10 +100,10 @@ def build_panel(
     def make_config(n: float | None, *values: Any) -> tuple[ReplicaConfig, int]:
         if n is None or n < 1 or float(n) != int(n):
             raise ValueError(f"replicas must be a whole number >= 1, got {n!r}")
-        return ui.config_from_form(config, list(form), values), int(n)
+        return forms.config_from_form(config, list(form), values), int(n)
 
     with live:
-        controls = ui.role_controls(
+        controls = components.role_controls(
             runner,
             make_config,
             [replicas, *form.values()],
@@ -112,16 +112,16 @@ def build_panel(
             prefix=prefix,
         )
         gr.Markdown("### This Space's replicas")
-        mine = ui.fleet_table(
+        mine = components.fleet_table(
             live, replicas=lambda: hosted_ids(runner), label="Replicas hosted here", prefix=f"{prefix}own-"
         )
-        apply = ui.apply_plot(live, replicas=lambda: hosted_ids(runner), prefix=prefix)
+        apply = components.apply_plot(live, replicas=lambda: hosted_ids(runner), prefix=prefix)
         gr.Markdown("### Fleet")
-        fleet = ui.fleet_table(live, prefix=prefix)
+        fleet = components.fleet_table(live, prefix=prefix)
     return {**controls, "form": form, "replicas": replicas, "own": mine, "apply": apply, "fleet": fleet, "live": live}
 
 
-def build_app(config: ReplicaConfig | None = None, runner: ui.RoleRunner | None = None, count: int = 1) -> gr.Blocks:
+def build_app(config: ReplicaConfig | None = None, runner: role_control.RoleRunner | None = None, count: int = 1) -> gr.Blocks:
     """The rollout Space's panel as a ``gr.Blocks`` (not launched).
 
     Args:
@@ -142,7 +142,7 @@ def build_app(config: ReplicaConfig | None = None, runner: ui.RoleRunner | None 
 def main() -> None:
     """Launch the rollout panel (``GRADIO_SERVER_NAME``, ``PORT``, ``PANEL_AUTH``)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    build_app().launch(**ui.launch_options())
+    build_app().launch(**components.launch_options())
 
 
 if __name__ == "__main__":

@@ -25,9 +25,10 @@ import threading
 import time
 from pathlib import Path
 
+from env_space.environments import get_environment
 from shared.bucket import Bucket, BucketError, open_bucket
 from shared.errors import SyncError
-from shared.exchange import (
+from shared.spaces.exchange import (
     ROLLOUTS_PREFIX,
     SCORES_PREFIX,
     TASKS_PREFIX,
@@ -43,8 +44,8 @@ from shared.exchange import (
 )
 from shared.hashing import state_hash
 from shared.protocol import Subscriber, Update
-from shared.settings import from_env, resolve_device
-from shared.tiny_model import model_or_default
+from shared.spaces.settings import from_env, resolve_device
+from shared.spaces.tiny_model import model_or_default
 
 from .engine import Engine, SamplingSettings, create_engine
 
@@ -94,7 +95,7 @@ class Replica:
         self.replica_id = check_id(config.replica_id or default_replica_id())
         self.bucket = bucket or open_bucket(config.bucket)
         device = resolve_device(config.device)
-        model = resolve_model(model_or_default(config.model, device))
+        model = resolve_model(model_or_default(config.model, device, get_environment))
         kind = config.engine if config.engine != "auto" else _auto_engine(device)
         self.engine = engine or create_engine(kind, model_path=model, **({"device": device} if kind == "transformers" else {}))
         self.tokenizer = AutoTokenizer.from_pretrained(model)

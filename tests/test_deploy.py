@@ -1,4 +1,4 @@
-"""``python -m shared.deploy`` against a recording stand-in for ``huggingface_hub.HfApi``.
+"""``python -m shared.spaces.deploy`` against a recording stand-in for ``huggingface_hub.HfApi``.
 
 The Hugging Face Hub cannot be reached from the machines these tests run on (no network except
 package registries), so :class:`RecordingHfApi` replaces ``HfApi`` at the network boundary: the
@@ -10,7 +10,7 @@ objects it is given, and records every call so the tests can check the exact cal
 Hub errors are real ``HfHubHTTPError`` objects made by huggingface_hub's own ``hf_raise_for_status``.
 
 The README checks parse the real front matter with huggingface_hub's ``SpaceCard`` and compare each
-README's settings table with ``shared.settings.settings_table`` of the role's dataclass, so the
+README's settings table with ``shared.spaces.settings.settings_table`` of the role's dataclass, so the
 docs cannot drift from the code. The requirements check follows each Space's imports (role folder
 plus the ``shared`` modules it reaches) and requires every third-party import to be installable
 from that Space's ``requirements.txt``.
@@ -51,8 +51,8 @@ from huggingface_hub.utils import hf_raise_for_status
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from shared import deploy
-from shared.settings import from_env, settings_table
+from shared.spaces import deploy
+from shared.spaces.settings import from_env, settings_table
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_DEPLOYsecretTOKEN0123456789abcdefXYZ"

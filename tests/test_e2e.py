@@ -12,10 +12,11 @@ import sys
 import time
 from pathlib import Path
 
+from env_space.environments import get_environment
 from shared.bucket import LocalBucket
-from shared.exchange import get_json, metrics_key, status_key
+from shared.spaces.exchange import get_json, metrics_key, status_key
 from shared.protocol import Subscriber, read_manifest
-from shared.tiny_model import tiny_model_path
+from shared.spaces.tiny_model import tiny_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 60
@@ -29,7 +30,7 @@ def spawn(module: str, env: dict, log: Path, level: str = "WARNING") -> subproce
 
 
 def test_three_roles_learn_and_replicas_end_bit_identical(tmp_path):
-    tiny_model_path()  # built once, before the processes race for it
+    tiny_model_path(environments=get_environment)  # built once, before the processes race for it
     bucket_dir = tmp_path / "bucket"
     env = {
         **os.environ,

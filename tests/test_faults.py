@@ -1,4 +1,4 @@
-"""Nothing lost, nothing half-applied: a fast subset of ``benchmarks/soak.py``, races of two
+"""Nothing lost, nothing half-applied: a fast subset of ``benchmarks/soak/``, races of two
 trainers made deterministic, and hostile objects read from the bucket.
 
 The soak trials run here with fixed seeds and, where a trial kills a process, one test per kill
@@ -18,10 +18,16 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 
-from benchmarks import soak
+from benchmarks.soak.invariants import TrialResult
+from benchmarks.soak.kinds.apply_interrupt import trial_apply_interrupt
+from benchmarks.soak.kinds.bucket_damage import DAMAGE, trial_bucket_damage
+from benchmarks.soak.kinds.flaky_storage import trial_flaky_storage
+from benchmarks.soak.kinds.publisher_kill import trial_publisher_kill
+from benchmarks.soak.kinds.subscriber_kill import trial_subscriber_kill
+from benchmarks.soak.kinds.two_trainers import trial_two_trainers
 from shared.bucket import LocalBucket
 from shared.errors import ChainError, FormatError
-from shared.exchange import (
+from shared.spaces.exchange import (
     Sample,
     check_id,
     get_json,
@@ -48,7 +54,7 @@ from shared.protocol.verify import verify_bucket
 from tests.helpers import bf16, master_state, rl_step
 
 
-def assert_clean(result: soak.TrialResult, fault: str | None = None) -> None:
+def assert_clean(result: TrialResult, fault: str | None = None) -> None:
     assert not result.violations, result.violations
     assert result.lost == 0
     assert result.checks > 0
@@ -63,43 +69,43 @@ def assert_clean(result: soak.TrialResult, fault: str | None = None) -> None:
 @pytest.mark.parametrize("mode, nth", [("lock", 1), ("mid-delta", 2), ("before-pointer", 3), ("mid-shard", 2),
                                        ("after-shard", 3), ("after-pointer", 4), ("mid-delete", 1)])  # fmt: skip
 def test_publisher_killed_inside_publish_resumes_exactly(tmp_path, mode, nth):
-    result = soak.trial_publisher_kill(random.Random(nth), tmp_path, kills=[(mode, nth), (mode, nth + 1)])
+    result = trial_publisher_kill(random.Random(nth), tmp_path, kills=[(mode, nth), (mode, nth + 1)])
     assert_clean(result, f"kill -9 {mode}")
 
 
 def test_publisher_killed_at_random_moments_resumes_exactly(tmp_path):
-    result = soak.trial_publisher_kill(random.Random(3), tmp_path, kills=[("random", None), ("before-pointer", 1)])
+    result = trial_publisher_kill(random.Random(3), tmp_path, kills=[("random", None), ("before-pointer", 1)])
     assert_clean(result, "kill -9 before-pointer")
 
 
 @pytest.mark.parametrize("mode, nth", [("mid-download", 2), ("before-apply", 2), ("mid-apply", 11)])
 def test_subscriber_killed_mid_sync_comes_back_bit_exact(tmp_path, mode, nth):
-    result = soak.trial_subscriber_kill(random.Random(nth), tmp_path, kills=[(mode, nth)])
+    result = trial_subscriber_kill(random.Random(nth), tmp_path, kills=[(mode, nth)])
     assert_clean(result, f"kill -9 {mode}")
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_apply_interrupted_mid_patch_rolls_back_exactly(tmp_path, seed):
-    result = soak.trial_apply_interrupt(random.Random(seed), tmp_path)
+    result = trial_apply_interrupt(random.Random(seed), tmp_path)
     assert_clean(result)
     assert sum(result.faults.values()) >= 2
 
 
-@pytest.mark.parametrize("damage", soak.DAMAGE)
+@pytest.mark.parametrize("damage", DAMAGE)
 def test_bucket_damage_is_refused_and_healed_by_the_next_anchor(tmp_path, damage):
-    result = soak.trial_bucket_damage(random.Random(7), tmp_path, damage=damage)
+    result = trial_bucket_damage(random.Random(7), tmp_path, damage=damage)
     assert_clean(result, damage)
 
 
 def test_flaky_storage_converges_bit_exactly(tmp_path):
-    result = soak.trial_flaky_storage(random.Random(11), tmp_path)
+    result = trial_flaky_storage(random.Random(11), tmp_path)
     assert_clean(result)
     for kind in ("error", "throttle", "truncate"):
         assert result.faults[f"flaky: {kind}"] > 0, result.faults
 
 
 def test_two_trainers_refused_then_fenced(tmp_path):
-    result = soak.trial_two_trainers(random.Random(5), tmp_path)
+    result = trial_two_trainers(random.Random(5), tmp_path)
     assert_clean(result, "second trainer started")
 
 

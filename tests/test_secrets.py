@@ -215,7 +215,8 @@ def test_three_roles_on_a_flaky_hub_never_show_the_token(hub, hf_bucket, logs, c
 
 
 def test_panels_never_show_the_token(hub, hf_bucket, logs, capfd):
-    ui = pytest.importorskip("shared.ui", reason="the panels' data functions (shared/ui.py) are not there yet")
+    from shared.spaces import anchor_policy, frames, role_control, snapshots
+
     master = master_state()
     pub = Publisher(hf_bucket, owner="trainer")
     for step in range(3):
@@ -225,19 +226,19 @@ def test_panels_never_show_the_token(hub, hf_bucket, logs, capfd):
     hf_bucket.put("status/r0.json", b'{"replica_id": "r0", "engine": "stub", "applied_step": 2, "apply_s": 0.1}')
     hf_bucket.put("metrics/trainer.json", b'{"rows": [{"kind": "delta", "version": 1, "nbytes": 10}], "version": 2}')
     fail_soon(hub)
-    snap = ui.read_snapshot(hf_bucket)
+    snap = snapshots.read_snapshot(hf_bucket)
     assert snap.manifest is not None and snap.statuses and not snap.error
-    view = ui.BucketView(URL)
+    view = snapshots.BucketView(URL)
     hub.fail_next("list_bucket_tree", *[permanent_error()])
     failed = view.snapshot()
     assert failed.error  # the read failure is shown ...
     rendered = [snap, failed]
-    for frame in (ui.publish_frame, ui.delta_size_frame, ui.changed_frame, ui.timing_frame, ui.reward_frame,
-                  ui.fleet_frame, ui.recent_publishes_frame, ui.episodes_frame):  # fmt: skip
+    for frame in (frames.publish_frame, frames.delta_size_frame, frames.changed_frame, frames.timing_frame,
+                  frames.reward_frame, frames.fleet_frame, frames.recent_publishes_frame, frames.episodes_frame):  # fmt: skip
         rendered.append(frame(snap).to_string())
-    rendered += [ui.sync_time_frame(view).to_string(), ui.describe_policy(ui.current_policy(snap)),
-                 ui.trainer_summary(snap), ui.env_summary(snap)]  # fmt: skip
-    runner = ui.RoleRunner("env", lambda config: open_bucket(URL).list("tasks/"))
+    policy = anchor_policy.describe_policy(anchor_policy.current_policy(snap))
+    rendered += [frames.sync_time_frame(view).to_string(), policy, frames.trainer_summary(snap), frames.env_summary(snap)]
+    runner = role_control.RoleRunner("env", lambda config: open_bucket(URL).list("tasks/"))
     hub.fail_next("list_bucket_tree", *[permanent_error()] * 6)
     runner.start(types.SimpleNamespace(), wait=True)
     rendered.append(runner.status())

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from shared.settings import GPU_DEFAULT_MODEL, default_model, from_env, resolve_device
+from shared.spaces.settings import GPU_DEFAULT_MODEL, default_model, from_env, resolve_device
 
 
 @dataclasses.dataclass
@@ -43,9 +43,10 @@ def test_real_model_only_on_a_gpu():
 def test_model_or_default_prefers_the_setting_then_the_device_default():
     from pathlib import Path
 
-    from shared.tiny_model import model_or_default
+    from env_space.environments import get_environment
+    from shared.spaces.tiny_model import model_or_default
 
     assert model_or_default("my/model", "cpu") == "my/model"
     assert model_or_default("", "cuda") == GPU_DEFAULT_MODEL
-    tiny = Path(model_or_default("", "cpu"))
+    tiny = Path(model_or_default("", "cpu", get_environment))
     assert (tiny / "model.safetensors").is_file() and (tiny / "tokenizer.json").is_file()

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from env_space.environments import get_environment
-from shared import tiny_model
-from shared.tiny_model import (
+from shared.spaces import tiny_model
+from shared.spaces.tiny_model import (
     BOS_TOKEN,
     EOS_TOKEN,
     WarmupSettings,
@@ -38,10 +38,15 @@ def test_same_seed_gives_identical_bytes_and_seed_matters(model_dir, tmp_path):
 
 def test_warmup_is_deterministic_and_trains(model_dir, tmp_path):
     settings = WarmupSettings(steps=2, batch_size=4)
-    a = build_tiny_model(tmp_path / "a", seed=0, warmup=settings)
-    b = build_tiny_model(tmp_path / "b", seed=0, warmup=settings)
+    a = build_tiny_model(tmp_path / "a", seed=0, warmup=settings, environments=get_environment)
+    b = build_tiny_model(tmp_path / "b", seed=0, warmup=settings, environments=get_environment)
     assert weights_sha(a) == weights_sha(b)
     assert weights_sha(a) != weights_sha(model_dir)
+
+
+def test_warmup_without_environments_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="environments"):
+        build_tiny_model(tmp_path / "c", seed=0, warmup=WarmupSettings(steps=1, batch_size=2))
 
 
 def test_folder_loads_with_transformers(model_dir):

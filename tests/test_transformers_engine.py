@@ -14,7 +14,7 @@ from rollout_space.engine import SamplingSettings, create_engine
 from rollout_space.engines.transformers_engine import TransformersEngine
 from shared.hashing import state_hash
 from shared.patch import TensorPatch
-from shared.tiny_model import build_tiny_model
+from shared.spaces.tiny_model import build_tiny_model
 
 PROMPTS = ["reverse 123 =", "what is 3 + 4? answer:", "reverse 98765 ="]
 

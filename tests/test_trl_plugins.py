@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from shared.exchange import Sample, read_samples, score_key, write_samples
+from shared.spaces.exchange import Sample, read_samples, score_key, write_samples
 from shared.hashing import state_hash
 from shared.protocol import FixedInterval, Publisher, Subscriber, read_manifest
 from shared.trl import BucketRolloutWorker, BucketWeightTransfer, StopRequested, group_advantages

@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, TrainerCallback
 
+from env_space.environments import get_environment
 from shared.hashing import state_hash
 from shared.protocol import Subscriber, read_manifest
-from shared.tiny_model import tiny_model_path
+from shared.spaces.tiny_model import tiny_model_path
 from shared.trl import BucketCheckpoints
 from tests.trl_feed import ScoreFeeder
 
@@ -28,12 +29,12 @@ def test_final_weights_are_published_off_the_sync_grid(bucket, tmp_path):
     from datasets import Dataset
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-    from shared.exchange import read_samples
+    from shared.spaces.exchange import read_samples
     from shared.protocol import Publisher
     from shared.trl import BucketRolloutWorker, BucketWeightTransfer, FinalWeightSync, apply_cpu_compat
 
     apply_cpu_compat()
-    path = str(tiny_model_path())
+    path = str(tiny_model_path(environments=get_environment))
     tokenizer = AutoTokenizer.from_pretrained(path)
     transfer = BucketWeightTransfer(publisher=Publisher(bucket))
     worker = BucketRolloutWorker(bucket, read_samples, vocab_size=len(tokenizer), poll_s=0.1)
@@ -74,7 +75,7 @@ def test_kill_9_then_restart_resumes_from_the_bucket_checkpoint(bucket, tmp_path
         **os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
         **{f"TRAINER_{k.upper()}": str(v) for k, v in settings.items()}, "TRAINER_BUCKET": str(bucket.root),
     }  # fmt: skip
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_path()))
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_path(environments=get_environment)))
     checkpoints = BucketCheckpoints(bucket)
     log = tmp_path / "first.log"
     with ScoreFeeder(bucket, tokenizer):

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from rollout_space.engine import SamplingSettings  # noqa: E402
 from shared.hashing import state_hash  # noqa: E402
 from shared.protocol import FixedInterval, Publisher, Subscriber  # noqa: E402
-from shared.tiny_model import build_tiny_model  # noqa: E402
+from shared.spaces.tiny_model import build_tiny_model  # noqa: E402
 
 #: Longer than a KV block (32 tokens, the CPU attention's smallest), so prefix caching reuses blocks.
 PROMPTS = [

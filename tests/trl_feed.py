@@ -7,7 +7,7 @@ import random
 import threading
 
 from shared.bucket import Bucket
-from shared.exchange import Sample, score_key, write_samples
+from shared.spaces.exchange import Sample, score_key, write_samples
 from shared.protocol import read_manifest
 
 

@@ -33,21 +33,21 @@ from typing import Any
 
 import gradio as gr
 
-from shared import ui
+from shared.spaces import components, forms, frames, role_control, snapshots
 from trainer_space.trainer import Trainer, TrainerConfig
 
 logger = logging.getLogger(__name__)
 
 
-def make_runner() -> ui.RoleRunner:
+def make_runner() -> role_control.RoleRunner:
     """A runner hosting one :class:`Trainer`."""
-    return ui.RoleRunner("trainer", lambda config: [Trainer(config)])
+    return role_control.RoleRunner("trainer", lambda config: [Trainer(config)])
 
 
 def build_panel(
-    runner: ui.RoleRunner,
+    runner: role_control.RoleRunner,
     config: TrainerConfig,
-    bucket_url: ui.BucketSource | None = None,
+    bucket_url: snapshots.BucketSource | None = None,
     timer: Any | None = None,
     prefix: str = "",
 ) -> dict[str, Any]:
@@ -58,17 +58,17 @@ def build_panel(
         config: Defaults of the settings form.
         bucket_url: The bucket the panel reads (fixed, e.g. in the combined app); ``None``:
             the form has a bucket field and the panel follows the bucket of the last Start.
-        timer: The ``gr.Timer`` refreshing the panel (default: a new one, ticking every ``ui.REFRESH_S``).
+        timer: The ``gr.Timer`` refreshing the panel (default: a new one, ticking every ``components.REFRESH_S``).
         prefix: Prepended to the components' ``elem_id`` (several panels on one page).
 
     Returns:
         The main components by name (``"start"``, ``"stop"``, ``"status"``, ``"anchor"``, ...).
     """
     current = {"url": config.bucket}
-    live = ui.Live(bucket_url if bucket_url is not None else (lambda: current["url"]), timer)
+    live = components.Live(bucket_url if bucket_url is not None else (lambda: current["url"]), timer)
     skip = ("bucket",) if bucket_url is not None else ()
     with gr.Accordion("Trainer settings", open=False):
-        form = ui.config_form(
+        form = forms.config_form(
             config,
             overrides={"anchor_policy": lambda **kw: gr.Radio(["fixed", "adaptive"], **kw)},
             skip=skip,
@@ -76,10 +76,10 @@ def build_panel(
         )
 
     def make_config(*values: Any) -> TrainerConfig:
-        return ui.config_from_form(config, list(form), values)
+        return forms.config_from_form(config, list(form), values)
 
     with live:
-        controls = ui.role_controls(
+        controls = components.role_controls(
             runner,
             make_config,
             list(form.values()),
@@ -87,17 +87,17 @@ def build_panel(
             on_started=lambda c: current.update(url=c.bucket),
             prefix=prefix,
         )
-        summary = ui.summary_line(live, ui.trainer_summary, elem_id=f"{prefix}trainer-summary")
+        summary = components.summary_line(live, frames.trainer_summary, elem_id=f"{prefix}trainer-summary")
         gr.Markdown("### Anchor policy")
-        anchor = ui.anchor_policy_controls(live, default=config.policy(), prefix=prefix)
+        anchor = components.anchor_policy_controls(live, default=config.policy(), prefix=prefix)
         gr.Markdown("### Weight sync")
-        plots = ui.sync_plots(live, prefix=prefix)
+        plots = components.sync_plots(live, prefix=prefix)
         with gr.Row():
             with gr.Column(scale=3):
-                reward = ui.reward_plot(live, prefix=prefix)
+                reward = components.reward_plot(live, prefix=prefix)
             with gr.Column(scale=2):
-                publishes = ui.publishes_table(live, prefix=prefix)
-        fleet = ui.fleet_table(live, prefix=prefix)
+                publishes = components.publishes_table(live, prefix=prefix)
+        fleet = components.fleet_table(live, prefix=prefix)
     return {
         **controls,
         "form": form,
@@ -111,7 +111,7 @@ def build_panel(
     }
 
 
-def build_app(config: TrainerConfig | None = None, runner: ui.RoleRunner | None = None) -> gr.Blocks:
+def build_app(config: TrainerConfig | None = None, runner: role_control.RoleRunner | None = None) -> gr.Blocks:
     """The trainer Space's panel as a ``gr.Blocks`` (not launched).
 
     Args:
@@ -129,7 +129,7 @@ def build_app(config: TrainerConfig | None = None, runner: ui.RoleRunner | None 
 def main() -> None:
     """Launch the trainer panel (``GRADIO_SERVER_NAME``, ``PORT``, ``PANEL_AUTH``)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    build_app().launch(**ui.launch_options())
+    build_app().launch(**components.launch_options())
 
 
 if __name__ == "__main__":

@@ -33,11 +33,12 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from env_space.environments import get_environment
 from shared.bucket import Bucket, open_bucket
-from shared.exchange import MetricsLog, read_samples
 from shared.protocol import CONTROL_KEY, Adaptive, FixedInterval, Publisher, PublishRecord, policy_to_json
-from shared.settings import from_env, resolve_device
-from shared.tiny_model import model_or_default
+from shared.spaces.exchange import MetricsLog, read_samples
+from shared.spaces.settings import from_env, resolve_device
+from shared.spaces.tiny_model import model_or_default
 from shared.trl import (
     BucketCheckpoints,
     BucketRolloutWorker,
@@ -161,7 +162,7 @@ class Trainer:
         self.notice = ""
         self.stop_requested = False
         self._thread: threading.Thread | None = None
-        model = model_or_default(config.model, config.device)
+        model = model_or_default(config.model, config.device, get_environment)
         tokenizer = AutoTokenizer.from_pretrained(model)
         self.worker = BucketRolloutWorker(
             self.bucket, read_samples, vocab_size=len(tokenizer), poll_s=config.poll_s,

@@ -39,7 +39,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -51,12 +51,13 @@ from vllm.distributed.weight_transfer.base import (
 from shared.bucket import open_bucket
 from shared.protocol import Subscriber
 
-if TYPE_CHECKING:  # imported lazily: vllm_worker registers this backend when it is imported
-    from .vllm_worker import ModelWeights
+from .vllm_plugin import BACKEND_NAME, register
+from .vllm_worker import ModelWeights, plan_update
+
+__all__ = ["BACKEND_NAME", "BucketInitInfo", "BucketSyncClient", "BucketUpdateInfo", "BucketWeightTransferEngine", "register"]
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAME = "bucket"
 #: Environment variable holding the default bucket URL.
 BUCKET_ENV = "ROLLOUT_BUCKET"
 
@@ -131,8 +132,6 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
                 model keeps the last verified state.
             RuntimeError: The requested step is not reachable from the bucket.
         """
-        from .vllm_worker import plan_update
-
         if self.subscriber is None:
             self.init_transfer_engine(BucketInitInfo())
         sub = self.subscriber
@@ -161,9 +160,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
             raise RuntimeError(f"bucket backend: asked for step {target}, reached {sub.step}")
         logger.info("bucket weight transfer: %d updates to step %s in %.3f s", applied, sub.step, time.perf_counter() - t0)
 
-    def _model_weights(self) -> "ModelWeights":
-        from .vllm_worker import ModelWeights
-
+    def _model_weights(self) -> ModelWeights:
         if self._weights is None or self._weights.model is not self.model:
             self._weights = ModelWeights(self.model, self.model_config)
         return self._weights
@@ -174,26 +171,13 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         self._weights = None
 
 
-def _loadable(weights: "ModelWeights", state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _loadable(weights: ModelWeights, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The state tensors the model loads (e.g. without a tied ``lm_head.weight``)."""
     names = set(weights.checkpoint_names)
     missing = names - set(state)
     if missing:
         raise KeyError(f"bucket state lacks {len(missing)} tensors the model loads, e.g. {sorted(missing)[:3]}")
     return {n: state[n] for n in names}
-
-
-def register() -> None:
-    """Register the ``bucket`` backend with vLLM (the ``vllm.general_plugins`` entry point).
-
-    Safe to call more than once per process.
-    """
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    try:
-        WeightTransferEngineFactory.register_engine(BACKEND_NAME, __name__, "BucketWeightTransferEngine")
-    except ValueError:  # already registered in this process
-        pass
 
 
 class BucketSyncClient:

@@ -555,7 +555,7 @@ class SyncWorkerExtension:
 def _register_bucket_backend() -> None:
     """Make ``--weight-transfer-config '{"backend": "bucket"}'`` work in every process
     that imports the worker extension (vLLM workers import it before loading the model)."""
-    from .vllm_transfer import register
+    from .vllm_plugin import register
 
     register()
 

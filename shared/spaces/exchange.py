@@ -22,7 +22,7 @@ import re
 import time
 from typing import Any
 
-from .bucket import Bucket, BucketError, ObjectNotFoundError, validate_key
+from ..bucket import Bucket, BucketError, ObjectNotFoundError, validate_key
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,15 @@ with scrambled digits, ``answer_fraction=0``) gives it the format but RL on
 therefore stops a short supervised run early (:data:`DEFAULT_WARMUP`): the model
 is partly right, and RL visibly raises the reward within a few minutes.
 
+The warm-up data comes from the caller: ``environments`` maps an environment name
+to an object whose ``tasks(n, seed=...)`` returns tasks with ``prompt`` and
+``answer`` (the env Space's registry, :func:`env_space.environments.get_environment`),
+so this module knows no Space.
+
 Example:
-    >>> from shared.tiny_model import tiny_model_path
-    >>> path = tiny_model_path()            # built once, then reused from the cache
+    >>> from env_space.environments import get_environment
+    >>> from shared.spaces.tiny_model import tiny_model_path
+    >>> path = tiny_model_path(environments=get_environment)  # built once, then reused from the cache
 """
 
 from __future__ import annotations
@@ -38,13 +44,17 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+#: Environment name -> an environment whose ``tasks(n, seed=...)`` returns tasks with
+#: ``prompt`` and ``answer`` (e.g. :func:`env_space.environments.get_environment`).
+EnvironmentLookup = Callable[[str], Any]
 
 #: Bump when the build procedure changes in a way that changes the produced bytes.
 BUILD_VERSION = 1
@@ -179,6 +189,7 @@ def build_tiny_model(
     warmup_steps: int = 0,
     warmup: WarmupSettings | None = None,
     config_overrides: dict[str, Any] | None = None,
+    environments: EnvironmentLookup | None = None,
 ) -> Path:
     """Build the tiny model and tokenizer into ``path`` (created if missing).
 
@@ -192,9 +203,13 @@ def build_tiny_model(
         warmup_steps: Shorthand for ``WarmupSettings(steps=warmup_steps)``.
         warmup: Full warm-up settings; overrides ``warmup_steps``.
         config_overrides: Changes to :data:`TINY_MODEL_CONFIG`.
+        environments: Source of the warm-up tasks; needed when the warm-up has steps.
 
     Returns:
         The output folder.
+
+    Raises:
+        ValueError: The warm-up has steps but no ``environments`` were given.
     """
     from transformers import GenerationConfig, Qwen3ForCausalLM
 
@@ -208,7 +223,9 @@ def build_tiny_model(
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config).to(torch.float32)
     if warmup.steps > 0:
-        _format_warmup(model, tokenizer, seed=seed, settings=warmup)
+        if environments is None:
+            raise ValueError("the tiny model's warm-up needs environments (e.g. env_space.environments.get_environment)")
+        _format_warmup(model, tokenizer, seed=seed, settings=warmup, environments=environments)
     model = model.to(torch.bfloat16).eval()
 
     model.generation_config = GenerationConfig(
@@ -265,6 +282,7 @@ def tiny_model_path(
     seed: int = 0,
     warmup: WarmupSettings | None = DEFAULT_WARMUP,
     config_overrides: dict[str, Any] | None = None,
+    environments: EnvironmentLookup | None = None,
 ) -> Path:
     """Return the folder of a cached tiny model, building it on first use.
 
@@ -279,6 +297,7 @@ def tiny_model_path(
         warmup: Warm-up settings (``None`` for no warm-up); by default
             :data:`DEFAULT_WARMUP`.
         config_overrides: Changes to :data:`TINY_MODEL_CONFIG`.
+        environments: Source of the warm-up tasks (see :func:`build_tiny_model`).
 
     Returns:
         The model folder.
@@ -291,7 +310,7 @@ def tiny_model_path(
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
-        build_tiny_model(tmp, seed=seed, warmup=warmup, config_overrides=config_overrides)
+        build_tiny_model(tmp, seed=seed, warmup=warmup, config_overrides=config_overrides, environments=environments)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -308,14 +327,14 @@ def _is_complete(path: Path) -> bool:
     return all((path / n).is_file() for n in names)
 
 
-def _format_warmup(model, tokenizer, *, seed: int, settings: WarmupSettings) -> None:
+def _format_warmup(
+    model, tokenizer, *, seed: int, settings: WarmupSettings, environments: EnvironmentLookup
+) -> None:
     """Teach the answer format (digits of the right count, then EOS), not the answers.
 
     Runs on one thread so the result does not depend on the machine's core count.
     """
-    from env_space.environments import get_environment
-
-    envs = [get_environment(name) for name in settings.environments]
+    envs = [environments(name) for name in settings.environments]
     rng = random.Random(seed)
     eos = tokenizer.eos_token
     threads = torch.get_num_threads()
@@ -371,9 +390,10 @@ def _supervised_batch(
     return input_ids, attention, labels
 
 
-def model_or_default(model: str, device: str) -> str:
-    """``model`` if set, else the device's default (:func:`shared.settings.default_model`: Qwen3-0.6B on a
-    GPU), else this tiny offline model's folder (built once, deterministically, without any download)."""
+def model_or_default(model: str, device: str, environments: EnvironmentLookup | None = None) -> str:
+    """``model`` if set, else the device's default (:func:`shared.spaces.settings.default_model`: Qwen3-0.6B on a
+    GPU), else this tiny offline model's folder (built once, deterministically, without any download; its
+    warm-up draws tasks from ``environments``)."""
     from .settings import default_model
 
-    return model or default_model(device) or str(tiny_model_path())
+    return model or default_model(device) or str(tiny_model_path(environments=environments))

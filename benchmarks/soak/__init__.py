@@ -1,0 +1,65 @@
+"""Soak test: "nothing lost, nothing half-applied" under kills, damage, flaky storage and two trainers.
+
+Every trial builds a fresh local bucket, injects one kind of fault many times at
+random moments, and checks the same invariants throughout:
+
+* a replica never serves a mix of two versions: after every apply, the
+  whole-state hash of its tensors (recomputed from the bytes, not the
+  subscriber's own claim) equals the hash the pointer published for its step;
+* every replica ends at the newest published version, bit-exactly;
+* no published version is lost, reused or skipped: pointer steps are
+  consecutive across publisher restarts, and every object the pointer ever
+  named keeps its bytes (its sha256 never changes) until retention drops it;
+* ``verify_bucket`` passes whenever no damage was injected on purpose.
+
+Trial kinds (``--kinds``):
+
+``publisher_kill``
+    A publisher process (a small fp32 toy model and a plain
+    :class:`~shared.protocol.Publisher` loop, not the GRPO trainer) is killed
+    with SIGKILL after a random delay or at a chosen point inside ``publish``:
+    while taking the run lock, mid delta upload, between the data and the
+    pointer, mid anchor shard upload, between anchor shards, after the pointer
+    but before the retention delete, and halfway through the retention delete.
+    It is restarted with the same owner id and must ``resume()`` from the last
+    complete publish.
+``subscriber_kill``
+    A subscriber process is killed after a random delay, mid download, between
+    fetch and apply, or mid apply (while hashing the patched tensors); a fresh
+    process bootstraps and must reach the newest version bit-exactly.
+``apply_interrupt``
+    In-process: an exception (or ``KeyboardInterrupt``) is raised after k
+    tensors of a delta were written; the subscriber must roll back to the exact
+    previous state hash, then apply the same update cleanly.
+``bucket_damage``
+    A delta deleted, bytes flipped, a file truncated, an old delta replayed
+    over a newer one (pointer size fixed up), a pointer naming a missing file,
+    an anchor shard deleted or flipped, a garbled pointer: subscribers refuse,
+    keep their last good state, and reach the newest version after the next
+    anchor.
+``flaky_storage``
+    :class:`~shared.bucket.FaultyBucket` (latency, 503, 429 with retry-after,
+    uploads cut short, lagging listings) under a
+    :class:`~shared.bucket.RetryingBucket`, beneath the publisher and three
+    subscriber threads: everything converges bit-exactly and no cut-short
+    upload is ever named by the pointer.
+``two_trainers``
+    A second trainer with another owner id is refused (``RunLockedError``);
+    then one that takes the run over (same owner id, or a stale lock) makes the
+    first one stop with ``FencedError``; the chain stays valid.
+
+Usage::
+
+    python -m benchmarks.soak                      # default trial counts
+    python -m benchmarks.soak --trials 3           # 3 trials of every kind
+    python -m benchmarks.soak --kinds publisher_kill --trials 200 --seed 7
+    python -m benchmarks.soak --json soak.json
+
+Exit status 1 if any state was lost or any invariant was violated.
+
+Layout: ``kinds/`` holds one module per trial kind (a new fault kind is one small module
+there plus one line in ``kinds.MODULES``); :mod:`.invariants` the checks every trial
+makes; :mod:`.hooks` the fault wrapper that kills a process at a chosen point;
+:mod:`.processes` the child processes; :mod:`.toy` the toy model and its in-process
+publisher; :mod:`.runner` the command line; :mod:`.report` the summary.
+"""

@@ -1,0 +1,25 @@
+"""Registration of the ``bucket`` weight-transfer backend with vLLM.
+
+vLLM's ``WeightTransferEngineFactory`` takes a module path and a class name and imports
+the backend lazily, so registering needs neither :mod:`.vllm_transfer` (the backend)
+nor :mod:`.vllm_worker` (the worker extension, which calls :func:`register` on import).
+"""
+
+from __future__ import annotations
+
+BACKEND_NAME = "bucket"
+BACKEND_MODULE = "rollout_space.engines.vllm_transfer"
+BACKEND_CLASS = "BucketWeightTransferEngine"
+
+
+def register() -> None:
+    """Register the ``bucket`` backend with vLLM (the ``vllm.general_plugins`` entry point).
+
+    Safe to call more than once per process.
+    """
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND_NAME, BACKEND_MODULE, BACKEND_CLASS)
+    except ValueError:  # already registered in this process
+        pass

@@ -1,0 +1,512 @@
+"""Live Gradio components of the panels: plots, tables, summary lines and controls.
+
+Builders create components inside the current ``gr.Blocks`` context. A :class:`Live`
+refreshes a panel's outputs together: one ``gr.Timer`` tick (:data:`REFRESH_S`) reads
+one :class:`~.snapshots.Snapshot` and updates every output. A builder's ``prefix`` is
+prepended to its components' ``elem_id`` so that several panels can share a page (the
+combined app uses ``"trainer-"``, ``"overview-"``, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Self
+
+import pandas as pd
+
+from ..bucket import BucketError
+from ..protocol import AnchorPolicy
+from .anchor_policy import current_policy, describe_policy, make_policy, write_policy
+from .frames import (
+    SYNC_SERIES,
+    changed_frame,
+    delta_size_frame,
+    episodes_frame,
+    fleet_frame,
+    recent_publishes_frame,
+    reward_frame,
+    sync_time_frame,
+    timing_frame,
+)
+from .role_control import RoleRunner
+from .snapshots import BucketSource, BucketView, Snapshot, bucket_view, redact
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between panel refreshes.
+REFRESH_S = 1.5
+#: Colours of the publish kinds in the plots.
+KIND_COLORS = {"anchor": "#d62728", "delta": "#1f77b4"}
+
+
+class Live:
+    """The refreshed outputs of one panel, updated together by one timer tick.
+
+    Each builder below registers its outputs and a render function here; one
+    tick (and one page-load event) then reads one bucket snapshot and updates
+    them all, which keeps the number of Gradio events per tick at one per panel.
+    Use it as a context manager; the events are registered on exit::
+
+        with components.Live("./runs/bucket") as live:
+            components.sync_plots(live)
+            components.fleet_table(live)
+
+    Args:
+        bucket_url: The bucket (or a function returning its current URL).
+        timer: The ``gr.Timer`` to refresh on (default: a new one ticking every :data:`REFRESH_S`).
+    """
+
+    def __init__(self, bucket_url: BucketSource, timer: Any | None = None) -> None:
+        import gradio as gr
+
+        self.source = bucket_url
+        self.timer = timer if timer is not None else gr.Timer(REFRESH_S)
+        self._outputs: list[Any] = []
+        self._renders: list[tuple[int, Callable[[BucketView, Snapshot], Any]]] = []
+        self._attached = False
+
+    def add(self, outputs: Any | Sequence[Any], render: Callable[[BucketView, Snapshot], Any]) -> None:
+        """Refresh ``outputs`` with ``render(view, snapshot)`` (a tuple for several outputs).
+
+        Raises:
+            RuntimeError: the events are already registered.
+        """
+        if self._attached:
+            raise RuntimeError("Live.add after attach()")
+        outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+        self._outputs += outputs
+        self._renders.append((len(outputs), render))
+
+    def values(self) -> list[Any]:
+        """The current values of every output (a failing render leaves its outputs unchanged)."""
+        import gradio as gr
+
+        view = bucket_view(self.source)
+        snap = view.snapshot()
+        out: list[Any] = []
+        for n, render in self._renders:
+            try:
+                got = render(view, snap)
+                out += list(got) if n > 1 else [got]
+            except Exception:  # one broken figure must not blank the panel
+                logger.exception("panel refresh failed")
+                out += [gr.skip()] * n
+        return out
+
+    def attach(self) -> None:
+        """Register the tick and page-load events (once)."""
+        import gradio as gr
+
+        if self._attached or not self._outputs:
+            return
+        self._attached = True
+        self.timer.tick(self.values, outputs=self._outputs, show_progress="hidden", queue=True)
+        root = gr.context.Context.root_block
+        if root is not None:
+            root.load(self.values, outputs=self._outputs, show_progress="hidden")
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.attach()
+
+
+def _live(source: BucketSource | Live) -> tuple[Live, bool]:
+    """``(live, own)``: the given :class:`Live`, or a new one the builder attaches itself."""
+    return (source, False) if isinstance(source, Live) else (Live(source), True)
+
+
+# Gradio 6.31 plots fix their colour domain to the colour values of the first data they draw
+# and keep it on later updates, so a series that appears later (the first delta after the
+# first anchor, the trainer's rewards after the env's) is never drawn. Plots therefore start
+# as ``None`` and every update carries every series (:func:`with_series`).
+KINDS = ("anchor", "delta")
+REWARD_SOURCES = ("env", "trainer")
+STAGES = ("encode", "hash", "upload")
+
+
+def with_series(frame: pd.DataFrame, column: str, series: Sequence[str], y: str) -> pd.DataFrame | None:
+    """``frame`` plus one row with a missing ``y`` (not drawn) for each absent value of ``column``.
+
+    Returns:
+        ``None`` (an empty plot) while ``frame`` has no rows: the plot is laid out with its first data.
+    """
+    if not len(frame):
+        return None
+    missing = [name for name in series if name not in set(frame[column])]
+    if not missing:
+        return frame
+    version = int(frame["version"].min())
+    extra = pd.DataFrame({"version": [version] * len(missing), y: [float("nan")] * len(missing), column: missing})
+    return pd.concat([frame, extra.astype({column: "str"})], ignore_index=True).astype({"version": "int64"})
+
+
+def size_plot(source: BucketSource | Live, prefix: str = "") -> Any:
+    """Published size per version, anchors and deltas in different colours.
+
+    Args:
+        source: A bucket URL (or a function returning it), or a :class:`Live` to refresh with.
+        prefix: Prepended to the plot's ``elem_id``.
+    """
+    import gradio as gr
+
+    live, own = _live(source)
+    plot = gr.ScatterPlot(
+        None,
+        x="version",
+        y="KB",
+        color="kind",
+        color_map=KIND_COLORS,
+        y_lim=[0, None],
+        title="Published size per version (anchors red, deltas blue)",
+        y_title="KB",
+        height=260,
+        elem_id=f"{prefix}plot-size",
+    )
+
+    def render(view: BucketView, snap: Snapshot) -> Any:
+        frame = with_series(delta_size_frame(snap), "kind", KINDS, "KB")
+        if frame is None:
+            return None
+        # Headroom above the anchors (else drawn on the top edge), rounded so it rarely changes.
+        top = float(frame["KB"].max()) * 1.1
+        step = 10 ** math.floor(math.log10(top)) / 2 if top > 0 else 1.0
+        return gr.update(value=frame, y_lim=[0, math.ceil(top / step) * step])
+
+    live.add(plot, render)
+    if own:
+        live.attach()
+    return plot
+
+
+def apply_plot(
+    source: BucketSource | Live, replicas: Callable[[], Iterable[str] | None] | None = None, prefix: str = ""
+) -> Any:
+    """Replica apply time per version and mean inference idle per sync, from the status objects.
+
+    Args:
+        source: A bucket URL (or a function returning it), or a :class:`Live` to refresh with.
+        replicas: Function returning the replica ids to plot (``None``: all).
+        prefix: Prepended to the plot's ``elem_id``.
+    """
+    import gradio as gr
+
+    live, own = _live(source)
+    plot = gr.ScatterPlot(
+        None,
+        x="version",
+        y="seconds",
+        color="series",
+        tooltip="all",
+        title="Replica apply time and mean inference idle per sync",
+        height=260,
+        elem_id=f"{prefix}plot-apply",
+    )
+    live.add(
+        plot,
+        lambda view, snap: with_series(
+            sync_time_frame(view, replicas() if replicas else None), "series", SYNC_SERIES, "seconds"
+        ),
+    )
+    if own:
+        live.attach()
+    return plot
+
+
+def sync_plots(
+    source: BucketSource | Live, replicas: Callable[[], Iterable[str] | None] | None = None, prefix: str = ""
+) -> dict[str, Any]:
+    """Plots of the weight sync: size per version (anchors marked), % changed, publish
+    stage times, and replica apply time / inference idle per sync.
+
+    Args:
+        source: A bucket URL (or a function returning it), or a :class:`Live` to refresh with.
+        replicas: Function returning the replica ids whose apply times are plotted (``None``: all).
+        prefix: Prepended to the plots' ``elem_id``.
+
+    Returns:
+        ``{"size", "changed", "timing", "apply"}`` components.
+    """
+    import gradio as gr
+
+    live, own = _live(source)
+    with gr.Row():
+        size = size_plot(live, prefix=prefix)
+        changed = gr.LinePlot(
+            None,
+            x="version",
+            y="changed_pct",
+            title="Parameters changed per delta",
+            y_title="% changed",
+            height=260,
+            elem_id=f"{prefix}plot-changed",
+        )
+    with gr.Row():
+        timing = gr.LinePlot(
+            None,
+            x="version",
+            y="seconds",
+            color="stage",
+            title="Publish: encode / hash / upload",
+            height=260,
+            elem_id=f"{prefix}plot-timing",
+        )
+        apply = apply_plot(live, replicas, prefix=prefix)
+    live.add(
+        [changed, timing],
+        lambda view, snap: (changed_frame(snap), with_series(timing_frame(snap), "stage", STAGES, "seconds")),
+    )
+    if own:
+        live.attach()
+    return {"size": size, "changed": changed, "timing": timing, "apply": apply}
+
+
+def reward_plot(source: BucketSource | Live, prefix: str = "") -> Any:
+    """Mean reward per policy version (env scores and trainer batches).
+
+    Args:
+        source: A bucket URL (or a function returning it), or a :class:`Live` to refresh with.
+        prefix: Prepended to the plot's ``elem_id``.
+    """
+    import gradio as gr
+
+    live, own = _live(source)
+    plot = gr.LinePlot(
+        None,
+        x="version",
+        y="mean_reward",
+        color="source",
+        title="Mean reward per policy version",
+        y_lim=[0, 1],
+        height=280,
+        elem_id=f"{prefix}plot-reward",
+    )
+    live.add(plot, lambda view, snap: with_series(reward_frame(snap), "source", REWARD_SOURCES, "mean_reward"))
+    if own:
+        live.attach()
+    return plot
+
+
+def publishes_table(source: BucketSource | Live, prefix: str = "") -> Any:
+    """The recent publishes (version, kind, bytes, % changed), newest first.
+
+    Args:
+        source: A bucket URL (or a function returning it), or a :class:`Live` to refresh with.
+        prefix: Prepended to the table's ``elem_id`` (``<prefix>recent-publishes``).
+    """
+    import gradio as gr
+
+    live, own = _live(source)
+    table = gr.Dataframe(
+        recent_publishes_frame(Snapshot()),
+        label="Recent publishes",
+        interactive=False,
+        max_height=420,
+        elem_id=f"{prefix}recent-publishes",
+    )
+    live.add(table, lambda view, snap: recent_publishes_frame(snap))
+    if own:
+        live.attach()
+    return table
+
+
+def fleet_table(
+    source: BucketSource | Live,
+    replicas: Callable[[], Iterable[str] | None] | None = None,
+    label: str = "Rollout fleet",
+    prefix: str = "",
+) -> Any:
+    """One row per replica status object in the bucket.
+
+    Args:
+        source: A bucket URL (or a function returning it), or a :class:`Live` to refresh with.
+        replicas: Function returning the replica ids to show (``None``: all).
+        label: Table label.
+        prefix: Prepended to the table's ``elem_id`` (``<prefix>fleet-table``).
+    """
+    import gradio as gr
+
+    live, own = _live(source)
+    table = gr.Dataframe(fleet_frame(Snapshot()), label=label, interactive=False, elem_id=f"{prefix}fleet-table")
+    live.add(table, lambda view, snap: fleet_frame(snap, replicas() if replicas else None))
+    if own:
+        live.attach()
+    return table
+
+
+def summary_line(source: BucketSource | Live, render: Callable[[Snapshot], str], elem_id: str | None = None) -> Any:
+    """A Markdown line computed from the bucket's snapshot (e.g. :func:`trainer_summary`);
+    bucket read errors are appended to it."""
+    import gradio as gr
+
+    live, own = _live(source)
+    line = gr.Markdown(render(Snapshot()), elem_id=elem_id)
+    live.add(line, lambda view, snap: render(snap) + (f"  \n:warning: {snap.error}" if snap.error else ""))
+    if own:
+        live.attach()
+    return line
+
+
+def episodes_table(source: BucketSource | Live, prefix: str = "") -> Any:
+    """The environment's recent scored episodes (version, prompt, completion, reward)."""
+    import gradio as gr
+
+    live, own = _live(source)
+    table = gr.Dataframe(
+        episodes_frame(Snapshot()),
+        label="Recent episodes",
+        interactive=False,
+        wrap=True,
+        max_height=420,
+        elem_id=f"{prefix}episodes",
+    )
+    live.add(table, lambda view, snap: episodes_frame(snap))
+    if own:
+        live.attach()
+    return table
+
+
+def anchor_policy_controls(
+    source: BucketSource | Live, default: AnchorPolicy | None = None, prefix: str = ""
+) -> dict[str, Any]:
+    """Controls of the anchor policy: fixed/adaptive, interval, ratio, Apply.
+
+    Apply writes the bucket's control object (:func:`~shared.protocol.policy_to_json`);
+    the trainer, wherever it runs, uses it from its next publish. The inputs are
+    filled from the control object when the page loads (not on every refresh,
+    which would overwrite what the user is typing); the line above them shows
+    the policy in force and refreshes.
+
+    Args:
+        source: A bucket URL (or a function returning it), or a :class:`Live` to refresh with.
+        default: The policy to show while the bucket has no control object.
+        prefix: Prepended to the components' ``elem_id`` (``<prefix>anchor-interval``, ...).
+
+    Returns:
+        ``{"current", "policy", "interval", "ratio", "apply", "result"}`` components.
+    """
+    import gradio as gr
+
+    live, own = _live(source)
+    info = current_policy(Snapshot(), default)
+    current = gr.Markdown(describe_policy(info), elem_id=f"{prefix}anchor-policy-current")
+    with gr.Row():
+        policy = gr.Radio(
+            ["fixed", "adaptive"], value=info["policy"], label="Anchor policy", elem_id=f"{prefix}anchor-policy"
+        )
+        interval = gr.Number(
+            info["interval"],
+            precision=0,
+            minimum=1,
+            label="Anchor interval (publishes, fixed)",
+            elem_id=f"{prefix}anchor-interval",
+        )
+        ratio = gr.Number(
+            info["max_catchup_ratio"],
+            minimum=1.0,
+            step=0.5,
+            label="Max catch-up ratio (anchors, adaptive)",
+            elem_id=f"{prefix}anchor-ratio",
+        )
+        apply = gr.Button("Apply", variant="primary", elem_id=f"{prefix}anchor-apply")
+    result = gr.Markdown("", elem_id=f"{prefix}anchor-result")
+
+    def on_apply(kind: str, every: float | None, bound: float | None) -> str:
+        try:
+            new = make_policy(kind, every, bound)
+            write_policy(bucket_view(live.source).bucket, new)
+        except (ValueError, BucketError) as exc:
+            logger.warning("anchor policy not applied: %s", exc)
+            return redact(f":x: not applied: {exc}")
+        return f"Applied `{json.dumps(new.settings())}`: takes effect at the next publish."
+
+    def on_load() -> tuple[str, int, float]:
+        got = current_policy(bucket_view(live.source).snapshot(), default)
+        return got["policy"], got["interval"], got["max_catchup_ratio"]
+
+    apply.click(on_apply, inputs=[policy, interval, ratio], outputs=result)
+    live.add(current, lambda view, snap: describe_policy(current_policy(snap, default)))
+    root = gr.context.Context.root_block
+    if root is not None:
+        root.load(on_load, outputs=[policy, interval, ratio], show_progress="hidden")
+    if own:
+        live.attach()
+    return {
+        "current": current,
+        "policy": policy,
+        "interval": interval,
+        "ratio": ratio,
+        "apply": apply,
+        "result": result,
+    }
+
+
+def role_controls(
+    runner: RoleRunner,
+    make_config: Callable[..., Any],
+    inputs: Sequence[Any],
+    live: Live,
+    on_started: Callable[[Any], None] | None = None,
+    prefix: str = "",
+) -> dict[str, Any]:
+    """Start / Stop buttons and a status line for a :class:`RoleRunner`.
+
+    Args:
+        runner: The role this panel hosts.
+        make_config: ``make_config(*form values) -> config`` (may raise ``ValueError``).
+        inputs: The form components passed to ``make_config``.
+        live: Refreshes the status line.
+        on_started: Called with the config when Start is pressed (e.g. to follow its bucket).
+        prefix: Prepended to the components' ``elem_id`` (``<prefix>start-<name>``, ...).
+
+    Returns:
+        ``{"start", "stop", "status"}`` components.
+    """
+    import gradio as gr
+
+    name = runner.name
+    with gr.Row():
+        start = gr.Button(f"Start {name}", variant="primary", elem_id=f"{prefix}start-{name}")
+        stop = gr.Button(f"Stop {name}", variant="stop", elem_id=f"{prefix}stop-{name}")
+    status = gr.Markdown(runner.status(), elem_id=f"{prefix}status-{name}")
+
+    def on_start(*values: Any) -> str:
+        try:
+            config = make_config(*values)
+        except (ValueError, TypeError) as exc:
+            return f"**{name}**: invalid settings: {redact(str(exc))}"
+        if on_started is not None:
+            on_started(config)
+        return runner.start(config)
+
+    start.click(on_start, inputs=list(inputs), outputs=status)
+    stop.click(lambda: runner.stop(wait=False), outputs=status)
+    live.add(status, lambda view, snap: runner.status())
+    return {"start": start, "stop": stop, "status": status}
+
+
+def launch_options() -> dict[str, Any]:
+    """``launch()`` keyword arguments from the environment.
+
+    ``GRADIO_SERVER_NAME`` (default ``0.0.0.0``) and ``PORT`` / ``GRADIO_SERVER_PORT``
+    (default 7860). When ``SPACE_ID`` is set (running as a Space) and
+    ``PANEL_AUTH="user:password"`` is set, the panel asks for that login, which
+    protects the Start / Stop and anchor controls.
+    """
+    options: dict[str, Any] = {
+        "server_name": os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0"),
+        "server_port": int(os.environ.get("PORT") or os.environ.get("GRADIO_SERVER_PORT") or 7860),
+    }
+    auth = os.environ.get("PANEL_AUTH", "")
+    if os.environ.get("SPACE_ID") and auth:
+        user, sep, password = auth.partition(":")
+        if not sep or not user or not password:
+            raise ValueError("PANEL_AUTH must be 'user:password'")
+        options["auth"] = (user, password)
+    return options

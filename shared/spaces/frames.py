@@ -1,0 +1,218 @@
+"""Plot and table data: pandas DataFrames and summary lines computed from a :class:`~.snapshots.Snapshot`.
+
+Plain functions, testable without a browser; the Gradio components in
+:mod:`.components` draw what they return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import pandas as pd
+
+from .snapshots import BucketView, Snapshot, as_number
+
+#: Rows of the recent-publishes table.
+RECENT_PUBLISHES = 12
+
+PUBLISH_COLUMNS = ["version", "kind", "KB", "changed_pct", "encode_s", "hash_s", "upload_s", "catchup_KB"]
+
+
+def publish_frame(snap: Snapshot) -> pd.DataFrame:
+    """One row per publish: version, kind, KB, changed_pct, encode_s, hash_s, upload_s, catchup_KB."""
+    rows = []
+    for r in snap.trainer_rows:
+        if r.get("kind") in ("anchor", "delta") and isinstance(r.get("version"), int):
+            rows.append(
+                {
+                    "version": r["version"],
+                    "kind": r["kind"],
+                    "KB": (as_number(r.get("nbytes")) or 0) / 1e3,
+                    "changed_pct": as_number(r.get("changed_pct")),
+                    "encode_s": as_number(r.get("encode_s")),
+                    "hash_s": as_number(r.get("hash_s")),
+                    "upload_s": as_number(r.get("upload_s")),
+                    "catchup_KB": (as_number(r.get("catchup_bytes")) or 0) / 1e3,
+                }
+            )
+    frame = pd.DataFrame(rows, columns=PUBLISH_COLUMNS)
+    frame = frame.drop_duplicates("version", keep="last").sort_values("version", kind="stable")
+    return frame.astype({"version": "int64", "kind": "str"}).astype({c: "float64" for c in PUBLISH_COLUMNS[2:]})
+
+
+def delta_size_frame(snap: Snapshot) -> pd.DataFrame:
+    """Size of each published version (KB), anchors and deltas told apart by ``kind``."""
+    return publish_frame(snap)[["version", "KB", "kind"]]
+
+
+def changed_frame(snap: Snapshot) -> pd.DataFrame:
+    """Percentage of parameters changed by each delta (anchors, 100 % by definition, left out)."""
+    frame = publish_frame(snap)
+    return frame[frame["kind"] == "delta"][["version", "changed_pct"]]
+
+
+def timing_frame(snap: Snapshot) -> pd.DataFrame:
+    """Encode, hash and upload seconds per version, long format (version, stage, seconds)."""
+    frame = publish_frame(snap)
+    stages = frame.melt(
+        id_vars=["version"], value_vars=["encode_s", "hash_s", "upload_s"], var_name="stage", value_name="seconds"
+    )
+    stages["stage"] = stages["stage"].str.removesuffix("_s")
+    return stages.dropna().sort_values(["version", "stage"], kind="stable").reset_index(drop=True)
+
+
+SYNC_SERIES = ("apply", "idle per sync")
+
+
+def sync_time_frame(view: BucketView, replicas: Iterable[str] | None = None) -> pd.DataFrame:
+    """Replica apply time per version, and each replica's mean inference idle per sync so far.
+
+    Returns:
+        Long format: version, seconds, series (one of :data:`SYNC_SERIES`), replica.
+    """
+    wanted = set(replicas) if replicas is not None else None
+    rows = []
+    for (replica, step), (apply_s, idle_s) in sorted(view.sync_history.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if wanted is not None and replica not in wanted:
+            continue
+        for series, seconds in zip(SYNC_SERIES, (apply_s, idle_s)):
+            if seconds is not None:
+                rows.append({"version": step, "seconds": seconds, "series": series, "replica": replica})
+    return pd.DataFrame(rows, columns=["version", "seconds", "series", "replica"]).astype(
+        {"version": "int64", "seconds": "float64", "series": "str", "replica": "str"}
+    )
+
+
+def reward_frame(snap: Snapshot) -> pd.DataFrame:
+    """Mean reward per policy version: from the env's scores and from the trainer's batches.
+
+    Returns:
+        Long format: version, mean_reward, source (``"env"`` weighted by sample count, ``"trainer"``).
+    """
+    rows = []
+    totals: dict[int, list[float]] = {}
+    for r in snap.env_rows:
+        v, m, n = r.get("version"), as_number(r.get("mean_reward")), as_number(r.get("count")) or 1.0
+        if isinstance(v, int) and m is not None:
+            acc = totals.setdefault(v, [0.0, 0.0])
+            acc[0] += m * n
+            acc[1] += n
+    rows += [{"version": v, "mean_reward": s / n, "source": "env"} for v, (s, n) in sorted(totals.items()) if n]
+    by_version: dict[int, list[float]] = {}
+    for r in snap.trainer_rows:
+        if (
+            r.get("kind") == "train"
+            and isinstance(r.get("version"), int)
+            and as_number(r.get("mean_reward")) is not None
+        ):
+            by_version.setdefault(r["version"], []).append(float(r["mean_reward"]))
+    rows += [{"version": v, "mean_reward": sum(x) / len(x), "source": "trainer"} for v, x in sorted(by_version.items())]
+    return pd.DataFrame(rows, columns=["version", "mean_reward", "source"]).astype(
+        {"version": "int64", "mean_reward": "float64", "source": "str"}
+    )
+
+
+FLEET_COLUMNS = [
+    "replica",
+    "engine",
+    "version",
+    "newest",
+    "lag",
+    "apply s",
+    "idle per sync s",
+    "MB downloaded",
+    "tokens/s",
+    "age s",
+]
+
+
+def fleet_frame(snap: Snapshot, replicas: Iterable[str] | None = None) -> pd.DataFrame:
+    """One row per replica status object (optionally only ``replicas``)."""
+    wanted = set(replicas) if replicas is not None else None
+
+    def fmt(value: Any, digits: int) -> str:
+        num = as_number(value)
+        return "" if num is None else f"{num:.{digits}f}"
+
+    rows = []
+    for st in snap.statuses:
+        replica = str(st.get("replica_id", "?"))
+        if wanted is not None and replica not in wanted:
+            continue
+        updated = as_number(st.get("updated_at"))
+        rows.append(
+            [
+                replica,
+                str(st.get("engine", "")),
+                fmt(st.get("applied_step"), 0),
+                fmt(st.get("newest_step"), 0),
+                fmt(st.get("lag"), 0),
+                fmt(st.get("apply_s"), 4),
+                fmt(st.get("idle_per_sync_s"), 4),
+                fmt((as_number(st.get("bytes_downloaded")) or 0) / 1e6, 2),
+                fmt(st.get("tokens_per_s"), 0),
+                fmt(None if updated is None else max(snap.read_at - updated, 0.0), 1),
+            ]
+        )
+    return pd.DataFrame(rows, columns=FLEET_COLUMNS)
+
+
+def recent_publishes_frame(snap: Snapshot, n: int = RECENT_PUBLISHES) -> pd.DataFrame:
+    """The ``n`` newest publishes, newest first: version, kind, bytes, % changed."""
+    frame = publish_frame(snap).tail(n).iloc[::-1]
+    return pd.DataFrame(
+        {
+            "version": frame["version"].astype(str),
+            "kind": frame["kind"],
+            "bytes": [f"{kb * 1e3:,.0f}" for kb in frame["KB"]],
+            "% changed": ["" if pd.isna(p) else f"{p:.2f}" for p in frame["changed_pct"]],
+        }
+    )
+
+
+def episodes_frame(snap: Snapshot) -> pd.DataFrame:
+    """The env's recent scored episodes, newest first: version, prompt, completion, reward."""
+    episodes = snap.env_extra.get("episodes")
+    rows = [e for e in episodes if isinstance(e, dict)] if isinstance(episodes, list) else []
+    frame = pd.DataFrame(rows[::-1], columns=["version", "prompt", "completion", "reward"])
+    return frame.fillna("").astype(str)
+
+
+def trainer_summary(snap: Snapshot) -> str:
+    """One line: published version, optimizer steps, buffered groups, newest loss and reward."""
+    if snap.manifest is None and not snap.trainer_rows:
+        return "Trainer: nothing published yet."
+    version = snap.manifest.step if snap.manifest else snap.trainer_extra.get("version")
+    parts = [f"version **{version}**"]
+    if "opt_steps" in snap.trainer_extra:
+        parts.append(f"{snap.trainer_extra['opt_steps']} optimizer steps")
+    if "buffered_groups" in snap.trainer_extra:
+        parts.append(f"{snap.trainer_extra['buffered_groups']} groups buffered")
+    train = [r for r in snap.trainer_rows if r.get("kind") == "train"]
+    if train:
+        last = train[-1]
+        if as_number(last.get("loss")) is not None:
+            parts.append(f"loss {last['loss']:.4f}")
+        if as_number(last.get("mean_reward")) is not None:
+            parts.append(f"batch reward {last['mean_reward']:.3f}")
+    return "Trainer: " + ", ".join(parts)
+
+
+def env_summary(snap: Snapshot) -> str:
+    """One line: environment, tasks/s, scores/s, samples scored, newest mean reward."""
+    extra = snap.env_extra
+    if not extra:
+        return "Environment: no figures yet."
+    parts = [f"**{extra.get('env', '?')}**"]
+    for key, label in (("tasks_per_s", "tasks/s"), ("scores_per_s", "scores/s")):
+        if as_number(extra.get(key)) is not None:
+            parts.append(f"{extra[key]:.1f} {label}")
+    if "scored" in extra:
+        parts.append(f"{extra['scored']} samples scored")
+    rewards = reward_frame(snap)
+    env_rewards = rewards[rewards["source"] == "env"]
+    if len(env_rewards):
+        last = env_rewards.iloc[-1]
+        parts.append(f"mean reward {last['mean_reward']:.3f} at version {last['version']}")
+    return "Environment: " + ", ".join(parts)

@@ -1,0 +1,135 @@
+"""Role process control: :class:`RoleRunner` starts and stops the role a panel hosts in
+its own process (the only in-process object a panel touches)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from .snapshots import redact
+
+logger = logging.getLogger(__name__)
+
+
+class Role(Protocol):
+    """What :class:`RoleRunner` needs of a role object (Trainer, Replica, EnvSimulator)."""
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    @property
+    def running(self) -> bool: ...
+
+
+_BUILD_LOCK = threading.Lock()
+
+
+class RoleRunner:
+    """Starts and stops the role objects a panel hosts, in background threads.
+
+    Building a role (loading a model) can take a while, so :meth:`start` builds
+    and starts it in a thread and returns at once; :attr:`state` tells where it is.
+
+    Args:
+        name: Shown in status lines ("trainer", "rollout", "env").
+        build: ``build(config) -> list of role objects`` (one, or several replicas).
+    """
+
+    def __init__(self, name: str, build: Callable[[Any], Sequence[Role]]) -> None:
+        self.name = name
+        self._build = build
+        self.objects: list[Role] = []
+        self.config: Any = None
+        self.error = ""
+        self._starting = False
+        self._stopped = False
+        self._stopper: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def running(self) -> bool:
+        return any(o.running for o in self.objects)
+
+    @property
+    def state(self) -> str:
+        if self._starting:
+            return "starting"
+        if self._stopper is not None and self._stopper.is_alive():
+            return "stopping"
+        if self.running:
+            return "running"
+        if self.error:
+            return "failed"
+        return "finished" if self.objects and not self._stopped else "stopped"
+
+    def start(self, config: Any, wait: bool = False) -> str:
+        """Build the role objects from ``config`` and start them (in a background thread).
+
+        Args:
+            config: The role's config dataclass.
+            wait: Block until started (or failed).
+
+        Returns:
+            A status line.
+        """
+        with self._lock:
+            if self._starting or self.running or self.state == "stopping":
+                return f"**{self.name}** is {self.state}; not started again."
+            self._starting = True
+            self._stopped = False
+            self.error = ""
+            self.config = config
+        thread = threading.Thread(target=self._start, args=(config,), name=f"start-{self.name}", daemon=True)
+        thread.start()
+        if wait:
+            thread.join()
+        return self.status()
+
+    def _start(self, config: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            with _BUILD_LOCK:  # one build at a time: transformers' lazy imports are not thread-safe
+                objects = list(self._build(config))
+            if self._stopped:  # Stop was pressed while building
+                logger.info("%s: start cancelled", self.name)
+                return
+            for obj in objects:
+                obj.start()
+            self.objects = objects
+            logger.info("%s started (%d object(s)) in %.1fs", self.name, len(objects), time.perf_counter() - t0)
+        except Exception as exc:  # shown in the panel; the panel keeps working
+            logger.exception("%s failed to start", self.name)
+            self.error = redact(f"{type(exc).__name__}: {exc}")
+        finally:
+            self._starting = False
+
+    def stop(self, wait: bool = True) -> str:
+        """Stop the role objects; returns a status line.
+
+        Args:
+            wait: Wait for their threads to end; otherwise stop them in a background
+                thread (the state reads "stopping" meanwhile), as the panel's Stop does.
+        """
+        self._stopped = True
+        objects = list(self.objects)
+
+        def stop_all() -> None:
+            for obj in objects:  # close() also releases engines (GPU memory); Start builds new objects
+                getattr(obj, "close", obj.stop)()
+            logger.info("%s stopped", self.name)
+
+        if wait:
+            stop_all()
+        else:
+            self._stopper = threading.Thread(target=stop_all, name=f"stop-{self.name}", daemon=True)
+            self._stopper.start()
+        return self.status()
+
+    def status(self) -> str:
+        """One status line."""
+        line = f"**{self.name}**: {self.state}"
+        if self.error:
+            line += f": {self.error}"
+        return line

@@ -1,0 +1,189 @@
+"""Bucket snapshots: what the panels read from the bucket, and the token redaction.
+
+A :class:`Snapshot` holds ``metrics/trainer.json``, ``metrics/env.json``, the
+``status/*.json`` objects, the pointer object and the anchor-policy control object,
+read at one moment. A :class:`BucketView` (one per bucket URL and process, from
+:func:`bucket_view`) caches snapshots for a few seconds so that every refresh handler
+of a page reads the bucket once. Everything a panel shows comes from here, so a panel
+works the same whether the roles run in this process or in three Spaces.
+
+The Hugging Face token is never shown: bucket URLs carry none, and any text that
+reaches the page goes through :func:`redact`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..bucket import Bucket, BucketError, ObjectNotFoundError, open_bucket
+from ..errors import FormatError
+from ..protocol import CONTROL_KEY, AnchorPolicy, Manifest, policy_from_json, read_manifest
+from .exchange import STATUS_PREFIX, get_json, metrics_key
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a bucket snapshot is reused by the refresh handlers of one process (local folder).
+SNAPSHOT_TTL_S = 1.0
+#: The same for a remote bucket (``hf://``), where one snapshot costs several HTTP requests.
+REMOTE_SNAPSHOT_TTL_S = 3.0
+_REDACTED = "***"
+
+BucketSource = str | Callable[[], str]
+"""A bucket URL, or a function returning the current one (a panel's form may change it)."""
+
+
+def redact(text: str) -> str:
+    """Remove the Hugging Face token (``HF_TOKEN`` / ``HUGGING_FACE_HUB_TOKEN``) from ``text``."""
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        secret = os.environ.get(var)
+        if secret and len(secret) >= 4:
+            text = text.replace(secret, _REDACTED)
+    return text
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """What a panel shows, read from the bucket at ``read_at`` (missing objects are empty).
+
+    Attributes:
+        trainer_rows: Rows of ``metrics/trainer.json`` (kinds ``anchor``, ``delta``, ``train``).
+        trainer_extra: The other fields of ``metrics/trainer.json`` (version, opt_steps, ...).
+        env_rows: Rows of ``metrics/env.json`` (version, mean_reward, count).
+        env_extra: The other fields of ``metrics/env.json`` (env, episodes, tasks_per_s, ...).
+        statuses: The ``status/<replica>.json`` objects.
+        manifest: The pointer object, or ``None`` (nothing published, or invalid).
+        policy: The anchor policy of the control object, or ``None`` if there is none.
+        read_at: ``time.time()`` of the read.
+        error: A read problem to show (already redacted), or ``""``.
+    """
+
+    trainer_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    trainer_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    env_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    env_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    statuses: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    manifest: Manifest | None = None
+    policy: AnchorPolicy | None = None
+    read_at: float = 0.0
+    error: str = ""
+
+
+def _metrics(bucket: Bucket, role: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    doc = get_json(bucket, metrics_key(role))
+    if not isinstance(doc, dict):
+        return [], {}
+    rows = [r for r in doc.get("rows", []) if isinstance(r, dict)] if isinstance(doc.get("rows"), list) else []
+    return rows, {k: v for k, v in doc.items() if k != "rows"}
+
+
+def read_snapshot(bucket: Bucket) -> Snapshot:
+    """Read everything the panels show from ``bucket``.
+
+    Bucket errors are logged and reported in :attr:`Snapshot.error`; what could
+    be read is still returned.
+    """
+    snap = Snapshot(read_at=time.time())
+    try:
+        snap.trainer_rows, snap.trainer_extra = _metrics(bucket, "trainer")
+        snap.env_rows, snap.env_extra = _metrics(bucket, "env")
+        for obj in sorted(bucket.list(STATUS_PREFIX), key=lambda o: o.key):
+            doc = get_json(bucket, obj.key)
+            if isinstance(doc, dict):
+                snap.statuses.append(doc)
+        try:
+            snap.manifest = read_manifest(bucket)
+        except FormatError as exc:
+            logger.warning("invalid pointer object: %s", exc)
+            snap.error = f"invalid latest.json: {exc}"
+        try:
+            snap.policy = policy_from_json(bucket.get(CONTROL_KEY))
+        except ObjectNotFoundError:
+            pass
+        except FormatError as exc:
+            logger.warning("invalid control object: %s", exc)
+    except BucketError as exc:
+        logger.warning("reading %s failed: %s", getattr(bucket, "url", "bucket"), exc)
+        snap.error = redact(f"bucket read failed: {exc}")
+    return snap
+
+
+class BucketView:
+    """A bucket's snapshots, shared by every refresh handler of a process.
+
+    Snapshots are cached for ``ttl`` seconds so that several plots refreshing
+    at once read the bucket once. The view also remembers, per replica, the
+    apply time seen in its status at each applied version (the status object
+    holds only the latest), to plot apply time per sync.
+
+    Args:
+        url: Bucket URL or path.
+        ttl: Seconds a snapshot is reused.
+    """
+
+    def __init__(self, url: str, ttl: float = SNAPSHOT_TTL_S) -> None:
+        self.url = url
+        self.ttl = ttl
+        self._bucket: Bucket | None = None
+        self._snapshot: Snapshot | None = None
+        self._lock = threading.Lock()
+        #: (replica, applied version) -> (apply seconds, idle per sync seconds)
+        self.sync_history: dict[tuple[str, int], tuple[float | None, float | None]] = {}
+
+    @property
+    def bucket(self) -> Bucket:
+        if self._bucket is None:
+            self._bucket = open_bucket(self.url)
+        return self._bucket
+
+    def snapshot(self) -> Snapshot:
+        """A snapshot no older than ``ttl`` seconds."""
+        with self._lock:
+            now = time.time()
+            if self._snapshot is not None and now - self._snapshot.read_at < self.ttl:
+                return self._snapshot
+            try:
+                snap = read_snapshot(self.bucket)
+            except BucketError as exc:  # opening the bucket failed
+                logger.warning("cannot open bucket %s: %s", self.url, exc)
+                snap = Snapshot(read_at=now, error=redact(f"cannot open bucket: {exc}"))
+            self._remember_syncs(snap)
+            self._snapshot = snap
+            return snap
+
+    def _remember_syncs(self, snap: Snapshot) -> None:
+        for st in snap.statuses:
+            replica, step = st.get("replica_id"), st.get("applied_step")
+            if isinstance(replica, str) and isinstance(step, int) and st.get("apply_s") is not None:
+                self.sync_history[(replica, step)] = (
+                    as_number(st.get("apply_s")),
+                    as_number(st.get("idle_per_sync_s")),
+                )
+        if len(self.sync_history) > 5000:
+            for key in sorted(self.sync_history, key=lambda k: k[1])[: len(self.sync_history) - 5000]:
+                del self.sync_history[key]
+
+
+_VIEWS: dict[str, BucketView] = {}
+_VIEWS_LOCK = threading.Lock()
+
+
+def bucket_view(source: BucketSource) -> BucketView:
+    """The process-wide :class:`BucketView` of a bucket URL (or of the URL ``source()`` returns)."""
+    url = source() if callable(source) else source
+    with _VIEWS_LOCK:
+        view = _VIEWS.get(url)
+        if view is None:
+            remote = "://" in url and not url.startswith("file://")
+            view = _VIEWS[url] = BucketView(url, ttl=REMOTE_SNAPSHOT_TTL_S if remote else SNAPSHOT_TTL_S)
+        return view
+
+
+def as_number(value: Any) -> float | None:
+    """``value`` as a float if it is a number (not a bool), else ``None``."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
