@@ -215,6 +215,7 @@ def build_app(stack: Stack) -> gr.Blocks:
                     with gr.Row():
                         components.reward_plot(live, prefix="overview-")
                         components.size_plot(live, prefix="overview-")
+                    components.ratio_plot(live, prefix="overview-")
                     components.fleet_table(live, prefix="overview-")
             with gr.Tab("Trainer", id="trainer", elem_id="tab-trainer") as trainer_tab:
                 trainer_app.build_panel(

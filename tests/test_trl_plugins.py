@@ -220,3 +220,18 @@ def test_streaming_send_memory_is_bounded(tmp_path):
     assert got["kinds"] == ["anchor", "delta"] and got["changed"] == 24 * 20_000
     assert got["first"] <= shadow + 2 * largest, got
     assert got["delta"] <= 2 * largest + 16 * got["changed"], got  # two tensors in flight plus the changes
+
+
+def test_trl_layout_estimate_matches_the_trl_codec(bucket):
+    """The panel's "TRL layout" size (6 bytes per changed bf16 element plus the header estimate)
+    is within 10% of a real delta written with the trl codec (the public design's plain layout)."""
+    from shared.trl.metrics import trl_layout_bytes
+
+    master = master_state()
+    pub = Publisher(bucket, codec="trl", policy=FixedInterval(100))
+    pub.publish(0, master)
+    rl_step(master, 0)
+    rec = pub.publish(1, master)
+    estimate = trl_layout_bytes(rec.changed, len(master))
+    assert rec.kind == "delta" and rec.changed > 1000
+    assert abs(estimate - rec.nbytes) <= 0.1 * rec.nbytes, (estimate, rec.nbytes)

@@ -118,3 +118,18 @@ def test_kill_9_then_restart_resumes_from_the_bucket_checkpoint(bucket, tmp_path
     sub.sync()
     assert sub.step == manifest.step == steps[-1] and sub.state_hash == manifest.state_hash
     assert checkpoints.steps()[-1] == saved_step + 3 and len(checkpoints.steps()) <= 2  # saved at the end, retention
+
+
+def test_overview_ratio_frame_compares_deltas_with_the_anchor_and_the_trl_layout():
+    from shared.spaces.frames import delta_ratio_frame
+    from shared.spaces.snapshots import Snapshot
+
+    rows = [
+        {"kind": "anchor", "version": 0, "nbytes": 1000},
+        {"kind": "delta", "version": 1, "nbytes": 50, "trl_nbytes": 200},
+        {"kind": "train", "version": 1, "loss": 0.1},
+        {"kind": "anchor", "version": 2, "nbytes": 500},
+        {"kind": "delta", "version": 3, "nbytes": 25, "trl_nbytes": None},
+    ]
+    frame = delta_ratio_frame(Snapshot(trainer_rows=rows))
+    assert frame.values.tolist() == [[1, 5.0, "vs anchor"], [1, 25.0, "vs TRL layout"], [3, 5.0, "vs anchor"]]
