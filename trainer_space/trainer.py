@@ -177,7 +177,9 @@ class Trainer:
             train_dataset=Dataset.from_dict({"prompt": ["(prompts come from the bucket's tasks/)"]}),
             rollout_worker=self.worker, weight_transfer=self.transfer,
         )  # fmt: skip
-        self.checkpoint_callback = CheckpointCallback(self.checkpoints, info=lambda: {"published_version": self.transfer.version})
+        self.checkpoint_callback = CheckpointCallback(
+            self.checkpoints, info=lambda: {"published_version": self.transfer.version}
+        )
         self.final_sync = FinalWeightSync(self.trl)
         for callback in (self.checkpoint_callback, self.final_sync, BucketFigures(self)):
             self.trl.add_callback(callback)
@@ -196,7 +198,8 @@ class Trainer:
     def _record_publish(self, rec: PublishRecord) -> None:
         self.metrics.add(
             kind=rec.kind, version=rec.step, nbytes=rec.nbytes, changed=rec.changed, total=rec.total,
-            changed_pct=100 * rec.changed_fraction, trl_nbytes=trl_layout_bytes(rec.changed, len(self.publisher.detector.published or ())),
+            changed_pct=100 * rec.changed_fraction,
+            trl_nbytes=trl_layout_bytes(rec.changed, len(self.publisher.detector.published or ())),
             encode_s=rec.encode_s, hash_s=rec.hash_s, upload_s=rec.upload_s, catchup_bytes=rec.catchup_bytes,
         )  # fmt: skip
         self.flush()
@@ -244,7 +247,10 @@ class Trainer:
                 for name, tensor in published.items():
                     if name in params:
                         params[name].copy_(tensor.to(params[name].dtype))
-            self.notice = f"no checkpoint in the bucket: continued from published version {self.transfer.version} with a fresh optimizer"
+            self.notice = (
+                f"no checkpoint in the bucket: continued from published version {self.transfer.version} "
+                "with a fresh optimizer"
+            )
             logger.warning(self.notice)
         return None
 

@@ -293,14 +293,17 @@ class Publisher:
             del tensor
         missing = self.detector.published.keys() - digests.keys()
         if missing:
-            raise SyncError(f"the publish of step {step} lacks {len(missing)} published tensor(s), e.g. {sorted(missing)[0]!r}")
+            raise SyncError(
+                f"the publish of step {step} lacks {len(missing)} published tensor(s), e.g. {sorted(missing)[0]!r}"
+            )
         self._refresh_policy()
         if self.policy.wants_anchor(self.manifest):
             return self._publish_anchor(step, PatchedState(self.detector.published, changes), owned=True)
         old_digests, self._digests = self._digests, digests
         total = sum(t.numel() for t in self.detector.published.values())
         hash_s = time.perf_counter() - t0 - encode_s
-        return self._write_delta(step, changes, combine_digests(digests), total, old_digests, encode_s=encode_s, hash_s=hash_s)
+        result_hash = combine_digests(digests)
+        return self._write_delta(step, changes, result_hash, total, old_digests, encode_s=encode_s, hash_s=hash_s)
 
     def _hash(self, state: Mapping[str, torch.Tensor], names) -> str:
         for name in names:  # cast without a defensive copy: the digest only reads the bits

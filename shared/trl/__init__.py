@@ -27,7 +27,7 @@ _EXPORTS = {
     "to_rollout_sample": "rollout_worker",
     "BucketCheckpoints": "checkpoints",
     "CheckpointCallback": "checkpoints",
-    "FinalWeightSync": "checkpoints",
+    "FinalWeightSync": "final_sync",
     "apply_cpu_compat": "cpu_compat",
     "sdpa_tree_attention": "cpu_compat",
 }

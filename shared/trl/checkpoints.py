@@ -15,9 +15,7 @@ pickled file must load with ``torch.load(weights_only=True)`` (what ``Trainer``
 itself uses to resume) before the folder is handed over; a checkpoint that fails
 is skipped for the next older one.
 
-:class:`CheckpointCallback` uploads every checkpoint the ``Trainer`` saves;
-:class:`FinalWeightSync` publishes the last weights at the end of training when
-``max_steps`` is not a multiple of ``weight_sync_steps``.
+:class:`CheckpointCallback` uploads every checkpoint the ``Trainer`` saves.
 """
 
 from __future__ import annotations
@@ -66,7 +64,9 @@ class BucketCheckpoints:
         max_file_bytes: Largest checkpoint file accepted on download.
     """
 
-    def __init__(self, bucket: Bucket, keep: int = 2, prefix: str = CHECKPOINTS_PREFIX, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> None:
+    def __init__(
+        self, bucket: Bucket, keep: int = 2, prefix: str = CHECKPOINTS_PREFIX, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    ) -> None:
         if keep < 1:
             raise ValueError("keep at least one checkpoint")
         self.bucket = bucket
@@ -233,38 +233,3 @@ class CheckpointCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
             self.upload(args.output_dir, state.global_step)
-
-
-class FinalWeightSync(TrainerCallback):
-    """Publishes the final weights when training ends between two weight syncs.
-
-    ``AsyncGRPOTrainer`` syncs every ``weight_sync_steps`` optimizer steps, so with
-    ``max_steps`` (or a stop) off that grid the last steps would never reach the
-    replicas. At train end this runs the trainer's own sync once more if any step
-    was trained since the last one.
-
-    Args:
-        trainer: The ``AsyncGRPOTrainer`` (its ``_sync_weight`` keeps the version accounting).
-    """
-
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
-        self.synced_step: int | None = None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.synced_step = state.global_step  # the trainer syncs at train begin
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % args.weight_sync_steps == 0:
-            self.synced_step = state.global_step
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.sync(state.global_step)
-
-    def sync(self, step: int) -> bool:
-        """Publish unless ``step`` was the last synced; returns whether it published."""
-        if self.synced_step == step:
-            return False
-        self.trainer._sync_weight()
-        self.synced_step = step
-        return True
