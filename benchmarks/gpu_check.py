@@ -1,6 +1,7 @@
-"""GPU check of the vLLM engine: Qwen3-0.6B-sized model, RL-like deltas, one GPU, < 5 minutes.
+"""GPU check, vLLM half: the vLLM engine with a Qwen3-0.6B-sized model, RL-like deltas, one GPU, < 5 minutes.
 
-Needs a CUDA GPU and the GPU build of vLLM (``requirements-vllm-gpu.txt``). Builds
+Needs a CUDA GPU and the GPU build of vLLM (``requirements-vllm-gpu.txt``); the torch-only
+half, for a GPU machine without vLLM, is ``benchmarks.gpu_check_torch``. Builds
 a model with Qwen3-0.6B's configuration and random weights locally (nothing is
 downloaded), publishes an anchor and ``--deltas`` AdamW deltas to a local bucket,
 follows it with a Subscriber and applies each verified delta to a
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--repeat", type=int, default=2, help="timed repeats of the full loads (best kept)")
     ap.add_argument("--workdir", default=None, help="folder for the model and the bucket (default: a temp folder)")
-    ap.add_argument("--spool", default="/dev/shm" if os.path.isdir("/dev/shm") else None, help="payload spool folder")
+    ap.add_argument("--spool", default=None, help="payload spool folder (default: WORKDIR/spool, on disk: "
+                    "/dev/shm is 64 MB in many containers and a full payload is 1.2 GB)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if not torch.cuda.is_available():
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
 
     t_start = time.perf_counter()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="gpu-check-"))
+    spool = args.spool or str(work / "spool")
     config = dict(QWEN3_0_6B)
     master = random_qwen3_state(config, seed=0, device="cuda")
     n_params = sum(t.numel() for t in master.values())
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         max_model_len=1024,
         max_num_seqs=32,
         gpu_memory_utilization=0.3,
-        spool_dir=args.spool,
+        spool_dir=spool,
     )
     print(f"vLLM {__import__('vllm').__version__} engine up in {time.perf_counter() - t0:.0f} s; "
           f"{len(engine.layout.in_place)} of {len(set(engine.layout.module_of.values()))} modules patched in place")  # fmt: skip
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         tokens = _greedy_tokens(engine, prompts, 32)
 
         def plain_load_weights() -> None:
-            payload = pack_tensors(sub.state, spool_dir=args.spool)
+            payload = pack_tensors(sub.state, spool_dir=spool)
             try:
                 engine.llm.collective_rpc("sync_load_weights", args=(payload,))
             finally:

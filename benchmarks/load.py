@@ -91,8 +91,8 @@ class CountingBucket(LocalBucket):
         self.data_reads = 0
         self.data_bytes = 0
 
-    def get(self, key: str) -> bytes:
-        data = super().get(key)
+    def get_limited(self, key: str, max_bytes: int) -> bytes:
+        data = super().get_limited(key, max_bytes)
         if key == POINTER_KEY:
             self.pointer_reads += 1
         else:
@@ -100,8 +100,8 @@ class CountingBucket(LocalBucket):
             self.data_bytes += len(data)
         return data
 
-    def get_file(self, key: str, path: str | Path) -> None:
-        super().get_file(key, path)
+    def get_file_limited(self, key: str, path: str | Path, max_bytes: int) -> None:
+        super().get_file_limited(key, path, max_bytes)
         self.data_reads += 1
         self.data_bytes += Path(path).stat().st_size
 
@@ -125,13 +125,13 @@ class TimedBucket(LocalBucket):
         self.ops += 1
         super().put_file(key, path)
 
-    def get(self, key: str) -> bytes:
+    def get_limited(self, key: str, max_bytes: int) -> bytes:
         self.ops += 1
-        return super().get(key)
+        return super().get_limited(key, max_bytes)
 
-    def get_file(self, key: str, path: str | Path) -> None:
+    def get_file_limited(self, key: str, path: str | Path, max_bytes: int) -> None:
         self.ops += 1
-        super().get_file(key, path)
+        super().get_file_limited(key, path, max_bytes)
 
     def list(self, prefix: str = ""):
         self.ops += 1

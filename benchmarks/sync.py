@@ -23,6 +23,7 @@ import safetensors.torch
 import torch
 import zstandard
 
+from benchmarks.entropy import delta_entropy
 from shared.detect import ChangeDetector
 from shared.dtypes import int_view
 from shared.format import decode_delta, encode_delta
@@ -31,33 +32,42 @@ from shared.hashing import state_hash
 logger = logging.getLogger("benchmarks.sync")
 
 
-def make_model(params: float, *, hidden: int = 1024, seed: int = 0) -> dict[str, torch.Tensor]:
-    """fp32 master weights shaped like a decoder-only LLM with about ``params`` parameters."""
-    gen = torch.Generator().manual_seed(seed)
+def model_shapes(params: float, *, hidden: int = 1024) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of a decoder-only LLM with about ``params`` parameters (1-D tensors are norm weights)."""
     inter = 3 * hidden
     per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
     vocab = 32000
     layers = max(1, round((params - 2 * vocab * hidden) / per_layer))
-    state: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen) * 0.02,
-        "lm_head.weight": torch.randn(vocab, hidden, generator=gen) * 0.02,
-        "model.norm.weight": 1 + torch.randn(hidden, generator=gen) * 0.02,
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "lm_head.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
     }
     for i in range(layers):
         p = f"model.layers.{i}."
-        for name, shape in [
-            ("self_attn.q_proj.weight", (hidden, hidden)),
-            ("self_attn.k_proj.weight", (hidden, hidden)),
-            ("self_attn.v_proj.weight", (hidden, hidden)),
-            ("self_attn.o_proj.weight", (hidden, hidden)),
-            ("mlp.gate_proj.weight", (inter, hidden)),
-            ("mlp.up_proj.weight", (inter, hidden)),
-            ("mlp.down_proj.weight", (hidden, inter)),
-        ]:
-            state[p + name] = torch.randn(*shape, generator=gen) * 0.02
-        state[p + "input_layernorm.weight"] = 1 + torch.randn(hidden, generator=gen) * 0.02
-        state[p + "post_attention_layernorm.weight"] = 1 + torch.randn(hidden, generator=gen) * 0.02
-    return state
+        shapes.update({
+            p + "self_attn.q_proj.weight": (hidden, hidden),
+            p + "self_attn.k_proj.weight": (hidden, hidden),
+            p + "self_attn.v_proj.weight": (hidden, hidden),
+            p + "self_attn.o_proj.weight": (hidden, hidden),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        })  # fmt: skip
+    return shapes
+
+
+def init_weights(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """fp32 weights drawn like an LLM's: matrices ~N(0, 0.02), norm weights near 1."""
+    return torch.randn(*shape, generator=gen) * 0.02 + (1.0 if len(shape) == 1 else 0.0)
+
+
+def make_model(params: float, *, hidden: int = 1024, seed: int = 0) -> dict[str, torch.Tensor]:
+    """fp32 master weights shaped like a decoder-only LLM with about ``params`` parameters."""
+    gen = torch.Generator().manual_seed(seed)
+    return {name: init_weights(shape, gen) for name, shape in model_shapes(params, hidden=hidden).items()}
 
 
 def adamw_steps(master: dict[str, torch.Tensor], lr: float, steps: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -146,7 +156,8 @@ def measure(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], codecs: 
     return rows
 
 
-def print_table(lr: float, rows: list[dict]) -> None:
+def print_table(lr: float, rows: list[dict], bounds: dict[str, float] | None = None) -> None:
+    """Print one learning rate's rows, the entropy bounds (if given) and each codec's ratio to the TRL layout."""
     print(f"\nlr={lr:g}: {rows[0]['changed_pct']:.3f}% of elements changed; bare comparison {rows[0]['compare_s'] * 1e3:.1f} ms")
     print(f"{'method':26s} {'bytes':>12s} {'B/changed':>10s} {'vs full':>9s} {'enc GB/s':>9s} {'enc/cmp':>8s} {'dec+apply GB/s':>15s}")
     for r in rows:
@@ -154,9 +165,19 @@ def print_table(lr: float, rows: list[dict]) -> None:
             f"{r['method']:26s} {r['bytes']:12,d} {r['bytes_per_changed']:10.3f} {r['ratio_to_full']:9.5f} "
             f"{r['encode_gbps']:9.2f} {r['encode_vs_compare']:8.2f} {r['decode_apply_gbps']:15.2f}"
         )
+    if bounds:
+        print(
+            f"{'entropy bound, context-free':26s} {'':12s} {bounds['bound_free']:10.3f}   "
+            f"(positions {bounds['positions_free']:.3f} + values {bounds['values_free']:.3f})"
+        )
+        print(
+            f"{'entropy bound, old exponent':26s} {'':12s} {bounds['bound_exponent']:10.3f}   "
+            f"(positions {bounds['positions_exponent']:.3f} + values {bounds['values_exponent']:.3f})"
+        )
     by = {r["method"]: r for r in rows}
-    if "delta gapzz" in by and "delta trl" in by:
-        print(f"gapzz is {by['delta trl']['bytes'] / by['delta gapzz']['bytes']:.2f}x smaller than the TRL layout")
+    for name in by:
+        if name.startswith("delta ") and name != "delta trl" and "delta trl" in by:
+            print(f"{name[6:]} is {by['delta trl']['bytes'] / by[name]['bytes']:.2f}x smaller than the TRL layout")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -165,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 3e-6, 1e-5])
     ap.add_argument("--warmup-steps", type=int, default=10, help="AdamW steps before the measured one (later steps change fewer elements)")
-    ap.add_argument("--codecs", nargs="+", default=["trl", "gapzz"])
+    ap.add_argument("--codecs", nargs="+", default=["trl", "gapzz", "classgap"])
     ap.add_argument("--repeat", type=int, default=5, help="interleaved timing rounds (best of)")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
@@ -178,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         states = adamw_steps(master, lr, args.warmup_steps + 1, seed=1)
         old = states[-2] if len(states) > 1 else {k: v.to(torch.bfloat16) for k, v in master.items()}
         rows = measure(old, states[-1], args.codecs, args.repeat)
-        print_table(lr, rows)
+        print_table(lr, rows, delta_entropy(old, states[-1]))
         results[str(lr)] = rows
     if args.json:
         with open(args.json, "w") as f:

@@ -1,12 +1,19 @@
 """Gradio panel of the environment Space: ``python env_space/app.py``.
 
 The settings form is prefilled from ``EnvConfig.from_env()`` (``ENV_<FIELD>``
-variables), with a selector of the registered environments; Start builds an
-:class:`~env_space.simulator.EnvSimulator` with the form's values and runs it in
+variables), with a selector of the registered environments and the external
+sources (``reasoning_gym:...``, ``dataset:...``, ``openenv:...``; any value can be
+typed); the selected source's own settings form (prefilled from its ``ENV_RG_*``,
+``ENV_DATASET_*`` or ``ENV_OPENENV_*`` variables) appears below it. Start builds an
+:class:`~env_space.simulator.EnvSimulator` with the forms' values and runs it in
 a background thread, Stop stops it. The page then shows, read from the bucket's
 ``metrics/env.json`` (and ``metrics/trainer.json``): mean reward per policy
-version, the recent scored episodes (prompt, completion, reward), and the tasks
-and scores per second.
+version, mean reward per source and task type, scoring failures by reason, the
+recent scored episodes (task type, prompt, completion, reward), and the tasks and
+scores per second.
+
+The source settings choose user code: a reward function by dotted path runs in
+this Space's process. Whoever may press Start may choose it, so protect the panel.
 
 Access: on a public Space anyone could press Start / Stop. Set the ``PANEL_AUTH``
 secret to ``user:password`` and the panel asks for that login (Gradio auth)
@@ -26,6 +33,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:  # run as a script, from the repository or a Space root
     sys.path.insert(0, _ROOT)
 
+import dataclasses
+import json
 import logging
 from typing import Any
 
@@ -33,9 +42,17 @@ import gradio as gr
 
 from env_space.environments import list_environments
 from env_space.simulator import EnvConfig, EnvSimulator
+from env_space.sources.settings import SOURCE_SETTINGS
 from shared.spaces import components, forms, frames, role_control, snapshots
 
 logger = logging.getLogger(__name__)
+
+#: Examples offered next to the registered environments in the environment selector.
+SOURCE_EXAMPLES = (
+    "reasoning_gym:leg_counting=2,basic_arithmetic",
+    "dataset:openai/gsm8k",
+    "openenv:http://127.0.0.1:8000",
+)
 
 
 def make_runner() -> role_control.RoleRunner:
@@ -65,29 +82,65 @@ def build_panel(
     """
     current = {"url": config.bucket}
     live = components.Live(bucket_url if bucket_url is not None else (lambda: current["url"]), timer)
-    skip = ("bucket",) if bucket_url is not None else ()
-    envs = list_environments()
+    skip = ("bucket", "source_settings") if bucket_url is not None else ("source_settings",)
+    choices = [*list_environments(), *SOURCE_EXAMPLES]
+    choices += [config.environment] if config.environment not in choices else []
+
+    def selector(**kw: Any) -> Any:
+        return gr.Dropdown(choices, allow_custom_value=True, **kw)
+
     with gr.Accordion("Environment settings", open=bucket_url is None):
-        form = forms.config_form(
-            config, overrides={"environment": lambda **kw: gr.Dropdown(envs, **kw)}, skip=skip, prefix=prefix
-        )
+        form = forms.config_form(config, overrides={"environment": selector}, skip=skip, prefix=prefix)
+        source_forms: dict[str, tuple[Any, dict[str, Any], Any]] = {}  # source -> (defaults, form, accordion)
+        for source, cls in SOURCE_SETTINGS.items():
+            defaults = cls.from_env()
+            with gr.Accordion(f"{source} settings", visible=config.environment.startswith(f"{source}:")) as box:
+                fields = forms.config_form(defaults, prefix=f"{prefix}{source}-")
+            source_forms[source] = (defaults, fields, box)
+
+    form["environment"].change(
+        lambda spec: [gr.update(visible=str(spec).startswith(f"{s}:")) for s in source_forms],
+        inputs=form["environment"],
+        outputs=[box for *_, box in source_forms.values()],
+    )
+    source_inputs = [c for _, fields, _ in source_forms.values() for c in fields.values()]
 
     def make_config(*values: Any) -> EnvConfig:
-        return forms.config_from_form(config, list(form), values)
+        made = forms.config_from_form(config, list(form), values[: len(form)])
+        rest = list(values[len(form) :])
+        for source, (defaults, fields, _) in source_forms.items():
+            mine, rest = rest[: len(fields)], rest[len(fields) :]
+            if made.environment.startswith(f"{source}:"):
+                chosen = forms.config_from_form(defaults, list(fields), mine)
+                made = dataclasses.replace(made, source_settings=json.dumps(dataclasses.asdict(chosen)))
+        return made
 
     with live:
         controls = components.role_controls(
             runner,
             make_config,
-            list(form.values()),
+            [*form.values(), *source_inputs],
             live,
             on_started=lambda c: current.update(url=c.bucket),
             prefix=prefix,
         )
         summary = components.summary_line(live, frames.env_summary, elem_id=f"{prefix}env-summary")
         reward = components.reward_plot(live, prefix=prefix)
+        with gr.Row():
+            by_type = _table(live, frames.task_type_frame, "Reward per source and task type", f"{prefix}env-by-type")
+            failures = _table(live, frames.failures_frame, "Scoring failures by reason", f"{prefix}env-failures")
         episodes = components.episodes_table(live, prefix=prefix)
-    return {**controls, "form": form, "summary": summary, "reward": reward, "episodes": episodes, "live": live}
+    return {
+        **controls, "form": form, "source_forms": {s: f for s, (_, f, _) in source_forms.items()}, "summary": summary,
+        "reward": reward, "by_type": by_type, "failures": failures, "episodes": episodes, "live": live,
+    }  # fmt: skip
+
+
+def _table(live: components.Live, frame: Any, label: str, elem_id: str) -> Any:
+    """A read-only table refreshed with ``frame(snapshot)``."""
+    table = gr.Dataframe(frame(snapshots.Snapshot()), label=label, interactive=False, wrap=True, elem_id=elem_id)
+    live.add(table, lambda view, snap: frame(snap))
+    return table
 
 
 def build_app(config: EnvConfig | None = None, runner: role_control.RoleRunner | None = None) -> gr.Blocks:

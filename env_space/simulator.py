@@ -4,6 +4,11 @@ Each iteration it keeps ``queue_depth`` task batches waiting for replicas,
 scores every rollouts object that replicas wrote (regenerating the batch's
 tasks from its seed, so answers never leave the environment), writes the
 scored samples for the trainer, and mirrors its figures to ``metrics/env.json``.
+
+Scoring runs user code (reward functions, verifiers, remote environments), so each
+call is bounded by ``score_timeout_s``; an exception, a timeout or a non-finite
+reward scores the sample ``failure_reward`` and counts the reason, and the
+simulator carries on.
 """
 
 from __future__ import annotations
@@ -14,11 +19,14 @@ import threading
 import time
 
 from shared.bucket import Bucket, BucketError, open_bucket
+from shared.errors import FormatError
 from shared.spaces.exchange import (
     ROLLOUTS_PREFIX,
     SCORES_PREFIX,
     TASKS_PREFIX,
     MetricsLog,
+    Refusals,
+    SampleLimits,
     get_json,
     list_batches,
     put_json,
@@ -28,11 +36,16 @@ from shared.spaces.exchange import (
     task_key,
     write_samples,
 )
+from shared.protocol import read_manifest
 from shared.spaces.settings import from_env
 
-from .environments import Environment, Task, get_environment
+from .bounded import FailureCounts, call_bounded, finite_reward
+from .environments import Environment, Task
+from .sources import open_environment
+from .sources.settings import source_settings
 
 logger = logging.getLogger(__name__)
+_EPISODE_CHARS = 400  # prompt tail / completion head kept per recent episode for the panel
 
 
 @dataclasses.dataclass
@@ -40,12 +53,25 @@ class EnvConfig:
     """Settings of the environment Space (environment variables ``ENV_<FIELD>``)."""
 
     bucket: str = dataclasses.field(default="./runs/bucket", metadata={"help": "bucket URL or path"})
-    environment: str = dataclasses.field(default="reverse", metadata={"help": "environment name"})
+    environment: str = dataclasses.field(
+        default="reverse",
+        metadata={"help": "reverse | arithmetic | reasoning_gym:NAME[=W],... | dataset:HUB_ID_OR_PATH | openenv:URL"},
+    )
+    chat_template: str = dataclasses.field(
+        default="", metadata={"help": "model id/path whose chat template formats source prompts ('' = plain text)"}
+    )
+    source_settings: str = dataclasses.field(
+        default="", metadata={"help": "JSON object of source settings, over the ENV_RG_/ENV_DATASET_/ENV_OPENENV_ variables"}
+    )
+    score_timeout_s: float = dataclasses.field(default=10.0, metadata={"help": "time bound of one scoring call"})
+    failure_reward: float = dataclasses.field(default=0.0, metadata={"help": "reward of a sample whose scoring failed"})
     tasks_per_batch: int = dataclasses.field(default=8, metadata={"help": "tasks in one batch"})
     queue_depth: int = dataclasses.field(default=2, metadata={"help": "batches kept waiting for replicas"})
     keep_batches: int = dataclasses.field(default=64, metadata={"help": "batches kept in the bucket"})
     poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls"})
     seed: int = dataclasses.field(default=0, metadata={"help": "base seed of task generation"})
+    vocab_size: int = dataclasses.field(default=0, metadata={"help": "refuse token ids at or above it (0: the trainer checks them)"})
+    max_completion_tokens: int = dataclasses.field(default=4096, metadata={"help": "refuse rollouts with longer completions"})
 
     @classmethod
     def from_env(cls, **overrides) -> "EnvConfig":
@@ -63,7 +89,12 @@ class EnvSimulator:
     def __init__(self, config: EnvConfig, bucket: Bucket | None = None) -> None:
         self.config = config
         self.bucket = bucket or open_bucket(config.bucket)
-        self.environment: Environment = get_environment(config.environment)
+        settings = source_settings(config.environment, config.source_settings)
+        self.environment: Environment = open_environment(
+            config.environment, chat_template=config.chat_template, settings=settings
+        )
+        self.failures = FailureCounts()
+        self.by_type: dict[str, list[float]] = {}  # "<source> / <task type>" -> [reward sum, count]
         self.metrics = MetricsLog(self.bucket, "env")
         self.episodes: list[dict] = []
         self._stop = threading.Event()
@@ -71,6 +102,7 @@ class EnvSimulator:
         self._tasks_made = 0
         self._scored = 0
         self._t0 = time.time()
+        self.refusals = Refusals()
 
     # -- tasks --------------------------------------------------------------
 
@@ -82,7 +114,9 @@ class EnvSimulator:
                 ``n`` or ``seed`` not integers, ``n`` not the number of tasks it lists).
         """
         try:
-            env = self.environment if doc.get("env") == self.environment.name else get_environment(doc["env"])
+            if doc.get("env") != self.environment.name:
+                raise ValueError(f"made by {doc.get('env')!r}, not by this simulator's {self.environment.name!r}")
+            env = self.environment
             n, seed = doc["n"], doc["seed"]
             if type(n) is not int or type(seed) is not int or not isinstance(doc.get("tasks"), list) or n != len(doc["tasks"]):
                 raise ValueError(f"n={n!r}, seed={seed!r} do not describe its task list")
@@ -111,10 +145,29 @@ class EnvSimulator:
 
     # -- scoring ------------------------------------------------------------
 
+    def sample_limits(self) -> SampleLimits:
+        """What a rollout may hold: token ids below ``vocab_size`` (when set), versions no newer
+        than the newest published one (none published yet: only version 0)."""
+        try:
+            manifest = read_manifest(self.bucket)
+        except FormatError:
+            manifest = None
+        return SampleLimits(
+            vocab_size=self.config.vocab_size or None,
+            max_version=manifest.step if manifest is not None else 0,
+            max_completion_tokens=self.config.max_completion_tokens,
+        )
+
     def score_rollouts(self) -> int:
-        """Score every rollouts object in the bucket; returns the number of samples scored."""
+        """Score every valid rollouts object in the bucket; returns the number of samples scored.
+
+        Objects that fail :func:`~shared.spaces.exchange.parse_samples` are deleted unscored and counted
+        in :attr:`refusals`.
+        """
         scored = 0
-        for batch, keys in sorted(list_batches(self.bucket, ROLLOUTS_PREFIX).items()):
+        listed = list_batches(self.bucket, ROLLOUTS_PREFIX)
+        limits = self.sample_limits()  # after listing: every listed rollout was made from a version published by now
+        for batch, keys in sorted(listed.items()):
             doc = get_json(self.bucket, task_key(batch))
             try:
                 tasks = self.batch_tasks(batch, doc) if isinstance(doc, dict) else None
@@ -123,30 +176,51 @@ class EnvSimulator:
                 tasks = None
             for key in keys:
                 replica = replica_of(key)
-                read = read_samples(self.bucket, key)
-                if tasks is None or read is None or replica is None:
-                    logger.warning("dropping %s: unreadable, or its task batch is gone", key)
+                read = read_samples(self.bucket, key, limits=limits, refusals=self.refusals)
+                if tasks is None or read is None or replica is None:  # refused objects are already logged and counted
+                    logger.info("dropping %s: refused, or its task batch is gone", key)
                     self.bucket.delete([key])
                     continue
                 header, samples = read
-                kept = [s for s in samples if s.task_id in tasks]
+                kept = [s for s in samples if s.task_id in tasks and s.prompt == tasks[s.task_id].prompt]
+                if len(kept) < len(samples):
+                    self.failures.add("rollouts", "unknown task or changed prompt", len(samples) - len(kept))
                 for s in kept:
-                    s.reward = float(self.environment.score(tasks[s.task_id], s.completion))
+                    s.reward = self.score_sample(tasks[s.task_id], s.completion)
                 write_samples(self.bucket, score_key(batch, replica), kept, batch=batch, replica=replica, env=doc["env"])
                 self.bucket.delete([key])
-                self._record(kept)
+                self._record(tasks, kept)
                 scored += len(kept)
         return scored
 
-    def _record(self, samples) -> None:
+    def score_sample(self, task: Task, completion: str) -> float:
+        """Score one completion, bounded in time; a failure scores ``failure_reward`` and is counted."""
+        result = call_bounded(self.environment.score, task, completion, timeout_s=self.config.score_timeout_s)
+        if result.ok:
+            result = finite_reward(result.value)
+        if not result.ok:
+            self.failures.add("score", result.failure)
+            return self.config.failure_reward
+        return result.value
+
+    def _record(self, tasks: dict[str, Task], samples) -> None:
         if not samples:
             return
+        source = self.environment.name.partition(":")[0]
+        for s in samples:
+            total = self.by_type.setdefault(f"{source} / {tasks[s.task_id].meta.get('type', source)}", [0.0, 0])
+            total[0] += s.reward
+            total[1] += 1
         versions = sorted({s.version for s in samples})
         for v in versions:
             rewards = [s.reward for s in samples if s.version == v]
             self.metrics.add(version=v, mean_reward=sum(rewards) / len(rewards), count=len(rewards))
         for s in samples[:4]:
-            self.episodes.append({"version": s.version, "prompt": s.prompt, "completion": s.completion, "reward": round(s.reward, 3)})
+            self.episodes.append({
+                "version": s.version, "type": tasks[s.task_id].meta.get("type", source),
+                "prompt": s.prompt[-_EPISODE_CHARS:], "completion": s.completion[:_EPISODE_CHARS],
+                "reward": round(s.reward, 3),
+            })  # fmt: skip
         del self.episodes[:-20]
         self._scored += len(samples)
 
@@ -176,18 +250,24 @@ class EnvSimulator:
             "tasks_per_s": self._tasks_made / elapsed,
             "scores_per_s": self._scored / elapsed,
             "scored": self._scored,
+            "refused": self.refusals.as_dict(),
+            "failures": self.failures.as_dict(),
+            "by_type": {k: {"mean_reward": s / n, "count": n} for k, (s, n) in self.by_type.items()},
         }
         self.metrics.flush()
 
     # -- lifecycle ----------------------------------------------------------
 
     def run(self) -> None:
-        """Run until :meth:`stop`; bucket errors are logged and retried."""
+        """Run until :meth:`stop`; bucket errors and failing sources are logged (and counted) and retried."""
         while not self._stop.is_set():
             try:
                 self.step()
             except BucketError as exc:
                 logger.warning("bucket error, retrying: %s", exc)
+            except Exception as exc:  # a failing source (user code, a remote server) must not end the role
+                logger.exception("environment step failed, retrying")
+                self.failures.add("step", f"error:{type(exc).__name__}")
             self._stop.wait(self.config.poll_s)
 
     def start(self) -> None:
@@ -203,6 +283,9 @@ class EnvSimulator:
         self._stop.set()
         if self._thread:
             self._thread.join(timeout=30)
+        close = getattr(self.environment, "close", None)  # sources holding connections (openenv)
+        if close is not None:
+            close()
 
     @property
     def running(self) -> bool:

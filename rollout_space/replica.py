@@ -32,10 +32,12 @@ from shared.spaces.exchange import (
     ROLLOUTS_PREFIX,
     SCORES_PREFIX,
     TASKS_PREFIX,
+    Refusals,
     Sample,
     check_id,
     get_json,
     list_batches,
+    parse_tasks,
     put_json,
     rollout_key,
     status_key,
@@ -109,6 +111,7 @@ class Replica:
         self.tokens = 0
         self.gen_s = 0.0
         self.completions = 0
+        self.refusals = Refusals()
         self.newest_step: int | None = None
         self.engine_state_hash: str | None = None
 
@@ -189,11 +192,15 @@ class Replica:
 
     def answer(self, batch: int) -> int:
         """Generate G completions per task of ``batch`` and write them; returns samples written."""
-        doc = get_json(self.bucket, task_key(batch))
+        doc = get_json(self.bucket, task_key(batch), self.refusals)
         self.done_batches.add(batch)
-        if not isinstance(doc, dict) or not isinstance(doc.get("tasks"), list):
+        if doc is None:
             return 0
-        tasks = [t for t in doc["tasks"] if isinstance(t, dict) and isinstance(t.get("prompt"), str) and "task_id" in t]
+        try:
+            tasks = parse_tasks(doc)
+        except ValueError as exc:
+            self.refusals.add(task_key(batch), str(exc))
+            return 0
         version = self.subscriber.step
         assert version is not None
         sampling = SamplingSettings(
@@ -236,6 +243,7 @@ class Replica:
             "bytes_downloaded": self.subscriber.stats.bytes_downloaded,
             "reads": self.subscriber.stats.reads,
             "refused": self.subscriber.stats.refused,
+            "refused_objects": self.refusals.total,
             "tokens_per_s": self.tokens / self.gen_s if self.gen_s else 0.0,
             "completions": self.completions,
             "state_hash": self.subscriber.state_hash,

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import base64
-import json
+import binascii
+import hashlib
 import logging
-import os
+import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -22,46 +22,56 @@ import zstandard
 
 from .bucket import BucketError, open_bucket
 from .codecs import DEFAULT_CODEC, list_codecs
+from .codecs.checks import decompress_frame
 from .detect import ChangeDetector
+from .dtypes import dtype_name
 from .errors import FormatError, SyncError
-from .format import decode_delta, encode_delta, file_kind, parse_header, read_header_file
+from .files import read_regular, write_atomic
+from .format import (
+    MAX_HEADER_BYTES,
+    MAX_METADATA_BYTES,
+    decode_delta,
+    encode_delta,
+    file_kind,
+    metadata_int,
+    parse_header,
+    read_header_file,
+    shaped_nbytes,
+)
 from .hashing import state_hash
+from .jsonlimits import loads_bounded
 
 HEADER_KEY = "file_header"
+FILE_HASH_KEY = "file_sha256"
+MAX_ERROR_CHARS = 600  # hostile files can make messages long (names, shapes); the error stays one readable line
 
 
 def _load(path: Path) -> tuple[dict[str, torch.Tensor], bytes]:
-    """Tensors of a safetensors file and its raw header (length prefix + JSON)."""
-    data = path.read_bytes()
+    """Tensors of a safetensors file (a regular file, checked before reading) and its bytes."""
+    data = read_regular(path)
     parse_header(data)
-    n = int.from_bytes(data[:8], "little")
     try:
-        return safetensors.torch.load(data), data[: 8 + n]
+        return safetensors.torch.load(data), data
     except Exception as exc:
         raise FormatError(f"{path}: unreadable safetensors data: {exc}") from None
 
 
-def _write_atomic(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def printable(text: object) -> str:
+    """``text`` with control and other non-printable characters escaped (bucket and file
+    strings are untrusted and must not reach the terminal raw)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text))
 
 
 def cmd_diff(args: argparse.Namespace) -> None:
     old, _ = _load(args.old)
-    new, new_header = _load(args.new)
+    new, new_data = _load(args.new)
     detector = ChangeDetector(dtype=None)
     detector.published = old
     if not detector.compatible(new):
         raise FormatError("the two checkpoints differ in tensor names, shapes or dtypes; a delta cannot express that")
     changes = detector.diff(new)
     total = sum(t.numel() for t in new.values())
+    header_len = 8 + int.from_bytes(new_data[:8], "little")
     data = encode_delta(
         changes,
         step=args.step,
@@ -70,17 +80,56 @@ def cmd_diff(args: argparse.Namespace) -> None:
         state_hash=state_hash(new),
         total=total,
         codec=args.codec,
-        extra_metadata={HEADER_KEY: base64.b64encode(zstandard.compress(new_header)).decode()},
+        extra_metadata={
+            HEADER_KEY: base64.b64encode(zstandard.compress(new_data[:header_len])).decode(),
+            FILE_HASH_KEY: hashlib.sha256(new_data).hexdigest(),
+        },
     )
-    _write_atomic(args.output, lambda f: f.write(data))
+    write_atomic(args.output, lambda f: f.write(data))
     changed = sum(c.index.size for c in changes.values())
     print(f"{args.output}: {len(data):,} bytes, {changed:,}/{total:,} elements changed ({100 * changed / max(total, 1):.3f}%), "
           f"{len(data) / max(changed, 1):.3f} bytes per changed element")  # fmt: skip
 
 
+def stored_header(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> bytes:
+    """The new file's header stored in a patch, checked against the verified ``tensors``.
+
+    The header must name exactly these tensors with their dtypes and shapes, laid
+    out back to back from offset 0 (so the data written after it is exactly the
+    tensors), and the patch must carry the SHA-256 of the whole new file, which
+    :func:`cmd_apply` checks before the output appears.
+
+    Raises:
+        FormatError: bad base64, a zstd frame that is not exactly one frame of at
+            most a header's size, or a header that disagrees with the tensors.
+    """
+    if not re.fullmatch(r"[0-9a-f]{64}", metadata.get(FILE_HASH_KEY, "")):
+        raise FormatError(f"the patch stores a file header but no valid {FILE_HASH_KEY!r} covering it")
+    try:
+        blob = base64.b64decode(metadata[HEADER_KEY], validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise FormatError(f"stored file header is not base64: {exc}") from None
+    header_bytes = decompress_frame(blob, what="stored file header", max_size=8 + MAX_HEADER_BYTES)
+    body = sum(t.numel() * t.element_size() for t in tensors.values())
+    header, _ = parse_header(header_bytes, file_size=len(header_bytes) + body)
+    if len(header_bytes) != 8 + int.from_bytes(header_bytes[:8], "little"):
+        raise FormatError("stored file header has bytes after its JSON")
+    if header.keys() != tensors.keys():
+        raise FormatError("stored file header names other tensors than the patched checkpoint")
+    offset = 0
+    for name in sorted(header, key=lambda n: header[n]["data_offsets"][0]):
+        info, tensor = header[name], tensors[name]
+        if info["dtype"] != dtype_name(tensor.dtype) or info["shape"] != list(tensor.shape):
+            raise FormatError(f"stored file header gives {name!r} another dtype or shape than the verified tensor")
+        if info["data_offsets"] != [offset, offset + tensor.numel() * tensor.element_size()]:
+            raise FormatError(f"stored file header places {name!r} elsewhere than right after the previous tensor")
+        offset = info["data_offsets"][1]
+    return header_bytes
+
+
 def cmd_apply(args: argparse.Namespace) -> None:
     base, _ = _load(args.base)
-    data = args.patch.read_bytes()
+    data = read_regular(args.patch)
     base_hash = state_hash(base)
     delta = decode_delta(data, base)
     if delta.base_hash != base_hash:
@@ -91,72 +140,94 @@ def cmd_apply(args: argparse.Namespace) -> None:
         raise SyncError("result does not match the patch's state hash")
     _, metadata = parse_header(data)
     if HEADER_KEY in metadata:  # reproduce the new file byte for byte: its own header, then its data in offset order
-        header_bytes = zstandard.decompress(base64.b64decode(metadata[HEADER_KEY]))
+        header_bytes = stored_header(metadata, base)
         header, _ = parse_header(header_bytes, file_size=len(header_bytes) + sum(t.numel() * t.element_size() for t in base.values()))
         order = sorted(header, key=lambda n: header[n]["data_offsets"][0])
-        if set(order) != set(base):
-            raise FormatError("stored header names other tensors than the patched checkpoint")
 
         def write(f):
+            digest = hashlib.sha256(header_bytes)
             f.write(header_bytes)
             for name in order:
-                f.write(base[name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                raw = base[name].contiguous().reshape(-1).view(torch.uint8).numpy()
+                digest.update(raw)
+                f.write(raw.tobytes())
+            if digest.hexdigest() != metadata[FILE_HASH_KEY]:
+                raise SyncError(f"the file the patch describes does not match its {FILE_HASH_KEY} (header or metadata tampered with)")
 
-        _write_atomic(args.output, write)
+        write_atomic(args.output, write)
     else:
-        _write_atomic(args.output, lambda f: f.write(safetensors.torch.save(base)))
+        write_atomic(args.output, lambda f: f.write(safetensors.torch.save(base)))
     print(f"{args.output}: applied {delta.changed:,} changed elements; state hash {delta.state_hash[:16]} verified")
+
+
+def _delta_table(metadata: dict[str, str]) -> dict[str, dict]:
+    """The ``tensors`` table of a delta's metadata, with its fields' types checked."""
+    table = loads_bounded(metadata.get("tensors", ""), what="metadata 'tensors'", max_bytes=MAX_METADATA_BYTES)
+    if not isinstance(table, dict):
+        raise FormatError("metadata 'tensors' is not a JSON object")
+    for name, info in table.items():
+        if (
+            not isinstance(info, dict) or not isinstance(info.get("dtype"), str) or not isinstance(info.get("shape"), list)
+            or not all(type(d) is int for d in info["shape"]) or type(info.get("count")) is not int
+        ):  # fmt: skip
+            raise FormatError(f"metadata 'tensors': malformed entry for {printable(name)[:80]}")
+    return table
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
     header, metadata = read_header_file(args.file)
+    lines: list[str] = []  # printed only once the whole file checked out
     size = args.file.stat().st_size
-    print(f"file: {args.file} ({size:,} bytes)")
+    lines.append(f"file: {printable(args.file)} ({size:,} bytes)")
     try:
         kind = file_kind(metadata)
     except FormatError:
         kind = None
     if kind is None:
-        print("kind: plain safetensors (not an rlsync anchor or delta)")
+        lines.append("kind: plain safetensors (not an rlsync anchor or delta)")
     for key in ("kind", "step", "base_step", "codec", "codec_version", "state_hash", "base_hash"):
-        if key in metadata:
-            print(f"{key}: {metadata[key]}")
+        if key in ("step", "base_step") and key in metadata and kind is not None:
+            lines.append(f"{key}: {metadata_int(metadata, key)}")
+        elif key in metadata:
+            lines.append(f"{key}: {printable(metadata[key])[:200]}")
     if kind == "delta":
-        changed, total = int(metadata["changed"]), int(metadata["total"])
-        print(f"changed: {changed:,} of {total:,} elements ({100 * changed / max(total, 1):.4f}%)")
-        print(f"bytes per changed element: {size / max(changed, 1):.3f} (whole file)")
-        table = json.loads(metadata["tensors"])
-        print(f"\n{'tensor':60s} {'dtype':6s} {'shape':>18s} {'changed':>10s} {'%':>8s} {'bytes':>10s}")
+        changed, total = metadata_int(metadata, "changed"), metadata_int(metadata, "total")
+        table = _delta_table(metadata)
+        lines.append(f"changed: {changed:,} of {total:,} elements ({100 * changed / max(total, 1):.4f}%)")
+        lines.append(f"bytes per changed element: {size / max(changed, 1):.3f} (whole file)")
+        stored: dict[str, int] = {}
+        for entry, info in header.items():  # one pass: linear in the number of entries
+            owner = entry.rsplit(".", 1)[0]
+            stored[owner] = stored.get(owner, 0) + info["data_offsets"][1] - info["data_offsets"][0]
+        lines.append(f"\n{'tensor':60s} {'dtype':6s} {'shape':>18s} {'changed':>10s} {'%':>8s} {'bytes':>10s}")
         for name, info in sorted(table.items()):
-            numel = 1
-            for d in info["shape"]:
-                numel *= d
-            stored = sum(
-                header[e]["data_offsets"][1] - header[e]["data_offsets"][0] for e in header if e.rsplit(".", 1)[0] == name
-            )
-            print(f"{name:60s} {info['dtype']:6s} {str(tuple(info['shape'])):>18s} {info['count']:10,d} "
-                  f"{100 * info['count'] / max(numel, 1):8.3f} {stored:10,d}")  # fmt: skip
+            numel = shaped_nbytes(info["shape"], 1, limit=1 << 62)
+            pct = f"{100 * info['count'] / numel:8.3f}" if numel else f"{'-':>8s}"
+            shape = printable(tuple(info["shape"]))[:40]
+            lines.append(f"{printable(name):60s} {printable(info['dtype'])[:6]:6s} {shape:>18s} {info['count']:10,d} {pct} {stored.get(name, 0):10,d}")
     else:
-        print(f"tensors: {len(header)}")
-        print(f"\n{'tensor':60s} {'dtype':6s} {'shape':>18s} {'bytes':>12s}")
+        lines.append(f"tensors: {len(header)}")
+        lines.append(f"\n{'tensor':60s} {'dtype':6s} {'shape':>18s} {'bytes':>12s}")
         for name, info in sorted(header.items()):
             start, end = info["data_offsets"]
-            print(f"{name:60s} {info['dtype']:6s} {str(tuple(info['shape'])):>18s} {end - start:12,d}")
+            lines.append(f"{printable(name):60s} {info['dtype']:6s} {str(tuple(info['shape'])):>18s} {end - start:12,d}")
+    print("\n".join(lines))
 
 
 def cmd_ls(args: argparse.Namespace) -> None:
     from .protocol import read_manifest
 
-    bucket = open_bucket(args.bucket)
+    bucket = open_bucket(args.bucket, create=False)
     manifest = read_manifest(bucket)
     if manifest is None:
-        raise SyncError(f"{bucket.url}: no pointer object (nothing published yet)")
-    print(f"bucket: {bucket.url}\nrun: {manifest.run_id or '-'}\nnewest step: {manifest.step}  hash {manifest.state_hash[:16]}")
+        raise SyncError(f"{printable(bucket.url)}: no pointer object (nothing published yet)")
+    print(f"bucket: {printable(bucket.url)}\nrun: {printable(manifest.run_id) or '-'}\n"
+          f"newest step: {manifest.step}  hash {printable(manifest.state_hash[:16])}")  # fmt: skip
     print(f"catch-up for a new replica: {manifest.catchup_bytes():,} bytes\n")
     print(f"{'step':>8s} {'kind':7s} {'base':>8s} {'bytes':>14s} {'changed %':>10s}  key")
     rows = [(a.step, "anchor", "", a.nbytes, "", a.files[0].key.rsplit("/", 1)[0] + "/") for a in manifest.anchors]
     rows += [
-        (d.step, "delta", str(d.base_step), d.nbytes, f"{100 * d.changed / max(d.total, 1):.3f}", d.file.key)
+        (d.step, "delta", str(d.base_step), d.nbytes, f"{100 * d.changed / max(d.total, 1):.3f}", d.file.key + (f" (+{len(d.parts)} more parts)" if d.parts else ""))
         for d in manifest.deltas
     ]
     for step, kind, base, nbytes, pct, key in sorted(rows):
@@ -166,11 +237,9 @@ def cmd_ls(args: argparse.Namespace) -> None:
 def cmd_verify(args: argparse.Namespace) -> None:
     from .protocol.verify import verify_bucket
 
-    report = verify_bucket(open_bucket(args.bucket))
-    for err in report.errors:
-        print(f"FAIL: {err}", file=sys.stderr)
+    report = verify_bucket(open_bucket(args.bucket, create=False))
     if not report.ok:
-        raise SyncError(f"verification failed with {len(report.errors)} error(s)")
+        raise SyncError(f"verification failed with {len(report.errors)} error(s): " + "; ".join(report.errors))
     print(f"OK: {report.anchors_checked} anchor(s) and {report.deltas_checked} delta(s) verified up to step {report.newest_step}")
 
 
@@ -205,10 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.CRITICAL, format="%(levelname)s %(name)s: %(message)s")
     try:
         args.func(args)
     except (SyncError, BucketError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(exc)[:MAX_ERROR_CHARS]}", file=sys.stderr)
         return 1
+    except Exception as exc:  # a bug, not a refusal: still one line, and the tests look for it
+        print(f"error: unexpected {type(exc).__name__}: {printable(exc)[:MAX_ERROR_CHARS]}", file=sys.stderr)
+        return 2
     return 0

@@ -145,6 +145,7 @@ class ChangeDetector:
             new_bits=np.concatenate([p[2] for p in parts]),
             dtype=published.dtype,
             shape=tuple(published.shape),
+            base=published,
         )
 
     def diff_tensor(self, name: str, tensor: torch.Tensor) -> Change | None:

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
+import os
+import re
 import struct
 from pathlib import Path
 from typing import Any, Mapping
@@ -32,12 +33,18 @@ import torch
 from .codecs import DEFAULT_CODEC, get_codec
 from .dtypes import bits_to_numpy, dtype_from_name, dtype_name, int_view, numpy_to_values
 from .errors import FormatError
+from .files import open_regular
+from .jsonlimits import loads_bounded
 from .patch import TensorPatch, gather
 from .workers import worker_pool
 
+_DECIMAL = re.compile(r"[0-9]{1,19}")
 FORMAT_NAME = "rlsync"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: tree state hash (shared.hashing); 1: flat state hash, still readable
+READABLE_FORMAT_VERSIONS = (1, 2)
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_METADATA_BYTES = 16 * 1024 * 1024
+MAX_DIMS = 64
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
@@ -53,6 +60,8 @@ class Change:
         new_bits: New bit patterns at ``index``.
         dtype: The tensor's dtype.
         shape: The tensor's shape.
+        base: The whole published tensor the change applies to, for codecs that
+            code in an order derived from it (``None``: they fall back to flat order).
     """
 
     index: np.ndarray
@@ -60,6 +69,7 @@ class Change:
     new_bits: np.ndarray
     dtype: torch.dtype
     shape: tuple[int, ...]
+    base: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -104,10 +114,7 @@ def parse_header(data: bytes | memoryview, *, file_size: int | None = None) -> t
         raise FormatError(f"safetensors header declares {header_len} bytes but the file has {size} bytes")
     if len(data) < 8 + header_len:
         raise FormatError("safetensors header is truncated")
-    try:
-        header = json.loads(bytes(data[8 : 8 + header_len]))
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limit; deep nesting
-        raise FormatError(f"malformed safetensors header: {exc}") from None
+    header = loads_bounded(data[8 : 8 + header_len], what="safetensors header", max_bytes=MAX_HEADER_BYTES)
     if not isinstance(header, dict):
         raise FormatError("malformed safetensors header: not a JSON object")
     metadata = header.pop("__metadata__", None)
@@ -123,10 +130,10 @@ def parse_header(data: bytes | memoryview, *, file_size: int | None = None) -> t
             start, end = (_json_int(o) for o in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"malformed safetensors entry {name!r}: {exc}") from None
-        if any(d < 0 for d in shape) or not 0 <= start <= end <= body:
+        if not 0 <= start <= end <= body:
             raise FormatError(f"entry {name!r}: data offsets {start}..{end} outside the {body}-byte data section")
-        if (end - start) != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
-            raise FormatError(f"entry {name!r}: {end - start} bytes do not match shape {shape} of {info['dtype']}")
+        if shaped_nbytes(shape, torch.empty((), dtype=dtype).element_size(), limit=body) != end - start:
+            raise FormatError(f"entry {name!r}: {end - start} bytes do not match shape {str(shape)[:80]} of {info['dtype']}")
         spans.append((start, end))
     spans.sort()
     for (_, end_a), (start_b, _) in zip(spans, spans[1:]):
@@ -135,18 +142,48 @@ def parse_header(data: bytes | memoryview, *, file_size: int | None = None) -> t
     return header, metadata
 
 
+def shaped_nbytes(shape: list[int], itemsize: int, *, limit: int) -> int | None:
+    """Bytes of a tensor of ``shape``, or ``None`` when that exceeds ``limit``.
+
+    Every dimension is bounded before any product is taken, and the product stops
+    as soon as it passes ``limit``, so hostile shapes (many huge dimensions) cost
+    linear time.
+
+    Raises:
+        FormatError: more than ``MAX_DIMS`` dimensions or a negative one.
+    """
+    if len(shape) > MAX_DIMS:
+        raise FormatError(f"shape has {len(shape)} dimensions, more than {MAX_DIMS}")
+    if any(d < 0 for d in shape):
+        raise FormatError(f"shape {str(shape)[:80]} has a negative dimension")
+    if 0 in shape:
+        return 0
+    nbytes = itemsize
+    for d in shape:
+        if d > limit:
+            return None
+        nbytes *= d
+        if nbytes > limit:
+            return None
+    return nbytes
+
+
 def _json_int(value: Any) -> int:
-    """``value`` if it is a JSON integer; raises TypeError for floats (Infinity, NaN, 1.5), bools and the rest."""
+    """``value`` if it is a JSON integer; raises TypeError for floats (1.5), bools and the rest."""
     if type(value) is not int:
         raise TypeError(f"expected an integer, got {value!r}")
     return value
 
 
 def read_header_file(path: str | Path) -> tuple[dict[str, Any], dict[str, str]]:
-    """:func:`parse_header` for a file on disk, reading only its header."""
-    path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    """:func:`parse_header` for a regular file on disk, reading only its header.
+
+    Raises:
+        FormatError: see :func:`parse_header`.
+        OSError: missing, or not a regular file (a FIFO is refused without blocking).
+    """
+    fd, size = open_regular(path)
+    with os.fdopen(fd, "rb") as f:
         head = f.read(8)
         if len(head) == 8:
             (n,) = struct.unpack("<Q", head)
@@ -161,12 +198,16 @@ def _require(metadata: Mapping[str, str], key: str) -> str:
     return metadata[key]
 
 
-def _int_field(metadata: Mapping[str, str], key: str) -> int:
+def metadata_int(metadata: Mapping[str, str], key: str) -> int:
+    """A non-negative decimal integer of at most 19 digits from the metadata.
+
+    Raises:
+        FormatError: missing, or not such an integer.
+    """
     value = _require(metadata, key)
-    try:
-        return int(value)
-    except ValueError:
-        raise FormatError(f"metadata {key!r} is not an integer: {value!r}") from None
+    if not _DECIMAL.fullmatch(value):
+        raise FormatError(f"metadata {key!r} is not a non-negative integer: {value[:40]!r}")
+    return int(value)
 
 
 def check_format(metadata: Mapping[str, str], kind: str) -> None:
@@ -177,8 +218,10 @@ def check_format(metadata: Mapping[str, str], kind: str) -> None:
     """
     if metadata.get("format") != FORMAT_NAME:
         raise FormatError(f"not an {FORMAT_NAME} file (format={metadata.get('format')!r})")
-    if metadata.get("format_version") != str(FORMAT_VERSION):
-        raise FormatError(f"unsupported format version {metadata.get('format_version')!r}; this reader knows {FORMAT_VERSION}")
+    if metadata.get("format_version") not in {str(v) for v in READABLE_FORMAT_VERSIONS}:
+        raise FormatError(
+            f"unsupported format version {metadata.get('format_version')!r}; this reader knows {READABLE_FORMAT_VERSIONS}"
+        )
     if metadata.get("kind") != kind:
         raise FormatError(f"expected a {kind}, got kind={metadata.get('kind')!r}")
 
@@ -226,7 +269,7 @@ def encode_delta(
     entries: dict[str, torch.Tensor] = {}
     table: dict[str, dict[str, Any]] = {}
     names = sorted(changes)
-    encode = lambda n: coder.encode(n, changes[n].index, changes[n].old_bits, changes[n].new_bits)  # noqa: E731
+    encode = lambda n: coder.encode(n, changes[n].index, changes[n].old_bits, changes[n].new_bits, base=changes[n].base)  # noqa: E731
     for name, encoded in zip(names, worker_pool().map(encode, names)):
         ch = changes[name]
         entries.update(encoded.entries)
@@ -275,10 +318,7 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
     coder = get_codec(_require(metadata, "codec"))
     if _require(metadata, "codec_version") != str(coder.version):
         raise FormatError(f"unsupported {coder.name} codec version {metadata['codec_version']!r}")
-    try:
-        table = json.loads(_require(metadata, "tensors"))
-    except json.JSONDecodeError as exc:
-        raise FormatError(f"metadata 'tensors' is not valid JSON: {exc}") from None
+    table = loads_bounded(_require(metadata, "tensors"), what="metadata 'tensors'", max_bytes=MAX_METADATA_BYTES)
     if not isinstance(table, dict):
         raise FormatError("metadata 'tensors' is not a JSON object")
     expected_entries = {e for name in table for e in coder.entry_names(name)}
@@ -302,8 +342,12 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
                 f"{dtype_name(target.dtype)} {list(target.shape)}"
             )
         count = info.get("count")
-        if not isinstance(count, int) or not 0 < count <= target.numel():
+        if type(count) is not int or not 0 < count <= target.numel():
             raise FormatError(f"{name}: invalid changed count {count!r}")
+
+        def old_bits_at(idx: np.ndarray, target: torch.Tensor = target) -> np.ndarray:
+            return bits_to_numpy(int_view(gather(target, torch.from_numpy(idx))))
+
         index, new_bits = coder.decode(
             name,
             {k: entries[k] for k in coder.entry_names(name)},
@@ -311,22 +355,25 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
             count=count,
             numel=target.numel(),
             itemsize=target.element_size(),
-            old_bits_at=lambda idx, target=target: bits_to_numpy(int_view(gather(target, torch.from_numpy(idx)))),
+            old_bits_at=old_bits_at,
+            base=target,
         )
+        if bool(np.any(new_bits == old_bits_at(index))):
+            raise FormatError(f"{name}: the delta lists elements that do not change (a zero difference is no change)")
         patches[name] = TensorPatch(
             index=torch.from_numpy(index), values=numpy_to_values(new_bits, target.dtype), shape=tuple(target.shape)
         )
         changed += count
-    if changed != _int_field(metadata, "changed"):
+    if changed != metadata_int(metadata, "changed"):
         raise FormatError(f"metadata says {metadata['changed']} changed elements, tensors hold {changed}")
     return Delta(
-        step=_int_field(metadata, "step"),
-        base_step=_int_field(metadata, "base_step"),
+        step=metadata_int(metadata, "step"),
+        base_step=metadata_int(metadata, "base_step"),
         base_hash=_require(metadata, "base_hash"),
         state_hash=_require(metadata, "state_hash"),
         codec=coder.name,
         changed=changed,
-        total=_int_field(metadata, "total"),
+        total=metadata_int(metadata, "total"),
         patches=patches,
         nbytes=len(data),
     )

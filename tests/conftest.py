@@ -22,3 +22,39 @@ def bucket(tmp_path):
     from shared.bucket import LocalBucket
 
     return LocalBucket(tmp_path / "bucket")
+
+
+#: Request timeouts while talking to the Hub stand-in (a stall must fail within these).
+HUB_TIMEOUT_SECONDS = 2.0
+
+
+@pytest.fixture(scope="session")
+def hub_server(tmp_path_factory):
+    """The Hub stand-in server (benchmarks/hub_server.py), one per test session."""
+    from huggingface_hub.utils import disable_progress_bars
+
+    from benchmarks.hub_server import HubServer
+
+    disable_progress_bars()
+    server = HubServer(tmp_path_factory.mktemp("hub"))
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def hub(hub_server, monkeypatch):
+    """The Hub stand-in, emptied, with huggingface_hub online and pointed at it through HF_ENDPOINT.
+
+    Every request gets `HUB_TIMEOUT_SECONDS` as its connect and read timeout.
+    """
+    from huggingface_hub import constants
+
+    from shared.bucket.hf_transport import HfTransferConfig, install
+
+    hub_server.reset()
+    monkeypatch.setenv("HF_ENDPOINT", hub_server.url)
+    monkeypatch.setattr(constants, "ENDPOINT", hub_server.url)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    install(HfTransferConfig(connect_timeout=HUB_TIMEOUT_SECONDS, read_timeout=HUB_TIMEOUT_SECONDS))
+    yield hub_server
+    hub_server.reset()

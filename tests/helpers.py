@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import torch
 
 
@@ -24,6 +27,28 @@ def rl_step(master: dict[str, torch.Tensor], seed: int, scale: float = 2e-4) -> 
         if t.is_floating_point():
             t += torch.randn(t.shape, generator=g) * scale
     master["model.step_counter"] += 1
+
+
+def sparse_rl_step(master: dict[str, torch.Tensor], seed: int) -> None:
+    """Change ~3% of the elements of every tensor, by noise of the weights' own scale (every tensor is touched:
+    packed parts, embeddings, norms)."""
+    g = torch.Generator().manual_seed(seed)
+    for t in master.values():
+        flat = t.view(-1)
+        idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() * 3 // 100)]
+        flat[idx] += torch.randn(idx.numel(), generator=g) * 0.02
+
+
+def snapshot_in_hub_cache(model_dir: Path, cache: Path, repo_id: str) -> Path:
+    """Copy a model folder into a local Hub cache as the ``main`` snapshot of ``repo_id`` (the layout
+    huggingface_hub writes: ``models--OWNER--NAME/{refs/main, snapshots/COMMIT/}``); returns the snapshot."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(model_dir, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
 
 
 def bf16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -100,12 +100,13 @@ def test_ls_and_verify_bucket(tmp_path):
         pub.publish(step, master)
     r = cli("ls", str(bucket_dir))
     assert r.returncode == 0, r.stderr
-    assert "newest step: 4" in r.stdout and r.stdout.count("anchor") >= 2 and "deltas/000000000004.safetensors" in r.stdout
+    assert "newest step: 4" in r.stdout and r.stdout.count("anchor") >= 2 and "deltas/000000000004-e0001.safetensors" in r.stdout
     r = cli("verify", bucket_dir.as_uri())
     assert r.returncode == 0 and "OK: 2 anchor(s) and 4 delta(s)" in r.stdout
-    path = bucket_dir / delta_key(4)
+    path = bucket_dir / delta_key(4, 1)
     path.write_bytes(path.read_bytes()[:-10])
     r = cli("verify", str(bucket_dir))
-    assert r.returncode == 1 and "FAIL" in r.stderr
+    assert r.returncode == 1 and "verification failed" in r.stderr
+    (tmp_path / "empty").mkdir()
     r = cli("ls", str(tmp_path / "empty"))
     assert r.returncode == 1 and "no pointer" in r.stderr

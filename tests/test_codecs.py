@@ -1,6 +1,6 @@
 """Bit-exact round trips through ChangeDetector.diff -> encode_delta -> decode_delta -> TensorPatch.apply_.
 
-Both codecs (``gapzz``, ours; ``trl``, the baseline) are exercised on every dtype the
+Every codec (``classgap`` and ``gapzz``, ours; ``trl``, the baseline) is exercised on every dtype the
 format supports, on 0-d, empty, 1-D and N-D tensors, with special values (NaN
 payloads, infinities, -0.0, subnormals) and densities from 0% to 100%. Results are
 compared with :func:`shared.hashing.state_hash`, never with tolerances. Index
@@ -25,7 +25,7 @@ from shared.errors import FormatError
 from shared.format import Change, decode_delta, encode_delta, parse_header
 from shared.hashing import state_hash
 
-CODECS = ["gapzz", "trl"]
+CODECS = ["classgap", "gapzz", "trl"]
 
 DTYPES = [
     torch.bfloat16,

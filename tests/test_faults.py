@@ -325,12 +325,12 @@ def test_anchor_of_an_unknown_format_version_is_refused(bucket):
     tensors = safetensors.torch.load_file(path)
     with safetensors.safe_open(path, "pt") as f:
         metadata = dict(f.metadata())
-    safetensors.torch.save_file(tensors, path, metadata={**metadata, "format_version": "2"})
+    safetensors.torch.save_file(tensors, path, metadata={**metadata, "format_version": "3"})
     doc = json.loads(bucket.get(POINTER_KEY))
     doc["anchors"][0]["files"][0]["size"] = path.stat().st_size
     bucket.put(POINTER_KEY, json.dumps(doc).encode())
     sub = Subscriber(bucket)
-    with pytest.raises(FormatError, match="unsupported format version '2'"):
+    with pytest.raises(FormatError, match="unsupported format version '3'"):
         sub.fetch()
     _assert_untouched(sub, None, None)
     assert not sub.state
@@ -445,7 +445,7 @@ def test_trainer_collects_good_scores_next_to_hostile_ones(bucket):
     assert worker.rollout_buffer.get_nowait().input_ids.tolist() == [1, 2] and worker.rollout_buffer.empty()
 
 
-def test_replica_skips_hostile_task_names_and_tasks_without_ids(bucket):
+def test_replica_skips_hostile_task_names_and_refuses_malformed_task_batches(bucket):
     from rollout_space.replica import Replica, ReplicaConfig
     from tests.test_secrets import StubEngine
 
@@ -453,10 +453,12 @@ def test_replica_skips_hostile_task_names_and_tasks_without_ids(bucket):
     _foreign_file(bucket, "tasks/²³.json")
     _foreign_file(bucket, "tasks/a b.json")
     bucket.put(task_key(4), b'{"tasks": [{"prompt": "no id"}, {"task_id": "t", "prompt": "ok"}, {"task_id": "u"}, 5]}')
+    bucket.put(task_key(5), b'{"tasks": [{"task_id": "t", "prompt": "ok"}]}')
     replica = Replica(
         ReplicaConfig(bucket=str(bucket.root), replica_id="r", samples_per_task=1), bucket=bucket, engine=StubEngine()
     )
     replica.subscriber.sync()
     assert replica.next_batch() == 4
-    assert replica.answer(4) == 1
-    assert [s.task_id for s in read_samples(bucket, rollout_key(4, "r"))[1]] == ["t"]
+    assert replica.answer(4) == 0 and replica.refusals.total == 1  # one parser per object type: malformed is refused whole
+    assert replica.next_batch() == 5 and replica.answer(5) == 1
+    assert [s.task_id for s in read_samples(bucket, rollout_key(5, "r"))[1]] == ["t"]

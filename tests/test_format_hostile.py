@@ -171,12 +171,12 @@ HOSTILE_HEADERS: list[tuple[str, bytes, str]] = [
     ("entry_not_object", raw_file({**META, "a": 5}, b""), "malformed safetensors entry 'a'"),
     ("entry_without_dtype", raw_file({**META, "a": {"shape": [4], "data_offsets": [0, 16]}}, bytes(16)), "malformed safetensors entry 'a'"),
     ("entry_unknown_dtype", raw_file({**META, "a": {**F32_4, "dtype": "F4"}}, bytes(16)), "unknown dtype name 'F4'"),
-    ("shape_infinity", raw_file(b'{"a": {"dtype": "F32", "shape": [Infinity], "data_offsets": [0, 16]}}', bytes(16)), "malformed safetensors entry 'a'"),
+    ("shape_infinity", raw_file(b'{"a": {"dtype": "F32", "shape": [Infinity], "data_offsets": [0, 16]}}', bytes(16)), "non-finite number Infinity"),
     ("shape_float", raw_file({**META, "a": {**F32_4, "shape": [4.0]}}, bytes(16)), "malformed safetensors entry 'a'"),
     ("shape_string", raw_file({**META, "a": {**F32_4, "shape": "4"}}, bytes(16)), "malformed safetensors entry 'a'"),
-    ("offsets_nan", raw_file(b'{"a": {"dtype": "F32", "shape": [4], "data_offsets": [NaN, 16]}}', bytes(16)), "malformed safetensors entry 'a'"),
+    ("offsets_nan", raw_file(b'{"a": {"dtype": "F32", "shape": [4], "data_offsets": [NaN, 16]}}', bytes(16)), "non-finite number NaN"),
     ("offsets_three", raw_file({**META, "a": {**F32_4, "data_offsets": [0, 8, 16]}}, bytes(16)), "malformed safetensors entry 'a'"),
-    ("negative_shape", raw_file({**META, "a": {**F32_4, "shape": [-4]}}, bytes(16)), "entry 'a': data offsets"),
+    ("negative_shape", raw_file({**META, "a": {**F32_4, "shape": [-4]}}, bytes(16)), "negative dimension"),
     ("offsets_past_end", raw_file({**META, "a": {**F32_4, "data_offsets": [0, 16]}}, bytes(12)), "outside the 12-byte data section"),
     ("offsets_far_past_end", raw_file({**META, "a": {"dtype": "U8", "shape": [2**40], "data_offsets": [0, 2**40]}}, bytes(16)), "outside"),
     ("offsets_reversed", raw_file({**META, "a": {**F32_4, "data_offsets": [16, 0]}}, bytes(16)), "outside"),
@@ -303,7 +303,7 @@ def test_flipped_bytes_never_escape(state, codec: str, mask: int) -> None:
     [
         (lambda m: m.update(format="safetensors"), "not an rlsync file"),
         (lambda m: m.pop("format"), "not an rlsync file"),
-        (lambda m: m.update(format_version="2"), "unsupported format version '2'"),
+        (lambda m: m.update(format_version="3"), "unsupported format version '3'"),
         (lambda m: m.update(format_version="1.0"), "unsupported format version"),
         (lambda m: m.pop("format_version"), "unsupported format version None"),
         (lambda m: m.update(kind="anchor"), "expected a delta, got kind='anchor'"),
@@ -312,11 +312,11 @@ def test_flipped_bytes_never_escape(state, codec: str, mask: int) -> None:
         (lambda m: m.pop("codec"), "metadata has no 'codec'"),
         (lambda m: m.update(codec_version="2"), "codec version '2'"),
         (lambda m: m.pop("codec_version"), "metadata has no 'codec_version'"),
-        (lambda m: m.update(tensors="{not json"), "'tensors' is not valid JSON"),
+        (lambda m: m.update(tensors="{not json"), "malformed metadata 'tensors': not valid JSON"),
         (lambda m: m.update(tensors="[]"), "'tensors' is not a JSON object"),
         (lambda m: m.pop("tensors"), "metadata has no 'tensors'"),
         (lambda m: m.update(changed=str(int(m["changed"]) + 1)), "metadata says"),
-        (lambda m: m.update(step="five"), "'step' is not an integer"),
+        (lambda m: m.update(step="five"), "'step' is not a non-negative integer"),
         (lambda m: m.pop("base_hash"), "metadata has no 'base_hash'"),
     ],
     ids=[
@@ -489,7 +489,7 @@ def test_zstd_helper_frame_is_what_it_claims() -> None:
     [
         (_zstd_frame_declaring(2**40), "declares 1099511627776 bytes"),
         (_zstd_frame_declaring(2**63), "declares"),
-        (zstandard.ZstdCompressor(write_content_size=False).compress(bytes(64)), "declares -1 bytes"),
+        (zstandard.ZstdCompressor(write_content_size=False).compress(bytes(64)), "does not declare its size"),
         (b"definitely not zstd", "not a zstd frame"),
         (b"", "not a zstd frame"),
     ],
@@ -512,7 +512,7 @@ def test_gapzz_corrupt_zstd_body_refused(state, part: str) -> None:
         blob = ents[key].numpy().tobytes()
         ents[key] = torch.frombuffer(bytearray(blob[:-3]), dtype=torch.uint8)
 
-    assert_refused(rewrite(make_delta(state, "gapzz"), entries=cut), state, "corrupt zstd data|decompressed to")
+    assert_refused(rewrite(make_delta(state, "gapzz"), entries=cut), state, "corrupt zstd data|cut short")
 
 
 @pytest.mark.parametrize("part, dtype", [("pos", torch.int8), ("val", torch.int16)])
@@ -675,3 +675,114 @@ def test_delta_metadata_readable_by_safe_open(tmp_path: Path, state, codec: str)
     for name, patch in delta.patches.items():
         patch.apply_(work[name])
     assert state_hash(work) == meta["state_hash"]
+
+
+# ---------------------------------------------------------------------------
+# issue 11: bounded work before trust (findings 3, 4, 5, 7)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize(
+    "tensors, match",
+    [
+        ("[" * 100_000 + "]" * 100_000, "nested deeper"),
+        ('{"x": ' + "9" * 5000 + "}", "longer than 30 digits"),
+        ('{"x": 1e999}', "1e100 or more"),
+        ('{"x": NaN}', "non-finite"),
+    ],
+    ids=["deep_nesting", "5000_digits", "overflowing_float", "nan"],
+)
+def test_hostile_table_json_is_a_format_error(state, codec: str, tensors: str, match: str) -> None:
+    """Finding 4: RecursionError and ValueError escaped decode_delta and killed the fetch thread."""
+    assert_refused(rewrite(make_delta(state, codec), metadata=lambda m: m.update(tensors=tensors)), state, match)
+
+
+@pytest.mark.parametrize("field", ["step", "base_step", "changed", "total"])
+def test_integer_metadata_bounded(state, field: str) -> None:
+    for value in ("9" * 5000, "-1", "1e3", " 1", "１"):  # the last: a full-width digit int() would accept
+        assert_refused(rewrite(make_delta(state, "gapzz"), metadata=lambda m: m.update({field: value})), state, f"'{field}'|metadata says")
+
+
+@pytest.mark.parametrize(
+    "shape, match",
+    [([10**18] * 60, "do not match"), ([2] * 65, "more than 64"), ([1, -1], "negative"), ([2**64] * 3, "do not match")],
+    ids=["60_huge_dims", "65_dims", "negative", "beyond_int64"],
+)
+def test_hostile_shapes_refused_before_any_product(state, shape: list[int], match: str) -> None:
+    """Finding 5: many huge dimensions made the size product quadratic (25 s at 3 MB of header)."""
+    data = raw_file({"a": {"dtype": "BF16", "shape": shape, "data_offsets": [0, 2]}}, bytes(2))
+    assert_refused(data, state, match)
+
+
+def test_header_with_many_huge_shapes_parses_in_linear_time() -> None:
+    """Finding 5: 3 MB of huge-dimension shapes. The product stops at the first dimension
+    larger than the file, so the work per entry is bounded: 8x the entries, about 8x the time."""
+    import time as _time
+
+    def seconds(entries: int) -> float:
+        header = {f"t{i}": {"dtype": "BF16", "shape": [10**18] * 60, "data_offsets": [0, 2]} for i in range(entries)}
+        data = raw_file(header, bytes(2))
+        t0 = _time.perf_counter()
+        with pytest.raises(FormatError):
+            parse_header(data)
+        return _time.perf_counter() - t0
+
+    small, large = min(seconds(300) for _ in range(3)), min(seconds(2400) for _ in range(3))
+    assert large < 40 * max(small, 1e-3)  # quadratic would be 64x; linear 8x (generous for a loaded machine)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_zero_differences_refused(state, codec: str) -> None:
+    """Finding 7: a delta declaring elements changed with zero difference is no change."""
+    name = "model.embed_tokens.weight"
+    bits = int_view(state[name]).reshape(-1).numpy().view(np.uint16)
+    index = np.arange(state[name].numel(), dtype=np.int64)
+    change = Change(index, bits[index], bits[index].copy(), state[name].dtype, tuple(state[name].shape))
+    h = state_hash(state)
+    data = encode_delta({name: change}, step=5, base_step=4, base_hash=h, state_hash=h, total=1, codec=codec)
+    assert_refused(data, state, "do not change")
+    one_real = bits[index].copy()
+    one_real[0] += 1  # a single zero difference among real ones is refused as well
+    one_real[1:] += 1
+    one_real[5] -= 1
+    change = Change(index, bits[index], one_real, state[name].dtype, tuple(state[name].shape))
+    data = encode_delta({name: change}, step=5, base_step=4, base_hash=h, state_hash="0" * 64, total=1, codec=codec)
+    assert_refused(data, state, "do not change")
+
+
+@pytest.mark.parametrize("part", ["pos", "val"])
+@pytest.mark.parametrize(
+    "extra",
+    [b"trailing garbage", zstandard.compress(b"a second frame"), struct.pack("<II", 0x184D2A50, 4) + b"skip"],
+    ids=["garbage", "second_frame", "skippable_frame"],
+)
+def test_gapzz_only_one_frame_and_nothing_after(state, part: str, extra: bytes) -> None:
+    """Finding 7: trailing garbage, a second frame or a trailing skippable frame were accepted."""
+    key = f"{NAME}.{part}"
+
+    def append(ents):
+        ents[key] = torch.frombuffer(bytearray(ents[key].numpy().tobytes() + extra), dtype=torch.uint8)
+
+    assert_refused(rewrite(make_delta(state, "gapzz"), entries=append), state, "after the zstd frame")
+
+
+def test_frame_lying_about_its_size_is_stopped_early() -> None:
+    """A frame whose declared size is right but whose blocks hold far more is cut by libzstd
+    at the declared size instead of being decompressed in full."""
+    from shared.codecs.checks import decompress_frame
+
+    real = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(bytes(64 << 20))
+    lying = bytearray(real)
+    declared = zstandard.get_frame_parameters(real).content_size
+    assert declared == 64 << 20
+    width = {0: 1, 1: 2, 2: 4, 3: 8}[lying[4] >> 6]  # frame header descriptor: width of the size field
+    assert width == 4
+    field = bytes(lying).find(struct.pack("<I", declared))
+    assert field > 0
+    lying[field : field + width] = (1024).to_bytes(width, "little")  # declare 1 KiB, keep the 64 MiB of blocks
+    tracemalloc.start()
+    with pytest.raises(FormatError):
+        decompress_frame(bytes(lying), what="x", expected=zstandard.frame_content_size(bytes(lying)))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 8 << 20

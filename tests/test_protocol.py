@@ -13,6 +13,7 @@ from shared.format import encode_delta
 from shared.hashing import state_hash
 from shared.protocol import (
     CONTROL_KEY,
+    FencedError,
     POINTER_KEY,
     Adaptive,
     FixedInterval,
@@ -77,7 +78,7 @@ def test_missing_delta_keeps_state_and_resyncs_from_next_anchor(bucket):
     pub, sub = Publisher(bucket, policy=FixedInterval(4)), Subscriber(bucket)
     run(pub, master, 2, sub=sub)
     run(pub, master, 2, start=2)
-    bucket.delete([delta_key(2)])
+    bucket.delete([delta_key(2, 1)])
     good = (sub.step, sub.state_hash, {n: t.clone() for n, t in sub.state.items()})
     with pytest.raises(ChainError, match="missing"):
         sub.fetch()
@@ -95,7 +96,7 @@ def test_damaged_delta_is_refused_without_touching_state(bucket, damage):
     pub, sub = Publisher(bucket, policy=FixedInterval(3)), Subscriber(bucket)
     run(pub, master, 1, sub=sub)
     run(pub, master, 1, start=1)
-    path = bucket.root / delta_key(1)
+    path = bucket.root / delta_key(1, 1)
     data = bytearray(path.read_bytes())
     if damage == "flip":
         for i in range(len(data) - 40, len(data), 7):
@@ -130,7 +131,7 @@ def test_hash_mismatch_after_apply_rolls_back(bucket):
         changes, step=1, base_step=0, base_hash=read_manifest(bucket).anchors[0].state_hash,
         state_hash=rec.state_hash, total=rec.total,
     )  # fmt: skip
-    bucket.put(delta_key(1), data)
+    bucket.put(delta_key(1, 1), data)
     pointer = json.loads(bucket.get(POINTER_KEY))
     pointer["deltas"][0]["file"]["size"] = len(data)
     bucket.put(POINTER_KEY, json.dumps(pointer).encode())
@@ -192,7 +193,7 @@ def test_crash_between_data_and_pointer_leaves_bucket_readable(tmp_path):
     bucket.fail_key = POINTER_KEY
     with pytest.raises(OSError):
         pub.publish(2, master)
-    assert bucket.exists(delta_key(2))  # data landed, pointer did not
+    assert bucket.exists(delta_key(2, 1))  # data landed, pointer did not
     assert sub.fetch() is None and sub.step == 1
     assert verify_bucket(bucket).ok
     pub.publish(2, master)  # the publisher state was not advanced: retry works
@@ -287,7 +288,7 @@ def test_verify_detects_corruption(bucket):
     run(Publisher(bucket, policy=FixedInterval(3)), master, 5)
     report = verify_bucket(bucket)
     assert report.ok and report.anchors_checked == 2 and report.deltas_checked == 4  # incl. the companion of anchor 3
-    path = bucket.root / delta_key(4)
+    path = bucket.root / delta_key(4, 1)
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -297,7 +298,7 @@ def test_verify_detects_corruption(bucket):
 def test_non_bf16_tensors_are_shipped_in_their_own_dtype(bucket):
     """With ``dtype=None`` each tensor is compared and shipped by the bits of its own dtype."""
     sub = Subscriber(bucket)
-    pub = Publisher(bucket, dtype=None)
+    pub = Publisher(bucket, dtype=None, allow_non_finite=True)  # NaN published on purpose: bits, not values
     state = bf16(master_state())
     state["router.bias"] = torch.zeros(16, dtype=torch.float32)
     for step in range(3):
@@ -329,9 +330,72 @@ def test_second_trainer_is_refused_and_a_taken_over_one_is_fenced(bucket):
     before = bucket.get(POINTER_KEY)
     with pytest.raises(FencedError):
         first.publish(3, master)
-    assert bucket.get(POINTER_KEY) == before and not bucket.exists(delta_key(3))
+    assert bucket.get(POINTER_KEY) == before and not bucket.exists(delta_key(3, 1))
     # a stale lock (no heartbeat for longer than the TTL) can be taken over
     late = Publisher(bucket, owner="trainer-b", lock_ttl_s=0.0)
     late.resume()
     rl_step(master, 3)
     assert late.publish(3, master).step == 3
+
+
+def test_trainer_taken_over_mid_upload_cannot_overwrite_the_new_trainers_files(bucket, tmp_path):
+    """Trainer A stalls uploading step 2; trainer B takes over and publishes step 2; A's upload then lands."""
+    master = master_state()
+    a = Publisher(bucket, owner="trainer-a")
+    run(a, master, 2)
+    taken_over: list[Publisher] = []
+
+    class Stalling(LocalBucket):
+        def put(self, key, data):
+            if key.startswith("deltas/000000000002") and not taken_over:  # B takes over before A's bytes land
+                b = Publisher(bucket, owner="trainer-a")
+                b.resume()
+                other = {n: t.clone() for n, t in master.items()}
+                rl_step(other, 99)
+                b.publish(2, other)
+                taken_over.append(b)
+            return super().put(key, data)
+
+    a.bucket = Stalling(bucket.root)
+    rl_step(master, 2)
+    with pytest.raises(FencedError):
+        a.publish(2, master)
+    b_manifest = read_manifest(bucket)
+    b_files = {f.key: bucket.get(f.key) for f in b_manifest.delta_after(1).files}
+    assert b_manifest.step == 2 and all("-e0002" in k for k in b_files)
+    sub = Subscriber(bucket)
+    sub.sync()
+    assert sub.state_hash == b_manifest.state_hash == taken_over[0].manifest.state_hash
+    assert verify_bucket(bucket).ok
+    assert any("-e0001" in o.key for o in bucket.list("deltas/"))  # A's bytes landed under its own epoch
+
+
+def test_a_format_version_1_chain_is_read_with_its_own_hash_and_not_extended(bucket, tmp_path):
+    """Version-1 pointers name flat-SHA-256 state hashes; the subscriber hashes their states that way."""
+    from shared.detect import ChangeDetector
+    from shared.format import write_anchor
+    from shared.protocol import AnchorEntry, DeltaEntry, FileEntry, Manifest
+
+    master = master_state()
+    old = bf16(master)
+    rl_step(master, 1)
+    new = bf16(master)
+    old_hash, new_hash = state_hash(old, version=1), state_hash(new, version=1)
+    (path,) = write_anchor(old, tmp_path, step=0, state_hash=old_hash)
+    bucket.put_file("anchors/000000000000/model.safetensors", path)
+    detector = ChangeDetector()
+    detector.reset(old)
+    data = encode_delta(detector.diff(new), step=1, base_step=0, base_hash=old_hash, state_hash=new_hash, total=1)
+    bucket.put("deltas/000000000001.safetensors", data)
+    anchor = AnchorEntry(0, old_hash, (FileEntry("anchors/000000000000/model.safetensors", path.stat().st_size),))
+    delta = DeltaEntry(1, 0, new_hash, FileEntry("deltas/000000000001.safetensors", len(data)))
+    for version in (2, 1):  # the same files under a version-2 pointer do not check out
+        bucket.put(POINTER_KEY, Manifest(1, new_hash, (anchor,), (delta,), format_version=version).to_json())
+        sub = Subscriber(bucket)
+        if version == 2:
+            with pytest.raises(HashMismatchError):
+                sub.sync()
+    assert [u.kind for u in sub.sync()] == ["anchor", "delta"] and sub.step == 1 and sub.state_hash == new_hash
+    assert state_hash(sub.state) == state_hash(new)
+    with pytest.raises(SyncError, match="format version 1"):
+        Publisher(bucket).resume()

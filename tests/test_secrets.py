@@ -1,9 +1,11 @@
 """The Hugging Face token never leaks.
 
-``HF_TOKEN`` is set to a recognisable fake and ``hf://`` buckets are backed by the recording
-stand-in for ``HfApi`` of ``tests/test_bucket_hf.py``, which here raises the errors the Hub can
-raise with the token in them: echoed in the server's message, or only in the request's
-``Authorization`` header, or in a proxy's connection error. Through a publisher, subscribers,
+``HF_TOKEN`` is set to a recognisable fake and ``hf://`` buckets are the real huggingface_hub +
+hf_xet client talking to the local Hub stand-in server (``benchmarks/hub_server.py``), which here
+answers with the errors the Hub can send with the token in them: echoed in the server's message
+(429, 503, 401), or only in the request's ``Authorization`` header. (A proxy's connection error
+quoting the token cannot come from a server; its text goes through the same scrubbing as an
+echoed message.) Through a publisher, subscribers,
 the three roles (trainer, replica, environment) and the panels' data functions, the token must
 appear in no log record (everything captured at DEBUG), no exception message or traceback, no
 ``repr``, no object written to the bucket (status, metrics, tasks, rollouts, scores, pointer)
@@ -21,37 +23,38 @@ from typing import Any
 
 import pytest
 
-import shared.bucket.hf as hf_module
 from shared.bucket import BucketError, open_bucket
+from shared.bucket.hf import HfBucket
 from shared.protocol import FixedInterval, Publisher, Subscriber
 from tests.helpers import master_state, rl_step
-from tests.test_bucket_hf import BUCKET, ENDPOINT, TOKEN, RecordingHfApi, http_error
+from benchmarks.hub_server import Fault, HubServer
+
+TOKEN = "hf_TESTsecretTOKEN0123456789abcdefXYZ"
+BUCKET = "someone/rl-sync"
 
 URL = f"hf://buckets/{BUCKET}/runs/secret"
 PREFIX = "runs/secret/"
 
 
-def transient_errors() -> list[BaseException]:
-    """Retryable failures that carry the token in three different places."""
-    return [
-        http_error(
-            429,
-            f"{ENDPOINT}/api/buckets/{BUCKET}/batch",
-            {"Retry-After": "0", "X-Error-Message": f"slow down, token {TOKEN}"},
-        ),
-        http_error(503, f"{ENDPOINT}/api/buckets/{BUCKET}/resolve"),  # the token only in the request headers
-        ConnectionError(f"proxy refused the tunnel; Proxy-Authorization: Bearer {TOKEN}"),
-    ]
+def transient_errors(path: str) -> list[Fault]:
+    """Retryable failures: the token echoed in the message, or only in the request's headers, or a dropped
+    connection. Two per path: a `get` meets two paths (paths-info, resolve), and must succeed within the
+    retries of one operation."""
+    last = Fault(drop=True, path=path) if path in ("/batch$", "/tree") else Fault(503, path=path)
+    return [Fault(429, {"Retry-After": "0"}, message=f"slow down, token {TOKEN}", path=path), last]
 
 
-def permanent_error() -> BaseException:
-    body = f'{{"error": "Invalid credentials in Authorization header: Bearer {TOKEN}"}}'.encode()
-    return http_error(
-        401, f"{ENDPOINT}/api/buckets/{BUCKET}/batch", {"X-Error-Message": f"bad token {TOKEN}"}, body=body
-    )
+def permanent_error(path: str) -> Fault:
+    return Fault(401, message=f"Invalid credentials in Authorization header: Bearer {TOKEN}", path=path)
 
 
-METHODS = ["batch_bucket_files", "download_bucket_files", "list_bucket_tree", "get_bucket_paths_info"]
+#: The Hub API path each huggingface_hub bucket method sends its requests to.
+METHODS = {
+    "batch_bucket_files": "/batch$",
+    "download_bucket_files": "/resolve/",
+    "list_bucket_tree": "/tree",
+    "get_bucket_paths_info": "/paths-info$",
+}
 
 
 def said(value: Any) -> str:
@@ -62,12 +65,13 @@ def said(value: Any) -> str:
 
 
 @pytest.fixture
-def hub(monkeypatch) -> RecordingHfApi:
-    """The stand-in client every ``hf://`` bucket of the test gets."""
+def hub(hub, monkeypatch) -> HubServer:
+    """The Hub stand-in, accepting the token, with the bucket created."""
     monkeypatch.setenv("HF_TOKEN", TOKEN)
-    api = RecordingHfApi(token=TOKEN)
-    monkeypatch.setattr(hf_module, "HfApi", lambda token=None, **kwargs: api)
-    return api
+    hub.add_token(TOKEN, "write")
+    hub.create_bucket(BUCKET)
+    hub.injected = 0
+    return hub
 
 
 @pytest.fixture
@@ -83,25 +87,30 @@ def logs(caplog):
     return caplog
 
 
-def fail_soon(api: RecordingHfApi) -> None:
+def fail_soon(hub: HubServer) -> None:
     """Queue the transient failures on every method whose queue is empty (fewer than the retries in a row)."""
-    for method in METHODS:
-        if not api.failures.get(method):
-            api.fail_next(method, *transient_errors())
-            api.queued = getattr(api, "queued", 0) + len(transient_errors())
+    for path in METHODS.values():
+        if not hub.pending("api", path):
+            hub.inject("api", *transient_errors(path))
+            hub.injected += len(transient_errors(path))
 
 
-def raised(api: RecordingHfApi) -> int:
-    """How many queued failures were raised so far."""
-    return getattr(api, "queued", 0) - sum(len(q) for q in api.failures.values())
+def fail_next(hub: HubServer, method: str, count: int = 1) -> None:
+    hub.inject("api", *[permanent_error(METHODS[method])] * count)
 
 
-def assert_nothing_stored_leaks(api: RecordingHfApi) -> None:
-    objects = api.buckets[BUCKET]
-    assert any(k.startswith(PREFIX + "status/") for k in objects) or objects  # something was written
-    for key, data in objects.items():
-        assert TOKEN.encode() not in data, key
+def raised(hub: HubServer) -> int:
+    """How many queued failures were served so far."""
+    return hub.injected - sum(len(q) for q in hub.faults.values())
+
+
+def assert_nothing_stored_leaks(hub: HubServer) -> None:
+    keys = sorted(hub.buckets[BUCKET])
+    assert keys  # something was written
+    reader = HfBucket(BUCKET, token=TOKEN)
+    for key in keys:
         assert TOKEN not in key
+        assert TOKEN.encode() not in reader.get(key), key  # the bytes, read back through Xet storage
 
 
 def assert_logs_clean(logs, capfd) -> None:
@@ -127,9 +136,9 @@ def test_publisher_and_subscriber_through_flaky_hub_never_show_the_token(hub, hf
         pub.publish(step, master)
         sub.sync()
         assert sub.state_hash == pub.manifest.state_hash
-    assert raised(hub) >= 20  # injected failures were raised and retried
+    assert raised(hub) >= 20  # injected failures were served and retried
     # a permanent failure on every operation, with the token echoed: the errors the caller sees
-    hub.failures.clear()
+    hub.clear_faults()
     errors = []
     for method, action in [
         ("batch_bucket_files", lambda: pub.publish(5, master)),
@@ -137,7 +146,7 @@ def test_publisher_and_subscriber_through_flaky_hub_never_show_the_token(hub, hf
         ("list_bucket_tree", lambda: hf_bucket.list("anchors/")),
         ("get_bucket_paths_info", lambda: hf_bucket.delete(["deltas/000000000001.safetensors"])),
     ]:
-        hub.fail_next(method, permanent_error())
+        fail_next(hub, method)
         with pytest.raises(BucketError) as info:
             action()
         errors.append(info.value)
@@ -202,9 +211,9 @@ def test_three_roles_on_a_flaky_hub_never_show_the_token(hub, hf_bucket, logs, c
     replica.step()
     assert replica.status()["applied_step"] == 1 == trainer.version
     assert raised(hub) >= 20
-    hub.failures.clear()
+    hub.clear_faults()
     # permanent failures with the token echoed: what each role's loop logs or raises
-    hub.fail_next("batch_bucket_files", permanent_error(), permanent_error(), permanent_error(), permanent_error())
+    fail_next(hub, "batch_bucket_files", 4)
     trainer.metrics.flush()
     replica.publish_status()
     with pytest.raises(BucketError) as info:
@@ -236,7 +245,7 @@ def test_panels_never_show_the_token(hub, hf_bucket, logs, capfd):
     snap = snapshots.read_snapshot(hf_bucket)
     assert snap.manifest is not None and snap.statuses and not snap.error
     view = snapshots.BucketView(URL)
-    hub.fail_next("list_bucket_tree", *[permanent_error()])
+    fail_next(hub, "list_bucket_tree")
     failed = view.snapshot()
     assert failed.error  # the read failure is shown ...
     rendered = [snap, failed]
@@ -246,7 +255,7 @@ def test_panels_never_show_the_token(hub, hf_bucket, logs, capfd):
     policy = anchor_policy.describe_policy(anchor_policy.current_policy(snap))
     rendered += [frames.sync_time_frame(view).to_string(), policy, frames.trainer_summary(snap), frames.env_summary(snap)]
     runner = role_control.RoleRunner("env", lambda config: open_bucket(URL).list("tasks/"))
-    hub.fail_next("list_bucket_tree", *[permanent_error()] * 6)
+    fail_next(hub, "list_bucket_tree", 6)
     runner.start(types.SimpleNamespace(), wait=True)
     rendered.append(runner.status())
     assert runner.state == "failed"

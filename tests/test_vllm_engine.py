@@ -8,7 +8,8 @@ update the weights read back from vLLM's worker must hash equal to the
 publisher's state, and at the end greedy generations (tokens and
 log-probabilities) must equal those of a fresh vLLM load of the final state
 saved to disk. The ``bucket`` weight-transfer backend is checked on the same
-instance.
+instance. The engine is given a Hub model id (as ``vllm serve Qwen/Qwen3-0.6B`` is), which
+vLLM and the worker resolve to its snapshot in a local Hub cache (offline).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from rollout_space.engine import SamplingSettings  # noqa: E402
 from shared.hashing import state_hash  # noqa: E402
 from shared.protocol import FixedInterval, Publisher, Subscriber  # noqa: E402
 from shared.spaces.tiny_model import build_tiny_model  # noqa: E402
+from tests.helpers import snapshot_in_hub_cache, sparse_rl_step  # noqa: E402
 
 #: Longer than a KV block (32 tokens, the CPU attention's smallest), so prefix caching reuses blocks.
 PROMPTS = [
@@ -46,38 +48,42 @@ ENGINE_KWARGS = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def cpu_env():
-    """vLLM CPU settings for a shared 2-core test machine (restored afterwards)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        mp.setenv("TORCHDYNAMO_DISABLE", "1")
-        mp.setenv("VLLM_PLUGINS", "")  # no third-party vLLM plugins from the environment
-        yield
+#: The Hub model id the engine is given; its snapshot is in a local Hub cache.
+HUB_ID = "rlsync/tiny-qwen3"
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """The tiny Qwen3 with tied embeddings, like Qwen3-0.6B."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0, config_overrides={"tie_word_embeddings": True})
+    """The tiny Qwen3 with tied embeddings, like Qwen3-0.6B: the snapshot folder of HUB_ID in a local Hub cache."""
+    root = tmp_path_factory.mktemp("tiny")
+    built = build_tiny_model(root / "model", seed=0, config_overrides={"tie_word_embeddings": True})
+    return snapshot_in_hub_cache(built, root / "hub-cache", HUB_ID)
 
 
 @pytest.fixture(scope="module")
-def engine(cpu_env, model_dir):
+def cpu_env(model_dir):
+    """vLLM CPU settings for a shared 2-core test machine, and the local Hub cache (restored afterwards)."""
+    from huggingface_hub import constants
+
+    cache = str(model_dir.parents[2])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        mp.setenv("TORCHDYNAMO_DISABLE", "1")
+        mp.setenv("VLLM_PLUGINS", "")  # no third-party vLLM plugins from the environment
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("HF_HUB_CACHE", cache)
+        mp.setattr(constants, "HF_HUB_CACHE", cache)
+        mp.setattr(constants, "HF_HUB_OFFLINE", True)
+        yield
+
+
+@pytest.fixture(scope="module")
+def engine(cpu_env):
     from rollout_space.engines.vllm_engine import VllmEngine
 
-    eng = VllmEngine(model_dir, weight_transfer_config={"backend": "bucket"}, **ENGINE_KWARGS)
+    eng = VllmEngine(HUB_ID, weight_transfer_config={"backend": "bucket"}, **ENGINE_KWARGS)
     yield eng
     eng.close()
-
-
-def _rl_step(master: dict[str, torch.Tensor], step: int) -> None:
-    """Change ~3% of the elements of every tensor, by noise of the weights' own scale."""
-    g = torch.Generator().manual_seed(1000 + step)
-    for t in master.values():
-        flat = t.view(-1)
-        idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() * 3 // 100)]
-        flat[idx] += torch.randn(idx.numel(), generator=g) * 0.02
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +97,7 @@ def published(model_dir, tmp_path_factory):
     records = []
     for step in range(DELTAS + 1):
         if step:
-            _rl_step(master, step)
+            sparse_rl_step(master, 1000 + step)
         records.append(pub.publish(step, master))
     assert [r.kind for r in records] == ["anchor"] + ["delta"] * DELTAS
     return bucket, records

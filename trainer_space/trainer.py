@@ -35,8 +35,9 @@ from transformers import TrainerCallback
 
 from env_space.environments import get_environment
 from shared.bucket import Bucket, open_bucket
-from shared.protocol import CONTROL_KEY, Adaptive, FixedInterval, Publisher, PublishRecord, policy_to_json
-from shared.spaces.exchange import MetricsLog, read_samples
+from shared.codecs import default_codec
+from shared.protocol import CONTROL_KEY, Adaptive, FixedInterval, NonFiniteError, Publisher, PublishRecord, policy_to_json
+from shared.spaces.exchange import MetricsLog, Refusals, SampleLimits, read_samples
 from shared.spaces.settings import from_env, resolve_device
 from shared.spaces.tiny_model import model_or_default
 from shared.trl import (
@@ -75,7 +76,7 @@ class TrainerConfig:
     anchor_interval: int = dataclasses.field(default=10, metadata={"help": "publishes per anchor (fixed policy)"})
     max_catchup_ratio: float = dataclasses.field(default=2.0, metadata={"help": "adaptive policy bound, in anchors"})
     keep_anchors: int = dataclasses.field(default=2, metadata={"help": "anchors retained in the bucket"})
-    codec: str = dataclasses.field(default="gapzz", metadata={"help": "delta codec: 'gapzz' or 'trl'"})
+    codec: str = dataclasses.field(default="auto", metadata={"help": "delta codec: 'classgap', 'gapzz', 'trl' or 'auto' (classgap on a GPU, gapzz on CPU)"})
     max_steps: int = dataclasses.field(default=0, metadata={"help": "stop after this many optimizer steps (0: never) (max_steps)"})
     checkpoint_every: int = dataclasses.field(default=50, metadata={"help": "optimizer steps per bucket checkpoint, also saved on stop (save_steps)"})
     keep_checkpoints: int = dataclasses.field(default=2, metadata={"help": "checkpoints retained in the bucket"})
@@ -148,24 +149,29 @@ class Trainer:
         from trl.experimental.async_grpo import AsyncGRPOTrainer
 
         self.bucket = bucket or open_bucket(config.bucket)
-        config = dataclasses.replace(config, device=resolve_device(config.device))
+        device = resolve_device(config.device)
+        config = dataclasses.replace(config, device=device, codec=default_codec(device) if config.codec == "auto" else config.codec)
         self.config = config
         self.metrics = MetricsLog(self.bucket, "trainer")
         self.publisher = Publisher(
             self.bucket, policy=config.policy(), keep_anchors=config.keep_anchors, codec=config.codec,
             owner=config.trainer_id or None,
         )  # fmt: skip
-        self.transfer = BucketWeightTransfer(publisher=self.publisher, on_publish=self._record_publish)
+        self.transfer = BucketWeightTransfer(
+            publisher=self.publisher, on_publish=self._record_publish, on_non_finite=self._restore_published
+        )
         self.checkpoints = BucketCheckpoints(self.bucket, keep=config.keep_checkpoints)
         self.scratch = tempfile.mkdtemp(prefix="rlsync-trainer-")
         self.opt_steps = 0
         self.notice = ""
         self.stop_requested = False
+        self.refusals = Refusals()
         self._thread: threading.Thread | None = None
         model = model_or_default(config.model, config.device, get_environment)
         tokenizer = AutoTokenizer.from_pretrained(model)
+        self.vocab_size = len(tokenizer)
         self.worker = BucketRolloutWorker(
-            self.bucket, read_samples, vocab_size=len(tokenizer), poll_s=config.poll_s,
+            self.bucket, self._read_scores, vocab_size=len(tokenizer), poll_s=config.poll_s,
             queue_maxsize=max(4 * config.batch_size, 256), max_staleness=config.max_staleness,
             heartbeat=self.transfer.heartbeat,
         )  # fmt: skip
@@ -193,6 +199,27 @@ class Trainer:
         """The newest published version."""
         return self.transfer.version
 
+    # -- bucket objects -------------------------------------------------------
+
+    def _read_scores(self, bucket: Bucket, key: str):
+        """Read one scores object within the trainer's limits, counting refusals."""
+        limits = SampleLimits(
+            vocab_size=self.vocab_size, max_version=self.transfer.version,
+            max_total_tokens=getattr(self.trl.model.config, "max_position_embeddings", None),
+        )  # fmt: skip
+        return read_samples(bucket, key, limits=limits, refusals=self.refusals)
+
+    def _restore_published(self, exc: NonFiniteError) -> None:
+        """Never train on from a poisoned model: back to the published weights, optimizer state reset."""
+        logger.error("%s; restoring the published weights and resetting the optimizer", exc)
+        params = dict(self.trl.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in (self.publisher.detector.published or {}).items():
+                if name in params:
+                    params[name].copy_(tensor.to(params[name].dtype))
+        if self.trl.optimizer is not None:
+            self.trl.optimizer.state.clear()
+
     # -- figures ------------------------------------------------------------
 
     def _record_publish(self, rec: PublishRecord) -> None:
@@ -209,6 +236,7 @@ class Trainer:
         self.metrics.extra = {
             "version": self.transfer.version, "opt_steps": self.opt_steps, "queued_samples": self.worker.rollout_buffer.qsize(),
             "checkpoint_step": self.checkpoint_callback.last_step, "notice": self.notice,
+            "refused": self.refusals.as_dict(), "non_finite_refused": self.transfer.non_finite_refused,
         }  # fmt: skip
         self.metrics.flush()
 

@@ -43,10 +43,23 @@ Trial kinds (``--kinds``):
     :class:`~shared.bucket.RetryingBucket`, beneath the publisher and three
     subscriber threads: everything converges bit-exactly and no cut-short
     upload is ever named by the pointer.
+``hub_storage``
+    The real Hub client (huggingface_hub + hf_xet, :class:`~shared.bucket.hf.HfBucket` under a
+    :class:`~shared.bucket.RetryingBucket`) against the Hub stand-in server
+    (:mod:`benchmarks.hub_server`), which fails a random share of Hub API requests, Xet token
+    grants and Xet storage requests (429, 503, dropped connections), beneath the publisher and
+    two subscriber threads: everything converges bit-exactly.
 ``two_trainers``
     A second trainer with another owner id is refused (``RunLockedError``);
     then one that takes the run over (same owner id, or a stale lock) makes the
     first one stop with ``FencedError``; the chain stays valid.
+``hostile_replicas``
+    The real trainer and env (tiny model, CPU) with honest replicas and hostile
+    ones writing random malformed rollouts among the good ones (non-finite
+    log-probs, token ids out of vocabulary, empty or overlong sequences, future
+    versions, deep or huge-integer JSON, oversized objects), scores straight into
+    ``scores/``, bad status objects and a NaN control value: 0 states lost, 0
+    non-finite publishes, every role alive, every hostile object refused and counted.
 
 Usage::
 

@@ -61,7 +61,7 @@ class HookBucket(LocalBucket):
 
     def _partial_write(self, key: str, data: bytes) -> None:
         """What a writer killed mid-upload leaves: a partial temporary file next to the target."""
-        path = self._path(key)
+        path = self.root.joinpath(*key.split("/"))
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, _ = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
         os.write(fd, data[: len(data) // 2])
@@ -94,14 +94,14 @@ class HookBucket(LocalBucket):
         self.hit("mid-delete")
         super().delete(keys)
 
-    def get(self, key: str) -> bytes:
+    def get_limited(self, key: str, max_bytes: int) -> bytes:
         if _key_kind(key) == "deltas":
             self.hit("mid-download")
-        return super().get(key)
+        return super().get_limited(key, max_bytes)
 
-    def get_file(self, key: str, path: str | Path) -> None:
+    def get_file_limited(self, key: str, path: str | Path, max_bytes: int) -> None:
         if self._due("mid-download"):
             data = super().get(key)
             Path(f"{path}.part").write_bytes(data[: len(data) // 2])
         self.hit("mid-download")
-        super().get_file(key, path)
+        super().get_file_limited(key, path, max_bytes)

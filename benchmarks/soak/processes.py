@@ -122,11 +122,11 @@ def subscriber_loop(cfg: dict[str, Any]) -> None:
     if kill and kill[0] == "mid-apply":  # die while the patched tensors are being hashed
         real, calls = subscriber_module.tensor_digest, [0]
 
-        def digest_then_die(tensor: torch.Tensor) -> bytes:
+        def digest_then_die(tensor: torch.Tensor, **kwargs) -> bytes:
             calls[0] += 1
             if calls[0] == kill[1]:
                 die()
-            return real(tensor)
+            return real(tensor, **kwargs)
 
         subscriber_module.tensor_digest = digest_then_die
     sub = Subscriber(bucket, workdir=cfg["workdir"])

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
 import torch
 
 from shared.bucket import BucketError
+from shared.errors import FormatError, SyncError
 from shared.protocol import FixedInterval, Publisher
 
 from .invariants import Ledger
@@ -93,3 +95,47 @@ class PublisherThread(threading.Thread):
 
     def after_publish(self, step: int) -> None:
         """Hook for checks between publishes."""
+
+
+def follow_until_converged(
+    publisher: PublisherThread, subs: list, ledger: Ledger, timeout_s: float, unreadable: collections.Counter
+) -> None:
+    """Run the publisher and one follower thread per subscriber until all reach the publisher's final
+    version (or time runs out), checking every state a subscriber holds; then check that they converged.
+
+    A refused or failed update (a bucket error after retries, a pointer cut short mid-upload) is retried
+    on the next poll; pointer reads refused as unreadable are counted in `unreadable`.
+    """
+    final = publisher.final
+
+    def follow(i: int, sub) -> None:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            try:
+                update = sub.fetch()
+                if update is not None:
+                    sub.apply(update)
+                    ledger.check_state(sub.step, sub.state, sub.state_hash, f"subscriber {i}")
+                    continue
+            except FormatError as exc:  # the pointer itself cut short mid-upload: refused, retried
+                unreadable[str(exc)[:40]] += 1
+                ledger.check_state(sub.step, sub.state, sub.state_hash, f"subscriber {i}")
+            except (SyncError, BucketError):
+                ledger.check_state(sub.step, sub.state, sub.state_hash, f"subscriber {i}")
+            if not publisher.is_alive() and sub.step == final:
+                return
+            time.sleep(0.005)
+
+    threads = [threading.Thread(target=follow, args=(i, s), daemon=True) for i, s in enumerate(subs)]
+    publisher.start()
+    for t in threads:
+        t.start()
+    publisher.join(timeout_s)
+    for t in threads:
+        t.join(timeout_s)
+    result = ledger.result
+    result.check(publisher.error is None, f"publisher failed: {publisher.error!r}")
+    for i, sub in enumerate(subs):
+        result.check(sub.step == final, f"subscriber {i} ended at {sub.step}, not {final}")
+        ledger.check_state(sub.step, sub.state, sub.state_hash, f"subscriber {i} at the end")
+    ledger.settle()

@@ -60,7 +60,8 @@ class VllmEngine(Engine):
     """Serve a causal LM with vLLM and keep its weights in sync with the bucket.
 
     Args:
-        model_path: A local model folder (config, tokenizer, safetensors weights).
+        model_path: A local model folder (config, tokenizer, safetensors weights), or a Hub model id
+            (``Qwen/Qwen3-0.6B``; vLLM downloads it, or finds it in the local Hub cache offline).
         dtype: Serving dtype.
         seed: vLLM's engine seed.
         max_model_len: Context length limit (default: the model's).
@@ -91,14 +92,14 @@ class VllmEngine(Engine):
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        self.model_path = Path(model_path)
+        self.model_path = str(model_path)  # a folder or a Hub model id: never re-parsed as a path
         self.spool_dir = spool_dir
         if current_platform.is_cpu():
             os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
             if kv_cache_memory_bytes is None:
                 kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
         kwargs: dict[str, Any] = dict(
-            model=str(self.model_path),
+            model=self.model_path,
             dtype=dtype,
             seed=seed,
             enforce_eager=enforce_eager,

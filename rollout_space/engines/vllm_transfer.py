@@ -185,8 +185,11 @@ class BucketSyncClient:
 
     Each :meth:`sync` pauses generation (in-flight requests finish first), has the
     server's workers update to the bucket's newest step, resets the prefix cache
-    and resumes. Requires ``VLLM_SERVER_DEV_MODE=1`` on the server (vLLM mounts its
-    RL and ``collective_rpc`` routes only then).
+    (checking that vLLM reports success: stale KV must not be served), verifies the
+    served weights' hash while still paused (reading the weights back runs in the
+    engine loop, so after ``/resume`` it would stall serving), and resumes. Requires
+    ``VLLM_SERVER_DEV_MODE=1`` on the server (vLLM mounts its RL and
+    ``collective_rpc`` routes only then).
 
     Args:
         base_url: The server, e.g. ``http://127.0.0.1:8000``.
@@ -195,11 +198,16 @@ class BucketSyncClient:
             ``sync_state_hash``; needs ``--worker-extension-cls
             rollout_space.engines.vllm_worker.SyncWorkerExtension``) with the bucket's.
         timeout_s: HTTP timeout per call.
+        reset_attempts: Calls of ``/reset_prefix_cache`` before giving up (vLLM refuses
+            while blocks are still held, and says callers may retry).
     """
 
-    def __init__(self, base_url: str, bucket: str, *, verify: bool = True, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, base_url: str, bucket: str, *, verify: bool = True, timeout_s: float = 600.0, reset_attempts: int = 5
+    ) -> None:
         import httpx
 
+        self.reset_attempts = max(1, reset_attempts)
         self.bucket_url = bucket
         self.bucket = open_bucket(bucket)
         self.verify = verify
@@ -213,8 +221,16 @@ class BucketSyncClient:
         return response.json() if response.content else None
 
     def served_state_hash(self) -> str:
-        """The state hash of the weights the server's worker serves (tensor parallel 1)."""
+        """The state hash of the weights the server's workers serve (every TP rank computes it)."""
         return self._post("/collective_rpc", json={"method": "sync_state_hash"})["results"][0]
+
+    def _reset_prefix_cache(self) -> None:
+        for attempt in range(1, self.reset_attempts + 1):
+            if (self._post("/reset_prefix_cache") or {}).get("success"):
+                return
+            logger.warning("vLLM refused to reset its prefix cache (attempt %d/%d)", attempt, self.reset_attempts)
+            time.sleep(0.1 * attempt)
+        raise RuntimeError("vLLM refused to reset its prefix cache after a weight update: stale KV would be served")
 
     def sync(self) -> int | None:
         """Bring the server to the bucket's newest step if it is behind.
@@ -224,7 +240,7 @@ class BucketSyncClient:
 
         Raises:
             RuntimeError: ``verify`` is on and the served weights do not hash equal
-                to the bucket's state.
+                to the bucket's state, or vLLM kept refusing to reset its prefix cache.
             httpx.HTTPStatusError: The server refused a call (e.g. a refused update).
         """
         from shared.protocol import read_manifest
@@ -240,12 +256,12 @@ class BucketSyncClient:
             self._post("/start_weight_update")
             self._post("/update_weights", json={"update_info": {"step": manifest.step}})
             self._post("/finish_weight_update", json={"weight_version": str(manifest.step)})
-            self._post("/reset_prefix_cache")
+            self._reset_prefix_cache()
+            self.step = manifest.step
+            if self.verify and self.served_state_hash() != manifest.state_hash:
+                raise RuntimeError(f"the server's weights do not hash equal to bucket step {manifest.step}")
         finally:
             self._post("/resume")
-        self.step = manifest.step
-        if self.verify and self.served_state_hash() != manifest.state_hash:
-            raise RuntimeError(f"the server's weights do not hash equal to bucket step {manifest.step}")
         return self.step
 
     def close(self) -> None:

@@ -38,7 +38,16 @@ therefore hashes differently when read back from the CPU backend.
 Tensor payloads between the driver and the workers are safetensors blobs (see
 :func:`pack_tensors`): inline bytes when small, a file in a spool folder when
 large, because ``collective_rpc`` arguments are msgpack-encoded control messages.
-Read-back supports tensor parallelism 1 only.
+
+Tensor parallelism: patches and reloads are given in global checkpoint coordinates
+and the model's loader slices them per rank. Reading back gathers each sharded
+parameter over the tensor-parallel group (a collective: every rank must read the
+same names), so read-back and the state hash work at any TP size.
+
+Quantized modules (fp8 and other non-"unquantized" methods) and non-float tensors
+are never patched in place: a bf16 value written into an fp8 weight without its
+scale would be wrong, and vLLM's sparse loader refuses non-float tensors. Both go
+through the reload path.
 """
 
 from __future__ import annotations
@@ -56,6 +65,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 import torch
 
 from shared.patch import TensorPatch
+
+from .vllm_checkpoint import checkpoint_names_of
+from .vllm_tensor_parallel import gather_tensor_parallel, packed_part_sizes
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -131,10 +143,11 @@ def pack_patches(patches: Mapping[str, TensorPatch], **kwargs: Any) -> dict[str,
 
 
 def unpack_patches(payload: Mapping[str, Any]) -> dict[str, TensorPatch]:
-    """Inverse of :func:`pack_patches`."""
+    """Inverse of :func:`pack_patches`. Indices stay ``int32`` where they were sent so: vLLM's
+    sparse loader takes them as they are (no widening copy)."""
     tensors, meta = unpack_tensors(payload)
     return {
-        name: TensorPatch(tensors[name + _INDEX].long(), tensors[name + _VALUES], tuple(shape))
+        name: TensorPatch(tensors[name + _INDEX], tensors[name + _VALUES], tuple(shape))
         for name, shape in meta["shapes"].items()
     }
 
@@ -191,6 +204,9 @@ def plan_update(
         prepacked module the full state tensors of *all* checkpoint names it loads
         (a packed ``qkv_proj`` needs ``q``, ``k`` and ``v`` together).
 
+    Non-float tensors go to the reload path too (vLLM's sparse loader marks
+    unchanged elements with NaN, which only float tensors have).
+
     Raises:
         KeyError: A patch names a tensor the model does not load (and does not
             deliberately skip, like a tied ``lm_head.weight``).
@@ -204,7 +220,7 @@ def plan_update(
             module = layout.module_of[name]
         except KeyError:
             raise KeyError(f"the vLLM model does not load a tensor named {name!r}") from None
-        if module in layout.in_place:
+        if module in layout.in_place and patch.values.dtype.is_floating_point:
             sparse[name] = patch
         else:
             reload_modules.add(module)
@@ -233,7 +249,9 @@ class ModelWeights:
     ) -> None:
         self.model = model
         self.model_config = model_config
-        names = list(checkpoint_names) if checkpoint_names is not None else checkpoint_names_of(model_config.model)
+        if checkpoint_names is None:
+            checkpoint_names = checkpoint_names_of(model_config.model, getattr(model_config, "revision", None))
+        names = list(checkpoint_names)
         self._locations = {name: self._locate(name) for name in names}
         self._locations = {n: loc for n, loc in self._locations.items() if loc is not None}
         self._aliases = _parameter_aliases(model)
@@ -273,7 +291,7 @@ class ModelWeights:
     def layout(self) -> WeightLayout:
         """Where each checkpoint tensor lives, and which modules can be patched in place."""
         module_of = {name: loc[0] for name, loc in self._locations.items()}
-        in_place = {m for m in module_of.values() if not _is_prepacked(self.model.get_submodule(m))}
+        in_place = {m for m in module_of.values() if _patchable_in_place(self.model.get_submodule(m))}
         return WeightLayout(module_of, frozenset(in_place), ("lm_head.",) if _tied(self.model) else ())
 
     # -- writing ------------------------------------------------------------------
@@ -282,8 +300,13 @@ class ModelWeights:
     def apply(self, sparse: Mapping[str, TensorPatch], full: Mapping[str, torch.Tensor]) -> None:
         """Apply in-place patches and whole-module reloads (see :func:`plan_update`).
 
+        Patch indices must be sorted and unique (the delta decoders check it), so vLLM's
+        per-patch uniqueness check is skipped; ``int32`` indices are passed as they are.
+
         Raises:
             ValueError: A sparse patch carries NaN (vLLM uses NaN as the "unchanged" sentinel).
+            RuntimeError: The model's loader skipped a patched tensor (it would go unnoticed until
+                a later hash check otherwise).
         """
         if sparse:
             from vllm.model_executor.model_loader.checkpoint_weight_patch import (
@@ -302,11 +325,21 @@ class ModelWeights:
                 )
                 for name, p in sparse.items()
             ]
-            load_checkpoint_weight_patches(self.model, patches)
+            loaded = load_checkpoint_weight_patches(self.model, patches, validate_unique_indices=False)
+            self._check_loaded(sparse, loaded)
         if full:
             self.reload(full)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+
+    def _check_loaded(self, names: Iterable[str], loaded: set[str]) -> None:
+        """Raise if the loader did not report the parameter of every checkpoint name it was given."""
+        skipped = sorted(n for n in names if ".".join(self._locations[n][:2]) not in loaded)
+        if skipped:
+            raise RuntimeError(
+                f"the vLLM model's loader skipped {len(skipped)} patched tensors, e.g. {skipped[:3]}: "
+                "the served weights no longer match the verified state"
+            )
 
     @torch.no_grad()
     def reload(self, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -331,11 +364,13 @@ class ModelWeights:
         for module in modules:
             initialize_layerwise_reload(module)
         try:
-            self.model.load_weights(list(tensors.items()))
+            loaded = self.model.load_weights(list(tensors.items()))
         finally:
             for module in modules:
                 finalize_layerwise_reload(module, self.model_config)
         self._reprocess_aliases(modules)
+        if loaded is not None:
+            self._check_loaded(tensors, set(loaded))
 
     def _reprocess_aliases(self, modules: list[torch.nn.Module]) -> None:
         """Re-run weight processing on modules that share a parameter with a reloaded one."""
@@ -361,15 +396,13 @@ class ModelWeights:
             One tensor per name, as the serving kernels see it (see the module docstring
             for prepacked CPU weights).
 
+        At tensor parallelism above 1 this is a collective: every rank must call it with
+        the same names; sharded parameters are gathered over the tensor-parallel group.
+
         Raises:
             KeyError: An unknown name.
             RuntimeError: A tied ``lm_head`` kernel disagrees with the embedding it is tied to.
-            NotImplementedError: Tensor parallelism above 1.
         """
-        from vllm.distributed import get_tensor_model_parallel_world_size
-
-        if get_tensor_model_parallel_world_size() != 1:
-            raise NotImplementedError("reading weights back supports tensor parallelism 1 only")
         names = self.checkpoint_names if names is None else list(names)
         cache: dict[tuple[str, str], torch.Tensor] = {}
         out = {}
@@ -383,7 +416,7 @@ class ModelWeights:
             full = cache[key]
             module = self.model.get_submodule(path)
             if shard is not None:
-                sizes = list(module.output_sizes)
+                sizes = packed_part_sizes(module)
                 start = sum(sizes[:shard])
                 full = full[start : start + sizes[shard]]
             out[name] = full.contiguous().clone()
@@ -399,6 +432,7 @@ class ModelWeights:
             tensor = _read_through_kernel(module)
         else:
             tensor = getattr(module, param).detach()
+        tensor = gather_tensor_parallel(module, getattr(module, param), tensor)
         if isinstance(module, VocabParallelEmbedding) and param == "weight":
             tensor = tensor[: module.org_vocab_size]
         elif param == "bias" and _is_prepacked(module):
@@ -431,6 +465,18 @@ class ModelWeights:
 
 def _tied(model: torch.nn.Module) -> bool:
     return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+
+
+def _patchable_in_place(module: torch.nn.Module) -> bool:
+    """Whether a module's weights can take element-wise checkpoint-coordinate patches.
+
+    Not when vLLM's CPU backend serves it from a prepacked kernel copy, nor when it is
+    quantized (its stored weight is not in checkpoint dtype, and needs its scales).
+    """
+    if _is_prepacked(module):
+        return False
+    method = getattr(module, "quant_method", None)
+    return method is None or type(method).__name__ in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 
 
 def _is_prepacked(module: torch.nn.Module) -> bool:
@@ -466,28 +512,6 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def checkpoint_names_of(model_path: str | os.PathLike) -> list[str]:
-    """Tensor names of a local model folder's safetensors checkpoint.
-
-    Raises:
-        FileNotFoundError: The folder has no safetensors checkpoint.
-    """
-    from safetensors import safe_open
-
-    folder = Path(model_path)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return sorted(json.loads(index.read_text())["weight_map"])
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no safetensors checkpoint in {folder}")
-    names: list[str] = []
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            names.extend(sf.keys())
-    return sorted(names)
-
-
 # -- the worker extension -------------------------------------------------------------------
 
 
@@ -509,10 +533,17 @@ class SyncWorkerExtension:
         """The model's :class:`WeightLayout`, JSON-friendly."""
         return self._sync_weights().layout().to_json()
 
+    def _after_update(self) -> None:
+        """What vLLM's own ``finish_weight_update`` does after new weights: reset LoRA state."""
+        reset = getattr(self.model_runner, "reset_lora_state", None)
+        if reset is not None:
+            reset()
+
     def sync_load(self, payload: Mapping[str, Any]) -> None:
         """Replace all weights with a full state (checkpoint names)."""
         tensors, _ = unpack_tensors(payload)
         self._sync_weights().reload(tensors)
+        self._after_update()
 
     def sync_load_weights(self, payload: Mapping[str, Any]) -> None:
         """Copy a full state in with the model's plain ``load_weights`` (the usual RL refit).
@@ -536,6 +567,7 @@ class SyncWorkerExtension:
         patches = unpack_patches(sparse) if sparse else {}
         tensors = unpack_tensors(full)[0] if full else {}
         self._sync_weights().apply(patches, tensors)
+        self._after_update()
 
     def sync_read(self, names: list[str] | None = None, spool_dir: str | None = None) -> dict[str, Any]:
         """Weights in checkpoint names and layout, as a payload."""

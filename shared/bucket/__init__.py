@@ -14,6 +14,7 @@ from .base import (
     InvalidKeyError,
     ObjectInfo,
     ObjectNotFoundError,
+    ObjectTooLargeError,
     TransientBucketError,
     validate_key,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "LocalBucket",
     "ObjectInfo",
     "ObjectNotFoundError",
+    "ObjectTooLargeError",
     "RetryingBucket",
     "TransientBucketError",
     "open_bucket",
@@ -58,15 +60,15 @@ def register_backend(scheme: str, factory: Callable[[str], Bucket]) -> None:
     _BACKENDS[scheme] = factory
 
 
-def _open_local(url: str) -> Bucket:
+def _open_local(url: str, create: bool = True) -> Bucket:
     from urllib.parse import unquote, urlparse
 
     if url.startswith("file://"):
         parsed = urlparse(url)
         if parsed.netloc not in ("", "localhost"):
             raise BucketError(f"file URL with a remote host is not supported: {url}")
-        return LocalBucket(unquote(parsed.path))
-    return LocalBucket(url)
+        return LocalBucket(unquote(parsed.path), create=create)
+    return LocalBucket(url, create=create)
 
 
 def _open_hf(url: str) -> Bucket:
@@ -79,11 +81,13 @@ register_backend("file", _open_local)
 register_backend("hf", _open_hf)
 
 
-def open_bucket(url: str) -> Bucket:
+def open_bucket(url: str, *, create: bool = True) -> Bucket:
     """Open a bucket from a URL or path.
 
     Args:
         url: A local path or ``file://`` URL, or ``hf://buckets/OWNER/NAME[/PREFIX]``.
+        create: Create a local bucket folder that does not exist yet; ``False`` for
+            read-only use (a mistyped path then fails instead of creating a folder).
 
     Returns:
         The bucket backend for that URL.
@@ -91,8 +95,8 @@ def open_bucket(url: str) -> Bucket:
     Raises:
         BucketError: the URL scheme has no registered backend.
     """
-    if "://" not in url:
-        return _open_local(url)
+    if "://" not in url or url.startswith("file://"):
+        return _open_local(url, create)
     scheme = url.split("://", 1)[0]
     try:
         factory = _BACKENDS[scheme]

@@ -20,6 +20,7 @@ __all__ = [
     "BucketError",
     "ObjectInfo",
     "ObjectNotFoundError",
+    "ObjectTooLargeError",
     "TransientBucketError",
     "InvalidKeyError",
     "validate_key",
@@ -35,6 +36,10 @@ class ObjectNotFoundError(BucketError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else "object not found"
+
+
+class ObjectTooLargeError(BucketError):
+    """An object is larger than the reader allows (checked before its bytes are read)."""
 
 
 class TransientBucketError(BucketError):
@@ -129,6 +134,29 @@ class Bucket(abc.ABC):
         tmp.write_bytes(data)
         tmp.replace(path)
 
+    def get_limited(self, key: str, max_bytes: int) -> bytes:
+        """:meth:`get`, refusing an object larger than ``max_bytes``.
+
+        Backends that can learn the size first (local folder, Hugging Face Bucket)
+        refuse before reading; this default checks after the download.
+
+        Raises:
+            ObjectNotFoundError: no object has that key.
+            ObjectTooLargeError: the object holds more than ``max_bytes`` bytes.
+        """
+        data = self.get(key)
+        if len(data) > max_bytes:
+            raise ObjectTooLargeError(f"{key}: {len(data):,} bytes, more than the {max_bytes:,} allowed")
+        return data
+
+    def get_file_limited(self, key: str, path: str | Path, max_bytes: int) -> None:
+        """:meth:`get_file`, refusing an object larger than ``max_bytes`` (see :meth:`get_limited`)."""
+        self.get_file(key, path)
+        size = Path(path).stat().st_size
+        if size > max_bytes:
+            Path(path).unlink(missing_ok=True)
+            raise ObjectTooLargeError(f"{key}: {size:,} bytes, more than the {max_bytes:,} allowed")
+
     @abc.abstractmethod
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """List objects whose key starts with ``prefix``, sorted by key."""
@@ -136,6 +164,17 @@ class Bucket(abc.ABC):
     @abc.abstractmethod
     def delete(self, keys: Iterable[str]) -> None:
         """Delete the given objects; keys that do not exist are ignored."""
+
+    def sweep_temporary(self, max_age_s: float) -> int:
+        """Delete temporary files older than ``max_age_s`` that killed writers left behind.
+
+        Only backends whose writes go through temporary files have any (the local
+        folder); the default does nothing.
+
+        Returns:
+            The number of files removed.
+        """
+        return 0
 
     def exists(self, key: str) -> bool:
         """Whether an object with this key exists."""

@@ -173,6 +173,17 @@ class FaultyBucket(Bucket):
         self._before("get", repr(key))
         self.inner.get_file(key, path)
 
+    def get_limited(self, key: str, max_bytes: int) -> bytes:
+        self._before("get", repr(key))
+        return self.inner.get_limited(key, max_bytes)
+
+    def get_file_limited(self, key: str, path: str | Path, max_bytes: int) -> None:
+        self._before("get", repr(key))
+        self.inner.get_file_limited(key, path, max_bytes)
+
+    def sweep_temporary(self, max_age_s: float) -> int:
+        return self.inner.sweep_temporary(max_age_s)
+
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         self._before("list", f"prefix {prefix!r}")
         with self._lock:

@@ -10,14 +10,24 @@ Errors from ``huggingface_hub`` are mapped onto the bucket error types:
 - 404 on an object -> :class:`ObjectNotFoundError`;
 - 404 on the bucket itself -> :class:`BucketError` (a missing bucket is a configuration error, not
   an empty bucket);
+- 404 without the Hub's ``X-Error-Code`` -> :class:`BucketError` (not a Hub answer: wrong endpoint or
+  a proxy), never an empty listing;
 - 408, 429, 5xx and connection/timeouts -> :class:`TransientBucketError`, with ``retry_after`` taken
-  from the ``Retry-After`` header (or the Hub's ``RateLimit`` header) when the server sent one;
+  from the ``Retry-After`` header (seconds or HTTP date, or the Hub's ``RateLimit`` header);
+- 401/403 -> :class:`BucketError` saying the token lacks access (read or write);
+- errors from hf_xet (Xet token endpoint and Xet storage), which arrive as ``RuntimeError`` or
+  ``ConnectionError`` carrying the HTTP status in their message, are classified by that status the
+  same way (a storage 404 is a missing object, a 401/403 from the token endpoint a permission error);
 - anything else -> :class:`BucketError`.
 
+Every request has a timeout and is made once; retries are :class:`RetryingBucket`'s alone (see
+:mod:`shared.bucket.hf_transport`).
+
 The access token comes from the ``token`` argument, else the ``HF_TOKEN`` environment variable,
-else ``huggingface_hub``'s own lookup. It never appears in an exception message, ``repr`` or log
-line raised or written by this module: messages are built from the status code, the server's
-message and the request id, and scrubbed of the token in case the server echoed it.
+else ``huggingface_hub``'s own lookup (the saved login). None of these tokens ever appears in an
+exception message, ``repr`` or log line raised or written by this module: messages are built from
+the status code, the server's message and the request id, and scrubbed of every token in case the
+server echoed it.
 """
 
 from __future__ import annotations
@@ -25,14 +35,16 @@ from __future__ import annotations
 import email.utils
 import logging
 import os
+import re
 import tempfile
 import time
 import traceback
+import uuid
 from pathlib import Path
 from typing import Callable, Iterable, TypeVar
 
 import httpx2
-from huggingface_hub import BucketFile, HfApi
+from huggingface_hub import BucketFile, HfApi, get_token
 from huggingface_hub.errors import (
     BucketBatchError,
     BucketNotFoundError,
@@ -42,20 +54,19 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import parse_hf_uri, parse_ratelimit_headers
 
-try:  # hf_xet is a dependency of huggingface_hub's bucket API
-    from hf_xet import XetObjectNotFoundError
-except ImportError:  # pragma: no cover
-    XetObjectNotFoundError = None  # type: ignore[assignment,misc]
+from hf_xet import XetAuthenticationError, XetObjectNotFoundError
 
 from .base import (
     Bucket,
     BucketError,
     ObjectInfo,
     ObjectNotFoundError,
+    ObjectTooLargeError,
     TransientBucketError,
     validate_key,
     validate_prefix,
 )
+from .hf_transport import HfTransferConfig, RetryableHttpError, install, single_attempt
 
 __all__ = ["HfBucket"]
 
@@ -73,7 +84,15 @@ _TRANSIENT_EXCEPTIONS: tuple[type[BaseException], ...] = (
     ConnectionError,
     TimeoutError,
 )
+#: The HTTP status hf_xet (reqwest) writes into its error messages, e.g. "(503 Service Unavailable)".
+_XET_STATUS = re.compile(r"HTTP status (?:client|server) error \((\d{3})\b")
+#: hf_xet's wording for a connection that failed, was dropped or timed out.
+_XET_CONNECTION = re.compile(r"error sending request|timed out|connection (?:reset|refused|closed)", re.IGNORECASE)
 _REDACTED = "<redacted>"
+
+
+def _is_transient(status: int) -> bool:
+    return status in _TRANSIENT_STATUSES or status >= 500
 
 
 def _retry_after_seconds(headers: httpx2.Headers) -> float | None:
@@ -113,6 +132,9 @@ class HfBucket(Bucket):
         create (`bool`, *optional*, defaults to `False`):
             Create the bucket if it does not exist (`create_bucket(..., exist_ok=True)`, with the Hub's
             default visibility).
+        transfer ([`HfTransferConfig`], *optional*):
+            Request timeouts, process-wide (see `shared.bucket.hf_transport.install`). By default the
+            settings already installed are kept, else `HfTransferConfig.from_env()` is installed.
 
     Raises:
         [`BucketError`]: `bucket_id` is not `"namespace/name"`, the prefix is not a valid key, or
@@ -127,7 +149,9 @@ class HfBucket(Bucket):
         token: str | None = None,
         api: HfApi | None = None,
         create: bool = False,
+        transfer: HfTransferConfig | None = None,
     ) -> None:
+        install(transfer)
         parts = bucket_id.split("/") if isinstance(bucket_id, str) else []
         if len(parts) != 2 or not all(parts):
             raise BucketError(f"invalid bucket id {bucket_id!r}: expected 'namespace/name'")
@@ -188,25 +212,28 @@ class HfBucket(Bucket):
         return text
 
     def _secrets(self) -> list[str]:
-        """The tokens this bucket knows of (its own, and the client's if set explicitly)."""
-        secrets = [self._token] if self._token else []
-        api_token = getattr(self._api, "token", None)
-        if isinstance(api_token, str) and api_token and api_token not in secrets:
-            secrets.append(api_token)
-        return secrets
+        """Every token the client may send: its own, the client's, and the one the library finds itself."""
+        try:
+            found = get_token()  # HF_TOKEN, else the saved login
+        except Exception:  # noqa: BLE001 - an unreadable token file must not hide the real error
+            found = None
+        candidates = (self._token, getattr(self._api, "token", None), found)
+        return [t for i, t in enumerate(candidates) if isinstance(t, str) and t and t not in candidates[:i]]
 
     def _call(self, op: str, key: str | None, fn: Callable[[], _T]) -> _T:
         """Run one `huggingface_hub` call, mapping its errors onto the bucket error types."""
         try:
-            return fn()
+            with single_attempt():
+                return fn()
         except BucketError:
             raise
         except Exception as err:
             mapped = self._map_error(op, key, err)
-            # Keep the original exception (and its chain) for debugging unless its text carries the token.
+            # Keep the original exception (and its chain) for debugging unless its text carries a token.
             text = "".join(traceback.format_exception(err))
-            leaks = any(secret in text for secret in self._secrets())
-            raise mapped from (None if leaks else err)
+            if not any(secret in text for secret in self._secrets()):
+                raise mapped from err
+        raise mapped  # outside the except block: not even __context__ keeps the token-bearing original
 
     def _map_error(self, op: str, key: str | None, err: Exception) -> BucketError:
         what = f"{op} {key!r} in {self.url}" if key is not None else f"{op} {self.url}"
@@ -220,34 +247,60 @@ class HfBucket(Bucket):
         if isinstance(err, BucketBatchError):
             failures = "; ".join(f"{f.get('path')}: {f.get('error')}" for f in err.failures) or "unknown"
             return BucketError(self._scrub(f"{what} failed: the server rejected the operation ({failures})"))
-        if (isinstance(err, EntryNotFoundError) and not isinstance(err, HfHubHTTPError)) or (
-            XetObjectNotFoundError is not None and isinstance(err, XetObjectNotFoundError)
+        if (isinstance(err, EntryNotFoundError) and not isinstance(err, HfHubHTTPError)) or isinstance(
+            err, XetObjectNotFoundError
         ):
             return ObjectNotFoundError(self._scrub(f"{what} failed: no such object"))
+        if isinstance(err, RetryableHttpError):
+            return self._status_error(what, op, err.status, err.headers, "", str(err))
         if isinstance(err, HfHubHTTPError) and getattr(err, "response", None) is not None:
             status = err.response.status_code
             detail = self._detail(err)
-            if status == 404:
-                return ObjectNotFoundError(self._scrub(f"{what} failed: no such object (HTTP 404){detail}"))
-            if status in _TRANSIENT_STATUSES or status >= 500:
-                retry_after = _retry_after_seconds(err.response.headers)
-                hint = f", retry after {retry_after:g}s" if retry_after is not None else ""
-                return TransientBucketError(
-                    self._scrub(f"{what} failed with HTTP {status}{hint}{detail}"), retry_after=retry_after
-                )
-            if status in (401, 403):
+            if status == 404 and not err.response.headers.get("X-Error-Code"):
                 return BucketError(
                     self._scrub(
-                        f"{what} failed with HTTP {status}: not authorized; check that the token "
-                        f"(token= or HF_TOKEN) has access to {self.bucket_id!r}{detail}"
+                        f"{what} failed with HTTP 404 without a Hub error code: {err.response.url.host} does not "
+                        f"answer like the Hub (check HF_ENDPOINT and proxies){detail}"
                     )
                 )
-            return BucketError(self._scrub(f"{what} failed with HTTP {status}{detail}"))
+            return self._status_error(what, op, status, err.response.headers, detail, "")
         if isinstance(err, OfflineModeIsEnabled):
             return BucketError(self._scrub(f"{what} failed: HF_HUB_OFFLINE is set, the Hub cannot be reached"))
-        if isinstance(err, _TRANSIENT_EXCEPTIONS):
+        if isinstance(err, XetAuthenticationError):
+            return self._status_error(what, op, 401, None, "", f"Xet: {err}")
+        if isinstance(err, (RuntimeError, OSError)) and (match := _XET_STATUS.search(str(err))):
+            # hf_xet: the Xet token endpoint or Xet storage answered with this status.
+            return self._status_error(what, op, int(match[1]), None, "", f"Xet: {err}")
+        xet_connection = isinstance(err, RuntimeError) and _XET_CONNECTION.search(str(err)) is not None
+        if isinstance(err, _TRANSIENT_EXCEPTIONS) or xet_connection:
             return TransientBucketError(self._scrub(f"{what} failed: connection error ({type(err).__name__}: {err})"))
         return BucketError(self._scrub(f"{what} failed: {type(err).__name__}: {err}"))
+
+    def _status_error(
+        self, what: str, op: str, status: int | None, headers: httpx2.Headers | None, detail: str, cause: str
+    ) -> BucketError:
+        """The bucket error for an HTTP status (None: the connection failed or timed out)."""
+        because = f" ({cause})" if cause else ""
+        if status is None:
+            return TransientBucketError(self._scrub(f"{what} failed: connection error{because}"))
+        if status == 404:
+            return ObjectNotFoundError(self._scrub(f"{what} failed: no such object (HTTP 404){detail}{because}"))
+        if _is_transient(status):
+            retry_after = _retry_after_seconds(headers) if headers is not None else None
+            hint = f", retry after {retry_after:g}s" if retry_after is not None else ""
+            return TransientBucketError(
+                self._scrub(f"{what} failed with HTTP {status}{hint}{detail}{because}"), retry_after=retry_after
+            )
+        if status in (401, 403):
+            access = "write" if op in ("put", "delete", "create bucket") else "read"
+            return BucketError(
+                self._scrub(
+                    f"{what} failed with HTTP {status}: permission denied; the token (token=, HF_TOKEN or the "
+                    f"saved login) needs {access} access to bucket {self.bucket_id!r} (a read-only or revoked "
+                    f"token fails like this){detail}{because}"
+                )
+            )
+        return BucketError(self._scrub(f"{what} failed with HTTP {status}{detail}{because}"))
 
     @staticmethod
     def _detail(err: HfHubHTTPError) -> str:
@@ -306,27 +359,44 @@ class HfBucket(Bucket):
             [`ObjectNotFoundError`]: no object has that key.
             [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
+        return self._read(key, None)
+
+    def get_limited(self, key: str, max_bytes: int) -> bytes:
+        """[`get`], refusing an object larger than `max_bytes` before its bytes are read into memory.
+
+        Raises:
+            [`ObjectTooLargeError`]: the object holds more than `max_bytes` bytes.
+            [`ObjectNotFoundError`], [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
+        """
+        return self._read(key, max_bytes)
+
+    def _read(self, key: str, max_bytes: int | None) -> bytes:
         remote = self._remote(key)
         logger.debug("get %s from %s", remote, self.bucket_id)
         with tempfile.TemporaryDirectory(prefix="hfbucket-") as tmp:
             dest = Path(tmp, "object")
             self._download(key, remote, dest)
+            size = dest.stat().st_size
+            if max_bytes is not None and size > max_bytes:
+                raise ObjectTooLargeError(f"{key}: {size:,} bytes, more than the {max_bytes:,} allowed")
             return dest.read_bytes()
 
     def get_file(self, key: str, path: str | Path) -> None:
-        """Download the object `key` into `path`, through `path.part` renamed at the end.
+        """Download the object `key` into `path`, streamed to disk by hf_xet through a `.part` file of
+        this call's own (`{name}.{random}.part` next to `path`), renamed at the end.
 
         Raises:
             [`ObjectNotFoundError`]: no object has that key.
             [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
         remote = self._remote(key)
-        tmp = Path(f"{path}.part")
-        tmp.unlink(missing_ok=True)
+        target = Path(path)
+        # A .part file of our own: concurrent downloads to the same path never share one.
+        tmp = target.with_name(f"{target.name}.{uuid.uuid4().hex[:12]}.part")
         logger.debug("get_file %s from %s -> %s", remote, self.bucket_id, path)
         try:
             self._download(key, remote, tmp)
-            tmp.replace(path)
+            tmp.replace(target)
         finally:
             tmp.unlink(missing_ok=True)
 
@@ -349,7 +419,7 @@ class HfBucket(Bucket):
 
         try:
             files = self._call("list", prefix, fetch)
-        except ObjectNotFoundError:  # 404 on a folder that does not exist: nothing there
+        except ObjectNotFoundError:  # the Hub's EntryNotFound 404 for a folder that does not exist: nothing there
             return []
         out = []
         skipped = 0

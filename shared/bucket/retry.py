@@ -2,7 +2,9 @@
 
 :class:`RetryingBucket` wraps any :class:`Bucket` and retries operations that raised
 :class:`TransientBucketError` (5xx, 429, dropped connections). Every bucket operation is
-idempotent (whole-object put, delete of a set of keys), so retrying is always safe.
+idempotent (whole-object put, delete of a set of keys), so retrying is always safe. An operation
+gives up after ``max_attempts`` attempts or once the next wait would take it past ``max_total``
+seconds, whichever comes first, so one call never costs unbounded time.
 Permanent failures (:class:`ObjectNotFoundError`, :class:`InvalidKeyError`, any other
 :class:`BucketError`) are raised at once.
 """
@@ -41,8 +43,13 @@ class RetryingBucket(Bucket):
             Wait before the first retry, in seconds (before jitter).
         max_delay (`float`, *optional*, defaults to 10.0):
             Cap on the exponential backoff, in seconds.
+        max_total (`float`, *optional*, defaults to 120.0):
+            Longest an operation may take, attempts and waits together, in seconds: a retry whose wait
+            (including a server's `Retry-After`) would end past it is not made.
         sleep (`Callable[[float], None]`, *optional*, defaults to `time.sleep`):
             Called with each wait; tests pass a recorder.
+        clock (`Callable[[], float]`, *optional*, defaults to `time.monotonic`):
+            The clock `max_total` is measured on.
 
     Raises:
         `ValueError`: `max_attempts` is below 1 or a delay is negative.
@@ -55,17 +62,21 @@ class RetryingBucket(Bucket):
         max_attempts: int = 6,
         base_delay: float = 0.2,
         max_delay: float = 10.0,
+        max_total: float = 120.0,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
-        if base_delay < 0 or max_delay < 0:
-            raise ValueError("base_delay and max_delay must not be negative")
+        if base_delay < 0 or max_delay < 0 or max_total < 0:
+            raise ValueError("base_delay, max_delay and max_total must not be negative")
         self.inner = inner
         self.max_attempts = max_attempts
         self.base_delay = base_delay
         self.max_delay = max_delay
+        self.max_total = max_total
         self._sleep = sleep
+        self._clock = clock
         self._random = random.Random()
         self.url = inner.url
 
@@ -85,16 +96,21 @@ class RetryingBucket(Bucket):
         return delay
 
     def _run(self, op: str, what: str, fn: Callable[[], _T]) -> _T:
+        start = self._clock()
         for attempt in range(1, self.max_attempts + 1):
             try:
                 return fn()
             except TransientBucketError as err:
-                if attempt == self.max_attempts:
+                delay = self.backoff(attempt, err.retry_after) if attempt < self.max_attempts else 0.0
+                elapsed = self._clock() - start
+                if attempt == self.max_attempts or elapsed + delay > self.max_total:
+                    why = "" if attempt == self.max_attempts else (
+                        f" (the next wait, {delay:.1f}s, would pass the {self.max_total:g}s limit)"
+                    )
                     raise BucketError(
                         f"{op} {what} on {self.url} failed after {attempt} attempt"
-                        f"{'s' if attempt > 1 else ''}; last error: {err}"
+                        f"{'s' if attempt > 1 else ''} in {elapsed:.1f}s{why}; last error: {err}"
                     ) from err
-                delay = self.backoff(attempt, err.retry_after)
                 logger.warning(
                     "%s %s on %s failed (attempt %d/%d): %s; retrying in %.2fs",
                     op, what, self.url, attempt, self.max_attempts, err, delay,
@@ -113,6 +129,15 @@ class RetryingBucket(Bucket):
 
     def get_file(self, key: str, path: str | Path) -> None:
         self._run("get", repr(key), lambda: self.inner.get_file(key, path))
+
+    def get_limited(self, key: str, max_bytes: int) -> bytes:
+        return self._run("get", repr(key), lambda: self.inner.get_limited(key, max_bytes))
+
+    def get_file_limited(self, key: str, path: str | Path, max_bytes: int) -> None:
+        self._run("get", repr(key), lambda: self.inner.get_file_limited(key, path, max_bytes))
+
+    def sweep_temporary(self, max_age_s: float) -> int:
+        return self.inner.sweep_temporary(max_age_s)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         return self._run("list", f"prefix {prefix!r}", lambda: self.inner.list(prefix))

@@ -42,7 +42,9 @@ class Codec(abc.ABC):
         """The safetensors entry names this codec stores for tensor ``name``."""
 
     @abc.abstractmethod
-    def encode(self, name: str, index: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray) -> EncodedTensor:
+    def encode(
+        self, name: str, index: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray, *, base: torch.Tensor | None = None
+    ) -> EncodedTensor:
         """Encode the changed elements of tensor ``name``.
 
         Args:
@@ -50,6 +52,8 @@ class Codec(abc.ABC):
             index: Sorted, unique flat positions, ``int64``.
             old_bits: The published bit patterns at ``index`` (unsigned ints of the dtype's width).
             new_bits: The new bit patterns at ``index``, same dtype as ``old_bits``.
+            base: The whole published tensor (on any device), which the receiver
+                holds; context codecs derive their coding order from it, others ignore it.
         """
 
     @abc.abstractmethod
@@ -63,6 +67,7 @@ class Codec(abc.ABC):
         numel: int,
         itemsize: int,
         old_bits_at: Callable[[np.ndarray], np.ndarray],
+        base: torch.Tensor | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Decode one tensor's entries into ``(index, new_bits)``.
 
@@ -74,6 +79,9 @@ class Codec(abc.ABC):
             numel: The number of elements of the tensor being patched.
             itemsize: Bytes per element of the tensor being patched.
             old_bits_at: Returns the current bit patterns at given positions.
+            base: The tensor being patched (only read), for codecs whose coding
+                order derives from the old weights; without it they read the old
+                bits through ``old_bits_at``.
 
         Returns:
             Sorted, unique, in-range ``int64`` positions and the new bit patterns.

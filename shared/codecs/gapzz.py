@@ -16,6 +16,7 @@ NaN payload, infinity, -0.0 or subnormal round-trips exactly.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -25,9 +26,24 @@ import zstandard
 from ..dtypes import uint_dtype
 from ..errors import FormatError
 from .base import Codec, EncodedTensor, register_codec
-from .checks import require_entry
+from .checks import decompress_frame, require_entry
 
 ZSTD_LEVEL = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class OldWeights:
+    """What the receiver holds of the tensor being patched.
+
+    Attributes:
+        numel: Its number of elements.
+        bits_at: Returns its bit patterns at given flat positions.
+        tensor: The tensor itself (only read), when the caller has it.
+    """
+
+    numel: int
+    bits_at: Callable[[np.ndarray], np.ndarray]
+    tensor: torch.Tensor | None
 
 
 def _byte_width(max_value: int) -> int:
@@ -37,14 +53,14 @@ def _byte_width(max_value: int) -> int:
     raise AssertionError("unreachable")
 
 
-def _split_planes(values: np.ndarray) -> np.ndarray:
+def split_planes(values: np.ndarray) -> np.ndarray:
     """(n,) unsigned ints of width w -> (w * n,) bytes, plane by plane, low byte first."""
     w = values.itemsize
     return np.ascontiguousarray(values.astype(values.dtype.newbyteorder("<"), copy=False).view(np.uint8).reshape(-1, w).T).reshape(-1)
 
 
-def _join_planes(planes: np.ndarray, width: int) -> np.ndarray:
-    """Inverse of :func:`_split_planes`."""
+def join_planes(planes: np.ndarray, width: int) -> np.ndarray:
+    """Inverse of :func:`split_planes`."""
     count = planes.size // width
     joined = np.ascontiguousarray(planes.reshape(width, count).T).reshape(-1)
     return joined.view(uint_dtype(width).newbyteorder("<")).astype(uint_dtype(width), copy=False)
@@ -79,34 +95,17 @@ class GapZigzagCodec(Codec):
 
     @staticmethod
     def _decompress(key: str, entry: torch.Tensor, expected: int) -> np.ndarray:
-        blob = entry.numpy().tobytes()
-        try:
-            declared = zstandard.frame_content_size(blob)
-        except zstandard.ZstdError as exc:
-            raise FormatError(f"entry {key!r}: not a zstd frame ({exc})") from None
-        if declared != expected:
-            raise FormatError(f"entry {key!r}: declares {declared} bytes, expected {expected}")
-        try:
-            raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=expected)
-        except zstandard.ZstdError as exc:
-            raise FormatError(f"entry {key!r}: corrupt zstd data ({exc})") from None
-        if len(raw) != expected:
-            raise FormatError(f"entry {key!r}: decompressed to {len(raw)} bytes, expected {expected}")
-        return np.frombuffer(raw, dtype=np.uint8)
+        return np.frombuffer(decompress_frame(entry.numpy().tobytes(), what=f"entry {key!r}", expected=expected), dtype=np.uint8)
 
-    def encode(self, name: str, index: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray) -> EncodedTensor:
-        gaps = np.empty_like(index)
-        if index.size:
-            gaps[0] = index[0]
-            np.subtract(index[1:], index[:-1], out=gaps[1:])
-            gaps[1:] -= 1
-        width = _byte_width(int(gaps.max())) if gaps.size else 1
-        gap_planes = _split_planes(gaps.astype(uint_dtype(width)))
-        val_planes = _split_planes(_zigzag(new_bits - old_bits))
-        return EncodedTensor(
-            entries={f"{name}.pos": self._compress(gap_planes), f"{name}.val": self._compress(val_planes)},
-            params={"gap_bytes": width},
-        )
+    def encode(
+        self, name: str, index: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray, *, base: torch.Tensor | None = None
+    ) -> EncodedTensor:
+        coded, order, params = self._coding_order(index, base)
+        if order is not None:
+            old_bits, new_bits = old_bits[order], new_bits[order]
+        pos, width = self._encode_positions(coded)
+        entries = {f"{name}.pos": pos, **self._encode_values(name, old_bits, new_bits)}
+        return EncodedTensor(entries=entries, params={"gap_bytes": width, **params})
 
     def decode(
         self,
@@ -118,21 +117,62 @@ class GapZigzagCodec(Codec):
         numel: int,
         itemsize: int,
         old_bits_at: Callable[[np.ndarray], np.ndarray],
+        base: torch.Tensor | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
+        coded = self._decode_positions(name, entries, params, count=count, numel=numel)
+        diff = self._decode_values(name, entries, count=count, itemsize=itemsize)
+        index, order = self._flat_positions(name, coded, params, OldWeights(numel, old_bits_at, base))
+        return index, old_bits_at(index) + (diff if order is None else diff[order])
+
+    def _coding_order(self, index: np.ndarray, base: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None, dict[str, Any]]:
+        """The increasing numbers to gap-code for sorted positions ``index`` (here: the positions themselves).
+
+        Returns:
+            ``(coded, order, params)``: the numbers, which element of ``index`` each one
+            stands for (``None``: the same order), and parameters the decoder needs.
+        """
+        return index, None, {}
+
+    def _flat_positions(
+        self, name: str, coded: np.ndarray, params: Mapping[str, Any], old: OldWeights
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Inverse of :meth:`_coding_order`: sorted positions and, unless ``None``, the coded element at each."""
+        return coded, None
+
+    def _encode_positions(self, index: np.ndarray) -> tuple[torch.Tensor, int]:
+        """Gap-coded ``index`` as one zstd entry, and the gap width in bytes."""
+        gaps = np.empty_like(index)
+        if index.size:
+            gaps[0] = index[0]
+            np.subtract(index[1:], index[:-1], out=gaps[1:])
+            gaps[1:] -= 1
+        width = _byte_width(int(gaps.max())) if gaps.size else 1
+        return self._compress(split_planes(gaps.astype(uint_dtype(width)))), width
+
+    def _decode_positions(
+        self, name: str, entries: Mapping[str, torch.Tensor], params: Mapping[str, Any], *, count: int, numel: int
+    ) -> np.ndarray:
+        """Strictly increasing positions in ``[0, numel)`` from ``{name}.pos``; raises FormatError otherwise."""
         width = params.get("gap_bytes")
         if type(width) is not int or width not in (1, 2, 4, 8):
             raise FormatError(f"{name}: invalid gap_bytes {width!r}")
-        pos_key, val_key = self.entry_names(name)
-        pos = self._decompress(pos_key, require_entry(entries, pos_key, torch.uint8), count * width)
-        val = self._decompress(val_key, require_entry(entries, val_key, torch.uint8), count * itemsize)
-        gaps = _join_planes(pos, width)
+        pos_key = f"{name}.pos"
+        gaps = join_planes(self._decompress(pos_key, require_entry(entries, pos_key, torch.uint8), count * width), width)
         if width == 8 and gaps.size and int(gaps.max()) >= numel:  # narrower gaps cannot overflow the sum
             raise FormatError(f"{name}: index out of range for a tensor of {numel} elements")
         index = np.cumsum(gaps.astype(np.int64) + 1) - 1  # strictly increasing by construction
         if index.size and index[-1] >= numel:
             raise FormatError(f"{name}: index out of range for a tensor of {numel} elements")
-        new_bits = old_bits_at(index) + _unzigzag(_join_planes(val, itemsize))
-        return index, new_bits
+        return index
+
+    def _encode_values(self, name: str, old_bits: np.ndarray, new_bits: np.ndarray) -> dict[str, torch.Tensor]:
+        """The zigzag wrapping differences as ``{name}.val``."""
+        return {f"{name}.val": self._compress(split_planes(_zigzag(new_bits - old_bits)))}
+
+    def _decode_values(self, name: str, entries: Mapping[str, torch.Tensor], *, count: int, itemsize: int) -> np.ndarray:
+        """The wrapping differences (new bits minus old bits) stored by :meth:`_encode_values`."""
+        val_key = f"{name}.val"
+        return _unzigzag(join_planes(self._decompress(val_key, require_entry(entries, val_key, torch.uint8), count * itemsize), itemsize))
 
 
 register_codec(GapZigzagCodec())

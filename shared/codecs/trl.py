@@ -30,7 +30,9 @@ class TrlCodec(Codec):
     def entry_names(self, name: str) -> list[str]:
         return [f"{name}.indices", f"{name}.values"]
 
-    def encode(self, name: str, index: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray) -> EncodedTensor:
+    def encode(
+        self, name: str, index: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray, *, base: torch.Tensor | None = None
+    ) -> EncodedTensor:
         wide = index.size > 0 and int(index[-1]) > _INT32_LIMIT
         idx = torch.from_numpy(index.astype(np.int64 if wide else np.int32))
         signed = new_bits.view(np.dtype(f"int{8 * new_bits.itemsize}"))
@@ -49,6 +51,7 @@ class TrlCodec(Codec):
         numel: int,
         itemsize: int,
         old_bits_at: Callable[[np.ndarray], np.ndarray],
+        base: torch.Tensor | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         idx_key, val_key = self.entry_names(name)
         if idx_key not in entries:

@@ -13,7 +13,7 @@ from .manifest import (
     delta_key,
 )
 from .policy import Adaptive, AnchorPolicy, FixedInterval, policy_from_json, policy_from_settings, policy_to_json
-from .publisher import PublishRecord, Publisher, read_manifest
+from .publisher import NonFiniteError, PublishRecord, Publisher, read_manifest
 from .retention import prune, sweep_orphans
 from .subscriber import Subscriber, SubscriberStats, Update
 
@@ -32,6 +32,7 @@ __all__ = [
     "FileEntry",
     "FixedInterval",
     "Manifest",
+    "NonFiniteError",
     "PublishRecord",
     "Publisher",
     "Subscriber",

@@ -20,15 +20,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 
-from ..bucket import Bucket, ObjectNotFoundError
-from ..errors import SyncError
+from ..bucket import Bucket, ObjectNotFoundError, ObjectTooLargeError
+from ..errors import FormatError, SyncError
+from ..jsonlimits import loads_bounded
 
 logger = logging.getLogger(__name__)
 
 LOCK_KEY = "lock.json"
 DEFAULT_LOCK_TTL_S = 600.0
+MAX_LOCK_BYTES = 64 * 1024
+MAX_CLOCK_SKEW_S = 300.0
+MAX_EPOCH = 2**53
 
 
 class RunLockedError(SyncError):
@@ -46,16 +51,42 @@ class RunLock:
     heartbeat: float
 
 
+def parse_lock(data: bytes) -> RunLock:
+    """Parse and check a lock object.
+
+    Raises:
+        FormatError: not JSON, wrong types, an owner of more than 256 characters,
+            an epoch outside [0, 2^53), a non-finite heartbeat.
+    """
+    doc = loads_bounded(data, what=LOCK_KEY, max_bytes=MAX_LOCK_BYTES)
+    if not isinstance(doc, dict):
+        raise FormatError(f"{LOCK_KEY} is not a JSON object")
+    owner, epoch, heartbeat = doc.get("owner"), doc.get("epoch"), doc.get("heartbeat")
+    if not isinstance(owner, str) or not 0 < len(owner) <= 256:
+        raise FormatError(f"{LOCK_KEY}: invalid owner")
+    if type(epoch) is not int or not 0 <= epoch < MAX_EPOCH:
+        raise FormatError(f"{LOCK_KEY}: invalid epoch {epoch!r}")
+    if type(heartbeat) not in (int, float) or not math.isfinite(heartbeat):
+        raise FormatError(f"{LOCK_KEY}: invalid heartbeat {heartbeat!r}")
+    return RunLock(owner, epoch, float(heartbeat))
+
+
 def read_lock(bucket: Bucket) -> RunLock | None:
     """The current lock, or ``None``; a malformed lock counts as absent (logged)."""
     try:
-        doc = json.loads(bucket.get(LOCK_KEY))
-        return RunLock(str(doc["owner"]), int(doc["epoch"]), float(doc["heartbeat"]))
+        return parse_lock(bucket.get_limited(LOCK_KEY, MAX_LOCK_BYTES))
     except ObjectNotFoundError:
         return None
-    except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: deeply nested JSON
+    except (FormatError, ObjectTooLargeError) as exc:
         logger.warning("ignoring malformed %s: %s", LOCK_KEY, exc)
         return None
+
+
+def is_fresh(lock: RunLock, ttl_s: float, now: float) -> bool:
+    """Whether ``lock``'s heartbeat is younger than ``ttl_s``; a heartbeat further in the
+    future than the clock skew allows is not (it could otherwise lock trainers out forever)."""
+    age = now - lock.heartbeat
+    return -MAX_CLOCK_SKEW_S <= age < ttl_s
 
 
 def write_lock(bucket: Bucket, lock: RunLock) -> None:
@@ -70,7 +101,7 @@ def acquire(bucket: Bucket, owner: str, ttl_s: float = DEFAULT_LOCK_TTL_S) -> Ru
     """
     current = read_lock(bucket)
     now = time.time()
-    if current is not None and current.owner != owner and now - current.heartbeat < ttl_s:
+    if current is not None and current.owner != owner and is_fresh(current, ttl_s, now):
         raise RunLockedError(
             f"{bucket.url} is locked by trainer {current.owner!r} (heartbeat {now - current.heartbeat:.0f}s ago); "
             f"stop it, or wait {ttl_s:.0f}s after it stops"

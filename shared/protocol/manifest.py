@@ -3,10 +3,17 @@
 Layout of a bucket::
 
     latest.json                           the pointer: written last, after the data it names
-    anchors/000000000010/model.safetensors  (or model-0000k-of-0000n.safetensors + index)
-    deltas/000000000011.safetensors
+    anchors/000000000010-e0003/model.safetensors  (or model-0000k-of-0000n.safetensors + index)
+    anchors/000000000010-e0003/part-00001-of-00004.safetensors  a sharded trainer's parts (rank 0 of 4)
+    deltas/000000000011-e0003.safetensors
+    deltas/000000000011-e0003/part-00001-of-00004.safetensors
     control/publisher.json                anchor policy set from any panel
     status/replica-<id>.json              one status object per replica
+
+``e0003`` is the run-lock epoch of the trainer that wrote the files: a trainer
+taken over mid-upload writes under its own epoch, so it can never overwrite
+the files of the trainer that took over, even at the same step. The pointer
+names every file exactly.
 
 The pointer is a small JSON manifest of every retained version: the anchors
 (step, files, sizes, hash) and the deltas (step, base step, file, size, result
@@ -22,7 +29,8 @@ from typing import Any
 
 from ..bucket import InvalidKeyError, validate_key
 from ..errors import FormatError
-from ..format import FORMAT_NAME, FORMAT_VERSION
+from ..format import FORMAT_NAME, FORMAT_VERSION, READABLE_FORMAT_VERSIONS
+from ..jsonlimits import loads_bounded
 
 POINTER_KEY = "latest.json"
 ANCHOR_PREFIX = "anchors/"
@@ -32,14 +40,24 @@ STATUS_PREFIX = "status/"
 MAX_POINTER_BYTES = 16 * 1024 * 1024
 
 
-def anchor_folder(step: int) -> str:
-    """Key prefix of the anchor of ``step``."""
-    return f"{ANCHOR_PREFIX}{step:012d}"
+def anchor_folder(step: int, epoch: int) -> str:
+    """Key prefix of the anchor of ``step`` written under run-lock epoch ``epoch``."""
+    return f"{ANCHOR_PREFIX}{step:012d}-e{epoch:04d}"
 
 
-def delta_key(step: int) -> str:
-    """Key of the delta producing ``step``."""
-    return f"{DELTA_PREFIX}{step:012d}.safetensors"
+def delta_key(step: int, epoch: int) -> str:
+    """Key of the delta producing ``step``, written under run-lock epoch ``epoch``."""
+    return f"{DELTA_PREFIX}{step:012d}-e{epoch:04d}.safetensors"
+
+
+def part_name(part: int, parts: int) -> str:
+    """File name of part ``part`` (0-based) of ``parts`` of a sharded anchor or delta."""
+    return f"part-{part + 1:05d}-of-{parts:05d}.safetensors"
+
+
+def delta_part_key(step: int, epoch: int, part: int, parts: int) -> str:
+    """Key of one part of the sharded delta producing ``step``."""
+    return f"{DELTA_PREFIX}{step:012d}-e{epoch:04d}/{part_name(part, parts)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +83,12 @@ class AnchorEntry:
 
 @dataclasses.dataclass(frozen=True)
 class DeltaEntry:
-    """A published delta from ``base_step`` to ``step``."""
+    """A published delta from ``base_step`` to ``step``.
+
+    A sharded trainer's delta has one file per rank: ``file`` is part 1 and
+    ``parts`` the others, in rank order; each is a complete delta file holding
+    the changes of one rank's slices in global coordinates.
+    """
 
     step: int
     base_step: int
@@ -73,10 +96,16 @@ class DeltaEntry:
     file: FileEntry
     changed: int = 0
     total: int = 0
+    parts: tuple[FileEntry, ...] = ()
+
+    @property
+    def files(self) -> tuple[FileEntry, ...]:
+        """Every file of the delta, in apply order."""
+        return (self.file, *self.parts)
 
     @property
     def nbytes(self) -> int:
-        return self.file.size
+        return sum(f.size for f in self.files)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +117,7 @@ class Manifest:
     anchors: tuple[AnchorEntry, ...]
     deltas: tuple[DeltaEntry, ...]
     run_id: str = ""
+    format_version: int = FORMAT_VERSION
 
     @property
     def newest_anchor(self) -> AnchorEntry:
@@ -112,7 +142,7 @@ class Manifest:
     def to_json(self) -> bytes:
         doc = {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": self.format_version,
             "run_id": self.run_id,
             "step": self.step,
             "state_hash": self.state_hash,
@@ -128,13 +158,12 @@ class Manifest:
         Raises:
             FormatError: invalid JSON, unknown version, unsafe keys, inconsistent steps.
         """
-        if len(data) > MAX_POINTER_BYTES:
-            raise FormatError(f"pointer object is {len(data)} bytes, more than {MAX_POINTER_BYTES}")
+        doc = loads_bounded(data, what="pointer object", max_bytes=MAX_POINTER_BYTES)
         try:
-            doc = json.loads(data)
             if doc.get("format") != FORMAT_NAME:
                 raise FormatError(f"pointer is not an {FORMAT_NAME} pointer")
-            if doc.get("format_version") != FORMAT_VERSION:
+            version = doc.get("format_version")
+            if type(version) is not int or version not in READABLE_FORMAT_VERSIONS:
                 raise FormatError(f"unsupported pointer format version {doc.get('format_version')!r}")
             anchors = tuple(
                 AnchorEntry(
@@ -152,6 +181,7 @@ class Manifest:
                     file=_file(d["file"]),
                     changed=_int(d.get("changed", 0)),
                     total=_int(d.get("total", 0)),
+                    parts=tuple(_file(f) for f in d.get("parts", ())),
                 )
                 for d in doc["deltas"]
             )
@@ -161,10 +191,11 @@ class Manifest:
                 anchors=anchors,
                 deltas=deltas,
                 run_id=_str(doc.get("run_id", "")),
+                format_version=version,
             )
         except FormatError:
             raise
-        except (ValueError, KeyError, TypeError, AttributeError, InvalidKeyError, RecursionError) as exc:  # deep nesting
+        except (ValueError, KeyError, TypeError, AttributeError, InvalidKeyError) as exc:
             raise FormatError(f"malformed pointer object: {exc}") from None
         manifest.check()
         return manifest
@@ -173,6 +204,8 @@ class Manifest:
         """Check internal consistency: steps increase, the newest version is described."""
         if not self.anchors:
             raise FormatError("pointer lists no anchor")
+        if not all(a.files for a in self.anchors):
+            raise FormatError("pointer lists an anchor without files")
         steps = [a.step for a in self.anchors]
         if steps != sorted(set(steps)) or [d.step for d in self.deltas] != sorted({d.step for d in self.deltas}):
             raise FormatError("pointer steps are not strictly increasing")

@@ -10,13 +10,18 @@ from __future__ import annotations
 import abc
 import dataclasses
 import json
+import math
 from typing import Any
 
 from ..errors import FormatError
+from ..jsonlimits import loads_bounded
 from .manifest import Manifest
 
 DEFAULT_INTERVAL = 10
 DEFAULT_MAX_CATCHUP_RATIO = 2.0
+MAX_INTERVAL = 1_000_000
+MAX_CATCHUP_RATIO = 1_000_000.0
+MAX_CONTROL_BYTES = 64 * 1024
 
 
 class AnchorPolicy(abc.ABC):
@@ -45,8 +50,8 @@ class FixedInterval(AnchorPolicy):
     name = "fixed"
 
     def __post_init__(self) -> None:
-        if self.interval < 1:
-            raise ValueError(f"anchor interval must be at least 1, got {self.interval}")
+        if type(self.interval) is not int or not 1 <= self.interval <= MAX_INTERVAL:
+            raise ValueError(f"anchor interval must be an integer in [1, {MAX_INTERVAL}], got {self.interval!r}")
 
     def wants_anchor(self, manifest: Manifest) -> bool:
         return len(manifest.deltas_since(manifest.newest_anchor.step)) + 1 >= self.interval
@@ -71,8 +76,9 @@ class Adaptive(AnchorPolicy):
     name = "adaptive"
 
     def __post_init__(self) -> None:
-        if self.max_catchup_ratio <= 1.0:
-            raise ValueError(f"max_catchup_ratio must exceed 1, got {self.max_catchup_ratio}")
+        ratio = self.max_catchup_ratio
+        if type(ratio) not in (int, float) or not math.isfinite(ratio) or not 1.0 < ratio <= MAX_CATCHUP_RATIO:
+            raise ValueError(f"max_catchup_ratio must be a finite number in (1, {MAX_CATCHUP_RATIO:g}], got {ratio!r}")
 
     def wants_anchor(self, manifest: Manifest) -> bool:
         anchor = manifest.newest_anchor
@@ -93,12 +99,9 @@ def policy_from_settings(settings: dict[str, Any]) -> AnchorPolicy:
     try:
         kind = settings.get("policy", "fixed")
         if kind == FixedInterval.name:
-            interval = settings.get("interval", DEFAULT_INTERVAL)
-            if not isinstance(interval, int) or isinstance(interval, bool):
-                raise ValueError(f"interval must be an integer, got {interval!r}")
-            return FixedInterval(interval)
+            return FixedInterval(settings.get("interval", DEFAULT_INTERVAL))
         if kind == Adaptive.name:
-            return Adaptive(float(settings.get("max_catchup_ratio", DEFAULT_MAX_CATCHUP_RATIO)))
+            return Adaptive(settings.get("max_catchup_ratio", DEFAULT_MAX_CATCHUP_RATIO))
     except (ValueError, TypeError, AttributeError) as exc:
         raise FormatError(f"invalid anchor policy settings: {exc}") from None
     raise FormatError(f"unknown anchor policy {kind!r}; use 'fixed' or 'adaptive'")
@@ -111,10 +114,7 @@ def policy_to_json(policy: AnchorPolicy) -> bytes:
 
 def policy_from_json(data: bytes) -> AnchorPolicy:
     """Parse a control object written by :func:`policy_to_json`."""
-    try:
-        settings = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: deeply nested
-        raise FormatError(f"control object is not JSON: {exc}") from None
+    settings = loads_bounded(data, what="control object", max_bytes=MAX_CONTROL_BYTES)
     if not isinstance(settings, dict):
         raise FormatError("control object is not a JSON object")
     return policy_from_settings(settings)

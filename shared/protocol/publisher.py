@@ -19,15 +19,17 @@ from typing import Iterable, Mapping
 
 import torch
 
-from ..bucket import Bucket, BucketError, ObjectNotFoundError
+from ..bucket import Bucket, BucketError, ObjectNotFoundError, ObjectTooLargeError
 from ..codecs import DEFAULT_CODEC, get_codec
 from ..detect import DEFAULT_CHUNK_ELEMENTS, ChangeDetector, PatchedState, cast_chunk, serving_copy
 from ..errors import FormatError, SyncError
-from ..format import DEFAULT_MAX_SHARD_BYTES, Change, encode_delta, write_anchor
+from ..dtypes import numpy_to_values
+from ..format import DEFAULT_MAX_SHARD_BYTES, FORMAT_VERSION, Change, encode_delta, write_anchor
 from ..hashing import combine_digests, tensor_digest
 from .lock import DEFAULT_LOCK_TTL_S, FencedError, RunLock, acquire, check_fence, write_lock
 from .manifest import (
     CONTROL_KEY,
+    MAX_POINTER_BYTES,
     POINTER_KEY,
     AnchorEntry,
     DeltaEntry,
@@ -36,10 +38,36 @@ from .manifest import (
     anchor_folder,
     delta_key,
 )
-from .policy import AnchorPolicy, FixedInterval, policy_from_json
+from .policy import MAX_CONTROL_BYTES, AnchorPolicy, FixedInterval, policy_from_json
 from .retention import DEFAULT_KEEP_ANCHORS, prune, sweep_orphans
+from .subscriber import SCRATCH_PREFIX, Subscriber
 
 logger = logging.getLogger(__name__)
+
+
+class NonFiniteError(SyncError):
+    """A publish would turn finite published values into NaN or Inf (see ``Publisher(allow_non_finite=...)``)."""
+
+
+def check_finite_changes(changes: Mapping[str, Change]) -> None:
+    """Refuse changes that turn a finite published value into NaN or Inf.
+
+    Only the changed elements are looked at, so the cost follows the delta, not the model.
+
+    Raises:
+        NonFiniteError: naming the first tensor concerned and how many values.
+    """
+    for name, change in changes.items():
+        if not change.dtype.is_floating_point or change.index.size == 0:
+            continue
+        new = numpy_to_values(change.new_bits, change.dtype)
+        old = numpy_to_values(change.old_bits, change.dtype)
+        introduced = int((~torch.isfinite(new) & torch.isfinite(old)).sum())
+        if introduced:
+            raise NonFiniteError(
+                f"{name}: {introduced} finite published values would become NaN or Inf; refusing to publish "
+                "(the trainer diverged or was fed bad data)"
+            )
 
 
 @dataclasses.dataclass
@@ -70,10 +98,25 @@ def read_manifest(bucket: Bucket) -> Manifest | None:
         FormatError: the pointer exists but is invalid.
     """
     try:
-        data = bucket.get(POINTER_KEY)
+        data = bucket.get_limited(POINTER_KEY, MAX_POINTER_BYTES)
     except ObjectNotFoundError:
         return None
+    except ObjectTooLargeError as exc:
+        raise FormatError(str(exc)) from None
     return Manifest.from_json(data)
+
+
+def check_writable(manifest: Manifest) -> None:
+    """Refuse to extend a chain written in an older format version (its hashes are another kind).
+
+    Raises:
+        SyncError: the pointer's format version is not the current one.
+    """
+    if manifest.format_version != FORMAT_VERSION:
+        raise SyncError(
+            f"the bucket holds a format version {manifest.format_version} chain; this publisher writes version "
+            f"{FORMAT_VERSION} (another state hash): publish to a new bucket"
+        )
 
 
 class Publisher:
@@ -95,6 +138,8 @@ class Publisher:
             id takes over at once; another id is refused while the lock is fresh).
             Default: ``SPACE_ID`` or the host name.
         lock_ttl_s: Age after which another owner's lock may be taken over.
+        allow_non_finite: Publish states that turn finite values into NaN or Inf
+            (refused with :class:`NonFiniteError` by default).
     """
 
     def __init__(
@@ -111,6 +156,7 @@ class Publisher:
         run_id: str = "",
         owner: str | None = None,
         lock_ttl_s: float = DEFAULT_LOCK_TTL_S,
+        allow_non_finite: bool = False,
     ) -> None:
         get_codec(codec)
         self.bucket = bucket
@@ -127,6 +173,7 @@ class Publisher:
         self._resumed = False
         self.owner = owner or os.environ.get("SPACE_ID") or socket.gethostname()
         self.lock_ttl_s = lock_ttl_s
+        self.allow_non_finite = allow_non_finite
         self.lock: RunLock | None = None
         self._written: set[tuple[int, str]] = set()  # (step, hash) of pointers this publisher wrote or tried to
 
@@ -144,13 +191,12 @@ class Publisher:
         Returns:
             The last published state (serving dtype), or ``None`` for an empty bucket.
         """
-        from .subscriber import Subscriber
-
         self._resumed = True
         self._lock()
         manifest = read_manifest(self.bucket)
         if manifest is None:
             return None
+        check_writable(manifest)
         sub = Subscriber(self.bucket)
         sub.sync()
         if sub.step != manifest.step:
@@ -207,8 +253,11 @@ class Publisher:
         if not self.follow_control:
             return
         try:
-            data = self.bucket.get(CONTROL_KEY)
+            data = self.bucket.get_limited(CONTROL_KEY, MAX_CONTROL_BYTES)
         except ObjectNotFoundError:
+            return
+        except ObjectTooLargeError as exc:
+            logger.warning("ignoring invalid control object: %s", exc)
             return
         try:
             policy = policy_from_json(data)
@@ -218,15 +267,6 @@ class Publisher:
         if policy != self.policy:
             logger.info("anchor policy now %s", policy.settings())
             self.policy = policy
-
-    def _check_step(self, step: int) -> None:
-        """Take or check the run lock and refuse a step that does not continue this publisher's chain."""
-        if self.manifest is None and not self._resumed and read_manifest(self.bucket) is not None:
-            raise SyncError(f"{self.bucket.url} already holds a published run; call resume() or use an empty bucket")
-        self._lock()
-        self._check_pointer()
-        if self.step is not None and step <= self.step:
-            raise SyncError(f"step {step} does not advance past the published step {self.step}")
 
     def publish(self, step: int, state: Mapping[str, torch.Tensor]) -> PublishRecord:
         """Publish ``state`` as version ``step``.
@@ -248,14 +288,23 @@ class Publisher:
             BucketError: the bucket failed; the previous version stays published
                 and the publish may be retried.
         """
-        self._check_step(step)
-        self._refresh_policy()
-        anchor = (
-            self.manifest is None
-            or not self.detector.compatible(state)
-            or self.policy.wants_anchor(self.manifest)
-        )
+        anchor = self._prepare(step) or not self.detector.compatible(state)
         return self._publish_anchor(step, state) if anchor else self._publish_delta(step, state)
+
+    def _prepare(self, step: int) -> bool:
+        """The checks before every publish (run lock, pointer, step); re-read the anchor policy.
+
+        Returns:
+            Whether the policy (or an empty chain) asks for an anchor.
+        """
+        if self.manifest is None and not self._resumed and read_manifest(self.bucket) is not None:
+            raise SyncError(f"{self.bucket.url} already holds a published run; call resume() or use an empty bucket")
+        self._lock()
+        self._check_pointer()
+        if self.step is not None and step <= self.step:
+            raise SyncError(f"step {step} does not advance past the published step {self.step}")
+        self._refresh_policy()
+        return self.manifest is None or self.policy.wants_anchor(self.manifest)
 
     def publish_stream(self, step: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishRecord:
         """Publish version ``step`` from ``(name, tensor)`` pairs, comparing each as it arrives.
@@ -272,7 +321,7 @@ class Publisher:
                 published tensors with their shapes and dtypes.
             RunLockedError, FencedError, BucketError: as :meth:`publish`.
         """
-        self._check_step(step)
+        wants_anchor = self._prepare(step)
         if self.manifest is None or self.detector.published is None:
             return self._publish_anchor(step, {name: serving_copy(t, self.dtype) for name, t in tensors}, owned=True)
         t0 = time.perf_counter()
@@ -296,8 +345,9 @@ class Publisher:
             raise SyncError(
                 f"the publish of step {step} lacks {len(missing)} published tensor(s), e.g. {sorted(missing)[0]!r}"
             )
-        self._refresh_policy()
-        if self.policy.wants_anchor(self.manifest):
+        if not self.allow_non_finite:
+            check_finite_changes(changes)
+        if wants_anchor:
             return self._publish_anchor(step, PatchedState(self.detector.published, changes), owned=True)
         old_digests, self._digests = self._digests, digests
         total = sum(t.numel() for t in self.detector.published.values())
@@ -314,6 +364,8 @@ class Publisher:
         assert self.manifest is not None
         t0 = time.perf_counter()
         changes = self.detector.diff(state)
+        if not self.allow_non_finite:
+            check_finite_changes(changes)
         t1 = time.perf_counter()
         old_digests = dict(self._digests)
         result_hash = self._hash(state, changes)
@@ -338,7 +390,8 @@ class Publisher:
             codec=self.codec,
         )
         t3 = time.perf_counter()
-        key = delta_key(step)
+        assert self.lock is not None
+        key = delta_key(step, self.lock.epoch)
         changed = sum(c.index.size for c in changes.values())
         entry = DeltaEntry(step, self.manifest.step, result_hash, FileEntry(key, len(data)), changed, total)
         manifest = dataclasses.replace(self.manifest, step=step, state_hash=result_hash, deltas=self.manifest.deltas + (entry,))
@@ -361,24 +414,30 @@ class Publisher:
         """Write a full anchor; when the state continues the published one, also a companion
         delta of the same step, so that replicas keeping up never need to download anchors.
         ``owned``: ``state`` holds contiguous serving-dtype tensors nobody else modifies, kept without a copy."""
+        assert self.lock is not None
         t0 = time.perf_counter()
         serving = dict(state) if owned else {n: serving_copy(t, self.dtype) for n, t in state.items()}
+        continues = self.manifest is not None and self.detector.compatible(serving)
+        changes = self.detector.diff(serving) if continues else {}
+        if not self.allow_non_finite:
+            check_finite_changes(changes)
         self._digests = {}
         result_hash = self._hash(serving, serving)
         t1 = time.perf_counter()
         total = sum(t.numel() for t in serving.values())
         companion: tuple[DeltaEntry, ...] = ()
-        if self.manifest is not None and self.detector.compatible(serving):
-            changes = self.detector.diff(serving)
+        if continues:
+            assert self.manifest is not None
             data = encode_delta(
                 changes, step=step, base_step=self.manifest.step, base_hash=self.manifest.state_hash,
                 state_hash=result_hash, total=total, codec=self.codec,
             )  # fmt: skip
             changed = sum(c.index.size for c in changes.values())
-            companion = (DeltaEntry(step, self.manifest.step, result_hash, FileEntry(delta_key(step), len(data)), changed, total),)
-            self.bucket.put(delta_key(step), data)
-        folder = anchor_folder(step)
-        with tempfile.TemporaryDirectory(prefix="rlsync-anchor-") as tmp:
+            key = delta_key(step, self.lock.epoch)
+            companion = (DeltaEntry(step, self.manifest.step, result_hash, FileEntry(key, len(data)), changed, total),)
+            self.bucket.put(key, data)
+        folder = anchor_folder(step, self.lock.epoch)
+        with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX) as tmp:
             files = write_anchor(serving, tmp, step=step, state_hash=result_hash, max_shard_bytes=self.max_shard_bytes)
             t2 = time.perf_counter()
             entries = tuple(FileEntry(f"{folder}/{p.name}", p.stat().st_size) for p in files)

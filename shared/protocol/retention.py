@@ -25,7 +25,7 @@ def prune(manifest: Manifest, keep_anchors: int = DEFAULT_KEEP_ANCHORS) -> tuple
     kept = manifest.anchors[-keep_anchors:]
     oldest = kept[0].step
     dropped = [f.key for a in manifest.anchors[:-keep_anchors] for f in a.files]
-    dropped += [d.file.key for d in manifest.deltas if d.step <= oldest]
+    dropped += [f.key for d in manifest.deltas if d.step <= oldest for f in d.files]
     pruned = dataclasses.replace(
         manifest,
         anchors=tuple(kept),
@@ -34,9 +34,13 @@ def prune(manifest: Manifest, keep_anchors: int = DEFAULT_KEEP_ANCHORS) -> tuple
     return pruned, dropped
 
 
+TMP_MAX_AGE_S = 6 * 3600.0
+
+
 def sweep_orphans(bucket: Bucket, manifest: Manifest) -> list[str]:
     """Delete anchor and delta objects older than the oldest retained version that
-    the manifest does not name (left by failed deletes or crashed publishes).
+    the manifest does not name (left by failed deletes or crashed publishes), and
+    temporary files of killed writers older than ``TMP_MAX_AGE_S``.
 
     Objects newer than the manifest's oldest version are left alone: they may
     belong to a publish in progress.
@@ -44,7 +48,7 @@ def sweep_orphans(bucket: Bucket, manifest: Manifest) -> list[str]:
     Returns:
         The deleted keys.
     """
-    named = {f.key for a in manifest.anchors for f in a.files} | {d.file.key for d in manifest.deltas}
+    named = {f.key for a in manifest.anchors for f in a.files} | {f.key for d in manifest.deltas for f in d.files}
     oldest = manifest.anchors[0].step
     stale = [
         obj.key
@@ -54,9 +58,12 @@ def sweep_orphans(bucket: Bucket, manifest: Manifest) -> list[str]:
     ]
     if stale:
         bucket.delete(stale)
+    bucket.sweep_temporary(TMP_MAX_AGE_S)
     return stale
 
 
 def _step_of(key: str) -> int | None:
-    name = key.split("/")[1].split(".")[0]
+    """The step in ``anchors/<step>-e<epoch>/...`` or ``deltas/<step>-e<epoch>...``; ``None`` for other names."""
+    parts = key.split("/")
+    name = parts[1].split("-")[0].split(".")[0] if len(parts) > 1 else ""
     return int(name) if name.isdigit() else None

@@ -10,6 +10,10 @@ an update downloads:
 * :meth:`Subscriber.apply` applies it (the only step that needs generation
   paused), checks the base and result hashes, and rolls back on any mismatch.
 
+A sharded trainer's update has one file per rank: the files download
+concurrently (at most ``max_parallel_downloads`` at a time) and are validated
+and merged in the pointer's order.
+
 On a missing, truncated or corrupt delta, or a hash mismatch, the subscriber
 refuses the update, keeps its last good state, and waits for an anchor newer
 than its state to resynchronise. Applying a delta twice is refused.
@@ -17,6 +21,7 @@ than its state to resynchronise. Applying a delta twice is refused.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import shutil
@@ -27,14 +32,21 @@ from pathlib import Path
 
 import torch
 
-from ..bucket import Bucket, ObjectNotFoundError
+from ..bucket import Bucket, ObjectNotFoundError, ObjectTooLargeError
 from ..errors import ChainError, FormatError, HashMismatchError, SyncError
-from ..format import decode_delta, load_anchor
+from ..anchor_parts import load_anchor_files
+from ..files import age_out
+from ..format import FORMAT_VERSION, decode_delta
 from ..hashing import combine_digests, tensor_digest
 from ..patch import TensorPatch, gather, scatter_
-from .manifest import POINTER_KEY, AnchorEntry, DeltaEntry, Manifest
+from .manifest import MAX_POINTER_BYTES, POINTER_KEY, AnchorEntry, DeltaEntry, FileEntry, Manifest
+
+DEFAULT_MAX_PARALLEL_DOWNLOADS = 8
 
 logger = logging.getLogger(__name__)
+
+SCRATCH_PREFIX = "rlsync-anchor-"
+SCRATCH_MAX_AGE_S = 6 * 3600.0  # scratch folders of killed processes are removed after this
 
 
 @dataclasses.dataclass
@@ -54,6 +66,7 @@ class Update:
         download_s: Seconds spent downloading.
         decode_s: Seconds spent decoding and validating.
         digests: Per-tensor digests of an anchor's tensors (already verified).
+        hash_version: The format version whose state hash the update's hashes are.
     """
 
     kind: str
@@ -68,6 +81,7 @@ class Update:
     download_s: float = 0.0
     decode_s: float = 0.0
     digests: dict[str, bytes] | None = dataclasses.field(default=None, repr=False)
+    hash_version: int = FORMAT_VERSION
 
 
 @dataclasses.dataclass
@@ -89,10 +103,19 @@ class Subscriber:
     Args:
         bucket: The bucket to follow (read access is enough).
         device: Where the state's tensors live.
-        workdir: Scratch folder for anchor downloads (default: a temporary folder).
+        workdir: Scratch folder for anchor downloads (default: a temporary folder); scratch
+            folders older than ``SCRATCH_MAX_AGE_S`` there (left by killed processes) are removed.
+        max_parallel_downloads: Files of one update downloaded at once.
     """
 
-    def __init__(self, bucket: Bucket, *, device: str | torch.device = "cpu", workdir: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        bucket: Bucket,
+        *,
+        device: str | torch.device = "cpu",
+        workdir: str | Path | None = None,
+        max_parallel_downloads: int = DEFAULT_MAX_PARALLEL_DOWNLOADS,
+    ) -> None:
         self.bucket = bucket
         self.device = torch.device(device)
         self.workdir = Path(workdir) if workdir else None
@@ -101,22 +124,30 @@ class Subscriber:
         self.state_hash: str | None = None
         self.stats = SubscriberStats()
         self._digests: dict[str, bytes] = {}
+        self._hash_version = FORMAT_VERSION
+        self._downloads = concurrent.futures.ThreadPoolExecutor(max(1, max_parallel_downloads), thread_name_prefix="rlsync-get")
         self._resync = False
         self.manifest: Manifest | None = None
         self._lock = threading.RLock()  # fetch validates against the state that apply changes
+        self._stats_lock = threading.Lock()
+        age_out(self.workdir or tempfile.gettempdir(), max_age_s=SCRATCH_MAX_AGE_S, pattern=f"{SCRATCH_PREFIX}*")
 
     # -- reading the bucket -------------------------------------------------
 
-    def _get(self, key: str) -> bytes:
-        data = self.bucket.get(key)
-        self.stats.reads += 1
-        self.stats.bytes_downloaded += len(data)
+    def _get(self, key: str, max_bytes: int) -> bytes:
+        try:
+            data = self.bucket.get_limited(key, max_bytes)
+        except ObjectTooLargeError as exc:
+            raise FormatError(str(exc)) from None
+        with self._stats_lock:  # the download threads share the counters
+            self.stats.reads += 1
+            self.stats.bytes_downloaded += len(data)
         return data
 
     def read_manifest(self) -> Manifest | None:
         """Read the pointer; ``None`` before the first publish."""
         try:
-            data = self._get(POINTER_KEY)
+            data = self._get(POINTER_KEY, MAX_POINTER_BYTES)
         except ObjectNotFoundError:
             return None
         self.manifest = Manifest.from_json(data)
@@ -173,50 +204,52 @@ class Subscriber:
 
     def _fetch_delta(self, entry: DeltaEntry) -> Update:
         t0 = time.perf_counter()
+        version = self.manifest.format_version if self.manifest else FORMAT_VERSION
         try:
-            data = self._get(entry.file.key)
+            blobs = list(self._downloads.map(lambda f: self._get(f.key, f.size), entry.files))
         except ObjectNotFoundError as exc:
             raise self._refuse(ChainError(f"delta {entry.step} is missing: {exc}")) from None
+        except FormatError as exc:
+            raise self._refuse(exc) from None
         t1 = time.perf_counter()
+        patches: dict[str, list[TensorPatch]] = {}
+        changed = 0
         try:
-            if len(data) != entry.file.size:
-                raise FormatError(f"{entry.file.key}: {len(data)} bytes, the pointer promised {entry.file.size} (truncated?)")
-            delta = decode_delta(data, self.state)
-            if (delta.step, delta.base_step, delta.state_hash) != (entry.step, entry.base_step, entry.state_hash):
-                raise FormatError(f"{entry.file.key}: metadata disagrees with the pointer")
-            if delta.base_hash != self.state_hash:
-                raise HashMismatchError(f"delta {entry.step} is based on another state than step {self.step}")
+            if version != self._hash_version:
+                raise ChainError(f"delta {entry.step} is format version {version}, the state was hashed as {self._hash_version}")
+            for file, data in zip(entry.files, blobs):
+                if len(data) != file.size:
+                    raise FormatError(f"{file.key}: {len(data)} bytes, the pointer promised {file.size} (truncated?)")
+                delta = decode_delta(data, self.state)
+                if (delta.step, delta.base_step, delta.state_hash) != (entry.step, entry.base_step, entry.state_hash):
+                    raise FormatError(f"{file.key}: metadata disagrees with the pointer")
+                if delta.base_hash != self.state_hash:
+                    raise HashMismatchError(f"delta {entry.step} is based on another state than step {self.step}")
+                for name, patch in delta.patches.items():
+                    patches.setdefault(name, []).append(patch)
+                changed += delta.changed
+            merged = {name: _merge_patches(name, parts) for name, parts in patches.items()}
         except SyncError as exc:
             raise self._refuse(exc) from None
         return Update(
-            "delta", delta.step, delta.base_step, delta.base_hash, delta.state_hash, len(data),
-            patches=delta.patches, changed=delta.changed, download_s=t1 - t0, decode_s=time.perf_counter() - t1,
+            "delta", entry.step, entry.base_step, self.state_hash, entry.state_hash, sum(map(len, blobs)),
+            patches=merged, changed=changed, download_s=t1 - t0, decode_s=time.perf_counter() - t1, hash_version=version,
         )  # fmt: skip
 
     def _fetch_anchor(self, entry: AnchorEntry) -> Update:
         t0 = time.perf_counter()
-        folder = Path(tempfile.mkdtemp(prefix="rlsync-anchor-", dir=self.workdir))
+        version = self.manifest.format_version if self.manifest else FORMAT_VERSION
+        folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=self.workdir))
         try:
-            files = []
-            for f in entry.files:
-                path = folder / f.key.rsplit("/", 1)[-1]
-                try:
-                    self.bucket.get_file(f.key, path)
-                except ObjectNotFoundError as exc:
-                    raise ChainError(f"anchor {entry.step} is missing a file: {exc}") from None
-                self.stats.reads += 1
-                self.stats.bytes_downloaded += path.stat().st_size
-                if path.stat().st_size != f.size:
-                    raise FormatError(f"{f.key}: {path.stat().st_size} bytes, the pointer promised {f.size} (truncated?)")
-                files.append(path)
+            files = list(self._downloads.map(lambda f: self._get_anchor_file(entry, f, folder), entry.files))
             t1 = time.perf_counter()
-            tensors, metadata = load_anchor(files)
+            tensors, metadata = load_anchor_files(files)
             if metadata.get("step") != str(entry.step) or metadata.get("state_hash") != entry.state_hash:
                 raise FormatError(f"anchor {entry.step}: metadata disagrees with the pointer")
             if self.state and not _same_schema(self.state, tensors):
                 raise FormatError(f"anchor {entry.step}: tensor names, shapes or dtypes differ from the model")
             tensors = {n: t.to(self.device) for n, t in tensors.items()}
-            digests = {n: tensor_digest(t) for n, t in tensors.items()}
+            digests = {n: tensor_digest(t, version=version) for n, t in tensors.items()}
             if combine_digests(digests) != entry.state_hash:
                 raise HashMismatchError(f"anchor {entry.step}: content does not match its hash")
         except SyncError as exc:
@@ -229,9 +262,24 @@ class Subscriber:
         update = Update(
             "anchor", entry.step, None, None, entry.state_hash, entry.nbytes, tensors=tensors,
             changed=sum(t.numel() for t in tensors.values()), download_s=t1 - t0, decode_s=time.perf_counter() - t1,
-            digests=digests,
+            digests=digests, hash_version=version,
         )  # fmt: skip
         return update
+
+    def _get_anchor_file(self, entry: AnchorEntry, file: FileEntry, folder: Path) -> Path:
+        path = folder / file.key.rsplit("/", 1)[-1]
+        try:
+            self.bucket.get_file_limited(file.key, path, file.size)
+        except ObjectNotFoundError as exc:
+            raise ChainError(f"anchor {entry.step} is missing a file: {exc}") from None
+        except ObjectTooLargeError as exc:
+            raise FormatError(str(exc)) from None
+        with self._stats_lock:
+            self.stats.reads += 1
+            self.stats.bytes_downloaded += path.stat().st_size
+        if path.stat().st_size != file.size:
+            raise FormatError(f"{file.key}: {path.stat().st_size} bytes, the pointer promised {file.size} (truncated?)")
+        return path
 
     # -- applying -----------------------------------------------------------
 
@@ -254,6 +302,7 @@ class Subscriber:
             self.state = update.tensors
             assert update.digests is not None
             self._digests = update.digests
+            self._hash_version = update.hash_version
             self._resync = False
             self.stats.anchors_applied += 1
         else:
@@ -275,7 +324,7 @@ class Subscriber:
                 tensor = self.state[name]
                 undo.append((tensor, patch.index, gather(tensor, patch.index)))
                 patch.apply_(tensor)
-                digests[name] = tensor_digest(tensor)
+                digests[name] = tensor_digest(tensor, version=self._hash_version)
             if combine_digests(digests) != update.state_hash:
                 raise HashMismatchError(f"state after delta {update.step} does not match its hash")
         except BaseException as exc:
@@ -300,6 +349,20 @@ class Subscriber:
             self.apply(update)
             applied.append(update)
         return applied
+
+
+def _merge_patches(name: str, parts: list[TensorPatch]) -> TensorPatch:
+    """One patch from the patches of consecutive parts (disjoint, increasing positions).
+
+    Raises:
+        FormatError: the parts' positions overlap or are out of order.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    for before, after in zip(parts, parts[1:]):
+        if int(before.index[-1]) >= int(after.index[0]):
+            raise FormatError(f"{name}: delta parts overlap or are out of order")
+    return TensorPatch(torch.cat([p.index for p in parts]), torch.cat([p.values for p in parts]), parts[0].shape)
 
 
 def _same_schema(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Callable
 
 from ..bucket import Bucket
 from ..errors import SyncError
+from .manifest import AnchorEntry, Manifest
 from .publisher import read_manifest
 from .subscriber import Subscriber
 
@@ -27,25 +29,73 @@ class VerifyReport:
         return not self.errors
 
 
-def verify_bucket(bucket: Bucket) -> VerifyReport:
+MAX_ATTEMPTS = 5
+
+
+class _Vanished(Exception):
+    """A file of the snapshot disappeared and the current pointer no longer names it (retention)."""
+
+
+def verify_bucket(bucket: Bucket, *, attempts: int = MAX_ATTEMPTS) -> VerifyReport:
     """Replay from the oldest retained anchor through every delta and later anchor,
     checking every file against the pointer, every anchor's content hash, every
     delta's base and result hash, and that the chain has no gap.
 
+    The replay follows one snapshot of the pointer. A trainer publishing meanwhile
+    may delete files of that snapshot (retention); when a file fails, the pointer is
+    read again: if it no longer names the file, the replay starts over from the new
+    snapshot (up to ``attempts`` times); if it still does, the failure is reported.
+
     Returns:
         A report; ``report.errors`` lists every problem found.
     """
-    report = VerifyReport()
-    manifest = read_manifest(bucket)
-    if manifest is None:
-        report.errors.append(f"{bucket.url}: no pointer object; nothing published")
-        return report
-    report.newest_step = manifest.step
+    for attempt in range(1, attempts + 1):
+        manifest = read_manifest(bucket)
+        if manifest is None:
+            return VerifyReport(errors=[f"{bucket.url}: no pointer object; nothing published"])
+        try:
+            return _replay(bucket, manifest)
+        except _Vanished as exc:
+            logger.info("verify attempt %d: %s; replaying the newer pointer", attempt, exc)
+    return VerifyReport(errors=[f"the bucket changed under every one of {attempts} replays (retention kept deleting files)"])
+
+
+def _still_named(bucket: Bucket, keys: list[str]) -> bool:
+    """Whether the current pointer still names any of ``keys``."""
+    try:
+        current = read_manifest(bucket)
+    except SyncError:
+        return True
+    if current is None:
+        return False
+    named = {f.key for a in current.anchors for f in a.files} | {d.file.key for d in current.deltas}
+    return any(k in named for k in keys)
+
+
+def _replay(bucket: Bucket, manifest: Manifest) -> VerifyReport:
+    """One replay of ``manifest``; raises :class:`_Vanished` when retention removed a file meanwhile."""
+    report = VerifyReport(newest_step=manifest.step)
     sub = Subscriber(bucket)
     sub.manifest = manifest
-    try:
-        sub.apply(sub._fetch_anchor(manifest.anchors[0]))
+
+    def checked(keys: list[str], action: Callable[[], object]) -> None:
+        try:
+            action()
+        except SyncError:
+            if not all(bucket.exists(k) for k in keys) and not _still_named(bucket, keys):
+                raise _Vanished(f"retention deleted {keys[0]} since the replay started") from None
+            raise
+
+    def anchor(entry: AnchorEntry, apply: bool = True) -> None:
+        keys = [f.key for f in entry.files]
+        if apply:
+            checked(keys, lambda: sub.apply(sub._fetch_anchor(entry)))
+        else:
+            checked(keys, lambda: Subscriber(bucket)._fetch_anchor(entry))
         report.anchors_checked += 1
+
+    try:
+        anchor(manifest.anchors[0])
     except SyncError as exc:
         report.errors.append(f"anchor {manifest.anchors[0].step}: {exc}")
         return report
@@ -54,22 +104,20 @@ def verify_bucket(bucket: Bucket) -> VerifyReport:
     try:
         for entry in manifest.deltas_since(sub.step):
             if entry.base_step != sub.step and entry.base_step in later:  # an anchor without companion delta
-                sub.apply(sub._fetch_anchor(later.pop(entry.base_step)))
-                report.anchors_checked += 1
+                anchor(later.pop(entry.base_step))
             if entry.base_step != sub.step:
                 report.errors.append(f"gap: delta {entry.step} is based on {entry.base_step}, replay is at {sub.step}")
                 return report
-            sub.apply(sub._fetch_delta(entry))
+            checked([entry.file.key], lambda entry=entry: sub.apply(sub._fetch_delta(entry)))
             report.deltas_checked += 1
             replayed[entry.step] = sub.state_hash or ""
-        for step, anchor in sorted(later.items()):
+        for step, entry in sorted(later.items()):
             if step > (sub.step or -1):  # beyond the deltas: continue the replay from it
-                sub.apply(sub._fetch_anchor(anchor))
+                anchor(entry)
             else:  # reached by deltas: its content must check out and equal the replayed state
-                Subscriber(bucket)._fetch_anchor(anchor)
-                if replayed.get(step) != anchor.state_hash:
+                anchor(entry, apply=False)
+                if replayed.get(step) != entry.state_hash:
                     report.errors.append(f"anchor {step} differs from the state the deltas replay to")
-            report.anchors_checked += 1
     except SyncError as exc:
         report.errors.append(f"at step {sub.step}: {exc}")
         return report

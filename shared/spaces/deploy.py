@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 import httpx2
-from huggingface_hub import CommitOperationAdd, HfApi, SpaceCard, SpaceHardware, Volume
+from huggingface_hub import BucketUrl, CommitOperationAdd, HfApi, SpaceCard, SpaceHardware, Volume
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
@@ -357,9 +357,9 @@ def apply_plan(plan: DeployPlan, api: Any, secrets: dict[str, str]) -> DeploySum
         huggingface_hub.errors.HfHubHTTPError: The Hub refused a call (the deployment stops there;
             running again resumes, every step is idempotent).
     """
-    bucket_web_url = api.create_bucket(plan.bucket_id, private=plan.private, exist_ok=True)
+    bucket = api.create_bucket(plan.bucket_id, private=plan.private, exist_ok=True)
     logger.info("bucket %s ready", plan.bucket_id)
-    summary = DeploySummary(plan.bucket_url, str(bucket_web_url), secrets=tuple(secrets))
+    summary = DeploySummary(plan.bucket_url, bucket.url, secrets=tuple(secrets))
     for space in plan.spaces:
         url = api.create_repo(
             space.repo_id, repo_type="space", space_sdk=SPACE_SDK, private=plan.private, exist_ok=True
@@ -401,9 +401,9 @@ class DryRunApi:
         shown = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
         print(f"{name}({', '.join(shown)})", file=self.out)
 
-    def create_bucket(self, bucket_id: str, **kwargs: Any) -> str:
+    def create_bucket(self, bucket_id: str, **kwargs: Any) -> BucketUrl:
         self._show("create_bucket", bucket_id, **kwargs)
-        return f"{self.endpoint}/buckets/{bucket_id}"
+        return BucketUrl(f"{self.endpoint}/buckets/{bucket_id}", endpoint=self.endpoint)
 
     def create_repo(self, repo_id: str, **kwargs: Any) -> str:
         self._show("create_repo", repo_id, **kwargs)
@@ -486,6 +486,24 @@ def sync_readmes(root: Path = REPO_ROOT) -> list[str]:
 # -- command line ----------------------------------------------------------------------------------
 
 
+def _hint(exc: BaseException, namespace: str) -> str:
+    """What to do about a refusal from the Hub, for the statuses a deployment commonly meets."""
+    response = getattr(exc, "response", None)
+    status = getattr(response, "status_code", None)
+    if status == 402:
+        return (
+            f"\nThe Hub answered 402 Payment Required: the account {namespace!r} may not create this Space or "
+            "request this hardware (free accounts can be refused Gradio Spaces or paid hardware). Use a PRO or "
+            "organization namespace with billing, or deploy on cpu-basic (--*-hardware cpu-basic)."
+        )
+    if status in (401, 403):
+        return (
+            f"\nThe Hub answered {status}: permission denied. {TOKEN_SECRET} must be a token with write access to "
+            f"the namespace {namespace!r} (fine-grained: write on repos and buckets there)."
+        )
+    return ""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m shared.spaces.deploy`` argument parser."""
     p = argparse.ArgumentParser(prog="python -m shared.spaces.deploy", description=__doc__.split("\n\n")[0])
@@ -550,7 +568,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         else:
             summary = apply_plan(plan, HfApi(token=token), secrets)
     except (DeployError, ValueError, OSError, HfHubHTTPError, httpx2.HTTPError) as exc:
-        message = f"{type(exc).__name__}: {exc}"
+        message = f"{type(exc).__name__}: {exc}{_hint(exc, args.namespace)}"
         for value in secrets.values():
             if value:
                 message = message.replace(value, REDACTED)

@@ -9,20 +9,30 @@ Layout (next to ``latest.json``, ``anchors/`` and ``deltas/``)::
     status/<replica>.json            each replica: version, lag, apply time, throughput
     metrics/<role>.json              trainer and env: recent figures for the panels
 
-Every object is small JSON written whole. Readers treat anything malformed as
-absent (and log it): a bad object never stops a role.
+Every object is small JSON written whole, and untrusted: replicas anywhere write
+``rollouts/`` and ``status/``. Each object type has one parser here that checks
+it strictly (bounded size and nesting, exact types, finite numbers, token ids in
+``[0, vocab)``, non-empty and length-capped sequences, versions no newer than
+the newest published). Readers treat a refused object as absent, log it and
+count it in a :class:`Refusals` (shown on the panels): a bad object never stops
+a role and never reaches the weights.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
+import math
 import re
+import threading
 import time
 from typing import Any
 
-from ..bucket import Bucket, BucketError, ObjectNotFoundError, validate_key
+from ..bucket import Bucket, BucketError, ObjectNotFoundError, ObjectTooLargeError, validate_key
+from ..errors import FormatError
+from ..jsonlimits import loads_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +41,7 @@ ROLLOUTS_PREFIX = "rollouts/"
 SCORES_PREFIX = "scores/"
 STATUS_PREFIX = "status/"
 METRICS_PREFIX = "metrics/"
-MAX_OBJECT_BYTES = 64 * 1024 * 1024
+MAX_OBJECT_BYTES = 16 * 1024 * 1024
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -64,8 +74,9 @@ def metrics_key(role: str) -> str:
 
 def batch_of(key: str) -> int | None:
     """The batch number in a ``tasks/``, ``rollouts/`` or ``scores/`` key."""
-    part = key.split("/")[1].split(".")[0]
-    return int(part) if part.isdigit() else None
+    parts = key.split("/")
+    part = parts[1].split(".")[0] if len(parts) > 1 else ""
+    return int(part) if part.isascii() and part.isdigit() and len(part) <= 10 else None
 
 
 def replica_of(key: str) -> str | None:
@@ -80,20 +91,98 @@ def put_json(bucket: Bucket, key: str, doc: Any) -> None:
     bucket.put(validate_key(key), json.dumps(doc, separators=(",", ":")).encode())
 
 
-def get_json(bucket: Bucket, key: str) -> Any | None:
-    """Read a JSON object; ``None`` if missing, too large or malformed (logged)."""
+def get_json(bucket: Bucket, key: str, refusals: "Refusals | None" = None) -> Any | None:
+    """Read a JSON object; ``None`` if missing, too large or malformed (logged, and counted in ``refusals``)."""
     try:
-        data = bucket.get(key)
+        return loads_bounded(bucket.get_limited(key, MAX_OBJECT_BYTES), what=key, max_bytes=MAX_OBJECT_BYTES)
     except ObjectNotFoundError:
         return None
-    if len(data) > MAX_OBJECT_BYTES:
-        logger.warning("ignoring %s: %d bytes is too large", key, len(data))
+    except (ObjectTooLargeError, FormatError) as exc:
+        if refusals is not None:
+            refusals.add(key, str(exc))
+        else:
+            logger.warning("ignoring %s: %s", key, exc)
         return None
-    try:
-        return json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: deeply nested
-        logger.warning("ignoring malformed %s: %s", key, exc)
-        return None
+
+
+class Refusals:
+    """Counts refused exchange objects per top-level prefix (thread-safe); roles put
+    :meth:`as_dict` into their metrics, and the panels show it."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.last = ""
+        self._lock = threading.Lock()
+
+    def add(self, key: str, reason: str) -> None:
+        """Count one refused object (logged as a warning)."""
+        kind = key.split("/", 1)[0]
+        with self._lock:
+            self.counts[kind] += 1
+            self.last = f"{key}: {reason}"[:300]
+        logger.warning("refused %s: %s", key, reason)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        """``{"total", "by_kind", "last"}`` for a metrics object."""
+        with self._lock:
+            return {"total": sum(self.counts.values()), "by_kind": dict(self.counts), "last": self.last}
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleLimits:
+    """What a rollouts or scores sample may hold.
+
+    Args:
+        vocab_size: Token ids must be below it (``None``: only non-negative is checked;
+            the trainer, which knows its vocabulary, checks again).
+        max_version: The newest published version (``None``: unchecked).
+        max_prompt_tokens: Longest prompt, in tokens.
+        max_completion_tokens: Longest completion, in tokens.
+        max_total_tokens: Longest prompt plus completion (the trainer passes its model's
+            context length; ``None``: unchecked).
+        max_samples: Most samples in one object.
+        max_chars: Longest ``task_id``, ``prompt`` or ``completion`` string.
+    """
+
+    vocab_size: int | None = None
+    max_version: int | None = None
+    max_prompt_tokens: int = 4096
+    max_completion_tokens: int = 4096
+    max_total_tokens: int | None = None
+    max_samples: int = 4096
+    max_chars: int = 1 << 16
+
+
+DEFAULT_LIMITS = SampleLimits()
+MAX_TASKS = 1024
+MAX_REWARD = 1e6
+
+
+def _str_field(doc: dict[str, Any], key: str, limit: int) -> str:
+    value = doc.get(key)
+    if not isinstance(value, str) or len(value) > limit:
+        raise ValueError(f"{key} must be a string of at most {limit} characters")
+    return value
+
+
+def _token_ids(doc: dict[str, Any], key: str, limit: int, vocab_size: int | None) -> list[int]:
+    ids = doc.get(key)
+    if not isinstance(ids, list) or not 0 < len(ids) <= limit:
+        raise ValueError(f"{key} must be a non-empty list of at most {limit} token ids")
+    bound = vocab_size if vocab_size is not None else 1 << 31
+    if not all(type(t) is int and 0 <= t < bound for t in ids):
+        raise ValueError(f"{key} holds something other than integer token ids in [0, {bound})")
+    return ids
+
+
+def _finite(value: Any, what: str, low: float, high: float) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value) or not low <= value <= high:
+        raise ValueError(f"{what} must be a finite number in [{low:g}, {high:g}], got {value!r}"[:200])
+    return float(value)
 
 
 @dataclasses.dataclass
@@ -110,34 +199,119 @@ class Sample:
     reward: float | None = None
 
     @classmethod
-    def from_dict(cls, doc: dict[str, Any]) -> "Sample":
-        sample = cls(
-            task_id=str(doc["task_id"]),
-            prompt=str(doc["prompt"]),
-            completion=str(doc["completion"]),
-            prompt_ids=[int(t) for t in doc["prompt_ids"]],
-            token_ids=[int(t) for t in doc["token_ids"]],
-            logprobs=[float(x) for x in doc["logprobs"]],
-            version=int(doc["version"]),
-            reward=None if doc.get("reward") is None else float(doc["reward"]),
-        )
-        if len(sample.logprobs) != len(sample.token_ids):
+    def from_dict(cls, doc: dict[str, Any], limits: SampleLimits = DEFAULT_LIMITS) -> "Sample":
+        """Parse and check one sample.
+
+        Raises:
+            ValueError: a field is missing, of the wrong type, out of range, empty,
+                too long, or not finite.
+        """
+        if not isinstance(doc, dict):
+            raise ValueError("a sample must be a JSON object")
+        token_ids = _token_ids(doc, "token_ids", limits.max_completion_tokens, limits.vocab_size)
+        logprobs = doc.get("logprobs")
+        if not isinstance(logprobs, list) or len(logprobs) != len(token_ids):
             raise ValueError("logprobs and token_ids differ in length")
-        return sample
+        version = doc.get("version")
+        newest = limits.max_version if limits.max_version is not None else (1 << 62)
+        if type(version) is not int or not 0 <= version <= newest:
+            raise ValueError(f"version must be an integer in [0, {newest}] (the newest published), got {version!r}"[:200])
+        reward = doc.get("reward")
+        prompt_ids = _token_ids(doc, "prompt_ids", limits.max_prompt_tokens, limits.vocab_size)
+        if limits.max_total_tokens is not None and len(prompt_ids) + len(token_ids) > limits.max_total_tokens:
+            raise ValueError(f"prompt and completion hold more than {limits.max_total_tokens} tokens together")
+        return cls(
+            task_id=_str_field(doc, "task_id", 256),
+            prompt=_str_field(doc, "prompt", limits.max_chars),
+            completion=_str_field(doc, "completion", limits.max_chars),
+            prompt_ids=prompt_ids,
+            token_ids=token_ids,
+            logprobs=[_finite(x, "a logprob", -1e4, 0.0) for x in logprobs],
+            version=version,
+            reward=None if reward is None else _finite(reward, "reward", -MAX_REWARD, MAX_REWARD),
+        )
 
 
-def read_samples(bucket: Bucket, key: str) -> tuple[dict[str, Any], list[Sample]] | None:
-    """Read a rollouts or scores object: ``(header fields, samples)``, or ``None`` if unusable."""
-    doc = get_json(bucket, key)
-    if not isinstance(doc, dict):
+def parse_samples(doc: Any, limits: SampleLimits = DEFAULT_LIMITS) -> tuple[dict[str, Any], list[Sample]]:
+    """Check a rollouts or scores document: ``(header fields, samples)``.
+
+    Raises:
+        ValueError: not an object, too many samples, or any sample invalid (see :meth:`Sample.from_dict`).
+    """
+    if not isinstance(doc, dict) or not isinstance(doc.get("samples"), list):
+        raise ValueError("not an object with a samples list")
+    if len(doc["samples"]) > limits.max_samples:
+        raise ValueError(f"{len(doc['samples'])} samples, more than {limits.max_samples}")
+    samples = [Sample.from_dict(s, limits) for s in doc["samples"]]
+    header = {k: v for k, v in doc.items() if k != "samples" and isinstance(v, (str, int, float)) and not isinstance(v, bool)}
+    return header, samples
+
+
+def read_samples(
+    bucket: Bucket, key: str, *, limits: SampleLimits = DEFAULT_LIMITS, refusals: Refusals | None = None
+) -> tuple[dict[str, Any], list[Sample]] | None:
+    """Read a rollouts or scores object: ``(header fields, samples)``, or ``None`` if missing or
+    refused (see :func:`parse_samples`; refusals are logged and counted in ``refusals``)."""
+    doc = get_json(bucket, key, refusals)
+    if doc is None:
         return None
     try:
-        samples = [Sample.from_dict(s) for s in doc.get("samples", [])]
-    except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(Infinity)
-        logger.warning("ignoring malformed %s: %s", key, exc)
+        return parse_samples(doc, limits)
+    except ValueError as exc:
+        if refusals is not None:
+            refusals.add(key, str(exc))
+        else:
+            logger.warning("ignoring malformed %s: %s", key, exc)
         return None
-    header = {k: v for k, v in doc.items() if k != "samples"}
-    return header, samples
+
+
+def parse_tasks(doc: Any, *, max_chars: int = DEFAULT_LIMITS.max_chars) -> list[dict[str, str]]:
+    """The ``{"task_id", "prompt"}`` entries of a task batch document.
+
+    Raises:
+        ValueError: not an object with a list of at most ``MAX_TASKS`` tasks, each with
+            a string ``task_id`` (at most 256 characters) and a string ``prompt``.
+    """
+    if not isinstance(doc, dict) or not isinstance(doc.get("tasks"), list) or len(doc["tasks"]) > MAX_TASKS:
+        raise ValueError(f"not an object with a list of at most {MAX_TASKS} tasks")
+    tasks = []
+    for t in doc["tasks"]:
+        if not isinstance(t, dict):
+            raise ValueError("a task must be a JSON object")
+        tasks.append({"task_id": _str_field(t, "task_id", 256), "prompt": _str_field(t, "prompt", max_chars)})
+    return tasks
+
+
+_STATUS_NUMBERS = (
+    "applied_step", "newest_step", "lag", "apply_s", "idle_per_sync_s", "bytes_downloaded", "reads", "refused",
+    "refused_objects", "tokens_per_s", "completions", "updated_at",
+)  # fmt: skip
+_STATUS_STRINGS = ("replica_id", "engine", "state_hash", "engine_state_hash")
+_SYNC_FIELDS = ("step", "kind", "nbytes", "download_s", "idle_s", "time")
+
+
+def _json_number(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value) and abs(value) < 1e18
+
+
+def parse_status(doc: Any) -> dict[str, Any]:
+    """Check a replica status object; returns only its known fields, each of the right type
+    (numbers finite, strings at most 128 characters, at most 200 recent syncs).
+
+    Raises:
+        ValueError: not an object, or no valid ``replica_id``.
+    """
+    if not isinstance(doc, dict) or not isinstance(doc.get("replica_id"), str) or not _ID.fullmatch(doc["replica_id"]):
+        raise ValueError("not a status object with a valid replica_id")
+    out: dict[str, Any] = {k: doc[k] for k in _STATUS_NUMBERS if _json_number(doc.get(k))}
+    out.update({k: doc[k] for k in _STATUS_STRINGS if isinstance(doc.get(k), str) and len(doc[k]) <= 128})
+    syncs = doc.get("recent_syncs")
+    out["recent_syncs"] = [
+        {k: s[k] for k in _SYNC_FIELDS if _json_number(s.get(k)) or (k == "kind" and s.get(k) in ("anchor", "delta"))}
+        for s in (syncs[-200:] if isinstance(syncs, list) else [])
+        if isinstance(s, dict)
+    ]
+    return out
 
 
 def write_samples(bucket: Bucket, key: str, samples: list[Sample], **header: Any) -> None:
@@ -180,7 +354,9 @@ class MetricsLog:
             self.rows = [r for r in previous["rows"] if isinstance(r, dict)][-keep:]
 
     def add(self, **row: Any) -> None:
-        self.rows.append({"time": time.time(), **row})
+        """Append a row; non-finite floats (a diverged loss) are stored as ``null``, since readers refuse ``NaN``/``Infinity``."""
+        clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+        self.rows.append({"time": time.time(), **clean})
         del self.rows[: -self.keep]
 
     def flush(self) -> None:

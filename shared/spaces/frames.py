@@ -6,6 +6,7 @@ Plain functions, testable without a browser; the Gradio components in
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -196,11 +197,38 @@ def recent_publishes_frame(snap: Snapshot, n: int = RECENT_PUBLISHES) -> pd.Data
 
 
 def episodes_frame(snap: Snapshot) -> pd.DataFrame:
-    """The env's recent scored episodes, newest first: version, prompt, completion, reward."""
+    """The env's recent scored episodes, newest first: version, task type, prompt, completion, reward."""
     episodes = snap.env_extra.get("episodes")
     rows = [e for e in episodes if isinstance(e, dict)] if isinstance(episodes, list) else []
-    frame = pd.DataFrame(rows[::-1], columns=["version", "prompt", "completion", "reward"])
+    frame = pd.DataFrame(rows[::-1], columns=["version", "type", "prompt", "completion", "reward"])
     return frame.fillna("").astype(str)
+
+
+def _count(value: Any) -> int | None:
+    """A finite number as an int (counts read from the bucket are untrusted), else ``None``."""
+    number = as_number(value)
+    return int(number) if number is not None and math.isfinite(number) else None
+
+
+def task_type_frame(snap: Snapshot) -> pd.DataFrame:
+    """Mean reward and count per source and task type (``metrics/env.json`` -> ``by_type``), largest count first."""
+    by_type = snap.env_extra.get("by_type")
+    rows = []
+    for key, value in by_type.items() if isinstance(by_type, dict) else ():
+        if isinstance(key, str) and isinstance(value, dict) and _count(value.get("count")) is not None:
+            source, _, kind = key.partition(" / ")
+            rows.append({"source": source, "task type": kind, "mean reward": as_number(value.get("mean_reward")),
+                         "count": _count(value["count"])})  # fmt: skip
+    frame = pd.DataFrame(rows, columns=["source", "task type", "mean reward", "count"])
+    return frame.sort_values(["count", "source", "task type"], ascending=[False, True, True], kind="stable")
+
+
+def failures_frame(snap: Snapshot) -> pd.DataFrame:
+    """Scoring failures by reason (``metrics/env.json`` -> ``failures``), most frequent first."""
+    failures = snap.env_extra.get("failures")
+    rows = [{"reason": k, "count": _count(v)} for k, v in (failures.items() if isinstance(failures, dict) else ())
+            if isinstance(k, str) and _count(v) is not None]  # fmt: skip
+    return pd.DataFrame(rows, columns=["reason", "count"]).sort_values(["count", "reason"], ascending=[False, True])
 
 
 def trainer_summary(snap: Snapshot) -> str:
@@ -222,8 +250,18 @@ def trainer_summary(snap: Snapshot) -> str:
             parts.append(f"loss {last['loss']:.4f}")
         if as_number(last.get("mean_reward")) is not None:
             parts.append(f"batch reward {last['mean_reward']:.3f}")
+    parts += refused_parts(snap.trainer_extra)
     notice = snap.trainer_extra.get("notice")
     return "Trainer: " + ", ".join(parts) + (f" ({notice})" if isinstance(notice, str) and notice else "")
+
+
+def refused_parts(extra: dict[str, Any]) -> list[str]:
+    """``["N bucket objects refused (last: ...)"]`` from a role's metrics, or nothing."""
+    refused = extra.get("refused")
+    if not isinstance(refused, dict) or not as_number(refused.get("total")):
+        return []
+    last = refused.get("last") if isinstance(refused.get("last"), str) else ""
+    return [f"**{int(refused['total'])} bucket objects refused** (last: `{last[:120]}`)"]
 
 
 def env_summary(snap: Snapshot) -> str:
@@ -237,9 +275,13 @@ def env_summary(snap: Snapshot) -> str:
             parts.append(f"{extra[key]:.1f} {label}")
     if "scored" in extra:
         parts.append(f"{extra['scored']} samples scored")
+    failures = extra.get("failures")
+    if isinstance(failures, dict) and failures:
+        parts.append(f"{sum(_count(v) or 0 for v in failures.values())} scoring failures")
     rewards = reward_frame(snap)
     env_rewards = rewards[rewards["source"] == "env"]
     if len(env_rewards):
         last = env_rewards.iloc[-1]
         parts.append(f"mean reward {last['mean_reward']:.3f} at version {last['version']}")
+    parts += refused_parts(extra)
     return "Environment: " + ", ".join(parts)

@@ -24,7 +24,8 @@ from typing import Any
 from ..bucket import Bucket, BucketError, ObjectNotFoundError, open_bucket
 from ..errors import FormatError
 from ..protocol import CONTROL_KEY, AnchorPolicy, Manifest, policy_from_json, read_manifest
-from .exchange import STATUS_PREFIX, get_json, metrics_key
+from ..protocol.policy import MAX_CONTROL_BYTES
+from .exchange import STATUS_PREFIX, get_json, metrics_key, parse_status
 
 logger = logging.getLogger(__name__)
 
@@ -93,16 +94,17 @@ def read_snapshot(bucket: Bucket) -> Snapshot:
         snap.trainer_rows, snap.trainer_extra = _metrics(bucket, "trainer")
         snap.env_rows, snap.env_extra = _metrics(bucket, "env")
         for obj in sorted(bucket.list(STATUS_PREFIX), key=lambda o: o.key):
-            doc = get_json(bucket, obj.key)
-            if isinstance(doc, dict):
-                snap.statuses.append(doc)
+            try:
+                snap.statuses.append(parse_status(get_json(bucket, obj.key)))
+            except ValueError as exc:
+                logger.warning("ignoring %s: %s", obj.key, exc)
         try:
             snap.manifest = read_manifest(bucket)
         except FormatError as exc:
             logger.warning("invalid pointer object: %s", exc)
             snap.error = f"invalid latest.json: {exc}"
         try:
-            snap.policy = policy_from_json(bucket.get(CONTROL_KEY))
+            snap.policy = policy_from_json(bucket.get_limited(CONTROL_KEY, MAX_CONTROL_BYTES))
         except ObjectNotFoundError:
             pass
         except FormatError as exc:

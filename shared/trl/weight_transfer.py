@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..bucket import Bucket
-from ..protocol import Publisher, PublishRecord
+from ..protocol import NonFiniteError, Publisher, PublishRecord
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,9 @@ class BucketWeightTransfer:
         bucket: Where to publish (ignored when ``publisher`` is given).
         publisher: The publisher to use (default: ``Publisher(bucket)``, anchor every 10 versions).
         on_publish: Called with the :class:`~shared.protocol.PublishRecord` of every publish (figures, logs).
+        on_non_finite: Called when a send is refused because it would publish NaN or Inf
+            (e.g. to restore the published weights); the send publishes nothing and the
+            replicas keep the last good version. Without it the refusal is raised.
 
     Versions: on an empty bucket the first send is version 0; on a bucket that already holds
     a run, :meth:`init_weight_transfer` takes the run lock, verifies the published chain and
@@ -45,6 +48,7 @@ class BucketWeightTransfer:
         *,
         publisher: Publisher | None = None,
         on_publish: Callable[[PublishRecord], None] | None = None,
+        on_non_finite: Callable[[NonFiniteError], None] | None = None,
     ) -> None:
         if publisher is None:
             if bucket is None:
@@ -52,6 +56,8 @@ class BucketWeightTransfer:
             publisher = Publisher(bucket)
         self.publisher = publisher
         self.on_publish = on_publish
+        self.on_non_finite = on_non_finite
+        self.non_finite_refused = 0
         self.records: list[PublishRecord] = []
         self._initialised = False
 
@@ -96,7 +102,14 @@ class BucketWeightTransfer:
         """
         self.continue_run()
         step = 0 if self.publisher.step is None else self.publisher.step + 1
-        record = self.publisher.publish_stream(step, iterator)
+        try:
+            record = self.publisher.publish_stream(step, iterator)
+        except NonFiniteError as exc:
+            if self.on_non_finite is None:
+                raise
+            self.non_finite_refused += 1
+            self.on_non_finite(exc)
+            return
         self.records.append(record)
         del self.records[:-100]
         if self.on_publish is not None:

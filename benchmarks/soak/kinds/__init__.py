@@ -8,10 +8,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..invariants import TrialResult
-from . import apply_interrupt, bucket_damage, flaky_storage, publisher_kill, subscriber_kill, two_trainers
+from . import (
+    apply_interrupt,
+    bucket_damage,
+    flaky_storage,
+    hostile_replicas,
+    hub_storage,
+    publisher_kill,
+    subscriber_kill,
+    two_trainers,
+)
 
 #: Trial kinds in the order a run draws their seeds.
-MODULES = (publisher_kill, subscriber_kill, apply_interrupt, bucket_damage, flaky_storage, two_trainers)
+MODULES = (publisher_kill, subscriber_kill, apply_interrupt, bucket_damage, flaky_storage, two_trainers, hub_storage, hostile_replicas)
 
 TRIALS: dict[str, Callable[[random.Random, Path], TrialResult]] = {
     m.__name__.rsplit(".", 1)[1]: getattr(m, "trial_" + m.__name__.rsplit(".", 1)[1]) for m in MODULES

@@ -58,11 +58,11 @@ def trial_apply_interrupt(rng: random.Random, workdir: Path) -> TrialResult:
             patches = update.patches
             real, calls = subscriber_module.tensor_digest, [0]
 
-            def digest_raises(tensor: torch.Tensor, calls=calls, k=k, exc=exc, real=real) -> bytes:
+            def digest_raises(tensor: torch.Tensor, calls=calls, k=k, exc=exc, real=real, **kwargs) -> bytes:
                 calls[0] += 1
                 if calls[0] > k:
                     raise exc
-                return real(tensor)
+                return real(tensor, **kwargs)
 
             if how == "patch iteration raises":
                 update.patches = _RaisingPatches(patches, k, exc)

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import collections
 import random
-import threading
-import time
 from pathlib import Path
 
-from shared.bucket import BucketError, FaultyBucket, LocalBucket, RetryingBucket
-from shared.errors import FormatError, SyncError
+from shared.bucket import FaultyBucket, LocalBucket, RetryingBucket
 from shared.protocol import Subscriber
 
 from ..invariants import Ledger, TrialResult, check_verified
 from ..processes import CHILD_TIMEOUT_S
-from ..toy import PublisherThread
+from ..toy import PublisherThread, follow_until_converged
 
 DEFAULT_TRIALS = 8
 
@@ -42,38 +39,8 @@ def trial_flaky_storage(rng: random.Random, workdir: Path) -> TrialResult:
 
     publisher = Checked(stacks[0][0], ledger, final, interval=4, keep=2, pause_s=0.005, seed=rng.randrange(1000))
     subs = [Subscriber(stack[0]) for stack in stacks[1:]]
-    unreadable = collections.Counter()
-
-    def follow(i: int, sub: Subscriber) -> None:
-        deadline = time.time() + CHILD_TIMEOUT_S
-        while time.time() < deadline:
-            try:
-                update = sub.fetch()
-                if update is not None:
-                    sub.apply(update)
-                    ledger.check_state(sub.step, sub.state, sub.state_hash, f"subscriber {i}")
-                    continue
-            except FormatError as exc:  # the pointer itself cut short mid-upload: refused, retried
-                unreadable[str(exc)[:40]] += 1
-                ledger.check_state(sub.step, sub.state, sub.state_hash, f"subscriber {i}")
-            except (SyncError, BucketError):
-                ledger.check_state(sub.step, sub.state, sub.state_hash, f"subscriber {i}")
-            if not publisher.is_alive() and sub.step == final:
-                return
-            time.sleep(0.005)
-
-    threads = [threading.Thread(target=follow, args=(i, s), daemon=True) for i, s in enumerate(subs)]
-    publisher.start()
-    for t in threads:
-        t.start()
-    publisher.join(CHILD_TIMEOUT_S)
-    for t in threads:
-        t.join(CHILD_TIMEOUT_S)
-    result.check(publisher.error is None, f"publisher failed: {publisher.error!r}")
-    for i, sub in enumerate(subs):
-        result.check(sub.step == final, f"subscriber {i} ended at {sub.step}, not {final}")
-        ledger.check_state(sub.step, sub.state, sub.state_hash, f"subscriber {i} at the end")
-    ledger.settle()
+    unreadable: collections.Counter = collections.Counter()
+    follow_until_converged(publisher, subs, ledger, CHILD_TIMEOUT_S, unreadable)
     ledger.observe(raw)
     check_verified(raw, result, "after the flaky run")
     for _, faulty in stacks:

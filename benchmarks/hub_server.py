@@ -1,0 +1,411 @@
+"""A local stand-in for the Hugging Face Hub's bucket API and its Xet storage, for tests and soak trials.
+
+The real ``huggingface_hub`` + ``hf_xet`` client code talks to this server through ``HF_ENDPOINT``
+(the ``hub`` fixture in ``tests/conftest.py`` points the library at it; the soak trial
+``hub_storage`` passes its URL to ``HfApi(endpoint=...)``). It implements the HTTP calls
+huggingface_hub 2.4.0's bucket methods make:
+
+- ``POST /api/buckets/{ns}/{name}`` (create_bucket) and ``GET`` (bucket_info);
+- ``GET /api/buckets/{id}/tree[/{prefix}]`` (list_bucket_tree, paginated with a ``Link`` header);
+- ``POST /api/buckets/{id}/paths-info`` (get_bucket_paths_info);
+- ``POST /api/buckets/{id}/batch`` (batch_bucket_files' ndjson commit of add/delete operations);
+- ``HEAD /buckets/{id}/resolve/{path}`` (get_bucket_file_metadata: Xet hash and token refresh route);
+- ``GET /api/buckets/{id}/xet-{read,write}-token`` (the Xet token endpoint hf_xet calls itself).
+
+The Xet token endpoint hands hf_xet a ``local://`` CAS URL, which makes hf_xet use xet-core's
+file-backed CAS client in a folder of this server: the bytes are chunked, deduplicated, stored and
+reconstructed by the real hf_xet code. Storage-side faults are real HTTP responses too: while a
+storage fault is pending, the token endpoint hands out ``{server}/cas`` instead, and every CAS request
+hf_xet sends there gets the injected fault.
+
+Faults (:meth:`HubServer.inject`) are queued per side (``"api"``: the Hub API, ``"token"``: the
+Xet token endpoint, ``"storage"``: Xet storage) and each is consumed by one request (one token grant
+for storage): an HTTP status with headers, a dropped connection, or a stall (the server holds the
+request for ``stall`` seconds, bounded, then drops it). :meth:`HubServer.chaos` adds random faults
+(429 with ``Retry-After: 0``, 503, dropped connections) at a given rate per side, drawn from a seeded
+generator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import re
+import socket
+import struct
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
+
+#: Longest a stall may hold a request, whatever the test asked (keeps a broken test bounded).
+MAX_STALL_SECONDS = 30.0
+#: Largest request body the server accepts.
+MAX_BODY_BYTES = 64 << 20
+
+
+@dataclasses.dataclass
+class Fault:
+    """One injected failure, consumed by one matching request.
+
+    Args:
+        status: HTTP status to answer with (ignored for ``drop`` and ``stall``).
+        headers: Extra response headers (e.g. ``{"Retry-After": "1"}``).
+        drop: Close the connection without answering.
+        stall: Hold the request this many seconds (at most ``MAX_STALL_SECONDS``), then drop it.
+        path: Only requests whose path matches this regular expression (``re.search``).
+        method: Only requests with this HTTP method.
+        message: The error message in the response body (default: "injected HTTP {status}").
+    """
+
+    status: int = 503
+    headers: dict[str, str] = dataclasses.field(default_factory=dict)
+    drop: bool = False
+    stall: float = 0.0
+    path: str = ""
+    method: str = ""
+    message: str = ""
+
+    def matches(self, method: str, path: str) -> bool:
+        return (not self.method or self.method == method) and (not self.path or re.search(self.path, path) is not None)
+
+
+@dataclasses.dataclass
+class Request:
+    """One request the server received (for assertions on what the client sent)."""
+
+    method: str
+    path: str
+    side: str
+    authorization: str | None
+
+
+class HubServer:
+    """The Hub stand-in: a threaded HTTP server on the loopback interface.
+
+    Args:
+        root: Folder for the ``local://`` Xet storage.
+        page_size: Entries per page of a tree listing.
+    """
+
+    def __init__(self, root: Path, page_size: int = 100) -> None:
+        self.root = Path(root)
+        self.page_size = page_size
+        self._lock = threading.Lock()
+        self._release = threading.Event()
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self._httpd.daemon_threads = True
+        self._httpd.hub = self  # type: ignore[attr-defined]
+        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="hub-server", daemon=True)
+        self._thread.start()
+        self.reset()
+
+    # -- test controls ---------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget buckets, faults, tokens and recorded requests; release stalled requests."""
+        self._release.set()
+        with self._lock:
+            self.buckets: dict[str, dict[str, dict]] = {}
+            self.faults: dict[str, list[Fault]] = {"api": [], "token": [], "storage": []}
+            self.requests: list[Request] = []
+            self.storage_fault = Fault()
+            self.rates: dict[str, float] = {}
+            self._rng = random.Random(0)
+            self.chaotic: dict[str, int] = {"api": 0, "token": 0, "storage": 0}
+            #: token -> "read" or "write"; a request with any other bearer token gets 401.
+            self.tokens: dict[str, str] = {}
+            self.storage = Path(tempfile.mkdtemp(prefix="xet-", dir=self.root))
+        self._release = threading.Event()
+
+    def add_token(self, token: str, role: str = "write") -> None:
+        """Accept `token` with `role` ("read" or "write")."""
+        with self._lock:
+            self.tokens[token] = role
+
+    def create_bucket(self, bucket_id: str) -> None:
+        with self._lock:
+            self.buckets.setdefault(bucket_id, {})
+
+    def chaos(self, rates: dict[str, float], seed: int = 0) -> None:
+        """Fail this share of the requests of each side ("api", "token"; "storage": of the token grants)
+        with a random retryable fault; `{}` stops. :attr:`chaotic` counts the faults served."""
+        with self._lock:
+            self.rates = dict(rates)
+            self._rng = random.Random(seed)
+
+    def inject(self, side: str, *faults: Fault) -> None:
+        """Queue faults for `side` ("api", "token" or "storage")."""
+        with self._lock:
+            self.faults[side].extend(faults)
+
+    def clear_faults(self) -> None:
+        """Drop every queued fault."""
+        with self._lock:
+            for queue in self.faults.values():
+                queue.clear()
+
+    def pending(self, side: str, path: str = "") -> int:
+        """How many queued faults of `side` are for paths matching `path` (as a fault's own pattern)."""
+        with self._lock:
+            return sum(1 for f in self.faults[side] if f.path == path)
+
+    def count(self, side: str, path: str = "") -> int:
+        """How many requests reached `side` (optionally only those whose path matches `path`)."""
+        with self._lock:
+            return sum(1 for r in self.requests if r.side == side and re.search(path, r.path))
+
+    def close(self) -> None:
+        self._release.set()
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+    # -- used by the handler ---------------------------------------------------------------------
+
+    def _take_fault(self, side: str, method: str, path: str) -> Fault | None:
+        with self._lock:
+            for i, fault in enumerate(self.faults[side]):
+                if fault.matches(method, path):
+                    return self.faults[side].pop(i)
+            if self.rates and self._rng.random() < self.rates.get(side, 0.0):
+                self.chaotic[side] += 1
+                return self._rng.choice([Fault(429, {"Retry-After": "0"}), Fault(503), Fault(drop=True)])
+        return None
+
+
+
+def _file_entry(path: str, meta: dict) -> dict:
+    mtime = time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime((meta["mtime"] or 0) / 1000))
+    return {"type": "file", "path": path, "size": meta["size"], "xetHash": meta["xetHash"], "mtime": mtime}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "HubStandIn/1.0"
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - silence the default stderr log
+        pass
+
+    @property
+    def hub(self) -> HubServer:
+        return self.server.hub  # type: ignore[attr-defined]
+
+    # -- plumbing ----------------------------------------------------------------------------------
+
+    def _body(self) -> bytes:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY_BYTES:
+            raise ValueError("request body too large")
+        return self.rfile.read(length) if length else b""
+
+    def _send(self, status: int, body: object = b"", headers: dict[str, str] | None = None) -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        if not isinstance(body, bytes):
+            self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def _error(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        # Like the Hub: the message in the JSON body and in X-Error-Message (a HEAD response has no body).
+        self._send(status, {"error": message}, {"X-Error-Message": message, **(headers or {})})
+
+    def _drop(self) -> None:
+        self.close_connection = True
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _apply_fault(self, fault: Fault) -> None:
+        if fault.stall:
+            self.hub._release.wait(min(fault.stall, MAX_STALL_SECONDS))
+            self._drop()
+        elif fault.drop:
+            self._drop()
+        else:
+            self._error(fault.status, fault.message or f"injected HTTP {fault.status}", fault.headers)
+
+    def _side(self, path: str) -> str:
+        if path.startswith("/cas"):
+            return "storage"
+        if re.search(r"/xet-(read|write)-token$", path):
+            return "token"
+        return "api"
+
+    def _dispatch(self) -> None:
+        url = urlsplit(self.path)
+        path = unquote(url.path)
+        side = self._side(url.path)
+        auth = self.headers.get("Authorization")
+        with self.hub._lock:
+            self.hub.requests.append(Request(self.command, url.path, side, auth))
+        try:
+            body = self._body()
+        except ValueError as err:
+            return self._error(413, str(err))
+        if side == "storage":  # only reached through a grant that handed out a storage fault
+            return self._apply_fault(self.hub.storage_fault)
+        fault = self.hub._take_fault(side, self.command, url.path)
+        if fault is not None:
+            return self._apply_fault(fault)
+        if side == "token":
+            return self._token(url.path, auth)
+        role = self._role(auth)
+        if role is None:
+            return self._error(401, "Invalid credentials in Authorization header")
+        self._api(path, url.path, parse_qs(url.query), body, role)
+
+    def _role(self, auth: str | None) -> str | None:
+        token = auth[len("Bearer ") :] if auth and auth.startswith("Bearer ") else None
+        return self.hub.tokens.get(token or "")
+
+    do_GET = do_POST = do_HEAD = do_DELETE = do_PUT = lambda self: self._dispatch()  # noqa: E731
+
+    # -- Xet tokens ----------------------------------------------------------------------------
+
+    def _token(self, raw_path: str, auth: str | None) -> None:
+        match = re.fullmatch(r"/api/buckets/([^/]+/[^/]+)/xet-(read|write)-token", raw_path)
+        if match is None:
+            return self._error(404, "not found")
+        bucket_id, kind = match.groups()
+        role = self._role(auth)
+        if role is None:
+            return self._error(401, "Invalid credentials in Authorization header")
+        if kind == "write" and role != "write":
+            return self._error(403, "You don't have write access to this bucket")
+        if bucket_id not in self.hub.buckets:
+            return self._error(404, "Bucket not found", {"X-Error-Code": "RepoNotFound"})
+        fault = self.hub._take_fault("storage", "", "")
+        if fault is not None:  # this grant points hf_xet at storage that answers every request with the fault
+            with self.hub._lock:
+                self.hub.storage_fault = fault
+            cas_url = f"{self.hub.url}/cas"
+        else:
+            cas_url = f"local://{self.hub.storage}"
+        self._send(200, {"accessToken": "xet-token", "exp": int(time.time()) + 3600, "casUrl": cas_url})
+
+    # -- Hub API --------------------------------------------------------------------------------
+
+    def _api(self, path: str, raw_path: str, query: dict, body: bytes, role: str) -> None:
+        match = re.fullmatch(r"/api/buckets/([^/]+)/([^/]+)", raw_path)
+        if match:
+            return self._bucket(f"{match[1]}/{match[2]}", role)
+        match = re.fullmatch(r"/api/buckets/([^/]+/[^/]+)/(tree|paths-info|batch)(/.*)?", raw_path)
+        if match:
+            bucket_id, op = match[1], match[2]
+            if bucket_id not in self.hub.buckets:
+                return self._error(404, "Bucket not found", {"X-Error-Code": "RepoNotFound"})
+            if op == "tree":
+                return self._tree(bucket_id, unquote((match[3] or "/")[1:]), query)
+            if op == "paths-info":
+                return self._paths_info(bucket_id, json.loads(body or b"{}").get("paths", []))
+            if role != "write":
+                return self._error(403, "You don't have write access to this bucket")
+            return self._batch(bucket_id, body)
+        match = re.fullmatch(r"/buckets/([^/]+/[^/]+)/resolve/(.+)", raw_path)
+        if match:
+            return self._resolve(match[1], unquote(match[2]))
+        self._error(404, "not found")
+
+    def _bucket(self, bucket_id: str, role: str) -> None:
+        exists = bucket_id in self.hub.buckets
+        if self.command == "POST":
+            if role != "write":
+                return self._error(403, "You don't have the rights to create a bucket in this namespace")
+            if exists:
+                return self._error(409, "You already created this bucket")
+            self.hub.create_bucket(bucket_id)
+            return self._send(200, {"url": f"{self.hub.url}/buckets/{bucket_id}", "id": bucket_id})
+        if not exists:
+            return self._error(404, "Bucket not found", {"X-Error-Code": "RepoNotFound"})
+        self._send(200, {"id": bucket_id, "private": False, "createdAt": "2026-01-01T00:00:00.000Z",
+                         "size": 0, "totalFiles": len(self.hub.buckets[bucket_id])})
+
+    def _tree(self, bucket_id: str, prefix: str, query: dict) -> None:
+        objects = self.hub.buckets[bucket_id]
+        recursive = query.get("recursive", ["False"])[0].lower() == "true"
+        start = int(query.get("cursor", ["0"])[0])
+        paths = sorted(p for p in objects if p.startswith(prefix))
+        if not recursive:
+            raise NotImplementedError("only recursive listings are served")
+        if prefix and not paths:
+            return self._error(404, "Path not found", {"X-Error-Code": "EntryNotFound"})
+        page = paths[start : start + self.hub.page_size]
+        headers = {}
+        if start + self.hub.page_size < len(paths):
+            nxt = f"{self.hub.url}/api/buckets/{bucket_id}/tree?recursive=true&cursor={start + self.hub.page_size}"
+            if prefix:
+                nxt = nxt.replace("/tree?", f"/tree/{prefix}?")
+            headers["Link"] = f'<{nxt}>; rel="next"'
+        self._send(200, [_file_entry(p, objects[p]) for p in page], headers)
+
+    def _paths_info(self, bucket_id: str, paths: list[str]) -> None:
+        if len(paths) > 1000:
+            return self._error(400, "too many paths")
+        objects = self.hub.buckets[bucket_id]
+        self._send(200, [_file_entry(p, objects[p]) for p in paths if p in objects])
+
+    def _batch(self, bucket_id: str, body: bytes) -> None:
+        operations = [json.loads(line) for line in body.splitlines() if line.strip()]
+        if len(operations) > 1000:
+            return self._error(400, "too many operations in one batch")
+        objects = self.hub.buckets[bucket_id]
+        failed = []
+        with self.hub._lock:
+            for op in operations:
+                if op["type"] == "addFile":
+                    size = _xet_file_size(self.hub.storage, op["xetHash"])
+                    if size is None:
+                        failed.append({"path": op["path"], "error": "unknown xet hash"})
+                        continue
+                    objects[op["path"]] = {"size": size, "xetHash": op["xetHash"], "mtime": op.get("mtime")}
+                elif op["type"] == "deleteFile":
+                    objects.pop(op["path"], None)
+                else:
+                    failed.append({"path": op.get("path"), "error": f"unsupported operation {op['type']}"})
+        self._send(422 if failed and len(failed) == len(operations) else 200, {"failed": failed})
+
+    def _resolve(self, bucket_id: str, path: str) -> None:
+        meta = self.hub.buckets.get(bucket_id, {}).get(path)
+        if meta is None:
+            return self._error(404, "Entry not found", {"X-Error-Code": "EntryNotFound"})
+        refresh = f"{self.hub.url}/api/buckets/{bucket_id}/xet-read-token"
+        self._send(200, b"", {"X-Xet-Hash": meta["xetHash"], "Link": f'<{refresh}>; rel="xet-auth"',
+                              "X-Linked-Size": str(meta["size"])})
+
+
+def _xet_file_size(storage: Path, xet_hash: str) -> int | None:
+    """The size of the file `xet_hash` according to the shards in the ``local://`` CAS, or None.
+
+    A shard (xet-core's MDB format, version 2) starts with a 48-byte header, then one record per
+    file: a 48-byte header (file hash, flags, entry count, padding), 48-byte segment entries whose
+    unpacked byte counts add up to the file size, then optional verification entries (flag bit 31,
+    one per segment) and a metadata extension (flag bit 30); a hash of all 0xff bytes ends the list.
+    """
+    for shard in (storage / "xet" / "xorbs" / "shards").glob("*.mdb"):
+        data = shard.read_bytes()
+        pos = 48
+        while pos + 48 <= len(data):
+            raw = data[pos : pos + 32]
+            if raw == b"\xff" * 32:
+                break
+            flags, entries = struct.unpack_from("<II", data, pos + 32)
+            size = sum(struct.unpack_from("<I", data, pos + 48 + 48 * i + 36)[0] for i in range(entries))
+            if _hash_hex(raw) == xet_hash:
+                return size
+            pos += 48 * (1 + entries * (2 if flags & 1 << 31 else 1) + (1 if flags & 1 << 30 else 0))
+    return None
+
+
+def _hash_hex(raw: bytes) -> str:
+    """xet-core's hex form of a 32-byte hash: four little-endian u64 words, each as 16 hex digits."""
+    return "".join(f"{word:016x}" for word in struct.unpack("<4Q", raw))

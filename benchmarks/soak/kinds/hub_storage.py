@@ -1,0 +1,94 @@
+"""Trial ``hub_storage``: the real Hub client (huggingface_hub + hf_xet) against the Hub stand-in
+server, with random 429/503/dropped connections on the Hub API, the Xet token endpoint and Xet
+storage, beneath a publisher and two subscribers; everything converges bit-exactly."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import random
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from shared.bucket import RetryingBucket
+from shared.protocol import Subscriber
+
+from ...hub_server import HubServer
+from ..invariants import Ledger, TrialResult, check_verified
+from ..processes import CHILD_TIMEOUT_S
+from ..toy import PublisherThread, follow_until_converged
+
+DEFAULT_TRIALS = 2
+TOKEN = "hf_SOAKtoken0123456789abcdefghijklmn"
+BUCKET = "soak/run"
+
+
+@contextlib.contextmanager
+def _online() -> Iterator[None]:
+    """huggingface_hub allowed to send requests (the test suite sets HF_HUB_OFFLINE), restored after."""
+    from huggingface_hub import constants
+
+    before = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = False
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = before
+
+
+def _bucket(server: HubServer, attempts: int) -> RetryingBucket:
+    from huggingface_hub import HfApi
+
+    from shared.bucket.hf import HfBucket
+
+    inner = HfBucket(BUCKET, token=TOKEN, api=HfApi(endpoint=server.url, token=TOKEN))
+    return RetryingBucket(inner, max_attempts=attempts, base_delay=0.001, max_delay=0.01, max_total=30.0)
+
+
+def trial_hub_storage(rng: random.Random, workdir: Path, final: int | None = None) -> TrialResult:
+    """Publisher and two subscribers on retrying Hub buckets through a faulty Hub stand-in.
+
+    Args:
+        rng: Draws the fault rates and seeds.
+        workdir: Scratch folder (the stand-in's Xet storage).
+        final: Last version published (default: drawn from 6..10).
+    """
+    from huggingface_hub.utils import disable_progress_bars
+
+    from shared.bucket.hf_transport import HfTransferConfig, install
+
+    disable_progress_bars()
+
+    result = TrialResult("hub_storage")
+    server = HubServer(Path(tempfile.mkdtemp(prefix="hub-", dir=workdir)))
+    server.add_token(TOKEN, "write")
+    server.create_bucket(BUCKET)
+    install(HfTransferConfig(connect_timeout=2.0, read_timeout=2.0))
+    ledger = Ledger(result)
+    final = final if final is not None else rng.randint(6, 10)
+    try:
+        with _online():
+            observer = _bucket(server, attempts=30)  # reads what the pointer names; must not give up
+
+            class Checked(PublisherThread):
+                def after_publish(self, step: int) -> None:
+                    ledger.observe(observer)
+
+            rates = {"api": rng.uniform(0.03, 0.1), "token": rng.uniform(0.03, 0.1), "storage": rng.uniform(0.03, 0.1)}
+            server.chaos(rates, seed=rng.randrange(2**31))
+            publisher = Checked(_bucket(server, 8), ledger, final, interval=4, keep=2, pause_s=0.0,
+                                seed=rng.randrange(1000))  # fmt: skip
+            subs = [Subscriber(_bucket(server, 8)) for _ in range(2)]
+            follow_until_converged(publisher, subs, ledger, CHILD_TIMEOUT_S, collections.Counter())
+            server.chaos({})
+            ledger.observe(observer)
+            check_verified(observer, result, "after the faulty Hub run")
+            if publisher.retries:
+                result.faults["hub: publish retried after retries ran out"] += publisher.retries
+    finally:
+        server.close()
+    for side, n in server.chaotic.items():
+        if n:
+            result.faults[f"hub: {side} faults"] += n
+    return result

@@ -1,0 +1,163 @@
+"""A dataset scored by TRL-style reward functions: ``ENV_ENVIRONMENT=dataset:openai/gsm8k``.
+
+The argument names a Hub dataset (loaded with ``datasets.load_dataset(name, subset, split=...)``)
+or a local folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` (loaded
+with ``datasets.load_from_disk``). Batch seed ``s`` draws rows at random (with
+replacement) from the split, task id ``ds-<s>-<i>-<row>``. The prompt column is a
+string (wrapped as a user message, after the optional system prompt) or a list of
+chat messages (TRL's conversational form); it is rendered with ``ENV_CHAT_TEMPLATE``.
+
+The reward is TRL's: the weighted sum of the reward functions' values
+(``ENV_DATASET_REWARDS=math_verify=1,format=0.2,my_pkg.rewards.brevity=0.5``), skipping a
+function that returns ``None`` for the sample. Each function call is bounded by
+``reward_timeout_s`` and runs in a child process that is killed when a call overstays
+(``reward_isolation=process``, :mod:`.reward_worker`) or on an abandoned thread
+(``thread``, :mod:`env_space.bounded`); one that raises, overstays, returns a
+non-finite value or the wrong number of values fails the sample with that reason,
+and the simulator scores it ``failure_reward``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import datasets
+
+from env_space.bounded import ScoringFailure, call_bounded, finite_reward
+from env_space.environments import Environment, Task
+
+from . import parse_weighted
+from .prompts import render_prompt
+from .reward_worker import RewardWorker
+from .rewards import RewardFunction, load_reward
+from .settings import DatasetSourceConfig
+
+__all__ = ["DatasetEnvironment", "from_spec", "load_split"]
+
+_NOT_COLUMNS = ("prompt", "completion", "completion_ids", "prompts", "completions")  # as TRL: not passed by name
+
+
+def load_split(name: str, subset: str, split: str) -> datasets.Dataset:
+    """A local ``save_to_disk`` folder, or a Hub dataset, as one split.
+
+    Raises:
+        ValueError: The split is missing.
+    """
+    if os.path.isdir(name):
+        loaded = datasets.load_from_disk(name)
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise ValueError(f"{name} has splits {list(loaded)}, not {split!r}")
+            loaded = loaded[split]
+        return loaded
+    return datasets.load_dataset(name, subset or None, split=split)
+
+
+class DatasetEnvironment(Environment):
+    """Prompts from a dataset, rewards from TRL-style reward functions.
+
+    Args:
+        dataset: The split to draw from.
+        name: Display name (the dataset's id or path).
+        config: Columns, reward functions, prompt settings.
+        chat_template: Model id or path whose chat template renders the prompt (``""``: plain).
+
+    Raises:
+        ValueError: A missing column, an empty dataset, or a reward that cannot be loaded.
+    """
+
+    def __init__(
+        self, dataset: datasets.Dataset, name: str, config: DatasetSourceConfig | None = None, chat_template: str = ""
+    ) -> None:
+        self.config = config or DatasetSourceConfig()
+        self.dataset = dataset
+        self.name = f"dataset:{name}"
+        self.chat_template = chat_template
+        columns = [self.config.prompt_column, self.config.answer_column] + (
+            [self.config.type_column] if self.config.type_column else []
+        )
+        missing = [c for c in columns if c not in dataset.column_names]
+        if missing or len(dataset) == 0:
+            raise ValueError(f"{name}: missing columns {missing} (has {dataset.column_names}) or no rows")
+        self.rewards: list[tuple[str, float, RewardFunction]] = [
+            (
+                reward,
+                weight,
+                load_reward(reward, answer_column=self.config.answer_column, answer_tag=self.config.answer_tag),
+            )
+            for reward, weight in parse_weighted(self.config.rewards).items()
+        ]
+        self.conversational = isinstance(dataset[0][self.config.prompt_column], list)
+        if self.config.reward_isolation not in ("process", "thread"):
+            raise ValueError(f"reward_isolation must be process or thread, got {self.config.reward_isolation!r}")
+        self.worker = (
+            RewardWorker([r for r, _, _ in self.rewards], self.config.answer_column, self.config.answer_tag)
+            if self.config.reward_isolation == "process"
+            else None
+        )
+
+    def _messages(self, prompt: Any) -> list[dict[str, Any]]:
+        system = [{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []
+        if isinstance(prompt, list):
+            return prompt if any(m.get("role") == "system" for m in prompt) else system + prompt
+        return system + [{"role": "user", "content": str(prompt)}]
+
+    def tasks(self, n: int, *, seed: int) -> list[Task]:
+        rng = self.rng(seed)
+        rows = [rng.randrange(len(self.dataset)) for _ in range(n)]
+        out = []
+        for i, index in enumerate(rows):
+            row = self.dataset[index]
+            messages = self._messages(row[self.config.prompt_column])
+            kind = str(row[self.config.type_column]) if self.config.type_column else self.name.partition(":")[2]
+            meta = {"type": kind, "row": row, "messages": messages}
+            out.append(
+                Task(
+                    f"ds-{seed}-{i}-{index}",
+                    render_prompt(messages, self.chat_template),
+                    str(row[self.config.answer_column]),
+                    meta,
+                )
+            )
+        return out
+
+    def score(self, task: Task, completion: str) -> float:
+        row = task.meta["row"]
+        prompt = row[self.config.prompt_column]
+        done = [{"role": "assistant", "content": completion}] if self.conversational else completion
+        columns = {k: [v] for k, v in row.items() if k not in _NOT_COLUMNS}
+        total, applied = 0.0, 0
+        for name, weight, fn in self.rewards:
+            kwargs = {"prompts": [prompt], "completions": [done], **columns}  # by keyword, as TRL calls
+            if self.worker is not None:
+                result = self.worker.call(name, self.config.reward_timeout_s, **kwargs)
+            else:
+                result = call_bounded(functools.partial(fn, **kwargs), timeout_s=self.config.reward_timeout_s)
+            if result.ok and (not isinstance(result.value, (list, tuple)) or len(result.value) != 1):
+                raise ScoringFailure(f"reward {name}: not one value per completion")
+            if result.ok and result.value[0] is None:
+                continue
+            if result.ok:
+                result = finite_reward(result.value[0])
+            if not result.ok:
+                raise ScoringFailure(f"reward {name}: {result.failure}")
+            total += weight * result.value
+            applied += 1
+        if not applied:
+            raise ScoringFailure("no reward function applies")
+        return total
+
+    def close(self) -> None:
+        """Stop the reward worker process (if any)."""
+        if self.worker is not None:
+            self.worker.close()
+
+
+def from_spec(
+    argument: str, *, chat_template: str = "", settings: DatasetSourceConfig | None = None
+) -> DatasetEnvironment:
+    """Build the source from ``ENV_ENVIRONMENT=dataset:<name or path>``."""
+    config = settings or DatasetSourceConfig.from_env()
+    return DatasetEnvironment(load_split(argument, config.subset, config.split), argument, config, chat_template)

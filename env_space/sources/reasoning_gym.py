@@ -1,0 +1,104 @@
+"""reasoning-gym generators as an environment: ``ENV_ENVIRONMENT=reasoning_gym:leg_counting=2,basic_arithmetic``.
+
+Tasks come from reasoning-gym's ``composite`` dataset, the library's own weighted mix
+of generators: batch seed ``s`` and position ``i`` always give the same entry, id
+``rg-<s>-<i>``. The prompt is the chat ``[system prompt, question]`` (rendered with
+the policy's chat template when ``ENV_CHAT_TEMPLATE`` is set); the system prompt asks
+for the final answer inside ``<answer>...</answer>``. Scoring extracts the last such
+tag with ``reasoning_gym.utils.extract_answer`` and calls the generator's own
+``score_answer(answer, entry)``, exactly as reasoning-gym's evaluation does; a
+completion without the tag scores what the verifier gives ``None`` (0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import reasoning_gym
+from reasoning_gym.composite import DatasetSpec
+from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
+
+from env_space.environments import Environment, Task
+
+from . import parse_weighted
+from .prompts import render_prompt
+from .settings import ReasoningGymConfig
+
+__all__ = ["ReasoningGymEnvironment", "from_spec"]
+
+
+def _generator_config(name: str, level: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    config: dict[str, Any] = {}
+    if level >= 0 and name in reasoning_gym.factory.CURRICULA:
+        curriculum = reasoning_gym.factory.create_curriculum(name)
+        curriculum.set_global_level(level)
+        generated = curriculum.generate_configuration()
+        config = {k: v for k, v in dataclasses.asdict(generated).items() if k not in ("seed", "size")}
+    return {**config, **overrides}
+
+
+class ReasoningGymEnvironment(Environment):
+    """A weighted mix of reasoning-gym generators.
+
+    Args:
+        generators: Generator name -> sampling weight.
+        config: Difficulty, prompt and extraction settings.
+        chat_template: Model id or path whose chat template renders the prompt (``""``: plain).
+
+    Raises:
+        ValueError: Unknown generator, bad override, or bad settings.
+    """
+
+    def __init__(
+        self, generators: dict[str, float], config: ReasoningGymConfig | None = None, chat_template: str = ""
+    ) -> None:
+        self.config = config or ReasoningGymConfig()
+        self.chat_template = chat_template
+        self.name = "reasoning_gym:" + ",".join(f"{g}={w:g}" for g, w in generators.items())
+        unknown = sorted(set(generators) - set(reasoning_gym.factory.DATASETS))
+        if unknown:
+            raise ValueError(f"unknown reasoning-gym generators {unknown}; see reasoning_gym.factory.DATASETS")
+        overrides = json.loads(self.config.overrides) if self.config.overrides.strip() else {}
+        if not isinstance(overrides, dict) or not all(isinstance(v, dict) for v in overrides.values()):
+            raise ValueError("ENV_RG_OVERRIDES must be a JSON object of objects, one per generator")
+        if set(overrides) - set(generators):
+            raise ValueError(f"overrides name generators not selected: {sorted(set(overrides) - set(generators))}")
+        self.specs = [
+            DatasetSpec(g, w, _generator_config(g, self.config.level, overrides.get(g, {})))
+            for g, w in generators.items()
+        ]
+        self.system_prompt = SYSTEM_PROMPTS.get(self.config.system_prompt, self.config.system_prompt)
+        self.verifiers = self._composite(1, seed=0).datasets  # name -> generator, for score_answer
+
+    def _composite(self, n: int, *, seed: int) -> Any:
+        try:
+            return reasoning_gym.create_dataset("composite", size=max(n, 1), seed=seed, datasets=self.specs)
+        except (AssertionError, TypeError) as exc:  # the library validates configs with assert
+            raise ValueError(f"invalid reasoning-gym settings: {exc}") from exc
+
+    def tasks(self, n: int, *, seed: int) -> list[Task]:
+        dataset = self._composite(n, seed=seed)
+        out = []
+        for i in range(n):
+            entry = dataset[i]
+            messages = [
+                {"role": "system", "content": self.system_prompt},
+                {"role": "user", "content": entry["question"]},
+            ]
+            meta = {"type": entry["metadata"]["source_dataset"], "entry": entry, "messages": messages}
+            out.append(Task(f"rg-{seed}-{i}", render_prompt(messages, self.chat_template), str(entry["answer"]), meta))
+        return out
+
+    def score(self, task: Task, completion: str) -> float:
+        entry = task.meta["entry"]
+        answer = extract_answer(completion, tag_name=self.config.answer_tag)
+        return float(self.verifiers[entry["metadata"]["source_dataset"]].score_answer(answer=answer, entry=entry))
+
+
+def from_spec(
+    argument: str, *, chat_template: str = "", settings: ReasoningGymConfig | None = None
+) -> ReasoningGymEnvironment:
+    """Build the source from ``ENV_ENVIRONMENT=reasoning_gym:<argument>``."""
+    return ReasoningGymEnvironment(parse_weighted(argument), settings or ReasoningGymConfig.from_env(), chat_template)

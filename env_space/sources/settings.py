@@ -1,0 +1,128 @@
+"""Settings of the environment sources, one dataclass per source (``ENV_RG_*``, ``ENV_DATASET_*``, ``ENV_OPENENV_*``).
+
+Kept apart from the sources so that the panel can show their forms without importing
+reasoning-gym, datasets or openenv-core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from shared.spaces.settings import from_env
+
+__all__ = ["SOURCE_SETTINGS", "DatasetSourceConfig", "OpenEnvConfig", "ReasoningGymConfig", "source_settings"]
+
+
+@dataclasses.dataclass
+class ReasoningGymConfig:
+    """Settings of the reasoning-gym source (environment variables ``ENV_RG_<FIELD>``)."""
+
+    level: int = dataclasses.field(
+        default=-1,
+        metadata={
+            "help": "difficulty: curriculum level of every generator (0 = easiest); -1 = the generators' defaults"
+        },
+    )
+    overrides: str = dataclasses.field(
+        default="", metadata={"help": 'JSON: generator config fields, e.g. {"leg_counting": {"max_animals": 4}}'}
+    )
+    system_prompt: str = dataclasses.field(
+        default="default", metadata={"help": "a key of reasoning_gym.utils.SYSTEM_PROMPTS, or the text itself"}
+    )
+    answer_tag: str = dataclasses.field(
+        default="answer", metadata={"help": "tag holding the final answer: <answer>...</answer>"}
+    )
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> ReasoningGymConfig:
+        return from_env(cls, "ENV_RG", **overrides)
+
+
+@dataclasses.dataclass
+class DatasetSourceConfig:
+    """Settings of the dataset source (environment variables ``ENV_DATASET_<FIELD>``)."""
+
+    subset: str = dataclasses.field(default="", metadata={"help": "dataset configuration name, e.g. main for gsm8k"})
+    split: str = dataclasses.field(default="train", metadata={"help": "split to draw prompts from"})
+    prompt_column: str = dataclasses.field(
+        default="prompt", metadata={"help": "column with the prompt (text or chat messages)"}
+    )
+    answer_column: str = dataclasses.field(default="answer", metadata={"help": "column with the reference answer"})
+    type_column: str = dataclasses.field(
+        default="", metadata={"help": "column naming the task type for the panel ('' = none)"}
+    )
+    rewards: str = dataclasses.field(
+        default="math_verify",
+        metadata={"help": "reward functions with weights: NAME[=W],... (built-in or module.function)"},
+    )
+    system_prompt: str = dataclasses.field(
+        default="", metadata={"help": "system message put before string prompts ('' = none)"}
+    )
+    answer_tag: str = dataclasses.field(
+        default="answer", metadata={"help": "tag of the final answer for exact_match and format"}
+    )
+    reward_timeout_s: float = dataclasses.field(
+        default=5.0, metadata={"help": "time bound of one reward function call"}
+    )
+    reward_isolation: str = dataclasses.field(
+        default="process", metadata={"help": "process (a child killed when a call overstays) or thread"}
+    )
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> DatasetSourceConfig:
+        return from_env(cls, "ENV_DATASET", **overrides)
+
+
+@dataclasses.dataclass
+class OpenEnvConfig:
+    """Settings of the OpenEnv source (environment variables ``ENV_OPENENV_<FIELD>``)."""
+
+    prompt_field: str = dataclasses.field(default="prompt", metadata={"help": "observation field holding the prompt"})
+    action_field: str = dataclasses.field(
+        default="message", metadata={"help": "action field the completion is sent in"}
+    )
+    type_field: str = dataclasses.field(
+        default="task_type", metadata={"help": "observation field naming the task type ('' = none)"}
+    )
+    timeout_s: float = dataclasses.field(default=30.0, metadata={"help": "connect and message timeout"})
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> OpenEnvConfig:
+        return from_env(cls, "ENV_OPENENV", **overrides)
+
+
+#: Source prefix of ``ENV_ENVIRONMENT`` -> its settings dataclass.
+SOURCE_SETTINGS: dict[str, type] = {
+    "reasoning_gym": ReasoningGymConfig,
+    "dataset": DatasetSourceConfig,
+    "openenv": OpenEnvConfig,
+}
+
+
+def source_settings(spec: str, overrides: str = "") -> Any | None:
+    """The settings of the source ``spec`` selects: its ``ENV_<SOURCE>_*`` variables, then ``overrides``.
+
+    Args:
+        spec: ``ENV_ENVIRONMENT`` (``reasoning_gym:...``); a registered environment name has no settings.
+        overrides: JSON object of field values (what the panel's source form sets), ``""`` for none.
+
+    Returns:
+        The settings dataclass, or ``None`` for a registered environment or an unknown source.
+
+    Raises:
+        ValueError: ``overrides`` is not a JSON object of the source's fields, or a variable does not parse.
+    """
+    cls = SOURCE_SETTINGS.get(spec.partition(":")[0]) if ":" in spec else None
+    values = json.loads(overrides) if overrides.strip() else {}
+    if not isinstance(values, dict):
+        raise ValueError(f"source settings must be a JSON object, got {overrides!r}")
+    if cls is None:
+        if values:
+            raise ValueError(f"{spec!r} takes no source settings, got {sorted(values)}")
+        return None
+    unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"unknown {spec.partition(':')[0]} settings {sorted(unknown)}")
+    return cls.from_env(**values)

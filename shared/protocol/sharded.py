@@ -1,0 +1,335 @@
+"""Sharded publish: every rank of a ``torch.distributed`` trainer publishes its own slices.
+
+Each rank of an FSDP2 trainer calls :meth:`ShardedPublisher.publish` with its
+state dict (DTensor parameters; see :mod:`shared.shards`). A publish runs in
+four rounds; in each, every rank does its own work and sends a small record to
+rank 0, which answers with one broadcast (an error anywhere stops every rank
+in the same round, so no rank waits forever on a failed peer):
+
+1. *plan*: each rank takes its slices; rank 0 checks the run lock and the
+   pointer and decides anchor or delta;
+2. *detect*: each rank compares its slices with its own shadow (the last
+   published bits of its slices only); rank 0 unites the changed tensors' names;
+3. *hash*: each rank sends the state-hash records of its slices of those tensors
+   (:func:`shared.hashing.slice_record`: a few digests and at most two partial
+   16 KiB leaves per tensor) to the tensor's owner rank (tensors are dealt out
+   round-robin; one all-to-all), which merges them into the tensor's digest;
+   rank 0 combines the digests into the state hash, identical to a
+   single-process publisher's;
+4. *write and commit*: each rank encodes and uploads its own part file
+   (positions in the full tensors' flat coordinates) and reports its key and
+   size; once every part is confirmed, rank 0 writes the pointer naming all
+   parts, then every rank updates its shadow.
+
+No rank ever holds more than its own slices. A rank that dies mid-publish makes
+the others' collectives fail before the pointer is written, so the bucket stays
+at the previous version. Part files carry the run-lock epoch in their names, so
+a trainer taken over mid-upload cannot overwrite the new trainer's files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pickle
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from ..anchor_parts import write_anchor_part
+from ..detect import cast_chunk, serving_copy
+from ..errors import SyncError
+from ..format import Change, encode_delta
+from ..hashing import combine_digests, merge_records, raw_bytes, slice_record
+from ..shards import LocalSlice, local_slices
+from .lock import FencedError, RunLockedError
+from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest, anchor_folder, delta_part_key, part_name
+from .publisher import PublishRecord, Publisher, check_finite_changes, check_writable, read_manifest
+
+logger = logging.getLogger(__name__)
+
+_PROPAGATED = {cls.__name__: cls for cls in (FencedError, RunLockedError)}  # raised as such on every rank
+
+
+class ShardedPublishError(SyncError):
+    """A sharded publish failed on some rank; the previous version stays published."""
+
+
+@dataclasses.dataclass
+class _Plan:
+    kind: str
+    epoch: int
+    companion: bool  # an anchor that continues the published state also gets a delta
+
+
+class ShardedPublisher(Publisher):
+    """The :class:`Publisher` of a sharded trainer: call it on every rank with the same arguments.
+
+    Args:
+        bucket: Where to publish (every rank needs write access).
+        group: The process group of the trainer (default: the world).
+        **kwargs: As for :class:`Publisher`; ``max_shard_bytes`` is not used
+            (each rank writes one anchor part).
+    """
+
+    def __init__(self, bucket, *, group: dist.ProcessGroup | None = None, **kwargs: Any) -> None:
+        super().__init__(bucket, **kwargs)
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self._shadow_valid = False
+
+    # -- collective rounds --------------------------------------------------
+
+    def _round(self, local: Callable[[], Any], combine: Callable[[list[Any]], Any] | None = None) -> Any:
+        """Run ``local`` on every rank, ``combine`` (of all ranks' results) on rank 0; return its result everywhere.
+
+        Raises:
+            The rank's own exception, or :class:`ShardedPublishError` (or the lock
+            error rank 0 hit) when another rank failed.
+        """
+        own: BaseException | None = None
+        try:
+            mine: tuple[str, Any] = ("ok", local())
+        except Exception as exc:
+            own, mine = exc, ("error", (type(exc).__name__, f"rank {self.rank}: {exc}"))
+        gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(mine, gathered, group=self.group, group_dst=0)
+        box: list[Any] = [None]
+        if self.rank == 0:
+            assert gathered is not None
+            errors = [value for status, value in gathered if status == "error"]
+            if errors:
+                box[0] = ("error", errors[0] if len(errors) == 1 else ("SyncError", "; ".join(e[1] for e in errors)))
+            else:
+                try:
+                    box[0] = ("ok", combine([value for _, value in gathered]) if combine else None)
+                except Exception as exc:
+                    own, box[0] = exc, ("error", (type(exc).__name__, f"rank 0: {exc}"))
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        status, value = box[0]
+        if status == "error":
+            if own is not None:
+                raise own
+            raise _PROPAGATED.get(value[0], ShardedPublishError)(value[1])
+        return value
+
+    # -- resume -------------------------------------------------------------
+
+    def resume(self) -> None:  # type: ignore[override]
+        """Continue a run already in the bucket without replaying it.
+
+        Rank 0 takes the run lock and adopts the pointer; no rank rebuilds its
+        shadow, so the next publish writes an anchor (which needs none).
+        """
+        self._resumed = True
+
+        def adopt(_: list[Any]) -> bytes | None:
+            self._lock()
+            manifest = read_manifest(self.bucket)
+            if manifest is not None:
+                check_writable(manifest)
+            return manifest.to_json() if manifest else None
+
+        data = self._round(lambda: None, adopt)
+        self.manifest = Manifest.from_json(data) if data else None
+        self._shadow_valid = False
+        self.detector.published = None
+        if self.manifest is not None:
+            self._written = {(self.manifest.step, self.manifest.state_hash)}
+            self.run_id = self.run_id or self.manifest.run_id
+
+    # -- publish ------------------------------------------------------------
+
+    def publish(self, step: int, state: Mapping[str, torch.Tensor]) -> PublishRecord:
+        """Publish this rank's slices of ``state`` as part of version ``step`` (collective).
+
+        Args:
+            step: The new version, the same on every rank.
+            state: This rank's state dict: DTensors (e.g. FSDP2 parameters, ``Shard(0)``
+                or ``Replicate``) or plain tensors (taken from rank 0).
+
+        Returns:
+            What was written (whole-publish sizes; this rank's timings).
+
+        Raises:
+            As :meth:`Publisher.publish`, on every rank; :class:`ShardedPublishError`
+            when another rank failed.
+        """
+        digests = dict(self._digests)
+        try:
+            return self._publish_slices(step, state)
+        except BaseException:
+            self._digests = digests  # rank 0's per-tensor digests stay those of the published state
+            raise
+
+    def _publish_slices(self, step: int, state: Mapping[str, torch.Tensor]) -> PublishRecord:
+        # Every step that can fail runs inside a round, so a failing rank never leaves the others waiting.
+        t0 = time.perf_counter()
+        shapes = {name: tuple(t.shape) for name, t in state.items()}
+        total = sum(torch.Size(s).numel() for s in shapes.values())
+        slices: dict[str, LocalSlice] = {}
+        changes: dict[str, Change] = {}
+
+        def take_slices() -> bool:
+            slices.update(local_slices(state, self.rank))
+            return self._shadow_valid and self.detector.compatible({n: s.data for n, s in slices.items()})
+
+        plan: _Plan = self._round(take_slices, lambda flags: self._plan(step, all(flags)))
+
+        def detect() -> list[str]:
+            if plan.kind == "delta" or plan.companion:
+                changes.update(self.detector.diff({n: s.data for n, s in slices.items()}))
+            if not self.allow_non_finite:
+                check_finite_changes(changes)  # inside the round: every rank refuses together
+            return sorted(changes)
+
+        changed_names = self._round(detect, lambda names: set().union(*names))
+        t1 = time.perf_counter()
+        hashed = set(shapes) if plan.kind == "anchor" else changed_names
+        result_hash = self._hash_slices(slices, sorted(hashed), plan.kind, state)
+        t2 = time.perf_counter()
+        write = lambda: self._write_part(step, plan, slices, changes, result_hash, total)  # noqa: E731
+        manifest_json = self._round(write, lambda parts: self._commit_parts(step, plan, parts, result_hash, total))
+        self.manifest = Manifest.from_json(manifest_json)
+        if plan.kind == "anchor":
+            self.detector.published = {n: serving_copy(s.data, self.dtype) for n, s in slices.items()}
+            self._shadow_valid = True
+        else:
+            self.detector.commit(changes)
+        t3 = time.perf_counter()
+        entry = self.manifest.deltas[-1] if plan.kind == "delta" else self.manifest.anchors[-1]
+        changed = entry.changed if isinstance(entry, DeltaEntry) else total
+        keys = [f.key for f in entry.files]
+        logger.info("rank %d: published %s %d (%d parts)", self.rank, plan.kind, step, len(keys))
+        return PublishRecord(
+            step, plan.kind, entry.nbytes, changed, total, result_hash,
+            encode_s=t1 - t0, hash_s=t2 - t1, upload_s=t3 - t2,
+            catchup_bytes=self.manifest.catchup_bytes(), keys=keys,
+        )  # fmt: skip
+
+    def _plan(self, step: int, all_compatible: bool) -> _Plan:
+        """Rank 0: the checks of :meth:`Publisher.publish`, then anchor or delta."""
+        anchor = self._prepare(step) or not all_compatible
+        assert self.lock is not None
+        return _Plan("anchor" if anchor else "delta", self.lock.epoch, anchor and self.manifest is not None and all_compatible)
+
+    def _records(self, slices: Mapping[str, LocalSlice], names: set[str]) -> dict[str, Any]:
+        """This rank's state-hash records of ``names`` (serving dtype bits)."""
+        out = {}
+        for name in sorted(names):
+            s = slices[name]
+            bits = raw_bytes(cast_chunk(s.data, self.dtype))
+            itemsize = _itemsize(s.data, self.dtype)
+            out[name] = slice_record(bits, s.offset * itemsize, s.numel * itemsize)
+        return out
+
+    def _hash_slices(self, slices: Mapping[str, LocalSlice], names: list[str], kind: str, state: Mapping[str, torch.Tensor]) -> str:
+        """The new state hash: each tensor's records go to one owner rank (all-to-all), which merges
+        them into its digest; rank 0 combines the digests. No rank receives more than the records of
+        the tensors it owns."""
+        owner = {name: i % self.world for i, name in enumerate(names)}
+        outgoing: list[dict[str, Any]] = [{} for _ in range(self.world)]
+
+        def records() -> None:
+            for name, record in self._records(slices, set(names) & slices.keys()).items():
+                outgoing[owner[name]][name] = record
+
+        self._round(records)
+        incoming = self._exchange(outgoing)
+
+        def merge() -> dict[str, bytes]:
+            out = {}
+            for name in (n for n in names if owner[n] == self.rank):
+                tensor = state[name]
+                dtype = tensor.dtype if self.dtype is None or not tensor.is_floating_point() else self.dtype
+                out[name] = merge_records([r[name] for r in incoming if name in r], dtype, tuple(tensor.shape))
+            return out
+
+        def combine(digests: list[dict[str, bytes]]) -> str:
+            if kind == "anchor":
+                self._digests = {}
+            for part in digests:
+                self._digests.update(part)
+            return combine_digests(self._digests)
+
+        return self._round(merge, combine)
+
+    def _exchange(self, outgoing: list[Any]) -> list[Any]:
+        """All-to-all of picklable objects: ``outgoing[r]`` goes to rank ``r``; returns what each rank sent here."""
+        payloads = [pickle.dumps(obj) for obj in outgoing]
+        send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64)
+        recv_sizes = torch.empty(self.world, dtype=torch.int64)
+        dist.all_to_all_single(recv_sizes, send_sizes, group=self.group)
+        send = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
+        recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
+        dist.all_to_all_single(recv, send, recv_sizes.tolist(), send_sizes.tolist(), group=self.group)
+        data, out, start = recv.numpy().tobytes(), [], 0
+        for size in recv_sizes.tolist():
+            out.append(pickle.loads(data[start : start + size]))  # from this trainer's own ranks, not the bucket
+            start += size
+        return out
+
+    def _write_part(
+        self, step: int, plan: _Plan, slices: Mapping[str, LocalSlice], changes: Mapping[str, Change], result_hash: str, total: int
+    ) -> dict[str, Any]:
+        """Encode and upload this rank's part(s) (positions in global coordinates); return their keys and sizes."""
+        report: dict[str, Any] = {"changed": sum(c.index.size for c in changes.values())}
+        if plan.kind == "delta" or plan.companion:
+            assert self.manifest is not None
+            data = encode_delta(
+                {n: _to_global(c, slices[n]) for n, c in changes.items()}, step=step, base_step=self.manifest.step, base_hash=self.manifest.state_hash,
+                state_hash=result_hash, total=total, codec=self.codec,
+                extra_metadata={"part": str(self.rank), "parts": str(self.world)},
+            )  # fmt: skip
+            key = delta_part_key(step, plan.epoch, self.rank, self.world)
+            self.bucket.put(key, data)
+            report["delta"] = FileEntry(key, len(data))
+        if plan.kind == "anchor":
+            serving = {n: dataclasses.replace(s, data=cast_chunk(s.data, self.dtype)) for n, s in slices.items()}
+            key = f"{anchor_folder(step, plan.epoch)}/{part_name(self.rank, self.world)}"
+            with tempfile.TemporaryDirectory(prefix="rlsync-anchor-part-") as tmp:
+                path = write_anchor_part(
+                    serving, Path(tmp) / "part.safetensors", step=step, state_hash=result_hash, total=total,
+                    part=self.rank, parts=self.world,
+                )  # fmt: skip
+                self.bucket.put_file(key, path)
+                report["anchor"] = FileEntry(key, path.stat().st_size)
+        return report
+
+    def _commit_parts(self, step: int, plan: _Plan, parts: list[dict[str, Any]], result_hash: str, total: int) -> bytes:
+        """Rank 0: every part is confirmed; write the pointer naming them all."""
+        changed = sum(p["changed"] for p in parts)
+        deltas: tuple[DeltaEntry, ...] = ()
+        if "delta" in parts[0]:
+            assert self.manifest is not None
+            files = [p["delta"] for p in parts]
+            deltas = (DeltaEntry(step, self.manifest.step, result_hash, files[0], changed, total, tuple(files[1:])),)
+        if plan.kind == "anchor":
+            anchor = AnchorEntry(step, result_hash, tuple(p["anchor"] for p in parts))
+            if self.manifest is None:
+                manifest = Manifest(step, result_hash, (anchor,), (), run_id=self.run_id)
+            else:
+                manifest = dataclasses.replace(
+                    self.manifest, step=step, state_hash=result_hash,
+                    anchors=self.manifest.anchors + (anchor,), deltas=self.manifest.deltas + deltas,
+                )  # fmt: skip
+        else:
+            assert self.manifest is not None
+            manifest = dataclasses.replace(self.manifest, step=step, state_hash=result_hash, deltas=self.manifest.deltas + deltas)
+        self._commit(manifest)
+        assert self.manifest is not None
+        return self.manifest.to_json()
+
+
+def _itemsize(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
+    return torch.empty((), dtype=dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype).element_size()
+
+
+def _to_global(change: Change, s: LocalSlice) -> Change:
+    """A change found in a local slice, in the full tensor's flat coordinates."""
+    return dataclasses.replace(change, index=change.index + s.offset, shape=s.shape)

@@ -1,0 +1,120 @@
+"""A tiny FSDP2 trainer on gloo (CPU) that publishes sharded, for tests/test_sharded.py.
+
+Runs in processes started by ``torch.multiprocessing.spawn``; rank 0 writes a JSON
+report (per step: kind, hash, the single-process reference's hash; per rank:
+shadow bytes and peak RSS) into the results folder.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shared.bucket import BucketError, LocalBucket
+from shared.errors import SyncError
+from shared.hashing import state_hash
+from shared.protocol import FixedInterval, Publisher
+from shared.protocol.sharded import ShardedPublisher
+
+
+class DyingBucket(LocalBucket):
+    """A local bucket whose process dies (as if killed) when it is about to upload ``die_on``,
+    and whose first upload of ``fail_once_on`` fails."""
+
+    def __init__(self, root, die_on: str = "", fail_once_on: str = "") -> None:
+        super().__init__(root)
+        self.die_on, self.fail_once_on = die_on, fail_once_on
+
+    def _maybe_die(self, key: str) -> None:
+        if self.die_on and self.die_on in key:
+            os._exit(9)
+        if self.fail_once_on and self.fail_once_on in key:
+            self.fail_once_on = ""
+            raise BucketError(f"injected upload failure of {key}")
+
+    def put(self, key, data):
+        self._maybe_die(key)
+        return super().put(key, data)
+
+    def put_file(self, key, path):
+        self._maybe_die(key)
+        return super().put_file(key, path)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def build_sharded_model(world: int):
+    """The tiny Qwen3 model, seeded, every layer and the root wrapped with ``fully_shard`` on a CPU mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import Qwen3ForCausalLM
+
+    from shared.spaces.tiny_model import tiny_model_config
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(tiny_model_config()).to(torch.float32)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def run(rank: int, world: int, port: int, bucket_dir: str, results: str, steps: list[int], options: dict) -> None:
+    """One trainer rank: train, publish every step sharded, and (if asked) the gathered state single-process."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    model = build_sharded_model(world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    faulty = rank == options.get("fault_rank", -1)
+    bucket = DyingBucket(bucket_dir, options.get("die_on", "") if faulty else "", options.get("fail_once_on", "") if faulty else "")
+    publisher = ShardedPublisher(bucket, policy=FixedInterval(options.get("anchor_every", 3)), owner="trainer")
+    if options.get("resume"):
+        publisher.resume()
+    reference = Publisher(LocalBucket(options["reference"]), policy=FixedInterval(options.get("anchor_every", 3))) if options.get("reference") and rank == 0 else None
+    batch = torch.randint(0, 60, (2, 12), generator=torch.Generator().manual_seed(1))
+    report = {"steps": []}
+    for step in steps:
+        loss = model(batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        poisoned = step == options.get("poison_step") and rank == options.get("fault_rank", -1)
+        if poisoned:  # one rank's weights turn NaN: every rank must refuse to publish
+            with torch.no_grad():
+                next(iter(model.parameters())).to_local().view(-1)[:8] = float("nan")
+        try:
+            record = publisher.publish(step, model.state_dict())
+        except (SyncError, BucketError) as exc:  # every rank gets the error of a failed publish; retry once
+            report["steps"].append({"step": step, "failed": type(exc).__name__, "message": str(exc)})
+            if step == options.get("poison_step"):
+                break
+            record = publisher.publish(step, model.state_dict())
+        full = {n: t.full_tensor() for n, t in model.state_dict().items()}  # test only: the reference needs the whole state
+        entry = {"step": step, "kind": record.kind, "hash": record.state_hash, "files": len(record.keys),
+                 "full_hash": state_hash({n: t.to(torch.bfloat16) for n, t in full.items()})}  # fmt: skip
+        if reference is not None:
+            ref = reference.publish(step, full)
+            entry.update(reference_kind=ref.kind, reference_hash=ref.state_hash)
+        report["steps"].append(entry)
+    shadow = sum(t.numel() * t.element_size() for t in (publisher.detector.published or {}).values())
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, {"shadow_bytes": shadow, "peak_rss": peak_rss_bytes()})
+    report["ranks"] = per_rank
+    report["model_bytes"] = sum(t.numel() * 2 for t in model.state_dict().values())
+    if rank == 0:
+        Path(results).write_text(json.dumps(report))
+    dist.destroy_process_group()
