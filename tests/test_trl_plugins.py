@@ -63,18 +63,28 @@ def test_samples_map_onto_trl_rollout_samples(bucket):
 
 
 def test_hostile_samples_are_counted_and_never_queued(bucket):
+    """Each hostile sample in its own scores object: refused by the parser (the whole object) or by the
+    worker's own checks (ids outside the model's vocabulary, which the parser cannot know); the good
+    object's samples are queued."""
     Publisher(bucket).publish(0, bf16(master_state()))
-    write_samples(bucket, score_key(0, "r0"), [
-        sample("ok", 1.0, 0), sample("ok", 0.0, 0),
-        sample("vocab", 1.0, 0, tokens=(7, 99)), sample("neg", 1.0, 0, prompt=(-1, 2)),
-        sample("nan", 1.0, 0, logprobs=(math.nan, -1.0)), sample("pos", 1.0, 0, logprobs=(0.5, -1.0)),
-        sample("inf", math.inf, 0), sample("empty", 1.0, 0, tokens=(), logprobs=()),
-    ])  # fmt: skip
+    write_samples(bucket, score_key(0, "good"), [sample("ok", 1.0, 0), sample("ok", 0.0, 0)])
+    hostile = {
+        "vocab": sample("vocab", 1.0, 0, tokens=(7, 99)), "neg": sample("neg", 1.0, 0, prompt=(-1, 2)),
+        "nan": sample("nan", 1.0, 0, logprobs=(math.nan, -1.0)), "pos": sample("pos", 1.0, 0, logprobs=(0.5, -1.0)),
+        "inf": sample("inf", math.inf, 0), "empty": sample("empty", 1.0, 0, tokens=(), logprobs=()),
+    }  # fmt: skip
+    for name, bad in hostile.items():
+        write_samples(bucket, score_key(0, name), [bad, sample(name, 0.0, 0)])
     bucket.put(score_key(0, "junk"), b"[" * 10_000)
     worker = BucketRolloutWorker(bucket, read_samples, vocab_size=32, max_tokens=64)
     worker.poll()
-    assert [s.metrics["reward"] for s in drain(worker)] == [1.0, 0.0]
-    assert worker.counts["invalid"] == 6 and worker.counts["unreadable"] == 1
+    queued = drain(worker)
+    assert sorted(s.metrics["reward"] for s in queued if s.advantage != 0.0) == [0.0, 1.0]  # the good group
+    for s in queued:  # nothing hostile got through
+        assert 0 <= s.input_ids.min() and s.input_ids.max() < 32 and s.completion_mask.sum() > 0
+        assert np.isfinite(s.old_log_probs).all() and (s.old_log_probs <= 0).all() and math.isfinite(s.metrics["reward"])
+    assert worker.counts["invalid"] + worker.counts["unreadable"] >= len(hostile) + 1
+    assert worker.counts["invalid"] >= 1  # the out-of-vocabulary id passes the parser, not the worker
     assert worker.poll() == 0  # objects are read once
 
 
