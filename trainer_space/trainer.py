@@ -319,5 +319,10 @@ class Trainer:
         shutil.rmtree(self.scratch, ignore_errors=True)
 
     @property
+    def finished(self) -> bool:
+        """Whether ``max_steps`` optimizer steps were trained."""
+        return bool(self.config.max_steps) and self.trl.state.global_step >= self.config.max_steps
+
+    @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

@@ -209,8 +209,6 @@ class BucketRolloutWorker:
         self._consumed &= set(listed)  # objects the environment pruned will not come back
         queued = 0
         for key in listed:
-            if self._stop.is_set():
-                break
             if key in self._consumed:
                 continue
             self._consumed.add(key)
