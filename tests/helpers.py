@@ -54,3 +54,8 @@ def snapshot_in_hub_cache(model_dir: Path, cache: Path, repo_id: str) -> Path:
 def bf16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Cast floating-point tensors as the publisher serves them."""
     return {n: t.to(torch.bfloat16) if t.is_floating_point() else t.clone() for n, t in state.items()}
+
+
+def files_under(root: Path) -> dict[str, bytes]:
+    """Every file below ``root`` with its bytes: compare before and after to show nothing was written."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}

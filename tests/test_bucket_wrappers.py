@@ -299,8 +299,11 @@ def test_latency_is_added(local):
 
 
 def test_faulty_bucket_validates_key_before_injecting(local):
+    bucket = FaultyBucket(local, error_rate=1.0, latency=0.01)
     with pytest.raises(InvalidKeyError):
-        FaultyBucket(local, error_rate=1.0).put("../x", b"v")
+        bucket.put("../x", b"v")
+    assert not any(bucket.injected.values())  # refused before any fault (or write) was attempted
+    assert local.list("") == [] and not (local.root.parent / "x").exists()
 
 
 @pytest.mark.parametrize(

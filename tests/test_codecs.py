@@ -57,7 +57,7 @@ SPECIALS: dict[torch.dtype, dict[str, int | None]] = {
     torch.float8_e5m2: dict(zero=0x00, negzero=0x80, inf=0x7C, ninf=0xFC, nan_a=0x7D, nan_b=0x7E, nan_c=0xFF, sub_a=0x01, sub_b=0x03, one=0x3C),
 }
 
-HYPOTHESIS = settings(max_examples=50, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+HYPOTHESIS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])  # examples and seed: tests/conftest.py
 
 
 # ---------------------------------------------------------------------------

@@ -51,7 +51,7 @@ from shared.protocol import (
     read_manifest,
 )
 from shared.protocol.verify import verify_bucket
-from tests.helpers import bf16, master_state, rl_step
+from tests.helpers import bf16, files_under, master_state, rl_step
 
 
 def assert_clean(result: TrialResult, fault: str | None = None) -> None:
@@ -260,15 +260,22 @@ def _assert_untouched(sub: Subscriber, step: int | None, digest: str | None) -> 
     ],
 )
 @pytest.mark.parametrize("where", ["delta", "anchor"])
-def test_pointer_naming_an_unsafe_key_is_refused(bucket, key, where):
+def test_pointer_naming_an_unsafe_key_is_refused(bucket, tmp_path, key, where):
     _, sub, _ = _published(bucket)
     before = (sub.step, sub.state_hash)
     doc = json.loads(bucket.get(POINTER_KEY))
     (doc["deltas"][0]["file"] if where == "delta" else doc["anchors"][0]["files"][0])["key"] = key
-    bucket.put(POINTER_KEY, json.dumps(doc).encode())
-    for reader in (sub, Subscriber(bucket)):
+    pointer = json.dumps(doc).encode()
+    bucket.put(POINTER_KEY, pointer)
+    (tmp_path / "x.safetensors").write_bytes(b"outside the bucket")  # what "../x.safetensors" would reach
+    (tmp_path / "scratch").mkdir()
+    files = files_under(tmp_path)
+    for reader in (sub, Subscriber(bucket, workdir=tmp_path / "scratch")):
+        downloaded = reader.stats.bytes_downloaded
         with pytest.raises(FormatError, match="invalid object key"):
             reader.fetch()
+        assert reader.stats.bytes_downloaded - downloaded == len(pointer)  # refused on the pointer: nothing else read
+    assert files_under(tmp_path) == files  # nothing written, inside the bucket, its scratch folder or outside
     _assert_untouched(sub, *before)
 
 

@@ -30,9 +30,12 @@ from shared.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     INDEX_FILE,
+    MAX_HEADER_BYTES,
     Change,
+    anchor_metadata,
     decode_delta,
     encode_delta,
+    file_kind,
     load_anchor,
     parse_header,
     plan_shards,
@@ -637,7 +640,7 @@ def test_delta_given_as_anchor_shard_refused(tmp_path: Path, state) -> None:
 
 
 def test_anchor_without_shards_refused(tmp_path: Path) -> None:
-    with pytest.raises(FormatError, match="no shard files"):
+    with pytest.raises(FormatError, match="^anchor has no shard files$"):
         load_anchor([tmp_path / INDEX_FILE])
 
 
@@ -675,6 +678,65 @@ def test_delta_metadata_readable_by_safe_open(tmp_path: Path, state, codec: str)
     for name, patch in delta.patches.items():
         patch.apply_(work[name])
     assert state_hash(work) == meta["state_hash"]
+
+
+# ---------------------------------------------------------------------------
+# which of our files a header describes (``file_kind``, used by ``python -m shared inspect``)
+
+
+def test_file_kind_of_anchors_and_deltas() -> None:
+    assert file_kind(anchor_metadata(step=3, state_hash="0" * 64, total=10)) == "anchor"
+    assert file_kind(delta_metadata()) == "delta"
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"kind": "checkpoint"}, r"^unknown file kind 'checkpoint'$"),
+        ({"kind": None}, r"^unknown file kind None$"),
+        ({"format": "other"}, r"^not an rlsync file \(format='other'\)$"),
+        ({"format_version": "99"}, r"^unsupported format version '99'; this reader knows"),
+    ],
+)
+def test_file_kind_refuses_other_files(changes: dict, message: str) -> None:
+    metadata = {k: v for k, v in {**delta_metadata(), **changes}.items() if v is not None}
+    with pytest.raises(FormatError, match=message):
+        file_kind(metadata)
+
+
+# ---------------------------------------------------------------------------
+# reading only what is needed
+
+
+@pytest.mark.parametrize(
+    "header_len", [64, MAX_HEADER_BYTES + 1, 2**64 - 1], ids=["small-header", "over-the-limit", "negative-if-signed"]
+)
+def test_read_header_file_reads_the_header_only(tmp_path: Path, header_len: int) -> None:
+    """A 160 MiB file (sparse on disk) is never read past its header, whatever its header length field says."""
+    path = tmp_path / "big.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", header_len) + b"{" + b" " * 62 + b"}")
+        f.truncate(160 * 2**20)
+    tracemalloc.start()
+    try:
+        if header_len == 64:  # a valid empty header: read, the body left alone
+            assert read_header_file(path) == ({}, {})
+        else:
+            with pytest.raises(FormatError, match="header declares"):
+                read_header_file(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20
+
+
+def test_load_anchor_skips_the_index_wherever_it_is_listed(tmp_path: Path) -> None:
+    state = anchor_state()
+    state.update({f"model.layers.{i}.w": torch.full((10, 10), float(i), dtype=torch.bfloat16) for i in range(4)})
+    files = write_anchor(state, tmp_path, step=3, state_hash=state_hash(state), max_shard_bytes=300)
+    assert files[-1].name == INDEX_FILE and len(files) > 2
+    loaded, metadata = load_anchor([files[-1], *files[:-1]])  # the index first, as a hostile pointer may list it
+    assert state_hash(loaded) == state_hash(state) and metadata["step"] == "3"
 
 
 # ---------------------------------------------------------------------------

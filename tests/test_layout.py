@@ -147,10 +147,10 @@ def test_checks_catch_what_they_look_for(tmp_path):
 
 
 def source_files(suffixes: tuple[str, ...]) -> list[Path]:
-    """Files with these suffixes outside tests/, hidden folders (.venv, .git) and caches."""
+    """Files with these suffixes outside tests/, hidden folders (.venv, .git), caches and mutmut's copy (mutants/)."""
     found = []
     for folder, dirs, files in os.walk(ROOT):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("tests", "__pycache__", "node_modules")]
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("tests", "__pycache__", "node_modules", "mutants")]
         found += [Path(folder) / f for f in files if f.endswith(suffixes)]
     return found
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from shared.protocol import (
     read_manifest,
 )
 from shared.protocol.verify import verify_bucket
-from tests.helpers import bf16, master_state, rl_step
+from tests.helpers import bf16, files_under, master_state, rl_step
 
 
 def run(pub: Publisher, master, steps, start=0, sub: Subscriber | None = None):
@@ -137,7 +138,7 @@ def test_hash_mismatch_after_apply_rolls_back(bucket):
     bucket.put(POINTER_KEY, json.dumps(pointer).encode())
     before = {n: t.clone() for n, t in sub.state.items()}
     update = sub.fetch()
-    with pytest.raises(HashMismatchError):
+    with pytest.raises(HashMismatchError, match="^state after delta 1 does not match its hash$"):
         sub.apply(update)
     assert state_hash(sub.state) == state_hash(before) == sub.state_hash and sub.step == 0
     assert sub.needs_resync
@@ -151,7 +152,7 @@ def test_same_delta_twice_is_refused(bucket):
     update = sub.fetch()
     sub.apply(update)
     after = state_hash(sub.state)
-    with pytest.raises(ChainError):
+    with pytest.raises(ChainError, match="^delta 0->1 does not apply to step 1$"):
         sub.apply(update)
     assert state_hash(sub.state) == after == sub.state_hash
 
@@ -267,7 +268,7 @@ def test_resume_continues_versions(bucket):
         None,  # key with '..', built below
     ],
 )
-def test_hostile_pointer_is_refused(bucket, pointer):
+def test_hostile_pointer_is_refused(bucket, tmp_path, pointer):
     master = master_state()
     sub = Subscriber(bucket)
     run(Publisher(bucket), master, 1, sub=sub)
@@ -276,11 +277,15 @@ def test_hostile_pointer_is_refused(bucket, pointer):
         doc["anchors"][0]["files"][0]["key"] = "../../etc/passwd"
         pointer = json.dumps(doc).encode()
     bucket.put(POINTER_KEY, pointer)
-    with pytest.raises(FormatError):
-        Subscriber(bucket).fetch()
-    with pytest.raises(FormatError):
-        sub.fetch()
-    assert sub.step == 0 and sub.state_hash == state_hash(sub.state)
+    held = (sub.step, sub.state_hash, {n: t.clone() for n, t in sub.state.items()})
+    files = files_under(tmp_path)
+    for reader in (Subscriber(bucket), sub):
+        downloaded = reader.stats.bytes_downloaded
+        with pytest.raises(FormatError):
+            reader.fetch()
+        assert reader.stats.bytes_downloaded - downloaded == len(pointer)  # nothing read past the pointer
+    assert files_under(tmp_path) == files  # and nothing written anywhere
+    assert (sub.step, sub.state_hash) == held[:2] == (0, state_hash(held[2])) and state_hash(sub.state) == held[1]
 
 
 def test_verify_detects_corruption(bucket):
@@ -399,3 +404,192 @@ def test_a_format_version_1_chain_is_read_with_its_own_hash_and_not_extended(buc
     assert state_hash(sub.state) == state_hash(new)
     with pytest.raises(SyncError, match="format version 1"):
         Publisher(bucket).resume()
+
+
+# -- subscriber details (each found unchecked by mutation testing) ------------------------------
+
+
+def test_pointer_going_back_is_refused_counted_and_logged(bucket, caplog):
+    master = master_state()
+    pub, sub = Publisher(bucket, policy=FixedInterval(10)), Subscriber(bucket)
+    run(pub, master, 2, sub=sub)
+    older = bucket.get(POINTER_KEY)
+    run(pub, master, 1, start=2, sub=sub)
+    bucket.put(POINTER_KEY, older)  # a stale pointer (a cache, a lagging replica of the store)
+    with pytest.raises(ChainError, match="^pointer went back from 2 to 1$"):
+        sub.fetch()
+    assert sub.stats.refused == 1 and sub.needs_resync and sub.stats.last_error == "pointer went back from 2 to 1"
+    with pytest.raises(ChainError):
+        sub.fetch()
+    assert sub.stats.refused == 2  # every refusal counts
+    assert [r.getMessage() for r in caplog.records if r.name == "shared.protocol.subscriber"][-1] == (
+        "refused update: pointer went back from 2 to 1; keeping step 2 until the next anchor"
+    )
+
+
+def _following(bucket, followed: int, published: int, interval: int = 10):
+    """A subscriber that followed the first ``followed`` versions of ``published`` ones."""
+    master = master_state()
+    pub, sub = Publisher(bucket, policy=FixedInterval(interval)), Subscriber(bucket)
+    run(pub, master, followed, sub=sub)
+    run(pub, master, published - followed, start=followed)
+    return master, pub, sub
+
+
+def _edit_pointer(bucket, edit) -> None:
+    doc = json.loads(bucket.get(POINTER_KEY))
+    edit(doc)
+    bucket.put(POINTER_KEY, json.dumps(doc).encode())
+
+
+def test_delta_disagreeing_with_its_pointer_entry_is_refused(bucket):
+    _, _, sub = _following(bucket, 1, 2)
+    _edit_pointer(bucket, lambda doc: doc.update(state_hash="0" * 64, deltas=[dict(doc["deltas"][-1], state_hash="0" * 64)]))
+    with pytest.raises(FormatError, match=f"^{delta_key(1, 1)}: metadata disagrees with the pointer$"):
+        sub.fetch()
+    assert sub.stats.refused == 1 and sub.step == 0
+
+
+def test_fetched_delta_reports_its_size_changes_and_times(bucket):
+    import time
+
+    _, _, sub = _following(bucket, 1, 2)
+    t0 = time.perf_counter()
+    update = sub.fetch()
+    elapsed = time.perf_counter() - t0
+    entry = read_manifest(bucket).deltas[-1]
+    assert (update.kind, update.step, update.base_step) == ("delta", 1, 0)
+    assert update.nbytes == entry.file.size == len(bucket.get(delta_key(1, 1)))
+    assert update.changed == entry.changed == sum(p.numel for p in update.patches.values()) > 0
+    assert 0 < update.download_s and 0 < update.decode_s and update.download_s + update.decode_s <= elapsed
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+def test_anchor_of_another_schema_is_refused(tmp_path, change):
+    """A replica never swaps its model for one of other shapes or dtypes under the same names."""
+    ours, theirs = LocalBucket(tmp_path / "ours"), LocalBucket(tmp_path / "theirs")
+    Publisher(ours).publish(0, master_state())
+    sub = Subscriber(ours)
+    sub.sync()
+    other = master_state()
+    name = "model.norm.weight" if change == "shape" else "model.step_counter"
+    other[name] = other[name][:-1] if change == "shape" else other[name].to(torch.int32)
+    Publisher(theirs).publish(5, other)
+    sub.bucket = theirs
+    with pytest.raises(FormatError, match="^anchor 5: tensor names, shapes or dtypes differ from the model$"):
+        sub.fetch()
+    assert sub.step == 0 and sub.state_hash == state_hash(sub.state) == state_hash(bf16(master_state()))
+
+
+def test_apply_counts_times_and_logs_each_update(bucket, caplog):
+    import logging
+    import time
+
+    caplog.set_level(logging.INFO, logger="shared.protocol.subscriber")
+    master = master_state()
+    pub = Publisher(bucket, policy=FixedInterval(2))
+    run(pub, master, 3)  # anchors 0 and 2, deltas 1 and 2
+    sub = Subscriber(bucket)
+    sub.apply(sub.fetch())  # anchor 2
+    assert sub.needs_resync is False and sub.stats.anchors_applied == 1
+    run(pub, master, 3, start=3)  # anchor 4, deltas 3..5
+    bucket.delete([delta_key(3, 1)])
+    with pytest.raises(ChainError):
+        sub.fetch()
+    assert sub.needs_resync is True
+    t0 = time.perf_counter()
+    update = sub.fetch()
+    sub.apply(update)  # anchor 4
+    elapsed = time.perf_counter() - t0
+    assert (update.kind, update.step) == ("anchor", 4) and sub.needs_resync is False
+    assert sub.stats.anchors_applied == 2 and 0 <= sub.stats.last_apply_s <= elapsed
+    sub.apply(delta := sub.fetch())
+    assert sub.stats.deltas_applied == 1
+    messages = [r.getMessage() for r in caplog.records if r.name == "shared.protocol.subscriber"]
+    assert messages[-1] == f"applied delta 5 ({delta.nbytes} bytes)" and f"applied anchor 4 ({update.nbytes} bytes)" in messages
+
+
+def test_refused_subscriber_at_an_anchor_step_waits_instead_of_refetching_it(bucket):
+    _, _, sub = _following(bucket, 4, 5, interval=3)  # at step 3, which is also an anchor
+    bucket.put(delta_key(4, 1), b"garbage")
+    with pytest.raises(SyncError):
+        sub.fetch()
+    assert sub.fetch() is None and sub.step == 3  # anchor 3 is not newer than the state: nothing to fetch
+
+
+def test_pointer_without_anything_continuing_the_state_is_refused(bucket):
+    _, _, sub = _following(bucket, 2, 3)
+    _edit_pointer(bucket, lambda doc: doc.update(deltas=[dict(doc["deltas"][-1], base_step=0)]))  # none from step 1
+    with pytest.raises(ChainError, match="^no retained delta or anchor continues step 1$"):
+        sub.fetch()
+    assert sub.stats.refused == 1 and sub.needs_resync and sub.step == 1
+
+
+def test_fresh_subscriber_then_anchor_downloaded_in_its_workdir_and_reads_counted(bucket, tmp_path, monkeypatch):
+    sub = Subscriber(bucket, workdir=tmp_path / "scratch")
+    assert (sub.state, sub.step, sub.state_hash, sub.manifest, sub.needs_resync) == ({}, None, None, None, False)
+    (tmp_path / "scratch").mkdir()
+    master = master_state()
+    pub = Publisher(bucket, policy=FixedInterval(10))
+    run(pub, master, 2)
+    downloads = []
+    get_file = type(bucket).get_file_limited
+    monkeypatch.setattr(
+        bucket, "get_file_limited", lambda key, path, size: downloads.append(Path(path)) or get_file(bucket, key, path, size)
+    )
+    sub.apply(sub.fetch())  # pointer + the anchor's one file
+    assert sub.stats.reads == 2 and len(downloads) == 1
+    folder = downloads[0].parent
+    assert folder.parent == tmp_path / "scratch" and folder.name.startswith("rlsync-anchor-") and not folder.exists()
+    sub.apply(sub.fetch())  # pointer + delta
+    assert sub.stats.reads == 4 and sub.step == 1
+    assert sub.stats.bytes_downloaded == 2 * len(bucket.get(POINTER_KEY)) + read_manifest(bucket).anchors[0].nbytes + len(
+        bucket.get(delta_key(1, 1))
+    )
+
+
+def test_fetched_anchor_reports_its_size_elements_and_times(bucket):
+    import time
+
+    master = master_state()
+    run(Publisher(bucket), master, 1)
+    sub = Subscriber(bucket)
+    t0 = time.perf_counter()
+    update = sub.fetch()
+    elapsed = time.perf_counter() - t0
+    entry = read_manifest(bucket).anchors[0]
+    assert (update.kind, update.step, update.nbytes) == ("anchor", 0, entry.nbytes)
+    assert update.changed == sum(t.numel() for t in master.values())
+    assert 0 < update.download_s and 0 < update.decode_s and update.download_s + update.decode_s <= elapsed
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "pointer_hash", "content"])
+def test_refused_anchor_is_counted_logged_and_its_download_removed(bucket, tmp_path, caplog, damage):
+    master = master_state()
+    run(Publisher(bucket), master, 1)
+    key = read_manifest(bucket).anchors[0].files[0].key
+    if damage == "missing":
+        bucket.delete([key])
+        message = f"^anchor 0 is missing a file: {key}"
+    elif damage == "truncated":
+        size = len(bucket.get(key))
+        bucket.put(key, bucket.get(key)[:-3])
+        message = f"^{key}: {size - 3} bytes, the pointer promised {size} \\(truncated\\?\\)$"
+    elif damage == "pointer_hash":
+        _edit_pointer(bucket, lambda doc: doc.update(state_hash="0" * 64, anchors=[dict(doc["anchors"][0], state_hash="0" * 64)]))
+        message = "^anchor 0: metadata disagrees with the pointer$"
+    else:  # same size and metadata, other values
+        data = bytearray(bucket.get(key))
+        data[-1] ^= 0x01
+        bucket.put(key, bytes(data))
+        message = "^anchor 0: content does not match its hash$"
+    (tmp_path / "scratch").mkdir()
+    sub = Subscriber(bucket, workdir=tmp_path / "scratch")
+    for attempt in (1, 2):
+        with pytest.raises(SyncError, match=message) as info:
+            sub.fetch()
+        assert sub.stats.refused == attempt and sub.stats.last_error == str(info.value)
+    assert not any((tmp_path / "scratch").iterdir())  # the download folder is removed
+    logged = [r.getMessage() for r in caplog.records if r.name == "shared.protocol.subscriber"]
+    assert logged[-1] == f"refused anchor 0: {info.value}"
+    assert sub.step is None and sub.state == {}

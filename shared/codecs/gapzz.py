@@ -47,10 +47,11 @@ class OldWeights:
 
 
 def _byte_width(max_value: int) -> int:
-    for width in (1, 2, 4, 8):
+    """Bytes per gap: 1, 2 or 4 if ``max_value`` fits, else 8 (gaps of int64 positions always fit)."""
+    for width in (1, 2, 4):
         if max_value < 1 << (8 * width):
             return width
-    raise AssertionError("unreachable")
+    return 8
 
 
 def split_planes(values: np.ndarray) -> np.ndarray:

@@ -288,7 +288,9 @@ class Subscriber:
 
         Raises:
             ChainError: the update does not follow the current state (replayed,
-                out of order); nothing changes.
+                out of order); nothing changes. If it names the current step but
+                another base state, it is also counted as refused and the
+                subscriber waits for the next anchor.
             HashMismatchError: the result does not match its promised hash; the
                 state is rolled back and the subscriber waits for the next anchor.
         """
@@ -315,8 +317,10 @@ class Subscriber:
 
     def _apply_delta(self, update: Update) -> None:
         assert update.patches is not None
-        if update.base_step != self.step or update.base_hash != self.state_hash or self._resync:
+        if update.base_step != self.step or self._resync:  # replayed or out of order: the state is still good
             raise ChainError(f"delta {update.base_step}->{update.step} does not apply to step {self.step}")
+        if update.base_hash != self.state_hash:  # same step, another state: a fork, resync from the next anchor
+            raise self._refuse(ChainError(f"delta {update.step} is based on another state than step {self.step}"))
         undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         digests = dict(self._digests)
         try:

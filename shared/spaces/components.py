@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Self
 
@@ -95,7 +96,7 @@ class Live:
                 got = render(view, snap)
                 out += list(got) if n > 1 else [got]
             except Exception:  # one broken figure must not blank the panel
-                logger.exception("panel refresh failed")
+                logger.error("panel refresh failed: %s", redact(traceback.format_exc()))
                 out += [gr.skip()] * n
         return out
 
@@ -445,7 +446,7 @@ def anchor_policy_controls(
             new = make_policy(kind, every, bound)
             write_policy(bucket_view(live.source).bucket, new)
         except (ValueError, BucketError) as exc:
-            logger.warning("anchor policy not applied: %s", exc)
+            logger.warning("anchor policy not applied: %s", redact(str(exc)))
             return redact(f":x: not applied: {exc}")
         return f"Applied `{json.dumps(new.settings())}`: takes effect at the next publish."
 

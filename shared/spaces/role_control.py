@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -100,8 +101,8 @@ class RoleRunner:
             self.objects = objects
             logger.info("%s started (%d object(s)) in %.1fs", self.name, len(objects), time.perf_counter() - t0)
         except Exception as exc:  # shown in the panel; the panel keeps working
-            logger.exception("%s failed to start", self.name)
             self.error = redact(f"{type(exc).__name__}: {exc}")
+            logger.error("%s failed to start: %s", self.name, redact(traceback.format_exc()))
         finally:
             self._starting = False
 

@@ -101,17 +101,17 @@ def read_snapshot(bucket: Bucket) -> Snapshot:
         try:
             snap.manifest = read_manifest(bucket)
         except FormatError as exc:
-            logger.warning("invalid pointer object: %s", exc)
-            snap.error = f"invalid latest.json: {exc}"
+            snap.error = redact(f"invalid latest.json: {exc}")
+            logger.warning("%s", snap.error)
         try:
             snap.policy = policy_from_json(bucket.get_limited(CONTROL_KEY, MAX_CONTROL_BYTES))
         except ObjectNotFoundError:
             pass
         except FormatError as exc:
-            logger.warning("invalid control object: %s", exc)
+            logger.warning("invalid control object: %s", redact(str(exc)))
     except BucketError as exc:
-        logger.warning("reading %s failed: %s", getattr(bucket, "url", "bucket"), exc)
         snap.error = redact(f"bucket read failed: {exc}")
+        logger.warning("%s: %s", getattr(bucket, "url", "bucket"), snap.error)
     return snap
 
 
@@ -152,8 +152,8 @@ class BucketView:
             try:
                 snap = read_snapshot(self.bucket)
             except BucketError as exc:  # opening the bucket failed
-                logger.warning("cannot open bucket %s: %s", self.url, exc)
                 snap = Snapshot(read_at=now, error=redact(f"cannot open bucket: {exc}"))
+                logger.warning("%s: %s", self.url, snap.error)
             self._remember_syncs(snap)
             self._snapshot = snap
             return snap
