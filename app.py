@@ -45,6 +45,7 @@ from rollout_space.replica import ReplicaConfig
 from shared.spaces import components, frames, role_control, snapshots
 from shared.bucket import Bucket, open_bucket
 from shared.spaces.exchange import METRICS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX, STATUS_PREFIX, TASKS_PREFIX
+from shared.trl.checkpoints import CHECKPOINTS_PREFIX
 from shared.protocol.lock import LOCK_KEY
 from shared.protocol.manifest import ANCHOR_PREFIX, CONTROL_KEY, DELTA_PREFIX, POINTER_KEY
 from trainer_space import app as trainer_app
@@ -65,6 +66,7 @@ RUN_PREFIXES = (
     TASKS_PREFIX,
     ROLLOUTS_PREFIX,
     SCORES_PREFIX,
+    CHECKPOINTS_PREFIX,
 )
 PROGRESS_EVERY_S = 20.0
 
@@ -215,6 +217,7 @@ def build_app(stack: Stack) -> gr.Blocks:
                     with gr.Row():
                         components.reward_plot(live, prefix="overview-")
                         components.size_plot(live, prefix="overview-")
+                    components.ratio_plot(live, prefix="overview-")
                     components.fleet_table(live, prefix="overview-")
             with gr.Tab("Trainer", id="trainer", elem_id="tab-trainer") as trainer_tab:
                 trainer_app.build_panel(

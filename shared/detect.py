@@ -16,7 +16,7 @@ of temporary memory, independent of model size.
 from __future__ import annotations
 
 
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import numpy as np
 import torch
@@ -43,8 +43,11 @@ def serving_dtype_of(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.d
 
 
 def serving_copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A contiguous copy of ``tensor`` in its serving dtype, on its own device."""
-    return cast_chunk(tensor.detach(), dtype).clone().contiguous()
+    """A contiguous copy of ``tensor`` in its serving dtype, on its own device (a cast already copies)."""
+    cast = cast_chunk(tensor.detach(), dtype)
+    if cast.data_ptr() == tensor.data_ptr():
+        cast = cast.clone()
+    return cast.contiguous()
 
 
 def changed_elements(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -145,11 +148,54 @@ class ChangeDetector:
             base=published,
         )
 
+    def diff_tensor(self, name: str, tensor: torch.Tensor) -> Change | None:
+        """Changed elements of one tensor relative to its published copy (``None``: unchanged).
+
+        Raises:
+            SyncError: ``name`` is not published, or its shape or serving dtype differ.
+        """
+        published = (self.published or {}).get(name)
+        if published is None or tensor.shape != published.shape or serving_dtype_of(tensor, self.dtype) != published.dtype:
+            raise SyncError(f"{name!r} does not match the published state's names, shapes and dtypes; publish an anchor")
+        return self._diff_tensor(published, tensor.detach().reshape(-1))
+
     def commit(self, changes: Mapping[str, Change]) -> None:
         """Write published changes into the shadow copy."""
         assert self.published is not None
         for name, ch in changes.items():
-            flat = int_view(self.published[name])
-            idx = torch.from_numpy(ch.index).to(flat.device)
-            new = torch.from_numpy(ch.new_bits.view(np.dtype(f"int{8 * ch.new_bits.itemsize}"))).to(flat.device)
-            flat[idx] = new
+            apply_change(self.published[name], ch)
+
+
+def apply_change(tensor: torch.Tensor, change: Change) -> None:
+    """Write a change's new bits into ``tensor`` (in place)."""
+    flat = int_view(tensor)
+    idx = torch.from_numpy(change.index).to(flat.device)
+    new = torch.from_numpy(change.new_bits.view(np.dtype(f"int{8 * change.new_bits.itemsize}"))).to(flat.device)
+    flat[idx] = new
+
+
+class PatchedState(Mapping[str, torch.Tensor]):
+    """A published state with changes applied, built one tensor at a time on access.
+
+    Args:
+        published: The shadow copy (not modified).
+        changes: Changes to apply, by tensor name.
+    """
+
+    def __init__(self, published: Mapping[str, torch.Tensor], changes: Mapping[str, Change]) -> None:
+        self.published = published
+        self.changes = changes
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self.published[name]
+        if name not in self.changes:
+            return tensor
+        patched = tensor.clone()
+        apply_change(patched, self.changes[name])
+        return patched
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.published)
+
+    def __len__(self) -> int:
+        return len(self.published)

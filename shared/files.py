@@ -18,7 +18,7 @@ from typing import BinaryIO, Callable
 logger = logging.getLogger(__name__)
 
 TMP_MARK = ".tmp-"
-_CHUNK = 1 << 24
+_CHUNK = 1 << 20  # 1 MiB per read: copying a large anchor keeps memory flat
 
 
 class NotRegularFileError(OSError):

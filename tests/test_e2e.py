@@ -1,6 +1,7 @@
-"""End to end: trainer, two replicas and the environment as separate processes on one
-local bucket. Rewards flow, deltas are published, every replica ends bit-identical
-to the trainer's last published state, and the policy learns the reverse task."""
+"""End to end: the TRL trainer (AsyncGRPOTrainer with the bucket plug-ins), two replicas
+and the environment as separate processes on one local bucket. Rewards flow, deltas are
+published, every replica ends bit-identical to the trainer's last published state, and
+the policy learns the reverse task."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 60
 
 
-def spawn(module: str, env: dict, log: Path) -> subprocess.Popen:
+def spawn(module: str, env: dict, log: Path, level: str = "WARNING") -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", module, "--log-level", "WARNING"],
+        [sys.executable, "-m", module, "--log-level", level],
         cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
     )  # fmt: skip
 
@@ -38,17 +39,19 @@ def test_three_roles_learn_and_replicas_end_bit_identical(tmp_path):
         "OMP_NUM_THREADS": "1",
         "TRAINER_BUCKET": str(bucket_dir), "ROLLOUT_BUCKET": str(bucket_dir), "ENV_BUCKET": str(bucket_dir),
         "TRAINER_MAX_STEPS": str(STEPS), "TRAINER_LR": "5e-4", "TRAINER_ANCHOR_INTERVAL": "8",
-        "TRAINER_GROUPS_PER_STEP": "8", "TRAINER_SEED": "0",
+        "TRAINER_BATCH_SIZE": "32", "TRAINER_SEED": "0", "TRAINER_SYNC_EVERY": "1",
         "ROLLOUT_VERIFY_ENGINE": "1", "ROLLOUT_POLL_S": "0.2", "ENV_POLL_S": "0.2", "TRAINER_POLL_S": "0.2",
     }  # fmt: skip
-    procs = {"trainer": spawn("trainer_space", env, tmp_path / "trainer.log")}
+    procs = {"trainer": spawn("trainer_space", env, tmp_path / "trainer.log", "INFO")}
     procs["env"] = spawn("env_space", env, tmp_path / "env.log")
     for i in range(2):
         procs[f"r{i}"] = spawn("rollout_space", {**env, "ROLLOUT_REPLICA_ID": f"r{i}", "ROLLOUT_SEED": str(i)}, tmp_path / f"r{i}.log")
     bucket = LocalBucket(bucket_dir)
     try:
         procs["trainer"].wait(timeout=420)
-        assert procs["trainer"].returncode == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+        trainer_log = (tmp_path / "trainer.log").read_text()
+        assert procs["trainer"].returncode == 0, trainer_log[-3000:]
+        assert "through TRL AsyncGRPOTrainer" in trainer_log, trainer_log[-3000:]
         manifest = read_manifest(bucket)
         assert manifest is not None and manifest.step == STEPS
         deadline = time.time() + 60

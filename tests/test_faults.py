@@ -438,7 +438,7 @@ def test_env_scores_good_rollouts_next_to_hostile_ones(bucket):
 
 
 def test_trainer_collects_good_scores_next_to_hostile_ones(bucket):
-    from trainer_space.trainer import Trainer, TrainerConfig
+    from shared.trl import BucketRolloutWorker
 
     good = [Sample("t0", "p", "c", [1], [2], [-0.1], 0, reward=1.0)]
     write_samples(bucket, score_key(0, "good"), good, batch=0)
@@ -447,9 +447,9 @@ def test_trainer_collects_good_scores_next_to_hostile_ones(bucket):
     bucket.put(f"scores/{0:010d}/..json", b"[" * 100_000)
     _foreign_file(bucket, "scores/0000000000/a b.json")
     _foreign_file(bucket, "scores/²/x.json")
-    trainer = Trainer(TrainerConfig(bucket=str(bucket.root), trainer_id="t"), bucket=bucket)
-    assert trainer.collect() == 1
-    assert [g[0].task_id for g in trainer.buffer] == ["t0"]
+    worker = BucketRolloutWorker(bucket, read_samples, vocab_size=32)  # what the trainer reads scores with
+    assert worker.poll() == 1
+    assert worker.rollout_buffer.get_nowait().input_ids.tolist() == [1, 2] and worker.rollout_buffer.empty()
 
 
 def test_replica_skips_hostile_task_names_and_refuses_malformed_task_batches(bucket):

@@ -275,9 +275,9 @@ def test_trainer_validates_scores_again_and_keeps_training(tmp_path) -> None:
     from trainer_space.trainer import Trainer, TrainerConfig
 
     bucket = LocalBucket(tmp_path / "bucket")
-    trainer = Trainer(TrainerConfig(bucket=str(tmp_path / "bucket"), groups_per_step=1, device="cpu", max_staleness=100), bucket)
-    trainer.setup()
-    vocab = trainer.model.get_input_embeddings().num_embeddings
+    trainer = Trainer(TrainerConfig(bucket=str(tmp_path / "bucket"), batch_size=2, max_steps=1, device="cpu", max_staleness=100,
+                                    poll_s=0.05), bucket)  # fmt: skip
+    vocab = trainer.trl.model.get_input_embeddings().num_embeddings
     hostile = {
         "nan_logprobs": {"logprobs": [float("nan")] * 3},
         "out_of_vocab": {"token_ids": [1, vocab, 2]},
@@ -289,10 +289,9 @@ def test_trainer_validates_scores_again_and_keeps_training(tmp_path) -> None:
     }
     for i, overrides in enumerate(hostile.values()):
         put_json(bucket, score_key(0, f"evil{i}"), {"samples": [good_sample(**{"version": 0, "reward": 1.0, **overrides})] * 2})
-    good = [good_sample(version=0, reward=r) for r in (1.0, 0.0)]
-    put_json(bucket, score_key(1, "good"), {"samples": good})
-    for _ in range(3):
-        trainer.step()
+    for b in (1, 2):  # TRL's data loader reads one batch ahead: two batches of two for one step
+        put_json(bucket, score_key(b, "good"), {"samples": [good_sample(version=0, reward=r) for r in (1.0, 0.0)]})
+    trainer.run()
     assert trainer.refusals.total == len(hostile)
     assert trainer.opt_steps == 1 and trainer.version == 1
     sub = Subscriber(bucket)
@@ -329,17 +328,19 @@ def test_trainer_restores_published_weights_instead_of_publishing_poison(tmp_pat
     """If training still produced NaN weights, the trainer refuses to publish them, goes back to the
     published weights with a fresh optimizer, and keeps running."""
     from shared.bucket import LocalBucket
-    from trainer_space.trainer import Trainer, TrainerConfig, checkpoint_state
+    from trainer_space.trainer import Trainer, TrainerConfig
 
     bucket = LocalBucket(tmp_path / "bucket")
     trainer = Trainer(TrainerConfig(bucket=str(tmp_path / "bucket"), device="cpu"), bucket)
-    trainer.setup()
-    published = state_hash({n: t.detach().to(torch.bfloat16) for n, t in checkpoint_state(trainer.model).items()})
+    trainer.prepare()
+    trainer.trl._sync_weight()  # TRL's weight sync: version 0
+    params = dict(trainer.trl.model.named_parameters())
+    names = trainer.publisher.detector.published.keys()
+    published = state_hash({n: params[n].detach().to(torch.bfloat16) for n in names})
     with torch.no_grad():
-        next(iter(checkpoint_state(trainer.model).values())).view(-1)[:10] = float("nan")
-    trainer.version += 1
-    trainer._publish()
-    assert trainer.non_finite_refused == 1 and trainer.version == 0
-    restored = {n: t.detach().to(torch.bfloat16) for n, t in checkpoint_state(trainer.model).items()}
-    assert state_hash(restored) == published
-    trainer.step()  # still alive
+        params[next(iter(names))].view(-1)[:10] = float("nan")
+    trainer.trl._sync_weight()  # refused: nothing published
+    assert trainer.transfer.non_finite_refused == 1 and trainer.version == 0
+    assert state_hash({n: params[n].detach().to(torch.bfloat16) for n in names}) == published
+    trainer.trl._sync_weight()  # still alive: publishes the restored weights
+    assert trainer.version == 1

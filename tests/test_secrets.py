@@ -14,6 +14,8 @@ and nothing a panel renders.
 
 from __future__ import annotations
 
+import time
+
 import logging
 import traceback
 import types
@@ -187,13 +189,16 @@ def test_three_roles_on_a_flaky_hub_never_show_the_token(hub, hf_bucket, logs, c
     from rollout_space.replica import Replica, ReplicaConfig
     from trainer_space.trainer import Trainer, TrainerConfig
 
-    trainer = Trainer(TrainerConfig(bucket=URL, groups_per_step=1, trainer_id="trainer"), bucket=hf_bucket)
+    trainer = Trainer(TrainerConfig(bucket=URL, batch_size=2, max_steps=1, trainer_id="trainer", poll_s=0.05), bucket=hf_bucket)
     env = EnvSimulator(EnvConfig(bucket=URL, tasks_per_batch=2, queue_depth=1), bucket=hf_bucket)
     replica = Replica(
         ReplicaConfig(bucket=URL, replica_id="r0", samples_per_task=2), bucket=hf_bucket, engine=StubEngine()
     )
     fail_soon(hub)
-    trainer.setup()  # publishes version 0
+    trainer.start()  # TRL's first weight sync publishes version 0
+    deadline = time.time() + 120
+    while trainer.version is None and time.time() < deadline:
+        time.sleep(0.1)
     fail_soon(hub)
     env.step()  # tasks out
     fail_soon(hub)
@@ -202,7 +207,9 @@ def test_three_roles_on_a_flaky_hub_never_show_the_token(hub, hf_bucket, logs, c
     fail_soon(hub)
     env.step()  # scores
     fail_soon(hub)
-    assert trainer.step()  # trains on the scores and publishes version 1
+    # TRL's data loader reads one batch ahead: the 4 samples are two batches of 2, enough for one step
+    trainer._thread.join(timeout=180)  # trains one step on the scores, publishes version 1, checkpoints
+    assert not trainer.running
     replica._pending = replica.subscriber.fetch()
     replica.step()
     assert replica.status()["applied_step"] == 1 == trainer.version

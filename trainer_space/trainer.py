@@ -1,63 +1,87 @@
-"""The trainer role: learns from scored rollouts and publishes weights to the bucket.
+"""The trainer role: TRL's ``AsyncGRPOTrainer`` learning from the bucket and publishing to it.
 
-Loop: read scored groups from ``scores/``, drop samples more than
-``max_staleness`` versions old, take an AdamW step on the GRPO loss, and every
-``sync_every`` optimizer steps publish the weights (bf16) through the shared
-:class:`~shared.protocol.Publisher`: an anchor or a sparse delta, as the anchor
-policy decides. The policy can be changed while running through the bucket's
-control object, from this Space's panel or any other.
+The training loop, the GRPO loss (PPO-clip against the sampler's
+log-probabilities) and the optimizer are TRL's; this module only wires the
+sync library's TRL plug-ins (:mod:`shared.trl`) into it:
 
-A restart resumes from the newest published state in the bucket (version
-numbers continue). The fp32 master weights and optimizer state are not in the
-bucket, so a restarted trainer continues from the bf16 weights with a fresh
-optimizer.
+- :class:`~shared.trl.BucketRolloutWorker` feeds the trainer the scored samples
+  under ``scores/`` (group-normalised advantages, the sampler's log-probabilities,
+  each sample's policy version; TRL drops those more than ``max_staleness`` old);
+- :class:`~shared.trl.BucketWeightTransfer` publishes every ``sync_every``
+  optimizer steps through the :class:`~shared.protocol.Publisher` (an anchor or a
+  sparse bf16 delta, as the anchor policy decides; the policy follows the bucket's
+  control object, so any panel can change it while the run goes on); the final
+  weights are published at ``max_steps`` or on stop;
+- :class:`~shared.trl.BucketCheckpoints` keeps Trainer-format checkpoints (fp32
+  weights, optimizer, scheduler, RNG, step) under ``checkpoints/`` every
+  ``checkpoint_every`` steps and on stop; a restarted trainer resumes from the
+  newest complete one and continues the bucket's version numbers.
+
+TRL's logs feed ``metrics/trainer.json`` (kind ``train`` rows next to the
+``anchor``/``delta`` rows of each publish), which every panel plots.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
+import tempfile
 import threading
-import time
+from typing import Any
 
 import torch
+from transformers import TrainerCallback
 
 from env_space.environments import get_environment
-from shared.bucket import Bucket, BucketError, open_bucket
+from shared.bucket import Bucket, open_bucket
 from shared.codecs import default_codec
-from shared.protocol import CONTROL_KEY, Adaptive, FixedInterval, NonFiniteError, Publisher, policy_to_json
-from shared.spaces.exchange import SCORES_PREFIX, MetricsLog, Refusals, Sample, SampleLimits, list_batches, read_samples
+from shared.protocol import CONTROL_KEY, Adaptive, FixedInterval, NonFiniteError, Publisher, PublishRecord, policy_to_json
+from shared.spaces.exchange import MetricsLog, Refusals, SampleLimits, read_samples
 from shared.spaces.settings import from_env, resolve_device
 from shared.spaces.tiny_model import model_or_default
-
-from .grpo import grpo_loss
+from shared.trl import (
+    BucketCheckpoints,
+    BucketRolloutWorker,
+    BucketWeightTransfer,
+    CheckpointCallback,
+    FinalWeightSync,
+    StopRequested,
+    apply_cpu_compat,
+)
+from shared.trl.metrics import trl_layout_bytes
 
 logger = logging.getLogger(__name__)
+
+#: ``max_steps`` given to TRL when the run has no limit (TRL needs one; the schedule is constant).
+UNLIMITED_STEPS = 10**9
 
 
 @dataclasses.dataclass
 class TrainerConfig:
-    """Settings of the trainer Space (environment variables ``TRAINER_<FIELD>``)."""
+    """Settings of the trainer Space (environment variables ``TRAINER_<FIELD>``); they map onto TRL's ``AsyncGRPOConfig``."""
 
     bucket: str = dataclasses.field(default="./runs/bucket", metadata={"help": "bucket URL or path (write access)"})
     model: str = dataclasses.field(default="", metadata={"help": "model name or folder (default: Qwen/Qwen3-0.6B on a GPU, the tiny offline model on CPU)"})
     device: str = dataclasses.field(default="auto", metadata={"help": "torch device ('auto': cuda if available, else cpu)"})
-    lr: float = dataclasses.field(default=3e-4, metadata={"help": "AdamW learning rate"})
-    weight_decay: float = dataclasses.field(default=0.0, metadata={"help": "AdamW weight decay"})
-    groups_per_step: int = dataclasses.field(default=8, metadata={"help": "task groups per optimizer step"})
-    sync_every: int = dataclasses.field(default=1, metadata={"help": "optimizer steps per publish"})
-    max_staleness: int = dataclasses.field(default=2, metadata={"help": "drop samples this many versions behind"})
-    max_buffered_groups: int = dataclasses.field(default=64, metadata={"help": "newest groups kept waiting for a step"})
-    clip_eps: float = dataclasses.field(default=0.2, metadata={"help": "importance-ratio clip"})
-    temperature: float = dataclasses.field(default=1.0, metadata={"help": "sampling temperature of the replicas"})
+    lr: float = dataclasses.field(default=2e-5, metadata={"help": "AdamW learning rate (learning_rate)"})
+    weight_decay: float = dataclasses.field(default=0.0, metadata={"help": "AdamW weight decay (weight_decay)"})
+    batch_size: int = dataclasses.field(default=16, metadata={"help": "samples per optimizer step (per_device_train_batch_size)"})
+    sync_every: int = dataclasses.field(default=1, metadata={"help": "optimizer steps per publish (weight_sync_steps)"})
+    max_staleness: int = dataclasses.field(default=2, metadata={"help": "drop samples this many versions behind (max_staleness)"})
+    clip_eps: float = dataclasses.field(default=0.2, metadata={"help": "importance-ratio clip (epsilon)"})
+    temperature: float = dataclasses.field(default=1.0, metadata={"help": "sampling temperature of the replicas (temperature)"})
+    max_grad_norm: float = dataclasses.field(default=1.0, metadata={"help": "gradient clipping (max_grad_norm)"})
     anchor_policy: str = dataclasses.field(default="fixed", metadata={"help": "'fixed' or 'adaptive'"})
     anchor_interval: int = dataclasses.field(default=10, metadata={"help": "publishes per anchor (fixed policy)"})
     max_catchup_ratio: float = dataclasses.field(default=2.0, metadata={"help": "adaptive policy bound, in anchors"})
     keep_anchors: int = dataclasses.field(default=2, metadata={"help": "anchors retained in the bucket"})
-    codec: str = dataclasses.field(default="auto", metadata={"help": "delta codec: 'classgap', 'gapzz', 'trl' or 'auto' (classgap on a GPU, gapzz on CPU)"})
-    max_steps: int = dataclasses.field(default=0, metadata={"help": "stop after this many optimizer steps (0: never)"})
+    codec: str = dataclasses.field(default="gapzz", metadata={"help": "delta codec: 'gapzz', 'classgap', 'trl' or 'auto' (classgap on a GPU, gapzz on CPU)"})
+    max_steps: int = dataclasses.field(default=0, metadata={"help": "stop after this many optimizer steps (0: never) (max_steps)"})
+    checkpoint_every: int = dataclasses.field(default=50, metadata={"help": "optimizer steps per bucket checkpoint, also saved on stop (save_steps)"})
+    keep_checkpoints: int = dataclasses.field(default=2, metadata={"help": "checkpoints retained in the bucket"})
     poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls"})
-    seed: int = dataclasses.field(default=0, metadata={"help": "torch seed"})
+    seed: int = dataclasses.field(default=0, metadata={"help": "torch seed (seed)"})
     trainer_id: str = dataclasses.field(default="", metadata={"help": "run-lock owner id; a restart with the same id takes over (default: SPACE_ID or host name)"})
 
     @classmethod
@@ -69,22 +93,51 @@ class TrainerConfig:
             return Adaptive(self.max_catchup_ratio)
         return FixedInterval(self.anchor_interval)
 
+    def grpo_config(self, output_dir: str) -> Any:
+        """These settings as TRL's ``AsyncGRPOConfig``."""
+        from trl.experimental.async_grpo import AsyncGRPOConfig
 
-def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's tensors under checkpoint names; tied duplicates keep their first name."""
-    seen: set[int] = set()
-    state = {}
-    for name, tensor in model.state_dict(keep_vars=False).items():
-        key = tensor.data_ptr()
-        if key in seen:
-            continue
-        seen.add(key)
-        state[name] = tensor
-    return state
+        on_gpu = self.device.startswith("cuda")
+        return AsyncGRPOConfig(
+            output_dir=output_dir, learning_rate=self.lr, weight_decay=self.weight_decay,
+            per_device_train_batch_size=self.batch_size, token_budget=0, gradient_accumulation_steps=1,
+            weight_sync_steps=self.sync_every, max_staleness=self.max_staleness, epsilon=self.clip_eps,
+            temperature=self.temperature, max_grad_norm=self.max_grad_norm,
+            max_steps=self.max_steps or UNLIMITED_STEPS, bf16=on_gpu, use_cpu=not on_gpu, seed=self.seed,
+            save_strategy="steps", save_steps=max(1, self.checkpoint_every or UNLIMITED_STEPS), save_total_limit=None,
+            logging_steps=1, report_to=[], disable_tqdm=True, dataloader_num_workers=0,
+        )  # fmt: skip
+
+
+class BucketFigures(TrainerCallback):
+    """Mirrors TRL's logs to ``metrics/trainer.json`` and ends training when a stop is requested."""
+
+    def __init__(self, owner: "Trainer") -> None:
+        self.owner = owner
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if "loss" not in logs:
+            return
+        self.owner.metrics.add(
+            kind="train", opt_step=state.global_step, version=self.owner.transfer.version, loss=logs.get("loss"),
+            mean_reward=logs.get("reward"), samples=logs.get("batch/samples_per_step"),
+            groups=logs.get("batch/groups_per_step"), clipped=logs.get("clip_ratio/region_mean"), ratio=logs.get("ratio"),
+            kl=logs.get("kl"), entropy=logs.get("entropy"), staleness=logs.get("sample/staleness_mean"),
+            dropped_stale=self.owner.worker.counts["dropped_stale"], step_s=logs.get("perf/step_s"),
+        )  # fmt: skip
+        self.owner.flush()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.owner.opt_steps = state.global_step
+        if self.owner.stop_requested:
+            control.should_training_stop = True
+            control.should_save = True
+        return control
 
 
 class Trainer:
-    """Async GRPO trainer publishing through the bucket.
+    """The trainer Space's role: ``AsyncGRPOTrainer`` with the bucket plug-ins, in a thread.
 
     Args:
         config: Settings.
@@ -92,71 +145,100 @@ class Trainer:
     """
 
     def __init__(self, config: TrainerConfig, bucket: Bucket | None = None) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
+        from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-        torch.manual_seed(config.seed)
         self.bucket = bucket or open_bucket(config.bucket)
         device = resolve_device(config.device)
         config = dataclasses.replace(config, device=device, codec=default_codec(device) if config.codec == "auto" else config.codec)
         self.config = config
-        model = model_or_default(config.model, config.device, get_environment)
-        self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(config.device)
-        self.model.train()
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.metrics = MetricsLog(self.bucket, "trainer")
         self.publisher = Publisher(
             self.bucket, policy=config.policy(), keep_anchors=config.keep_anchors, codec=config.codec,
             owner=config.trainer_id or None,
         )  # fmt: skip
-        self._last_heartbeat = time.time()
-        self.metrics = MetricsLog(self.bucket, "trainer")
-        self.version: int | None = None
+        self.transfer = BucketWeightTransfer(
+            publisher=self.publisher, on_publish=self._record_publish, on_non_finite=self._restore_published
+        )
+        self.checkpoints = BucketCheckpoints(self.bucket, keep=config.keep_checkpoints)
+        self.scratch = tempfile.mkdtemp(prefix="rlsync-trainer-")
         self.opt_steps = 0
-        self.consumed: set[str] = set()
-        self.buffer: list[list[Sample]] = []
-        self.dropped_stale = 0
+        self.notice = ""
+        self.stop_requested = False
         self.refusals = Refusals()
-        self.non_finite_refused = 0
-        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        model = model_or_default(config.model, config.device, get_environment)
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        self.vocab_size = len(tokenizer)
+        self.worker = BucketRolloutWorker(
+            self.bucket, self._read_scores, vocab_size=len(tokenizer), poll_s=config.poll_s,
+            queue_maxsize=max(4 * config.batch_size, 256), max_staleness=config.max_staleness,
+            heartbeat=self.transfer.heartbeat,
+        )  # fmt: skip
+        sdpa = apply_cpu_compat()
+        from datasets import Dataset
 
-    # -- weights ------------------------------------------------------------
+        self.trl = AsyncGRPOTrainer(
+            model=model, args=config.grpo_config(self.scratch), processing_class=tokenizer,
+            train_dataset=Dataset.from_dict({"prompt": ["(prompts come from the bucket's tasks/)"]}),
+            rollout_worker=self.worker, weight_transfer=self.transfer,
+        )  # fmt: skip
+        self.checkpoint_callback = CheckpointCallback(
+            self.checkpoints, info=lambda: {"published_version": self.transfer.version}
+        )
+        self.final_sync = FinalWeightSync(self.trl)
+        for callback in (self.checkpoint_callback, self.final_sync, BucketFigures(self)):
+            self.trl.add_callback(callback)
+        logger.info(
+            "training %s through TRL AsyncGRPOTrainer on %s (%s attention), lr %g, %d samples per step, publish every %d step(s)",
+            model, config.device, "SDPA tree" if sdpa else "flash-attention-3 tree", config.lr, config.batch_size, config.sync_every,
+        )  # fmt: skip
 
-    def setup(self) -> None:
-        """Resume from the bucket, or publish the initial weights as version 0."""
-        if self.version is not None:
-            return
-        state = self.publisher.resume()
-        if state is None:
-            self.version = 0
-            self._publish()
-            return
-        names = checkpoint_state(self.model)
+    @property
+    def version(self) -> int | None:
+        """The newest published version."""
+        return self.transfer.version
+
+    # -- bucket objects -------------------------------------------------------
+
+    def _read_scores(self, bucket: Bucket, key: str):
+        """Read one scores object within the trainer's limits, counting refusals."""
+        limits = SampleLimits(
+            vocab_size=self.vocab_size, max_version=self.transfer.version,
+            max_total_tokens=getattr(self.trl.model.config, "max_position_embeddings", None),
+        )  # fmt: skip
+        return read_samples(bucket, key, limits=limits, refusals=self.refusals)
+
+    def _restore_published(self, exc: NonFiniteError) -> None:
+        """Never train on from a poisoned model: back to the published weights, optimizer state reset."""
+        logger.error("%s; restoring the published weights and resetting the optimizer", exc)
+        params = dict(self.trl.model.named_parameters())
         with torch.no_grad():
-            for name, tensor in state.items():
-                names[name].copy_(tensor.to(names[name].dtype))
-        self.version = self.publisher.step
-        logger.info("trainer resumed at version %d", self.version)
+            for name, tensor in (self.publisher.detector.published or {}).items():
+                if name in params:
+                    params[name].copy_(tensor.to(params[name].dtype))
+        if self.trl.optimizer is not None:
+            self.trl.optimizer.state.clear()
 
-    def _publish(self) -> None:
-        assert self.version is not None
-        state = {n: t.detach() for n, t in checkpoint_state(self.model).items()}
-        try:
-            rec = self.publisher.publish(self.version, state)
-        except NonFiniteError as exc:  # never publish a poisoned model: go back to the published weights
-            logger.error("%s; restoring the published weights and resetting the optimizer", exc)
-            self.non_finite_refused += 1
-            self.version -= 1
-            with torch.no_grad():
-                for name, tensor in checkpoint_state(self.model).items():
-                    tensor.copy_(self.publisher.detector.published[name].to(tensor.dtype))
-            self.optimizer.state.clear()
-            return
+    # -- figures ------------------------------------------------------------
+
+    def _record_publish(self, rec: PublishRecord) -> None:
         self.metrics.add(
-            kind=rec.kind, version=rec.step, nbytes=rec.nbytes, changed_pct=100 * rec.changed_fraction,
+            kind=rec.kind, version=rec.step, nbytes=rec.nbytes, changed=rec.changed, total=rec.total,
+            changed_pct=100 * rec.changed_fraction,
+            trl_nbytes=trl_layout_bytes(rec.changed, len(self.publisher.detector.published or ())),
             encode_s=rec.encode_s, hash_s=rec.hash_s, upload_s=rec.upload_s, catchup_bytes=rec.catchup_bytes,
         )  # fmt: skip
+        self.flush()
+
+    def flush(self) -> None:
+        """Write ``metrics/trainer.json`` (rows and the trainer's current state)."""
+        self.metrics.extra = {
+            "version": self.transfer.version, "opt_steps": self.opt_steps, "queued_samples": self.worker.rollout_buffer.qsize(),
+            "checkpoint_step": self.checkpoint_callback.last_step, "notice": self.notice,
+            "refused": self.refusals.as_dict(), "non_finite_refused": self.transfer.non_finite_refused,
+        }  # fmt: skip
+        self.metrics.flush()
 
     def set_anchor_policy(self, policy: str, interval: int = 10, max_catchup_ratio: float = 2.0) -> None:
         """Change the anchor policy for the next publish, through the bucket's control object
@@ -164,113 +246,82 @@ class Trainer:
         new = Adaptive(max_catchup_ratio) if policy == "adaptive" else FixedInterval(int(interval))
         self.bucket.put(CONTROL_KEY, policy_to_json(new))
 
-    # -- data ---------------------------------------------------------------
+    # -- resuming -------------------------------------------------------------
 
-    def collect(self) -> int:
-        """Read new scored objects into the group buffer; returns groups added.
+    def prepare(self) -> str | None:
+        """Take the run lock and find where to continue.
 
-        Scored objects stay in the bucket (the environment prunes old batches), so
-        every Space can tell answered batches from waiting ones.
+        Returns:
+            The local checkpoint folder to resume from, or ``None`` (a fresh run, or a bucket run
+            without checkpoints, which continues from the published bf16 weights with a fresh optimizer).
         """
-        added = 0
-        for batch, keys in sorted(list_batches(self.bucket, SCORES_PREFIX).items()):
-            for key in keys:
-                if key in self.consumed:
-                    continue
-                self.consumed.add(key)
-                limits = SampleLimits(
-                    vocab_size=self.model.get_input_embeddings().num_embeddings, max_version=self.version,
-                    max_total_tokens=getattr(self.model.config, "max_position_embeddings", None),
-                )  # fmt: skip
-                read = read_samples(self.bucket, key, limits=limits, refusals=self.refusals)
-                if read is None:
-                    continue
-                groups: dict[str, list[Sample]] = {}
-                for s in read[1]:
-                    if s.reward is None:
-                        continue
-                    if self.version is not None and s.version < self.version - self.config.max_staleness:
-                        self.dropped_stale += 1
-                        continue
-                    groups.setdefault(s.task_id, []).append(s)
-                self.buffer.extend(g for g in groups.values() if g)
-                added += len(groups)
-        return added
+        published = self.transfer.continue_run()
+        restored = self.checkpoints.restore(self.scratch)
+        if restored is not None:
+            step, folder, marker = restored
+            saved = marker.get("published_version")
+            self.opt_steps = step
+            if isinstance(saved, int) and self.transfer.version is not None and self.transfer.version > saved:
+                self.notice = (
+                    f"published version {self.transfer.version} is newer than checkpoint {step} (saved at version {saved}): "
+                    f"resumed from the checkpoint; the next version is a delta from {self.transfer.version}"
+                )
+                logger.warning(self.notice)
+            logger.info("resuming from checkpoint %d", step)
+            return str(folder)
+        if published is not None:
+            params = dict(self.trl.model.named_parameters())
+            with torch.no_grad():
+                for name, tensor in published.items():
+                    if name in params:
+                        params[name].copy_(tensor.to(params[name].dtype))
+            self.notice = (
+                f"no checkpoint in the bucket: continued from published version {self.transfer.version} "
+                "with a fresh optimizer"
+            )
+            logger.warning(self.notice)
+        return None
 
-    def train_step(self) -> bool:
-        """One optimizer step if enough fresh groups are buffered; publishes every ``sync_every`` steps."""
-        assert self.version is not None
-        fresh = [g for g in self.buffer if g[0].version >= self.version - self.config.max_staleness]
-        self.dropped_stale += sum(len(g) for g in self.buffer) - sum(len(g) for g in fresh)
-        self.buffer = fresh[-self.config.max_buffered_groups :]
-        if len(self.buffer) < self.config.groups_per_step:
-            return False
-        groups, self.buffer = self.buffer[: self.config.groups_per_step], self.buffer[self.config.groups_per_step :]
-        t0 = time.perf_counter()
-        loss, stats = grpo_loss(
-            self.model, groups, temperature=self.config.temperature, clip_eps=self.config.clip_eps,
-            pad_id=self.pad_id, device=self.config.device,
-        )  # fmt: skip
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        self.opt_steps += 1
-        self.metrics.add(
-            kind="train", opt_step=self.opt_steps, version=self.version, loss=stats.loss, mean_reward=stats.mean_reward,
-            samples=stats.samples, groups=stats.groups, clipped=stats.clipped_fraction, ratio=stats.mean_ratio,
-            dropped_stale=self.dropped_stale, step_s=time.perf_counter() - t0,
-            sample_versions=sorted({s.version for g in groups for s in g}),
-        )  # fmt: skip
-        if self.opt_steps % self.config.sync_every == 0:
-            self.version += 1
-            self._publish()
-        return True
-
-    def step(self) -> bool:
-        """One iteration: collect, train if possible, flush figures; returns whether it trained."""
-        self.setup()
-        self.collect()
-        trained = self.train_step()
-        if trained:
-            self._last_heartbeat = time.time()
-        elif time.time() - self._last_heartbeat > 60:  # keep the run lock fresh while waiting for data
-            self.publisher.heartbeat()
-            self._last_heartbeat = time.time()
-        self.metrics.extra = {
-            "version": self.version, "opt_steps": self.opt_steps, "buffered_groups": len(self.buffer),
-            "refused": self.refusals.as_dict(), "non_finite_refused": self.non_finite_refused,
-        }  # fmt: skip
-        self.metrics.flush()
-        return trained
-
-    # -- lifecycle ----------------------------------------------------------
-
-    @property
-    def finished(self) -> bool:
-        return bool(self.config.max_steps) and self.opt_steps >= self.config.max_steps
+    # -- lifecycle ------------------------------------------------------------
 
     def run(self) -> None:
-        """Run until :meth:`stop` or ``max_steps``; bucket errors are logged and retried."""
-        while not self._stop.is_set() and not self.finished:
-            try:
-                trained = self.step()
-            except BucketError as exc:
-                logger.warning("bucket error, retrying: %s", exc)
-                trained = False
-            if not trained:
-                self._stop.wait(self.config.poll_s)
+        """Train until :meth:`stop` or ``max_steps``; publishes and checkpoints the last step."""
+        folder = self.prepare()
+        try:
+            self.trl.train(resume_from_checkpoint=folder)
+        except StopRequested:  # stopped while waiting for rollouts: save what the callbacks could not
+            step = self.trl.state.global_step
+            if step and self.checkpoint_callback.last_step != step:
+                self.trl._save_checkpoint(self.trl.model, trial=None)
+                self.checkpoint_callback.upload(self.scratch, step)
+            self.final_sync.sync(step)
+        finally:
+            self.flush()
+        logger.info("trainer finished at step %d, version %s", self.trl.state.global_step, self.transfer.version)
 
     def start(self) -> None:
         if self.running:
             return
-        self._stop.clear()
+        self.stop_requested = False
         self._thread = threading.Thread(target=self.run, name="trainer", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
+        """Stop after the current step (or while waiting for rollouts), saving a checkpoint and publishing."""
+        self.stop_requested = True
+        self.worker.request_stop()
         if self._thread:
-            self._thread.join(timeout=60)
+            self._thread.join(timeout=300)
+
+    def close(self) -> None:
+        """Stop and delete the local scratch folder."""
+        self.stop()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+    @property
+    def finished(self) -> bool:
+        """Whether ``max_steps`` optimizer steps were trained."""
+        return bool(self.config.max_steps) and self.trl.state.global_step >= self.config.max_steps
 
     @property
     def running(self) -> bool:

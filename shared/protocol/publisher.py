@@ -15,13 +15,13 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import torch
 
 from ..bucket import Bucket, BucketError, ObjectNotFoundError, ObjectTooLargeError
 from ..codecs import DEFAULT_CODEC, get_codec
-from ..detect import DEFAULT_CHUNK_ELEMENTS, ChangeDetector, cast_chunk, serving_copy
+from ..detect import DEFAULT_CHUNK_ELEMENTS, ChangeDetector, PatchedState, cast_chunk, serving_copy
 from ..errors import FormatError, SyncError
 from ..dtypes import numpy_to_values
 from ..format import DEFAULT_MAX_SHARD_BYTES, FORMAT_VERSION, Change, encode_delta, write_anchor
@@ -306,6 +306,55 @@ class Publisher:
         self._refresh_policy()
         return self.manifest is None or self.policy.wants_anchor(self.manifest)
 
+    def publish_stream(self, step: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishRecord:
+        """Publish version ``step`` from ``(name, tensor)`` pairs, comparing each as it arrives.
+
+        For a trainer that yields its parameters one at a time (e.g. gathered from
+        shards): each tensor is cast, compared with the shadow copy and hashed, then
+        released, so no second copy of the model is built. Memory above the shadow
+        is about one tensor plus the changed elements for a delta; an anchor (first
+        publish, or as the policy decides) builds the new serving state, one shadow's
+        worth. The pairs must name every published tensor once.
+
+        Raises:
+            SyncError: as :meth:`publish`; also when the pairs do not name exactly the
+                published tensors with their shapes and dtypes.
+            RunLockedError, FencedError, BucketError: as :meth:`publish`.
+        """
+        wants_anchor = self._prepare(step)
+        if self.manifest is None or self.detector.published is None:
+            return self._publish_anchor(step, {name: serving_copy(t, self.dtype) for name, t in tensors}, owned=True)
+        t0 = time.perf_counter()
+        changes: dict[str, Change] = {}
+        digests: dict[str, bytes] = {}
+        encode_s = 0.0
+        for name, tensor in tensors:
+            if name in digests:
+                raise SyncError(f"{name!r} was sent twice in one publish")
+            t1 = time.perf_counter()
+            change = self.detector.diff_tensor(name, tensor)
+            encode_s += time.perf_counter() - t1
+            if change is not None:
+                changes[name] = change
+                digests[name] = tensor_digest(cast_chunk(tensor.detach(), self.dtype))
+            else:  # same bits, same digest
+                digests[name] = self._digests[name]
+            del tensor
+        missing = self.detector.published.keys() - digests.keys()
+        if missing:
+            raise SyncError(
+                f"the publish of step {step} lacks {len(missing)} published tensor(s), e.g. {sorted(missing)[0]!r}"
+            )
+        if not self.allow_non_finite:
+            check_finite_changes(changes)
+        if wants_anchor:
+            return self._publish_anchor(step, PatchedState(self.detector.published, changes), owned=True)
+        old_digests, self._digests = self._digests, digests
+        total = sum(t.numel() for t in self.detector.published.values())
+        hash_s = time.perf_counter() - t0 - encode_s
+        result_hash = combine_digests(digests)
+        return self._write_delta(step, changes, result_hash, total, old_digests, encode_s=encode_s, hash_s=hash_s)
+
     def _hash(self, state: Mapping[str, torch.Tensor], names) -> str:
         for name in names:  # cast without a defensive copy: the digest only reads the bits
             self._digests[name] = tensor_digest(cast_chunk(state[name].detach(), self.dtype))
@@ -322,6 +371,15 @@ class Publisher:
         result_hash = self._hash(state, changes)
         t2 = time.perf_counter()
         total = sum(t.numel() for t in state.values())
+        return self._write_delta(step, changes, result_hash, total, old_digests, encode_s=t1 - t0, hash_s=t2 - t1)
+
+    def _write_delta(
+        self, step: int, changes: dict[str, Change], result_hash: str, total: int, old_digests: dict[str, bytes],
+        *, encode_s: float, hash_s: float,
+    ) -> PublishRecord:  # fmt: skip
+        """Encode and upload a delta whose changes and result hash are known, then the pointer."""
+        assert self.manifest is not None
+        t2 = time.perf_counter()
         data = encode_delta(
             changes,
             step=step,
@@ -348,16 +406,17 @@ class Publisher:
         logger.info("published delta %d: %d bytes, %d/%d changed (%.3f%%)", step, len(data), changed, total, 100 * changed / max(total, 1))
         return PublishRecord(
             step, "delta", len(data), changed, total, result_hash,
-            encode_s=(t1 - t0) + (t3 - t2), hash_s=t2 - t1, upload_s=t4 - t3,
+            encode_s=encode_s + (t3 - t2), hash_s=hash_s, upload_s=t4 - t3,
             catchup_bytes=self.manifest.catchup_bytes(), keys=[key],
         )  # fmt: skip
 
-    def _publish_anchor(self, step: int, state: Mapping[str, torch.Tensor]) -> PublishRecord:
+    def _publish_anchor(self, step: int, state: Mapping[str, torch.Tensor], owned: bool = False) -> PublishRecord:
         """Write a full anchor; when the state continues the published one, also a companion
-        delta of the same step, so that replicas keeping up never need to download anchors."""
+        delta of the same step, so that replicas keeping up never need to download anchors.
+        ``owned``: ``state`` holds contiguous serving-dtype tensors nobody else modifies, kept without a copy."""
         assert self.lock is not None
         t0 = time.perf_counter()
-        serving = {n: serving_copy(t, self.dtype) for n, t in state.items()}
+        serving = dict(state) if owned else {n: serving_copy(t, self.dtype) for n, t in state.items()}
         continues = self.manifest is not None and self.detector.compatible(serving)
         changes = self.detector.diff(serving) if continues else {}
         if not self.allow_non_finite:

@@ -23,8 +23,10 @@ from ..bucket import BucketError
 from ..protocol import AnchorPolicy
 from .anchor_policy import current_policy, describe_policy, make_policy, write_policy
 from .frames import (
+    RATIO_SERIES,
     SYNC_SERIES,
     changed_frame,
+    delta_ratio_frame,
     delta_size_frame,
     episodes_frame,
     fleet_frame,
@@ -146,6 +148,27 @@ def with_series(frame: pd.DataFrame, column: str, series: Sequence[str], y: str)
     version = int(frame["version"].min())
     extra = pd.DataFrame({"version": [version] * len(missing), y: [float("nan")] * len(missing), column: missing})
     return pd.concat([frame, extra.astype({column: "str"})], ignore_index=True).astype({"version": "int64"})
+
+
+def ratio_plot(source: BucketSource | Live, prefix: str = "") -> Any:
+    """Each delta's size against the anchor and against TRL's plain layout of the same changes (%).
+
+    Args:
+        source: A bucket URL (or a function returning it), or a :class:`Live` to refresh with.
+        prefix: Prepended to the plot's ``elem_id``.
+    """
+    import gradio as gr
+
+    live, own = _live(source)
+    plot = gr.LinePlot(
+        None, x="version", y="percent", color="against", y_lim=[0, None],
+        title="Delta size: % of the anchor and % of TRL's layout", y_title="% of", height=260,
+        elem_id=f"{prefix}plot-ratio",
+    )  # fmt: skip
+    live.add(plot, lambda view, snap: with_series(delta_ratio_frame(snap), "against", RATIO_SERIES, "percent"))
+    if own:
+        live.attach()
+    return plot
 
 
 def size_plot(source: BucketSource | Live, prefix: str = "") -> Any:

@@ -53,6 +53,30 @@ def changed_frame(snap: Snapshot) -> pd.DataFrame:
     return frame[frame["kind"] == "delta"][["version", "changed_pct"]]
 
 
+#: Series of :func:`delta_ratio_frame`.
+RATIO_SERIES = ("vs anchor", "vs TRL layout")
+
+
+def delta_ratio_frame(snap: Snapshot) -> pd.DataFrame:
+    """Each delta's size as a percentage of the newest anchor before it and of the same changes in
+    TRL's plain layout (6 bytes per changed bf16 element plus the header, ``trl_nbytes``).
+
+    Returns:
+        Long format: version, percent, against (one of :data:`RATIO_SERIES`).
+    """
+    rows, anchor = [], None
+    for r in sorted((r for r in snap.trainer_rows if isinstance(r.get("version"), int)), key=lambda r: r["version"]):
+        nbytes = as_number(r.get("nbytes"))
+        if r.get("kind") == "anchor":
+            anchor = nbytes
+        elif r.get("kind") == "delta" and nbytes is not None:
+            for against, base in zip(RATIO_SERIES, (anchor, as_number(r.get("trl_nbytes")))):
+                if base:
+                    rows.append({"version": r["version"], "percent": 100 * nbytes / base, "against": against})
+    frame = pd.DataFrame(rows, columns=["version", "percent", "against"])
+    return frame.astype({"version": "int64", "percent": "float64", "against": "str"})
+
+
 def timing_frame(snap: Snapshot) -> pd.DataFrame:
     """Encode, hash and upload seconds per version, long format (version, stage, seconds)."""
     frame = publish_frame(snap)
@@ -215,8 +239,10 @@ def trainer_summary(snap: Snapshot) -> str:
     parts = [f"version **{version}**"]
     if "opt_steps" in snap.trainer_extra:
         parts.append(f"{snap.trainer_extra['opt_steps']} optimizer steps")
-    if "buffered_groups" in snap.trainer_extra:
-        parts.append(f"{snap.trainer_extra['buffered_groups']} groups buffered")
+    if "queued_samples" in snap.trainer_extra:
+        parts.append(f"{snap.trainer_extra['queued_samples']} samples queued")
+    if snap.trainer_extra.get("checkpoint_step") is not None:
+        parts.append(f"checkpoint at step {snap.trainer_extra['checkpoint_step']}")
     train = [r for r in snap.trainer_rows if r.get("kind") == "train"]
     if train:
         last = train[-1]
@@ -225,7 +251,8 @@ def trainer_summary(snap: Snapshot) -> str:
         if as_number(last.get("mean_reward")) is not None:
             parts.append(f"batch reward {last['mean_reward']:.3f}")
     parts += refused_parts(snap.trainer_extra)
-    return "Trainer: " + ", ".join(parts)
+    notice = snap.trainer_extra.get("notice")
+    return "Trainer: " + ", ".join(parts) + (f" ({notice})" if isinstance(notice, str) and notice else "")
 
 
 def refused_parts(extra: dict[str, Any]) -> list[str]:

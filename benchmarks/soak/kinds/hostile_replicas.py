@@ -175,20 +175,20 @@ def trial_hostile_replicas(rng: random.Random, workdir: Path) -> TrialResult:
     bucket = LocalBucket(workdir / "bucket")
     ledger = Ledger(result)
     trainer = Trainer(TrainerConfig(
-        bucket=str(bucket.root), device="cpu", groups_per_step=2, max_steps=TRAINER_STEPS, poll_s=0.05,
+        bucket=str(bucket.root), device="cpu", batch_size=4, max_steps=TRAINER_STEPS, poll_s=0.05,
         anchor_interval=4, keep_anchors=2, seed=rng.randrange(1000), trainer_id="soak-trainer", max_staleness=8,
     ), bucket)  # fmt: skip
-    publish = trainer.publisher.publish
+    publish = trainer.publisher.publish_stream
 
-    def recorded_publish(step: int, state: dict[str, torch.Tensor]):
+    def recorded_publish(step: int, tensors):
         """Record every version, and observe the bucket between publishes (retention may run within one)."""
-        rec = publish(step, state)
+        rec = publish(step, tensors)
         ledger.record(rec.step, rec.state_hash, "trainer")
         ledger.observe(bucket)
         return rec
 
-    trainer.publisher.publish = recorded_publish  # type: ignore[method-assign]
-    vocab = trainer.model.get_input_embeddings().num_embeddings
+    trainer.publisher.publish_stream = recorded_publish  # type: ignore[method-assign]
+    vocab = trainer.trl.model.get_input_embeddings().num_embeddings
     env = EnvSimulator(EnvConfig(bucket=str(bucket.root), tasks_per_batch=2, queue_depth=2, poll_s=0.05, vocab_size=vocab), bucket)
     fleet = Fleet(bucket, rng, vocab, result)
     stop = threading.Event()
@@ -207,7 +207,7 @@ def trial_hostile_replicas(rng: random.Random, workdir: Path) -> TrialResult:
     fleet.join(30)
     env.stop()
     env.score_rollouts()  # what the fleet wrote last
-    trainer.collect()
+    trainer.worker.poll()
     manifest = read_manifest(bucket)
     final = manifest.step if manifest else None
     while time.time() < deadline and (not seen or seen[-1] != final):
@@ -223,7 +223,7 @@ def trial_hostile_replicas(rng: random.Random, workdir: Path) -> TrialResult:
                  f"env refused {env.refusals.total} objects, the fleet wrote {fleet.hostile_rollouts} hostile ones")  # fmt: skip
     result.check(trainer.refusals.total == fleet.hostile_scores,
                  f"trainer refused {trainer.refusals.total} objects, the fleet wrote {fleet.hostile_scores} hostile scores")  # fmt: skip
-    result.check(trainer.non_finite_refused == 0, "the trainer produced non-finite weights")
+    result.check(trainer.transfer.non_finite_refused == 0, "the trainer produced non-finite weights")
     snap = read_snapshot(bucket)
     shown = "bucket objects refused" in env_summary(snap) if fleet.hostile_rollouts else True
     result.check(shown, "the env panel does not show the refusals")

@@ -1,0 +1,287 @@
+"""TRL rollout worker fed from the bucket's scored rollouts.
+
+:class:`BucketRolloutWorker` implements TRL's ``RolloutWorkerProtocol``
+(``trl.experimental.async_grpo``). Instead of generating, it reads the scored
+samples that replicas and the environment write under ``scores/`` and turns
+them into TRL ``RolloutSample`` objects on ``rollout_buffer``, which
+``AsyncGRPOTrainer`` drains (dropping samples more than ``max_staleness``
+versions old at dequeue).
+
+Mapping of one scored sample (prompt ids, completion ids, the sampler's
+per-token log-probabilities, reward, policy version):
+
+- ``input_ids`` = prompt ids + completion ids; ``completion_mask`` is 0 on the
+  prompt and 1 on the completion; ``old_log_probs`` is 0 on the prompt and the
+  sampler's log-probability of each completion token at that token's position.
+- samples of one task in one scores object form a group (one ``group_id``); the
+  advantage is the reward minus the group mean over the group's std (plus 1e-8),
+  as in TRL's own worker.
+- ``model_version`` is the bucket version that generated the sample, shifted into
+  the trainer's numbering (``AsyncGRPOTrainer.model_version``), so TRL's staleness
+  check compares like with like after a restart.
+
+Scored objects are untrusted: anything malformed, out of the vocabulary, with a
+non-finite reward or log-probability is counted and skipped, never queued.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+from ..bucket import Bucket, BucketError
+from ..protocol import read_manifest
+
+logger = logging.getLogger(__name__)
+
+SCORES_PREFIX = "scores/"
+
+
+class ScoredSample(Protocol):
+    """What the worker reads from a scored sample (e.g. ``shared.spaces.exchange.Sample``)."""
+
+    task_id: str
+    prompt: str
+    completion: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    version: int
+    reward: float | None
+
+
+#: Reads one scores object: ``(header, samples)``, or ``None`` when it is unusable.
+ScoresReader = Callable[[Bucket, str], "tuple[dict[str, Any], Sequence[ScoredSample]] | None"]
+
+
+class StopRequested(RuntimeError):
+    """Raised by :meth:`BucketRolloutWorker.check_health` after :meth:`~BucketRolloutWorker.request_stop`.
+
+    ``AsyncGRPOTrainer`` waits for rollouts inside its data loader, where no callback
+    runs; the health check is the one hook it calls there, so a stop requested while
+    the trainer waits ends ``train()`` with this exception.
+    """
+
+
+def group_advantages(rewards: Sequence[float]) -> np.ndarray:
+    """Group-normalised advantages: reward minus the group mean, over the group std plus 1e-8."""
+    arr = np.asarray(rewards, dtype=np.float64)
+    return (arr - arr.mean()) / (arr.std() + 1e-8)
+
+
+def to_rollout_sample(sample: ScoredSample, advantage: float, group_id: int, model_version: int) -> RolloutSample:
+    """One scored sample as a TRL ``RolloutSample`` (see the module docstring for the alignment)."""
+    prompt_len, completion_len = len(sample.prompt_ids), len(sample.token_ids)
+    return RolloutSample(
+        prompt=[{"role": "user", "content": sample.prompt}],
+        completion=[{"role": "assistant", "content": sample.completion}],
+        input_ids=np.asarray(list(sample.prompt_ids) + list(sample.token_ids), dtype=np.int64),
+        completion_mask=np.concatenate([np.zeros(prompt_len, np.int64), np.ones(completion_len, np.int64)]),
+        old_log_probs=np.concatenate([np.zeros(prompt_len, np.float32), np.asarray(sample.logprobs, np.float32)]),
+        advantage=float(advantage),
+        model_version=int(model_version),
+        group_id=int(group_id),
+        metrics={"reward": float(sample.reward or 0.0)},
+        enqueued_at=time.time(),
+    )
+
+
+class BucketRolloutWorker:
+    """TRL ``RolloutWorkerProtocol`` reading scored samples from a bucket.
+
+    Args:
+        bucket: The run's bucket.
+        read_scores: Parser of one scores object (e.g. ``shared.spaces.exchange.read_samples``).
+        vocab_size: Token ids must be below this (a hostile id would crash the embedding).
+        max_tokens: Longest prompt + completion accepted (0: no limit).
+        prefix: Where scored objects are listed.
+        poll_s: Seconds between bucket listings.
+        queue_maxsize: Bound of ``rollout_buffer`` (0: unbounded).
+        max_staleness: Skip samples already this many versions behind when read (``None``: leave it to TRL).
+        heartbeat: Called every ``heartbeat_s`` (e.g. :meth:`BucketWeightTransfer.heartbeat`) so
+            the run lock stays fresh while the trainer waits for data.
+        heartbeat_s: Seconds between heartbeats.
+    """
+
+    def __init__(
+        self,
+        bucket: Bucket,
+        read_scores: ScoresReader,
+        *,
+        vocab_size: int,
+        max_tokens: int = 0,
+        prefix: str = SCORES_PREFIX,
+        poll_s: float = 0.5,
+        queue_maxsize: int = 0,
+        max_staleness: int | None = None,
+        heartbeat: Callable[[], None] | None = None,
+        heartbeat_s: float = 60.0,
+    ) -> None:
+        self.bucket = bucket
+        self.read_scores = read_scores
+        self.vocab_size = vocab_size
+        self.max_tokens = max_tokens
+        self.prefix = prefix
+        self.poll_s = poll_s
+        self.max_staleness = max_staleness
+        self.heartbeat = heartbeat
+        self.heartbeat_s = heartbeat_s
+        self.rollout_buffer: queue.Queue = queue.Queue(maxsize=queue_maxsize)
+        self.metrics_queue: queue.Queue = queue.Queue()
+        self.model_version = 0
+        self.version_offset: int | None = None
+        self.counts = {"queued": 0, "invalid": 0, "dropped_stale": 0, "unreadable": 0}
+        self._consumed: set[str] = set()
+        self._next_group = 0
+        self._stop = threading.Event()
+        self._stop_training = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._last_heartbeat = time.monotonic()
+
+    # -- RolloutWorkerProtocol ---------------------------------------------
+
+    def start(self) -> None:
+        """Start polling the bucket (TRL calls this after the initial weight sync)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self.align_versions()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="bucket-rollouts", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop polling (TRL calls this at train end)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def align_versions(self) -> None:
+        """Fix the offset between bucket and trainer versions: the live bucket version is the
+        trainer's current one (TRL has just synced when it calls :meth:`start`)."""
+        if self.version_offset is None:
+            manifest = read_manifest(self.bucket)
+            self.version_offset = (manifest.step if manifest else 0) - self.model_version
+
+    def update_model_version(self, model_version: int) -> None:
+        """The trainer's current policy version (its own numbering)."""
+        self.model_version = model_version
+
+    def check_health(self, stale_after_s: float) -> None:
+        """Raise if polling failed or stopped, or a stop was requested.
+
+        Having no rollouts yet is healthy: replicas may still be loading.
+
+        Raises:
+            StopRequested: :meth:`request_stop` was called.
+            RuntimeError: the polling thread died.
+        """
+        if self._stop_training.is_set():
+            raise StopRequested("stop requested while waiting for rollouts")
+        if self._error is not None:
+            raise RuntimeError(f"bucket rollout worker failed: {self._error}") from self._error
+        if self._thread is not None and not self._thread.is_alive() and not self._stop.is_set():
+            raise RuntimeError("bucket rollout worker stopped")
+        self._beat()
+
+    # -- stopping ------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Make the next :meth:`check_health` raise :class:`StopRequested` (ends a waiting ``train()``)."""
+        self._stop_training.set()
+
+    # -- reading ---------------------------------------------------------------
+
+    def trainer_version(self, bucket_version: int) -> int:
+        """A bucket version in the trainer's numbering."""
+        return bucket_version - (self.version_offset or 0)
+
+    def poll(self) -> int:
+        """Read new scored objects once; returns samples queued."""
+        listed = sorted(o.key for o in self.bucket.list(self.prefix) if o.key.endswith(".json"))
+        self._consumed &= set(listed)  # objects the environment pruned will not come back
+        queued = 0
+        for key in listed:
+            if key in self._consumed:
+                continue
+            self._consumed.add(key)
+            read = self.read_scores(self.bucket, key)
+            if read is None:
+                self.counts["unreadable"] += 1
+                continue
+            queued += self._queue_groups(read[1])
+        return queued
+
+    def _usable(self, sample: ScoredSample) -> bool:
+        ids = list(sample.prompt_ids) + list(sample.token_ids)
+        return (
+            sample.reward is not None
+            and math.isfinite(sample.reward)
+            and len(sample.token_ids) > 0
+            and len(sample.prompt_ids) > 0
+            and len(sample.logprobs) == len(sample.token_ids)
+            and all(0 <= t < self.vocab_size for t in ids)
+            and all(math.isfinite(x) and x <= 0.0 for x in sample.logprobs)
+            and (not self.max_tokens or len(ids) <= self.max_tokens)
+        )
+
+    def _queue_groups(self, samples: Sequence[ScoredSample]) -> int:
+        groups: dict[str, list[ScoredSample]] = {}
+        for s in samples:
+            if not self._usable(s):
+                self.counts["invalid"] += 1
+                continue
+            version = self.trainer_version(s.version)
+            if self.max_staleness is not None and self.model_version - version > self.max_staleness:
+                self.counts["dropped_stale"] += 1
+                continue
+            groups.setdefault(s.task_id, []).append(s)
+        queued = 0
+        for group in groups.values():
+            advantages = group_advantages([float(s.reward) for s in group])  # type: ignore[arg-type]
+            group_id, self._next_group = self._next_group, self._next_group + 1
+            for sample, advantage in zip(group, advantages):
+                self._put(to_rollout_sample(sample, advantage, group_id, self.trainer_version(sample.version)))
+                queued += 1
+        self.counts["queued"] += queued
+        return queued
+
+    def _put(self, sample: RolloutSample) -> None:
+        while not self._stop.is_set():
+            try:
+                self.rollout_buffer.put(sample, timeout=self.poll_s)
+                return
+            except queue.Full:
+                self._beat()
+
+    def _beat(self) -> None:
+        if self.heartbeat is not None and time.monotonic() - self._last_heartbeat >= self.heartbeat_s:
+            self._last_heartbeat = time.monotonic()
+            try:
+                self.heartbeat()
+            except BucketError as exc:
+                logger.warning("run-lock heartbeat failed: %s", exc)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            before = dict(self.counts)
+            try:
+                self.poll()
+            except BucketError as exc:
+                logger.warning("reading %s failed, retrying: %s", self.prefix, exc)
+            except Exception as exc:  # a bug, not a bad object: make check_health report it
+                logger.exception("bucket rollout worker failed")
+                self._error = exc
+                return
+            grown = {k: float(self.counts[k] - before[k]) for k in ("invalid", "dropped_stale", "unreadable")}
+            if any(grown.values()):
+                self.metrics_queue.put({f"rollout/{k}_total": v for k, v in grown.items()})
+            self._beat()
+            self._stop.wait(self.poll_s)

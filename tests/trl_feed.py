@@ -1,0 +1,49 @@
+"""Synthetic scored rollouts for tests of the TRL trainer without replicas: a thread that
+writes one scores object per poll, tagged with the bucket's current version."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+from shared.bucket import Bucket
+from shared.spaces.exchange import Sample, score_key, write_samples
+from shared.protocol import read_manifest
+
+
+class ScoreFeeder:
+    """Writes ``tasks`` groups of ``group`` samples (random completions, rewards 0/1) every ``every_s``."""
+
+    def __init__(self, bucket: Bucket, tokenizer, tasks: int = 4, group: int = 4, every_s: float = 0.3, seed: int = 0) -> None:
+        self.bucket, self.tokenizer, self.tasks, self.group, self.every_s = bucket, tokenizer, tasks, group, every_s
+        self.rng = random.Random(seed)
+        self.batches = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def write_one(self) -> bool:
+        manifest = read_manifest(self.bucket)
+        if manifest is None:
+            return False
+        samples = []
+        for t in range(self.tasks):
+            prompt = self.tokenizer(f"reverse {self.batches}{t} =")["input_ids"]
+            for _ in range(self.group):
+                tokens = [self.rng.randrange(4, 14) for _ in range(4)]
+                samples.append(Sample(f"t{t}", "p", "c", prompt, tokens, [-2.0] * 4, manifest.step, reward=float(self.rng.random() < 0.5)))
+        write_samples(self.bucket, score_key(self.batches, "feed"), samples)
+        self.batches += 1
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.write_one()
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> "ScoreFeeder":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
