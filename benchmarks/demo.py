@@ -9,7 +9,7 @@ Runs the three roles as processes on a fresh local bucket for ``--minutes`` (wha
 - the environment's mean reward over the first and the last minute of samples.
 
     python -m benchmarks.demo                          # the demo defaults, 5 minutes
-    python -m benchmarks.demo --minutes 3 --set TRAINER_LR=2e-5 --set TRAINER_BATCH_SIZE=16
+    python -m benchmarks.demo --minutes 3 --set TRAINER_LR=2e-5 --set TRAINER_ADAM_EPSILON=1e-8
 """
 
 from __future__ import annotations

@@ -198,7 +198,8 @@ def test_deploy_makes_the_exact_calls(hub):
     bucket = f"hf://buckets/{NS}/rl-sync"
     expected_vars = {
         f"{NS}/rl-sync-trainer": {"TRAINER_BUCKET": bucket, "TRAINER_MODEL": "Qwen/Qwen3-0.6B",
-                                  "TRAINER_DEVICE": "cuda", "TRAINER_LR": "1e-6"},
+                                  "TRAINER_DEVICE": "cuda", "TRAINER_LR": "1e-6",
+                                  "TRAINER_ADAM_EPSILON": "1e-8"},
         f"{NS}/rl-sync-rollout": {"ROLLOUT_BUCKET": bucket, "ROLLOUT_MODEL": "Qwen/Qwen3-0.6B",
                                   "ROLLOUT_ENGINE": "vllm", "ROLLOUT_DEVICE": "cuda", "ROLLOUT_MAX_NEW_TOKENS": "64",
                                   "ROLLOUT_REPLICA_ID": "rl-sync-rollout"},

@@ -64,8 +64,10 @@ class TrainerConfig:
     bucket: str = dataclasses.field(default="./runs/bucket", metadata={"help": "bucket URL or path (write access)"})
     model: str = dataclasses.field(default="", metadata={"help": "model name or folder (default: Qwen/Qwen3-0.6B on a GPU, the tiny offline model on CPU)"})
     device: str = dataclasses.field(default="auto", metadata={"help": "torch device ('auto': cuda if available, else cpu)"})
-    lr: float = dataclasses.field(default=2e-5, metadata={"help": "AdamW learning rate (learning_rate)"})
-    weight_decay: float = dataclasses.field(default=0.0, metadata={"help": "AdamW weight decay (weight_decay)"})
+    lr: float = dataclasses.field(default=5e-4, metadata={"help": "learning rate (learning_rate)"})
+    optim: str = dataclasses.field(default="adamw_torch", metadata={"help": "optimizer: a transformers optim name, e.g. 'adamw_torch' or 'sgd' (optim)"})
+    adam_epsilon: float = dataclasses.field(default=3e-3, metadata={"help": "AdamW epsilon (adam_epsilon); the CPU demo's large one makes steps follow the gradient's size, so weights with small gradients barely move and deltas stay sparse (GPU Spaces get 1e-8)"})
+    weight_decay: float = dataclasses.field(default=0.0, metadata={"help": "weight decay (weight_decay)"})
     batch_size: int = dataclasses.field(default=16, metadata={"help": "samples per optimizer step (per_device_train_batch_size)"})
     sync_every: int = dataclasses.field(default=1, metadata={"help": "optimizer steps per publish (weight_sync_steps)"})
     max_staleness: int = dataclasses.field(default=2, metadata={"help": "drop samples this many versions behind (max_staleness)"})
@@ -99,7 +101,8 @@ class TrainerConfig:
 
         on_gpu = self.device.startswith("cuda")
         return AsyncGRPOConfig(
-            output_dir=output_dir, learning_rate=self.lr, weight_decay=self.weight_decay,
+            output_dir=output_dir, learning_rate=self.lr, optim=self.optim, adam_epsilon=self.adam_epsilon,
+            weight_decay=self.weight_decay,
             per_device_train_batch_size=self.batch_size, token_budget=0, gradient_accumulation_steps=1,
             weight_sync_steps=self.sync_every, max_staleness=self.max_staleness, epsilon=self.clip_eps,
             temperature=self.temperature, max_grad_norm=self.max_grad_norm,

@@ -123,7 +123,7 @@ ROLES: dict[str, SpaceRole] = {
     role.name: role
     for role in (
         SpaceRole("trainer", "trainer_space", "TRAINER", "trainer_space.trainer:TrainerConfig",
-                  gpu_settings=(("device", "cuda"), ("lr", "1e-6")), uses_model=True, extra_files=_ENVIRONMENTS),
+                  gpu_settings=(("device", "cuda"), ("lr", "1e-6"), ("adam_epsilon", "1e-8")), uses_model=True, extra_files=_ENVIRONMENTS),
         SpaceRole("rollout", "rollout_space", "ROLLOUT", "rollout_space.replica:ReplicaConfig",
                   gpu_settings=(("engine", "vllm"), ("device", "cuda"), ("max_new_tokens", "64")), uses_model=True, extra_files=_ENVIRONMENTS),
         SpaceRole("env", "env_space", "ENV", "env_space.simulator:EnvConfig"),
