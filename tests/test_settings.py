@@ -50,3 +50,15 @@ def test_model_or_default_prefers_the_setting_then_the_device_default():
     assert model_or_default("", "cuda") == GPU_DEFAULT_MODEL
     tiny = Path(model_or_default("", "cpu", get_environment))
     assert (tiny / "model.safetensors").is_file() and (tiny / "tokenizer.json").is_file()
+
+
+def test_optimizer_defaults_follow_the_model_that_trains():
+    from trainer_space.trainer import TrainerConfig
+
+    tiny = TrainerConfig().with_model_defaults("cpu")  # the tiny offline model: the CPU demo's sparse-delta optimizer
+    assert (tiny.lr, tiny.adam_epsilon) == (5e-4, 3e-3)
+    for config, device in ((TrainerConfig(), "cuda"), (TrainerConfig(model="some/model"), "cpu")):  # a real model
+        real = config.with_model_defaults(device)
+        assert (real.lr, real.adam_epsilon) == (1e-6, 1e-8)
+    chosen = TrainerConfig(lr=2e-5, adam_epsilon=1e-6).with_model_defaults("cuda")
+    assert (chosen.lr, chosen.adam_epsilon) == (2e-5, 1e-6)  # a setting always wins
