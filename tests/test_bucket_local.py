@@ -203,12 +203,12 @@ def test_get_file_writes_object_and_leaves_no_part_file(tmp_path):
     out.write_bytes(b"previous")
     bucket.get_file("obj", out)
     assert out.read_bytes() == b"payload"
-    assert not Path(f"{out}.part").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "out.bin"]  # no .part file left
 
     with pytest.raises(ObjectNotFoundError):
         bucket.get_file("missing", out)
     assert out.read_bytes() == b"payload"  # untouched on failure
-    assert not Path(f"{out}.part").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "out.bin"]  # no .part file left
 
 
 def test_put_overwrites(tmp_path):

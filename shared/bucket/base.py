@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import re
+import uuid
 from pathlib import Path
 from typing import Iterable
 
@@ -100,6 +101,13 @@ def validate_prefix(prefix: str) -> str:
     return prefix
 
 
+def part_path(path: str | Path) -> Path:
+    """A download's temporary file beside ``path``, of this call's own (``{name}.{random}.part``), so
+    concurrent downloads to the same path never write into one file."""
+    target = Path(path)
+    return target.with_name(f"{target.name}.{uuid.uuid4().hex[:12]}.part")
+
+
 class Bucket(abc.ABC):
     """An object store holding whole objects under string keys.
 
@@ -130,7 +138,7 @@ class Bucket(abc.ABC):
     def get_file(self, key: str, path: str | Path) -> None:
         """Download the object ``key`` into the local file ``path``."""
         data = self.get(key)
-        tmp = Path(f"{path}.part")
+        tmp = part_path(path)
         tmp.write_bytes(data)
         tmp.replace(path)
 

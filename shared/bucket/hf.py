@@ -39,7 +39,6 @@ import re
 import tempfile
 import time
 import traceback
-import uuid
 from pathlib import Path
 from typing import Callable, Iterable, TypeVar
 
@@ -63,6 +62,7 @@ from .base import (
     ObjectNotFoundError,
     ObjectTooLargeError,
     TransientBucketError,
+    part_path,
     validate_key,
     validate_prefix,
 )
@@ -391,8 +391,7 @@ class HfBucket(Bucket):
         """
         remote = self._remote(key)
         target = Path(path)
-        # A .part file of our own: concurrent downloads to the same path never share one.
-        tmp = target.with_name(f"{target.name}.{uuid.uuid4().hex[:12]}.part")
+        tmp = part_path(target)
         logger.debug("get_file %s from %s -> %s", remote, self.bucket_id, path)
         try:
             self._download(key, remote, tmp)

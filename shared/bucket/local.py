@@ -27,6 +27,7 @@ from .base import (
     ObjectInfo,
     ObjectNotFoundError,
     ObjectTooLargeError,
+    part_path,
     validate_key,
     validate_prefix,
 )
@@ -160,7 +161,7 @@ class LocalBucket(Bucket):
 
     def _copy_out(self, key: str, path: str | Path, max_bytes: int | None) -> None:
         fd, size = self._open_object(key, max_bytes)
-        tmp = Path(f"{path}.part")
+        tmp = part_path(path)
         try:
             with open(tmp, "wb") as dst:
                 copy_regular(fd, size, dst)
