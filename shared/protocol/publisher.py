@@ -336,7 +336,7 @@ class Publisher:
             encode_s += time.perf_counter() - t1
             if change is not None:
                 changes[name] = change
-                digests[name] = tensor_digest(cast_chunk(tensor.detach(), self.dtype))
+                digests[name] = self._digest(tensor)
             else:  # same bits, same digest
                 digests[name] = self._digests[name]
             del tensor
@@ -355,9 +355,13 @@ class Publisher:
         result_hash = combine_digests(digests)
         return self._write_delta(step, changes, result_hash, total, old_digests, encode_s=encode_s, hash_s=hash_s)
 
+    def _digest(self, tensor: torch.Tensor) -> bytes:
+        """The digest of ``tensor`` in the serving dtype (cast without a defensive copy: only the bits are read)."""
+        return tensor_digest(cast_chunk(tensor.detach(), self.dtype))
+
     def _hash(self, state: Mapping[str, torch.Tensor], names) -> str:
-        for name in names:  # cast without a defensive copy: the digest only reads the bits
-            self._digests[name] = tensor_digest(cast_chunk(state[name].detach(), self.dtype))
+        for name in names:
+            self._digests[name] = self._digest(state[name])
         return combine_digests(self._digests)
 
     def _publish_delta(self, step: int, state: Mapping[str, torch.Tensor]) -> PublishRecord:
