@@ -125,6 +125,15 @@ def _live(source: BucketSource | Live) -> tuple[Live, bool]:
     return (source, False) if isinstance(source, Live) else (Live(source), True)
 
 
+def _show(source: BucketSource | Live, outputs: Any, render: Callable[[BucketView, Snapshot], Any]) -> None:
+    """Refresh ``outputs`` with ``render`` on ``source`` (a :class:`Live`, or a bucket whose new
+    :class:`Live` is attached here)."""
+    live, own = _live(source)
+    live.add(outputs, render)
+    if own:
+        live.attach()
+
+
 # Gradio 6.31 plots fix their colour domain to the colour values of the first data they draw
 # and keep it on later updates, so a series that appears later (the first delta after the
 # first anchor, the trainer's rewards after the env's) is never drawn. Plots therefore start
@@ -159,15 +168,12 @@ def ratio_plot(source: BucketSource | Live, prefix: str = "") -> Any:
     """
     import gradio as gr
 
-    live, own = _live(source)
     plot = gr.LinePlot(
         None, x="version", y="percent", color="against", y_lim=[0, None],
         title="Delta size: % of the anchor and % of TRL's layout", y_title="% of", height=260,
         elem_id=f"{prefix}plot-ratio",
     )  # fmt: skip
-    live.add(plot, lambda view, snap: with_series(delta_ratio_frame(snap), "against", RATIO_SERIES, "percent"))
-    if own:
-        live.attach()
+    _show(source, plot, lambda view, snap: with_series(delta_ratio_frame(snap), "against", RATIO_SERIES, "percent"))
     return plot
 
 
@@ -180,7 +186,6 @@ def size_plot(source: BucketSource | Live, prefix: str = "") -> Any:
     """
     import gradio as gr
 
-    live, own = _live(source)
     plot = gr.ScatterPlot(
         None,
         x="version",
@@ -203,9 +208,7 @@ def size_plot(source: BucketSource | Live, prefix: str = "") -> Any:
         step = 10 ** math.floor(math.log10(top)) / 2 if top > 0 else 1.0
         return gr.update(value=frame, y_lim=[0, math.ceil(top / step) * step])
 
-    live.add(plot, render)
-    if own:
-        live.attach()
+    _show(source, plot, render)
     return plot
 
 
@@ -221,7 +224,6 @@ def apply_plot(
     """
     import gradio as gr
 
-    live, own = _live(source)
     plot = gr.ScatterPlot(
         None,
         x="version",
@@ -232,14 +234,13 @@ def apply_plot(
         height=260,
         elem_id=f"{prefix}plot-apply",
     )
-    live.add(
+    _show(
+        source,
         plot,
         lambda view, snap: with_series(
             sync_time_frame(view, replicas() if replicas else None), "series", SYNC_SERIES, "seconds"
         ),
     )
-    if own:
-        live.attach()
     return plot
 
 
@@ -300,7 +301,6 @@ def reward_plot(source: BucketSource | Live, prefix: str = "") -> Any:
     """
     import gradio as gr
 
-    live, own = _live(source)
     plot = gr.LinePlot(
         None,
         x="version",
@@ -311,9 +311,7 @@ def reward_plot(source: BucketSource | Live, prefix: str = "") -> Any:
         height=280,
         elem_id=f"{prefix}plot-reward",
     )
-    live.add(plot, lambda view, snap: with_series(reward_frame(snap), "source", REWARD_SOURCES, "mean_reward"))
-    if own:
-        live.attach()
+    _show(source, plot, lambda view, snap: with_series(reward_frame(snap), "source", REWARD_SOURCES, "mean_reward"))
     return plot
 
 
@@ -326,7 +324,6 @@ def publishes_table(source: BucketSource | Live, prefix: str = "") -> Any:
     """
     import gradio as gr
 
-    live, own = _live(source)
     table = gr.Dataframe(
         recent_publishes_frame(Snapshot()),
         label="Recent publishes",
@@ -334,9 +331,7 @@ def publishes_table(source: BucketSource | Live, prefix: str = "") -> Any:
         max_height=420,
         elem_id=f"{prefix}recent-publishes",
     )
-    live.add(table, lambda view, snap: recent_publishes_frame(snap))
-    if own:
-        live.attach()
+    _show(source, table, lambda view, snap: recent_publishes_frame(snap))
     return table
 
 
@@ -356,11 +351,8 @@ def fleet_table(
     """
     import gradio as gr
 
-    live, own = _live(source)
     table = gr.Dataframe(fleet_frame(Snapshot()), label=label, interactive=False, elem_id=f"{prefix}fleet-table")
-    live.add(table, lambda view, snap: fleet_frame(snap, replicas() if replicas else None))
-    if own:
-        live.attach()
+    _show(source, table, lambda view, snap: fleet_frame(snap, replicas() if replicas else None))
     return table
 
 
@@ -369,11 +361,8 @@ def summary_line(source: BucketSource | Live, render: Callable[[Snapshot], str],
     bucket read errors are appended to it."""
     import gradio as gr
 
-    live, own = _live(source)
     line = gr.Markdown(render(Snapshot()), elem_id=elem_id)
-    live.add(line, lambda view, snap: render(snap) + (f"  \n:warning: {snap.error}" if snap.error else ""))
-    if own:
-        live.attach()
+    _show(source, line, lambda view, snap: render(snap) + (f"  \n:warning: {snap.error}" if snap.error else ""))
     return line
 
 
@@ -381,7 +370,6 @@ def episodes_table(source: BucketSource | Live, prefix: str = "") -> Any:
     """The environment's recent scored episodes (version, prompt, completion, reward)."""
     import gradio as gr
 
-    live, own = _live(source)
     table = gr.Dataframe(
         episodes_frame(Snapshot()),
         label="Recent episodes",
@@ -390,9 +378,7 @@ def episodes_table(source: BucketSource | Live, prefix: str = "") -> Any:
         max_height=420,
         elem_id=f"{prefix}episodes",
     )
-    live.add(table, lambda view, snap: episodes_frame(snap))
-    if own:
-        live.attach()
+    _show(source, table, lambda view, snap: episodes_frame(snap))
     return table
 
 
