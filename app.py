@@ -42,12 +42,12 @@ from env_space import app as env_app
 from env_space.simulator import EnvConfig
 from rollout_space import app as rollout_app
 from rollout_space.replica import ReplicaConfig
-from shared.spaces import components, frames, role_control, snapshots
-from shared.bucket import Bucket, open_bucket
-from shared.spaces.exchange import METRICS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX, STATUS_PREFIX, TASKS_PREFIX
-from shared.trl.checkpoints import CHECKPOINTS_PREFIX
-from shared.protocol.lock import LOCK_KEY
-from shared.protocol.manifest import ANCHOR_PREFIX, CONTROL_KEY, DELTA_PREFIX, POINTER_KEY
+from rlsync.spaces import components, frames, role_control, snapshots
+from rlsync.bucket import Bucket, open_bucket
+from rlsync.spaces.exchange import METRICS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX, STATUS_PREFIX, TASKS_PREFIX
+from rlsync.trl.checkpoints import CHECKPOINTS_PREFIX
+from rlsync.protocol.lock import LOCK_KEY
+from rlsync.protocol.manifest import ANCHOR_PREFIX, CONTROL_KEY, DELTA_PREFIX, POINTER_KEY
 from trainer_space import app as trainer_app
 from trainer_space.trainer import TrainerConfig
 
@@ -250,7 +250,7 @@ def _interrupt(signum: int, _frame: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "shared.protocol.subscriber"):
+    for noisy in ("httpx", "rlsync.protocol.subscriber"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     stack = Stack(args.bucket, args.replicas, environment=args.environment, max_steps=args.max_steps)
     demo = build_app(stack)

@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 from env_space.environments import get_environment
-from shared.bucket import LocalBucket
-from shared.protocol import read_manifest
-from shared.spaces.exchange import get_json, metrics_key
-from shared.spaces.tiny_model import tiny_model_path
+from rlsync.bucket import LocalBucket
+from rlsync.protocol import read_manifest
+from rlsync.spaces.exchange import get_json, metrics_key
+from rlsync.spaces.tiny_model import tiny_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,8 +16,8 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from shared.codecs.classgap import EXPONENT_FIELDS
-from shared.dtypes import bits_to_numpy, dtype_name, int_view
+from rlsync.codecs.classgap import EXPONENT_FIELDS
+from rlsync.dtypes import bits_to_numpy, dtype_name, int_view
 
 
 def _binary_bits(changed: np.ndarray, total: np.ndarray) -> float:

@@ -32,7 +32,7 @@ from env_space.simulator import EnvConfig, EnvSimulator
 from env_space.sources import open_environment
 from env_space.sources.openenv_server import build_app
 from env_space.sources.settings import DatasetSourceConfig, OpenEnvConfig, ReasoningGymConfig
-from shared.bucket import LocalBucket
+from rlsync.bucket import LocalBucket
 
 RG = "reasoning_gym:leg_counting,basic_arithmetic"
 

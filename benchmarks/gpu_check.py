@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("gpu_check needs a CUDA GPU")
 
     from rollout_space.engines.vllm_engine import VllmEngine
-    from rollout_space.engines.vllm_worker import pack_tensors
-    from shared.bucket import LocalBucket
-    from shared.protocol import FixedInterval, Publisher, Subscriber
+    from rlsync.vllm.worker import pack_tensors
+    from rlsync.bucket import LocalBucket
+    from rlsync.protocol import FixedInterval, Publisher, Subscriber
 
     t_start = time.perf_counter()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="gpu-check-"))

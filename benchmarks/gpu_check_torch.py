@@ -4,11 +4,11 @@ For machines that have CUDA torch but no vLLM (the GPU machines sometimes lent h
 no room to install it; the vLLM half is ``benchmarks.gpu_check``). Builds a model state with
 Qwen3-0.6B's configuration and random weights on the GPU (nothing is downloaded), publishes an
 anchor and ``--deltas`` AdamW deltas to a local bucket, and follows it with a
-:class:`~shared.protocol.Subscriber` whose state lives on the GPU: each verified delta is scattered
+:class:`~rlsync.protocol.Subscriber` whose state lives on the GPU: each verified delta is scattered
 into the GPU tensors in place and hashed there. Per delta it prints bytes, share of changed
 elements, fetch time (download, decode, validate) and apply time (scatter + hash verification on
 the GPU), next to the time of copying the whole bf16 state host-to-device (the floor of any full
-refit), measured in the same run. It checks after every delta, through ``shared.hashing``, that the
+refit), measured in the same run. It checks after every delta, through ``rlsync.hashing``, that the
 GPU state hashes equal to the publisher's.
 
     python -m benchmarks.gpu_check_torch                 # 5 deltas at lr 1e-6
@@ -52,9 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check_torch needs a CUDA GPU")
 
-    from shared.bucket import LocalBucket
-    from shared.hashing import state_hash
-    from shared.protocol import FixedInterval, Publisher, Subscriber
+    from rlsync.bucket import LocalBucket
+    from rlsync.hashing import state_hash
+    from rlsync.protocol import FixedInterval, Publisher, Subscriber
 
     t_start = time.perf_counter()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="gpu-check-torch-"))

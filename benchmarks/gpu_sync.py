@@ -34,10 +34,10 @@ from typing import Callable
 import torch
 
 from benchmarks.vllm_apply import QWEN3_0_6B, random_qwen3_state, write_model_folder
-from shared.detect import ChangeDetector
-from shared.dtypes import int_view
-from shared.format import decode_delta, encode_delta
-from shared.hashing import state_hash
+from rlsync.detect import ChangeDetector
+from rlsync.dtypes import int_view
+from rlsync.format import decode_delta, encode_delta
+from rlsync.hashing import state_hash
 
 
 def synchronize(device: torch.device) -> None:

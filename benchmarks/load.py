@@ -3,7 +3,7 @@
 A publisher writes ``--versions`` versions of a toy model (``--params``
 parameters, RL-like updates that flip a few percent of the bf16 weights, an
 anchor every ``--anchor-every``) at a fixed cadence, while ``--replicas``
-subscriber processes (plain :class:`~shared.protocol.Subscriber` loops polling
+subscriber processes (plain :class:`~rlsync.protocol.Subscriber` loops polling
 every 50-100 ms, no model or engine) follow the bucket. Each replica writes its
 applied step, the time it applied it and the state hash to a results file and
 counts its bucket reads (pointer polls apart from data downloads); at the end it
@@ -44,9 +44,9 @@ from typing import Any
 import torch
 
 from benchmarks.soak.processes import CHILD_TIMEOUT_S, Journal, mp_context, read_journal, wait_for
-from shared.bucket import LocalBucket
-from shared.hashing import state_hash
-from shared.protocol import POINTER_KEY, FixedInterval, Publisher, Subscriber
+from rlsync.bucket import LocalBucket
+from rlsync.hashing import state_hash
+from rlsync.protocol import POINTER_KEY, FixedInterval, Publisher, Subscriber
 
 logger = logging.getLogger("benchmarks.load")
 warnings.filterwarnings("ignore", message=r"'benchmarks\.\w+' found in sys\.modules", category=RuntimeWarning)

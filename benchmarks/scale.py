@@ -5,7 +5,7 @@ LLM-shaped model (every tensor a DTensor ``Shard(0)``, rows split as
 ``torch.chunk`` splits them, built from the rank's own rows only, so no process
 ever holds the whole model), fp32 master weights, small random updates that
 change about 1-2% of the bf16 weights per step. Each rank publishes with
-:class:`~shared.protocol.sharded.ShardedPublisher`: one anchor, then deltas.
+:class:`~rlsync.protocol.sharded.ShardedPublisher`: one anchor, then deltas.
 Per rank it measures publish time, the shadow's bytes and the peak resident
 memory added by publishing (``VmHWM`` reset before each publish).
 
@@ -38,10 +38,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.sync import init_weights, model_shapes
-from shared.bucket import LocalBucket
-from shared.format import Change, encode_delta
-from shared.protocol import FixedInterval, Publisher
-from shared.protocol.sharded import ShardedPublisher
+from rlsync.bucket import LocalBucket
+from rlsync.format import Change, encode_delta
+from rlsync.protocol import FixedInterval, Publisher
+from rlsync.protocol.sharded import ShardedPublisher
 
 logger = logging.getLogger("benchmarks.scale")
 

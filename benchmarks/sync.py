@@ -24,10 +24,10 @@ import torch
 import zstandard
 
 from benchmarks.entropy import delta_entropy
-from shared.detect import ChangeDetector
-from shared.dtypes import int_view
-from shared.format import decode_delta, encode_delta
-from shared.hashing import state_hash
+from rlsync.detect import ChangeDetector
+from rlsync.dtypes import int_view
+from rlsync.format import decode_delta, encode_delta
+from rlsync.hashing import state_hash
 
 logger = logging.getLogger("benchmarks.sync")
 

@@ -12,7 +12,7 @@ model through the same engine; engine times are the best of ``--repeat`` runs
 vLLM must hash equal to the publisher's state.
 
 On vLLM's CPU backend linear weights are prepacked, so a delta reloads every
-touched module in full (see ``rollout_space/engines/vllm_worker.py``); on GPU the
+touched module in full (see ``shared/rlsync/vllm/worker.py``); on GPU the
 same code patches only the changed elements in place.
 
     python -m benchmarks.vllm_apply                        # ~60M parameters on CPU
@@ -96,7 +96,7 @@ def write_model_folder(path: Path, config: dict[str, Any], state: dict[str, torc
     from safetensors.torch import save_file
     from transformers import Qwen3Config
 
-    from shared.spaces.tiny_model import build_tokenizer
+    from rlsync.spaces.tiny_model import build_tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
     Qwen3Config(**config, dtype="bfloat16", architectures=["Qwen3ForCausalLM"]).save_pretrained(path)
@@ -121,8 +121,8 @@ def adamw_deltas(master: dict[str, torch.Tensor], lr: float, steps: int, seed: i
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Publish, follow and apply; return one row per update plus the full-reload row."""
     from rollout_space.engines.vllm_engine import VllmEngine
-    from shared.bucket import LocalBucket
-    from shared.protocol import FixedInterval, Publisher, Subscriber
+    from rlsync.bucket import LocalBucket
+    from rlsync.protocol import FixedInterval, Publisher, Subscriber
 
     config = {
         **QWEN3_0_6B,

@@ -5,7 +5,7 @@ Every setting also comes from ``ENV_<FIELD>`` environment variables.
 
 from __future__ import annotations
 
-from shared.spaces.runner import run_role
+from rlsync.spaces.runner import run_role
 
 from .simulator import EnvConfig, EnvSimulator
 

@@ -32,6 +32,8 @@ import sys
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:  # run as a script, from the repository or a Space root
     sys.path.insert(0, _ROOT)
+if os.path.join(_ROOT, "shared") not in sys.path:  # the copy of rlsync a Space ships, where none is installed
+    sys.path.append(os.path.join(_ROOT, "shared"))
 
 import dataclasses
 import json
@@ -43,7 +45,7 @@ import gradio as gr
 from env_space.environments import list_environments
 from env_space.simulator import EnvConfig, EnvSimulator
 from env_space.sources.settings import SOURCE_SETTINGS
-from shared.spaces import components, forms, frames, role_control, snapshots
+from rlsync.spaces import components, forms, frames, role_control, snapshots
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 An environment hands out :class:`Task` objects (a plain-text prompt plus the
 reference answer) and scores a completion in ``[0, 1]``. Prompts use only
-characters the tiny model's tokenizer knows (see ``shared.spaces.tiny_model.CHARACTERS``).
+characters the tiny model's tokenizer knows (see ``rlsync.spaces.tiny_model.CHARACTERS``).
 
 Adding an environment takes one class::
 

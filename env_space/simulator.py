@@ -18,9 +18,9 @@ import logging
 import threading
 import time
 
-from shared.bucket import Bucket, BucketError, open_bucket
-from shared.errors import FormatError
-from shared.spaces.exchange import (
+from rlsync.bucket import Bucket, BucketError, open_bucket
+from rlsync.errors import FormatError
+from rlsync.spaces.exchange import (
     ROLLOUTS_PREFIX,
     SCORES_PREFIX,
     TASKS_PREFIX,
@@ -36,8 +36,8 @@ from shared.spaces.exchange import (
     task_key,
     write_samples,
 )
-from shared.protocol import read_manifest
-from shared.spaces.settings import from_env
+from rlsync.protocol import read_manifest
+from rlsync.spaces.settings import from_env
 
 from .bounded import FailureCounts, call_bounded, finite_reward
 from .environments import Environment, Task
@@ -161,7 +161,7 @@ class EnvSimulator:
     def score_rollouts(self) -> int:
         """Score every valid rollouts object in the bucket; returns the number of samples scored.
 
-        Objects that fail :func:`~shared.spaces.exchange.parse_samples` are deleted unscored and counted
+        Objects that fail :func:`~rlsync.spaces.exchange.parse_samples` are deleted unscored and counted
         in :attr:`refusals`.
         """
         scored = 0

@@ -24,6 +24,8 @@ import sys
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:  # run as a script, from the repository or a Space root
     sys.path.insert(0, _ROOT)
+if os.path.join(_ROOT, "shared") not in sys.path:  # the copy of rlsync a Space ships, where none is installed
+    sys.path.append(os.path.join(_ROOT, "shared"))
 
 import dataclasses
 import logging
@@ -32,7 +34,7 @@ from typing import Any
 import gradio as gr
 
 from rollout_space.replica import Replica, ReplicaConfig, default_replica_id
-from shared.spaces import components, forms, role_control, snapshots
+from rlsync.spaces import components, forms, role_control, snapshots
 
 logger = logging.getLogger(__name__)
 

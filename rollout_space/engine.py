@@ -1,6 +1,6 @@
 """The rollout engine interface: what a replica needs from an inference engine.
 
-A replica's :class:`~shared.protocol.Subscriber` keeps the canonical, hash-checked
+A replica's :class:`~rlsync.protocol.Subscriber` keeps the canonical, hash-checked
 weights; engines only ever receive updates that already verified. Engines live
 in ``rollout_space/engines/``, one file per engine, and register by name.
 """
@@ -13,7 +13,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from shared.patch import TensorPatch
+from rlsync.patch import TensorPatch
 
 
 @dataclasses.dataclass

@@ -1,6 +1,6 @@
 """One replica of the rollout fleet.
 
-A replica follows the bucket with the shared :class:`~shared.protocol.Subscriber`
+A replica follows the bucket with the shared :class:`~rlsync.protocol.Subscriber`
 and generates completions for the environment's task batches. Downloading and
 validating the next update runs in a background thread while the engine keeps
 generating; only applying it pauses generation, and that pause is measured as
@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 from env_space.environments import get_environment
-from shared.bucket import Bucket, BucketError, open_bucket
-from shared.errors import SyncError
-from shared.spaces.exchange import (
+from rlsync.bucket import Bucket, BucketError, open_bucket
+from rlsync.errors import SyncError
+from rlsync.spaces.exchange import (
     ROLLOUTS_PREFIX,
     SCORES_PREFIX,
     TASKS_PREFIX,
@@ -44,10 +44,10 @@ from shared.spaces.exchange import (
     task_key,
     write_samples,
 )
-from shared.hashing import state_hash
-from shared.protocol import Subscriber, Update
-from shared.spaces.settings import from_env, resolve_device
-from shared.spaces.tiny_model import model_or_default
+from rlsync.hashing import state_hash
+from rlsync.protocol import Subscriber, Update
+from rlsync.spaces.settings import from_env, resolve_device
+from rlsync.spaces.tiny_model import model_or_default
 
 from .engine import Engine, SamplingSettings, create_engine
 

@@ -4,7 +4,7 @@
 # a second run only re-tests mutants of functions that changed.
 #
 #   bash scripts/mutation.sh                        # the whole core
-#   bash scripts/mutation.sh 'shared.codecs*'       # one package or module (mutant-name globs)
+#   bash scripts/mutation.sh 'rlsync.codecs*'       # one package or module (mutant-name globs)
 #   .venv/bin/mutmut results                        # survivors; `.venv/bin/mutmut show NAME` for a diff
 #
 # MUTATION_JOBS (default 2) sets the parallel mutants, MUTATION_NICE (default 15) the niceness.

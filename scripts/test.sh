@@ -5,5 +5,5 @@ cd "$(dirname "$0")/.."
 . .venv/bin/activate
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # the tiny offline model is built once (deterministically, no download) and cached
-python -c "from env_space.environments import get_environment; from shared.spaces.tiny_model import tiny_model_path; print('tiny model:', tiny_model_path(environments=get_environment))"
+python -c "from env_space.environments import get_environment; from rlsync.spaces.tiny_model import tiny_model_path; print('tiny model:', tiny_model_path(environments=get_environment))"
 python -m pytest -q "$@"

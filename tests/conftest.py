@@ -33,7 +33,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 @pytest.fixture
 def bucket(tmp_path):
     """An empty local bucket."""
-    from shared.bucket import LocalBucket
+    from rlsync.bucket import LocalBucket
 
     return LocalBucket(tmp_path / "bucket")
 
@@ -63,7 +63,7 @@ def hub(hub_server, monkeypatch):
     """
     from huggingface_hub import constants
 
-    from shared.bucket.hf_transport import HfTransferConfig, install
+    from rlsync.bucket.hf_transport import HfTransferConfig, install
 
     hub_server.reset()
     monkeypatch.setenv("HF_ENDPOINT", hub_server.url)

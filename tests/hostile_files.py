@@ -19,9 +19,9 @@ import safetensors.torch
 import torch
 import zstandard
 
-from shared.cli import FILE_HASH_KEY, HEADER_KEY, main
-from shared.protocol import FixedInterval, Publisher
-from shared.protocol.manifest import POINTER_KEY
+from rlsync.cli import FILE_HASH_KEY, HEADER_KEY, main
+from rlsync.protocol import FixedInterval, Publisher
+from rlsync.protocol.manifest import POINTER_KEY
 
 NAMES = ("model.a.weight", "model.b.weight", "model.c.weight")
 
@@ -38,7 +38,7 @@ def base_states() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
 
 
 def _header_of(patch: bytes) -> tuple[dict[str, str], dict[str, Any]]:
-    from shared.format import parse_header
+    from rlsync.format import parse_header
 
     _, metadata = parse_header(patch)
     raw = zstandard.decompress(base64.b64decode(metadata[HEADER_KEY]))
@@ -46,7 +46,7 @@ def _header_of(patch: bytes) -> tuple[dict[str, str], dict[str, Any]]:
 
 
 def _with_metadata(patch: bytes, edit: Callable[[dict[str, str]], None]) -> bytes:
-    from shared.format import parse_header
+    from rlsync.format import parse_header
 
     _, metadata = parse_header(patch)
     edit(metadata)
@@ -95,7 +95,7 @@ def _raw_file(header: bytes, body: bytes = b"", length: int | None = None) -> by
 
 
 def _delta_entries_edit(patch: bytes, edit: Callable[[dict[str, torch.Tensor]], None]) -> bytes:
-    from shared.format import parse_header
+    from rlsync.format import parse_header
 
     _, metadata = parse_header(patch)
     entries = safetensors.torch.load(patch)
@@ -107,9 +107,9 @@ def _zero_difference_delta(old: dict[str, torch.Tensor], codec: str) -> bytes:
     """A delta declaring every element of every tensor changed, each by zero."""
     import numpy as np
 
-    from shared.dtypes import bits_to_numpy, int_view
-    from shared.format import Change, encode_delta
-    from shared.hashing import state_hash
+    from rlsync.dtypes import bits_to_numpy, int_view
+    from rlsync.format import Change, encode_delta
+    from rlsync.hashing import state_hash
 
     changes = {}
     for n, t in old.items():
@@ -131,7 +131,7 @@ def _appended_to_entry(patch: bytes, extra: bytes) -> bytes:
 
 def _many_entries_delta(count: int) -> bytes:
     """A delta-kind file naming ``count`` tensors (linear-time ``inspect``; ``apply`` refuses it)."""
-    from shared.format import FORMAT_NAME, FORMAT_VERSION
+    from rlsync.format import FORMAT_NAME, FORMAT_VERSION
 
     entries = {}
     table = {}
@@ -256,6 +256,6 @@ def make_buckets(folder: Path) -> dict[str, Path]:
 
 
 def _local(path: Path):
-    from shared.bucket import LocalBucket
+    from rlsync.bucket import LocalBucket
 
     return LocalBucket(path)

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shared.bucket import BucketError, LocalBucket
-from shared.errors import SyncError
-from shared.hashing import state_hash
-from shared.protocol import FixedInterval, Publisher
-from shared.protocol.sharded import ShardedPublisher
+from rlsync.bucket import BucketError, LocalBucket
+from rlsync.errors import SyncError
+from rlsync.hashing import state_hash
+from rlsync.protocol import FixedInterval, Publisher
+from rlsync.protocol.sharded import ShardedPublisher
 
 
 class DyingBucket(LocalBucket):
@@ -61,7 +61,7 @@ def build_sharded_model(world: int):
     from torch.distributed.fsdp import fully_shard
     from transformers import Qwen3ForCausalLM
 
-    from shared.spaces.tiny_model import tiny_model_config
+    from rlsync.spaces.tiny_model import tiny_model_config
 
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(tiny_model_config()).to(torch.float32)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.bucket import (
+from rlsync.bucket import (
     BucketError,
     InvalidKeyError,
     ObjectInfo,
@@ -28,7 +28,7 @@ from shared.bucket import (
     TransientBucketError,
     open_bucket,
 )
-from shared.bucket.hf import HfBucket
+from rlsync.bucket.hf import HfBucket
 from tests.conftest import HUB_TIMEOUT_SECONDS
 from benchmarks.hub_server import Fault
 
@@ -57,7 +57,7 @@ def retrying(inner: HfBucket, **kwargs) -> RetryingBucket:
 
 def test_package_import_does_not_import_huggingface_hub():
     code = (
-        "import sys, shared.bucket as b\n"
+        "import sys, rlsync.bucket as b\n"
         "assert 'huggingface_hub' not in sys.modules\n"
         "b.HfBucket\n"
         "assert 'huggingface_hub' in sys.modules\n"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-import shared.bucket.local as local_module
-from shared.bucket import (
+import rlsync.bucket.local as local_module
+from rlsync.bucket import (
     BucketError,
     InvalidKeyError,
     LocalBucket,
@@ -246,9 +246,9 @@ def test_open_bucket_file_url_with_remote_host_is_rejected(tmp_path):
 
 def test_open_bucket_hf_url(monkeypatch):
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    from shared.bucket.hf import HfBucket
+    from rlsync.bucket.hf import HfBucket
 
-    from shared.bucket import RetryingBucket
+    from rlsync.bucket import RetryingBucket
 
     wrapped = open_bucket("hf://buckets/someone/rl-sync/runs/exp-1")
     assert isinstance(wrapped, RetryingBucket)  # the Hub throttles: hf:// buckets retry by default

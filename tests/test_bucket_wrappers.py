@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from shared.bucket import (
+from rlsync.bucket import (
     Bucket,
     BucketError,
     FaultyBucket,
@@ -81,7 +81,7 @@ def test_retry_succeeds_through_injected_faults(local):
 def test_retry_gives_up_with_clear_chained_error(local, caplog):
     sleeps = Sleeps()
     bucket = RetryingBucket(FaultyBucket(local, error_rate=1.0), max_attempts=4, sleep=sleeps)
-    caplog.set_level(logging.WARNING, logger="shared.bucket.retry")
+    caplog.set_level(logging.WARNING, logger="rlsync.bucket.retry")
     with pytest.raises(BucketError) as info:
         bucket.get("anchors/000010")
     err = info.value

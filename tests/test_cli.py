@@ -1,4 +1,4 @@
-"""``python -m shared``: diff/apply byte for byte on real Hugging Face checkpoints, inspect, ls, verify."""
+"""``python -m rlsync``: diff/apply byte for byte on real Hugging Face checkpoints, inspect, ls, verify."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.protocol import FixedInterval, Publisher, delta_key
+from rlsync.protocol import FixedInterval, Publisher, delta_key
 from tests.helpers import master_state, rl_step
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shared", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "rlsync", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_errors_are_clear_and_leave_no_partial_output(checkpoints, tmp_path):
 
 def test_ls_and_verify_bucket(tmp_path):
     bucket_dir = tmp_path / "bucket"
-    from shared.bucket import LocalBucket
+    from rlsync.bucket import LocalBucket
 
     bucket = LocalBucket(bucket_dir)
     master = master_state()

@@ -29,7 +29,7 @@ DRIVER = textwrap.dedent(
     import contextlib, io, json, logging, resource, sys, time
     resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
     sys.path.insert(0, {root!r})
-    from shared.cli import main
+    from rlsync.cli import main
     imported = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the libraries, before any call
     results = []
     for argv in json.loads(sys.stdin.read()):

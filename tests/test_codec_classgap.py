@@ -20,12 +20,12 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import shared.codecs.classgap as classgap
-from shared.codecs import get_codec
-from shared.codecs.classgap import EXPONENT_FIELDS, ClassOrder
-from shared.detect import ChangeDetector
-from shared.dtypes import dtype_name
-from shared.format import Change, decode_delta, encode_delta, parse_header
+import rlsync.codecs.classgap as classgap
+from rlsync.codecs import get_codec
+from rlsync.codecs.classgap import EXPONENT_FIELDS, ClassOrder
+from rlsync.detect import ChangeDetector
+from rlsync.dtypes import dtype_name
+from rlsync.format import Change, decode_delta, encode_delta, parse_header
 from tests.test_codecs import FLOAT_DTYPES, _rl_deltas, bits_of, from_bits, mutate, publish_and_follow, random_bits
 from tests.test_codecs import HYPOTHESIS as ROUND_TRIP_SETTINGS
 from tests.test_format_hostile import NAME, assert_refused, make_delta, rewrite, state  # noqa: F401 (fixture)
@@ -249,7 +249,7 @@ def test_gpu_sync_benchmark_logic_on_cpu(capsys) -> None:
 
 def test_default_codec_per_device() -> None:
     """classgap where the trainer's weights are on an accelerator, gapzz (cheap to encode on CPU) on CPU."""
-    from shared.codecs import default_codec
+    from rlsync.codecs import default_codec
 
     assert default_codec("cpu") == default_codec(torch.device("cpu")) == "gapzz"
     assert default_codec("cuda") == default_codec(torch.device("cuda", 1)) == "classgap"

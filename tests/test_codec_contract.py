@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from shared.codecs import GapZigzagCodec, get_codec, list_codecs, register_codec
-from shared.codecs import base as codecs_base
-from shared.codecs.checks import check_index, require_entry
-from shared.detect import ChangeDetector, changed_elements
-from shared.errors import FormatError, SyncError
+from rlsync.codecs import GapZigzagCodec, get_codec, list_codecs, register_codec
+from rlsync.codecs import base as codecs_base
+from rlsync.codecs.checks import check_index, require_entry
+from rlsync.detect import ChangeDetector, changed_elements
+from rlsync.errors import FormatError, SyncError
 
 CODECS = ["gapzz", "trl"]
 

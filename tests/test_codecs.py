@@ -3,7 +3,7 @@
 Every codec (``classgap`` and ``gapzz``, ours; ``trl``, the baseline) is exercised on every dtype the
 format supports, on 0-d, empty, 1-D and N-D tensors, with special values (NaN
 payloads, infinities, -0.0, subnormals) and densities from 0% to 100%. Results are
-compared with :func:`shared.hashing.state_hash`, never with tolerances. Index
+compared with :func:`rlsync.hashing.state_hash`, never with tolerances. Index
 handling beyond 2**31 elements is unit-tested on the codecs directly with small
 index arrays, and the size of ``gapzz`` deltas is bounded on RL-like data.
 """
@@ -18,12 +18,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.codecs import get_codec, list_codecs
-from shared.detect import ChangeDetector
-from shared.dtypes import bits_to_numpy, int_view, uint_dtype
-from shared.errors import FormatError
-from shared.format import Change, decode_delta, encode_delta, parse_header
-from shared.hashing import state_hash
+from rlsync.codecs import get_codec, list_codecs
+from rlsync.detect import ChangeDetector
+from rlsync.dtypes import bits_to_numpy, int_view, uint_dtype
+from rlsync.errors import FormatError
+from rlsync.format import Change, decode_delta, encode_delta, parse_header
+from rlsync.hashing import state_hash
 
 CODECS = ["classgap", "gapzz", "trl"]
 

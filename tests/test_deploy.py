@@ -1,4 +1,4 @@
-"""``python -m shared.spaces.deploy`` against a recording stand-in for ``huggingface_hub.HfApi``.
+"""``python -m rlsync.spaces.deploy`` against a recording stand-in for ``huggingface_hub.HfApi``.
 
 The Hugging Face Hub cannot be reached from the machines these tests run on (no network except
 package registries), so :class:`RecordingHfApi` replaces ``HfApi`` at the network boundary: the
@@ -10,7 +10,7 @@ objects it is given, and records every call so the tests can check the exact cal
 Hub errors are real ``HfHubHTTPError`` objects made by huggingface_hub's own ``hf_raise_for_status``.
 
 The README checks parse the real front matter with huggingface_hub's ``SpaceCard`` and compare each
-README's settings table with ``shared.spaces.settings.settings_table`` of the role's dataclass, so the
+README's settings table with ``rlsync.spaces.settings.settings_table`` of the role's dataclass, so the
 docs cannot drift from the code. The requirements check follows each Space's imports (role folder
 plus the ``shared`` modules it reaches) and requires every third-party import to be installable
 from that Space's ``requirements.txt``.
@@ -51,8 +51,8 @@ from huggingface_hub.utils import hf_raise_for_status
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from shared.spaces import deploy
-from shared.spaces.settings import from_env, settings_table
+from rlsync.spaces import deploy
+from rlsync.spaces.settings import from_env, settings_table
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_DEPLOYsecretTOKEN0123456789abcdefXYZ"
@@ -184,6 +184,7 @@ def role_files(folder: str) -> set[str]:
         p.relative_to(ROOT).as_posix()
         for p in (ROOT / folder).rglob("*")
         if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+        and not any(part.endswith(".egg-info") or part == "build" for part in p.parts)
     }
 
 
@@ -500,11 +501,11 @@ def test_deployed_variables_are_real_settings(gpu):
             assert config.model == ("/models/Qwen3-0.6B" if gpu else "")
 
 
-_FIRST_PARTY = {r.folder for r in deploy.ROLES.values()} | {"shared"}
+_FIRST_PARTY = {r.folder for r in deploy.ROLES.values()} | {"rlsync"}
 
 
 def _module_file(dotted: str) -> Path | None:
-    path = ROOT.joinpath(*dotted.split("."))
+    path = (ROOT / "shared" if dotted.split(".")[0] == "rlsync" else ROOT).joinpath(*dotted.split("."))
     for candidate in (path / "__init__.py", path.with_suffix(".py")):
         if candidate.is_file():
             return candidate
@@ -514,6 +515,8 @@ def _module_file(dotted: str) -> Path | None:
 def _imports(path: Path) -> set[str]:
     """Absolute dotted names imported anywhere in a file (relative imports resolved)."""
     package = list(path.relative_to(ROOT).with_suffix("").parts)
+    if package[0] == "shared":  # shared/rlsync/... is the package rlsync
+        package.pop(0)
     package = package[:-1]  # a module's package; an __init__'s package is its folder
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 from env_space.environments import get_environment
-from shared.bucket import LocalBucket
-from shared.spaces.exchange import get_json, metrics_key, status_key
-from shared.protocol import Subscriber, read_manifest
-from shared.spaces.tiny_model import tiny_model_path
+from rlsync.bucket import LocalBucket
+from rlsync.spaces.exchange import get_json, metrics_key, status_key
+from rlsync.protocol import Subscriber, read_manifest
+from rlsync.spaces.tiny_model import tiny_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 60

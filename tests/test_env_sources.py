@@ -20,7 +20,7 @@ from env_space.simulator import EnvConfig, EnvSimulator
 from env_space.sources import open_environment, parse_weighted
 from env_space.sources.rewards import format_reward
 from env_space.sources.settings import DatasetSourceConfig, ReasoningGymConfig
-from shared.spaces.exchange import Sample, get_json, read_samples, rollout_key, score_key, task_key, write_samples
+from rlsync.spaces.exchange import Sample, get_json, read_samples, rollout_key, score_key, task_key, write_samples
 
 RG_SPEC = "reasoning_gym:leg_counting=2,basic_arithmetic"
 
@@ -339,7 +339,7 @@ def test_readme_documents_every_source_setting(module, cls, prefix):
     import importlib
     from pathlib import Path
 
-    from shared.spaces.settings import settings_table
+    from rlsync.spaces.settings import settings_table
 
     readme = (Path(__file__).resolve().parents[1] / "env_space" / "README.md").read_text(encoding="utf-8")
     for variable, default, _ in settings_table(getattr(importlib.import_module(module), cls), prefix):
@@ -348,7 +348,7 @@ def test_readme_documents_every_source_setting(module, cls, prefix):
 
 def test_chat_template_renders_the_published_prompts(tmp_path, bucket):
     """ENV_CHAT_TEMPLATE: the prompts replicas get are the tokenizer's chat rendering of the source's messages."""
-    from shared.spaces.tiny_model import build_tokenizer
+    from rlsync.spaces.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer()
     tokenizer.chat_template = (

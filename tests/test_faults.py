@@ -25,9 +25,9 @@ from benchmarks.soak.kinds.flaky_storage import trial_flaky_storage
 from benchmarks.soak.kinds.publisher_kill import trial_publisher_kill
 from benchmarks.soak.kinds.subscriber_kill import trial_subscriber_kill
 from benchmarks.soak.kinds.two_trainers import trial_two_trainers
-from shared.bucket import LocalBucket
-from shared.errors import ChainError, FormatError
-from shared.spaces.exchange import (
+from rlsync.bucket import LocalBucket
+from rlsync.errors import ChainError, FormatError
+from rlsync.spaces.exchange import (
     Sample,
     check_id,
     get_json,
@@ -39,8 +39,8 @@ from shared.spaces.exchange import (
     task_key,
     write_samples,
 )
-from shared.hashing import state_hash
-from shared.protocol import (
+from rlsync.hashing import state_hash
+from rlsync.protocol import (
     CONTROL_KEY,
     LOCK_KEY,
     POINTER_KEY,
@@ -50,7 +50,7 @@ from shared.protocol import (
     Subscriber,
     read_manifest,
 )
-from shared.protocol.verify import verify_bucket
+from rlsync.protocol.verify import verify_bucket
 from tests.helpers import bf16, files_under, master_state, rl_step
 
 
@@ -438,7 +438,7 @@ def test_env_scores_good_rollouts_next_to_hostile_ones(bucket):
 
 
 def test_trainer_collects_good_scores_next_to_hostile_ones(bucket):
-    from shared.trl import BucketRolloutWorker
+    from rlsync.trl import BucketRolloutWorker
 
     good = [Sample("t0", "p", "c", [1], [2], [-0.1], 0, reward=1.0)]
     write_samples(bucket, score_key(0, "good"), good, batch=0)

@@ -22,11 +22,11 @@ import safetensors.torch
 import torch
 import zstandard
 
-from shared.codecs import get_codec
-from shared.detect import ChangeDetector
-from shared.dtypes import int_view
-from shared.errors import FormatError
-from shared.format import (
+from rlsync.codecs import get_codec
+from rlsync.detect import ChangeDetector
+from rlsync.dtypes import int_view
+from rlsync.errors import FormatError
+from rlsync.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     INDEX_FILE,
@@ -42,7 +42,7 @@ from shared.format import (
     read_header_file,
     write_anchor,
 )
-from shared.hashing import state_hash
+from rlsync.hashing import state_hash
 
 CODECS = ["gapzz", "trl"]
 
@@ -681,7 +681,7 @@ def test_delta_metadata_readable_by_safe_open(tmp_path: Path, state, codec: str)
 
 
 # ---------------------------------------------------------------------------
-# which of our files a header describes (``file_kind``, used by ``python -m shared inspect``)
+# which of our files a header describes (``file_kind``, used by ``python -m rlsync inspect``)
 
 
 def test_file_kind_of_anchors_and_deltas() -> None:
@@ -831,7 +831,7 @@ def test_gapzz_only_one_frame_and_nothing_after(state, part: str, extra: bytes) 
 def test_frame_lying_about_its_size_is_stopped_early() -> None:
     """A frame whose declared size is right but whose blocks hold far more is cut by libzstd
     at the declared size instead of being decompressed in full."""
-    from shared.codecs.checks import decompress_frame
+    from rlsync.codecs.checks import decompress_frame
 
     real = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(bytes(64 << 20))
     lying = bytearray(real)

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from shared.codecs import get_codec
-from shared.dtypes import bits_to_numpy, int_view
-from shared.errors import FormatError
-from shared.format import Change, decode_delta, encode_delta
+from rlsync.codecs import get_codec
+from rlsync.dtypes import bits_to_numpy, int_view
+from rlsync.errors import FormatError
+from rlsync.format import Change, decode_delta, encode_delta
 
 # (gap, bytes per gap that must hold it)
 BOUNDARY_GAPS = [(2**8 - 1, 1), (2**8, 2), (2**16 - 1, 2), (2**16, 4), (2**32 - 1, 4), (2**32, 8)]

@@ -2,8 +2,8 @@
 counted, and never reach the weights or stop a role.
 
 Each class of hostile field is tested through the one parser of its object type
-(:func:`shared.spaces.exchange.parse_samples`, :func:`parse_tasks`, :func:`parse_status`,
-:func:`shared.protocol.policy.policy_from_json`, :func:`shared.protocol.lock.parse_lock`),
+(:func:`rlsync.spaces.exchange.parse_samples`, :func:`parse_tasks`, :func:`parse_status`,
+:func:`rlsync.protocol.policy.policy_from_json`, :func:`rlsync.protocol.lock.parse_lock`),
 then through the roles that read them (the env before it scores, the trainer again).
 """
 
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from env_space.simulator import EnvConfig, EnvSimulator
-from shared.errors import FormatError
-from shared.spaces.exchange import (
+from rlsync.errors import FormatError
+from rlsync.spaces.exchange import (
     SampleLimits,
     parse_samples,
     parse_status,
@@ -29,10 +29,10 @@ from shared.spaces.exchange import (
     score_key,
     Refusals,
 )
-from shared.hashing import state_hash
-from shared.protocol import CONTROL_KEY, FixedInterval, NonFiniteError, Publisher, Subscriber
-from shared.protocol.lock import LOCK_KEY, RunLockedError, acquire, parse_lock
-from shared.protocol.policy import policy_from_json
+from rlsync.hashing import state_hash
+from rlsync.protocol import CONTROL_KEY, FixedInterval, NonFiniteError, Publisher, Subscriber
+from rlsync.protocol.lock import LOCK_KEY, RunLockedError, acquire, parse_lock
+from rlsync.protocol.policy import policy_from_json
 
 from tests.helpers import bf16, master_state, rl_step
 
@@ -114,7 +114,7 @@ def test_malformed_json_objects_refused_and_counted(bucket, raw: bytes, match: s
 
 def test_oversized_object_refused_before_reading(bucket, monkeypatch) -> None:
     """Finding 6: the size is checked before the bytes are read (the local backend never reads them)."""
-    from shared.spaces import exchange
+    from rlsync.spaces import exchange
 
     monkeypatch.setattr(exchange, "MAX_OBJECT_BYTES", 1000)
     key = rollout_key(0, "r1")
@@ -239,7 +239,7 @@ def test_hostile_control_values_refused(bucket, doc: bytes) -> None:
 
 
 def test_panel_refuses_nan_ratio() -> None:
-    from shared.spaces.anchor_policy import make_policy
+    from rlsync.spaces.anchor_policy import make_policy
 
     for value in (float("nan"), float("inf"), 1e300):
         with pytest.raises(ValueError):
@@ -271,7 +271,7 @@ def test_trainer_validates_scores_again_and_keeps_training(tmp_path) -> None:
     """Scores written straight into the bucket (bypassing the env) are checked again by the
     trainer: the hostile ones are refused and counted, the good ones train, every published
     weight stays finite, and the trainer never raises (finding 1: IndexError, NaN publish)."""
-    from shared.bucket import LocalBucket
+    from rlsync.bucket import LocalBucket
     from trainer_space.trainer import Trainer, TrainerConfig
 
     bucket = LocalBucket(tmp_path / "bucket")
@@ -315,7 +315,7 @@ def test_soak_trial_hostile_replicas(tmp_path) -> None:
 
 def test_metrics_with_a_diverged_loss_stay_readable(bucket) -> None:
     """Readers refuse NaN/Infinity, so the metrics writer stores non-finite figures as null."""
-    from shared.spaces.exchange import MetricsLog, get_json, metrics_key
+    from rlsync.spaces.exchange import MetricsLog, get_json, metrics_key
 
     log = MetricsLog(bucket, "trainer")
     log.add(loss=float("nan"), reward=float("inf"), step=3)
@@ -327,7 +327,7 @@ def test_metrics_with_a_diverged_loss_stay_readable(bucket) -> None:
 def test_trainer_restores_published_weights_instead_of_publishing_poison(tmp_path) -> None:
     """If training still produced NaN weights, the trainer refuses to publish them, goes back to the
     published weights with a fresh optimizer, and keeps running."""
-    from shared.bucket import LocalBucket
+    from rlsync.bucket import LocalBucket
     from trainer_space.trainer import Trainer, TrainerConfig
 
     bucket = LocalBucket(tmp_path / "bucket")

@@ -13,15 +13,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Top-level packages of the project (tests/ is checked for cycles too, but may import anything).
-PACKAGES = ("shared", "env_space", "rollout_space", "trainer_space", "benchmarks", "tests")
-#: The Space layer: what the sync library (``shared/`` minus ``shared/spaces/``) must not import.
-SPACE_LAYER = ("shared.spaces", "env_space", "rollout_space", "trainer_space")
+PACKAGES = ("shared/rlsync", "env_space", "rollout_space", "trainer_space", "benchmarks", "tests")
+#: The Space layer: what the sync library (``rlsync`` minus ``rlsync.spaces``) must not import.
+SPACE_LAYER = ("rlsync.spaces", "env_space", "rollout_space", "trainer_space")
 MAX_LINES = 600
 
 
 def module_name(path: Path) -> str:
-    """``shared/protocol/__init__.py`` -> ``shared.protocol``, ``shared/format.py`` -> ``shared.format``."""
+    """``shared/rlsync/protocol/__init__.py`` -> ``rlsync.protocol``, ``shared/rlsync/format.py`` -> ``rlsync.format``."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] == "shared":  # the library's distribution folder: shared/rlsync/... is rlsync...
+        parts.pop(0)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -112,24 +114,24 @@ def in_layer(module: str, layer: tuple[str, ...]) -> bool:
 
 def test_sync_library_never_imports_the_space_layer():
     graph = import_graph()
-    library = [m for m in graph if in_layer(m, ("shared",)) and not in_layer(m, ("shared.spaces",))]
-    assert "shared.format" in library and "shared.protocol.publisher" in library  # the walk found the library
+    library = [m for m in graph if in_layer(m, ("rlsync",)) and not in_layer(m, ("rlsync.spaces",))]
+    assert "rlsync.format" in library and "rlsync.protocol.publisher" in library  # the walk found the library
     bad = {m: sorted(t for t in graph[m] if in_layer(t, SPACE_LAYER)) for m in library}
     assert not {m: t for m, t in bad.items() if t}, "the sync library imports the Space layer"
 
 
 def test_space_support_layer_knows_no_space_folder():
     graph = import_graph()
-    support = [m for m in graph if in_layer(m, ("shared.spaces",))]
-    assert "shared.spaces.tiny_model" in support
+    support = [m for m in graph if in_layer(m, ("rlsync.spaces",))]
+    assert "rlsync.spaces.tiny_model" in support
     spaces = ("env_space", "rollout_space", "trainer_space")
     bad = {m: sorted(t for t in graph[m] if in_layer(t, spaces)) for m in support}
-    assert not {m: t for m, t in bad.items() if t}, "shared/spaces/ imports a Space folder"
+    assert not {m: t for m, t in bad.items() if t}, "shared/rlsync/spaces/ imports a Space folder"
 
 
 def test_no_import_cycles():
     graph = import_graph()
-    assert "rollout_space.engines.vllm_worker" in graph["rollout_space.engines.vllm_transfer"]
+    assert "rlsync.vllm.worker" in graph["rlsync.vllm.transfer"]
     assert not cycles(graph)
 
 
@@ -140,8 +142,8 @@ def test_checks_catch_what_they_look_for(tmp_path):
     (pkg / "__init__.py").write_text("")
     module = pkg / "format.py"
     module.write_text("def f():\n    from .spaces import ui\n    import env_space.environments\n")
-    names = imported_names(module, "shared.format")
-    assert {"shared.spaces", "shared.spaces.ui", "env_space.environments"} <= names
+    names = imported_names(module, "rlsync.format")
+    assert {"rlsync.spaces", "rlsync.spaces.ui", "env_space.environments"} <= names
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
 
@@ -157,6 +159,6 @@ def source_files(suffixes: tuple[str, ...]) -> list[Path]:
 
 def test_no_source_file_over_600_lines_outside_tests():
     sources = source_files((".py", ".sh"))
-    assert ROOT / "shared" / "format.py" in sources and ROOT / "scripts" / "setup.sh" in sources
+    assert ROOT / "shared" / "rlsync" / "format.py" in sources and ROOT / "scripts" / "setup.sh" in sources
     long = {str(p.relative_to(ROOT)): n for p in sources if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"source files over {MAX_LINES} lines: {long}"

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from shared.bucket import BucketError, LocalBucket, ObjectNotFoundError, ObjectTooLargeError, open_bucket
-from shared.errors import FormatError, SyncError
-from shared.files import age_out, write_atomic
-from shared.protocol import FixedInterval, Publisher, Subscriber, delta_key
-from shared.protocol.subscriber import SCRATCH_PREFIX
+from rlsync.bucket import BucketError, LocalBucket, ObjectNotFoundError, ObjectTooLargeError, open_bucket
+from rlsync.errors import FormatError, SyncError
+from rlsync.files import age_out, write_atomic
+from rlsync.protocol import FixedInterval, Publisher, Subscriber, delta_key
+from rlsync.protocol.subscriber import SCRATCH_PREFIX
 from tests.helpers import master_state, rl_step
 
 
@@ -221,7 +221,7 @@ def test_replica_refuses_hostile_delta_metadata_and_syncs_again(bucket, tensors:
 
     import safetensors.torch
 
-    from shared.format import parse_header
+    from rlsync.format import parse_header
 
     pub, sub, master = synced_then_delta(bucket, interval=2)
     data = bucket.get(delta_key(1, 1))
@@ -244,7 +244,7 @@ def test_verify_tells_retention_from_missing(bucket) -> None:
     """Finding 10: verify while a trainer publishes reported "delta 13 is missing" when retention
     deleted files mid-replay. It now replays a newer snapshot; a file the pointer still names
     but that is gone is still reported."""
-    from shared.protocol.verify import verify_bucket
+    from rlsync.protocol.verify import verify_bucket
 
     master = master_state()
     pub = Publisher(bucket, policy=FixedInterval(2), keep_anchors=1)

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.bucket import LocalBucket
-from shared.errors import ChainError, FormatError, HashMismatchError, SyncError
-from shared.format import encode_delta
-from shared.hashing import state_hash
-from shared.protocol import (
+from rlsync.bucket import LocalBucket
+from rlsync.errors import ChainError, FormatError, HashMismatchError, SyncError
+from rlsync.format import encode_delta
+from rlsync.hashing import state_hash
+from rlsync.protocol import (
     CONTROL_KEY,
     FencedError,
     POINTER_KEY,
@@ -24,7 +24,7 @@ from shared.protocol import (
     policy_to_json,
     read_manifest,
 )
-from shared.protocol.verify import verify_bucket
+from rlsync.protocol.verify import verify_bucket
 from tests.helpers import bf16, files_under, master_state, rl_step
 
 
@@ -318,7 +318,7 @@ def test_non_bf16_tensors_are_shipped_in_their_own_dtype(bucket):
 
 
 def test_second_trainer_is_refused_and_a_taken_over_one_is_fenced(bucket):
-    from shared.protocol import FencedError, RunLockedError
+    from rlsync.protocol import FencedError, RunLockedError
 
     master = master_state()
     first = Publisher(bucket, owner="trainer-a")
@@ -377,9 +377,9 @@ def test_trainer_taken_over_mid_upload_cannot_overwrite_the_new_trainers_files(b
 
 def test_a_format_version_1_chain_is_read_with_its_own_hash_and_not_extended(bucket, tmp_path):
     """Version-1 pointers name flat-SHA-256 state hashes; the subscriber hashes their states that way."""
-    from shared.detect import ChangeDetector
-    from shared.format import write_anchor
-    from shared.protocol import AnchorEntry, DeltaEntry, FileEntry, Manifest
+    from rlsync.detect import ChangeDetector
+    from rlsync.format import write_anchor
+    from rlsync.protocol import AnchorEntry, DeltaEntry, FileEntry, Manifest
 
     master = master_state()
     old = bf16(master)
@@ -422,7 +422,7 @@ def test_pointer_going_back_is_refused_counted_and_logged(bucket, caplog):
     with pytest.raises(ChainError):
         sub.fetch()
     assert sub.stats.refused == 2  # every refusal counts
-    assert [r.getMessage() for r in caplog.records if r.name == "shared.protocol.subscriber"][-1] == (
+    assert [r.getMessage() for r in caplog.records if r.name == "rlsync.protocol.subscriber"][-1] == (
         "refused update: pointer went back from 2 to 1; keeping step 2 until the next anchor"
     )
 
@@ -485,7 +485,7 @@ def test_apply_counts_times_and_logs_each_update(bucket, caplog):
     import logging
     import time
 
-    caplog.set_level(logging.INFO, logger="shared.protocol.subscriber")
+    caplog.set_level(logging.INFO, logger="rlsync.protocol.subscriber")
     master = master_state()
     pub = Publisher(bucket, policy=FixedInterval(2))
     run(pub, master, 3)  # anchors 0 and 2, deltas 1 and 2
@@ -505,7 +505,7 @@ def test_apply_counts_times_and_logs_each_update(bucket, caplog):
     assert sub.stats.anchors_applied == 2 and 0 <= sub.stats.last_apply_s <= elapsed
     sub.apply(delta := sub.fetch())
     assert sub.stats.deltas_applied == 1
-    messages = [r.getMessage() for r in caplog.records if r.name == "shared.protocol.subscriber"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "rlsync.protocol.subscriber"]
     assert messages[-1] == f"applied delta 5 ({delta.nbytes} bytes)" and f"applied anchor 4 ({update.nbytes} bytes)" in messages
 
 
@@ -590,6 +590,6 @@ def test_refused_anchor_is_counted_logged_and_its_download_removed(bucket, tmp_p
             sub.fetch()
         assert sub.stats.refused == attempt and sub.stats.last_error == str(info.value)
     assert not any((tmp_path / "scratch").iterdir())  # the download folder is removed
-    logged = [r.getMessage() for r in caplog.records if r.name == "shared.protocol.subscriber"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "rlsync.protocol.subscriber"]
     assert logged[-1] == f"refused anchor 0: {info.value}"
     assert sub.step is None and sub.state == {}

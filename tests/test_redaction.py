@@ -3,7 +3,7 @@
 ``tests/test_secrets.py`` runs everything through the Hub backend, which already
 scrubs its errors; here the bucket is a local folder whose failures carry the token
 raw (as a third-party backend, a proxy or a future bug could), so only the panels'
-:func:`~shared.spaces.snapshots.redact` stands between the token and the page or the
+:func:`~rlsync.spaces.snapshots.redact` stands between the token and the page or the
 logs. Every log record of a short run is captured, from every logger, and scanned.
 """
 
@@ -16,9 +16,9 @@ import types
 
 import pytest
 
-from shared.bucket import BucketError, LocalBucket
-from shared.protocol import POINTER_KEY, FixedInterval, Publisher, Subscriber
-from shared.spaces import role_control, snapshots
+from rlsync.bucket import BucketError, LocalBucket
+from rlsync.protocol import POINTER_KEY, FixedInterval, Publisher, Subscriber
+from rlsync.spaces import role_control, snapshots
 from tests.helpers import master_state, rl_step
 
 TOKEN = "hf_RedactionTestToken0123456789abcdef"
@@ -134,7 +134,7 @@ def every_record(monkeypatch) -> list[logging.LogRecord]:
     monkeypatch.setattr(logging.Logger, "handle", handle)
     root = logging.getLogger()
     monkeypatch.setattr(root, "level", logging.DEBUG)
-    for name in ("shared", "rollout_space", "trainer_space", "env_space"):
+    for name in ("rlsync", "rollout_space", "trainer_space", "env_space"):
         monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
     return records
 
@@ -173,7 +173,7 @@ def test_no_log_record_of_a_panel_run_carries_the_token(tmp_path, every_record) 
 
     texts = [record_text(r) for r in every_record]
     assert sum("failed" in t for t in texts) >= 3  # the failures were logged: the scan saw them
-    assert {"shared.spaces.snapshots", "shared.spaces.role_control"} <= {r.name for r in every_record}
+    assert {"rlsync.spaces.snapshots", "rlsync.spaces.role_control"} <= {r.name for r in every_record}
     leaking = [t for t in texts if not shows_no_token(t)]
     assert not leaking, leaking[:3]
 
@@ -182,7 +182,7 @@ def test_a_failing_panel_render_is_logged_without_the_token(tmp_path, every_reco
     """A figure whose render raises an error naming the token: the panel logs the failure, redacted."""
     import gradio as gr
 
-    from shared.spaces import components
+    from rlsync.spaces import components
 
     def broken(view, snap):
         raise BucketError(f"render failed: Authorization: Bearer {TOKEN}")
@@ -191,5 +191,5 @@ def test_a_failing_panel_render_is_logged_without_the_token(tmp_path, every_reco
         live = components.Live(str(tmp_path / "b"), timer=gr.Timer(60))
         live.add(gr.Markdown(), broken)
     assert len(live.values()) == 1
-    texts = [record_text(r) for r in every_record if r.name == "shared.spaces.components"]
+    texts = [record_text(r) for r in every_record if r.name == "rlsync.spaces.components"]
     assert any("render failed" in t for t in texts) and all(shows_no_token(t) for t in texts)

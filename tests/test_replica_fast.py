@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from rollout_space.replica import Replica, ReplicaConfig
-from shared.hashing import state_hash
-from shared.protocol import FixedInterval, Publisher
-from shared.spaces.tiny_model import build_tiny_model
+from rlsync.hashing import state_hash
+from rlsync.protocol import FixedInterval, Publisher
+from rlsync.spaces.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="module")

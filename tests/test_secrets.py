@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
-from shared.bucket import BucketError, open_bucket
-from shared.bucket.hf import HfBucket
-from shared.protocol import FixedInterval, Publisher, Subscriber
+from rlsync.bucket import BucketError, open_bucket
+from rlsync.bucket.hf import HfBucket
+from rlsync.protocol import FixedInterval, Publisher, Subscriber
 from tests.helpers import master_state, rl_step
 from benchmarks.hub_server import Fault, HubServer
 
@@ -232,7 +232,7 @@ def test_three_roles_on_a_flaky_hub_never_show_the_token(hub, hf_bucket, logs, c
 
 
 def test_panels_never_show_the_token(hub, hf_bucket, logs, capfd):
-    from shared.spaces import anchor_policy, frames, role_control, snapshots
+    from rlsync.spaces import anchor_policy, frames, role_control, snapshots
 
     master = master_state()
     pub = Publisher(hf_bucket, owner="trainer")

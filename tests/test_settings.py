@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from shared.spaces.settings import GPU_DEFAULT_MODEL, default_model, from_env, resolve_device
+from rlsync.spaces.settings import GPU_DEFAULT_MODEL, default_model, from_env, resolve_device
 
 
 @dataclasses.dataclass
@@ -44,7 +44,7 @@ def test_model_or_default_prefers_the_setting_then_the_device_default():
     from pathlib import Path
 
     from env_space.environments import get_environment
-    from shared.spaces.tiny_model import model_or_default
+    from rlsync.spaces.tiny_model import model_or_default
 
     assert model_or_default("my/model", "cpu") == "my/model"
     assert model_or_default("", "cuda") == GPU_DEFAULT_MODEL

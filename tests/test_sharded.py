@@ -16,11 +16,11 @@ import torch
 import torch.multiprocessing as mp
 from safetensors import safe_open
 
-from shared.bucket import LocalBucket
-from shared.hashing import merge_records, raw_bytes, slice_record, state_hash, tensor_digest
-from shared.protocol import Subscriber, read_manifest
-from shared.protocol.verify import verify_bucket
-from shared.shards import assign_owners, slice_placement
+from rlsync.bucket import LocalBucket
+from rlsync.hashing import merge_records, raw_bytes, slice_record, state_hash, tensor_digest
+from rlsync.protocol import Subscriber, read_manifest
+from rlsync.protocol.verify import verify_bucket
+from rlsync.shards import assign_owners, slice_placement
 
 from tests.sharded_trainer import run
 
@@ -176,9 +176,9 @@ def test_owners_are_balanced_and_slices_must_cover_each_tensor_exactly_once():
 
 
 def test_delta_parts_that_overlap_are_refused(tmp_path):
-    from shared.errors import FormatError
-    from shared.protocol.subscriber import _merge_patches
-    from shared.patch import TensorPatch
+    from rlsync.errors import FormatError
+    from rlsync.protocol.subscriber import _merge_patches
+    from rlsync.patch import TensorPatch
 
     a = TensorPatch(torch.tensor([1, 5]), torch.ones(2, dtype=torch.bfloat16), (10,))
     b = TensorPatch(torch.tensor([5, 7]), torch.ones(2, dtype=torch.bfloat16), (10,))

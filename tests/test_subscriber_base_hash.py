@@ -9,9 +9,9 @@ import pytest
 import safetensors
 import safetensors.torch
 
-from shared.errors import ChainError, HashMismatchError
-from shared.hashing import state_hash
-from shared.protocol import POINTER_KEY, FixedInterval, Publisher, Subscriber, delta_key
+from rlsync.errors import ChainError, HashMismatchError
+from rlsync.hashing import state_hash
+from rlsync.protocol import POINTER_KEY, FixedInterval, Publisher, Subscriber, delta_key
 from tests.helpers import bf16, master_state, rl_step
 
 OTHER_HASH = "0" * 64

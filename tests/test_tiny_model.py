@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from env_space.environments import get_environment
-from shared.spaces import tiny_model
-from shared.spaces.tiny_model import (
+from rlsync.spaces import tiny_model
+from rlsync.spaces.tiny_model import (
     BOS_TOKEN,
     EOS_TOKEN,
     WarmupSettings,

@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 
 from rollout_space.engine import SamplingSettings, create_engine
 from rollout_space.engines.transformers_engine import TransformersEngine
-from shared.hashing import state_hash
-from shared.patch import TensorPatch
-from shared.spaces.tiny_model import build_tiny_model
+from rlsync.hashing import state_hash
+from rlsync.patch import TensorPatch
+from rlsync.spaces.tiny_model import build_tiny_model
 
 PROMPTS = ["reverse 123 =", "what is 3 + 4? answer:", "reverse 98765 ="]
 

@@ -1,4 +1,4 @@
-"""Trainer-format checkpoints in the bucket (shared.trl.checkpoints): upload marker last,
+"""Trainer-format checkpoints in the bucket (rlsync.trl.checkpoints): upload marker last,
 retention, and hostile or incomplete checkpoints skipped for the next older one."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from shared.trl.checkpoints import MARKER, BucketCheckpoints, CheckpointError, checkpoint_folder
+from rlsync.trl.checkpoints import MARKER, BucketCheckpoints, CheckpointError, checkpoint_folder
 
 
 def trainer_folder(tmp_path, step: int):

@@ -1,4 +1,4 @@
-"""CPU compatibility of TRL's AsyncGRPOTrainer (shared.trl.cpu_compat) and the pins it lives with."""
+"""CPU compatibility of TRL's AsyncGRPOTrainer (rlsync.trl.cpu_compat) and the pins it lives with."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from env_space.environments import get_environment
-from shared.spaces.tiny_model import tiny_model_path
-from shared.trl import apply_cpu_compat
+from rlsync.spaces.tiny_model import tiny_model_path
+from rlsync.trl import apply_cpu_compat
 
 
 def test_trl_installs_next_to_the_project_pins():

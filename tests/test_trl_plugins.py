@@ -1,4 +1,4 @@
-"""The TRL plug-ins of the sync library (shared.trl): sample mapping, staleness, health,
+"""The TRL plug-ins of the sync library (rlsync.trl): sample mapping, staleness, health,
 version continuity across restarts, the final publish, and streaming memory."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from shared.spaces.exchange import Sample, read_samples, score_key, write_samples
-from shared.hashing import state_hash
-from shared.detect import CPU_CHUNK_ELEMENTS
-from shared.protocol import FixedInterval, Publisher, Subscriber, read_manifest
-from shared.trl import BucketRolloutWorker, BucketWeightTransfer, StopRequested, group_advantages
+from rlsync.spaces.exchange import Sample, read_samples, score_key, write_samples
+from rlsync.hashing import state_hash
+from rlsync.detect import CPU_CHUNK_ELEMENTS
+from rlsync.protocol import FixedInterval, Publisher, Subscriber, read_manifest
+from rlsync.trl import BucketRolloutWorker, BucketWeightTransfer, StopRequested, group_advantages
 from tests.helpers import bf16, master_state, rl_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,7 +163,7 @@ def test_restarted_transfer_continues_versions_and_stays_bit_exact(bucket):
 
 
 def test_stream_publish_equals_the_dict_publish(tmp_path):
-    from shared.bucket import LocalBucket
+    from rlsync.bucket import LocalBucket
 
     master = master_state()
     streamed, whole = LocalBucket(tmp_path / "a"), LocalBucket(tmp_path / "b")
@@ -176,7 +176,7 @@ def test_stream_publish_equals_the_dict_publish(tmp_path):
     sub = Subscriber(streamed)
     sub.sync()
     assert sub.state_hash == read_manifest(whole).state_hash
-    from shared.errors import SyncError
+    from rlsync.errors import SyncError
 
     with pytest.raises(SyncError, match="lacks"):
         pa.publish_stream(9, iter(list(master.items())[1:]))
@@ -187,9 +187,9 @@ def test_stream_publish_equals_the_dict_publish(tmp_path):
 
 MEMORY_SCRIPT = textwrap.dedent('''
     import json, sys, torch
-    from shared.bucket import LocalBucket
-    from shared.protocol import Publisher, FixedInterval
-    from shared.trl import BucketWeightTransfer
+    from rlsync.bucket import LocalBucket
+    from rlsync.protocol import Publisher, FixedInterval
+    from rlsync.trl import BucketWeightTransfer
 
     def rss(field):
         for line in open("/proc/self/status"):
@@ -231,7 +231,7 @@ def test_streaming_send_memory_is_bounded(tmp_path):
     assert got["kinds"] == ["anchor", "delta"] and got["changed"] == 24 * 20_000
     assert got["first"] <= shadow + 2 * largest, got
     # a delta send: two tensors in flight, the changes, and the comparison's chunk workspace on each of the
-    # 2 worker threads (chunk x (fp32 source + bf16 cast + 1 byte mask), see shared/detect.py)
+    # 2 worker threads (chunk x (fp32 source + bf16 cast + 1 byte mask), see shared/rlsync/detect.py)
     workspace = 2 * CPU_CHUNK_ELEMENTS * (4 + 2 + 1)
     assert got["delta"] <= 2 * largest + 16 * got["changed"] + workspace, got
 
@@ -239,7 +239,7 @@ def test_streaming_send_memory_is_bounded(tmp_path):
 def test_trl_layout_estimate_matches_the_trl_codec(bucket):
     """The panel's "TRL layout" size (6 bytes per changed bf16 element plus the header estimate)
     is within 10% of a real delta written with the trl codec (the public design's plain layout)."""
-    from shared.trl.metrics import trl_layout_bytes
+    from rlsync.trl.metrics import trl_layout_bytes
 
     master = master_state()
     pub = Publisher(bucket, codec="trl", policy=FixedInterval(100))

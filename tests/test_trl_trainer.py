@@ -16,10 +16,10 @@ import torch
 from transformers import AutoTokenizer, TrainerCallback
 
 from env_space.environments import get_environment
-from shared.hashing import state_hash
-from shared.protocol import Subscriber, read_manifest
-from shared.spaces.tiny_model import tiny_model_path
-from shared.trl import BucketCheckpoints
+from rlsync.hashing import state_hash
+from rlsync.protocol import Subscriber, read_manifest
+from rlsync.spaces.tiny_model import tiny_model_path
+from rlsync.trl import BucketCheckpoints
 from tests.trl_feed import ScoreFeeder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,9 +29,9 @@ def test_final_weights_are_published_off_the_sync_grid(bucket, tmp_path):
     from datasets import Dataset
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-    from shared.spaces.exchange import read_samples
-    from shared.protocol import Publisher
-    from shared.trl import BucketRolloutWorker, BucketWeightTransfer, FinalWeightSync, apply_cpu_compat
+    from rlsync.spaces.exchange import read_samples
+    from rlsync.protocol import Publisher
+    from rlsync.trl import BucketRolloutWorker, BucketWeightTransfer, FinalWeightSync, apply_cpu_compat
 
     apply_cpu_compat()
     path = str(tiny_model_path(environments=get_environment))
@@ -121,8 +121,8 @@ def test_kill_9_then_restart_resumes_from_the_bucket_checkpoint(bucket, tmp_path
 
 
 def test_overview_ratio_frame_compares_deltas_with_the_anchor_and_the_trl_layout():
-    from shared.spaces.frames import delta_ratio_frame
-    from shared.spaces.snapshots import Snapshot
+    from rlsync.spaces.frames import delta_ratio_frame
+    from rlsync.spaces.snapshots import Snapshot
 
     rows = [
         {"kind": "anchor", "version": 0, "nbytes": 1000},

@@ -24,9 +24,9 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from rollout_space.engine import SamplingSettings  # noqa: E402
-from shared.hashing import state_hash  # noqa: E402
-from shared.protocol import FixedInterval, Publisher, Subscriber  # noqa: E402
-from shared.spaces.tiny_model import build_tiny_model  # noqa: E402
+from rlsync.hashing import state_hash  # noqa: E402
+from rlsync.protocol import FixedInterval, Publisher, Subscriber  # noqa: E402
+from rlsync.spaces.tiny_model import build_tiny_model  # noqa: E402
 from tests.helpers import snapshot_in_hub_cache, sparse_rl_step  # noqa: E402
 
 #: Longer than a KV block (32 tokens, the CPU attention's smallest), so prefix caching reuses blocks.
@@ -89,7 +89,7 @@ def engine(cpu_env):
 @pytest.fixture(scope="module")
 def published(model_dir, tmp_path_factory):
     """A bucket holding an anchor (step 0) and sparse deltas (steps 1..DELTAS)."""
-    from shared.bucket import LocalBucket
+    from rlsync.bucket import LocalBucket
 
     bucket = LocalBucket(tmp_path_factory.mktemp("bucket"))
     pub = Publisher(bucket, policy=FixedInterval(100))
@@ -176,8 +176,8 @@ def test_bucket_weight_transfer_backend(engine, followed, published, model_dir):
 
 
 def test_plan_update_splits_in_place_patches_from_whole_module_reloads():
-    from rollout_space.engines.vllm_worker import WeightLayout, plan_update
-    from shared.patch import TensorPatch
+    from rlsync.vllm.worker import WeightLayout, plan_update
+    from rlsync.patch import TensorPatch
 
     attn = "model.layers.0.self_attn."
     layout = WeightLayout(

@@ -30,9 +30,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it with .
 
 from safetensors.torch import load_file  # noqa: E402
 
-from shared.bucket import LocalBucket  # noqa: E402
-from shared.protocol import FixedInterval, Publisher  # noqa: E402
-from shared.spaces.tiny_model import build_tiny_model  # noqa: E402
+from rlsync.bucket import LocalBucket  # noqa: E402
+from rlsync.protocol import FixedInterval, Publisher  # noqa: E402
+from rlsync.spaces.tiny_model import build_tiny_model  # noqa: E402
 from tests.helpers import snapshot_in_hub_cache, sparse_rl_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,8 +119,8 @@ def test_non_float_tensors_and_quantized_modules_take_the_reload_path():
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 
-    from rollout_space.engines.vllm_worker import WeightLayout, _patchable_in_place, plan_update
-    from shared.patch import TensorPatch
+    from rlsync.vllm.worker import WeightLayout, _patchable_in_place, plan_update
+    from rlsync.patch import TensorPatch
 
     layout = WeightLayout({"a.weight": "a", "b.count": "b"}, frozenset({"a", "b"}))
     state = {"a.weight": torch.zeros(4, dtype=torch.bfloat16), "b.count": torch.zeros(4, dtype=torch.int64)}

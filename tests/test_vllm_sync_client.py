@@ -12,9 +12,9 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed")
 
-from rollout_space.engines.vllm_transfer import BucketSyncClient  # noqa: E402
-from shared.bucket import LocalBucket  # noqa: E402
-from shared.protocol import Publisher  # noqa: E402
+from rlsync.vllm.transfer import BucketSyncClient  # noqa: E402
+from rlsync.bucket import LocalBucket  # noqa: E402
+from rlsync.protocol import Publisher  # noqa: E402
 
 
 class FakeVllm:

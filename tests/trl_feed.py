@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 import threading
 
-from shared.bucket import Bucket
-from shared.spaces.exchange import Sample, score_key, write_samples
-from shared.protocol import read_manifest
+from rlsync.bucket import Bucket
+from rlsync.spaces.exchange import Sample, score_key, write_samples
+from rlsync.protocol import read_manifest
 
 
 class ScoreFeeder:

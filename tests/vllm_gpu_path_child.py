@@ -4,7 +4,7 @@
 parallel). Each rank builds vLLM's model class directly (``initialize_model`` + ``load_weights``,
 as a GPU worker does; the CPU backend's prepacking step, ``process_weights_after_loading``, is
 never run), follows a local bucket with a Subscriber, applies every delta through
-:class:`~rollout_space.engines.vllm_worker.ModelWeights`' sparse path (vLLM's
+:class:`~rlsync.vllm.worker.ModelWeights`' sparse path (vLLM's
 ``load_checkpoint_weight_patches``), and records after each update whether the weights read back
 hash equal to the published state, then whether they equal a fresh load of the final state. Each
 rank writes ``rank{N}.json`` into the spec's ``out`` folder.
@@ -56,10 +56,10 @@ def _skipped_tensor_is_caught(model: torch.nn.Module, weights, patch_name: str, 
 def run_case(case: dict[str, Any], world_size: int) -> dict[str, Any]:
     from vllm.config import set_current_vllm_config
 
-    from rollout_space.engines.vllm_worker import ModelWeights, pack_patches, plan_update, unpack_patches
-    from shared.bucket import LocalBucket
-    from shared.hashing import combine_digests, state_hash
-    from shared.protocol import Subscriber
+    from rlsync.vllm.worker import ModelWeights, pack_patches, plan_update, unpack_patches
+    from rlsync.bucket import LocalBucket
+    from rlsync.hashing import combine_digests, state_hash
+    from rlsync.protocol import Subscriber
 
     model_config, vllm_config = _configs(case["model"], world_size)
     with set_current_vllm_config(vllm_config):

@@ -27,13 +27,15 @@ import sys
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:  # run as a script, from the repository or a Space root
     sys.path.insert(0, _ROOT)
+if os.path.join(_ROOT, "shared") not in sys.path:  # the copy of rlsync a Space ships, where none is installed
+    sys.path.append(os.path.join(_ROOT, "shared"))
 
 import logging
 from typing import Any
 
 import gradio as gr
 
-from shared.spaces import components, forms, frames, role_control, snapshots
+from rlsync.spaces import components, forms, frames, role_control, snapshots
 from trainer_space.trainer import Trainer, TrainerConfig
 
 logger = logging.getLogger(__name__)

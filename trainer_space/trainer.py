@@ -2,17 +2,17 @@
 
 The training loop, the GRPO loss (PPO-clip against the sampler's
 log-probabilities) and the optimizer are TRL's; this module only wires the
-sync library's TRL plug-ins (:mod:`shared.trl`) into it:
+sync library's TRL plug-ins (:mod:`rlsync.trl`) into it:
 
-- :class:`~shared.trl.BucketRolloutWorker` feeds the trainer the scored samples
+- :class:`~rlsync.trl.BucketRolloutWorker` feeds the trainer the scored samples
   under ``scores/`` (group-normalised advantages, the sampler's log-probabilities,
   each sample's policy version; TRL drops those more than ``max_staleness`` old);
-- :class:`~shared.trl.BucketWeightTransfer` publishes every ``sync_every``
-  optimizer steps through the :class:`~shared.protocol.Publisher` (an anchor or a
+- :class:`~rlsync.trl.BucketWeightTransfer` publishes every ``sync_every``
+  optimizer steps through the :class:`~rlsync.protocol.Publisher` (an anchor or a
   sparse bf16 delta, as the anchor policy decides; the policy follows the bucket's
   control object, so any panel can change it while the run goes on); the final
   weights are published at ``max_steps`` or on stop;
-- :class:`~shared.trl.BucketCheckpoints` keeps Trainer-format checkpoints (fp32
+- :class:`~rlsync.trl.BucketCheckpoints` keeps Trainer-format checkpoints (fp32
   weights, optimizer, scheduler, RNG, step) under ``checkpoints/`` every
   ``checkpoint_every`` steps and on stop; a restarted trainer resumes from the
   newest complete one and continues the bucket's version numbers.
@@ -34,13 +34,13 @@ import torch
 from transformers import TrainerCallback
 
 from env_space.environments import get_environment
-from shared.bucket import Bucket, open_bucket
-from shared.codecs import default_codec
-from shared.protocol import CONTROL_KEY, Adaptive, FixedInterval, NonFiniteError, Publisher, PublishRecord, policy_to_json
-from shared.spaces.exchange import MetricsLog, Refusals, SampleLimits, read_samples
-from shared.spaces.settings import default_model, from_env, resolve_device
-from shared.spaces.tiny_model import model_or_default
-from shared.trl import (
+from rlsync.bucket import Bucket, open_bucket
+from rlsync.codecs import default_codec
+from rlsync.protocol import CONTROL_KEY, Adaptive, FixedInterval, NonFiniteError, Publisher, PublishRecord, policy_to_json
+from rlsync.spaces.exchange import MetricsLog, Refusals, SampleLimits, read_samples
+from rlsync.spaces.settings import default_model, from_env, resolve_device
+from rlsync.spaces.tiny_model import model_or_default
+from rlsync.trl import (
     BucketCheckpoints,
     BucketRolloutWorker,
     BucketWeightTransfer,
@@ -49,7 +49,7 @@ from shared.trl import (
     StopRequested,
     apply_cpu_compat,
 )
-from shared.trl.metrics import trl_layout_bytes
+from rlsync.trl.metrics import trl_layout_bytes
 
 logger = logging.getLogger(__name__)
 

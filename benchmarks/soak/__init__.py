@@ -16,7 +16,7 @@ Trial kinds (``--kinds``):
 
 ``publisher_kill``
     A publisher process (a small fp32 toy model and a plain
-    :class:`~shared.protocol.Publisher` loop, not the GRPO trainer) is killed
+    :class:`~rlsync.protocol.Publisher` loop, not the GRPO trainer) is killed
     with SIGKILL after a random delay or at a chosen point inside ``publish``:
     while taking the run lock, mid delta upload, between the data and the
     pointer, mid anchor shard upload, between anchor shards, after the pointer
@@ -38,14 +38,14 @@ Trial kinds (``--kinds``):
     keep their last good state, and reach the newest version after the next
     anchor.
 ``flaky_storage``
-    :class:`~shared.bucket.FaultyBucket` (latency, 503, 429 with retry-after,
+    :class:`~rlsync.bucket.FaultyBucket` (latency, 503, 429 with retry-after,
     uploads cut short, lagging listings) under a
-    :class:`~shared.bucket.RetryingBucket`, beneath the publisher and three
+    :class:`~rlsync.bucket.RetryingBucket`, beneath the publisher and three
     subscriber threads: everything converges bit-exactly and no cut-short
     upload is ever named by the pointer.
 ``hub_storage``
-    The real Hub client (huggingface_hub + hf_xet, :class:`~shared.bucket.hf.HfBucket` under a
-    :class:`~shared.bucket.RetryingBucket`) against the Hub stand-in server
+    The real Hub client (huggingface_hub + hf_xet, :class:`~rlsync.bucket.hf.HfBucket` under a
+    :class:`~rlsync.bucket.RetryingBucket`) against the Hub stand-in server
     (:mod:`benchmarks.hub_server`), which fails a random share of Hub API requests, Xet token
     grants and Xet storage requests (429, 503, dropped connections), beneath the publisher and
     two subscriber threads: everything converges bit-exactly.

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-from shared.bucket import LocalBucket
-from shared.protocol import POINTER_KEY
+from rlsync.bucket import LocalBucket
+from rlsync.protocol import POINTER_KEY
 
 
 def die() -> None:

@@ -12,11 +12,11 @@ import threading
 
 import torch
 
-from shared.bucket import BucketError, LocalBucket
-from shared.errors import FormatError, SyncError
-from shared.hashing import state_hash
-from shared.protocol import Manifest, Subscriber, read_manifest
-from shared.protocol.verify import verify_bucket
+from rlsync.bucket import BucketError, LocalBucket
+from rlsync.errors import FormatError, SyncError
+from rlsync.hashing import state_hash
+from rlsync.protocol import Manifest, Subscriber, read_manifest
+from rlsync.protocol.verify import verify_bucket
 
 logger = logging.getLogger("benchmarks.soak")
 

@@ -18,11 +18,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from shared.bucket import BucketError
-from shared.errors import SyncError
-from shared.hashing import state_hash
-from shared.protocol import FencedError, FixedInterval, Publisher, RunLockedError, Subscriber
-from shared.protocol import subscriber as subscriber_module
+from rlsync.bucket import BucketError
+from rlsync.errors import SyncError
+from rlsync.hashing import state_hash
+from rlsync.protocol import FencedError, FixedInterval, Publisher, RunLockedError, Subscriber
+from rlsync.protocol import subscriber as subscriber_module
 
 from .hooks import HookBucket, die
 from .toy import SHARD_BYTES, as_master, toy_master, toy_step
@@ -179,7 +179,7 @@ def mp_context(preload: Iterable[str] = ()) -> multiprocessing.context.BaseConte
     if _CONTEXT is None:
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(
-            ["torch", "shared.protocol", "shared.protocol.verify", "benchmarks.soak.processes", *preload]
+            ["torch", "rlsync.protocol", "rlsync.protocol.verify", "benchmarks.soak.processes", *preload]
         )
         _CONTEXT = ctx
     return _CONTEXT

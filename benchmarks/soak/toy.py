@@ -8,9 +8,9 @@ import time
 
 import torch
 
-from shared.bucket import BucketError
-from shared.errors import FormatError, SyncError
-from shared.protocol import FixedInterval, Publisher
+from rlsync.bucket import BucketError
+from rlsync.errors import FormatError, SyncError
+from rlsync.protocol import FixedInterval, Publisher
 
 from .invariants import Ledger
 

@@ -10,7 +10,7 @@ import dataclasses
 import json
 from typing import Any
 
-from shared.spaces.settings import from_env
+from rlsync.spaces.settings import from_env
 
 __all__ = ["SOURCE_SETTINGS", "DatasetSourceConfig", "OpenEnvConfig", "ReasoningGymConfig", "source_settings"]
 

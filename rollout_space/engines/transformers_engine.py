@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from rollout_space.engine import Completion, Engine, SamplingSettings, register_engine
-from shared.patch import TensorPatch
+from rlsync.patch import TensorPatch
 
 logger = logging.getLogger(__name__)
 

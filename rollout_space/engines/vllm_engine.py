@@ -1,8 +1,8 @@
 """A rollout engine on vLLM's offline Python API (``vllm.LLM``), on GPU or CPU.
 
-The replica's :class:`~shared.protocol.Subscriber` verifies every update; this
+The replica's :class:`~rlsync.protocol.Subscriber` verifies every update; this
 engine only moves verified weights into vLLM's workers, through
-``LLM.collective_rpc`` calls to :class:`~rollout_space.engines.vllm_worker.SyncWorkerExtension`:
+``LLM.collective_rpc`` calls to :class:`~rlsync.vllm.worker.SyncWorkerExtension`:
 
 * :meth:`VllmEngine.apply_patches` writes a delta's changed elements in place via
   vLLM's ``load_checkpoint_weight_patches`` where the weights live as plain
@@ -40,13 +40,13 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from rollout_space.engine import Completion, Engine, SamplingSettings, register_engine
-from shared.patch import TensorPatch
+from rlsync.patch import TensorPatch
 
-from .vllm_worker import WeightLayout, pack_patches, pack_tensors, plan_update, unpack_tensors
+from rlsync.vllm.worker import WeightLayout, pack_patches, pack_tensors, plan_update, unpack_tensors
 
 logger = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "rollout_space.engines.vllm_worker.SyncWorkerExtension"
+WORKER_EXTENSION = "rlsync.vllm.worker.SyncWorkerExtension"
 
 #: Temperatures below this decode greedily (vLLM's own threshold).
 GREEDY_TEMPERATURE = 1e-5
@@ -181,7 +181,7 @@ class VllmEngine(Engine):
     def read_state(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """Read the served weights back in checkpoint names and layout (tensor parallel 1).
 
-        See :mod:`rollout_space.engines.vllm_worker` for how prepacked CPU weights are read.
+        See :mod:`rlsync.vllm.worker` for how prepacked CPU weights are read.
         """
         with self._lock:
             payload = self.llm.collective_rpc("sync_read", args=(names, self.spool_dir))[0]
@@ -189,7 +189,7 @@ class VllmEngine(Engine):
             return unpack_tensors(payload)[0]
 
     def state_hash(self) -> str:
-        """``shared.hashing.state_hash`` of the served weights, computed inside the worker."""
+        """``rlsync.hashing.state_hash`` of the served weights, computed inside the worker."""
         with self._lock:
             return self.llm.collective_rpc("sync_state_hash")[0]
 

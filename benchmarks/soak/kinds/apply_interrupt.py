@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from shared.bucket import LocalBucket
-from shared.hashing import state_hash
-from shared.protocol import FixedInterval, Publisher, Subscriber
-from shared.protocol import subscriber as subscriber_module
+from rlsync.bucket import LocalBucket
+from rlsync.hashing import state_hash
+from rlsync.protocol import FixedInterval, Publisher, Subscriber
+from rlsync.protocol import subscriber as subscriber_module
 
 from ..invariants import Ledger, TrialResult
 from ..toy import toy_master, toy_step

@@ -7,8 +7,8 @@ import random
 from pathlib import Path
 from typing import Callable
 
-from shared.bucket import LocalBucket
-from shared.protocol import POINTER_KEY, FixedInterval, Publisher, Subscriber, read_manifest
+from rlsync.bucket import LocalBucket
+from rlsync.protocol import POINTER_KEY, FixedInterval, Publisher, Subscriber, read_manifest
 
 from ..invariants import Ledger, TrialResult, checked_sync
 from ..toy import SHARD_BYTES, toy_master, toy_step

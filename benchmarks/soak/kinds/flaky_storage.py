@@ -6,8 +6,8 @@ import collections
 import random
 from pathlib import Path
 
-from shared.bucket import FaultyBucket, LocalBucket, RetryingBucket
-from shared.protocol import Subscriber
+from rlsync.bucket import FaultyBucket, LocalBucket, RetryingBucket
+from rlsync.protocol import Subscriber
 
 from ..invariants import Ledger, TrialResult, check_verified
 from ..processes import CHILD_TIMEOUT_S

@@ -27,10 +27,10 @@ from typing import Any, Callable
 import torch
 
 from env_space.simulator import EnvConfig, EnvSimulator
-from shared.bucket import BucketError, LocalBucket
-from shared.errors import SyncError
-from shared.protocol import CONTROL_KEY, Subscriber, read_manifest
-from shared.spaces.exchange import (
+from rlsync.bucket import BucketError, LocalBucket
+from rlsync.errors import SyncError
+from rlsync.protocol import CONTROL_KEY, Subscriber, read_manifest
+from rlsync.spaces.exchange import (
     ROLLOUTS_PREFIX,
     SCORES_PREFIX,
     TASKS_PREFIX,
@@ -41,8 +41,8 @@ from shared.spaces.exchange import (
     score_key,
     status_key,
 )
-from shared.spaces.frames import env_summary, trainer_summary
-from shared.spaces.snapshots import read_snapshot
+from rlsync.spaces.frames import env_summary, trainer_summary
+from rlsync.spaces.snapshots import read_snapshot
 from trainer_space.trainer import Trainer, TrainerConfig
 
 from ..invariants import Ledger, TrialResult, check_verified

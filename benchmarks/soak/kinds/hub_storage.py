@@ -11,8 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from shared.bucket import RetryingBucket
-from shared.protocol import Subscriber
+from rlsync.bucket import RetryingBucket
+from rlsync.protocol import Subscriber
 
 from ...hub_server import HubServer
 from ..invariants import Ledger, TrialResult, check_verified
@@ -40,7 +40,7 @@ def _online() -> Iterator[None]:
 def _bucket(server: HubServer, attempts: int) -> RetryingBucket:
     from huggingface_hub import HfApi
 
-    from shared.bucket.hf import HfBucket
+    from rlsync.bucket.hf import HfBucket
 
     inner = HfBucket(BUCKET, token=TOKEN, api=HfApi(endpoint=server.url, token=TOKEN))
     return RetryingBucket(inner, max_attempts=attempts, base_delay=0.001, max_delay=0.01, max_total=30.0)
@@ -56,7 +56,7 @@ def trial_hub_storage(rng: random.Random, workdir: Path, final: int | None = Non
     """
     from huggingface_hub.utils import disable_progress_bars
 
-    from shared.bucket.hf_transport import HfTransferConfig, install
+    from rlsync.bucket.hf_transport import HfTransferConfig, install
 
     disable_progress_bars()
 

@@ -7,8 +7,8 @@ import signal
 import time
 from pathlib import Path
 
-from shared.bucket import LocalBucket
-from shared.protocol import Subscriber
+from rlsync.bucket import LocalBucket
+from rlsync.protocol import Subscriber
 
 from ..invariants import Ledger, TrialResult, check_verified
 from ..processes import log_tail, plan_kills, publisher_child, read_journal, spawn, wait_for
@@ -26,6 +26,19 @@ PUBLISHER_KILLS = [
     "mid-delete",
 ]
 _KILL_NTH = {"lock": (1, 1), "mid-delta": (1, 6), "before-pointer": (1, 8), "mid-shard": (1, 8), "after-shard": (1, 8), "after-pointer": (1, 8), "mid-delete": (1, 2)}  # fmt: skip
+
+
+def kill_after_random_publish(proc, journal: Path, rng: random.Random, final: int) -> None:
+    """SIGKILL ``proc`` a random moment after a random number of its publishes (a child whose
+    imports are preloaded can finish a whole run within a fixed delay, so none would be hit)."""
+    publishes = rng.randint(0, final // 2)
+    deadline = time.monotonic() + 60.0
+    while proc.is_alive() and time.monotonic() < deadline:
+        if sum(e["event"] == "published" for e in read_journal(journal)) >= publishes:
+            break
+        time.sleep(0.002)
+    time.sleep(rng.uniform(0.0, 0.02))
+    proc.kill()
 
 
 def trial_publisher_kill(
@@ -55,8 +68,7 @@ def trial_publisher_kill(
         cfg = dict(base, journal=str(journal), log=str(workdir / f"pub-{life}.log"), kill=kill)
         proc = spawn(publisher_child, cfg)
         if mode == "random":
-            time.sleep(rng.uniform(0.0, 0.4))
-            proc.kill()
+            kill_after_random_publish(proc, journal, rng, final)
         code = wait_for(proc)
         events = read_journal(journal)
         killed = code == -signal.SIGKILL

@@ -7,7 +7,7 @@ import signal
 import time
 from pathlib import Path
 
-from shared.bucket import LocalBucket
+from rlsync.bucket import LocalBucket
 
 from ..invariants import Ledger, TrialResult
 from ..processes import CHILD_TIMEOUT_S, log_tail, plan_kills, read_journal, spawn, subscriber_child, wait_for

@@ -7,8 +7,8 @@ import random
 import time
 from pathlib import Path
 
-from shared.bucket import LocalBucket
-from shared.protocol import Subscriber
+from rlsync.bucket import LocalBucket
+from rlsync.protocol import Subscriber
 
 from ..invariants import Ledger, TrialResult, check_verified
 from ..processes import (

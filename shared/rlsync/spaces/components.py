@@ -387,7 +387,7 @@ def anchor_policy_controls(
 ) -> dict[str, Any]:
     """Controls of the anchor policy: fixed/adaptive, interval, ratio, Apply.
 
-    Apply writes the bucket's control object (:func:`~shared.protocol.policy_to_json`);
+    Apply writes the bucket's control object (:func:`~rlsync.protocol.policy_to_json`);
     the trainer, wherever it runs, uses it from its next publish. The inputs are
     filled from the control object when the page loads (not on every refresh,
     which would overwrite what the user is typing); the line above them shows

@@ -1,7 +1,7 @@
 """Sharded publish: every rank of a ``torch.distributed`` trainer publishes its own slices.
 
 Each rank of an FSDP2 trainer calls :meth:`ShardedPublisher.publish` with its
-state dict (DTensor parameters; see :mod:`shared.shards`). A publish runs in
+state dict (DTensor parameters; see :mod:`rlsync.shards`). A publish runs in
 four rounds; in each, every rank does its own work and sends a small record to
 rank 0, which answers with one broadcast (an error anywhere stops every rank
 in the same round, so no rank waits forever on a failed peer):
@@ -11,7 +11,7 @@ in the same round, so no rank waits forever on a failed peer):
 2. *detect*: each rank compares its slices with its own shadow (the last
    published bits of its slices only); rank 0 unites the changed tensors' names;
 3. *hash*: each rank sends the state-hash records of its slices of those tensors
-   (:func:`shared.hashing.slice_record`: a few digests and at most two partial
+   (:func:`rlsync.hashing.slice_record`: a few digests and at most two partial
    16 KiB leaves per tensor) to the tensor's owner rank (owners balanced by
    bytes; one all-to-all), which merges them into the tensor's digest;
    rank 0 combines the digests into the state hash, identical to a
@@ -22,12 +22,12 @@ in the same round, so no rank waits forever on a failed peer):
    parts, then every rank updates its shadow.
 
 An anchor is a Hugging Face-style sharded checkpoint of whole tensors, written
-without gathering: each tensor has one owner rank (:func:`shared.shards.assign_owners`,
+without gathering: each tensor has one owner rank (:func:`rlsync.shards.assign_owners`,
 balanced by bytes), every rank sends its slices straight to their owners
 (point-to-point), each owner writes ``model-0000k-of-0000n.safetensors`` with
 the whole tensors it owns, and once every file is confirmed rank 0 uploads
 ``model.safetensors.index.json`` and the pointer. Replicas read it as any
-sharded anchor (:func:`shared.format.load_anchor`).
+sharded anchor (:func:`rlsync.format.load_anchor`).
 
 No rank ever holds more than its own slices and, during an anchor, the tensors
 it owns. A rank that dies mid-publish makes the others' collectives fail

@@ -185,7 +185,7 @@ class Publisher:
     def resume(self) -> dict[str, torch.Tensor] | None:
         """Continue a run already in the bucket.
 
-        Replays the newest chain with a :class:`~shared.protocol.Subscriber`,
+        Replays the newest chain with a :class:`~rlsync.protocol.Subscriber`,
         verifying every hash, and makes it the published state.
 
         Returns:

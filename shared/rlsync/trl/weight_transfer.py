@@ -5,10 +5,10 @@
 ``init_weight_transfer`` once, then ``pause``, ``send_weights``, ``resume`` at
 train begin and every ``weight_sync_steps`` optimizer steps, and ``destroy`` at
 train end. Each ``send_weights`` becomes one version in the bucket (an anchor
-or a sparse bf16 delta, as the :class:`~shared.protocol.Publisher`'s anchor
+or a sparse bf16 delta, as the :class:`~rlsync.protocol.Publisher`'s anchor
 policy decides), streamed tensor by tensor as TRL's iterator yields them.
 
-Replicas anywhere follow the bucket with a :class:`~shared.protocol.Subscriber`,
+Replicas anywhere follow the bucket with a :class:`~rlsync.protocol.Subscriber`,
 so ``pause`` and ``resume`` do nothing here: a replica pauses its own engine
 only while applying a version.
 """
@@ -27,12 +27,12 @@ logger = logging.getLogger(__name__)
 
 
 class BucketWeightTransfer:
-    """TRL ``WeightTransferProtocol`` over a bucket :class:`~shared.protocol.Publisher`.
+    """TRL ``WeightTransferProtocol`` over a bucket :class:`~rlsync.protocol.Publisher`.
 
     Args:
         bucket: Where to publish (ignored when ``publisher`` is given).
         publisher: The publisher to use (default: ``Publisher(bucket)``, anchor every 10 versions).
-        on_publish: Called with the :class:`~shared.protocol.PublishRecord` of every publish (figures, logs).
+        on_publish: Called with the :class:`~rlsync.protocol.PublishRecord` of every publish (figures, logs).
         on_non_finite: Called when a send is refused because it would publish NaN or Inf
             (e.g. to restore the published weights); the send publishes nothing and the
             replicas keep the last good version. Without it the refusal is raised.

@@ -30,7 +30,7 @@ so this module knows no Space.
 
 Example:
     >>> from env_space.environments import get_environment
-    >>> from shared.spaces.tiny_model import tiny_model_path
+    >>> from rlsync.spaces.tiny_model import tiny_model_path
     >>> path = tiny_model_path(environments=get_environment)  # built once, then reused from the cache
 """
 
@@ -391,7 +391,7 @@ def _supervised_batch(
 
 
 def model_or_default(model: str, device: str, environments: EnvironmentLookup | None = None) -> str:
-    """``model`` if set, else the device's default (:func:`shared.spaces.settings.default_model`: Qwen3-0.6B on a
+    """``model`` if set, else the device's default (:func:`rlsync.spaces.settings.default_model`: Qwen3-0.6B on a
     GPU), else this tiny offline model's folder (built once, deterministically, without any download; its
     warm-up draws tasks from ``environments``)."""
     from .settings import default_model

@@ -1,4 +1,4 @@
-"""Command line: ``python -m shared {diff,apply,inspect,ls,verify}``.
+"""Command line: ``python -m rlsync {diff,apply,inspect,ls,verify}``.
 
 Every command exits non-zero with a one-line error on failure and never leaves
 a partial output file (outputs are written to a temporary name, then renamed).
@@ -244,7 +244,7 @@ def cmd_verify(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m shared", description="Sparse bf16 weight sync: files and buckets.")
+    parser = argparse.ArgumentParser(prog="rlsync", description="Sparse bf16 weight sync: files and buckets.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("diff", help="write a delta that turns OLD into NEW")

@@ -45,7 +45,7 @@ SCORES_PREFIX = "scores/"
 
 
 class ScoredSample(Protocol):
-    """What the worker reads from a scored sample (e.g. ``shared.spaces.exchange.Sample``)."""
+    """What the worker reads from a scored sample (e.g. ``rlsync.spaces.exchange.Sample``)."""
 
     task_id: str
     prompt: str
@@ -98,7 +98,7 @@ class BucketRolloutWorker:
 
     Args:
         bucket: The run's bucket.
-        read_scores: Parser of one scores object (e.g. ``shared.spaces.exchange.read_samples``).
+        read_scores: Parser of one scores object (e.g. ``rlsync.spaces.exchange.read_samples``).
         vocab_size: Token ids must be below this (a hostile id would crash the embedding).
         max_tokens: Longest prompt + completion accepted (0: no limit).
         prefix: Where scored objects are listed.

@@ -6,14 +6,14 @@ readable by any safetensors reader; large states split into shards with a
 ``format``, ``format_version``, ``kind=anchor``, ``sparse=False``, ``step``,
 ``state_hash``, ``total`` (elements).
 
-Delta: only changed tensors, encoded by a codec (:mod:`shared.codecs`). Metadata:
+Delta: only changed tensors, encoded by a codec (:mod:`rlsync.codecs`). Metadata:
 ``kind=delta``, ``sparse=True``, ``step``, ``base_step``, ``base_hash``,
 ``state_hash`` (result), ``codec``, ``codec_version``, ``changed``/``total``
 element counts over the whole model, and ``tensors``: a JSON object giving each
 changed tensor's dtype, shape, changed count and codec parameters.
 
 Readers parse and check the header themselves before handing bytes to
-safetensors, so hostile files fail with :class:`~shared.errors.FormatError`.
+safetensors, so hostile files fail with :class:`~rlsync.errors.FormatError`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from .workers import worker_pool
 
 _DECIMAL = re.compile(r"[0-9]{1,19}")
 FORMAT_NAME = "rlsync"
-FORMAT_VERSION = 2  # 2: tree state hash (shared.hashing); 1: flat state hash, still readable
+FORMAT_VERSION = 2  # 2: tree state hash (rlsync.hashing); 1: flat state hash, still readable
 READABLE_FORMAT_VERSIONS = (1, 2)
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_METADATA_BYTES = 16 * 1024 * 1024
@@ -259,7 +259,7 @@ def encode_delta(
         base_hash: Hash of the base state.
         state_hash: Hash of the resulting state.
         total: Number of elements of the whole model.
-        codec: Codec name (see :func:`shared.codecs.list_codecs`).
+        codec: Codec name (see :func:`rlsync.codecs.list_codecs`).
         extra_metadata: More metadata strings to store (may not replace ours).
 
     Returns:

@@ -1,4 +1,4 @@
-"""How the Hub client and hf_xet make their requests for :class:`~shared.bucket.hf.HfBucket`.
+"""How the Hub client and hf_xet make their requests for :class:`~rlsync.bucket.hf.HfBucket`.
 
 Two settings, applied once per process before the first bucket request:
 
@@ -12,7 +12,7 @@ Two settings, applied once per process before the first bucket request:
   each failure became dozens of requests and a 429 with ``Retry-After: 30`` cost minutes. During a
   bucket call, the installed transport hands every retryable outcome straight back as
   :class:`RetryableHttpError` (which ``http_backoff`` does not retry) and hf_xet is told to make a
-  single attempt, so the only retries are :class:`~shared.bucket.retry.RetryingBucket`'s, bounded in
+  single attempt, so the only retries are :class:`~rlsync.bucket.retry.RetryingBucket`'s, bounded in
   total time.
 
 Outside bucket calls (e.g. a model download through the same library) the library keeps its own

@@ -13,7 +13,7 @@ The coding order is class by class over the whole tensor, flat order within a
 class; both sides build it chunk by chunk (:data:`CHUNK` elements: a stable sort
 per chunk and a chunks x classes table of counts), so the work memory beyond one
 byte of class per element stays bounded. The changed elements' ranks in that
-order are gap-coded as :mod:`~shared.codecs.gapzz` codes positions. Their values,
+order are gap-coded as :mod:`~rlsync.codecs.gapzz` codes positions. Their values,
 in the same order, are split into the sign of the wrapping difference (one raw
 bit each: RL steps go up and down about equally often) and its magnitude minus
 one (byte planes, zstd; mostly 0, as most changes are one unit in the last place).

@@ -2,7 +2,7 @@
 
 vLLM runs the model in worker processes; the driver reaches them with
 ``LLM.collective_rpc``. :class:`SyncWorkerExtension` is mixed into the worker
-class (``LLM(worker_extension_cls="rollout_space.engines.vllm_worker.SyncWorkerExtension")``)
+class (``LLM(worker_extension_cls="rlsync.vllm.worker.SyncWorkerExtension")``)
 and adds the ``sync_*`` methods the :class:`~rollout_space.engines.vllm_engine.VllmEngine`
 calls. The same :class:`ModelWeights` logic serves the ``bucket`` weight-transfer
 backend (``vllm_transfer.py``), which runs inside the worker too.
@@ -64,10 +64,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch
 
-from shared.patch import TensorPatch
+from rlsync.patch import TensorPatch
 
-from .vllm_checkpoint import checkpoint_names_of
-from .vllm_tensor_parallel import gather_tensor_parallel, packed_part_sizes
+from .checkpoint import checkpoint_names_of
+from .tensor_parallel import gather_tensor_parallel, packed_part_sizes
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -452,8 +452,8 @@ class ModelWeights:
             raise RuntimeError("the tied lm_head kernel is stale: it no longer matches model.embed_tokens.weight")
 
     def digests(self, names: Iterable[str] | None = None) -> dict[str, bytes]:
-        """Per-tensor digests (``shared.hashing.tensor_digest``) of :meth:`read`, for state hashes."""
-        from shared.hashing import tensor_digest
+        """Per-tensor digests (``rlsync.hashing.tensor_digest``) of :meth:`read`, for state hashes."""
+        from rlsync.hashing import tensor_digest
 
         names = self.checkpoint_names if names is None else list(names)
         out = {}
@@ -574,12 +574,12 @@ class SyncWorkerExtension:
         return pack_tensors(self._sync_weights().read(names), spool_dir=spool_dir)
 
     def sync_state_hash(self) -> str:
-        """``shared.hashing.state_hash`` of the served weights, in checkpoint names and layout.
+        """``rlsync.hashing.state_hash`` of the served weights, in checkpoint names and layout.
 
         JSON-friendly, so a ``vllm serve`` client can call it too
         (``POST /collective_rpc {"method": "sync_state_hash"}``, dev mode).
         """
-        from shared.hashing import combine_digests
+        from rlsync.hashing import combine_digests
 
         return combine_digests(self._sync_weights().digests())
 
@@ -587,7 +587,7 @@ class SyncWorkerExtension:
 def _register_bucket_backend() -> None:
     """Make ``--weight-transfer-config '{"backend": "bucket"}'`` work in every process
     that imports the worker extension (vLLM workers import it before loading the model)."""
-    from .vllm_plugin import register
+    from .plugin import register
 
     register()
 

@@ -4,7 +4,7 @@ Every JSON document read from the bucket or from a file header goes through
 :func:`loads_bounded`: its size, nesting depth and integer length and exponents are checked in
 linear time before ``json.loads`` runs, and ``NaN``/``Infinity`` are refused, so a
 hostile document costs at most a linear scan and fails with a
-:class:`~shared.errors.FormatError` instead of ``RecursionError``, ``ValueError``
+:class:`~rlsync.errors.FormatError` instead of ``RecursionError``, ``ValueError``
 (Python's 4300-digit limit) or a quadratic integer conversion.
 """
 

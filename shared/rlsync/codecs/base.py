@@ -3,7 +3,7 @@
 A codec turns (sorted flat positions, old bits, new bits) of one tensor into
 named safetensors entries plus a few JSON-able parameters, and back. Change
 detection (which elements changed) is not the codec's job; see
-:mod:`shared.detect`.
+:mod:`rlsync.detect`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """Registration of the ``bucket`` weight-transfer backend with vLLM.
 
 vLLM's ``WeightTransferEngineFactory`` takes a module path and a class name and imports
-the backend lazily, so registering needs neither :mod:`.vllm_transfer` (the backend)
-nor :mod:`.vllm_worker` (the worker extension, which calls :func:`register` on import).
+the backend lazily, so registering needs neither :mod:`.transfer` (the backend)
+nor :mod:`.worker` (the worker extension, which calls :func:`register` on import).
 """
 
 from __future__ import annotations
 
 BACKEND_NAME = "bucket"
-BACKEND_MODULE = "rollout_space.engines.vllm_transfer"
+BACKEND_MODULE = "rlsync.vllm.transfer"
 BACKEND_CLASS = "BucketWeightTransferEngine"
 
 

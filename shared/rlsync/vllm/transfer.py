@@ -5,10 +5,10 @@ vLLM's RL weight-sync API (``init_weight_transfer_engine``, ``start_weight_updat
 ``VLLM_SERVER_DEV_MODE=1``, methods of ``vllm.LLM`` offline) delegates transport to a
 ``WeightTransferEngine`` chosen by ``--weight-transfer-config '{"backend": NAME}'``
 from ``WeightTransferEngineFactory``. This module adds one named ``bucket``: inside
-each vLLM worker it runs a :class:`~shared.protocol.Subscriber` on the bucket, so an
+each vLLM worker it runs a :class:`~rlsync.protocol.Subscriber` on the bucket, so an
 ``update_weights`` call downloads, verifies (hashes) and applies every update up to
 the requested step, through the same code as the offline engine
-(:class:`~rollout_space.engines.vllm_worker.ModelWeights`). No tensor crosses HTTP.
+(:class:`~rlsync.vllm.worker.ModelWeights`). No tensor crosses HTTP.
 
 Registration. vLLM builds the backend inside its worker processes, so the name must
 be registered there. Two ways:
@@ -17,9 +17,9 @@ be registered there. Two ways:
   process) in the project's ``pyproject.toml`` and install the project::
 
       [project.entry-points."vllm.general_plugins"]
-      rlsync_bucket = "rollout_space.engines.vllm_transfer:register"
+      rlsync_bucket = "rlsync.vllm.transfer:register"
 
-* ``vllm.LLM(..., worker_extension_cls="rollout_space.engines.vllm_worker.SyncWorkerExtension")``:
+* ``vllm.LLM(..., worker_extension_cls="rlsync.vllm.worker.SyncWorkerExtension")``:
   importing the worker extension registers it as well.
 
 Serving::
@@ -48,11 +48,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from shared.bucket import open_bucket
-from shared.protocol import Subscriber
+from rlsync.bucket import open_bucket
+from rlsync.protocol import Subscriber
 
-from .vllm_plugin import BACKEND_NAME, register
-from .vllm_worker import ModelWeights, plan_update
+from .plugin import BACKEND_NAME, register
+from .worker import ModelWeights, plan_update
 
 __all__ = ["BACKEND_NAME", "BucketInitInfo", "BucketSyncClient", "BucketUpdateInfo", "BucketWeightTransferEngine", "register"]
 
@@ -196,7 +196,7 @@ class BucketSyncClient:
         bucket: Bucket URL, read here to learn the newest step and passed to the server.
         verify: After each sync, compare the served weights' hash (worker method
             ``sync_state_hash``; needs ``--worker-extension-cls
-            rollout_space.engines.vllm_worker.SyncWorkerExtension``) with the bucket's.
+            rlsync.vllm.worker.SyncWorkerExtension``) with the bucket's.
         timeout_s: HTTP timeout per call.
         reset_attempts: Calls of ``/reset_prefix_cache`` before giving up (vLLM refuses
             while blocks are still held, and says callers may retry).
@@ -243,7 +243,7 @@ class BucketSyncClient:
                 to the bucket's state, or vLLM kept refusing to reset its prefix cache.
             httpx.HTTPStatusError: The server refused a call (e.g. a refused update).
         """
-        from shared.protocol import read_manifest
+        from rlsync.protocol import read_manifest
 
         manifest = read_manifest(self.bucket)
         if manifest is None or manifest.step == self.step:

@@ -21,7 +21,7 @@ Errors from ``huggingface_hub`` are mapped onto the bucket error types:
 - anything else -> :class:`BucketError`.
 
 Every request has a timeout and is made once; retries are :class:`RetryingBucket`'s alone (see
-:mod:`shared.bucket.hf_transport`).
+:mod:`rlsync.bucket.hf_transport`).
 
 The access token comes from the ``token`` argument, else the ``HF_TOKEN`` environment variable,
 else ``huggingface_hub``'s own lookup (the saved login). None of these tokens ever appears in an
@@ -133,7 +133,7 @@ class HfBucket(Bucket):
             Create the bucket if it does not exist (`create_bucket(..., exist_ok=True)`, with the Hub's
             default visibility).
         transfer ([`HfTransferConfig`], *optional*):
-            Request timeouts, process-wide (see `shared.bucket.hf_transport.install`). By default the
+            Request timeouts, process-wide (see `rlsync.bucket.hf_transport.install`). By default the
             settings already installed are kept, else `HfTransferConfig.from_env()` is installed.
 
     Raises:

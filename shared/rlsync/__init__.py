@@ -1,0 +1,101 @@
+"""rlsync: sparse, bit-exact bf16 weight sync for asynchronous RL through one object-store bucket.
+
+>>> from rlsync import open_bucket, Publisher, Subscriber, FixedInterval
+>>> bucket = open_bucket("./runs/bucket")              # or "hf://buckets/OWNER/NAME"
+>>> publisher = Publisher(bucket, policy=FixedInterval(10))
+>>> publisher.publish(step, model.state_dict())         # an anchor or a sparse delta
+>>> subscriber = Subscriber(open_bucket("./runs/bucket"))
+>>> update = subscriber.fetch()                         # validated, weights untouched
+>>> subscriber.apply(update)                            # subscriber.state: bit-exact, or rolled back
+
+The plug-ins live in submodules: :mod:`rlsync.trl` (TRL's ``AsyncGRPOTrainer``) and :mod:`rlsync.vllm`
+(vLLM's weight-transfer API, registered as the ``bucket`` backend by the ``vllm.general_plugins`` entry
+point). Names are imported on first use, so ``import rlsync`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.2.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "Bucket": "rlsync.bucket",
+    "LocalBucket": "rlsync.bucket",
+    "RetryingBucket": "rlsync.bucket",
+    "HfBucket": "rlsync.bucket",
+    "open_bucket": "rlsync.bucket",
+    "register_backend": "rlsync.bucket",
+    "Publisher": "rlsync.protocol",
+    "PublishRecord": "rlsync.protocol",
+    "ShardedPublisher": "rlsync.protocol.sharded",
+    "Subscriber": "rlsync.protocol",
+    "SubscriberStats": "rlsync.protocol",
+    "Update": "rlsync.protocol",
+    "Manifest": "rlsync.protocol",
+    "read_manifest": "rlsync.protocol",
+    "AnchorPolicy": "rlsync.protocol",
+    "FixedInterval": "rlsync.protocol",
+    "Adaptive": "rlsync.protocol",
+    "ChangeDetector": "rlsync.detect",
+    "SyncError": "rlsync.errors",
+    "FormatError": "rlsync.errors",
+    "HashMismatchError": "rlsync.errors",
+    "ChainError": "rlsync.errors",
+    "BucketError": "rlsync.bucket",
+    "ObjectNotFoundError": "rlsync.bucket",
+    "TransientBucketError": "rlsync.bucket",
+    "InvalidKeyError": "rlsync.bucket",
+    "RunLockedError": "rlsync.protocol",
+    "FencedError": "rlsync.protocol",
+    "NonFiniteError": "rlsync.protocol",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+if TYPE_CHECKING:
+    from .bucket import (
+        Bucket,
+        BucketError,
+        HfBucket,
+        InvalidKeyError,
+        LocalBucket,
+        ObjectNotFoundError,
+        RetryingBucket,
+        TransientBucketError,
+        open_bucket,
+        register_backend,
+    )
+    from .detect import ChangeDetector
+    from .errors import ChainError, FormatError, HashMismatchError, SyncError
+    from .protocol import (
+        Adaptive,
+        AnchorPolicy,
+        FencedError,
+        FixedInterval,
+        Manifest,
+        NonFiniteError,
+        Publisher,
+        PublishRecord,
+        RunLockedError,
+        Subscriber,
+        SubscriberStats,
+        Update,
+        read_manifest,
+    )
+    from .protocol.sharded import ShardedPublisher
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rlsync' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
