@@ -116,7 +116,7 @@ def test_rank_killed_mid_publish_leaves_the_previous_version_and_a_restarted_gro
 
 def test_a_rank_turning_weights_non_finite_stops_every_rank_and_keeps_the_previous_version(tmp_path):
     report = _spawn(2, tmp_path / "bucket", tmp_path / "r.json", [1, 2, 3], fault_rank=1, poison_step=3)
-    assert [s.get("kind", s.get("failed")) for s in report["steps"]] == ["anchor", "delta", "ShardedPublishError"]
+    assert [s.get("kind", s.get("failed")) for s in report["steps"]] == ["anchor", "delta", "NonFiniteError"]
     assert "NaN or Inf" in report["steps"][-1]["message"]
     bucket = LocalBucket(tmp_path / "bucket")
     assert read_manifest(bucket).step == 2 and verify_bucket(bucket).ok

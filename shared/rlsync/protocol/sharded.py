@@ -56,12 +56,12 @@ from ..hashing import combine_digests, merge_records, raw_bytes, slice_record
 from ..shards import LocalSlice, assign_owners, local_slices, slice_placement
 from .lock import FencedError, RunLockedError
 from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest, anchor_folder, delta_part_key
-from .publisher import PublishRecord, Publisher, check_finite_changes, check_writable, read_manifest
+from .publisher import NonFiniteError, PublishRecord, Publisher, check_finite_changes, check_writable, read_manifest
 from .subscriber import SCRATCH_PREFIX
 
 logger = logging.getLogger(__name__)
 
-_PROPAGATED = {cls.__name__: cls for cls in (FencedError, RunLockedError)}  # raised as such on every rank
+_PROPAGATED = {cls.__name__: cls for cls in (FencedError, NonFiniteError, RunLockedError)}  # raised as such on every rank
 
 
 class ShardedPublishError(SyncError):

@@ -8,6 +8,8 @@ Plug-ins any TRL user can pass to the trainer, importable without the Spaces:
   from the bucket's ``scores/``.
 - :class:`BucketCheckpoints`, :class:`CheckpointCallback`: Trainer-format checkpoints in
   the bucket, resume from the newest complete one.
+- :class:`ShardedWeightTransfer`: ``weight_transfer=`` for FSDP2 runs; every rank publishes
+  its own shards, nothing gathers (:func:`allow_cpu_fsdp`: FSDP2 through accelerate on CPU).
 - :class:`FinalWeightSync`: publish the last steps when training ends between two syncs.
 - :func:`apply_cpu_compat`: run the trainer without a GPU.
 
@@ -28,6 +30,8 @@ _EXPORTS = {
     "BucketCheckpoints": "checkpoints",
     "CheckpointCallback": "checkpoints",
     "FinalWeightSync": "final_sync",
+    "ShardedWeightTransfer": "sharded_sync",
+    "allow_cpu_fsdp": "cpu_fsdp",
     "apply_cpu_compat": "cpu_compat",
     "sdpa_tree_attention": "cpu_compat",
 }

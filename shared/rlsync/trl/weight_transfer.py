@@ -101,19 +101,24 @@ class BucketWeightTransfer:
             SyncError, RunLockedError, FencedError, BucketError: as :meth:`Publisher.publish_stream`.
         """
         self.continue_run()
+        self._publish(lambda step: self.publisher.publish_stream(step, iterator))
+
+    def _publish(self, publish: Callable[[int], PublishRecord]) -> PublishRecord | None:
+        """Run ``publish`` for the next version; keep its record, or hand a non-finite refusal to ``on_non_finite``."""
         step = 0 if self.publisher.step is None else self.publisher.step + 1
         try:
-            record = self.publisher.publish_stream(step, iterator)
+            record = publish(step)
         except NonFiniteError as exc:
             if self.on_non_finite is None:
                 raise
             self.non_finite_refused += 1
             self.on_non_finite(exc)
-            return
+            return None
         self.records.append(record)
         del self.records[:-100]
         if self.on_publish is not None:
             self.on_publish(record)
+        return record
 
     def heartbeat(self) -> None:
         """Keep the run lock fresh while no version is published (e.g. while waiting for rollouts)."""
