@@ -86,7 +86,7 @@ def main(options: dict) -> None:
     rank = dist.get_rank()
     gathering_iter = AsyncGRPOTrainer._streaming_iter.__get__(trainer)  # TRL's own, gathering
     reference = BucketWeightTransfer(publisher=Publisher(LocalBucket(options["reference"]), policy=policy)) if options.get("reference") else None
-    report = {"syncs": [], "gathers": [], "reference": []}
+    report = {"gathers": [], "reference": [], "reference_gathers": []}
     original = AsyncGRPOTrainer._sync_weight_merged
 
     def counted_sync(self, t0):
@@ -96,13 +96,16 @@ def main(options: dict) -> None:
         finally:
             GATHERS["on"] = False
         report["gathers"].append(GATHERS["count"])
-        if reference is not None:  # test only: the gathered path's chain for the same weights
+        if reference is not None:  # test only: the gathered path's chain for the same weights (its gathers counted apart)
+            GATHERS["count"], GATHERS["on"] = 0, True
             if rank == 0:
                 reference.send_weights(gathering_iter())
                 report["reference"].append([reference.records[-1].kind, reference.records[-1].state_hash])
             else:
                 for _ in gathering_iter():
                     pass
+            GATHERS["on"] = False
+            report["reference_gathers"].append(GATHERS["count"])
         return marks
 
     AsyncGRPOTrainer._sync_weight_merged = counted_sync
