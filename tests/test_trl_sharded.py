@@ -3,7 +3,8 @@
 Every rank publishes its own shards through :class:`rlsync.trl.ShardedWeightTransfer`;
 no rank gathers a parameter during a sync; the chain equals, version for version, the
 one TRL's gathering iterator into :class:`rlsync.trl.BucketWeightTransfer` writes for the
-same weights; a replica ends bit-identical to the trained weights. About 30 s per run
+same weights; a replica ends bit-identical to the trained weights; a restarted run resumes
+from its torch.distributed.checkpoint checkpoint in the bucket. About 30-60 s per run
 (each rank imports torch, transformers and TRL).
 """
 
@@ -16,11 +17,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from rlsync.bucket import LocalBucket
 from rlsync.protocol import Subscriber, read_manifest
 from rlsync.protocol.verify import verify_bucket
+from rlsync.trl import BucketCheckpoints
+from rlsync.trl.checkpoints import CheckpointError
+from rlsync.trl.sharded_checkpoints import ShardedCheckpointCallback, read_dcp_metadata, restore_sharded
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,11 +47,11 @@ def run_ranks(world: int, **options) -> dict:
     return json.loads(Path(options["report"]).read_text())
 
 
-def test_two_rank_fsdp2_trl_run_publishes_sharded_without_gathering_and_a_replica_ends_bit_identical(tmp_path):
+def test_two_rank_fsdp2_trl_run_publishes_sharded_without_gathering_and_resumes_from_its_dcp_checkpoint(tmp_path):
     bucket, reference = tmp_path / "bucket", tmp_path / "reference"
     report = run_ranks(
         2, bucket=str(bucket), reference=str(reference), out=str(tmp_path / "out"), report=str(tmp_path / "r.json"),
-        max_steps=3, weight_sync_steps=2,
+        max_steps=3, weight_sync_steps=2, save_steps=3,
     )  # fmt: skip
     assert report["global_step"] == 3 and report["sharded_params"][0] == report["sharded_params"][1] > 0  # FSDP2: DTensors
     # train begin, step 2, and the final publish of step 3 (off the sync grid): versions 0, 1, 2 on every rank
@@ -67,3 +72,88 @@ def test_two_rank_fsdp2_trl_run_publishes_sharded_without_gathering_and_a_replic
     a.sync(), b.sync()
     assert a.state_hash == b.state_hash == report["final_hash"] == manifest.state_hash
     assert all(torch.equal(a.state[n].view(torch.int16), b.state[n].view(torch.int16)) for n in b.state)
+    # the checkpoint of step 3 is torch.distributed.checkpoint's: one shard file per rank, no gathered weights
+    names = BucketCheckpoints(sharded).marker(3)["files"]
+    assert {"pytorch_model_fsdp_0..__0_0.distcp", "pytorch_model_fsdp_0..__1_0.distcp", "pytorch_model_fsdp_0...metadata",
+            "optimizer_0..__0_0.distcp", "optimizer_0..__1_0.distcp", "optimizer_0...metadata"} <= names.keys()  # fmt: skip
+    assert not any(n.endswith((".safetensors", ".bin")) for n in names)
+
+    # restarted (a fresh output folder): resumes at step 3 from the bucket with the fp32 weights and the
+    # optimizer state bit-equal, and versions continue after the bucket's newest (an anchor first)
+    resumed = run_ranks(
+        2, bucket=str(bucket), reference=str(tmp_path / "reference2"), out=str(tmp_path / "out2"),
+        report=str(tmp_path / "r2.json"), max_steps=5, weight_sync_steps=2, resume=True,
+    )  # fmt: skip
+    assert resumed["resumed_from"] == 3 and resumed["global_step"] == 5
+    assert resumed["fp32_hashes"][0] == report["final_fp32_hash"]
+    assert [rank["optimizer_begin"] for rank in resumed["ranks"]] == [rank["optimizer_end"] for rank in report["ranks"]]
+    assert [r[:2] for r in resumed["records"]] == [[3, "anchor"], [4, "delta"], [5, "delta"]]
+    assert resumed["records"][0][2] == manifest.state_hash and resumed["gathers"] == [0, 0, 0]
+    assert [[r[1], r[2]] for r in resumed["records"]] == resumed["reference"]
+    a.sync()
+    assert a.step == 5 and a.state_hash == resumed["final_hash"] and verify_bucket(sharded).ok
+
+
+
+class _RunsCode:
+    """Pickles as a call that would create ``path`` on load."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.path)!r}, 'w').close()",))
+
+
+def _save_checkpoint(checkpoints, tmp_path, step, extra=None):
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / f"local-{step}"
+    state = {"w": torch.arange(6, dtype=torch.float32) * step, "lr": 1e-3 * step}  # a float: a non-tensor entry
+    if extra is not None:
+        state["extra"] = extra
+    dcp.save(state, checkpoint_id=str(folder / "optimizer_0"), no_dist=True)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    ShardedCheckpointCallback(checkpoints).upload(folder, step)
+    return state
+
+
+def test_a_dcp_checkpoint_that_would_run_code_on_load_is_skipped_for_the_next_older_one(tmp_path, bucket, caplog):
+    import pickle
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        checkpoints = BucketCheckpoints(bucket, keep=5)
+        good = _save_checkpoint(checkpoints, tmp_path, 1)
+        marker = tmp_path / "ran"
+        _save_checkpoint(checkpoints, tmp_path, 2, extra=_RunsCode(marker))  # a non-tensor entry: torch.load(weights_only=False)
+        _save_checkpoint(checkpoints, tmp_path, 3)
+        key = "checkpoints/0000000003/optimizer_0...metadata"  # .metadata: pickle.load
+        bucket.put(key, pickle.dumps(_RunsCode(marker)))
+        info = json.loads(bucket.get("checkpoints/0000000003/COMPLETE.json"))
+        info["files"]["optimizer_0...metadata"] = len(bucket.get(key))
+        bucket.put("checkpoints/0000000003/COMPLETE.json", json.dumps(info).encode())
+        assert checkpoints.steps() == [1, 2, 3]
+        step, folder = restore_sharded(checkpoints, tmp_path / "restore")
+        assert step == 1 and not marker.exists()
+        skipped = [r.getMessage() for r in caplog.records if "skipping sharded checkpoint" in r.getMessage()]
+        assert len(skipped) == 2 and "3: " in skipped[0] and "not a DCP metadata class" in skipped[0]
+        assert "2: " in skipped[1] and "does not load with weights_only" in skipped[1]
+        loaded = {"w": torch.zeros(6), "lr": 0.0}
+        dcp.load(loaded, checkpoint_id=str(folder / "optimizer_0"), no_dist=True)  # DCP reads what passed
+        assert torch.equal(loaded["w"], good["w"]) and loaded["lr"] == good["lr"]
+        assert json.loads((folder / "trainer_state.json").read_text()) == {"global_step": 1}
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(CheckpointError, match="not a DCP metadata class"):
+        read_dcp_metadata_of(bucket, tmp_path)
+
+
+def read_dcp_metadata_of(bucket, tmp_path):
+    path = tmp_path / "m" / ".metadata"
+    path.parent.mkdir()
+    path.write_bytes(bucket.get("checkpoints/0000000003/optimizer_0...metadata"))
+    return read_dcp_metadata(path)

@@ -22,8 +22,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from transformers import TrainerCallback
 
 GATHERS = {"count": 0, "on": False}
+
+
+class OptimizerProbe(TrainerCallback):
+    """Hashes this rank's optimizer state when training begins (after a resume loaded it) and ends."""
+
+    def __init__(self, report: dict) -> None:
+        self.report = report
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.report["optimizer_begin"] = _optimizer_hash(optimizer)
+
+    def on_train_end(self, args, state, control, optimizer=None, **kwargs):
+        self.report["optimizer_end"] = _optimizer_hash(optimizer)
 
 
 def _count(owner, name):
@@ -35,6 +49,17 @@ def _count(owner, name):
         return original(*args, **kwargs)
 
     setattr(owner, name, counted)
+
+
+def _optimizer_hash(optimizer) -> str:
+    """Hash of this rank's local optimizer state (FSDP2: the shards of exp_avg, exp_avg_sq, step)."""
+    from rlsync.hashing import state_hash
+
+    tensors = {}
+    for key, entry in optimizer.state_dict()["state"].items():
+        for name, value in entry.items():
+            tensors[f"{key}.{name}"] = (value.to_local() if isinstance(value, DTensor) else value).detach().clone()
+    return state_hash(tensors)
 
 
 def main(options: dict) -> None:
@@ -51,7 +76,8 @@ def main(options: dict) -> None:
     from rlsync.spaces.exchange import read_samples
     from rlsync.spaces.tiny_model import tiny_model_path
     from rlsync.trl import BucketRolloutWorker, BucketWeightTransfer, FinalWeightSync, ShardedWeightTransfer
-    from rlsync.trl import allow_cpu_fsdp, apply_cpu_compat
+    from rlsync.trl import BucketCheckpoints, allow_cpu_fsdp, apply_cpu_compat
+    from rlsync.trl.sharded_checkpoints import ShardedCheckpointCallback, restore_sharded
     from tests.trl_feed import ScoreFeeder
 
     torch.set_num_threads(1)
@@ -67,9 +93,12 @@ def main(options: dict) -> None:
     args = AsyncGRPOConfig(
         output_dir=options["out"], use_cpu=True, bf16=False, max_steps=options["max_steps"],
         weight_sync_steps=options.get("weight_sync_steps", 1), per_device_train_batch_size=8, token_budget=0,
-        learning_rate=1e-3, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
-        fsdp="full_shard", fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["Qwen3DecoderLayer"]},
+        learning_rate=1e-3, report_to=[], disable_tqdm=True, seed=0,
+        save_strategy="steps" if options.get("save_steps") else "no", save_steps=options.get("save_steps") or 500,
+        fsdp="full_shard", fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["Qwen3DecoderLayer"],
+                                        "state_dict_type": "SHARDED_STATE_DICT"},
     )  # fmt: skip
+    report = {"gathers": [], "reference": [], "reference_gathers": [], "fp32_hashes": []}
     sharded = options.get("mode", "sharded") == "sharded"
     if sharded:
         transfer = ShardedWeightTransfer(publisher=ShardedPublisher(bucket, policy=policy, owner="trainer"))
@@ -83,10 +112,13 @@ def main(options: dict) -> None:
     if sharded:
         transfer.attach(trainer)
     trainer.add_callback(FinalWeightSync(trainer))
+    trainer.add_callback(OptimizerProbe(report))
+    checkpoints = BucketCheckpoints(bucket)
+    trainer.add_callback(ShardedCheckpointCallback(checkpoints))
+    resume_from = restore_sharded(checkpoints, options["out"]) if options.get("resume") else None
     rank = dist.get_rank()
     gathering_iter = AsyncGRPOTrainer._streaming_iter.__get__(trainer)  # TRL's own, gathering
     reference = BucketWeightTransfer(publisher=Publisher(LocalBucket(options["reference"]), policy=policy)) if options.get("reference") else None
-    report = {"gathers": [], "reference": [], "reference_gathers": []}
     original = AsyncGRPOTrainer._sync_weight_merged
 
     def counted_sync(self, t0):
@@ -98,27 +130,29 @@ def main(options: dict) -> None:
         report["gathers"].append(GATHERS["count"])
         if reference is not None:  # test only: the gathered path's chain for the same weights (its gathers counted apart)
             GATHERS["count"], GATHERS["on"] = 0, True
+            full = dict(gathering_iter())
             if rank == 0:
-                reference.send_weights(gathering_iter())
+                reference.send_weights(iter(full.items()))
                 report["reference"].append([reference.records[-1].kind, reference.records[-1].state_hash])
-            else:
-                for _ in gathering_iter():
-                    pass
+                report["fp32_hashes"].append(state_hash({n: t.detach() for n, t in full.items()}))
             GATHERS["on"] = False
             report["reference_gathers"].append(GATHERS["count"])
         return marks
 
     AsyncGRPOTrainer._sync_weight_merged = counted_sync
+    report["resumed_from"] = resume_from[0] if resume_from else None
+    resume_path = str(resume_from[1]) if resume_from else None
     if rank == 0:
         with ScoreFeeder(bucket, tokenizer):
-            trainer.train()
+            trainer.train(resume_from_checkpoint=resume_path)
     else:
-        trainer.train()
-    full = {n: t for n, t in gathering_iter()}  # collective; after training, outside the counted window
-    report["final_hash"] = state_hash({n: t.detach().to(torch.bfloat16) for n, t in full.items()})
+        trainer.train(resume_from_checkpoint=resume_path)
+    full = {n: t.detach() for n, t in gathering_iter()}  # collective; after training, outside the counted window
+    report["final_hash"] = state_hash({n: t.to(torch.bfloat16) for n, t in full.items()})
+    report["final_fp32_hash"] = state_hash(full)
     report["records"] = [[r.step, r.kind, r.state_hash, len(r.keys)] for r in transfer.records] if transfer.records else None
     per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, {"gathers": report["gathers"], "records": report["records"]})
+    dist.all_gather_object(per_rank, {key: report[key] for key in ("gathers", "records", "optimizer_begin", "optimizer_end")})
     report["ranks"] = per_rank
     report["global_step"] = trainer.state.global_step
     params = list(trainer.accelerator.unwrap_model(trainer.model).parameters())
