@@ -122,21 +122,26 @@ def rank_main(rank: int, world: int, port: int, cfg: dict) -> None:
     local_bytes = sum(t.to_local().numel() * 2 for t in state.values())
     shadow = sum(t.numel() * t.element_size() for t in (publisher.detector.published or {}).values())
     mine = {"rank": rank, "rows": rows, "local_bf16_bytes": local_bytes, "shadow_bytes": shadow, "peak_rss": _peak_rss()}
+    finish_rank(mine, rank, world, cfg["out"])
+
+
+def finish_rank(mine: dict, rank: int, world: int, out: str) -> None:
+    """Gather every rank's measurements to rank 0, which writes them to ``out``; leave the group."""
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if rank == 0:
-        Path(cfg["out"]).write_text(json.dumps(gathered))
+        Path(out).write_text(json.dumps(gathered))
     dist.destroy_process_group()
 
 
-def run_world(world: int, params: float, hidden: int, deltas: int) -> list[dict]:
-    """Run the real benchmark with ``world`` ranks; return every rank's measurements."""
+def run_world(world: int, params: float, hidden: int, deltas: int, target=rank_main) -> list[dict]:
+    """Run ``target`` (default: the real benchmark's :func:`rank_main`) on ``world`` ranks; return every rank's measurements."""
     with tempfile.TemporaryDirectory(prefix="rlsync-scale-") as tmp, socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
         s.close()
         cfg = {"params": params, "hidden": hidden, "deltas": deltas, "bucket": f"{tmp}/bucket", "out": f"{tmp}/out.json"}
-        mp.spawn(rank_main, args=(world, port, cfg), nprocs=world)
+        mp.spawn(target, args=(world, port, cfg), nprocs=world)
         return json.loads(Path(cfg["out"]).read_text())
 
 
@@ -217,6 +222,17 @@ def simulate(rate_gbs: float, bpc: dict[float, dict[str, float]], sim: dict = SI
                     row[f"catchup_{replicas}_s"] = delta / (per_replica * 1e9)
                 rows.append(row)
     return rows
+
+
+def gathered_sync_s(rate_gbs: float, sim: dict = SIM) -> dict[str, float]:
+    """A 1T delta sync through TRL's gathering iterator: every parameter is all-gathered and rank 0
+    detects, hashes and encodes the whole model at its one-rank rate, whatever the number of ranks.
+
+    Returns:
+        ``detect_s`` (rank 0's processing) and ``gather_s`` (the whole model into rank 0 at ``rank_upload_gbs``).
+    """
+    model_bytes = sim["params"] * 2
+    return {"detect_s": model_bytes / (rate_gbs * 1e9), "gather_s": model_bytes / (sim["rank_upload_gbs"] * 1e9)}
 
 
 def anchor_times(sim: dict = SIM) -> dict[str, float]:

@@ -16,7 +16,7 @@ adds (``VmHWM`` reset before it; glibc's mmap threshold is fixed so freed tensor
 leave the resident set). Step 0 is an anchor, the rest deltas (small random
 updates, about 1.5% of bf16 weights change per step). It then projects a 1T-parameter
 sync from the per-rank rates measured here (:func:`benchmarks.scale.simulate` for the
-sharded path; for the gathered path one rank detects, hashes and encodes the whole model).
+sharded path, :func:`benchmarks.scale.gathered_sync_s` for the gathered one).
 
     python -m benchmarks.trl_sharded --params 250e6 --worlds 1 2 4
 """
@@ -27,18 +27,18 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from benchmarks.scale import SIM, UPDATE_SCALE, _peak_rss, _reset_peak_rss, _rss, bytes_per_changed, sharded_state, simulate
+from benchmarks.scale import (
+    SIM, UPDATE_SCALE, _peak_rss, _reset_peak_rss, _rss, bytes_per_changed, finish_rank, gathered_sync_s, run_world,
+    sharded_state, simulate,
+)  # fmt: skip
 from benchmarks.sync import model_shapes
 
 PATHS = ("gathered", "sharded")
@@ -101,22 +101,7 @@ def rank_main(rank: int, world: int, port: int, cfg: dict) -> None:
     hashes = {p: [r.state_hash for r in t.records] for p, t in transfers.items() if t.records}
     local_bytes = sum(p.to_local().numel() * 2 for p in model.parameters())
     mine = {"rank": rank, "rows": rows, "local_bf16_bytes": local_bytes, "hashes": hashes, "peak_rss": _peak_rss()}
-    gathered = [None] * world if rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    if rank == 0:
-        Path(cfg["out"]).write_text(json.dumps(gathered))
-    dist.destroy_process_group()
-
-
-def run_world(world: int, params: float, hidden: int, deltas: int) -> list[dict]:
-    """Run both paths with ``world`` ranks; return every rank's measurements."""
-    with tempfile.TemporaryDirectory(prefix="rlsync-trl-sharded-") as tmp, socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        cfg = {"params": params, "hidden": hidden, "deltas": deltas, "bucket": f"{tmp}/bucket", "out": f"{tmp}/out.json"}
-        mp.spawn(rank_main, args=(world, port, cfg), nprocs=world)
-        return json.loads(Path(cfg["out"]).read_text())
+    finish_rank(mine, rank, world, cfg["out"])
 
 
 def summarize(world: int, ranks: list[dict]) -> list[dict]:
@@ -155,26 +140,24 @@ def main(argv: list[str] | None = None) -> None:
     # a fixed mmap threshold: freed tensors go back to the OS, so resident memory tracks live memory
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    results = [row for w in args.worlds for row in summarize(w, run_world(w, args.params, args.hidden, args.deltas))]
+    results = [row for w in args.worlds for row in summarize(w, run_world(w, args.params, args.hidden, args.deltas, target=rank_main))]
     print(f"{'ranks':>5} {'path':>8} {'model MB':>8} {'anchor s':>8} {'delta s':>7} {'rank0 +peak MB':>14} "
           f"{'others +peak MB':>15} {'rank0 anchor +peak MB':>21} {'same chain':>10}")  # fmt: skip
     for r in results:
         print(f"{r['world']:>5} {r['path']:>8} {r['model_mb']:>8.0f} {r['anchor_s']:>8.2f} {r['delta_s']:>7.2f} "
               f"{r['rank0_delta_peak_mb']:>14.1f} {r['other_delta_peak_mb']:>15.1f} {r['rank0_anchor_peak_mb']:>21.1f} {str(r['same_chain']):>10}")  # fmt: skip
-    # 1T projection from the per-rank rates of the largest world measured
-    top = max(args.worlds)
-    rate = {r["path"]: r["rank_bytes_per_s"] for r in results if r["world"] == top}
-    bpc = {0.01: bytes_per_changed(0.01)}
+    # 1T projection from the per-rank rates of the one-rank run (the least shared cores)
+    base = min(args.worlds)
+    rate = {r["path"]: r["rank_bytes_per_s"] / 1e9 for r in results if r["world"] == base}
     model_bytes = SIM["params"] * 2
-    print(f"\n1T projection (bf16, 1% changed, gapzz; rates of the {top}-rank run on this CPU, one core per rank):")
-    for row in simulate(rate["sharded"] / 1e9, bpc):
+    print(f"\n1T projection (bf16, 1% changed, gapzz; per-rank rates of the {base}-rank run here, one CPU core per rank):")
+    for row in simulate(rate["sharded"], {0.01: bytes_per_changed(0.01)}):
         if row["layout"] == "gapzz":
-            print(f"  sharded, {row['ranks']} ranks: {row['publish_s']:.1f} s per delta sync (each rank: {model_bytes / row['ranks'] / 1e9:.1f} GB at "
-                  f"{rate['sharded'] / 1e9:.3f} GB/s)")  # fmt: skip
-    gathered_s = model_bytes / rate["gathered"]
-    print(f"  gathered: {gathered_s:,.0f} s per delta sync (rank 0 receives and processes all 2 TB at {rate['gathered'] / 1e9:.3f} GB/s, "
-          f"whatever the number of ranks; the all-gather itself at {SIM['rank_upload_gbs']} GB/s into rank 0 alone adds "
-          f"{model_bytes / (SIM['rank_upload_gbs'] * 1e9):,.0f} s)")  # fmt: skip
+            print(f"  sharded, {row['ranks']} ranks: {row['publish_s']:.1f} s per delta sync "
+                  f"(each rank: {model_bytes / row['ranks'] / 1e9:.1f} GB at {rate['sharded']:.3f} GB/s)")  # fmt: skip
+    gathered = gathered_sync_s(rate["gathered"])
+    print(f"  gathered, any number of ranks: {gathered['detect_s']:,.0f} s per delta sync (rank 0 processes all 2 TB at "
+          f"{rate['gathered']:.3f} GB/s) + {gathered['gather_s']:,.0f} s to gather 2 TB into rank 0 at {SIM['rank_upload_gbs']} GB/s")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({"results": results, "rates": rate}, indent=1))
 

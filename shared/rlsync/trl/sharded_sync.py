@@ -27,13 +27,13 @@ published names: the same as the gathered path's); ``accelerator.unwrap_model``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
 
 from ..bucket import Bucket
-from ..protocol import NonFiniteError, PublishRecord
+from ..protocol import PublishRecord
 from ..protocol.sharded import ShardedPublisher
 from .weight_transfer import BucketWeightTransfer
 
@@ -54,28 +54,19 @@ class ShardedWeightTransfer(BucketWeightTransfer):
     Args:
         bucket: Where to publish (every rank needs write access; ignored when ``publisher`` is given).
         publisher: The :class:`ShardedPublisher` to use (default: ``ShardedPublisher(bucket)``).
-        on_publish: Called on every rank with the :class:`PublishRecord` of every publish.
-        on_non_finite: Called on every rank when a sync is refused because some rank's shards
-            would publish NaN or Inf; without it the refusal is raised on every rank.
+        **callbacks: ``on_publish`` and ``on_non_finite``, as for :class:`BucketWeightTransfer`,
+            called on every rank (a sync that would publish NaN or Inf from any rank's shards is
+            refused on every rank).
 
     Versions continue from the bucket at the first sync (a collective, so not in
     ``init_weight_transfer``, which TRL calls on the main process only); a resumed run
     publishes an anchor first, as :meth:`ShardedPublisher.resume` explains.
     """
 
-    def __init__(
-        self,
-        bucket: Bucket | None = None,
-        *,
-        publisher: ShardedPublisher | None = None,
-        on_publish: Callable[[PublishRecord], None] | None = None,
-        on_non_finite: Callable[[NonFiniteError], None] | None = None,
-    ) -> None:
-        if publisher is None:
-            if bucket is None:
-                raise ValueError("give a bucket or a publisher")
+    def __init__(self, bucket: Bucket | None = None, *, publisher: ShardedPublisher | None = None, **callbacks: Any) -> None:
+        if publisher is None and bucket is not None:
             publisher = ShardedPublisher(bucket)
-        super().__init__(publisher=publisher, on_publish=on_publish, on_non_finite=on_non_finite)
+        super().__init__(bucket, publisher=publisher, **callbacks)
         self._trainer: Any = None
 
     def attach(self, trainer: Any) -> None:
