@@ -157,3 +157,38 @@ def read_dcp_metadata_of(bucket, tmp_path):
     path.parent.mkdir()
     path.write_bytes(bucket.get("checkpoints/0000000003/optimizer_0...metadata"))
     return read_dcp_metadata(path)
+
+
+def test_send_weights_leaves_the_gathering_iterator_unread_and_a_non_finite_sync_is_refused_on_every_rank(bucket):
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from rlsync.protocol.sharded import ShardedPublisher
+    from rlsync.trl import ShardedWeightTransfer
+
+    def gathering():  # stands for TRL's iterator: reading it would gather
+        raise AssertionError("the iterator was read")
+        yield
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        refused = []
+        transfer = ShardedWeightTransfer(publisher=ShardedPublisher(bucket), on_non_finite=refused.append)
+        with pytest.raises(RuntimeError, match="attach"):
+            transfer.send_weights(gathering())
+        model = torch.nn.Linear(4, 3)
+        trainer = SimpleNamespace(model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m))
+        transfer.attach(trainer)
+        transfer.send_weights(gathering())
+        assert list(trainer._streaming_iter()) == []  # the other ranks' part: joins the sync, yields nothing
+        assert [r.step for r in transfer.records] == [0, 1] and read_manifest(bucket).step == 1
+        with torch.no_grad():
+            model.weight[0, 0] = float("nan")
+        transfer.send_weights(gathering())
+        assert transfer.non_finite_refused == 1 and len(refused) == 1 and read_manifest(bucket).step == 1
+        sub = Subscriber(bucket)
+        sub.sync()
+        assert torch.isfinite(sub.state["weight"].float()).all()
+    finally:
+        dist.destroy_process_group()

@@ -9,7 +9,8 @@ Plug-ins any TRL user can pass to the trainer, importable without the Spaces:
 - :class:`BucketCheckpoints`, :class:`CheckpointCallback`: Trainer-format checkpoints in
   the bucket, resume from the newest complete one.
 - :class:`ShardedWeightTransfer`: ``weight_transfer=`` for FSDP2 runs; every rank publishes
-  its own shards, nothing gathers (:func:`allow_cpu_fsdp`: FSDP2 through accelerate on CPU).
+  its own shards, nothing gathers (:func:`allow_cpu_fsdp`: FSDP2 through accelerate on CPU);
+  :class:`ShardedCheckpointCallback`, :func:`restore_sharded`: its checkpoints in DCP's format.
 - :class:`FinalWeightSync`: publish the last steps when training ends between two syncs.
 - :func:`apply_cpu_compat`: run the trainer without a GPU.
 
@@ -31,6 +32,8 @@ _EXPORTS = {
     "CheckpointCallback": "checkpoints",
     "FinalWeightSync": "final_sync",
     "ShardedWeightTransfer": "sharded_sync",
+    "ShardedCheckpointCallback": "sharded_checkpoints",
+    "restore_sharded": "sharded_checkpoints",
     "allow_cpu_fsdp": "cpu_fsdp",
     "apply_cpu_compat": "cpu_compat",
     "sdpa_tree_attention": "cpu_compat",
