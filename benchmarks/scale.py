@@ -295,6 +295,12 @@ def main(argv: list[str] | None = None) -> None:
     rate = next(r for r in results if r["world"] == min(args.worlds))["rank_rate_gbs"]
     rows = simulate(rate, bpc)
     print_simulation(rate, bpc, rows)
+    one = next((r for r in results if r["world"] == 1 and r["single_delta_s"]), None)
+    if one is not None:  # TRL's own sync: the whole model gathered into one process (python -m benchmarks.trl_sharded)
+        gathered = gathered_sync_s(one["model_mb"] / 1e3 / one["single_delta_s"])
+        print(f"gathered path (TRL's iterator: one process detects the whole model at the single-process Publisher's "
+              f"rate measured here): {gathered['detect_s']:,.0f} s per 1T delta + {gathered['gather_s']:,.0f} s to gather "
+              f"2 TB into rank 0, whatever the number of ranks")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({"real": results, "bytes_per_changed": bpc, "simulation": rows, "assumptions": SIM}, indent=1))
 
