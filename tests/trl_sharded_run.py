@@ -2,14 +2,14 @@
 
 Launched by ``torchrun --nproc-per-node N tests/trl_sharded_run.py OPTIONS_JSON``. FSDP2 comes
 from accelerate (``fsdp_config={"version": 2}``, :func:`rlsync.trl.allow_cpu_fsdp`), the weight
-sync from :class:`rlsync.trl.ShardedWeightTransfer` (``mode="sharded"``) or TRL's own
-gathering iterator into :class:`rlsync.trl.BucketWeightTransfer` (``mode="gathered"``).
+sync from :class:`rlsync.trl.ShardedWeightTransfer`, checkpoints in DCP's format
+(:class:`rlsync.trl.ShardedCheckpointCallback`; ``resume``: :func:`rlsync.trl.restore_sharded`).
 
 Every rank counts the gathers (``DTensor.full_tensor``/``redistribute`` and all-gather
-collectives) made while TRL syncs weights. With ``reference`` set, after every sync (outside
-the counted window) the ranks gather the weights once more through TRL's iterator and rank 0
-publishes them single-process into the reference bucket: the chain the gathered path would
-have written for the same weights. Rank 0 writes a JSON report to ``report``.
+collectives) made while TRL syncs weights. With ``reference`` set, after every sync (counted
+apart) the ranks gather the weights through TRL's own iterator and rank 0 publishes them
+single-process into the reference bucket with :class:`rlsync.trl.BucketWeightTransfer`: the
+chain TRL's gathered path writes for the same weights. Rank 0 writes a JSON report to ``report``.
 """
 
 from __future__ import annotations
@@ -99,18 +99,13 @@ def main(options: dict) -> None:
                                         "state_dict_type": "SHARDED_STATE_DICT"},
     )  # fmt: skip
     report = {"gathers": [], "reference": [], "reference_gathers": [], "fp32_hashes": []}
-    sharded = options.get("mode", "sharded") == "sharded"
-    if sharded:
-        transfer = ShardedWeightTransfer(publisher=ShardedPublisher(bucket, policy=policy, owner="trainer"))
-    else:
-        transfer = BucketWeightTransfer(publisher=Publisher(bucket, policy=policy, owner="trainer"))
+    transfer = ShardedWeightTransfer(publisher=ShardedPublisher(bucket, policy=policy, owner="trainer"))
     worker = BucketRolloutWorker(bucket, read_samples, vocab_size=len(tokenizer), poll_s=0.1)
     trainer = AsyncGRPOTrainer(
         model=path, args=args, processing_class=tokenizer, train_dataset=Dataset.from_dict({"prompt": ["x"]}),
         rollout_worker=worker, weight_transfer=transfer,
     )  # fmt: skip
-    if sharded:
-        transfer.attach(trainer)
+    transfer.attach(trainer)
     trainer.add_callback(FinalWeightSync(trainer))
     trainer.add_callback(OptimizerProbe(report))
     checkpoints = BucketCheckpoints(bucket)
@@ -150,7 +145,7 @@ def main(options: dict) -> None:
     full = {n: t.detach() for n, t in gathering_iter()}  # collective; after training, outside the counted window
     report["final_hash"] = state_hash({n: t.to(torch.bfloat16) for n, t in full.items()})
     report["final_fp32_hash"] = state_hash(full)
-    report["records"] = [[r.step, r.kind, r.state_hash, len(r.keys)] for r in transfer.records] if transfer.records else None
+    report["records"] = [[r.step, r.kind, r.state_hash, len(r.keys)] for r in transfer.records]
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, {key: report[key] for key in ("gathers", "records", "optimizer_begin", "optimizer_end")})
     report["ranks"] = per_rank
