@@ -192,3 +192,24 @@ def test_send_weights_leaves_the_gathering_iterator_unread_and_a_non_finite_sync
         assert torch.isfinite(sub.state["weight"].float()).all()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_checkpoint_whose_upload_fails_on_a_rank_gets_no_marker(tmp_path):
+    import torch.distributed as dist
+
+    from rlsync.bucket import BucketError
+
+    class FailingBucket(LocalBucket):
+        def put_file(self, key, path):
+            if key.endswith(".distcp"):
+                raise BucketError(f"injected failure of {key}")
+            return super().put_file(key, path)
+
+    bucket = FailingBucket(tmp_path / "bucket")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(BucketError, match="rank 0: injected failure"):
+            _save_checkpoint(BucketCheckpoints(bucket), tmp_path, 1)
+        assert BucketCheckpoints(bucket).steps() == [] and restore_sharded(BucketCheckpoints(bucket), tmp_path / "r") is None
+    finally:
+        dist.destroy_process_group()

@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from .checkpoints import MARKER, SKIPPED_FILES, BucketCheckpoints, CheckpointError, checkpoint_folder
+from ..bucket import BucketError
+from .checkpoints import _FILE_NAME, MARKER, SKIPPED_FILES, BucketCheckpoints, CheckpointError, checkpoint_folder
 
 logger = logging.getLogger(__name__)
 
@@ -142,20 +143,28 @@ class ShardedCheckpointCallback(TrainerCallback):
         """Every rank uploads the files it wrote; once all have, rank 0 writes the marker (and applies retention)."""
         rank = dist.get_rank()
         target = checkpoint_folder(step, self.checkpoints.prefix)
-        mine = {}
-        for path in sorted(folder.rglob("*")):
-            relative = path.relative_to(folder)
-            if not path.is_file() or len(relative.parts) > 2 or path.name in (MARKER, *SKIPPED_FILES):
-                continue
-            if _writer(relative) != rank:
-                continue
-            name = SUBFOLDER_SEP.join(relative.parts)
-            self.checkpoints.bucket.put_file(f"{target}/{name}", path)
-            mine[name] = path.stat().st_size
-        files: list[dict[str, int]] = [{}] * dist.get_world_size()
-        dist.all_gather_object(files, mine)
+        mine: dict[str, int] = {}
+        error = None
+        try:
+            for path in sorted(folder.rglob("*")):
+                relative = path.relative_to(folder)
+                if not path.is_file() or len(relative.parts) > 2 or path.name in (MARKER, *SKIPPED_FILES):
+                    continue
+                name = SUBFOLDER_SEP.join(relative.parts)
+                if _writer(relative) != rank or not _FILE_NAME.fullmatch(name):
+                    continue
+                self.checkpoints.bucket.put_file(f"{target}/{name}", path)
+                mine[name] = path.stat().st_size
+        except (BucketError, OSError) as exc:  # reported through the gather: no rank waits on a failed one
+            error = f"rank {rank}: {exc}"
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (mine, error))
+        errors = [e for _, e in parts if e]
+        if errors:
+            raise BucketError(f"checkpoint {step} not uploaded (no marker written): {'; '.join(errors)}")
         if rank == 0:
-            marker = {"step": step, "files": {n: s for part in files for n, s in part.items()}, **(self.info() if self.info else {})}
+            files = {n: s for part, _ in parts for n, s in part.items()}
+            marker = {"step": step, "files": files, **(self.info() if self.info else {})}
             self.checkpoints.bucket.put(f"{target}/{MARKER}", json.dumps(marker).encode())  # last: the checkpoint is complete
             self.checkpoints._retain(step)
         dist.barrier()
@@ -182,17 +191,29 @@ def restore_sharded(checkpoints: BucketCheckpoints, dest: str | Path) -> tuple[i
 
     Returns:
         ``(step, local checkpoint folder)`` for ``resume_from_checkpoint``, or ``None`` when none is usable.
+
+    Raises:
+        BucketError: on every rank, when the bucket failed on rank 0.
     """
     box: list[Any] = [None]
     if dist.get_rank() == 0:
-        for step in reversed(checkpoints.steps()):
-            try:
-                folder = checkpoints.download(step, dest)  # sizes, names, the top-level files
-                _unflatten(folder)
-            except CheckpointError as exc:
-                logger.warning("skipping sharded checkpoint %d: %s", step, exc)
-                continue
-            box[0] = (step, str(folder))
-            break
+        try:
+            box[0] = _newest_usable(checkpoints, dest)
+        except BucketError as exc:  # every rank raises, none waits on rank 0
+            box[0] = ("error", str(exc))
     dist.broadcast_object_list(box, src=0)
+    if box[0] is not None and box[0][0] == "error":
+        raise BucketError(f"restoring a sharded checkpoint failed on rank 0: {box[0][1]}")
     return None if box[0] is None else (box[0][0], Path(box[0][1]))
+
+
+def _newest_usable(checkpoints: BucketCheckpoints, dest: str | Path) -> tuple[int, str] | None:
+    for step in reversed(checkpoints.steps()):
+        try:
+            folder = checkpoints.download(step, dest)  # sizes, names, the top-level files
+            _unflatten(folder)
+        except CheckpointError as exc:
+            logger.warning("skipping sharded checkpoint %d: %s", step, exc)
+            continue
+        return step, str(folder)
+    return None
