@@ -6,7 +6,7 @@ model has Qwen3-0.6B's configuration and seeded random weights (matrices
 ~N(0, 0.02), norms near 1), and AdamW steps on random gradients at an RL learning
 rate make the deltas. Everything runs on ``--device``: fp32 master weights and the
 published bf16 shadow stay there, change detection compares on the device, the
-``classgap`` class order is sorted there, and only the changed elements (positions,
+``classgap``/``classrice`` class order is sorted there, and only the changed elements (positions,
 old and new bits, ranks) cross to the host, where zstd compresses them. The
 replica side decodes on the host (its class order again built on the device from
 the replica's own weights) and scatters into the device tensors in place. It prints:
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hidden", type=int, default=QWEN3_0_6B["hidden_size"], help="smaller for CPU checks of the logic")
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--warmup-steps", type=int, default=3, help="AdamW steps before the measured one")
-    ap.add_argument("--codecs", nargs="+", default=["gapzz", "classgap"])
+    ap.add_argument("--codecs", nargs="+", default=["gapzz", "classgap", "classrice"])
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args(argv)
     device = torch.device(args.device)

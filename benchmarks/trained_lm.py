@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--length", type=int, default=128)
     ap.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 3e-6])
     ap.add_argument("--finetune-steps", type=int, default=6, help="AdamW steps per learning rate; the last one is measured")
-    ap.add_argument("--codecs", nargs="+", default=["trl", "gapzz", "classgap"])
+    ap.add_argument("--codecs", nargs="+", default=["trl", "gapzz", "classgap", "classrice"])
     ap.add_argument("--repeat", type=int, default=3, help="interleaved timing rounds (best of)")
     args = ap.parse_args(argv)
 

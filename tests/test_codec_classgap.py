@@ -247,14 +247,6 @@ def test_gpu_sync_benchmark_logic_on_cpu(capsys) -> None:
     assert "transformers engine: generation paused" in out
 
 
-def test_default_codec_per_device() -> None:
-    """classgap where the trainer's weights are on an accelerator, gapzz (cheap to encode on CPU) on CPU."""
-    from rlsync.codecs import default_codec
-
-    assert default_codec("cpu") == default_codec(torch.device("cpu")) == "gapzz"
-    assert default_codec("cuda") == default_codec(torch.device("cuda", 1)) == "classgap"
-
-
 def test_every_truncation_refused(state) -> None:
     """test_format_hostile's check for classgap: every proper prefix raises FormatError and writes nothing."""
     every_truncation_refused(state, "classgap")

@@ -1,6 +1,6 @@
 """Bit-exact round trips through ChangeDetector.diff -> encode_delta -> decode_delta -> TensorPatch.apply_.
 
-Every codec (``classgap`` and ``gapzz``, ours; ``trl``, the baseline) is exercised on every dtype the
+Every codec (``classgap``, ``classrice`` and ``gapzz``, ours; ``trl``, the baseline) is exercised on every dtype the
 format supports, on 0-d, empty, 1-D and N-D tensors, with special values (NaN
 payloads, infinities, -0.0, subnormals) and densities from 0% to 100%. Results are
 compared with :func:`rlsync.hashing.state_hash`, never with tolerances. Index
@@ -25,7 +25,7 @@ from rlsync.errors import FormatError
 from rlsync.format import Change, decode_delta, encode_delta, parse_header
 from rlsync.hashing import state_hash
 
-CODECS = ["classgap", "gapzz", "trl"]
+CODECS = ["classgap", "classrice", "gapzz", "trl"]
 
 DTYPES = [
     torch.bfloat16,
@@ -480,7 +480,9 @@ def test_gapzz_size_bounds_on_rl_like_updates() -> None:
     expected = {n: t.clone() for n, t in base.items()}
     for name, ch in changes.items():
         int_view(expected[name])[torch.from_numpy(ch.index)] = torch.from_numpy(ch.new_bits.view(np.int16))
-    data = encode_delta(changes, step=1, base_step=0, base_hash=state_hash(base), state_hash=state_hash(expected), total=total_elements(base))
+    data = encode_delta(
+        changes, step=1, base_step=0, base_hash=state_hash(base), state_hash=state_hash(expected), total=total_elements(base), codec="gapzz"
+    )
     assert len(data) == sizes["gapzz"]
     for name, patch in decode_delta(data, base).patches.items():
         patch.apply_(base[name])

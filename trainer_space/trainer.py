@@ -80,7 +80,7 @@ class TrainerConfig:
     anchor_interval: int = dataclasses.field(default=10, metadata={"help": "publishes per anchor (fixed policy)"})
     max_catchup_ratio: float = dataclasses.field(default=2.0, metadata={"help": "adaptive policy bound, in anchors"})
     keep_anchors: int = dataclasses.field(default=2, metadata={"help": "anchors retained in the bucket"})
-    codec: str = dataclasses.field(default="gapzz", metadata={"help": "delta codec: 'gapzz', 'classgap', 'trl' or 'auto' (classgap on a GPU, gapzz on CPU)"})
+    codec: str = dataclasses.field(default="classrice", metadata={"help": "delta codec: 'classrice', 'classgap', 'gapzz', 'trl' or 'auto' (the default for the device)"})
     max_steps: int = dataclasses.field(default=0, metadata={"help": "stop after this many optimizer steps (0: never) (max_steps)"})
     checkpoint_every: int = dataclasses.field(default=50, metadata={"help": "optimizer steps per bucket checkpoint, also saved on stop (save_steps)"})
     keep_checkpoints: int = dataclasses.field(default=2, metadata={"help": "checkpoints retained in the bucket"})

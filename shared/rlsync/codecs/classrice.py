@@ -1,0 +1,263 @@
+"""``classrice``: positions Golomb-Rice coded per exponent class of the old weights.
+
+Whether a bf16 element changes depends on its magnitude (a step flips a bit only when it is at
+least about ``|w| / 256``), and the receiver holds the old weights. So both sides split a tensor's
+elements into classes by the exponent field of their old bits, and within one class the changes
+are close to independent: the gaps between changed elements, counted in class members, are
+geometric. A Golomb-Rice code with one parameter per class is within a few percent of the entropy
+of a geometric source, so the positions cost about the class-conditional entropy (the floor
+:mod:`benchmarks.entropy` reports as "old exponent"), where zstd over gaps in flat order cannot
+see the classes at all. A class where more than half the members changed lists its unchanged
+members instead. Values are coded as in :mod:`~rlsync.codecs.classgap`: the sign of the wrapping
+difference as a raw bit, its magnitude minus one zstd-coded (mostly 0: one unit in the last place).
+
+Entries per tensor: ``{name}.pos`` holds the class table (per coded class: class, Rice parameter
+and "inverted" flag, count; ``classes`` rows of :data:`TABLE`), then the unary quotients
+(``unary_bytes`` bytes), then the remainders; ``{name}.val`` and ``{name}.sign`` the values.
+
+Speed: the ranks within classes need one pass over the old weights on each side. On CPU that pass
+is a compiled kernel (:mod:`.rice_kernels`), about as fast as reading the tensor; on an accelerator
+the ranks come from :class:`~rlsync.codecs.classgap.ClassOrder` on the tensor's own device, and only
+the changed elements' ranks come back. Both give the same ranks, so the files are identical.
+Tensors with no exponent field (integers, bool) or encoded without their base use one class of
+all elements in flat order (``"order": "flat"``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+from ..dtypes import dtype_name, int_view
+from ..errors import FormatError
+from .base import EncodedTensor, register_codec
+from .checks import require_entry
+from .classgap import EXPONENT_FIELDS, ClassGapCodec, ClassOrder, signed_view
+
+def _kernels():
+    """The compiled kernels, imported (and numba with them) on first use."""
+    from . import rice_kernels
+
+    return rice_kernels
+
+
+#: One row of the class table: class, Rice parameter (bits 0-5) with the "inverted" flag (bit 7),
+#: and the number of ranks coded.
+TABLE = np.dtype([("cls", "<u2"), ("flags", "u1"), ("count", "<u4")])
+MAX_RICE_K = 40
+INVERTED = 0x80
+FLAT = (0, 0)  # (shift, mask) of "one class of all elements"
+
+
+def _class_ranks(base: torch.Tensor, index: np.ndarray, field: tuple[int, int], *, compiled: bool) -> tuple[np.ndarray, ...]:
+    """Per changed element (flat order): its rank within its class and its class; and every class's size."""
+    shift, mask = field
+    if compiled:
+        bits = int_view(base.detach()).cpu().numpy()
+        ranks, classes = np.empty(index.size, np.int64), np.empty(index.size, np.int64)
+        members = np.zeros(mask + 1, np.int64)
+        _kernels().class_ranks(bits, shift, mask, index, ranks, classes, members)
+        return ranks, classes, members
+    order = ClassOrder.of_tensor(base, field)
+    rank, position = order.ranks_of(torch.from_numpy(index).to(base.device))
+    cls = order.classes[position].long()
+    within = rank - order.class_start[cls]
+    by_position = torch.argsort(position)
+    members = order.upto_chunk[-1] if order.upto_chunk.numel() else torch.zeros(mask + 1, dtype=torch.long)
+    return within[by_position].cpu().numpy(), cls[by_position].cpu().numpy(), members.cpu().numpy()
+
+
+def _rice_parameter(gaps: np.ndarray) -> int:
+    return int(np.argmin(_kernels().rice_cost(gaps, MAX_RICE_K))) if gaps.size else 0
+
+
+def _gaps(ranks: np.ndarray) -> np.ndarray:
+    gaps = np.empty(ranks.size, np.uint64)
+    if ranks.size:
+        gaps[0] = ranks[0]
+        gaps[1:] = ranks[1:] - ranks[:-1] - 1
+    return gaps
+
+
+class ClassRiceCodec(ClassGapCodec):
+    """Per-class Golomb-Rice ranks in the old weights' exponent classes; values as ``classgap``."""
+
+    name = "classrice"
+    version = 1
+
+    def __init__(self, *, compiled: bool | None = None) -> None:
+        super().__init__()
+        #: Rank with the CPU kernel (``None``: whenever the base tensor is on the CPU).
+        self.compiled = compiled
+
+    def _use_kernel(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu" if self.compiled is None else self.compiled
+
+    def encode(
+        self, name: str, index: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray, *, base: torch.Tensor | None = None
+    ) -> EncodedTensor:
+        field = EXPONENT_FIELDS.get(dtype_name(base.dtype)) if base is not None else None
+        if field is None or index.size == 0:
+            rows, streams = self._encode_classes([(0, index, 1 << 62)]), {"order": "flat"}
+            order = None
+        else:
+            ranks, classes, members = _class_ranks(base, index, field, compiled=self._use_kernel(base))
+            order = np.argsort(classes, kind="stable")  # class by class, flat (= rank) order within
+            present, starts = np.unique(classes[order], return_index=True)
+            bounds = [*starts.tolist(), index.size]
+            groups = [(int(c), ranks[order[lo:hi]], int(members[c])) for c, lo, hi in zip(present, bounds, bounds[1:])]
+            rows, streams = self._encode_classes(groups), {"order": "exponent"}
+        table, unary, rem = rows
+        if order is not None:
+            old_bits, new_bits = old_bits[order], new_bits[order]
+        pos = np.concatenate([table.view(np.uint8), unary, rem])
+        entries = {f"{name}.pos": torch.from_numpy(pos), **self._encode_values(name, old_bits, new_bits)}
+        return EncodedTensor(entries=entries, params={**streams, "classes": int(table.size), "unary_bytes": int(unary.size)})
+
+    @staticmethod
+    def _encode_classes(groups: list[tuple[int, np.ndarray, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rice-code each ``(class, sorted ranks of its changed elements, class size)``."""
+        coded = []
+        for cls, ranks, members in groups:
+            inverted = 2 * ranks.size > members
+            if inverted:
+                keep = np.ones(members, bool)
+                keep[ranks] = False
+                ranks = np.flatnonzero(keep)
+            gaps = _gaps(ranks)
+            coded.append((cls, gaps, _rice_parameter(gaps), inverted))
+        table = np.zeros(len(coded), TABLE)
+        unary_bits = sum(int(g.size) + int((g >> np.uint64(k)).sum()) for _, g, k, _ in coded)
+        rem_bits = sum(int(g.size) * k for _, g, k, _ in coded)
+        unary, rem = np.zeros((unary_bits + 7) // 8, np.uint8), np.zeros((rem_bits + 7) // 8, np.uint8)
+        at_unary = at_rem = 0
+        for row, (cls, gaps, k, inverted) in enumerate(coded):
+            table[row] = (cls, k | (INVERTED if inverted else 0), gaps.size)
+            at_unary, at_rem = _kernels().rice_encode(gaps, k, unary, at_unary, rem, at_rem)
+        return table, unary, rem
+
+    def decode(
+        self,
+        name: str,
+        entries: Mapping[str, torch.Tensor],
+        params: Mapping[str, Any],
+        *,
+        count: int,
+        numel: int,
+        itemsize: int,
+        old_bits_at: Callable[[np.ndarray], np.ndarray],
+        base: torch.Tensor | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        order, dtype = params.get("order"), params.get("dtype")
+        field = EXPONENT_FIELDS.get(dtype) if isinstance(dtype, str) else None
+        if order not in ("flat", "exponent") or (order == "exponent" and field is None):
+            raise FormatError(f"{name}: invalid order {order!r} for dtype {dtype!r}")
+        n_classes = 1 if order == "flat" else field[1] + 1
+        table, coded, starts, ends = self._decode_classes(name, entries, params, n_classes=n_classes, numel=numel)
+        diff = self._decode_values(name, entries, count=count, itemsize=itemsize)
+        if order == "flat":
+            if table.size and table["flags"][0] & INVERTED:
+                raise FormatError(f"{name}: a flat order cannot be inverted")
+            index = coded
+            if index.size != count:
+                raise FormatError(f"{name}: {index.size} positions, the metadata declares {count}")
+            return index, old_bits_at(index) + diff
+        index, slots = self._positions(name, table, coded, starts, ends, field, count, numel, old_bits_at, base)
+        return index, old_bits_at(index) + diff[slots]
+
+    @staticmethod
+    def _decode_classes(
+        name: str, entries: Mapping[str, torch.Tensor], params: Mapping[str, Any], *, n_classes: int, numel: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The class table and every class's coded ranks, checked against the tensor's size."""
+        rows, unary_bytes = params.get("classes"), params.get("unary_bytes")
+        if type(rows) is not int or not 0 <= rows <= n_classes or type(unary_bytes) is not int or unary_bytes < 0:
+            raise FormatError(f"{name}: invalid class table size {rows!r} or unary size {unary_bytes!r}")
+        pos = require_entry(entries, f"{name}.pos", torch.uint8).numpy()
+        table_bytes = rows * TABLE.itemsize
+        if pos.size < table_bytes + unary_bytes:
+            raise FormatError(f"entry {name + '.pos'!r}: {pos.size} bytes, shorter than its table and unary stream")
+        table = pos[:table_bytes].view(TABLE)
+        unary, rem = pos[table_bytes : table_bytes + unary_bytes], pos[table_bytes + unary_bytes :]
+        cls, k, counts = table["cls"].astype(np.int64), table["flags"] & 0x3F, table["count"].astype(np.int64)
+        if rows and (
+            cls.max() >= n_classes or np.any(np.diff(cls) <= 0) or k.max() > MAX_RICE_K or np.any(table["flags"] & 0x40)
+            or np.any(k[counts == 0])  # an empty class has no parameter: one set would be a bit nothing reads
+        ):
+            raise FormatError(f"{name}: invalid class table (classes not increasing or out of range, or a bad parameter)")
+        if int(counts.sum()) > min(numel, 8 * unary_bytes):  # every coded rank is distinct and ends a unary code
+            raise FormatError(f"{name}: the class table codes more ranks than the tensor or the stream holds")
+        coded = np.empty(int(counts.sum()), np.int64)
+        starts, ends = np.zeros(n_classes, np.int64), np.zeros(n_classes, np.int64)
+        at_unary = at_rem = 0
+        offset = 0
+        for c, kc, n in zip(cls.tolist(), k.tolist(), counts.tolist()):
+            at_unary, at_rem = _kernels().rice_decode(unary, at_unary, rem, at_rem, kc, n, numel, coded[offset : offset + n])
+            if at_unary < 0:
+                raise FormatError(f"{name}: the Rice streams end early or code a rank beyond the tensor")
+            starts[c], ends[c] = offset, offset + n
+            offset += n
+        if (at_unary + 7) // 8 != unary.size or (at_rem + 7) // 8 != rem.size:
+            raise FormatError(f"{name}: bytes left after the Rice streams")
+        for stream, used in ((unary, at_unary), (rem, at_rem)):
+            if used % 8 and stream[-1] & ((1 << (8 - used % 8)) - 1):
+                raise FormatError(f"{name}: padding bits after the Rice streams are set")
+        return table, coded, starts, ends
+
+    def _positions(
+        self,
+        name: str,
+        table: np.ndarray,
+        coded: np.ndarray,
+        starts: np.ndarray,
+        ends: np.ndarray,
+        field: tuple[int, int],
+        count: int,
+        numel: int,
+        old_bits_at: Callable[[np.ndarray], np.ndarray],
+        base: torch.Tensor | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Flat positions (increasing) of the changed elements, and the slot of each one's value."""
+        shift, mask = field
+        inverted = np.zeros(mask + 1, np.int8)
+        inverted[table["cls"].astype(np.int64)] = (table["flags"] & INVERTED) != 0
+        if base is not None and not self._use_kernel(base):
+            return self._positions_on_device(name, coded, starts, ends, inverted, field, count, base)
+        bits = int_view(base.detach()).numpy() if base is not None else signed_view(old_bits_at(np.arange(numel, dtype=np.int64)))
+        positions, classes, ordinals = np.empty(count, np.int64), np.empty(count, np.int64), np.empty(count, np.int64)
+        changed = np.zeros(mask + 1, np.int64)
+        written = _kernels().class_positions(bits, shift, mask, starts, ends, coded, inverted, positions, classes, ordinals, changed)
+        if written != count:
+            raise FormatError(f"{name}: the coded ranks do not fit the tensor's classes, or do not make {count} changes")
+        # values are stored class by class: a class's first slot is the changed count of the classes before it
+        return positions, (np.cumsum(changed) - changed)[classes] + ordinals
+
+    @staticmethod
+    def _positions_on_device(
+        name: str, coded: np.ndarray, starts: np.ndarray, ends: np.ndarray, inverted: np.ndarray,
+        field: tuple[int, int], count: int, base: torch.Tensor,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_positions` with the class order built on the base tensor's device (no kernel)."""
+        order = ClassOrder.of_tensor(base, field)
+        members = order.upto_chunk[-1].cpu().numpy()
+        ranks = []
+        for c in range(starts.size):
+            mine = coded[starts[c] : ends[c]]
+            if mine.size and mine[-1] >= members[c]:
+                raise FormatError(f"{name}: a coded rank is beyond its class")
+            if inverted[c]:
+                keep = np.ones(members[c], bool)
+                keep[mine] = False
+                mine = np.flatnonzero(keep)
+            ranks.append(mine + int(order.class_start[c]))
+        rank = np.concatenate(ranks) if ranks else np.empty(0, np.int64)
+        if rank.size != count:
+            raise FormatError(f"{name}: the coded ranks make {rank.size} changes, the metadata declares {count}")
+        positions = order.positions_of(torch.from_numpy(rank).to(base.device)).cpu().numpy()
+        flat = np.argsort(positions, kind="stable")
+        return positions[flat], flat
+
+
+register_codec(ClassRiceCodec())

@@ -1,0 +1,276 @@
+"""The ``classrice`` codec: the two rank paths, inverted classes, size bounds, and hostile input.
+
+The generic round trips over every dtype, shape and special value run for ``classrice`` in
+:mod:`tests.test_codecs` (it is in its ``CODECS``). Here: the compiled CPU kernel and the torch
+class order (what an accelerator runs) give identical files and decode each other's; dense
+classes are coded inverted; decoding without the base tensor equals decoding with it; sizes are
+bounded on RL-like data (whole file); and malformed class tables and Rice streams are refused.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rlsync.codecs import EncodedTensor, get_codec
+from rlsync.codecs.classrice import INVERTED, TABLE, ClassRiceCodec
+from rlsync.detect import ChangeDetector
+from rlsync.dtypes import dtype_name
+from rlsync.errors import FormatError
+from rlsync.format import parse_header
+from tests.test_codec_classgap import HYPOTHESIS, chunk_size, normal_bits
+from tests.test_codecs import FLOAT_DTYPES, _rl_deltas, bits_of, from_bits, mutate, publish_and_follow
+from tests.test_format_hostile import NAME, assert_refused, make_delta, rewrite, state  # noqa: F401 (fixture)
+from tests.test_format_hostile import test_every_truncation_refused as every_truncation_refused
+from tests.test_format_hostile import test_flipped_bytes_never_escape as flipped_bytes_never_escape
+
+KERNEL, TORCH = ClassRiceCodec(compiled=True), ClassRiceCodec(compiled=False)
+
+
+def _case(rng: np.random.Generator, dtype: torch.dtype, numel: int, changed: int):
+    old = from_bits(normal_bits(rng, dtype, numel), dtype, (numel,))
+    new = mutate(rng, old, changed, specials=True)
+    index = np.flatnonzero(bits_of(old) != bits_of(new))
+    return old, bits_of(old), bits_of(new), index
+
+
+def _decode(codec: ClassRiceCodec, encoded, old: torch.Tensor, old_all: np.ndarray, index: np.ndarray, base=True):
+    params = {"dtype": dtype_name(old.dtype), **encoded.params}
+    return codec.decode(
+        "w", encoded.entries, params, count=index.size, numel=old.numel(), itemsize=old.element_size(),
+        old_bits_at=lambda idx: old_all[idx], base=old if base else None,
+    )
+
+
+@HYPOTHESIS
+@given(
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    numel=st.integers(1, 3000),
+    chunk=st.sampled_from([1, 7, 64, 1 << 20]),
+    density=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_kernel_and_torch_class_order_agree(dtype: torch.dtype, numel: int, chunk: int, density: float, seed: int) -> None:
+    """The CPU kernel and the torch class order (the accelerator path) write the same bytes and decode each other's."""
+    with chunk_size(chunk):  # the torch path's chunked class order, across chunk boundaries
+        rng = np.random.default_rng(seed)
+        old, old_all, new_all, index = _case(rng, dtype, numel, int(rng.binomial(numel, density)))
+        if not index.size:
+            return
+        by_kernel = KERNEL.encode("w", index, old_all[index], new_all[index], base=old)
+        by_torch = TORCH.encode("w", index, old_all[index], new_all[index], base=old)
+        assert by_kernel.params == by_torch.params and by_kernel.params["order"] == "exponent"
+        for key, entry in by_kernel.entries.items():
+            assert torch.equal(entry, by_torch.entries[key]), key
+        for decoder in (KERNEL, TORCH):
+            got_index, got_bits = _decode(decoder, by_kernel, old, old_all, index)
+            np.testing.assert_array_equal(got_index, index)
+            np.testing.assert_array_equal(got_bits, new_all[index])
+
+
+def test_dense_classes_are_coded_inverted_and_round_trip() -> None:
+    """A class where most members changed lists its unchanged members instead, and decodes exactly."""
+    rng = np.random.default_rng(5)
+    old, old_all, new_all, index = _case(rng, torch.bfloat16, 4000, 3600)
+    encoded = KERNEL.encode("w", index, old_all[index], new_all[index], base=old)
+    rows = encoded.entries["w.pos"].numpy()[: encoded.params["classes"] * TABLE.itemsize].view(TABLE)
+    assert (rows["flags"] & INVERTED).any()
+    for decoder, base in ((KERNEL, True), (KERNEL, False), (TORCH, True)):
+        got_index, got_bits = _decode(decoder, encoded, old, old_all, index, base=base)
+        np.testing.assert_array_equal(got_index, index)
+        np.testing.assert_array_equal(got_bits, new_all[index])
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_decode_without_base_reads_old_bits_through_the_callback(dtype: torch.dtype) -> None:
+    """Decoding from ``old_bits_at`` alone (no base tensor) gives the same patch as decoding with it."""
+    rng = np.random.default_rng(3)
+    old, old_all, new_all, index = _case(rng, dtype, 777, 40)
+    encoded = KERNEL.encode("w", index, old_all[index], new_all[index], base=old)
+    with_base, without = (_decode(KERNEL, encoded, old, old_all, index, base=b) for b in (True, False))
+    for got_index, got_bits in (with_base, without):
+        np.testing.assert_array_equal(got_index, index)
+        np.testing.assert_array_equal(got_bits, new_all[index])
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.uint8], ids=str)
+def test_flat_order_without_an_exponent_or_a_base(dtype: torch.dtype) -> None:
+    """Integer tensors, and any tensor encoded without its base, are one class of all elements in flat order."""
+    index = np.array([0, 5, 9], dtype=np.int64)
+    old = np.zeros(3, dtype=np.uint8 if dtype != torch.int32 else np.uint32)
+    for base in (None, torch.zeros(10, dtype=dtype)):
+        encoded = get_codec("classrice").encode("w", index, old, old + 1, base=base)
+        assert encoded.params["order"] == "flat" and encoded.params["classes"] == 1
+
+
+def test_size_bounds_on_rl_like_updates() -> None:
+    """At 0.5-3% density classrice uses <= 0.95 bytes per changed element (whole file) and <= 70% of gapzz; after
+    AdamW's first step (which moves nearly every small weight, so positions cost almost nothing) <= 92% of classgap."""
+    for step, (density, sizes, _, changes) in enumerate(_rl_deltas()):
+        assert 0.005 <= density <= 0.03
+        changed = sum(c.index.size for c in changes.values())
+        assert sizes["classrice"] / changed <= 0.95, f"classrice: {sizes['classrice'] / changed:.3f} bytes per changed element"
+        assert sizes["classrice"] <= 0.70 * sizes["gapzz"], f"classrice {sizes['classrice']} vs gapzz {sizes['gapzz']}"
+        bound = 0.92 if step else 1.01
+        assert sizes["classrice"] <= bound * sizes["classgap"], f"step {step}: classrice {sizes['classrice']} vs classgap {sizes['classgap']}"
+
+
+def test_round_trip_of_a_multi_million_element_tensor() -> None:
+    """A bf16 tensor of 3M elements at ~1% changed round-trips bit-exactly through the format (kernel path)."""
+    rng = np.random.default_rng(7)
+    numel = 3_000_003
+    old = from_bits(normal_bits(rng, torch.bfloat16, numel), torch.bfloat16, (numel,))
+    new = mutate(rng, old, numel // 100, specials=False)
+    detector = ChangeDetector(dtype=None)
+    detector.reset({"w": old})
+    publish_and_follow({"w": new}, {"w": old.clone()}, "classrice", detector)
+
+
+def test_default_codec_is_classrice_everywhere() -> None:
+    """The library, the CLI and the trainer default to classrice on every device it has been measured on."""
+    from rlsync.codecs import DEFAULT_CODEC, default_codec
+    from trainer_space.trainer import TrainerConfig
+
+    assert DEFAULT_CODEC == default_codec("cpu") == default_codec("cuda") == "classrice"
+    assert TrainerConfig().codec == "classrice"
+
+
+# ---------------------------------------------------------------------------
+# hostile input
+
+
+def _edit_pos(edit):
+    """A rewrite of the class table or streams of ``NAME``'s ``.pos`` entry."""
+
+    def entries(e):
+        e[NAME + ".pos"] = torch.from_numpy(edit(e[NAME + ".pos"].numpy().copy()))
+
+    return entries
+
+
+def _classes(data: bytes) -> int:
+    return json.loads(parse_header(data)[1]["tensors"])[NAME]["classes"]
+
+
+def _set_row(field: str, value: int, row: int = 0):
+    def edit(pos):
+        rows = pos[: (row + 1) * TABLE.itemsize].view(TABLE)
+        rows[row][field] = value
+        return pos
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        ({"order": "bogus"}, "invalid order"),
+        ({"order": None}, "invalid order"),
+        ({"classes": -1}, "invalid class table size"),
+        ({"classes": 10**6}, "invalid class table size"),
+        ({"classes": 1.0}, "invalid class table size"),
+        ({"unary_bytes": -3}, "invalid class table size"),
+        ({"unary_bytes": 10**9}, "shorter than its table"),
+    ],
+)
+def test_invalid_parameters_refused(state, params: dict, match: str) -> None:
+    assert_refused(rewrite(make_delta(state, "classrice"), table=lambda t: t[NAME].update(params)), state, match)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (_set_row("cls", 300), "invalid class table"),
+        (_set_row("flags", 41), "invalid class table"),  # Rice parameter beyond 40
+        (_set_row("flags", 0x40), "invalid class table"),  # a reserved flag
+        (_set_row("count", 2**32 - 1), "codes more ranks than"),
+        (_set_row("count", 0), "bytes left after the Rice streams|do not fit|padding bits"),
+    ],
+    ids=["class_out_of_range", "rice_parameter", "reserved_flag", "huge_count", "count_too_small"],
+)
+def test_hostile_class_table_refused(state, edit, match: str) -> None:
+    assert_refused(rewrite(make_delta(state, "classrice"), entries=_edit_pos(edit)), state, match)
+
+
+def test_classes_out_of_order_refused(state) -> None:
+    data = make_delta(state, "classrice")
+    assert _classes(data) >= 2
+
+    def swap(pos):
+        rows = pos[: 2 * TABLE.itemsize].view(TABLE)
+        rows[0]["cls"], rows[1]["cls"] = rows[1]["cls"], rows[0]["cls"]
+        return pos
+
+    assert_refused(rewrite(data, entries=_edit_pos(swap)), state, "invalid class table")
+
+
+def test_flipped_inversion_refused(state) -> None:
+    """Flipping a class's "inverted" flag makes other positions: refused by the count the metadata declares."""
+    data = make_delta(state, "classrice")
+
+    def flip(pos):
+        rows = pos[: TABLE.itemsize].view(TABLE)
+        rows[0]["flags"] ^= INVERTED
+        return pos
+
+    assert_refused(rewrite(data, entries=_edit_pos(flip)), state, "do not make|do not fit")
+
+
+def test_unary_stream_of_zeros_refused_in_bounded_time(state) -> None:
+    """A unary stream of zero bytes (a quotient running past the tensor) is refused, not decoded for ever."""
+    data = make_delta(state, "classrice")
+    rows = _classes(data)
+    zeros = 1 << 20
+
+    def pad(pos):
+        table = pos[: rows * TABLE.itemsize]
+        return np.concatenate([table, np.zeros(zeros, np.uint8), pos[rows * TABLE.itemsize :]])
+
+    edited = rewrite(data, entries=_edit_pos(pad), table=lambda t: t[NAME].update(unary_bytes=t[NAME]["unary_bytes"] + zeros))
+    assert_refused(edited, state, "end early or code a rank beyond")
+
+
+def test_padding_bits_after_the_streams_refused() -> None:
+    """A set bit after the last Rice code (padding that a decoder would ignore) is refused."""
+    old = torch.zeros(8, dtype=torch.int32)
+    index = np.array([3], dtype=np.int64)  # one gap of 3: Rice k=1, unary "01", remainder "1"
+    encoded = KERNEL.encode("w", index, np.zeros(1, np.uint32), np.ones(1, np.uint32), base=old)
+    pos = encoded.entries["w.pos"].numpy()
+    assert encoded.params["unary_bytes"] == 1 and pos.size == TABLE.itemsize + 2
+    for byte in (TABLE.itemsize, TABLE.itemsize + 1):  # the unary byte, then the remainder byte
+        edited = pos.copy()
+        edited[byte] |= 1
+        with pytest.raises(FormatError, match="padding bits after the Rice streams"):
+            _decode(KERNEL, EncodedTensor({**encoded.entries, "w.pos": torch.from_numpy(edited)}, encoded.params),
+                    old, np.zeros(8, np.uint32), index)
+
+
+def test_parameter_of_an_empty_class_refused(state) -> None:
+    """A Rice parameter on a class that codes no rank (nothing reads it) is refused, so no bit goes unread."""
+    data = make_delta(state, "classrice")
+    rows = json.loads(parse_header(data)[1]["tensors"])[NAME]["classes"]
+
+    def set_k(pos):
+        table = pos[: rows * TABLE.itemsize].view(TABLE)
+        empty = np.flatnonzero(table["count"] == 0)
+        table[empty[0] if empty.size else 0]["count"] = 0
+        table[empty[0] if empty.size else 0]["flags"] |= 1
+        return pos
+
+    assert_refused(rewrite(data, entries=_edit_pos(set_k)), state, "invalid class table")
+
+
+def test_every_truncation_refused(state) -> None:
+    """test_format_hostile's check for classrice: every proper prefix raises FormatError and writes nothing."""
+    every_truncation_refused(state, "classrice")
+
+
+@pytest.mark.parametrize("mask", [0x01, 0x80, 0xFF])
+def test_flipped_bytes_never_escape(state, mask: int) -> None:
+    """test_format_hostile's check for classrice: any flipped byte is refused or yields in-range patches that miss the promised hash."""
+    flipped_bytes_never_escape(state, "classrice", mask)
