@@ -38,9 +38,9 @@ from .classgap import EXPONENT_FIELDS, ClassGapCodec, ClassOrder, signed_view
 
 def _kernels():
     """The compiled kernels, imported (and numba with them) on first use."""
-    from . import rice_kernels
+    import rlsync.codecs.rice_kernels as kernels
 
-    return rice_kernels
+    return kernels
 
 
 #: One row of the class table: class, Rice parameter (bits 0-5) with the "inverted" flag (bit 7),
