@@ -6,7 +6,9 @@ the project is tested with, ``torch==2.13.0``, which this machine's pip mirror s
 ``2.13.0+cpu``) is passed as a constraints file (``-c``), so a line like ``torch==2.13.0`` or
 ``torch>=2.4`` resolves to the CPU wheel instead of PyPI's CUDA build, and nothing is upgraded beyond
 what CI tests. Constraints only pin versions; they add no package. Pip's cache is pip's own
-(``~/.cache/pip``), shared by every venv of a run.
+(``~/.cache/pip``), shared by every venv of a run. Pip makes no retries (``PIP_RETRIES=0``): an index
+this machine cannot reach (the env Space's ``download.pytorch.org`` line) fails at once instead of
+after pip's back-off, and the wheel comes from the mirror.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def make_venv(path: Path, *install_args: str, cwd: Path = ROOT) -> tuple[Path, f
     python = path / "bin" / "python"
     result = subprocess.run(
         [str(python), "-m", "pip", "install", "--quiet", "-c", str(CONSTRAINTS), *install_args],
-        cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S,
+        cwd=cwd, env=clean_env(PIP_RETRIES="0"), capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S,
     )  # fmt: skip
     if result.returncode != 0:
         raise AssertionError(f"pip install {' '.join(install_args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")

@@ -2,7 +2,7 @@
 
 ``python -m rlsync.spaces.deploy --namespace USER [--bucket NAME] [--prefix NAME] [--private]
 [--trainer-hardware FLAVOR] [--rollout-hardware FLAVOR] [--env-hardware FLAVOR] [--replicas N]
-[--model NAME] [--mount-model] [--sleep-time S] [--mount-bucket PATH] [--dry-run]``
+[--model NAME] [--mount-model] [--sleep-time S] [--mount-bucket PATH] [--dry-run] [--export DIR]``
 
 What it does, with :class:`huggingface_hub.HfApi` (every call is idempotent, so a second run
 updates the deployment in place):
@@ -32,7 +32,9 @@ The access token is read from ``HF_TOKEN`` only. It is sent as the Spaces' ``HF_
 never printed or logged; use a fine-grained token that can write to the namespace's repos and
 the bucket. When ``PANEL_AUTH`` (``user:password``) is set, it becomes every Space's
 ``PANEL_AUTH`` secret, so the panels' Start/Stop and policy controls ask for that login.
-``--dry-run`` prints the calls it would make and calls nothing.
+``--dry-run`` prints the calls it would make and calls nothing. ``--export DIR`` writes each Space's
+folder exactly as it would be uploaded (:mod:`.export`) and exits; ``--namespace`` defaults to
+:data:`TEMPLATE_NAMESPACE` there.
 
 ``--sync-readmes`` rewrites the settings table of each role's README from its config dataclass
 (this needs the roles' own dependencies, e.g. torch, unlike deploying).
@@ -61,6 +63,8 @@ logger = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[3]  # shared/rlsync/spaces/deploy.py in a checkout
 SHARED_FOLDER = "shared"
 DEFAULT_PREFIX = "rl-sync"
+#: Owner of the template Spaces (``<TEMPLATE_NAMESPACE>/<prefix>-trainer`` ...) the Space READMEs link to.
+TEMPLATE_NAMESPACE = "rlsync"
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 MODEL_MOUNT_ROOT = "/models"
 SPACE_SDK = "gradio"
@@ -526,6 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sleep-time", type=int, help="seconds of inactivity before upgraded hardware sleeps")
     p.add_argument("--mount-bucket", metavar="PATH", help="also mount the bucket read-only at PATH in every Space")
     p.add_argument("--dry-run", action="store_true", help="print the planned calls, call nothing")
+    p.add_argument("--export", metavar="DIR", help="write each Space's folder as it would be uploaded, then exit")
     p.add_argument("--sync-readmes", action="store_true", help="regenerate the READMEs' settings tables and exit")
     return p
 
@@ -548,11 +553,13 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         for path in sync_readmes():
             print(f"updated {path}", file=out)
         return 0
+    if args.export:
+        args.namespace = args.namespace or TEMPLATE_NAMESPACE
     if not args.namespace:
         print("error: --namespace is required", file=sys.stderr)
         return 2
     token = os.environ.get(TOKEN_SECRET, "")
-    if not token and not args.dry_run:
+    if not token and not (args.dry_run or args.export):
         print(f"error: set {TOKEN_SECRET} to a token with write access to the namespace", file=sys.stderr)
         return 2
     secrets = {key: os.environ.get(key, "") for key in SECRETS}
@@ -564,6 +571,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             env_hardware=args.env_hardware, replicas=args.replicas, model=args.model, mount_model=args.mount_model,
             sleep_time=args.sleep_time, mount_bucket=args.mount_bucket,
         )  # fmt: skip
+        if args.export:
+            from .export import export_plan
+
+            export_plan(plan, Path(args.export), out)
+            return 0
         if args.dry_run:
             summary = apply_plan(plan, DryRunApi(out), dict.fromkeys(secrets, REDACTED))
         else:
