@@ -14,6 +14,7 @@ after pip's back-off, and the wheel comes from the mirror.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -29,6 +30,14 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PIP_DISABLE_PIP_VERSION_CHECK="1", **extra)
     return env
+
+
+def library_copy(dest: Path) -> Path:
+    """A copy of ``shared/`` (the ``rlsync`` distribution's source) at ``dest/shared``, without build leftovers:
+    ``pip install ./shared`` then builds there, never in the checkout, and no stale ``build/`` reaches the wheel."""
+    target = dest / "shared"
+    shutil.copytree(ROOT / "shared", target, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    return target
 
 
 def make_venv(path: Path, *install_args: str, cwd: Path = ROOT) -> tuple[Path, float]:

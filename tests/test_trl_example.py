@@ -20,7 +20,7 @@ from rlsync.bucket import LocalBucket
 from rlsync.hashing import state_hash
 from rlsync.protocol import Subscriber, read_manifest
 from rlsync.spaces.tiny_model import tiny_model_path
-from tests.fresh_venv import ROOT, clean_env, make_venv
+from tests.fresh_venv import ROOT, clean_env, library_copy, make_venv
 from tests.helpers import bf16
 from tests.trl_feed import ScoreFeeder
 
@@ -50,7 +50,8 @@ def follow(subscriber: Subscriber, done: threading.Event, applied: list[int]) ->
 def test_the_readme_script_runs_in_a_fresh_venv_and_a_replica_follows_bit_exactly(tmp_path):
     from transformers import AutoTokenizer
 
-    python, _ = make_venv(tmp_path / "venv", "./shared[trl]")
+    library_copy(tmp_path)
+    python, _ = make_venv(tmp_path / "venv", "./shared[trl]", cwd=tmp_path)
     model = tiny_model_path(warmup=None)
     bucket = LocalBucket(tmp_path / "bucket")
     out = tmp_path / "out"

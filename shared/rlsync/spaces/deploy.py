@@ -11,8 +11,9 @@ updates the deployment in place):
 2. For each Space (``<prefix>-trainer``, ``<prefix>-env``, and ``<prefix>-rollout`` or
    ``<prefix>-rollout-1`` .. ``-N`` for ``--replicas N``):
    ``create_repo(repo_type="space", space_sdk="gradio", exist_ok=True)``; the ``HF_TOKEN`` secret;
-   the ``<ROLE>_BUCKET`` variable (plus model, ``cuda`` device and the vLLM engine when the Space
-   gets GPU hardware, and ``ROLLOUT_REPLICA_ID`` on rollout Spaces); volumes when asked for
+   the ``<ROLE>_BUCKET`` variable (plus the model when the Space gets GPU hardware, and
+   ``ROLLOUT_REPLICA_ID`` on rollout Spaces; every other default, e.g. device, engine, learning rate,
+   completion length, is the role's own for its hardware and model, the same for a duplicated Space); volumes when asked for
    (``set_space_volumes``); the hardware when one is given; and last one commit with the Space's
    files, so the first build already sees its settings.
 
@@ -97,7 +98,6 @@ class SpaceRole:
         folder: Role folder at the repository root, uploaded as is.
         env_prefix: Prefix of the role's environment variables (``<PREFIX>_<FIELD>``).
         config: ``"module:Class"`` of the role's settings dataclass.
-        gpu_settings: ``(field, value)`` pairs set as variables when the Space gets GPU hardware.
         uses_model: Whether the ``model`` setting is set to ``--model`` on GPU hardware.
         extra_files: Files of other folders the role's code imports, uploaded too.
     """
@@ -106,7 +106,6 @@ class SpaceRole:
     folder: str
     env_prefix: str
     config: str
-    gpu_settings: tuple[tuple[str, str], ...] = ()
     uses_model: bool = False
     extra_files: tuple[str, ...] = ()
 
@@ -126,10 +125,8 @@ _ENVIRONMENTS = ("env_space/__init__.py", "env_space/environments.py")
 ROLES: dict[str, SpaceRole] = {
     role.name: role
     for role in (
-        SpaceRole("trainer", "trainer_space", "TRAINER", "trainer_space.trainer:TrainerConfig",
-                  gpu_settings=(("device", "cuda"), ("lr", "1e-6"), ("adam_epsilon", "1e-8")), uses_model=True, extra_files=_ENVIRONMENTS),
-        SpaceRole("rollout", "rollout_space", "ROLLOUT", "rollout_space.replica:ReplicaConfig",
-                  gpu_settings=(("engine", "vllm"), ("device", "cuda"), ("max_new_tokens", "64")), uses_model=True, extra_files=_ENVIRONMENTS),
+        SpaceRole("trainer", "trainer_space", "TRAINER", "trainer_space.trainer:TrainerConfig", uses_model=True, extra_files=_ENVIRONMENTS),
+        SpaceRole("rollout", "rollout_space", "ROLLOUT", "rollout_space.replica:ReplicaConfig", uses_model=True, extra_files=_ENVIRONMENTS),
         SpaceRole("env", "env_space", "ENV", "env_space.simulator:EnvConfig"),
     )
 }  # fmt: skip
@@ -334,11 +331,9 @@ def plan_deployment(
         for name in names[role_name]:
             variables = {role.variable("bucket"): bucket_url}
             volumes = bucket_volumes
-            if is_gpu(flavor):
-                if role.uses_model:
-                    variables[role.variable("model")] = model_setting
-                    volumes = model_volumes + volumes
-                variables.update({role.variable(field): value for field, value in role.gpu_settings})
+            if is_gpu(flavor) and role.uses_model:
+                variables[role.variable("model")] = model_setting
+                volumes = model_volumes + volumes
             if role_name == "rollout":
                 variables[role.variable("replica_id")] = check_id(name)
             repo_id = _check_name(f"{namespace}/{name}", "Space id")
