@@ -8,7 +8,8 @@ the project is tested with, ``torch==2.13.0``, which this machine's pip mirror s
 what CI tests. Constraints only pin versions; they add no package. Pip's cache is pip's own
 (``~/.cache/pip``), shared by every venv of a run. Pip makes no retries (``PIP_RETRIES=0``): an index
 this machine cannot reach (the env Space's ``download.pytorch.org`` line) fails at once instead of
-after pip's back-off, and the wheel comes from the mirror.
+after pip's back-off, and the wheel comes from the mirror. ``--no-compile``: Python compiles what it
+imports when it imports it, and compiling all of torch ahead is most of an install's CPU time.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def make_venv(path: Path, *install_args: str, cwd: Path = ROOT) -> tuple[Path, f
     subprocess.run([base, "-m", "venv", str(path)], check=True, env=clean_env())
     python = path / "bin" / "python"
     result = subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", "-c", str(CONSTRAINTS), *install_args],
+        [str(python), "-m", "pip", "install", "--quiet", "--no-compile", "-c", str(CONSTRAINTS), *install_args],
         cwd=cwd, env=clean_env(PIP_RETRIES="0"), capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S,
     )  # fmt: skip
     if result.returncode != 0:

@@ -119,3 +119,15 @@ def test_rollout_space_on_transformers_applies_a_version(tmp_path, exported):
 
     _start(tmp_path, exported, "rollout", "--bucket", str(bucket.root), "--engine", "transformers",
            "--device", "cpu", "--replica-id", "fresh", drop=("vllm",), done=applied)  # fmt: skip
+
+
+def test_each_space_readme_links_its_template_and_orders_the_steps():
+    from rlsync.spaces.deploy import TEMPLATE_NAMESPACE, plan_deployment
+
+    for space in plan_deployment(TEMPLATE_NAMESPACE).spaces:
+        text = (ROOT / space.role.folder / "README.md").read_text()
+        assert f"https://huggingface.co/spaces/{space.repo_id})" in text  # the Space deploy creates for the template
+        steps = text[text.index("## Duplicate this Space, step by step"):]
+        positions = [steps.index(f"{i}. **{name}**") for i, name in enumerate(("Duplicate", "Secrets", "Variables", "Hardware", "Bucket"), 1)]
+        assert positions == sorted(positions)
+        assert space.role.variable("bucket") in steps and "hf buckets create" in steps
