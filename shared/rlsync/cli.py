@@ -17,15 +17,7 @@ from typing import Sequence
 from .bucket import BucketError
 from .errors import SyncError
 
-HEADER_KEY = "file_header"
-FILE_HASH_KEY = "file_sha256"
 MAX_ERROR_CHARS = 600  # hostile files can make messages long (names, shapes); the error stays one readable line
-
-
-def printable(text: object) -> str:
-    """``text`` with control and other non-printable characters escaped (bucket and file
-    strings are untrusted and must not reach the terminal raw)."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,9 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         getattr(commands, f"cmd_{args.command_name}")(args)
     except (SyncError, BucketError, OSError) as exc:
-        print(f"error: {printable(exc)[:MAX_ERROR_CHARS]}", file=sys.stderr)
+        print(f"error: {commands.printable(exc)[:MAX_ERROR_CHARS]}", file=sys.stderr)
         return 1
     except Exception as exc:  # a bug, not a refusal: still one line, and the tests look for it
-        print(f"error: unexpected {type(exc).__name__}: {printable(exc)[:MAX_ERROR_CHARS]}", file=sys.stderr)
+        print(f"error: unexpected {type(exc).__name__}: {commands.printable(exc)[:MAX_ERROR_CHARS]}", file=sys.stderr)
         return 2
     return 0

@@ -15,7 +15,6 @@ import torch
 import zstandard
 
 from .bucket import open_bucket
-from .cli import FILE_HASH_KEY, HEADER_KEY, printable
 from .codecs import DEFAULT_CODEC
 from .codecs.checks import decompress_frame
 from .detect import ChangeDetector
@@ -35,6 +34,16 @@ from .format import (
 )
 from .hashing import state_hash
 from .jsonlimits import loads_bounded
+
+HEADER_KEY = "file_header"
+FILE_HASH_KEY = "file_sha256"
+
+
+def printable(text: object) -> str:
+    """``text`` with control and other non-printable characters escaped (bucket and file
+    strings are untrusted and must not reach the terminal raw)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text))
+
 
 
 def _load(path: Path) -> tuple[dict[str, torch.Tensor], bytes]:

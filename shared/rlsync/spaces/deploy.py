@@ -567,9 +567,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             sleep_time=args.sleep_time, mount_bucket=args.mount_bucket,
         )  # fmt: skip
         if args.export:
-            from .export import export_plan
+            from .export import export_spaces
 
-            export_plan(plan, Path(args.export), out)
+            export_spaces(((s.repo_id.split("/")[1], s.files, s.variables) for s in plan.spaces), Path(args.export), out)
             return 0
         if args.dry_run:
             summary = apply_plan(plan, DryRunApi(out), dict.fromkeys(secrets, REDACTED))

@@ -1,6 +1,6 @@
 """``python -m rlsync.spaces.deploy --export DIR``: each Space's folder, exactly as deploy uploads it.
 
-Every Space of a :class:`~rlsync.spaces.deploy.DeployPlan` becomes ``DIR/<space name>/`` holding the
+Every Space of a deployment plan (:class:`~rlsync.spaces.deploy.DeployPlan`) becomes ``DIR/<space name>/`` holding the
 files of its one commit (the same ``(path_in_repo, local_file)`` pairs), byte for byte, and nothing
 else; the Space variables deploy would set go to ``DIR/variables.env``, outside the Space folders.
 Run an exported Space as the Hub does (``pip install -r requirements.txt`` then
@@ -11,20 +11,22 @@ package puts the Space's ``shared/`` copy of ``rlsync`` on ``sys.path`` when non
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
-
-from .deploy import DeployPlan
 
 #: The Spaces' variables, one ``# <space name>`` section each, in this file of DIR (outside every Space folder).
 VARIABLES_FILE = "variables.env"
 
 
-def export_plan(plan: DeployPlan, dest: Path, out: TextIO | None = None) -> list[Path]:
+def export_spaces(
+    spaces: Iterable[tuple[str, Sequence[tuple[str, Path]], Mapping[str, str]]], dest: Path, out: TextIO | None = None
+) -> list[Path]:
     """Write each Space's files under ``dest/<space name>/``.
 
     Args:
-        plan: The deployment (its Spaces' files and variables).
+        spaces: ``(space name, (path_in_repo, local_file) pairs, variables)`` per Space, as a
+            :class:`~rlsync.spaces.deploy.SpacePlan` has them.
         dest: The export folder; created if missing. A Space folder already in it is replaced.
         out: Where to list the Space folders and their variables (``None``: nowhere).
 
@@ -36,18 +38,18 @@ def export_plan(plan: DeployPlan, dest: Path, out: TextIO | None = None) -> list
     """
     dest.mkdir(parents=True, exist_ok=True)
     folders, variables = [], []
-    for space in plan.spaces:
-        folder = dest / space.repo_id.split("/", 1)[1]
+    for name, files, space_variables in spaces:
+        folder = dest / name
         if folder.exists():
             shutil.rmtree(folder)
-        for path_in_repo, local in space.files:
+        for path_in_repo, local in files:
             target = folder / path_in_repo
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(local, target)
         folders.append(folder)
         variables.append(f"# {folder.name}")
-        variables += [f"{key}={value}" for key, value in space.variables.items()]
+        variables += [f"{key}={value}" for key, value in space_variables.items()]
         if out is not None:
-            print(f"{folder}  ({len(space.files)} files; variables: {', '.join(space.variables)})", file=out)
+            print(f"{folder}  ({len(files)} files; variables: {', '.join(space_variables)})", file=out)
     (dest / VARIABLES_FILE).write_text("\n".join(variables) + "\n", encoding="utf-8")
     return folders
