@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("old", type=Path)
     p.add_argument("new", type=Path)
     p.add_argument("-o", "--output", type=Path, required=True)
-    p.add_argument("--codec", metavar="NAME", help="delta codec: gapzz (default), classgap or trl (rlsync.codecs)")
+    p.add_argument("--codec", metavar="NAME", help="delta codec (default: the library's default codec; an unknown name lists the known ones)")
     p.add_argument("--step", type=int, default=1, help="step recorded for NEW (default 1)")
     p.add_argument("--base-step", type=int, default=0, help="step recorded for OLD (default 0)")
     p.set_defaults(command_name="diff")

@@ -124,15 +124,14 @@ def stored_header(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) ->
 def cmd_apply(args: argparse.Namespace) -> None:
     base, _ = _load(args.base)
     data = read_regular(args.patch)
-    base_hash = state_hash(base)
-    delta = decode_delta(data, base)
-    if delta.base_hash != base_hash:
+    _, metadata = parse_header(data)
+    if metadata.get("base_hash") != state_hash(base):  # before decoding: a context codec reads the base
         raise SyncError(f"{args.patch} was made for another base than {args.base} (base hash differs)")
+    delta = decode_delta(data, base)
     for name, patch in delta.patches.items():
         patch.apply_(base[name])
     if state_hash(base) != delta.state_hash:
         raise SyncError("result does not match the patch's state hash")
-    _, metadata = parse_header(data)
     if HEADER_KEY in metadata:  # reproduce the new file byte for byte: its own header, then its data in offset order
         header_bytes = stored_header(metadata, base)
         header, _ = parse_header(header_bytes, file_size=len(header_bytes) + sum(t.numel() * t.element_size() for t in base.values()))
