@@ -75,3 +75,11 @@ def test_the_readme_script_runs_in_a_fresh_venv_and_a_replica_follows_bit_exactl
     assert state_hash(subscriber.state) == state_hash(trained) == manifest.state_hash
     # the run changed the weights: the replica's state is not the checkpoint it started from
     assert state_hash(bf16(load_file(Path(model) / "model.safetensors"))) != manifest.state_hash
+
+
+def test_the_readme_excerpt_is_lines_of_the_script():
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("```python\n", readme.index("Its core (lines of that file")) + len("```python\n")
+    excerpt = readme[start : readme.index("```", start)].splitlines()
+    script = SCRIPT.read_text().splitlines()
+    assert len(excerpt) > 5 and all(line in script for line in excerpt)
