@@ -46,12 +46,13 @@ from rlsync.spaces.exchange import (
 )
 from rlsync.hashing import state_hash
 from rlsync.protocol import Subscriber, Update
-from rlsync.spaces.settings import from_env, resolve_device
+from rlsync.spaces.settings import default_model, from_env, resolve_device
 from rlsync.spaces.tiny_model import model_or_default
 
 from .engine import Engine, SamplingSettings, create_engine
 
 logger = logging.getLogger(__name__)
+TINY_MODEL_MAX_NEW_TOKENS, REAL_MODEL_MAX_NEW_TOKENS = 8, 64  # the CPU demo's answers are short; a chat model's are not
 
 
 def default_replica_id() -> str:
@@ -70,7 +71,7 @@ class ReplicaConfig:
     model: str = dataclasses.field(default="", metadata={"help": "model name or folder (default: Qwen/Qwen3-0.6B on a GPU, the tiny offline model on CPU)"})
     device: str = dataclasses.field(default="auto", metadata={"help": "torch device for the transformers engine ('auto': cuda if available)"})
     samples_per_task: int = dataclasses.field(default=4, metadata={"help": "G completions per task"})
-    max_new_tokens: int = dataclasses.field(default=8, metadata={"help": "completion length limit"})
+    max_new_tokens: int = dataclasses.field(default=0, metadata={"help": "completion length limit (0: 8 for the tiny offline CPU model, 64 for a real model)"})
     temperature: float = dataclasses.field(default=1.0, metadata={"help": "sampling temperature"})
     poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls"})
     seed: int = dataclasses.field(default=0, metadata={"help": "sampling seed (mixed with batch and version)"})
@@ -79,6 +80,12 @@ class ReplicaConfig:
     @classmethod
     def from_env(cls, **overrides) -> "ReplicaConfig":
         return from_env(cls, "ROLLOUT", **overrides)
+
+    def with_model_defaults(self, device: str) -> "ReplicaConfig":
+        """``max_new_tokens`` left at 0 takes the default of the model that will run (the same for a Space made
+        by the deploy command or duplicated by hand)."""
+        tiny = not (self.model or default_model(device))
+        return dataclasses.replace(self, max_new_tokens=self.max_new_tokens or (TINY_MODEL_MAX_NEW_TOKENS if tiny else REAL_MODEL_MAX_NEW_TOKENS))
 
 
 class Replica:
@@ -93,10 +100,10 @@ class Replica:
     def __init__(self, config: ReplicaConfig, bucket: Bucket | None = None, engine: Engine | None = None) -> None:
         from transformers import AutoTokenizer
 
-        self.config = config
+        device = resolve_device(config.device)
+        self.config = config = config.with_model_defaults(device)
         self.replica_id = check_id(config.replica_id or default_replica_id())
         self.bucket = bucket or open_bucket(config.bucket)
-        device = resolve_device(config.device)
         model = resolve_model(model_or_default(config.model, device, get_environment))
         kind = config.engine if config.engine != "auto" else _auto_engine(device)
         self.engine = engine or create_engine(kind, model_path=model, **({"device": device} if kind == "transformers" else {}))

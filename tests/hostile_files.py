@@ -19,7 +19,8 @@ import safetensors.torch
 import torch
 import zstandard
 
-from rlsync.cli import FILE_HASH_KEY, HEADER_KEY, main
+from rlsync.cli import main
+from rlsync.commands import FILE_HASH_KEY, HEADER_KEY
 from rlsync.protocol import FixedInterval, Publisher
 from rlsync.protocol.manifest import POINTER_KEY
 

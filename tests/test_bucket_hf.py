@@ -163,6 +163,42 @@ def test_create_true_creates_the_bucket_and_a_missing_bucket_is_a_configuration_
     assert created.get("x") == b"1"
 
 
+# -- a role's bucket that does not exist yet: created with a writing token, else the way to create it --
+
+
+def test_a_writing_token_creates_the_missing_bucket_once(server, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    bucket = open_bucket("hf://buckets/someone/fresh")
+    assert "someone/fresh" in server.buckets
+    bucket.put("x", b"1")
+    created = server.count("api", "/api/buckets/someone/fresh$")
+    open_bucket("hf://buckets/someone/fresh")  # exists now: looked up, not created again
+    assert server.count("api", "/api/buckets/someone/fresh$") == created + 1
+    assert open_bucket("hf://buckets/someone/fresh").get("x") == b"1"
+
+
+def test_a_read_only_token_is_told_how_to_create_the_bucket(server, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", READ_ONLY)
+    with pytest.raises(BucketError, match=r"does not exist and this token cannot create it.*hf buckets create someone/absent") as info:
+        open_bucket("hf://buckets/someone/absent")
+    assert READ_ONLY not in str(info.value)
+    assert "someone/absent" not in server.buckets
+
+
+def test_a_read_only_token_opens_an_existing_bucket_without_writing(server, monkeypatch):
+    server.create_bucket("someone/there")
+    monkeypatch.setenv("HF_TOKEN", READ_ONLY)
+    assert open_bucket("hf://buckets/someone/there").list() == []
+
+
+def test_a_role_started_on_a_missing_bucket_creates_it(server, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    from env_space.simulator import EnvConfig, EnvSimulator
+
+    EnvSimulator(EnvConfig(bucket="hf://buckets/someone/role-run"))
+    assert "someone/role-run" in server.buckets
+
+
 def test_invalid_keys_rejected_before_any_request(bucket, server):
     before = len(server.requests)
     for key in ["../x", "/abs", "a//b", "a\\b"]:

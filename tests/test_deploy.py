@@ -198,11 +198,8 @@ def test_deploy_makes_the_exact_calls(hub):
     assert api.token == TOKEN
     bucket = f"hf://buckets/{NS}/rl-sync"
     expected_vars = {
-        f"{NS}/rl-sync-trainer": {"TRAINER_BUCKET": bucket, "TRAINER_MODEL": "Qwen/Qwen3-0.6B",
-                                  "TRAINER_DEVICE": "cuda", "TRAINER_LR": "1e-6",
-                                  "TRAINER_ADAM_EPSILON": "1e-8"},
+        f"{NS}/rl-sync-trainer": {"TRAINER_BUCKET": bucket, "TRAINER_MODEL": "Qwen/Qwen3-0.6B"},
         f"{NS}/rl-sync-rollout": {"ROLLOUT_BUCKET": bucket, "ROLLOUT_MODEL": "Qwen/Qwen3-0.6B",
-                                  "ROLLOUT_ENGINE": "vllm", "ROLLOUT_DEVICE": "cuda", "ROLLOUT_MAX_NEW_TOKENS": "64",
                                   "ROLLOUT_REPLICA_ID": "rl-sync-rollout"},
         f"{NS}/rl-sync-env": {"ENV_BUCKET": bucket},
     }  # fmt: skip
@@ -495,10 +492,16 @@ def test_deployed_variables_are_real_settings(gpu):
         config = from_env(cls, space.role.env_prefix, environ=space.variables)
         assert config.bucket == f"hf://buckets/{NS}/rl-sync"
         if space.role.name == "rollout":
-            assert config.engine == ("vllm" if gpu else "auto") and config.replica_id == "rl-sync-rollout"
+            assert config.engine == "auto" and config.replica_id == "rl-sync-rollout"  # auto: vLLM on a GPU
         if space.role.uses_model:
-            assert config.device == ("cuda" if gpu else "auto")  # auto: cuda when the Space has a GPU
+            assert config.device == "auto"  # auto: cuda when the Space has a GPU
             assert config.model == ("/models/Qwen3-0.6B" if gpu else "")
+            # the rest comes from the role's own defaults for that model: the same for a duplicated Space
+            resolved = config.with_model_defaults("cuda" if gpu else "cpu")
+            if space.role.name == "rollout":
+                assert resolved.max_new_tokens == (64 if gpu else 8)
+            else:
+                assert (resolved.lr, resolved.adam_epsilon) == ((1e-6, 1e-8) if gpu else (5e-4, 3e-3))
 
 
 _FIRST_PARTY = {r.folder for r in deploy.ROLES.values()} | {"rlsync"}

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Callable
 
 from .base import (
@@ -56,7 +57,8 @@ _BACKENDS: dict[str, Callable[[str], Bucket]] = {}
 
 
 def register_backend(scheme: str, factory: Callable[[str], Bucket]) -> None:
-    """Register ``factory(url)`` as the backend for URLs starting with ``scheme://``."""
+    """Register ``factory(url)`` as the backend for URLs starting with ``scheme://`` (a factory with a
+    ``create`` parameter is also given :func:`open_bucket`'s ``create``)."""
     _BACKENDS[scheme] = factory
 
 
@@ -71,10 +73,10 @@ def _open_local(url: str, create: bool = True) -> Bucket:
     return LocalBucket(url, create=create)
 
 
-def _open_hf(url: str) -> Bucket:
+def _open_hf(url: str, create: bool = False) -> Bucket:
     from .hf import HfBucket
 
-    return RetryingBucket(HfBucket.from_url(url))  # the Hub throttles (429) and has bad moments (5xx)
+    return RetryingBucket(HfBucket.from_url(url, create=create))  # the Hub throttles (429) and has bad moments (5xx)
 
 
 register_backend("file", _open_local)
@@ -86,8 +88,9 @@ def open_bucket(url: str, *, create: bool = True) -> Bucket:
 
     Args:
         url: A local path or ``file://`` URL, or ``hf://buckets/OWNER/NAME[/PREFIX]``.
-        create: Create a local bucket folder that does not exist yet; ``False`` for
-            read-only use (a mistyped path then fails instead of creating a folder).
+        create: Create a bucket that does not exist yet (a local folder; a Hub bucket when the token
+            can write to its namespace, else a :class:`BucketError` says how to create it); ``False``
+            for read-only use (a mistyped path then fails instead of creating a folder).
 
     Returns:
         The bucket backend for that URL.
@@ -104,4 +107,6 @@ def open_bucket(url: str, *, create: bool = True) -> Bucket:
         raise BucketError(
             f"unsupported bucket URL {url!r}: use a local path, file://PATH or hf://buckets/OWNER/NAME"
         ) from None
+    if "create" in inspect.signature(factory).parameters:
+        return factory(url, create=create)
     return factory(url)

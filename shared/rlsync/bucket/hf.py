@@ -130,8 +130,9 @@ class HfBucket(Bucket):
         api ([`~huggingface_hub.HfApi`], *optional*):
             The client to use. Defaults to a new `HfApi(token=token)`.
         create (`bool`, *optional*, defaults to `False`):
-            Create the bucket if it does not exist (`create_bucket(..., exist_ok=True)`, with the Hub's
-            default visibility).
+            Create the bucket if it does not exist (one `bucket_info` call; `create_bucket` only when the
+            Hub has no such bucket, with the Hub's default visibility). A token that cannot create it
+            gets a [`BucketError`] that says how to create it by hand.
         transfer ([`HfTransferConfig`], *optional*):
             Request timeouts, process-wide (see `rlsync.bucket.hf_transport.install`). By default the
             settings already installed are kept, else `HfTransferConfig.from_env()` is installed.
@@ -166,9 +167,31 @@ class HfBucket(Bucket):
         self.url = f"hf://buckets/{bucket_id}" + (f"/{prefix}" if prefix else "")
         self._warned_skipped = False
         if create:
-            self._call(
-                "create bucket", None, lambda: self._api.create_bucket(bucket_id, exist_ok=True, token=self._token)
-            )
+            self._create_if_missing()
+
+    def _create_if_missing(self) -> None:
+        """Create the bucket when the Hub has none of this id (a read-only token never tries to write)."""
+
+        def exists() -> bool:
+            try:
+                self._api.bucket_info(self.bucket_id, token=self._token)
+                return True
+            except BucketNotFoundError:
+                return False
+
+        if self._call("bucket info", None, exists):
+            return
+        try:
+            self._call("create bucket", None, lambda: self._api.create_bucket(self.bucket_id, exist_ok=True, token=self._token))
+        except TransientBucketError:
+            raise
+        except BucketError as err:
+            raise BucketError(
+                f"bucket {self.bucket_id!r} does not exist and this token cannot create it ({err}). Create it "
+                f"with a token that can write to {self.bucket_id.split('/')[0]!r}: `hf buckets create {self.bucket_id}`, "
+                "or `python -m rlsync.spaces.deploy`, or on the Hub's website; then start again"
+            ) from None
+        logger.info("created bucket %s", self.bucket_id)
 
     @classmethod
     def from_url(cls, url: str, **kwargs) -> "HfBucket":

@@ -2,7 +2,7 @@
 
 ``python -m rlsync.spaces.deploy --namespace USER [--bucket NAME] [--prefix NAME] [--private]
 [--trainer-hardware FLAVOR] [--rollout-hardware FLAVOR] [--env-hardware FLAVOR] [--replicas N]
-[--model NAME] [--mount-model] [--sleep-time S] [--mount-bucket PATH] [--dry-run]``
+[--model NAME] [--mount-model] [--sleep-time S] [--mount-bucket PATH] [--dry-run] [--export DIR]``
 
 What it does, with :class:`huggingface_hub.HfApi` (every call is idempotent, so a second run
 updates the deployment in place):
@@ -11,8 +11,9 @@ updates the deployment in place):
 2. For each Space (``<prefix>-trainer``, ``<prefix>-env``, and ``<prefix>-rollout`` or
    ``<prefix>-rollout-1`` .. ``-N`` for ``--replicas N``):
    ``create_repo(repo_type="space", space_sdk="gradio", exist_ok=True)``; the ``HF_TOKEN`` secret;
-   the ``<ROLE>_BUCKET`` variable (plus model, ``cuda`` device and the vLLM engine when the Space
-   gets GPU hardware, and ``ROLLOUT_REPLICA_ID`` on rollout Spaces); volumes when asked for
+   the ``<ROLE>_BUCKET`` variable (plus the model when the Space gets GPU hardware, and
+   ``ROLLOUT_REPLICA_ID`` on rollout Spaces; every other default, e.g. device, engine, learning rate,
+   completion length, is the role's own for its hardware and model, the same for a duplicated Space); volumes when asked for
    (``set_space_volumes``); the hardware when one is given; and last one commit with the Space's
    files, so the first build already sees its settings.
 
@@ -32,7 +33,9 @@ The access token is read from ``HF_TOKEN`` only. It is sent as the Spaces' ``HF_
 never printed or logged; use a fine-grained token that can write to the namespace's repos and
 the bucket. When ``PANEL_AUTH`` (``user:password``) is set, it becomes every Space's
 ``PANEL_AUTH`` secret, so the panels' Start/Stop and policy controls ask for that login.
-``--dry-run`` prints the calls it would make and calls nothing.
+``--dry-run`` prints the calls it would make and calls nothing. ``--export DIR`` writes each Space's
+folder exactly as it would be uploaded (:mod:`.export`) and exits; ``--namespace`` defaults to
+:data:`TEMPLATE_NAMESPACE` there.
 
 ``--sync-readmes`` rewrites the settings table of each role's README from its config dataclass
 (this needs the roles' own dependencies, e.g. torch, unlike deploying).
@@ -61,6 +64,8 @@ logger = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[3]  # shared/rlsync/spaces/deploy.py in a checkout
 SHARED_FOLDER = "shared"
 DEFAULT_PREFIX = "rl-sync"
+#: Owner of the template Spaces (``<TEMPLATE_NAMESPACE>/<prefix>-trainer`` ...) the Space READMEs link to.
+TEMPLATE_NAMESPACE = "rlsync"
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 MODEL_MOUNT_ROOT = "/models"
 SPACE_SDK = "gradio"
@@ -93,7 +98,6 @@ class SpaceRole:
         folder: Role folder at the repository root, uploaded as is.
         env_prefix: Prefix of the role's environment variables (``<PREFIX>_<FIELD>``).
         config: ``"module:Class"`` of the role's settings dataclass.
-        gpu_settings: ``(field, value)`` pairs set as variables when the Space gets GPU hardware.
         uses_model: Whether the ``model`` setting is set to ``--model`` on GPU hardware.
         extra_files: Files of other folders the role's code imports, uploaded too.
     """
@@ -102,7 +106,6 @@ class SpaceRole:
     folder: str
     env_prefix: str
     config: str
-    gpu_settings: tuple[tuple[str, str], ...] = ()
     uses_model: bool = False
     extra_files: tuple[str, ...] = ()
 
@@ -122,10 +125,8 @@ _ENVIRONMENTS = ("env_space/__init__.py", "env_space/environments.py")
 ROLES: dict[str, SpaceRole] = {
     role.name: role
     for role in (
-        SpaceRole("trainer", "trainer_space", "TRAINER", "trainer_space.trainer:TrainerConfig",
-                  gpu_settings=(("device", "cuda"), ("lr", "1e-6"), ("adam_epsilon", "1e-8")), uses_model=True, extra_files=_ENVIRONMENTS),
-        SpaceRole("rollout", "rollout_space", "ROLLOUT", "rollout_space.replica:ReplicaConfig",
-                  gpu_settings=(("engine", "vllm"), ("device", "cuda"), ("max_new_tokens", "64")), uses_model=True, extra_files=_ENVIRONMENTS),
+        SpaceRole("trainer", "trainer_space", "TRAINER", "trainer_space.trainer:TrainerConfig", uses_model=True, extra_files=_ENVIRONMENTS),
+        SpaceRole("rollout", "rollout_space", "ROLLOUT", "rollout_space.replica:ReplicaConfig", uses_model=True, extra_files=_ENVIRONMENTS),
         SpaceRole("env", "env_space", "ENV", "env_space.simulator:EnvConfig"),
     )
 }  # fmt: skip
@@ -330,11 +331,9 @@ def plan_deployment(
         for name in names[role_name]:
             variables = {role.variable("bucket"): bucket_url}
             volumes = bucket_volumes
-            if is_gpu(flavor):
-                if role.uses_model:
-                    variables[role.variable("model")] = model_setting
-                    volumes = model_volumes + volumes
-                variables.update({role.variable(field): value for field, value in role.gpu_settings})
+            if is_gpu(flavor) and role.uses_model:
+                variables[role.variable("model")] = model_setting
+                volumes = model_volumes + volumes
             if role_name == "rollout":
                 variables[role.variable("replica_id")] = check_id(name)
             repo_id = _check_name(f"{namespace}/{name}", "Space id")
@@ -526,6 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sleep-time", type=int, help="seconds of inactivity before upgraded hardware sleeps")
     p.add_argument("--mount-bucket", metavar="PATH", help="also mount the bucket read-only at PATH in every Space")
     p.add_argument("--dry-run", action="store_true", help="print the planned calls, call nothing")
+    p.add_argument("--export", metavar="DIR", help="write each Space's folder as it would be uploaded, then exit")
     p.add_argument("--sync-readmes", action="store_true", help="regenerate the READMEs' settings tables and exit")
     return p
 
@@ -548,11 +548,13 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         for path in sync_readmes():
             print(f"updated {path}", file=out)
         return 0
+    if args.export:
+        args.namespace = args.namespace or TEMPLATE_NAMESPACE
     if not args.namespace:
         print("error: --namespace is required", file=sys.stderr)
         return 2
     token = os.environ.get(TOKEN_SECRET, "")
-    if not token and not args.dry_run:
+    if not token and not (args.dry_run or args.export):
         print(f"error: set {TOKEN_SECRET} to a token with write access to the namespace", file=sys.stderr)
         return 2
     secrets = {key: os.environ.get(key, "") for key in SECRETS}
@@ -564,6 +566,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             env_hardware=args.env_hardware, replicas=args.replicas, model=args.model, mount_model=args.mount_model,
             sleep_time=args.sleep_time, mount_bucket=args.mount_bucket,
         )  # fmt: skip
+        if args.export:
+            from .export import export_spaces
+
+            export_spaces(((s.repo_id.split("/")[1], s.files, s.variables) for s in plan.spaces), Path(args.export), out)
+            return 0
         if args.dry_run:
             summary = apply_plan(plan, DryRunApi(out), dict.fromkeys(secrets, REDACTED))
         else:

@@ -14,13 +14,26 @@ Plug-ins any TRL user can pass to the trainer, importable without the Spaces:
 - :class:`FinalWeightSync`: publish the last steps when training ends between two syncs.
 - :func:`apply_cpu_compat`: run the trainer without a GPU.
 
-Names are imported on first use, so publishing alone does not import TRL.
+Names are imported on first use, so publishing alone does not import TRL. Two warnings of the pinned
+TRL (1.16) that are known and harmless here are silenced, by their exact messages: the one for every
+import from ``trl.experimental`` (``AsyncGRPOTrainer`` lives there), and "TRL currently supports vLLM
+versions from 0.22.0 to 0.31.0" (the bucket route never uses TRL's vLLM client); and, because TRL
+imports vLLM where one is installed, vLLM's CPU-build notice "Triton is installed, but doesn't include
+CPU backend" (its logger is set to errors only).
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
+import warnings
 from typing import Any
+
+#: Messages (regular expressions, matched at the start) of the known, harmless warnings of the pinned TRL.
+KNOWN_WARNINGS = (r"You are importing from 'trl\.experimental'", r"TRL currently supports vLLM versions")
+for _message in KNOWN_WARNINGS:
+    warnings.filterwarnings("ignore", message=_message)
+logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
 
 _EXPORTS = {
     "BucketWeightTransfer": "weight_transfer",

