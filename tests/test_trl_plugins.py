@@ -142,7 +142,9 @@ def test_restarted_transfer_continues_versions_and_stays_bit_exact(bucket):
         first.send_weights(iter(master.items()))
         rl_step(master, seed)
     assert first.version == 3
-    again = BucketWeightTransfer(publisher=Publisher(bucket, owner="t", policy=FixedInterval(3)))
+    again = BucketWeightTransfer(
+        publisher=Publisher(bucket, owner="t", policy=FixedInterval(3)), resume_from_checkpoint="out/checkpoint-3"
+    )
     again.init_weight_transfer()
     assert again.version == 3
     for seed in range(4, 7):
