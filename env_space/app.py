@@ -12,16 +12,19 @@ version, mean reward per source and task type, scoring failures by reason, the
 recent scored episodes (task type, prompt, completion, reward), and the tasks and
 scores per second.
 
-The source settings choose user code: a reward function by dotted path runs in
-this Space's process. Whoever may press Start may choose it, so protect the panel.
+The source settings choose a reward function among the built-ins, the dotted paths
+the operator allowed (``ENV_REWARD_ALLOW``, ``ENV_DATASET_REWARDS``) and the code in
+this Space's own repo; any other dotted path typed into the form is refused.
 
-Access: on a public Space anyone could press Start / Stop. Set the ``PANEL_AUTH``
-secret to ``user:password`` and the panel asks for that login (Gradio auth)
-whenever ``SPACE_ID`` is set; or make the Space private, or hide the controls
-behind Hugging Face OAuth (``gr.LoginButton``). The HF token is only read from
-the environment and never shown.
+Access (:mod:`rlsync.spaces.access`): the panel binds ``127.0.0.1`` unless a host is
+given (``GRADIO_SERVER_NAME``; ``0.0.0.0`` on a Space). Reachable by others, its
+controls (Start / Stop, the anchor policy, the settings) need a login: the
+``PANEL_AUTH`` secret (``user:password``, applied wherever it is set), or Hugging
+Face OAuth (``hf_oauth: true`` in the Space README: the Space owner, or members of
+``PANEL_OAUTH_ORG``). Without one they refuse every call; the plots stay readable.
+The HF token is only read from the environment and never shown.
 
-Server: ``GRADIO_SERVER_NAME`` (default ``0.0.0.0``), ``PORT`` (default 7860).
+Server: ``GRADIO_SERVER_NAME`` (default ``127.0.0.1``), ``PORT`` (default 7860).
 """
 
 from __future__ import annotations
@@ -156,6 +159,7 @@ def build_app(config: EnvConfig | None = None, runner: role_control.RoleRunner |
     runner = runner or make_runner()
     with gr.Blocks(title="RL Sync: environment") as demo:
         gr.Markdown("# RL Sync: environment\nPublishes task batches and scores the replicas' completions.")
+        components.login_button()
         build_panel(runner, config)
     return demo
 

@@ -7,13 +7,15 @@ bucket's ``status/`` objects: this Space's replicas (version, newest version,
 lag, apply time, inference idle per sync, tokens/s), their apply time per
 version, and the whole fleet.
 
-Access: on a public Space anyone could press Start / Stop. Set the ``PANEL_AUTH``
-secret to ``user:password`` and the panel asks for that login (Gradio auth)
-whenever ``SPACE_ID`` is set; or make the Space private, or hide the controls
-behind Hugging Face OAuth (``gr.LoginButton``). The HF token is only read from
-the environment and never shown.
+Access (:mod:`rlsync.spaces.access`): the panel binds ``127.0.0.1`` unless a host is
+given (``GRADIO_SERVER_NAME``; ``0.0.0.0`` on a Space). Reachable by others, its
+controls (Start / Stop, the anchor policy, the settings) need a login: the
+``PANEL_AUTH`` secret (``user:password``, applied wherever it is set), or Hugging
+Face OAuth (``hf_oauth: true`` in the Space README: the Space owner, or members of
+``PANEL_OAUTH_ORG``). Without one they refuse every call; the plots stay readable.
+The HF token is only read from the environment and never shown.
 
-Server: ``GRADIO_SERVER_NAME`` (default ``0.0.0.0``), ``PORT`` (default 7860).
+Server: ``GRADIO_SERVER_NAME`` (default ``127.0.0.1``), ``PORT`` (default 7860).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def build_panel(
         )
         form = forms.config_form(
             config,
-            overrides={"engine": lambda **kw: gr.Dropdown(["transformers", "vllm"], **kw)},
+            overrides={"engine": lambda **kw: gr.Dropdown(["auto", "transformers", "vllm"], **kw)},
             skip=skip,
             prefix=prefix,
         )
@@ -137,6 +139,7 @@ def build_app(config: ReplicaConfig | None = None, runner: role_control.RoleRunn
         gr.Markdown(
             "# RL Sync: rollout\nReplicas following the trainer's weights bit-exactly and answering task batches."
         )
+        components.login_button()
         build_panel(runner, config, count)
     return demo
 

@@ -10,13 +10,15 @@ version, the recent publishes, the rollout fleet, and the anchor policy
 controls, which write the bucket's control object (the trainer follows it from
 its next publish).
 
-Access: on a public Space anyone could press Start / Stop or change the anchor
-policy. Set the ``PANEL_AUTH`` secret to ``user:password`` and the panel asks
-for that login (Gradio auth) whenever ``SPACE_ID`` is set; or make the Space
-private, or hide the controls behind Hugging Face OAuth (``gr.LoginButton``).
+Access (:mod:`rlsync.spaces.access`): the panel binds ``127.0.0.1`` unless a host is
+given (``GRADIO_SERVER_NAME``; ``0.0.0.0`` on a Space). Reachable by others, its
+controls (Start / Stop, the anchor policy, the settings) need a login: the
+``PANEL_AUTH`` secret (``user:password``, applied wherever it is set), or Hugging
+Face OAuth (``hf_oauth: true`` in the Space README: the Space owner, or members of
+``PANEL_OAUTH_ORG``). Without one they refuse every call; the plots stay readable.
 The HF token is only read from the environment and never shown.
 
-Server: ``GRADIO_SERVER_NAME`` (default ``0.0.0.0``), ``PORT`` (default 7860).
+Server: ``GRADIO_SERVER_NAME`` (default ``127.0.0.1``), ``PORT`` (default 7860).
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ def build_app(config: TrainerConfig | None = None, runner: role_control.RoleRunn
     runner = runner or make_runner()
     with gr.Blocks(title="RL Sync: trainer") as demo:
         gr.Markdown("# RL Sync: trainer\nAsync GRPO trainer publishing bf16 anchors and sparse deltas to the bucket.")
+        components.login_button()
         build_panel(runner, config)
     return demo
 
