@@ -16,15 +16,7 @@ The source settings choose a reward function among the built-ins, the dotted pat
 the operator allowed (``ENV_REWARD_ALLOW``, ``ENV_DATASET_REWARDS``) and the code in
 this Space's own repo; any other dotted path typed into the form is refused.
 
-Access (:mod:`rlsync.spaces.access`): the panel binds ``127.0.0.1`` unless a host is
-given (``GRADIO_SERVER_NAME``; ``0.0.0.0`` on a Space). Reachable by others, its
-controls (Start / Stop, the anchor policy, the settings) need a login: the
-``PANEL_AUTH`` secret (``user:password``, applied wherever it is set), or Hugging
-Face OAuth (``hf_oauth: true`` in the Space README: the Space owner, or members of
-``PANEL_OAUTH_ORG``). Without one they refuse every call; the plots stay readable.
-The HF token is only read from the environment and never shown.
-
-Server: ``GRADIO_SERVER_NAME`` (default ``127.0.0.1``), ``PORT`` (default 7860).
+Access and server: as every panel's (:mod:`rlsync.spaces.access`); ``PORT`` (default 7860).
 """
 
 from __future__ import annotations

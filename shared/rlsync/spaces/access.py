@@ -36,6 +36,14 @@ HOW_TO_LOGIN = (
 )
 
 
+#: Why ``python -m rlsync.spaces.deploy`` refuses to deploy without ``PANEL_AUTH``.
+DEPLOY_REFUSAL = (
+    f"error: {AUTH_ENV} is not set, so the Spaces' panels would have no login and refuse every control (Start, Stop, "
+    f"anchor policy, settings). Set it first, e.g. export {AUTH_ENV}=admin:$(openssl rand -hex 12), and it becomes each "
+    f"Space's {AUTH_ENV} secret; or pass --allow-no-login to deploy anyway and add the secret (or OAuth) later"
+)
+
+
 class Login(enum.Enum):
     """How a panel's callers authenticate."""
 

@@ -56,7 +56,7 @@ from huggingface_hub import BucketUrl, CommitOperationAdd, HfApi, SpaceCard, Spa
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-from .access import AUTH_ENV
+from .access import AUTH_ENV, DEPLOY_REFUSAL
 from .exchange import check_id
 
 logger = logging.getLogger(__name__)
@@ -528,10 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--sleep-time", type=int, help="seconds of inactivity before upgraded hardware sleeps")
     p.add_argument("--mount-bucket", metavar="PATH", help="also mount the bucket read-only at PATH in every Space")
-    p.add_argument(
-        "--allow-no-login", action="store_true",
-        help="deploy without PANEL_AUTH: the panels' controls stay off until a PANEL_AUTH secret is added or OAuth is enabled",
-    )  # fmt: skip
+    p.add_argument("--allow-no-login", action="store_true", help="deploy without PANEL_AUTH (the controls stay off)")
     p.add_argument("--dry-run", action="store_true", help="print the planned calls, call nothing")
     p.add_argument("--sync-readmes", action="store_true", help="regenerate the READMEs' settings tables and exit")
     return p
@@ -565,13 +562,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     secrets = {key: os.environ.get(key, "") for key in SECRETS}
     secrets = {key: value for key, value in secrets.items() if value or key == TOKEN_SECRET}
     if AUTH_ENV not in secrets and not args.allow_no_login:
-        print(
-            f"error: {AUTH_ENV} is not set, so the Spaces' panels would have no login and refuse every control "
-            f"(Start, Stop, anchor policy, settings). Set it first, e.g. export {AUTH_ENV}=admin:$(openssl rand -hex 12), "
-            f"and it becomes each Space's {AUTH_ENV} secret; or pass "
-            "--allow-no-login to deploy anyway and add the secret (or Hugging Face OAuth) later",
-            file=sys.stderr,
-        )
+        print(DEPLOY_REFUSAL, file=sys.stderr)
         return 2
     try:
         plan = plan_deployment(
