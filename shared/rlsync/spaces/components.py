@@ -21,7 +21,7 @@ import pandas as pd
 
 from ..bucket import BucketError
 from ..protocol import AnchorPolicy
-from .access import PanelAccess, guarded
+from .access import Login, PanelAccess, guarded
 from .anchor_policy import current_policy, describe_policy, make_policy, write_policy
 from .frames import (
     RATIO_SERIES,
@@ -533,5 +533,5 @@ def launch_options(host: str | None = None) -> dict[str, Any]:
     }
     if access.auth is not None:
         options["auth"] = access.auth
-    (logger.warning if access.exposed and access.login.value == "none" else logger.info)("%s", access.describe())
+    logger.log(logging.WARNING if access.exposed and access.login is Login.NONE else logging.INFO, "%s", access.describe())
     return options
