@@ -213,7 +213,9 @@ def build_app(stack: Stack) -> gr.Blocks:
                     start = gr.Button("Start all", variant="primary", elem_id="start-all")
                     stop = gr.Button("Stop all", variant="stop", elem_id="stop-all")
                 status = gr.Markdown(stack.status(), elem_id="overview-status")
-                start.click(access.guarded(stack.start_all, lambda why: f"not started: {why}"), outputs=status, api_name="start_all")
+                start.click(
+                    access.guarded(stack.start_all, lambda why: f"not started: {why}"), outputs=status, api_name="start_all"
+                )
                 stop.click(
                     access.guarded(lambda: stack.stop_all(wait=False), lambda why: f"not stopped: {why}"),
                     outputs=status, api_name="stop_all",

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
-import sys
 
 import httpx
 import markdown_it
@@ -22,10 +21,12 @@ from rlsync.protocol.manifest import CONTROL_KEY
 from rlsync.spaces import access, components, frames, role_control
 from rlsync.spaces.snapshots import Snapshot
 
+import app  # the combined panel (the repository root is on the path, as for every test)
+
 gradio_client = pytest.importorskip("gradio_client")
 
 LOGIN = ("admin", "pw-8Qz1-panel")
-#: Every control of the combined panel, by API name: (inputs given, what it changes).
+#: Every control of the combined panel, by API name.
 CONTROLS = ("start_all", "stop_all", "trainer_start_trainer", "trainer_stop_trainer", "rollout_start_rollout",
             "rollout_stop_rollout", "env_start_env", "env_stop_env", "trainer_apply_anchor_policy")  # fmt: skip
 
@@ -64,9 +65,6 @@ def clean_env(monkeypatch):
 @pytest.fixture
 def panel(tmp_path, clean_env):
     """Launch the combined panel with ``launch_options(host)``; yields ``(url, started roles, bucket)``."""
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-    import app
-
     launched = []
 
     def launch(host: str | None = None):
@@ -105,9 +103,6 @@ def test_default_bind_is_loopback_and_a_space_listens_everywhere(clean_env):
 
 
 def test_app_takes_a_host_flag():
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-    import app
-
     assert app.parse_args([]).host is None and app.parse_args(["--host", "0.0.0.0"]).host == "0.0.0.0"
 
 

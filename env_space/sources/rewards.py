@@ -116,7 +116,9 @@ ALLOW_ENV = "ENV_REWARD_ALLOW"
 REWARDS_ENV = "ENV_DATASET_REWARDS"
 #: The Space's repo: modules found here (outside the project's packages and any installed ones) are its own code.
 SPACE_REPO = Path(__file__).resolve().parents[2]
-PROJECT_PACKAGES = frozenset({"env_space", "rollout_space", "trainer_space", "rlsync", "app", "tests", "benchmarks", "scripts", "shared"})
+PROJECT_PACKAGES = frozenset(
+    {"env_space", "rollout_space", "trainer_space", "rlsync", "app", "tests", "benchmarks", "scripts", "shared"}
+)
 
 
 def allowed_reward_paths(environ: Mapping[str, str] | None = None) -> frozenset[str]:

@@ -143,7 +143,8 @@ class PanelAccess:
             if name is not None and (name == self.owner or (self.oauth_org and self.oauth_org in orgs)):
                 return None
             if name is not None:
-                return f"{name} may not use this panel's controls (the Space owner{' or ' + self.oauth_org + ' members' if self.oauth_org else ''} only)"
+                who = f"the Space owner or {self.oauth_org} members" if self.oauth_org else "the Space owner"
+                return f"{name} may not use this panel's controls ({who} only)"
             return "log in with Hugging Face (the button above) to use this panel's controls"
         return f"this panel is reachable by others and has no login, so its controls are off: {HOW_TO_LOGIN}"
 
@@ -159,7 +160,8 @@ def oauth_identity(request: Any) -> tuple[str | None, frozenset[str]]:
     userinfo = info.get("userinfo") or {}
     name = userinfo.get("preferred_username") if isinstance(userinfo, dict) else None
     orgs = userinfo.get("orgs") if isinstance(userinfo, dict) else None
-    names = frozenset(o.get("preferred_username", "") for o in orgs if isinstance(o, dict)) if isinstance(orgs, list) else frozenset()
+    orgs = orgs if isinstance(orgs, list) else []
+    names = frozenset(o.get("preferred_username", "") for o in orgs if isinstance(o, dict))
     return (name if isinstance(name, str) and name else None), names
 
 

@@ -441,7 +441,10 @@ def anchor_policy_controls(
         got = current_policy(bucket_view(live.source).snapshot(), default)
         return got["policy"], got["interval"], got["max_catchup_ratio"]
 
-    apply.click(guarded(on_apply, lambda why: f":no_entry: not applied: {why}"), inputs=[policy, interval, ratio], outputs=result, api_name=f"{prefix}apply_anchor_policy".replace("-", "_"))
+    apply.click(
+        guarded(on_apply, lambda why: f":no_entry: not applied: {why}"), inputs=[policy, interval, ratio],
+        outputs=result, api_name=f"{prefix}apply_anchor_policy".replace("-", "_"),
+    )  # fmt: skip
     live.add(current, lambda view, snap: describe_policy(current_policy(snap, default)))
     root = gr.context.Context.root_block
     if root is not None:
