@@ -8,6 +8,7 @@ first anchor, logging the change once. Checked for the Publisher, for a user's T
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -17,6 +18,7 @@ from rlsync.hashing import state_hash
 from rlsync.protocol import FixedInterval, Publisher, RunExistsError, Subscriber, read_manifest
 from rlsync.errors import SyncError
 from rlsync.protocol.manifest import POINTER_KEY
+from rlsync.spaces.exchange import Sample, score_key, write_samples
 from rlsync.trl import BucketWeightTransfer
 from tests.helpers import bf16, master_state, rl_step
 
@@ -124,3 +126,10 @@ def test_trainer_space_restart_without_checkpoint_refuses_in_the_panel_then_new_
     again.trl._sync_weight()
     new = read_manifest(bucket)
     assert new.step == 1 and new.run_id != old.run_id and new.deltas == ()
+    # samples scored for the old run's version 0 are another policy's: dropped and counted, the new run's kept
+    old_sample = Sample("t0", "p", "c", [1, 5, 6], [7, 8], [-0.5, -1.25], 0, reward=1.0)
+    write_samples(bucket, score_key(0, "r0"), [old_sample])
+    write_samples(bucket, score_key(1, "r0"), [old_sample, dataclasses.replace(old_sample, task_id="t1", version=1)])
+    assert again._read_scores(bucket, score_key(0, "r0")) is None
+    _, kept = again._read_scores(bucket, score_key(1, "r0"))
+    assert [s.version for s in kept] == [1] and again.refusals.total == 2

@@ -217,12 +217,21 @@ class Trainer:
     # -- bucket objects -------------------------------------------------------
 
     def _read_scores(self, bucket: Bucket, key: str):
-        """Read one scores object within the trainer's limits, counting refusals."""
+        """Read one scores object within the trainer's limits, counting refusals. In a new run, samples
+        scored for the replaced run's versions are dropped (counted): another run's policy sampled them."""
         limits = SampleLimits(
             vocab_size=self.vocab_size, max_version=self.transfer.version,
             max_total_tokens=getattr(self.trl.model.config, "max_position_embeddings", None),
         )  # fmt: skip
-        return read_samples(bucket, key, limits=limits, refusals=self.refusals)
+        read = read_samples(bucket, key, limits=limits, refusals=self.refusals)
+        replaced = self.publisher.replaced_step
+        if read is None or replaced is None:
+            return read
+        header, samples = read
+        kept = [s for s in samples if s.version > replaced]
+        if len(kept) < len(samples):
+            self.refusals.add(key, f"{len(samples) - len(kept)} sample(s) of the replaced run (version <= {replaced})")
+        return (header, kept) if kept else None
 
     def _restore_published(self, exc: NonFiniteError) -> None:
         """Never train on from a poisoned model: back to the published weights, optimizer state reset."""

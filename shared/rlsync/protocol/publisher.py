@@ -222,6 +222,11 @@ class Publisher:
         return self.manifest.step if self.manifest else None
 
     @property
+    def replaced_step(self) -> int | None:
+        """The newest version of the run this new run replaced (``None``: not a new run over one)."""
+        return self._floor
+
+    @property
     def next_step(self) -> int:
         """The version the next publish should have: after the published one, or after the
         replaced run's newest version for a new run (version numbers never go back)."""
