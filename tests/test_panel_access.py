@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import socket
 
 import httpx
@@ -179,3 +180,36 @@ def test_trainer_notice_and_other_bucket_strings_render_as_text():
         html = md.render(line)
         assert "<img" not in html and "<a " not in html and "<code" not in html, html
         assert "beacon.example/p.gif" in html  # shown, as text
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/chromium"), reason="/usr/bin/chromium is missing")
+def test_planted_notice_shows_as_text_in_the_browser(tmp_path, clean_env):
+    """The trainer Space's panel in headless Chromium: a planted image beacon and link in the notice of
+    ``metrics/trainer.json`` appear as text; no <img> or <a> is rendered in the summary line."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from rlsync.spaces.exchange import MetricsLog
+    from trainer_space import app as trainer_app
+    from trainer_space.trainer import TrainerConfig
+
+    bucket = LocalBucket(tmp_path / "bucket")
+    log = MetricsLog(bucket, "trainer")
+    log.add(kind="train", opt_step=1, version=0, loss=0.5)
+    beacon = "PLANTED ![b](http://127.0.0.1:9/b.gif) [x](http://127.0.0.1:9/x) <img src=http://127.0.0.1:9/c.gif>"
+    log.extra = {"version": 0, "opt_steps": 1, "notice": beacon}
+    log.flush()
+    demo = trainer_app.build_app(TrainerConfig(bucket=str(tmp_path / "bucket")), runner=trainer_app.make_runner())
+    port = free_port()
+    demo.launch(prevent_thread_lock=True, quiet=True, **{**components.launch_options(), "server_port": port})
+    try:
+        with sync_api.sync_playwright() as pw:
+            args = ["--headless", "--no-sandbox", "--disable-gpu"]
+            browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=args)
+            page = browser.new_page()
+            page.goto(f"http://127.0.0.1:{port}/")
+            summary = page.locator("#trainer-summary")
+            summary.get_by_text("PLANTED").wait_for(timeout=60_000)
+            assert "![b](http://127.0.0.1:9/b.gif)" in summary.inner_text() and "<img src=" in summary.inner_text()
+            assert summary.locator("img").count() == 0 and summary.locator("a").count() == 0
+            browser.close()
+    finally:
+        demo.close()

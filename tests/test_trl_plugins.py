@@ -224,7 +224,7 @@ def test_streaming_send_memory_is_bounded(tmp_path):
     largest tensors (the first send builds the shadow); a delta send stays far below."""
     out = subprocess.run(
         [sys.executable, "-c", MEMORY_SCRIPT, str(tmp_path / "bucket")], cwd=ROOT, capture_output=True, text=True,
-        env={"PYTHONPATH": str(ROOT), "RLSYNC_THREADS": "2", "PATH": "/usr/bin:/bin"}, timeout=300,
+        env={"PYTHONPATH": f"{ROOT / 'shared'}:{ROOT}", "RLSYNC_THREADS": "2", "PATH": "/usr/bin:/bin"}, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
