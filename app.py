@@ -13,7 +13,8 @@ Flags::
 
     --bucket URL        bucket (default $RLSYNC_BUCKET or ./runs/bucket; hf://buckets/OWNER/NAME works)
     --replicas N        rollout replicas in this process (default 2)
-    --port P            panel port (default $PORT or 7860; host from $GRADIO_SERVER_NAME, default 0.0.0.0)
+    --port P            panel port (default $PORT or 7860)
+    --host HOST         panel address (default $GRADIO_SERVER_NAME or 127.0.0.1; elsewhere, controls need PANEL_AUTH)
     --no-autostart      start nothing until Start is pressed in the panel
     --fresh             delete the bucket's run objects first (weights, tasks, scores, status, metrics)
     --environment NAME  environment of the env role (default: ENV_ENVIRONMENT or "reverse")
@@ -22,8 +23,9 @@ Flags::
 Every other setting comes from the roles' environment variables
 (``TRAINER_*``, ``ROLLOUT_*``, ``ENV_*``, see each Space's README). "Start all"
 on the Overview tab starts the roles with these settings; a role tab's Start
-uses that tab's form. The panel's access is protected like the Spaces'
-(``PANEL_AUTH`` with ``SPACE_ID``). SIGTERM or Ctrl-C stops the roles cleanly.
+uses that tab's form. The panel's access is the Spaces' (``rlsync.spaces.access``): bound to
+127.0.0.1 unless told, its controls need the ``PANEL_AUTH`` login when reachable by others.
+SIGTERM or Ctrl-C stops the roles cleanly.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from env_space import app as env_app
 from env_space.simulator import EnvConfig
 from rollout_space import app as rollout_app
 from rollout_space.replica import ReplicaConfig
-from rlsync.spaces import components, frames, role_control, snapshots
+from rlsync.spaces import access, components, frames, role_control, snapshots
 from rlsync.bucket import Bucket, open_bucket
 from rlsync.spaces.exchange import METRICS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX, STATUS_PREFIX, TASKS_PREFIX
 from rlsync.trl.checkpoints import CHECKPOINTS_PREFIX
@@ -81,6 +83,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--replicas", type=int, default=2, help="rollout replicas in this process")
     parser.add_argument(
         "--port", type=int, default=int(os.environ.get("PORT") or os.environ.get("GRADIO_SERVER_PORT") or 7860)
+    )
+    parser.add_argument(
+        "--host", default=None, help="panel address (default $GRADIO_SERVER_NAME or 127.0.0.1)"
     )
     parser.add_argument(
         "--no-autostart", dest="autostart", action="store_false", help="start the roles from the panel only"
@@ -208,8 +213,13 @@ def build_app(stack: Stack) -> gr.Blocks:
                     start = gr.Button("Start all", variant="primary", elem_id="start-all")
                     stop = gr.Button("Stop all", variant="stop", elem_id="stop-all")
                 status = gr.Markdown(stack.status(), elem_id="overview-status")
-                start.click(stack.start_all, outputs=status)
-                stop.click(lambda: stack.stop_all(wait=False), outputs=status)
+                start.click(
+                    access.guarded(stack.start_all, lambda why: f"not started: {why}"), outputs=status, api_name="start_all"
+                )
+                stop.click(
+                    access.guarded(lambda: stack.stop_all(wait=False), lambda why: f"not stopped: {why}"),
+                    outputs=status, api_name="stop_all",
+                )  # fmt: skip
                 with components.Live(url, timers["overview"]) as live:
                     live.add(status, lambda view, snap: stack.status())
                     components.summary_line(live, frames.trainer_summary, elem_id="overview-trainer-summary")
@@ -254,11 +264,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     stack = Stack(args.bucket, args.replicas, environment=args.environment, max_steps=args.max_steps)
     demo = build_app(stack)
-    options: dict[str, Any] = {**components.launch_options(), "server_port": args.port}
+    options: dict[str, Any] = {**components.launch_options(args.host), "server_port": args.port}
     demo.launch(prevent_thread_lock=True, **options)  # first, so a busy port stops us before any role runs
     logger.info(
         "panel on http://%s:%d",
-        "localhost" if options["server_name"] == "0.0.0.0" else options["server_name"],
+        "localhost" if options["server_name"] in ("0.0.0.0", "::") else options["server_name"],
         args.port,
     )
     if args.fresh:

@@ -12,16 +12,11 @@ version, mean reward per source and task type, scoring failures by reason, the
 recent scored episodes (task type, prompt, completion, reward), and the tasks and
 scores per second.
 
-The source settings choose user code: a reward function by dotted path runs in
-this Space's process. Whoever may press Start may choose it, so protect the panel.
+The source settings choose a reward function among the built-ins, the dotted paths
+the operator allowed (``ENV_REWARD_ALLOW``, ``ENV_DATASET_REWARDS``) and the code in
+this Space's own repo; any other dotted path typed into the form is refused.
 
-Access: on a public Space anyone could press Start / Stop. Set the ``PANEL_AUTH``
-secret to ``user:password`` and the panel asks for that login (Gradio auth)
-whenever ``SPACE_ID`` is set; or make the Space private, or hide the controls
-behind Hugging Face OAuth (``gr.LoginButton``). The HF token is only read from
-the environment and never shown.
-
-Server: ``GRADIO_SERVER_NAME`` (default ``0.0.0.0``), ``PORT`` (default 7860).
+Access and server: as every panel's (:mod:`rlsync.spaces.access`); ``PORT`` (default 7860).
 """
 
 from __future__ import annotations
@@ -156,6 +151,7 @@ def build_app(config: EnvConfig | None = None, runner: role_control.RoleRunner |
     runner = runner or make_runner()
     with gr.Blocks(title="RL Sync: environment") as demo:
         gr.Markdown("# RL Sync: environment\nPublishes task batches and scores the replicas' completions.")
+        components.login_button()
         build_panel(runner, config)
     return demo
 

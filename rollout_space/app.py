@@ -7,13 +7,7 @@ bucket's ``status/`` objects: this Space's replicas (version, newest version,
 lag, apply time, inference idle per sync, tokens/s), their apply time per
 version, and the whole fleet.
 
-Access: on a public Space anyone could press Start / Stop. Set the ``PANEL_AUTH``
-secret to ``user:password`` and the panel asks for that login (Gradio auth)
-whenever ``SPACE_ID`` is set; or make the Space private, or hide the controls
-behind Hugging Face OAuth (``gr.LoginButton``). The HF token is only read from
-the environment and never shown.
-
-Server: ``GRADIO_SERVER_NAME`` (default ``0.0.0.0``), ``PORT`` (default 7860).
+Access and server: as every panel's (:mod:`rlsync.spaces.access`); ``PORT`` (default 7860).
 """
 
 from __future__ import annotations
@@ -94,7 +88,7 @@ def build_panel(
         )
         form = forms.config_form(
             config,
-            overrides={"engine": lambda **kw: gr.Dropdown(["transformers", "vllm"], **kw)},
+            overrides={"engine": lambda **kw: gr.Dropdown(["auto", "transformers", "vllm"], **kw)},
             skip=skip,
             prefix=prefix,
         )
@@ -137,6 +131,7 @@ def build_app(config: ReplicaConfig | None = None, runner: role_control.RoleRunn
         gr.Markdown(
             "# RL Sync: rollout\nReplicas following the trainer's weights bit-exactly and answering task batches."
         )
+        components.login_button()
         build_panel(runner, config, count)
     return demo
 

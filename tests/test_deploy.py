@@ -25,6 +25,7 @@ import importlib.metadata
 import inspect
 import io
 import logging
+import os
 import re
 import shutil
 import sys
@@ -174,7 +175,8 @@ def hub(monkeypatch) -> type[RecordingHfApi]:
 
 def run(*argv: str) -> tuple[int, str]:
     out = io.StringIO()
-    rc = deploy.main(["--namespace", NS, *argv], out=out)
+    login = () if os.environ.get("PANEL_AUTH") else ("--allow-no-login",)  # refused without either
+    rc = deploy.main(["--namespace", NS, *login, *argv], out=out)
     return rc, out.getvalue()
 
 
@@ -632,3 +634,17 @@ def test_requirements_pin_the_tested_versions(role):
     assert {"huggingface-hub", "gradio"} <= names
     assert ("vllm" in names) == (role.name == "rollout")
     assert "torch" in names
+
+
+def test_deploy_refuses_spaces_without_a_panel_login(hub, capsys):
+    """Without PANEL_AUTH the Spaces' panels would refuse every control: deploy says how to set it and
+    calls nothing, unless --allow-no-login."""
+    for extra in ((), ("--dry-run",)):
+        out = io.StringIO()
+        assert deploy.main(["--namespace", NS, *extra], out=out) == 2
+        err = capsys.readouterr().err
+        assert "PANEL_AUTH is not set" in err and "export PANEL_AUTH=admin:" in err and "--allow-no-login" in err
+    assert [api.names() for api in hub.instances] == []
+    assert deploy.main(["--namespace", NS, "--allow-no-login"], out=io.StringIO()) == 0
+    [api] = hub.instances
+    assert {c.args[1] for c in api.of("add_space_secret")} == {"HF_TOKEN"}

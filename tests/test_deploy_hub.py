@@ -22,6 +22,7 @@ TOKEN = "hf_DEPLOYsecretTOKEN0123456789abcdef"
 def server(hub, monkeypatch):
     hub.add_token(TOKEN, "write")
     monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setenv("PANEL_AUTH", "admin:pw-hub-test")  # deploy refuses Spaces without a panel login
     return hub
 
 

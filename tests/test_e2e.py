@@ -34,7 +34,7 @@ def test_three_roles_learn_and_replicas_end_bit_identical(tmp_path):
     bucket_dir = tmp_path / "bucket"
     env = {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "shared"), str(ROOT)]),
         "HF_HUB_OFFLINE": "1",
         "OMP_NUM_THREADS": "1",
         "TRAINER_BUCKET": str(bucket_dir), "ROLLOUT_BUCKET": str(bucket_dir), "ENV_BUCKET": str(bucket_dir),

@@ -54,7 +54,7 @@ def _wait_healthy(url: str, deadline_s: float, process: subprocess.Popen | None 
 def served_url():
     """``python -m env_space.sources.openenv_server`` serving two reasoning-gym generators on 127.0.0.1."""
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "shared"), str(ROOT)])}
     command = ["timeout", str(SERVER_LIFETIME_S), sys.executable, "-m", "env_space.sources.openenv_server",
                "--environment", SERVED, "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

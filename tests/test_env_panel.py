@@ -54,7 +54,7 @@ def panel(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ENV_", "SPACE_ID", "PANEL_AUTH"))}
     env.update({"ENV_BUCKET": str(bucket), "ENV_ENVIRONMENT": "reverse", "ENV_TASKS_PER_BATCH": "2",
                 "ENV_QUEUE_DEPTH": "1", "PORT": str(port), "GRADIO_SERVER_NAME": "127.0.0.1",
-                "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONPATH": str(ROOT)})  # fmt: skip
+                "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONPATH": os.pathsep.join([str(ROOT / "shared"), str(ROOT)])})  # fmt: skip
     with open(log, "wb") as out:
         command = ["timeout", "300", sys.executable, "env_space/app.py"]  # stops by itself whatever happens
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -130,6 +130,7 @@ def local_dataset(tmp_path, monkeypatch):
     }).save_to_disk(str(path))  # fmt: skip
     (tmp_path / "user_rewards.py").write_text(textwrap.dedent(USER_REWARDS))
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("ENV_REWARD_ALLOW", "user_rewards.brevity,user_rewards.no_such_function")  # the operator's list
     return str(path)
 
 
@@ -394,9 +395,10 @@ def test_source_settings_come_from_variables_then_the_json_overrides(monkeypatch
     assert env.score_sample(task, f"<final>{task.answer}</final>") == 1.0
 
 
-def test_trl_reward_helper_by_dotted_path_scores_as_trl_does(tmp_path):
+def test_trl_reward_helper_by_dotted_path_scores_as_trl_does(tmp_path, monkeypatch):
     """TRL's own accuracy_reward, named by dotted path, gets what GRPOTrainer would pass it."""
     trl_rewards = pytest.importorskip("trl.rewards")
+    monkeypatch.setenv("ENV_DATASET_REWARDS", "trl.rewards.accuracy_reward")  # the operator's setting allows it
     path = str(tmp_path / "chat-math")
     datasets.Dataset.from_dict({
         "prompt": [[{"role": "user", "content": "What is 1/3 of 1?"}], [{"role": "user", "content": "Half of 1?"}]],

@@ -142,7 +142,9 @@ def test_restarted_transfer_continues_versions_and_stays_bit_exact(bucket):
         first.send_weights(iter(master.items()))
         rl_step(master, seed)
     assert first.version == 3
-    again = BucketWeightTransfer(publisher=Publisher(bucket, owner="t", policy=FixedInterval(3)))
+    again = BucketWeightTransfer(
+        publisher=Publisher(bucket, owner="t", policy=FixedInterval(3)), resume_from_checkpoint="out/checkpoint-3"
+    )
     again.init_weight_transfer()
     assert again.version == 3
     for seed in range(4, 7):
@@ -222,7 +224,7 @@ def test_streaming_send_memory_is_bounded(tmp_path):
     largest tensors (the first send builds the shadow); a delta send stays far below."""
     out = subprocess.run(
         [sys.executable, "-c", MEMORY_SCRIPT, str(tmp_path / "bucket")], cwd=ROOT, capture_output=True, text=True,
-        env={"PYTHONPATH": str(ROOT), "RLSYNC_THREADS": "2", "PATH": "/usr/bin:/bin"}, timeout=300,
+        env={"PYTHONPATH": f"{ROOT / 'shared'}:{ROOT}", "RLSYNC_THREADS": "2", "PATH": "/usr/bin:/bin"}, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])

@@ -10,13 +10,7 @@ version, the recent publishes, the rollout fleet, and the anchor policy
 controls, which write the bucket's control object (the trainer follows it from
 its next publish).
 
-Access: on a public Space anyone could press Start / Stop or change the anchor
-policy. Set the ``PANEL_AUTH`` secret to ``user:password`` and the panel asks
-for that login (Gradio auth) whenever ``SPACE_ID`` is set; or make the Space
-private, or hide the controls behind Hugging Face OAuth (``gr.LoginButton``).
-The HF token is only read from the environment and never shown.
-
-Server: ``GRADIO_SERVER_NAME`` (default ``0.0.0.0``), ``PORT`` (default 7860).
+Access and server: as every panel's (:mod:`rlsync.spaces.access`); ``PORT`` (default 7860).
 """
 
 from __future__ import annotations
@@ -124,6 +118,7 @@ def build_app(config: TrainerConfig | None = None, runner: role_control.RoleRunn
     runner = runner or make_runner()
     with gr.Blocks(title="RL Sync: trainer") as demo:
         gr.Markdown("# RL Sync: trainer\nAsync GRPO trainer publishing bf16 anchors and sparse deltas to the bucket.")
+        components.login_button()
         build_panel(runner, config)
     return demo
 

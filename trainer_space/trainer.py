@@ -15,7 +15,8 @@ sync library's TRL plug-ins (:mod:`rlsync.trl`) into it:
 - :class:`~rlsync.trl.BucketCheckpoints` keeps Trainer-format checkpoints (fp32
   weights, optimizer, scheduler, RNG, step) under ``checkpoints/`` every
   ``checkpoint_every`` steps and on stop; a restarted trainer resumes from the
-  newest complete one and continues the bucket's version numbers.
+  newest complete one and continues the bucket's version numbers; without a checkpoint it
+  refuses to publish over the bucket's run unless ``new_run`` starts a new one.
 
 TRL's logs feed ``metrics/trainer.json`` (kind ``train`` rows next to the
 ``anchor``/``delta`` rows of each publish), which every panel plots.
@@ -87,6 +88,7 @@ class TrainerConfig:
     poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls"})
     seed: int = dataclasses.field(default=0, metadata={"help": "torch seed (seed)"})
     trainer_id: str = dataclasses.field(default="", metadata={"help": "run-lock owner id; a restart with the same id takes over (default: SPACE_ID or host name)"})
+    new_run: bool = dataclasses.field(default=False, metadata={"help": "when the bucket holds a run but no checkpoint to continue from: start a new run (new run id; replicas re-bootstrap from its first anchor) instead of refusing; a checkpoint, when there is one, is always resumed from"})
 
     @classmethod
     def from_env(cls, **overrides) -> "TrainerConfig":
@@ -168,7 +170,7 @@ class Trainer:
         self.metrics = MetricsLog(self.bucket, "trainer")
         self.publisher = Publisher(
             self.bucket, policy=config.policy(), keep_anchors=config.keep_anchors, codec=config.codec,
-            owner=config.trainer_id or None,
+            owner=config.trainer_id or None, new_run=config.new_run,
         )  # fmt: skip
         self.transfer = BucketWeightTransfer(
             publisher=self.publisher, on_publish=self._record_publish, on_non_finite=self._restore_published
@@ -215,12 +217,21 @@ class Trainer:
     # -- bucket objects -------------------------------------------------------
 
     def _read_scores(self, bucket: Bucket, key: str):
-        """Read one scores object within the trainer's limits, counting refusals."""
+        """Read one scores object within the trainer's limits, counting refusals. In a new run, samples
+        scored for the replaced run's versions are dropped (counted): another run's policy sampled them."""
         limits = SampleLimits(
             vocab_size=self.vocab_size, max_version=self.transfer.version,
             max_total_tokens=getattr(self.trl.model.config, "max_position_embeddings", None),
         )  # fmt: skip
-        return read_samples(bucket, key, limits=limits, refusals=self.refusals)
+        read = read_samples(bucket, key, limits=limits, refusals=self.refusals)
+        replaced = self.publisher.replaced_step
+        if read is None or replaced is None:
+            return read
+        header, samples = read
+        kept = [s for s in samples if s.version > replaced]
+        if len(kept) < len(samples):
+            self.refusals.add(key, f"{len(samples) - len(kept)} sample(s) of the replaced run (version <= {replaced})")
+        return (header, kept) if kept else None
 
     def _restore_published(self, exc: NonFiniteError) -> None:
         """Never train on from a poisoned model: back to the published weights, optimizer state reset."""
@@ -264,42 +275,45 @@ class Trainer:
     def prepare(self) -> str | None:
         """Take the run lock and find where to continue.
 
+        A bucket that holds a run is continued from its newest checkpoint that verifies. Without
+        one, the trainer refuses (:class:`~rlsync.protocol.RunExistsError`, naming both ways on)
+        unless ``new_run`` is set, which starts a new run: a new run id, its first version an
+        anchor, which replicas notice and re-bootstrap from.
+
         Returns:
-            The local checkpoint folder to resume from, or ``None`` (a fresh run, or a bucket run
-            without checkpoints, which continues from the published bf16 weights with a fresh optimizer).
+            The local checkpoint folder to resume from, or ``None`` (an empty bucket or a new run).
+
+        Raises:
+            RunExistsError: the bucket holds a run, no checkpoint verifies and ``new_run`` is off.
         """
-        published = self.transfer.continue_run()
         restored = self.checkpoints.restore(self.scratch)
-        if restored is not None:
-            step, folder, marker = restored
-            saved = marker.get("published_version")
-            self.opt_steps = step
-            if isinstance(saved, int) and self.transfer.version is not None and self.transfer.version > saved:
-                self.notice = (
-                    f"published version {self.transfer.version} is newer than checkpoint {step} (saved at version {saved}): "
-                    f"resumed from the checkpoint; the next version is a delta from {self.transfer.version}"
-                )
-                logger.warning(self.notice)
-            logger.info("resuming from checkpoint %d", step)
-            return str(folder)
-        if published is not None:
-            params = dict(self.trl.model.named_parameters())
-            with torch.no_grad():
-                for name, tensor in published.items():
-                    if name in params:
-                        params[name].copy_(tensor.to(params[name].dtype))
+        self.transfer.resume_from_checkpoint = restored[1] if restored else None
+        self.transfer.continue_run()
+        if restored is None:
+            return None
+        step, folder, marker = restored
+        saved = marker.get("published_version")
+        self.opt_steps = step
+        if isinstance(saved, int) and self.transfer.version is not None and self.transfer.version > saved:
             self.notice = (
-                f"no checkpoint in the bucket: continued from published version {self.transfer.version} "
-                "with a fresh optimizer"
+                f"published version {self.transfer.version} is newer than checkpoint {step} (saved at version {saved}): "
+                f"resumed from the checkpoint; the next version is a delta from {self.transfer.version}"
             )
             logger.warning(self.notice)
-        return None
+        logger.info("resuming from checkpoint %d", step)
+        return str(folder)
 
     # -- lifecycle ------------------------------------------------------------
 
-    def run(self) -> None:
-        """Train until :meth:`stop` or ``max_steps``; publishes and checkpoints the last step."""
-        folder = self.prepare()
+    def run(self, folder: str | None = None, prepared: bool = False) -> None:
+        """Train until :meth:`stop` or ``max_steps``; publishes and checkpoints the last step.
+
+        Args:
+            folder: The checkpoint folder :meth:`prepare` returned, when ``prepared``.
+            prepared: :meth:`prepare` was called already (by :meth:`start`).
+        """
+        if not prepared:
+            folder = self.prepare()
         try:
             self.trl.train(resume_from_checkpoint=folder)
         except StopRequested:  # stopped while waiting for rollouts: save what the callbacks could not
@@ -316,7 +330,8 @@ class Trainer:
         if self.running:
             return
         self.stop_requested = False
-        self._thread = threading.Thread(target=self.run, name="trainer", daemon=True)
+        folder = self.prepare()  # here, so that a refusal reaches the caller (the panel shows it)
+        self._thread = threading.Thread(target=self.run, args=(folder, True), name="trainer", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:

@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from math_verify import parse, verify
@@ -107,22 +110,76 @@ BUILTIN_REWARDS: dict[str, RewardFunction] = {
 }
 
 
+#: Operator-set variable: dotted reward functions allowed beside the built-ins and the Space's own code.
+ALLOW_ENV = "ENV_REWARD_ALLOW"
+#: The operator's own reward setting; the dotted paths it names are allowed too.
+REWARDS_ENV = "ENV_DATASET_REWARDS"
+#: The Space's repo: modules found here (outside the project's packages and any installed ones) are its own code.
+SPACE_REPO = Path(__file__).resolve().parents[2]
+PROJECT_PACKAGES = frozenset(
+    {"env_space", "rollout_space", "trainer_space", "rlsync", "app", "tests", "benchmarks", "scripts", "shared"}
+)
+
+
+def allowed_reward_paths(environ: Mapping[str, str] | None = None) -> frozenset[str]:
+    """The dotted reward paths the operator allowed: ``ENV_REWARD_ALLOW`` (comma-separated) and the
+    dotted names in ``ENV_DATASET_REWARDS`` (environment variables, never a panel's form)."""
+    env = os.environ if environ is None else environ
+    names = env.get(ALLOW_ENV, "").split(",") + [n.split("=")[0] for n in env.get(REWARDS_ENV, "").split(",")]
+    return frozenset(n.strip() for n in names if "." in n.strip())
+
+
+def is_space_code(module_name: str) -> bool:
+    """Whether the top-level package of ``module_name`` is a file of the Space's own repo (found without
+    importing it), not one of the project's packages, the standard library or an installed package."""
+    top = module_name.split(".")[0]
+    if top in PROJECT_PACKAGES:
+        return False
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return False
+    origin = getattr(spec, "origin", None)
+    if not origin or origin in ("built-in", "frozen"):
+        return False
+    path = Path(origin).resolve()
+    return path.is_relative_to(SPACE_REPO) and not {"site-packages", "dist-packages", ".venv"} & set(path.parts)
+
+
+def check_reward_name(name: str, environ: Mapping[str, str] | None = None) -> None:
+    """Refuse a reward that is neither a built-in, nor allowed by the operator, nor the Space's own code.
+
+    Raises:
+        ValueError: naming the ways to allow it.
+    """
+    if name in BUILTIN_REWARDS or name in allowed_reward_paths(environ):
+        return
+    module_name, _, attr = name.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"reward {name!r}: not one of {sorted(BUILTIN_REWARDS)} nor a dotted path module.function")
+    if not is_space_code(module_name):
+        raise ValueError(
+            f"reward {name!r} is not allowed: use a built-in ({', '.join(sorted(BUILTIN_REWARDS))}), a module of this "
+            f"Space's repo, or a path the operator lists in {ALLOW_ENV} (or sets in {REWARDS_ENV})"
+        )
+
+
 def load_reward(name: str, *, answer_column: str = "answer", answer_tag: str = "answer") -> RewardFunction:
-    """A built-in reward (bound to the answer column and tag) or a user's function by dotted path.
+    """A built-in reward (bound to the answer column and tag) or an allowed user function by dotted path.
 
     Args:
-        name: ``exact_match``, ``math_verify``, ``format``, or ``package.module.function``.
+        name: ``exact_match``, ``math_verify``, ``format``, or ``package.module.function`` that
+            :func:`check_reward_name` allows (the operator's allow-list or the Space's own code).
         answer_column: Column holding the reference answer (built-ins only).
         answer_tag: Tag holding the final answer (built-ins only).
 
     Raises:
-        ValueError: Not a built-in and not an importable callable.
+        ValueError: Not a built-in, not allowed, or not an importable callable.
     """
+    check_reward_name(name)
     if name in BUILTIN_REWARDS:
         return functools.partial(BUILTIN_REWARDS[name], answer_column=answer_column, answer_tag=answer_tag)
     module_name, _, attr = name.rpartition(".")
-    if not module_name:
-        raise ValueError(f"reward {name!r}: not one of {sorted(BUILTIN_REWARDS)} nor a dotted path module.function")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:

@@ -51,6 +51,7 @@ _EXPORTS = {
     "RunLockedError": "rlsync.protocol",
     "FencedError": "rlsync.protocol",
     "NonFiniteError": "rlsync.protocol",
+    "RunExistsError": "rlsync.protocol",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -79,6 +80,7 @@ if TYPE_CHECKING:
         NonFiniteError,
         Publisher,
         PublishRecord,
+        RunExistsError,
         RunLockedError,
         Subscriber,
         SubscriberStats,

@@ -13,7 +13,7 @@ from .manifest import (
     delta_key,
 )
 from .policy import Adaptive, AnchorPolicy, FixedInterval, policy_from_json, policy_from_settings, policy_to_json
-from .publisher import NonFiniteError, PublishRecord, Publisher, read_manifest
+from .publisher import NonFiniteError, PublishRecord, Publisher, RunExistsError, read_manifest
 from .retention import prune, sweep_orphans
 from .subscriber import Subscriber, SubscriberStats, Update
 
@@ -35,6 +35,7 @@ __all__ = [
     "NonFiniteError",
     "PublishRecord",
     "Publisher",
+    "RunExistsError",
     "Subscriber",
     "SubscriberStats",
     "Update",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import socket
 import tempfile
 import time
@@ -68,6 +69,37 @@ def check_finite_changes(changes: Mapping[str, Change]) -> None:
                 f"{name}: {introduced} finite published values would become NaN or Inf; refusing to publish "
                 "(the trainer diverged or was fed bad data)"
             )
+
+
+class RunExistsError(SyncError):
+    """The bucket holds a run and this trainer neither continues it nor starts a new one explicitly."""
+
+
+#: How a :class:`Publisher` user goes on from a :class:`RunExistsError`.
+PUBLISHER_WAYS_ON = (
+    "continue it with resume() (when the trainer restored a checkpoint of that run), "
+    "or start a new run explicitly with Publisher(..., new_run=True)"
+)
+
+
+def run_exists_error(bucket: Bucket, manifest: Manifest, ways_on: str = PUBLISHER_WAYS_ON) -> RunExistsError:
+    """The refusal to publish over a run without continuing it, naming the ways on.
+
+    Args:
+        bucket: The bucket holding the run.
+        manifest: Its pointer.
+        ways_on: What the caller can do instead (the API it was reached through).
+    """
+    return RunExistsError(
+        f"{bucket.url} already holds run {manifest.run_id or '(unnamed)'!r} at version {manifest.step}, and this "
+        f"trainer has no checkpoint of it to continue from: publishing its weights would silently replace the run's. "
+        f"Either {ways_on}; replicas then re-bootstrap from the new run's first anchor"
+    )
+
+
+def new_run_id() -> str:
+    """A fresh run id: UTC start time and 8 random hex digits."""
+    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(4)}"
 
 
 @dataclasses.dataclass
@@ -133,13 +165,17 @@ class Publisher:
         follow_control: Read the anchor policy from the bucket's control object at
             every publish, so any panel can change it without a restart.
         chunk_elements: Elements compared at once by change detection.
-        run_id: Free-form run name stored in the pointer.
+        run_id: Run name stored in the pointer (default: a fresh :func:`new_run_id` when a
+            run starts; a resumed run keeps its own).
         owner: Stable id of this trainer for the run lock (a restart with the same
             id takes over at once; another id is refused while the lock is fresh).
             Default: ``SPACE_ID`` or the host name.
         lock_ttl_s: Age after which another owner's lock may be taken over.
         allow_non_finite: Publish states that turn finite values into NaN or Inf
             (refused with :class:`NonFiniteError` by default).
+        new_run: On a bucket that already holds a run which this publisher does not
+            :meth:`resume`, start a new run (:meth:`start_new_run`) at the first publish
+            instead of refusing with :class:`RunExistsError`.
     """
 
     def __init__(
@@ -157,6 +193,7 @@ class Publisher:
         owner: str | None = None,
         lock_ttl_s: float = DEFAULT_LOCK_TTL_S,
         allow_non_finite: bool = False,
+        new_run: bool = False,
     ) -> None:
         get_codec(codec)
         self.bucket = bucket
@@ -174,6 +211,8 @@ class Publisher:
         self.owner = owner or os.environ.get("SPACE_ID") or socket.gethostname()
         self.lock_ttl_s = lock_ttl_s
         self.allow_non_finite = allow_non_finite
+        self.new_run = new_run
+        self._floor: int | None = None  # the newest version of the run a new run replaces
         self.lock: RunLock | None = None
         self._written: set[tuple[int, str]] = set()  # (step, hash) of pointers this publisher wrote or tried to
 
@@ -181,6 +220,49 @@ class Publisher:
     def step(self) -> int | None:
         """The last published step, or ``None``."""
         return self.manifest.step if self.manifest else None
+
+    @property
+    def replaced_step(self) -> int | None:
+        """The newest version of the run this new run replaced (``None``: not a new run over one)."""
+        return self._floor
+
+    @property
+    def next_step(self) -> int:
+        """The version the next publish should have: after the published one, or after the
+        replaced run's newest version for a new run (version numbers never go back)."""
+        if self.step is not None:
+            return self.step + 1
+        return 0 if self._floor is None else self._floor + 1
+
+    def start_new_run(self) -> Manifest | None:
+        """Take the run lock and start a new run, replacing the bucket's run (if any) at the next publish.
+
+        The new run gets a new run id (``run_id`` if given and different from the old one) and
+        its first publish is an anchor whose version follows the old run's newest, so replicas
+        see the run change, log it and re-bootstrap from that anchor. Retention then deletes the
+        old run's anchors and deltas.
+
+        Returns:
+            The replaced run's pointer, or ``None`` on an empty bucket.
+
+        Raises:
+            SyncError: ``run_id`` is the old run's id.
+            RunLockedError: another trainer holds the run lock.
+        """
+        self._resumed = True
+        self._lock()
+        old = read_manifest(self.bucket)
+        if old is not None and self.run_id and self.run_id == old.run_id:
+            raise SyncError(f"a new run needs another run id than the bucket's run {old.run_id!r}")
+        self.run_id = self.run_id or new_run_id()
+        if old is not None:
+            self._floor = old.step
+            self._written = {(old.step, old.state_hash)}
+            logger.warning(
+                "starting new run %r after run %r (version %d): its first publish is an anchor, version %d",
+                self.run_id, old.run_id, old.step, old.step + 1,
+            )  # fmt: skip
+        return old
 
     def resume(self) -> dict[str, torch.Tensor] | None:
         """Continue a run already in the bucket.
@@ -280,8 +362,9 @@ class Publisher:
             What was written and what it cost.
 
         Raises:
-            SyncError: ``step`` does not advance, or the bucket already holds a
-                run this publisher did not :meth:`resume`.
+            SyncError: ``step`` does not advance.
+            RunExistsError: the bucket already holds a run this publisher did not
+                :meth:`resume`, and ``new_run`` is off.
             RunLockedError: another trainer holds the run lock.
             FencedError: another trainer took the run over since this one started, or the
                 pointer names a version this publisher did not write (resume() again).
@@ -297,12 +380,19 @@ class Publisher:
         Returns:
             Whether the policy (or an empty chain) asks for an anchor.
         """
-        if self.manifest is None and not self._resumed and read_manifest(self.bucket) is not None:
-            raise SyncError(f"{self.bucket.url} already holds a published run; call resume() or use an empty bucket")
+        if self.manifest is None and not self._resumed:
+            existing = read_manifest(self.bucket)
+            if existing is not None and not self.new_run:
+                raise run_exists_error(self.bucket, existing)
+            if existing is not None:
+                self.start_new_run()
         self._lock()
         self._check_pointer()
-        if self.step is not None and step <= self.step:
-            raise SyncError(f"step {step} does not advance past the published step {self.step}")
+        if step < self.next_step:
+            raise SyncError(
+                f"step {step} does not advance past the published step {self.next_step - 1}"
+                + (" of the run this new run replaces (versions never go back; see next_step)" if self.step is None else "")
+            )
         self._refresh_policy()
         return self.manifest is None or self.policy.wants_anchor(self.manifest)
 
@@ -449,6 +539,7 @@ class Publisher:
                 self.bucket.put_file(entry.key, path)
         anchor = AnchorEntry(step, result_hash, entries)
         if self.manifest is None:
+            self.run_id = self.run_id or new_run_id()
             manifest = Manifest(step, result_hash, (anchor,), (), run_id=self.run_id)
         else:
             manifest = dataclasses.replace(

@@ -66,6 +66,7 @@ class Update:
         decode_s: Seconds spent decoding and validating.
         digests: Per-tensor digests of an anchor's tensors (already verified).
         hash_version: The format version whose state hash the update's hashes are.
+        run_id: The run the update belongs to (the pointer's ``run_id``).
     """
 
     kind: str
@@ -81,6 +82,7 @@ class Update:
     decode_s: float = 0.0
     digests: dict[str, bytes] | None = dataclasses.field(default=None, repr=False)
     hash_version: int = FORMAT_VERSION
+    run_id: str = ""
 
 
 @dataclasses.dataclass
@@ -121,11 +123,13 @@ class Subscriber:
         self.state: dict[str, torch.Tensor] = {}
         self.step: int | None = None
         self.state_hash: str | None = None
+        self.run_id: str | None = None
         self.stats = SubscriberStats()
         self._digests: dict[str, bytes] = {}
         self._hash_version = FORMAT_VERSION
         self._downloads = concurrent.futures.ThreadPoolExecutor(max(1, max_parallel_downloads), thread_name_prefix="rlsync-get")
         self._resync = False
+        self._announced_run: str | None = None
         self.manifest: Manifest | None = None
         self._lock = threading.RLock()  # fetch validates against the state that apply changes
         self._stats_lock = threading.Lock()
@@ -183,7 +187,14 @@ class Subscriber:
             return None
         if self.step is not None and manifest.step < self.step:
             raise self._refuse(ChainError(f"pointer went back from {self.step} to {manifest.step}"))
-        if self.step is not None and not self._resync:
+        if self.step is not None and manifest.run_id != self.run_id:
+            if self._announced_run != manifest.run_id:  # one line per new run, not per poll
+                self._announced_run = manifest.run_id
+                logger.warning(
+                    "the bucket's run changed from %r (version %d) to %r (version %d): re-bootstrapping from its newest anchor",
+                    self.run_id, self.step, manifest.run_id, manifest.step,
+                )  # fmt: skip
+        elif self.step is not None and not self._resync:
             entry = manifest.delta_after(self.step)
             if entry is not None:
                 return self._fetch_delta(entry)
@@ -261,7 +272,7 @@ class Subscriber:
         update = Update(
             "anchor", entry.step, None, None, entry.state_hash, entry.nbytes, tensors=tensors,
             changed=sum(t.numel() for t in tensors.values()), download_s=t1 - t0, decode_s=time.perf_counter() - t1,
-            digests=digests, hash_version=version,
+            digests=digests, hash_version=version, run_id=self.manifest.run_id if self.manifest else "",
         )  # fmt: skip
         return update
 
@@ -304,6 +315,7 @@ class Subscriber:
             assert update.digests is not None
             self._digests = update.digests
             self._hash_version = update.hash_version
+            self.run_id = update.run_id
             self._resync = False
             self.stats.anchors_applied += 1
         else:

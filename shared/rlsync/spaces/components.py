@@ -21,6 +21,7 @@ import pandas as pd
 
 from ..bucket import BucketError
 from ..protocol import AnchorPolicy
+from .access import Login, PanelAccess, guarded
 from .anchor_policy import current_policy, describe_policy, make_policy, write_policy
 from .frames import (
     RATIO_SERIES,
@@ -440,7 +441,10 @@ def anchor_policy_controls(
         got = current_policy(bucket_view(live.source).snapshot(), default)
         return got["policy"], got["interval"], got["max_catchup_ratio"]
 
-    apply.click(on_apply, inputs=[policy, interval, ratio], outputs=result)
+    apply.click(
+        guarded(on_apply, lambda why: f":no_entry: not applied: {why}"), inputs=[policy, interval, ratio],
+        outputs=result, api_name=f"{prefix}apply_anchor_policy".replace("-", "_"),
+    )  # fmt: skip
     live.add(current, lambda view, snap: describe_policy(current_policy(snap, default)))
     root = gr.context.Context.root_block
     if root is not None:
@@ -495,28 +499,42 @@ def role_controls(
             on_started(config)
         return runner.start(config)
 
-    start.click(on_start, inputs=list(inputs), outputs=status)
-    stop.click(lambda: runner.stop(wait=False), outputs=status)
+    start.click(
+        guarded(on_start, lambda why: f"**{name}**: not started: {why}"), inputs=list(inputs), outputs=status,
+        api_name=f"{prefix}start_{name}".replace("-", "_"),
+    )  # fmt: skip
+    stop.click(
+        guarded(lambda: runner.stop(wait=False), lambda why: f"**{name}**: not stopped: {why}"), outputs=status,
+        api_name=f"{prefix}stop_{name}".replace("-", "_"),
+    )  # fmt: skip
     live.add(status, lambda view, snap: runner.status())
     return {"start": start, "stop": stop, "status": status}
 
 
-def launch_options() -> dict[str, Any]:
-    """``launch()`` keyword arguments from the environment.
+def login_button() -> Any | None:
+    """A Hugging Face login button when the Space has OAuth enabled (see :mod:`.access`), else nothing."""
+    import gradio as gr
 
-    ``GRADIO_SERVER_NAME`` (default ``0.0.0.0``) and ``PORT`` / ``GRADIO_SERVER_PORT``
-    (default 7860). When ``SPACE_ID`` is set (running as a Space) and
-    ``PANEL_AUTH="user:password"`` is set, the panel asks for that login, which
-    protects the Start / Stop and anchor controls.
+    return gr.LoginButton() if PanelAccess.from_env().oauth else None
+
+
+def launch_options(host: str | None = None) -> dict[str, Any]:
+    """``launch()`` keyword arguments from the environment (see :mod:`.access`).
+
+    The host is ``host``, else ``GRADIO_SERVER_NAME``, else ``127.0.0.1`` (``0.0.0.0`` on a Space);
+    the port ``PORT`` / ``GRADIO_SERVER_PORT`` (default 7860). ``PANEL_AUTH="user:password"``, wherever
+    it is set, makes the panel ask for that login. A panel reachable by others without a login keeps
+    its read-only views and refuses its controls; the launch log says so.
+
+    Raises:
+        ValueError: ``PANEL_AUTH`` is not ``user:password``.
     """
+    access = PanelAccess.from_env(host)
     options: dict[str, Any] = {
-        "server_name": os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0"),
+        "server_name": access.host,
         "server_port": int(os.environ.get("PORT") or os.environ.get("GRADIO_SERVER_PORT") or 7860),
     }
-    auth = os.environ.get("PANEL_AUTH", "")
-    if os.environ.get("SPACE_ID") and auth:
-        user, sep, password = auth.partition(":")
-        if not sep or not user or not password:
-            raise ValueError("PANEL_AUTH must be 'user:password'")
-        options["auth"] = (user, password)
+    if access.auth is not None:
+        options["auth"] = access.auth
+    logger.log(logging.WARNING if access.exposed and access.login is Login.NONE else logging.INFO, "%s", access.describe())
     return options

@@ -31,8 +31,10 @@ a file deleted from the checkout stays in the Space until deleted there.
 
 The access token is read from ``HF_TOKEN`` only. It is sent as the Spaces' ``HF_TOKEN`` secret and
 never printed or logged; use a fine-grained token that can write to the namespace's repos and
-the bucket. When ``PANEL_AUTH`` (``user:password``) is set, it becomes every Space's
-``PANEL_AUTH`` secret, so the panels' Start/Stop and policy controls ask for that login.
+the bucket. ``PANEL_AUTH`` (``user:password``) becomes every Space's ``PANEL_AUTH`` secret, so
+the panels' Start/Stop, policy and settings controls ask for that login. Without it the command
+refuses to deploy (a Space's panel without a login refuses every control call), unless
+``--allow-no-login`` says to go on anyway.
 ``--dry-run`` prints the calls it would make and calls nothing. ``--export DIR`` writes each Space's
 folder exactly as it would be uploaded (:mod:`.export`) and exits; ``--namespace`` defaults to
 :data:`TEMPLATE_NAMESPACE` there.
@@ -57,6 +59,7 @@ from huggingface_hub import BucketUrl, CommitOperationAdd, HfApi, SpaceCard, Spa
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
+from .access import AUTH_ENV, DEPLOY_REFUSAL
 from .exchange import check_id
 
 logger = logging.getLogger(__name__)
@@ -524,6 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--sleep-time", type=int, help="seconds of inactivity before upgraded hardware sleeps")
     p.add_argument("--mount-bucket", metavar="PATH", help="also mount the bucket read-only at PATH in every Space")
+    p.add_argument("--allow-no-login", action="store_true", help="deploy without PANEL_AUTH (the controls stay off)")
     p.add_argument("--dry-run", action="store_true", help="print the planned calls, call nothing")
     p.add_argument("--export", metavar="DIR", help="write each Space's folder as it would be uploaded, then exit")
     p.add_argument("--sync-readmes", action="store_true", help="regenerate the READMEs' settings tables and exit")
@@ -559,6 +563,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return 2
     secrets = {key: os.environ.get(key, "") for key in SECRETS}
     secrets = {key: value for key, value in secrets.items() if value or key == TOKEN_SECRET}
+    if AUTH_ENV not in secrets and not args.allow_no_login:
+        print(DEPLOY_REFUSAL, file=sys.stderr)
+        return 2
     try:
         plan = plan_deployment(
             args.namespace, bucket=args.bucket, prefix=args.prefix, private=args.private,

@@ -7,6 +7,7 @@ Plain functions, testable without a browser; the Gradio components in
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -231,18 +232,29 @@ def failures_frame(snap: Snapshot) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["reason", "count"]).sort_values(["count", "reason"], ascending=[False, True])
 
 
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+\-.!|~>:@$=])")
+
+
+def plain(value: Any) -> str:
+    """A bucket-sourced value as literal text inside a Markdown line: every Markdown character is
+    backslash-escaped (``:`` and ``@`` too, so no bare URL or address is auto-linked) and ``<``/``&``
+    become entities, so no link, image or HTML tag is ever rendered."""
+    text = str(value).replace("&", "&amp;").replace("<", "&lt;")
+    return _MARKDOWN_SPECIAL.sub(r"\\\1", " ".join(text.split()))
+
+
 def trainer_summary(snap: Snapshot) -> str:
     """One line: published version, optimizer steps, buffered groups, newest loss and reward."""
     if snap.manifest is None and not snap.trainer_rows:
         return "Trainer: nothing published yet."
     version = snap.manifest.step if snap.manifest else snap.trainer_extra.get("version")
-    parts = [f"version **{version}**"]
+    parts = [f"version **{plain(version)}**"]
     if "opt_steps" in snap.trainer_extra:
-        parts.append(f"{snap.trainer_extra['opt_steps']} optimizer steps")
+        parts.append(f"{plain(snap.trainer_extra['opt_steps'])} optimizer steps")
     if "queued_samples" in snap.trainer_extra:
-        parts.append(f"{snap.trainer_extra['queued_samples']} samples queued")
+        parts.append(f"{plain(snap.trainer_extra['queued_samples'])} samples queued")
     if snap.trainer_extra.get("checkpoint_step") is not None:
-        parts.append(f"checkpoint at step {snap.trainer_extra['checkpoint_step']}")
+        parts.append(f"checkpoint at step {plain(snap.trainer_extra['checkpoint_step'])}")
     train = [r for r in snap.trainer_rows if r.get("kind") == "train"]
     if train:
         last = train[-1]
@@ -252,7 +264,7 @@ def trainer_summary(snap: Snapshot) -> str:
             parts.append(f"batch reward {last['mean_reward']:.3f}")
     parts += refused_parts(snap.trainer_extra)
     notice = snap.trainer_extra.get("notice")
-    return "Trainer: " + ", ".join(parts) + (f" ({notice})" if isinstance(notice, str) and notice else "")
+    return "Trainer: " + ", ".join(parts) + (f" ({plain(notice)})" if isinstance(notice, str) and notice else "")
 
 
 def refused_parts(extra: dict[str, Any]) -> list[str]:
@@ -261,7 +273,7 @@ def refused_parts(extra: dict[str, Any]) -> list[str]:
     if not isinstance(refused, dict) or not as_number(refused.get("total")):
         return []
     last = refused.get("last") if isinstance(refused.get("last"), str) else ""
-    return [f"**{int(refused['total'])} bucket objects refused** (last: `{last[:120]}`)"]
+    return [f"**{int(refused['total'])} bucket objects refused** (last: {plain(last[:120])})"]
 
 
 def env_summary(snap: Snapshot) -> str:
@@ -269,7 +281,7 @@ def env_summary(snap: Snapshot) -> str:
     extra = snap.env_extra
     if not extra:
         return "Environment: no figures yet."
-    parts = [f"**{extra.get('env', '?')}**"]
+    parts = [f"**{plain(extra.get('env', '?'))}**"]
     for key, label in (("tasks_per_s", "tasks/s"), ("scores_per_s", "scores/s")):
         if as_number(extra.get(key)) is not None:
             parts.append(f"{extra[key]:.1f} {label}")

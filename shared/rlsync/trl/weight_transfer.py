@@ -16,14 +16,24 @@ only while applying a version.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable, Iterator
 
 import torch
 
 from ..bucket import Bucket
-from ..protocol import NonFiniteError, Publisher, PublishRecord
+from ..protocol import NonFiniteError, Publisher, PublishRecord, read_manifest
+from ..protocol.publisher import run_exists_error
 
 logger = logging.getLogger(__name__)
+
+#: How a TRL script goes on from a :class:`~rlsync.protocol.RunExistsError`.
+TRL_WAYS_ON = (
+    "resume from its checkpoints/ (folder = BucketCheckpoints(bucket).restore(output_dir)[1], then "
+    "BucketWeightTransfer(..., resume_from_checkpoint=folder) and trainer.train(resume_from_checkpoint=folder); "
+    "the trainer Space does this by itself), or start a new run explicitly "
+    "(BucketWeightTransfer(..., new_run=True); TRAINER_NEW_RUN=1 in the trainer Space)"
+)
 
 
 class BucketWeightTransfer:
@@ -36,10 +46,17 @@ class BucketWeightTransfer:
         on_non_finite: Called when a send is refused because it would publish NaN or Inf
             (e.g. to restore the published weights); the send publishes nothing and the
             replicas keep the last good version. Without it the refusal is raised.
+        resume_from_checkpoint: The checkpoint the trainer resumes from (the value given to
+            ``trainer.train(resume_from_checkpoint=...)``); set, the bucket's run is continued.
+        new_run: On a bucket that holds a run and without ``resume_from_checkpoint``, start a
+            new run (new run id, its first version an anchor) instead of refusing.
 
-    Versions: on an empty bucket the first send is version 0; on a bucket that already holds
-    a run, :meth:`init_weight_transfer` takes the run lock, verifies the published chain and
-    the sends continue after its newest version, so none is reused or skipped.
+    Runs: on an empty bucket the first send is version 0 of a new run. On a bucket that already
+    holds a run, :meth:`init_weight_transfer` takes the run lock and, resuming from a checkpoint,
+    verifies the published chain and continues after its newest version (none reused or skipped);
+    with ``new_run``, starts a new run whose versions follow the old run's; otherwise it raises
+    :class:`~rlsync.protocol.RunExistsError` naming both ways on, so a restart never publishes
+    the untrained weights over a run.
     """
 
     def __init__(
@@ -49,12 +66,16 @@ class BucketWeightTransfer:
         publisher: Publisher | None = None,
         on_publish: Callable[[PublishRecord], None] | None = None,
         on_non_finite: Callable[[NonFiniteError], None] | None = None,
+        resume_from_checkpoint: str | os.PathLike[str] | bool | None = None,
+        new_run: bool = False,
     ) -> None:
         if publisher is None:
             if bucket is None:
                 raise ValueError("give a bucket or a publisher")
             publisher = Publisher(bucket)
+        publisher.new_run = publisher.new_run or new_run
         self.publisher = publisher
+        self.resume_from_checkpoint = resume_from_checkpoint
         self.on_publish = on_publish
         self.on_non_finite = on_non_finite
         self.non_finite_refused = 0
@@ -67,25 +88,41 @@ class BucketWeightTransfer:
         return self.publisher.step
 
     def continue_run(self) -> dict[str, torch.Tensor] | None:
-        """Take the run lock and continue the bucket's run, if any (idempotent).
+        """Take the run lock and continue the bucket's run or start a new one (idempotent).
 
         Returns:
-            The newest published state (serving dtype) on the first call when the bucket
-            holds a run, else ``None``.
+            The newest published state (serving dtype) on the first call when the bucket's
+            run is continued, else ``None``.
 
         Raises:
+            RunExistsError: the bucket holds a run, no checkpoint is resumed from and
+                ``new_run`` is off.
             RunLockedError: another trainer holds the run lock.
         """
         if self._initialised:
             return None
-        state = self.publisher.resume()
+        state = None
+        if self.resume_from_checkpoint:
+            state = self.publisher.resume()
+        else:
+            existing = read_manifest(self.publisher.bucket)
+            if existing is not None and not self.publisher.new_run:
+                raise run_exists_error(self.publisher.bucket, existing, TRL_WAYS_ON)
+            if existing is not None:
+                self.publisher.start_new_run()
+            else:
+                self.publisher.resume()  # the run lock; the bucket is empty
         self._initialised = True
         if state is not None:
             logger.info("continuing the bucket's run after version %d", self.publisher.step)
         return state
 
     def init_weight_transfer(self) -> None:
-        """Take the run lock; continue version numbers from the bucket (TRL calls this at train begin)."""
+        """Take the run lock; continue the bucket's run or start a new one (TRL calls this at train begin).
+
+        Raises:
+            RunExistsError, RunLockedError: as :meth:`continue_run`.
+        """
         self.continue_run()
 
     def pause(self) -> None:
@@ -98,6 +135,7 @@ class BucketWeightTransfer:
         """Publish the next version from ``(name, tensor)`` pairs, one tensor at a time.
 
         Raises:
+            RunExistsError: as :meth:`continue_run`.
             SyncError, RunLockedError, FencedError, BucketError: as :meth:`Publisher.publish_stream`.
         """
         self.continue_run()
@@ -105,7 +143,7 @@ class BucketWeightTransfer:
 
     def _publish(self, publish: Callable[[int], PublishRecord]) -> PublishRecord | None:
         """Run ``publish`` for the next version; keep its record, or hand a non-finite refusal to ``on_non_finite``."""
-        step = 0 if self.publisher.step is None else self.publisher.step + 1
+        step = self.publisher.next_step
         try:
             record = publish(step)
         except NonFiniteError as exc:
