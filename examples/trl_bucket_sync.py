@@ -39,11 +39,18 @@ parser.add_argument("--max-steps", type=int, default=1000, help="optimizer steps
 parser.add_argument("--lr", type=float, default=1e-6, help="learning rate")
 parser.add_argument("--batch-size", type=int, default=32, help="samples per optimizer step")
 parser.add_argument("--output-dir", default="out", help="local checkpoints; the final model is saved here")
+parser.add_argument("--resume", action="store_true", help="continue the bucket's run from its newest checkpoint")
+parser.add_argument("--new-run", action="store_true", help="start a new run, replacing the one in the bucket")
 args = parser.parse_args()
 
 bucket = open_bucket(args.bucket)
 tokenizer = AutoTokenizer.from_pretrained(args.model)
-transfer = BucketWeightTransfer(publisher=Publisher(bucket, policy=FixedInterval(10)))
+# A bucket that holds a run is continued (--resume) or replaced (--new-run); anything else is refused.
+restored = BucketCheckpoints(bucket).restore(args.output_dir) if args.resume else None
+folder = restored[1] if restored else None
+transfer = BucketWeightTransfer(
+    publisher=Publisher(bucket, policy=FixedInterval(10)), resume_from_checkpoint=folder, new_run=args.new_run
+)
 worker = BucketRolloutWorker(bucket, read_samples, vocab_size=len(tokenizer), heartbeat=transfer.heartbeat)
 apply_cpu_compat()  # replaces TRL's two GPU-only pieces when there is no GPU; nothing on a GPU with the kernel
 on_gpu = torch.cuda.is_available()
@@ -58,6 +65,6 @@ trainer = AsyncGRPOTrainer(
 )  # fmt: skip
 trainer.add_callback(FinalWeightSync(trainer))  # publish the last steps off the weight_sync_steps grid
 trainer.add_callback(CheckpointCallback(BucketCheckpoints(bucket)))  # Trainer checkpoints into checkpoints/
-trainer.train()  # resume: BucketCheckpoints(bucket).restore(args.output_dir) -> train(resume_from_checkpoint=folder)
+trainer.train(resume_from_checkpoint=folder)
 trainer.save_model(args.output_dir)
 print(f"trained {trainer.state.global_step} steps; published version {transfer.version} to {bucket.url}")

@@ -75,6 +75,14 @@ def test_the_readme_script_runs_in_a_fresh_venv_and_a_replica_follows_bit_exactl
     assert state_hash(subscriber.state) == state_hash(trained) == manifest.state_hash
     # the run changed the weights: the replica's state is not the checkpoint it started from
     assert state_hash(bf16(load_file(Path(model) / "model.safetensors"))) != manifest.state_hash
+    # run again on the bucket that now holds this run, neither --resume nor --new-run: refused, nothing published
+    again = subprocess.run(
+        [str(python), str(SCRIPT), "--bucket", str(bucket.root), "--model", str(model), "--max-steps", "1",
+         "--output-dir", str(tmp_path / "again")],
+        cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert again.returncode != 0 and "RunExistsError" in again.stderr and "new_run" in again.stderr, again.stderr[-2000:]
+    assert read_manifest(bucket).state_hash == manifest.state_hash
 
 
 def test_the_readme_excerpt_is_lines_of_the_script():
