@@ -99,7 +99,8 @@ def main(options: dict) -> None:
                                         "state_dict_type": "SHARDED_STATE_DICT"},
     )  # fmt: skip
     report = {"gathers": [], "reference": [], "reference_gathers": [], "fp32_hashes": []}
-    transfer = ShardedWeightTransfer(publisher=ShardedPublisher(bucket, policy=policy, owner="trainer"))
+    resume = bool(options.get("resume"))  # a second run continues the bucket's run (else it is refused)
+    transfer = ShardedWeightTransfer(publisher=ShardedPublisher(bucket, policy=policy, owner="trainer"), resume_from_checkpoint=resume)
     worker = BucketRolloutWorker(bucket, read_samples, vocab_size=len(tokenizer), poll_s=0.1)
     trainer = AsyncGRPOTrainer(
         model=path, args=args, processing_class=tokenizer, train_dataset=Dataset.from_dict({"prompt": ["x"]}),
@@ -113,7 +114,10 @@ def main(options: dict) -> None:
     resume_from = restore_sharded(checkpoints, options["out"]) if options.get("resume") else None
     rank = dist.get_rank()
     gathering_iter = AsyncGRPOTrainer._streaming_iter.__get__(trainer)  # TRL's own, gathering
-    reference = BucketWeightTransfer(publisher=Publisher(LocalBucket(options["reference"]), policy=policy)) if options.get("reference") else None
+    reference = (
+        BucketWeightTransfer(publisher=Publisher(LocalBucket(options["reference"]), policy=policy), resume_from_checkpoint=resume)
+        if options.get("reference") else None
+    )  # fmt: skip
     original = AsyncGRPOTrainer._sync_weight_merged
 
     def counted_sync(self, t0):

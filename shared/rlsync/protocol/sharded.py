@@ -404,5 +404,9 @@ def _itemsize(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
 
 
 def _to_global(change: Change, s: LocalSlice) -> Change:
-    """A change found in a local slice, in the full tensor's flat coordinates."""
-    return dataclasses.replace(change, index=change.index + s.offset, shape=s.shape)
+    """A change found in a local slice, in the full tensor's flat coordinates.
+
+    Without its base: a context codec's coding order derives from the whole old tensor, which a rank
+    does not hold, so a part is coded in flat order (``classrice`` then codes one class of all elements).
+    """
+    return dataclasses.replace(change, index=change.index + s.offset, shape=s.shape, base=None)
