@@ -8,6 +8,7 @@ the bucket readable at the previous version.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -26,7 +27,7 @@ from ..errors import FormatError, SyncError
 from ..dtypes import numpy_to_values
 from ..format import DEFAULT_MAX_SHARD_BYTES, FORMAT_VERSION, Change, encode_delta, write_anchor
 from ..hashing import combine_digests, tensor_digest
-from .lock import DEFAULT_LOCK_TTL_S, FencedError, RunLock, acquire, check_fence, write_lock
+from .lock import DEFAULT_LOCK_TTL_S, LOCK_KEY, FencedError, RunLock, acquire, check_fence, write_lock
 from .manifest import (
     CONTROL_KEY,
     MAX_POINTER_BYTES,
@@ -176,6 +177,7 @@ class Publisher:
         self.allow_non_finite = allow_non_finite
         self.lock: RunLock | None = None
         self._written: set[tuple[int, str]] = set()  # (step, hash) of pointers this publisher wrote or tried to
+        self.refused: collections.Counter[str] = collections.Counter()  # invalid bucket objects ignored, by key
 
     @property
     def step(self) -> int | None:
@@ -215,9 +217,26 @@ class Publisher:
     def _lock(self) -> None:
         """Take the run lock once, then check at every publish that it is still ours."""
         if self.lock is None:
-            self.lock = acquire(self.bucket, self.owner, self.lock_ttl_s)
+            self.lock = acquire(self.bucket, self.owner, self.lock_ttl_s, floor=self._highest_epoch())
         else:
-            check_fence(self.bucket, self.lock)
+            self._fence()
+
+    def _highest_epoch(self) -> int:
+        """The highest run-lock epoch the pointer's files were written under (0 without a readable pointer),
+        so that a trainer taking a run whose lock object was deleted never reuses a writer's epoch."""
+        try:
+            manifest = read_manifest(self.bucket)
+        except FormatError:
+            return 0
+        return max(manifest.epochs()) if manifest else 0
+
+    def _fence(self) -> None:
+        """Check the run lock is still ours; an unreadable lock object is written again and counted."""
+        assert self.lock is not None
+        held = check_fence(self.bucket, self.lock)
+        if held is not self.lock:
+            self.refused[LOCK_KEY] += 1
+            self.lock = held
 
     def _check_pointer(self) -> None:
         """Refuse to write when the pointer names a version this publisher did not write.
@@ -245,7 +264,7 @@ class Publisher:
     def heartbeat(self) -> None:
         """Refresh the run lock's heartbeat (call while training without publishing for long)."""
         if self.lock is not None:
-            check_fence(self.bucket, self.lock)
+            self._fence()
             self.lock = dataclasses.replace(self.lock, heartbeat=time.time())
             write_lock(self.bucket, self.lock)
 
@@ -471,7 +490,7 @@ class Publisher:
         """Write the pointer for ``manifest`` (after retention), then delete what it dropped."""
         pruned, dropped = prune(manifest, self.keep_anchors)
         if self.lock is not None:  # the data may have taken long to upload: still ours?
-            check_fence(self.bucket, self.lock)
+            self._fence()
         self._written = {(self.manifest.step, self.manifest.state_hash)} if self.manifest else set()
         self._written.add((pruned.step, pruned.state_hash))  # a put that failed may still have landed
         self.bucket.put(POINTER_KEY, pruned.to_json())

@@ -1,0 +1,117 @@
+"""Hostile objects against the trainer's side of the chain: the run lock, the pointer it takes
+over and the retention it runs, the anchor policy and its control object (issue 26)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlsync.errors import FormatError
+from rlsync.hashing import state_hash
+from rlsync.protocol import LOCK_KEY, POINTER_KEY, FencedError, FixedInterval, Publisher, Subscriber, read_lock
+from rlsync.protocol.verify import verify_bucket
+from tests.helpers import bf16, master_state, rl_step
+
+
+def _running(bucket, steps: int = 2):
+    master = master_state()
+    pub = Publisher(bucket, owner="trainer", policy=FixedInterval(3))
+    for step in range(steps):
+        if step:
+            rl_step(master, step)
+        pub.publish(step, master)
+    return pub, master
+
+
+@pytest.mark.parametrize("garbage", [b"", b"\x00\xff garbage", b'{"owner": "trainer", "epo', b"[]", b'{"owner": 1}'])
+def test_garbage_or_cut_short_lock_does_not_stop_the_running_trainer(bucket, garbage):
+    """Taking the lock treats garbage as no lock, so the check before a publish must not call it a takeover."""
+    pub, master = _running(bucket)
+    epoch = pub.lock.epoch
+    bucket.put(LOCK_KEY, garbage)
+    rl_step(master, 2)
+    assert pub.publish(2, master).step == 2
+    assert pub.refused[LOCK_KEY] == 1
+    assert read_lock(bucket).owner == "trainer" and read_lock(bucket).epoch == epoch  # written again, same epoch
+    pub.heartbeat()  # a heartbeat with the lock deleted restores it too
+    bucket.delete([LOCK_KEY])
+    pub.heartbeat()
+    assert read_lock(bucket).epoch == epoch and pub.refused[LOCK_KEY] == 2
+    assert verify_bucket(bucket).ok
+
+
+def test_cut_short_upload_of_the_trainers_own_heartbeat_does_not_stop_it(bucket):
+    pub, master = _running(bucket)
+    own = bucket.get(LOCK_KEY)
+    bucket.put(LOCK_KEY, own[: len(own) // 2])
+    rl_step(master, 2)
+    pub.publish(2, master)
+    sub = Subscriber(bucket)
+    sub.sync()
+    assert sub.state_hash == state_hash(bf16(master))
+
+
+def test_a_real_takeover_still_fences_after_a_garbage_lock(bucket):
+    pub, master = _running(bucket)
+    bucket.put(LOCK_KEY, b"garbage")
+    other = Publisher(bucket, owner="trainer")
+    other.resume()  # garbage counts as no lock: the restart takes the run
+    rl_step(master, 2)
+    with pytest.raises(FencedError):
+        pub.publish(2, master)
+    assert json.loads(bucket.get(LOCK_KEY))["epoch"] == other.lock.epoch
+    assert read_lock(bucket) == other.lock
+    assert POINTER_KEY and verify_bucket(bucket).ok
+
+
+def test_a_restart_after_the_lock_was_deleted_takes_an_epoch_no_writer_used(bucket):
+    pub, master = _running(bucket)
+    bucket.delete([LOCK_KEY])
+    other = Publisher(bucket, owner="trainer")
+    other.resume()
+    assert other.lock.epoch > pub.lock.epoch
+    rl_step(master, 2)
+    with pytest.raises(FencedError):
+        pub.publish(2, master)
+
+
+def _objects(bucket) -> dict[str, bytes]:
+    return {o.key: bucket.get(o.key) for o in bucket.list("")}
+
+
+@pytest.mark.parametrize(
+    "victim",
+    ["control/publisher.json", "lock.json", "latest.json", "checkpoints/0000000001/COMPLETE.json", "metrics/env.json",
+     "scores/000000000001.json", "anchors/000000000005-e0001/model.safetensors", "anchors/000000000000-e0001/other.bin",
+     "anchors/00000000000-e0001/model.safetensors", "deltas/000000000000-e00001.safetensors"],
+)  # fmt: skip
+def test_a_pointer_naming_other_objects_is_refused_and_nothing_is_deleted(bucket, victim):
+    """A fake old anchor in the pointer names objects the publisher never wrote: neither the
+    trainer taking the run over nor a replica accepts it, and retention deletes none of them."""
+    pub, master = _running(bucket, steps=3)
+    for key in ("control/publisher.json", "checkpoints/0000000001/COMPLETE.json", "metrics/env.json", "scores/000000000001.json"):
+        bucket.put(key, b"{}")
+    doc = json.loads(bucket.get(POINTER_KEY))
+    fake = dict(doc["anchors"][0], step=0, files=[{"key": victim, "size": 2}])
+    doc["anchors"][0]["step"] = 1 if doc["anchors"][0]["step"] == 0 else doc["anchors"][0]["step"]
+    doc["anchors"].insert(0, fake)
+    bucket.put(POINTER_KEY, json.dumps(doc).encode())
+    before = _objects(bucket)
+    with pytest.raises(FormatError, match="not a key this protocol writes|another step or epoch|not one model file"):
+        Publisher(bucket, owner="trainer").resume()
+    with pytest.raises(FormatError):
+        Subscriber(bucket).sync()
+    after = _objects(bucket)
+    assert {k: v for k, v in after.items() if k != LOCK_KEY} == {k: v for k, v in before.items() if k != LOCK_KEY}
+
+
+def test_a_pointer_listing_one_shard_many_times_is_refused_before_any_download(bucket):
+    pub, master = _running(bucket)
+    doc = json.loads(bucket.get(POINTER_KEY))
+    doc["anchors"][0]["files"] = doc["anchors"][0]["files"] * 50_000
+    bucket.put(POINTER_KEY, json.dumps(doc).encode())
+    sub = Subscriber(bucket)
+    with pytest.raises(FormatError):
+        sub.sync()
+    assert sub.stats.reads == 1 and sub.stats.bytes_downloaded == len(bucket.get(POINTER_KEY))  # the pointer alone
