@@ -4,6 +4,8 @@ over and the retention it runs, the anchor policy and its control object (issue 
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 
@@ -115,3 +117,22 @@ def test_a_pointer_listing_one_shard_many_times_is_refused_before_any_download(b
     with pytest.raises(FormatError):
         sub.sync()
     assert sub.stats.reads == 1 and sub.stats.bytes_downloaded == len(bucket.get(POINTER_KEY))  # the pointer alone
+
+
+def test_the_publishers_sweep_deletes_only_its_own_temporary_files_under_the_runs_prefixes(bucket):
+    """High 6: only ``.tmp-<12 hex>`` regular files under anchors/, deltas/ and beside the pointer go."""
+    past = time.time() - 7 * 3600
+    swept = ["anchors/x/.tmp-0123456789ab", "deltas/.tmp-0123456789ab", ".tmp-0123456789ab"]
+    kept = ["tasks/.tmp-0123456789ab", "user/data/.tmp-0123456789ab", "deltas/.tmp-notours", "anchors/.tmp-0123456789abc"]
+    for key in swept + kept:
+        path = bucket.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x")
+        os.utime(path, (past, past))
+    folder = bucket.root / "anchors" / ".tmp-abcdefabcdef"  # a folder of that name is not one of ours either
+    (folder / "keep").parent.mkdir(parents=True)
+    (folder / "keep").write_bytes(b"x")
+    os.utime(folder, (past, past))
+    Publisher(bucket, policy=FixedInterval(1)).publish(0, master_state())  # every anchor sweeps
+    assert [k for k in swept if (bucket.root / k).exists()] == []
+    assert [k for k in kept if not (bucket.root / k).exists()] == [] and (folder / "keep").exists()

@@ -72,7 +72,7 @@ def test_kill_9_then_restart_resumes_from_the_bucket_checkpoint(bucket, tmp_path
 
     settings = dict(checkpoint_every=2, batch_size=16, trainer_id="t", poll_s=0.1, lr=1e-3, anchor_interval=4)
     env = {
-        **os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+        **os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT / "shared"), str(ROOT))), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
         **{f"TRAINER_{k.upper()}": str(v) for k, v in settings.items()}, "TRAINER_BUCKET": str(bucket.root),
     }  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_path(environments=get_environment)))
@@ -102,7 +102,8 @@ def test_kill_9_then_restart_resumes_from_the_bucket_checkpoint(bucket, tmp_path
             trainer.run()
         finally:
             trainer.close()
-    # the optimizer resumed bit-equal to the checkpoint
+    # the optimizer resumed bit-equal to the checkpoint, which passed every check against the chain and the model
+    assert trainer.checkpoints.skipped == 0 and saved_step in {p.step for p in read_manifest(bucket).checkpoints}
     assert probe.state["state"].keys() == saved["state"].keys() and saved["state"]
     for key, entry in saved["state"].items():
         for name, value in entry.items():

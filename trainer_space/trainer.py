@@ -49,6 +49,7 @@ from rlsync.trl import (
     StopRequested,
     apply_cpu_compat,
 )
+from rlsync.trl.checkpoint_checks import CheckpointExpectations
 from rlsync.trl.metrics import trl_layout_bytes
 
 logger = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ class Trainer:
         self.transfer = BucketWeightTransfer(
             publisher=self.publisher, on_publish=self._record_publish, on_non_finite=self._restore_published
         )
-        self.checkpoints = BucketCheckpoints(self.bucket, keep=config.keep_checkpoints)
+        self.checkpoints = BucketCheckpoints(self.bucket, keep=config.keep_checkpoints, chain=self.publisher)
         self.scratch = tempfile.mkdtemp(prefix="rlsync-trainer-")
         self.opt_steps = 0
         self.notice = ""
@@ -250,6 +251,7 @@ class Trainer:
             "version": self.transfer.version, "opt_steps": self.opt_steps, "queued_samples": self.worker.rollout_buffer.qsize(),
             "checkpoint_step": self.checkpoint_callback.last_step, "notice": self.notice,
             "refused": self.refusals.as_dict(), "non_finite_refused": self.transfer.non_finite_refused,
+            "checkpoints_skipped": self.checkpoints.skipped,
         }  # fmt: skip
         self.metrics.flush()
 
@@ -269,7 +271,12 @@ class Trainer:
             without checkpoints, which continues from the published bf16 weights with a fresh optimizer).
         """
         published = self.transfer.continue_run()
-        restored = self.checkpoints.restore(self.scratch)
+        manifest = self.publisher.manifest
+        expect = CheckpointExpectations.for_model(
+            self.trl.model, pins={p.step: p.weights_hash for p in manifest.checkpoints} if manifest else {},
+            published_step=manifest.step if manifest else 0, lr=self.config.lr,
+        )  # fmt: skip
+        restored = self.checkpoints.restore(self.scratch, expect)
         if restored is not None:
             step, folder, marker = restored
             saved = marker.get("published_version")

@@ -115,6 +115,18 @@ class DeltaEntry:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointPin:
+    """The weights hash of a training checkpoint, kept in the pointer so that a restarting trainer
+    resumes only from checkpoints this chain's writer saved (see :mod:`rlsync.trl.checkpoints`)."""
+
+    step: int
+    weights_hash: str
+
+
+MAX_CHECKPOINT_PINS = 16
+
+
+@dataclasses.dataclass(frozen=True)
 class Manifest:
     """The pointer object: every retained version, newest last."""
 
@@ -124,6 +136,7 @@ class Manifest:
     deltas: tuple[DeltaEntry, ...]
     run_id: str = ""
     format_version: int = FORMAT_VERSION
+    checkpoints: tuple[CheckpointPin, ...] = ()
 
     @property
     def newest_anchor(self) -> AnchorEntry:
@@ -155,6 +168,8 @@ class Manifest:
             "anchors": [dataclasses.asdict(a) for a in self.anchors],
             "deltas": [dataclasses.asdict(d) for d in self.deltas],
         }
+        if self.checkpoints:
+            doc["checkpoints"] = [dataclasses.asdict(p) for p in self.checkpoints]
         return json.dumps(doc, indent=1).encode()
 
     @classmethod
@@ -198,6 +213,9 @@ class Manifest:
                 deltas=deltas,
                 run_id=_str(doc.get("run_id", "")),
                 format_version=version,
+                checkpoints=tuple(
+                    CheckpointPin(_int(p["step"]), _str(p["weights_hash"])) for p in doc.get("checkpoints", ())
+                ),
             )
         except FormatError:
             raise
@@ -225,6 +243,9 @@ class Manifest:
             _check_anchor_keys(a)
         for d in self.deltas:
             _check_delta_keys(d)
+        pinned = [p.step for p in self.checkpoints]
+        if len(pinned) > MAX_CHECKPOINT_PINS or pinned != sorted(set(pinned)):
+            raise FormatError(f"pointer pins more than {MAX_CHECKPOINT_PINS} checkpoints, or not in increasing steps")
         keys = [f.key for a in self.anchors for f in a.files] + [f.key for d in self.deltas for f in d.files]
         if len(keys) != len(set(keys)):
             raise FormatError("pointer names one object twice")

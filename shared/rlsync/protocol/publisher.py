@@ -30,9 +30,11 @@ from ..hashing import combine_digests, tensor_digest
 from .lock import DEFAULT_LOCK_TTL_S, LOCK_KEY, FencedError, RunLock, acquire, check_fence, write_lock
 from .manifest import (
     CONTROL_KEY,
+    MAX_CHECKPOINT_PINS,
     MAX_POINTER_BYTES,
     POINTER_KEY,
     AnchorEntry,
+    CheckpointPin,
     DeltaEntry,
     FileEntry,
     Manifest,
@@ -267,6 +269,21 @@ class Publisher:
             self._fence()
             self.lock = dataclasses.replace(self.lock, heartbeat=time.time())
             write_lock(self.bucket, self.lock)
+
+    def pin_checkpoint(self, step: int, weights_hash: str) -> None:
+        """Record a training checkpoint's weights hash in the pointer (the newest
+        ``MAX_CHECKPOINT_PINS`` are kept), so a restart can tell it from a planted one.
+
+        Raises:
+            SyncError: nothing is published yet.
+            FencedError, BucketError: as :meth:`publish`.
+        """
+        if self.manifest is None:
+            raise SyncError("pin_checkpoint before the first publish")
+        self._lock()
+        self._check_pointer()
+        pins = tuple(p for p in self.manifest.checkpoints if p.step < step) + (CheckpointPin(step, weights_hash),)
+        self._commit(dataclasses.replace(self.manifest, checkpoints=pins[-MAX_CHECKPOINT_PINS:]))
 
     def _refresh_policy(self) -> None:
         if not self.follow_control:
