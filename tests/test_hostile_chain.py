@@ -11,7 +11,22 @@ import pytest
 
 from rlsync.errors import FormatError
 from rlsync.hashing import state_hash
-from rlsync.protocol import LOCK_KEY, POINTER_KEY, FencedError, FixedInterval, Publisher, Subscriber, read_lock
+import torch
+
+from rlsync.protocol import (
+    CONTROL_KEY,
+    LOCK_KEY,
+    POINTER_KEY,
+    Adaptive,
+    FencedError,
+    FixedInterval,
+    Publisher,
+    Subscriber,
+    policy_from_json,
+    read_lock,
+)
+from rlsync.protocol.manifest import MAX_POINTER_BYTES
+from rlsync.protocol.policy import MAX_INTERVAL
 from rlsync.protocol.verify import verify_bucket
 from tests.helpers import bf16, master_state, rl_step
 
@@ -136,3 +151,34 @@ def test_the_publishers_sweep_deletes_only_its_own_temporary_files_under_the_run
     Publisher(bucket, policy=FixedInterval(1)).publish(0, master_state())  # every anchor sweeps
     assert [k for k in swept if (bucket.root / k).exists()] == []
     assert [k for k in kept if not (bucket.root / k).exists()] == [] and (folder / "keep").exists()
+
+
+@pytest.mark.parametrize("doc", [{"note": "hi"}, {}, {"policy": "fixed"}, {"policy": "adaptive", "interval": 3},
+                                 {"policy": "fixed", "interval": 3, "extra": 1}])  # fmt: skip
+def test_a_control_object_that_is_no_policy_keeps_the_current_policy(bucket, doc):
+    pub, master = _running(bucket)
+    bucket.put(CONTROL_KEY, json.dumps(doc).encode())
+    rl_step(master, 2)
+    pub.publish(2, master)
+    assert pub.policy == FixedInterval(3) and pub.refused[CONTROL_KEY] == 1
+
+
+@pytest.mark.parametrize("doc", [{"policy": "fixed", "interval": 62_000}, {"policy": "adaptive", "max_catchup_ratio": 1e6}])
+def test_anchor_interval_and_catchup_ratio_are_bounded(doc):
+    with pytest.raises(FormatError):
+        policy_from_json(json.dumps(doc).encode())
+    assert MAX_INTERVAL * 300 * 8 < MAX_POINTER_BYTES  # 8 retained periods of the largest interval fit the pointer
+
+
+def test_the_pointer_stays_under_its_limit_whatever_the_policy(bucket, monkeypatch):
+    """An adaptive policy with tiny deltas never asks for an anchor: the publisher anchors once the
+    pointer passes a quarter of its limit (scaled down here to 4 KiB to keep the test fast)."""
+    monkeypatch.setattr("rlsync.protocol.publisher.MAX_POINTER_BYTES", 16 * 1024)
+    master = {"w": torch.zeros(4, dtype=torch.float32)}
+    pub = Publisher(bucket, policy=Adaptive(100.0), follow_control=False)
+    kinds = []
+    for step in range(120):
+        master["w"][step % 4] += 1
+        kinds.append(pub.publish(step, master).kind)
+        assert len(bucket.get(POINTER_KEY)) <= 4 * 1024 + 1024
+    assert kinds.count("anchor") >= 3

@@ -180,6 +180,7 @@ class Publisher:
         self.lock: RunLock | None = None
         self._written: set[tuple[int, str]] = set()  # (step, hash) of pointers this publisher wrote or tried to
         self.refused: collections.Counter[str] = collections.Counter()  # invalid bucket objects ignored, by key
+        self._pointer_bytes = 0  # size of the last pointer written
 
     @property
     def step(self) -> int | None:
@@ -210,6 +211,7 @@ class Publisher:
         self.detector.published = {n: t.clone() for n, t in sub.state.items()}
         self._digests = {n: tensor_digest(t) for n, t in sub.state.items()}
         self.manifest = manifest
+        self._pointer_bytes = len(manifest.to_json())
         self._written = {(manifest.step, manifest.state_hash)}
         if not self.run_id:
             self.run_id = manifest.run_id
@@ -293,12 +295,14 @@ class Publisher:
         except ObjectNotFoundError:
             return
         except ObjectTooLargeError as exc:
+            self.refused[CONTROL_KEY] += 1
             logger.warning("ignoring invalid control object: %s", exc)
             return
         try:
             policy = policy_from_json(data)
         except FormatError as exc:
-            logger.warning("ignoring invalid control object: %s", exc)
+            self.refused[CONTROL_KEY] += 1
+            logger.warning("ignoring invalid control object (policy stays %s): %s", self.policy.settings(), exc)
             return
         if policy != self.policy:
             logger.info("anchor policy now %s", policy.settings())
@@ -340,7 +344,13 @@ class Publisher:
         if self.step is not None and step <= self.step:
             raise SyncError(f"step {step} does not advance past the published step {self.step}")
         self._refresh_policy()
-        return self.manifest is None or self.policy.wants_anchor(self.manifest)
+        return self.manifest is None or self.policy.wants_anchor(self.manifest) or self._pointer_full()
+
+    def _pointer_full(self) -> bool:
+        """Whether the pointer passed a quarter of ``MAX_POINTER_BYTES``: then the next publish is an
+        anchor (retention then drops the oldest period), whatever the policy, so readers never see a
+        pointer over its limit (an adaptive policy with tiny deltas would otherwise never anchor)."""
+        return self._pointer_bytes > MAX_POINTER_BYTES // 4
 
     def publish_stream(self, step: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishRecord:
         """Publish version ``step`` from ``(name, tensor)`` pairs, comparing each as it arrives.
@@ -510,8 +520,10 @@ class Publisher:
             self._fence()
         self._written = {(self.manifest.step, self.manifest.state_hash)} if self.manifest else set()
         self._written.add((pruned.step, pruned.state_hash))  # a put that failed may still have landed
-        self.bucket.put(POINTER_KEY, pruned.to_json())
+        pointer = pruned.to_json()
+        self.bucket.put(POINTER_KEY, pointer)
         self.manifest = pruned
+        self._pointer_bytes = len(pointer)
         try:
             if dropped:
                 self.bucket.delete(dropped)
