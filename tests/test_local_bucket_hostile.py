@@ -276,6 +276,7 @@ def test_verify_tells_retention_from_missing(bucket) -> None:
     report = verify_bucket(racing)
     assert racing.fired and report.ok, report.errors
     assert report.newest_step == 7
+    assert len(report.raced) == 1 and "retention deleted" in report.raced[0]  # says it raced, not just OK
     bucket.delete([delta_key(7, 1)])  # still named by the pointer: missing, not retention
     report = verify_bucket(bucket)
     assert not report.ok and "missing" in " ".join(report.errors)

@@ -39,12 +39,17 @@ from .patch import TensorPatch, gather
 from .workers import worker_pool
 
 _DECIMAL = re.compile(r"[0-9]{1,19}")
+MAX_METADATA_INT = 10**19 - 1  # what _DECIMAL accepts
 FORMAT_NAME = "rlsync"
 FORMAT_VERSION = 2  # 2: tree state hash (rlsync.hashing); 1: flat state hash, still readable
 READABLE_FORMAT_VERSIONS = (1, 2)
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_METADATA_BYTES = 16 * 1024 * 1024
 MAX_DIMS = 64
+# JSON objects in a header (its entries, plus any "{" inside metadata strings, such as a delta's
+# tensor table): a model of 100,000 tensors needs a few per tensor; more is a header built to cost
+# time and memory to parse (each entry becomes Python objects: ~2.5 KB and ~10 us apiece).
+MAX_HEADER_ENTRIES = 1 << 19
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
@@ -103,17 +108,21 @@ def parse_header(data: bytes | memoryview, *, file_size: int | None = None) -> t
         and the ``__metadata__`` strings.
 
     Raises:
-        FormatError: truncated file, oversized or malformed header, offsets past
-            the end of the file, overlapping or mis-sized entries.
+        FormatError: truncated file, oversized or malformed header, more than
+            ``MAX_HEADER_ENTRIES`` JSON objects in it, offsets past the end of the
+            file, overlapping or mis-sized entries.
     """
     size = len(data) if file_size is None else file_size
-    if size < 8:
-        raise FormatError(f"not a safetensors file: {size} bytes is shorter than the 8-byte header length")
+    if min(size, len(data)) < 8:
+        raise FormatError(f"not a safetensors file: {min(size, len(data))} bytes is shorter than the 8-byte header length")
     (header_len,) = struct.unpack("<Q", bytes(data[:8]))
     if header_len > MAX_HEADER_BYTES or header_len > size - 8:
         raise FormatError(f"safetensors header declares {header_len} bytes but the file has {size} bytes")
     if len(data) < 8 + header_len:
         raise FormatError("safetensors header is truncated")
+    objects = bytes(data[8 : 8 + header_len]).count(b"{")  # every entry is one, so this bounds entries before parsing
+    if objects > MAX_HEADER_ENTRIES:
+        raise FormatError(f"safetensors header has up to {objects:,} entries, more than the {MAX_HEADER_ENTRIES:,} allowed")
     header = loads_bounded(data[8 : 8 + header_len], what="safetensors header", max_bytes=MAX_HEADER_BYTES)
     if not isinstance(header, dict):
         raise FormatError("malformed safetensors header: not a JSON object")
@@ -264,7 +273,13 @@ def encode_delta(
 
     Returns:
         The delta file's bytes.
+
+    Raises:
+        FormatError: ``step`` or ``base_step`` is not an integer readers accept (0 to 10^19 - 1).
     """
+    for key, value in (("step", step), ("base_step", base_step)):
+        if type(value) is not int or not 0 <= value <= MAX_METADATA_INT:
+            raise FormatError(f"{key} {value!r} is not an integer in [0, {MAX_METADATA_INT}] (readers refuse it)")
     coder = get_codec(codec)
     entries: dict[str, torch.Tensor] = {}
     table: dict[str, dict[str, Any]] = {}
