@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from rlsync.errors import FormatError
+from rlsync.errors import ChainError, FormatError
 from rlsync.hashing import state_hash
 import torch
 
@@ -24,6 +24,7 @@ from rlsync.protocol import (
     Subscriber,
     policy_from_json,
     read_lock,
+    read_manifest,
 )
 from rlsync.protocol.manifest import MAX_POINTER_BYTES
 from rlsync.protocol.policy import MAX_INTERVAL
@@ -182,3 +183,49 @@ def test_the_pointer_stays_under_its_limit_whatever_the_policy(bucket, monkeypat
         kinds.append(pub.publish(step, master).kind)
         assert len(bucket.get(POINTER_KEY)) <= 4 * 1024 + 1024
     assert kinds.count("anchor") >= 3
+
+
+def test_a_replica_resyncs_at_the_next_verifiable_pointer_after_a_replayed_old_one(bucket):
+    """High 1: a replay of an old pointer left replicas ``needs_resync`` until the next anchor."""
+    master = master_state()
+    pub = Publisher(bucket, policy=FixedInterval(50), follow_control=False)
+    sub = Subscriber(bucket)
+    for step in range(3):
+        rl_step(master, step)
+        pub.publish(step, master)
+    old = bucket.get(POINTER_KEY)
+    rl_step(master, 3)
+    pub.publish(3, master)
+    sub.sync()
+    genuine = bucket.get(POINTER_KEY)
+    bucket.put(POINTER_KEY, old)  # replayed for a moment
+    with pytest.raises(ChainError, match="went back"):
+        sub.fetch()
+    assert sub.needs_resync
+    bucket.put(POINTER_KEY, genuine)
+    assert sub.fetch() is None and not sub.needs_resync  # the genuine pointer names exactly this state
+    bucket.put(POINTER_KEY, old)
+    with pytest.raises(ChainError):
+        sub.fetch()
+    rl_step(master, 4)
+    pub.publish(4, master)  # the genuine pointer is back with a new delta, no anchor
+    applied = sub.sync()
+    assert [u.kind for u in applied] == ["delta"] and not sub.needs_resync
+    assert sub.step == 4 and sub.state_hash == state_hash(bf16(master))
+
+
+def test_a_refused_delta_is_not_downloaded_again_until_the_pointer_changes(bucket):
+    master = master_state()
+    pub = Publisher(bucket, policy=FixedInterval(50), follow_control=False)
+    sub = Subscriber(bucket)
+    pub.publish(0, master)
+    sub.sync()
+    rl_step(master, 1)
+    pub.publish(1, master)
+    key = read_manifest(bucket).deltas[-1].file.key
+    bucket.put(key, b"x" * len(bucket.get(key)))
+    with pytest.raises(FormatError):
+        sub.fetch()
+    reads = sub.stats.reads
+    assert sub.fetch() is None and sub.fetch() is None
+    assert sub.stats.reads == reads + 2  # the pointer only
