@@ -229,3 +229,36 @@ def test_a_refused_delta_is_not_downloaded_again_until_the_pointer_changes(bucke
     reads = sub.stats.reads
     assert sub.fetch() is None and sub.fetch() is None
     assert sub.stats.reads == reads + 2  # the pointer only
+
+
+@pytest.mark.parametrize("damage", ["dotdot", "absolute", "ghosts", "size", "garbage", "metadata"])
+def test_a_sharded_anchors_index_is_validated_by_replicas_and_verify(bucket, damage):
+    """Medium 1: paths with ``../``, absolute paths, ghost entries, a wrong size or garbage in
+    ``model.safetensors.index.json`` were accepted, and ``verify`` printed OK."""
+    master = master_state()
+    Publisher(bucket, max_shard_bytes=4096).publish(0, master)
+    manifest = read_manifest(bucket)
+    entry = manifest.anchors[0].files[-1]
+    assert entry.key.endswith("model.safetensors.index.json") and len(manifest.anchors[0].files) > 2
+    doc = json.loads(bucket.get(entry.key))
+    name = next(iter(doc["weight_map"]))
+    if damage == "dotdot":
+        doc["weight_map"][name] = "../../lock.json"
+    elif damage == "absolute":
+        doc["weight_map"][name] = "/etc/passwd"
+    elif damage == "ghosts":
+        doc["weight_map"].update({f"ghost.{i}": "model-00001-of-00002.safetensors" for i in range(100_000)})
+    elif damage == "size":
+        doc["metadata"]["total_size"] += 1
+    elif damage == "metadata":
+        doc["metadata"]["step"] = "7"
+    data = b"\x00garbage" if damage == "garbage" else json.dumps(doc).encode()
+    bucket.put(entry.key, data)
+    pointer = json.loads(bucket.get(POINTER_KEY))
+    pointer["anchors"][0]["files"][-1]["size"] = len(data)
+    bucket.put(POINTER_KEY, json.dumps(pointer).encode())
+    sub = Subscriber(bucket)
+    with pytest.raises(FormatError, match="index"):
+        sub.sync()
+    assert sub.step is None
+    assert not verify_bucket(bucket).ok

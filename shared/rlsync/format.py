@@ -33,7 +33,7 @@ import torch
 from .codecs import DEFAULT_CODEC, get_codec
 from .dtypes import bits_to_numpy, dtype_from_name, dtype_name, int_view, numpy_to_values
 from .errors import FormatError
-from .files import open_regular
+from .files import open_regular, read_regular
 from .jsonlimits import loads_bounded
 from .patch import TensorPatch, gather
 from .workers import worker_pool
@@ -489,18 +489,23 @@ def anchor_index(weight_map: Mapping[str, str], metadata: Mapping[str, str], *, 
 
 
 def load_anchor(files: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Read an anchor's shards (index file, if any, is ignored here; shards carry the metadata).
+    """Read an anchor's shards; an index file, if any, must be exactly the one
+    :func:`anchor_index` writes for them (the shards carry the metadata).
 
     Returns:
         ``(state, metadata)``.
 
     Raises:
-        FormatError: a shard is malformed, not an anchor, or disagrees with the others.
+        FormatError: a shard is malformed, not an anchor, or disagrees with the others; the
+            index names other tensors, files, sizes or metadata than the shards, or is garbage.
     """
     state: dict[str, torch.Tensor] = {}
     first: dict[str, str] | None = None
+    weight_map: dict[str, str] = {}
+    index: Path | None = None
     for path in files:
         if path.name == INDEX_FILE:
+            index = path
             continue
         _, metadata = read_header_file(path)
         check_format(metadata, "anchor")
@@ -516,6 +521,16 @@ def load_anchor(files: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, s
         if overlap:
             raise FormatError(f"{path.name}: tensors appear in two shards: {sorted(overlap)[:3]}")
         state.update(tensors)
+        weight_map.update(dict.fromkeys(tensors, path.name))
     if first is None:
         raise FormatError("anchor has no shard files")
+    if index is not None:
+        shards_size = sum(p.stat().st_size for p in files if p.name != INDEX_FILE)
+        expected = json.loads(anchor_index(weight_map, first, total_size=shards_size))
+        try:
+            data = read_regular(index, max_bytes=MAX_HEADER_BYTES)
+        except OSError as exc:
+            raise FormatError(f"{INDEX_FILE}: {exc}") from None
+        if loads_bounded(data, what=INDEX_FILE, max_bytes=MAX_HEADER_BYTES) != expected:
+            raise FormatError(f"{INDEX_FILE} names other tensors, shard files, sizes or metadata than the anchor's shards")
     return state, first
