@@ -262,3 +262,25 @@ def test_a_sharded_anchors_index_is_validated_by_replicas_and_verify(bucket, dam
         sub.sync()
     assert sub.step is None
     assert not verify_bucket(bucket).ok
+
+
+@pytest.mark.parametrize("kind", ["delta", "anchor"])
+def test_an_update_larger_than_the_model_can_need_is_refused_before_any_download(bucket, kind):
+    """Medium 4: total bytes are capped by the model's size before any download."""
+    pub, master = _running(bucket)
+    sub = Subscriber(bucket)
+    sub.sync()
+    rl_step(master, 2)
+    pub.publish(2, master)
+    doc = json.loads(bucket.get(POINTER_KEY))
+    if kind == "delta":
+        doc["deltas"][-1]["file"]["size"] = 10 << 30
+    else:
+        doc["anchors"].append(dict(doc["anchors"][0], step=3, files=[{"key": "anchors/000000000003-e0001/model.safetensors", "size": 10 << 30}]))
+        doc["deltas"] = [d for d in doc["deltas"] if d["step"] < 2]
+        doc["step"] = 3
+    bucket.put(POINTER_KEY, json.dumps(doc).encode())
+    reads = sub.stats.reads
+    with pytest.raises(FormatError, match="more than the model"):
+        sub.fetch()
+    assert sub.stats.reads == reads + 1 and sub.stats.refused == 1  # the pointer alone

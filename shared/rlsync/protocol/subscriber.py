@@ -44,6 +44,7 @@ from ..patch import TensorPatch, gather, scatter_
 from .manifest import MAX_POINTER_BYTES, POINTER_KEY, AnchorEntry, DeltaEntry, FileEntry, Manifest
 
 DEFAULT_MAX_PARALLEL_DOWNLOADS = 8
+MAX_HEADERS_BYTES = 64 << 20  # room for the headers and metadata of an update's files
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +202,20 @@ class Subscriber:
             return self._fetch_delta(entry)  # a pointer changed since the refusal: verified by its base and result hashes
         return None
 
+    def _check_size(self, kind: str, step: int, nbytes: int) -> None:
+        """Refuse, before any download, an update larger than any the model can need: three times
+        its bytes (a delta's positions and values, or an anchor) plus headers. A subscriber without
+        a state yet has only the pointer's own bounds.
+
+        Raises:
+            FormatError: the pointer promises more bytes than that.
+        """
+        if not self.state:
+            return
+        limit = 3 * sum(t.numel() * t.element_size() for t in self.state.values()) + MAX_HEADERS_BYTES
+        if nbytes > limit:
+            raise FormatError(f"{kind} {step}: the pointer promises {nbytes:,} bytes, more than the model's {limit:,} bound")
+
     def _refuse(self, error: SyncError) -> SyncError:
         self._resync = True
         if self.manifest is not None:
@@ -214,6 +229,7 @@ class Subscriber:
         t0 = time.perf_counter()
         version = self.manifest.format_version if self.manifest else FORMAT_VERSION
         try:
+            self._check_size("delta", entry.step, entry.nbytes)
             blobs = list(self._downloads.map(lambda f: self._get(f.key, f.size), entry.files))
         except ObjectNotFoundError as exc:
             raise self._refuse(ChainError(f"delta {entry.step} is missing: {exc}")) from None
@@ -247,6 +263,12 @@ class Subscriber:
     def _fetch_anchor(self, entry: AnchorEntry) -> Update:
         t0 = time.perf_counter()
         version = self.manifest.format_version if self.manifest else FORMAT_VERSION
+        try:
+            self._check_size("anchor", entry.step, entry.nbytes)
+        except FormatError as exc:
+            self.stats.refused += 1
+            self.stats.last_error = str(exc)
+            raise
         folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=self.workdir))
         try:
             files = list(self._downloads.map(lambda f: self._get_anchor_file(entry, f, folder), entry.files))
