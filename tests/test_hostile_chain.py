@@ -284,3 +284,25 @@ def test_an_update_larger_than_the_model_can_need_is_refused_before_any_download
     with pytest.raises(FormatError, match="more than the model"):
         sub.fetch()
     assert sub.stats.reads == reads + 1 and sub.stats.refused == 1  # the pointer alone
+
+
+def test_a_restart_validates_every_pointer_entry_not_only_the_chain_it_replays(bucket):
+    """Critical 4: a lie in an entry the resume does not replay (an old companion delta) is still refused."""
+    pub, master = _running(bucket, steps=5)  # anchors at 0 and 3: delta 1 is off the replayed chain
+    doc = json.loads(bucket.get(POINTER_KEY))
+    doc["deltas"][0]["file"]["size"] = 10 << 30
+    bucket.put(POINTER_KEY, json.dumps(doc).encode())
+    with pytest.raises(FormatError, match="refusing to take it over"):
+        Publisher(bucket, owner="trainer").resume()
+
+
+@pytest.mark.parametrize("kind", ["lock_garbage", "pointer_entries", "checkpoints"])
+def test_soak_trials_of_the_new_hostile_classes_are_clean(tmp_path, kind):
+    """One seeded trial of each soak class added for issue 26 (a few seconds each)."""
+    import random
+
+    from benchmarks.soak.kinds import TRIALS
+
+    result = TRIALS[kind](random.Random(1), tmp_path)
+    assert not result.violations and result.lost == 0, result.violations
+    assert sum(result.faults.values()) >= 1 and result.checks > 0

@@ -29,7 +29,9 @@ from ..format import DEFAULT_MAX_SHARD_BYTES, FORMAT_VERSION, Change, encode_del
 from ..hashing import combine_digests, tensor_digest
 from .lock import DEFAULT_LOCK_TTL_S, LOCK_KEY, FencedError, RunLock, acquire, check_fence, write_lock
 from .manifest import (
+    ANCHOR_PREFIX,
     CONTROL_KEY,
+    DELTA_PREFIX,
     MAX_CHECKPOINT_PINS,
     MAX_POINTER_BYTES,
     POINTER_KEY,
@@ -202,6 +204,7 @@ class Publisher:
         if manifest is None:
             return None
         check_writable(manifest)
+        self._check_entries(manifest)
         sub = Subscriber(self.bucket)
         sub.sync()
         if sub.step != manifest.step:
@@ -217,6 +220,22 @@ class Publisher:
             self.run_id = manifest.run_id
         logger.info("resumed at step %d (hash %s)", manifest.step, manifest.state_hash[:12])
         return {n: t.clone() for n, t in sub.state.items()}
+
+    def _check_entries(self, manifest: Manifest) -> None:
+        """Every file the pointer names, not only the newest chain the resume replays, exists with the
+        size the pointer gives (retention will act on them): one listing per prefix, and a direct
+        check of a key a stale listing may lack.
+
+        Raises:
+            FormatError: a named file is missing or of another size.
+        """
+        listed = {o.key: o.size for prefix in (ANCHOR_PREFIX, DELTA_PREFIX) for o in self.bucket.list(prefix)}
+        for f in [f for a in manifest.anchors for f in a.files] + [f for d in manifest.deltas for f in d.files]:
+            size = listed.get(f.key)
+            if size is None and not self.bucket.exists(f.key):
+                raise FormatError(f"the pointer names {f.key}, which is not in the bucket; refusing to take it over")
+            if size is not None and size != f.size:
+                raise FormatError(f"the pointer gives {f.key} {f.size:,} bytes, the bucket holds {size:,}; refusing to take it over")
 
     def _lock(self) -> None:
         """Take the run lock once, then check at every publish that it is still ours."""
