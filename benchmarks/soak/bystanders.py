@@ -1,6 +1,7 @@
-"""Objects outside the publisher's prefixes that hostile trials plant and then check: nothing the
-publisher, its retention or its sweep does may touch them (issue 26: 0 files touched outside the
-run's prefixes), and a role that dies or publishes a non-finite state is a violation."""
+"""What the hostile-object trials share: bystander objects outside the publisher's prefixes that
+nothing the publisher, its retention or its sweep does may touch (issue 26: 0 files touched outside
+the run's prefixes), and one publish followed by a replica, where a trainer that dies or a replica
+holding non-finite weights is a violation."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from pathlib import Path
 import torch
 
 from rlsync.bucket import LocalBucket
+from rlsync.errors import SyncError
+from rlsync.protocol import Publisher, Subscriber
 
-from .invariants import TrialResult
+from .invariants import Ledger, TrialResult, checked_sync
 
 #: Keys other roles own, and an old temporary-looking file outside the publisher's prefixes.
 BYSTANDER_KEYS = ("control/other.json", "tasks/000000000001.json", "scores/000000000001.json",
@@ -54,3 +57,22 @@ def check_finite(state: dict[str, torch.Tensor], result: TrialResult, where: str
     """A replica's state has no NaN or Inf (the toy model's weights are all finite)."""
     bad = [n for n, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     result.check(not bad, f"{where}: non-finite published weights in {bad[:3]}")
+
+
+def publish_and_follow(
+    pub: Publisher, step: int, master: dict[str, torch.Tensor], ledger: Ledger, follower: Subscriber
+) -> bool:
+    """Publish ``step``, record it, sync ``follower`` and check its weights are finite.
+
+    Returns:
+        False when the publish raised (the trainer would have died; a violation is recorded).
+    """
+    try:
+        rec = pub.publish(step, master)
+    except SyncError as exc:
+        ledger.result.fail(f"the trainer died at step {step}: {type(exc).__name__}: {exc}")
+        return False
+    ledger.record(rec.step, rec.state_hash, "publisher")
+    checked_sync(follower, ledger, "follower")
+    check_finite(follower.state, ledger.result, "follower")
+    return True

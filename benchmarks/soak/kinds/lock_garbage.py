@@ -11,8 +11,8 @@ from rlsync.bucket import LocalBucket
 from rlsync.errors import SyncError
 from rlsync.protocol import LOCK_KEY, FixedInterval, Publisher, Subscriber, read_lock
 
-from ..bystanders import check_bystanders, check_finite, plant_bystanders
-from ..invariants import Ledger, TrialResult, check_verified, checked_sync
+from ..bystanders import check_bystanders, plant_bystanders, publish_and_follow
+from ..invariants import Ledger, TrialResult, check_verified
 from ..toy import SHARD_BYTES, toy_master, toy_step
 
 DEFAULT_TRIALS = 20
@@ -62,14 +62,8 @@ def trial_lock_garbage(rng: random.Random, workdir: Path) -> TrialResult:
                 except SyncError as exc:
                     result.fail(f"a heartbeat after a {kind} lock stopped the trainer: {exc}")
                     return result
-        try:
-            rec = pub.publish(step, master)
-        except SyncError as exc:
-            result.fail(f"the trainer died at step {step} after a hostile lock: {type(exc).__name__}: {exc}")
+        if not publish_and_follow(pub, step, master, ledger, follower):
             return result
-        ledger.record(rec.step, rec.state_hash, "publisher")
-        checked_sync(follower, ledger, "follower")
-        check_finite(follower.state, result, "follower")
     held = read_lock(bucket)
     result.check(held is not None and held.owner == "soak" and held.epoch == pub.lock.epoch, f"lock not restored: {held}")
     result.check(sum(pub.refused.values()) <= sum(result.faults.values()), "more lock refusals counted than planted")

@@ -14,7 +14,7 @@ from rlsync.bucket import LocalBucket
 from rlsync.errors import SyncError
 from rlsync.protocol import POINTER_KEY, FixedInterval, Publisher, Subscriber
 
-from ..bystanders import BYSTANDER_KEYS, check_bystanders, check_finite, plant_bystanders
+from ..bystanders import BYSTANDER_KEYS, check_bystanders, plant_bystanders, publish_and_follow
 from ..invariants import Ledger, TrialResult, check_verified, checked_sync
 from ..toy import SHARD_BYTES, toy_master, toy_step
 
@@ -85,14 +85,8 @@ def trial_pointer_entries(rng: random.Random, workdir: Path) -> TrialResult:
             pub.resume()
             if rng.random() < 0.5:  # the running trainer meets the hostile pointer itself, and rewrites it
                 bucket.put(POINTER_KEY, hostile)
-        try:
-            rec = pub.publish(step, master)
-        except SyncError as exc:
-            result.fail(f"the trainer died at step {step}: {type(exc).__name__}: {exc}")
+        if not publish_and_follow(pub, step, master, ledger, follower):
             return result
-        ledger.record(rec.step, rec.state_hash, "publisher")
-        checked_sync(follower, ledger, "follower")
-        check_finite(follower.state, result, "follower")
     late = Subscriber(bucket)
     checked_sync(late, ledger, "late joiner")
     result.check(late.step == pub.step, f"late joiner at {late.step}, newest {pub.step}")
