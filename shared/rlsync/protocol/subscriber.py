@@ -214,7 +214,7 @@ class Subscriber:
             return
         limit = 3 * sum(t.numel() * t.element_size() for t in self.state.values()) + MAX_HEADERS_BYTES
         if nbytes > limit:
-            raise FormatError(f"{kind} {step}: the pointer promises {nbytes:,} bytes, more than the model's {limit:,} bound")
+            raise FormatError(f"{kind} {step}: the pointer promised {nbytes:,} bytes, more than the model's {limit:,} bound")
 
     def _refuse(self, error: SyncError) -> SyncError:
         self._resync = True
