@@ -251,7 +251,7 @@ class Trainer:
             "version": self.transfer.version, "opt_steps": self.opt_steps, "queued_samples": self.worker.rollout_buffer.qsize(),
             "checkpoint_step": self.checkpoint_callback.last_step, "notice": self.notice,
             "refused": self.refusals.as_dict(), "non_finite_refused": self.transfer.non_finite_refused,
-            "checkpoints_skipped": self.checkpoints.skipped,
+            "checkpoints_skipped": self.checkpoints.skipped, "bucket_refused": dict(self.publisher.refused),
         }  # fmt: skip
         self.metrics.flush()
 
