@@ -187,8 +187,8 @@ def test_read_only_open_creates_nothing(tmp_path: Path) -> None:
 def test_killed_writers_leftovers_are_aged_out(bucket, tmp_path: Path) -> None:
     """Finding 11: killed writers leave ``.tmp-*`` files and scratch folders."""
     (bucket.root / "deltas").mkdir()
-    old_tmp = bucket.root / "deltas" / ".tmp-dead"
-    new_tmp = bucket.root / "deltas" / ".tmp-inflight"
+    old_tmp = bucket.root / "deltas" / ".tmp-00000000dead"
+    new_tmp = bucket.root / "deltas" / ".tmp-00000000beef"
     old_tmp.write_bytes(b"partial")
     new_tmp.write_bytes(b"partial")
     past = time.time() - 7 * 3600
@@ -276,6 +276,7 @@ def test_verify_tells_retention_from_missing(bucket) -> None:
     report = verify_bucket(racing)
     assert racing.fired and report.ok, report.errors
     assert report.newest_step == 7
+    assert len(report.raced) == 1 and "retention deleted" in report.raced[0]  # says it raced, not just OK
     bucket.delete([delta_key(7, 1)])  # still named by the pointer: missing, not retention
     report = verify_bucket(bucket)
     assert not report.ok and "missing" in " ".join(report.errors)

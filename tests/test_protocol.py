@@ -423,7 +423,7 @@ def test_pointer_going_back_is_refused_counted_and_logged(bucket, caplog):
         sub.fetch()
     assert sub.stats.refused == 2  # every refusal counts
     assert [r.getMessage() for r in caplog.records if r.name == "rlsync.protocol.subscriber"][-1] == (
-        "refused update: pointer went back from 2 to 1; keeping step 2 until the next anchor"
+        "refused update: pointer went back from 2 to 1; keeping step 2 until a pointer it can verify"
     )
 
 

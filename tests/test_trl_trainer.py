@@ -102,7 +102,8 @@ def test_kill_9_then_restart_resumes_from_the_bucket_checkpoint(bucket, tmp_path
             trainer.run()
         finally:
             trainer.close()
-    # the optimizer resumed bit-equal to the checkpoint
+    # the optimizer resumed bit-equal to the checkpoint, which passed every check against the chain and the model
+    assert trainer.checkpoints.skipped == 0 and saved_step in {p.step for p in read_manifest(bucket).checkpoints}
     assert probe.state["state"].keys() == saved["state"].keys() and saved["state"]
     for key, entry in saved["state"].items():
         for name, value in entry.items():

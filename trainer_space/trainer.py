@@ -37,7 +37,7 @@ from transformers import TrainerCallback
 from env_space.environments import get_environment
 from rlsync.bucket import Bucket, open_bucket
 from rlsync.codecs import default_codec
-from rlsync.protocol import CONTROL_KEY, Adaptive, FixedInterval, NonFiniteError, Publisher, PublishRecord, policy_to_json
+from rlsync.protocol import CONTROL_KEY, Adaptive, FixedInterval, NonFiniteError, Publisher, PublishRecord, policy_to_json, read_manifest
 from rlsync.spaces.exchange import MetricsLog, Refusals, SampleLimits, read_samples
 from rlsync.spaces.settings import default_model, from_env, resolve_device
 from rlsync.spaces.tiny_model import model_or_default
@@ -50,6 +50,7 @@ from rlsync.trl import (
     StopRequested,
     apply_cpu_compat,
 )
+from rlsync.trl.checkpoint_checks import CheckpointExpectations
 from rlsync.trl.metrics import trl_layout_bytes
 
 logger = logging.getLogger(__name__)
@@ -175,7 +176,7 @@ class Trainer:
         self.transfer = BucketWeightTransfer(
             publisher=self.publisher, on_publish=self._record_publish, on_non_finite=self._restore_published
         )
-        self.checkpoints = BucketCheckpoints(self.bucket, keep=config.keep_checkpoints)
+        self.checkpoints = BucketCheckpoints(self.bucket, keep=config.keep_checkpoints, chain=self.publisher)
         self.scratch = tempfile.mkdtemp(prefix="rlsync-trainer-")
         self.opt_steps = 0
         self.notice = ""
@@ -261,6 +262,7 @@ class Trainer:
             "version": self.transfer.version, "opt_steps": self.opt_steps, "queued_samples": self.worker.rollout_buffer.qsize(),
             "checkpoint_step": self.checkpoint_callback.last_step, "notice": self.notice,
             "refused": self.refusals.as_dict(), "non_finite_refused": self.transfer.non_finite_refused,
+            "checkpoints_skipped": self.checkpoints.skipped, "bucket_refused": dict(self.publisher.refused),
         }  # fmt: skip
         self.metrics.flush()
 
@@ -286,7 +288,12 @@ class Trainer:
         Raises:
             RunExistsError: the bucket holds a run, no checkpoint verifies and ``new_run`` is off.
         """
-        restored = self.checkpoints.restore(self.scratch)
+        manifest = read_manifest(self.publisher.bucket)  # checkpoints are checked against the chain it names
+        expect = CheckpointExpectations.for_model(
+            self.trl.model, pins={p.step: p.weights_hash for p in manifest.checkpoints} if manifest else {},
+            published_step=manifest.step if manifest else 0, lr=self.config.lr,
+        )  # fmt: skip
+        restored = self.checkpoints.restore(self.scratch, expect)
         self.transfer.resume_from_checkpoint = restored[1] if restored else None
         self.transfer.continue_run()
         if restored is None:

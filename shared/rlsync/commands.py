@@ -7,7 +7,9 @@ import argparse
 import base64
 import binascii
 import hashlib
+import os
 import re
+import stat
 from pathlib import Path
 
 import safetensors.torch
@@ -56,7 +58,25 @@ def _load(path: Path) -> tuple[dict[str, torch.Tensor], bytes]:
         raise FormatError(f"{path}: unreadable safetensors data: {exc}") from None
 
 
+def check_output(path: Path) -> None:
+    """Refuse an output path that exists and is not a regular file (a device, FIFO, socket,
+    folder or symlink): writing would replace it (as root, ``-o /dev/null`` would replace the device).
+
+    Raises:
+        SyncError: naming the path and what it is.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise SyncError(f"{path} exists and is not a regular file; refusing to replace it")
+
+
 def cmd_diff(args: argparse.Namespace) -> None:
+    check_output(args.output)
+    if not 0 <= args.base_step < args.step:
+        raise SyncError(f"--step {args.step} must exceed --base-step {args.base_step}, both non-negative")
     old, _ = _load(args.old)
     new, new_data = _load(args.new)
     detector = ChangeDetector(dtype=None)
@@ -122,6 +142,7 @@ def stored_header(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) ->
 
 
 def cmd_apply(args: argparse.Namespace) -> None:
+    check_output(args.output)
     base, _ = _load(args.base)
     data = read_regular(args.patch)
     _, metadata = parse_header(data)
@@ -233,4 +254,5 @@ def cmd_verify(args: argparse.Namespace) -> None:
     report = verify_bucket(open_bucket(args.bucket, create=False))
     if not report.ok:
         raise SyncError(f"verification failed with {len(report.errors)} error(s): " + "; ".join(report.errors))
-    print(f"OK: {report.anchors_checked} anchor(s) and {report.deltas_checked} delta(s) verified up to step {report.newest_step}")
+    raced = f" (raced a concurrent publish {len(report.raced)} time(s): replayed the newer pointer)" if report.raced else ""
+    print(f"OK: {report.anchors_checked} anchor(s) and {report.deltas_checked} delta(s) verified up to step {report.newest_step}{raced}")

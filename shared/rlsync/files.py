@@ -18,6 +18,7 @@ from typing import BinaryIO, Callable
 logger = logging.getLogger(__name__)
 
 TMP_MARK = ".tmp-"
+TMP_TOKEN_CHARS = "0-9a-f"  # create_new's names: TMP_MARK, then 12 of these (secrets.token_hex(6))
 _CHUNK = 1 << 20  # 1 MiB per read: copying a large anchor keeps memory flat
 
 

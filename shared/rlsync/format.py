@@ -33,18 +33,23 @@ import torch
 from .codecs import DEFAULT_CODEC, get_codec
 from .dtypes import bits_to_numpy, dtype_from_name, dtype_name, int_view, numpy_to_values
 from .errors import FormatError
-from .files import open_regular
+from .files import open_regular, read_regular
 from .jsonlimits import loads_bounded
 from .patch import TensorPatch, gather
 from .workers import worker_pool
 
 _DECIMAL = re.compile(r"[0-9]{1,19}")
+MAX_METADATA_INT = 10**19 - 1  # what _DECIMAL accepts
 FORMAT_NAME = "rlsync"
 FORMAT_VERSION = 2  # 2: tree state hash (rlsync.hashing); 1: flat state hash, still readable
 READABLE_FORMAT_VERSIONS = (1, 2)
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_METADATA_BYTES = 16 * 1024 * 1024
 MAX_DIMS = 64
+# JSON objects in a header (its entries, plus any "{" inside metadata strings, such as a delta's
+# tensor table): a model of 100,000 tensors needs a few per tensor; more is a header built to cost
+# time and memory to parse (each entry becomes Python objects: ~2.5 KB and ~10 us apiece).
+MAX_HEADER_ENTRIES = 1 << 19
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
@@ -103,17 +108,21 @@ def parse_header(data: bytes | memoryview, *, file_size: int | None = None) -> t
         and the ``__metadata__`` strings.
 
     Raises:
-        FormatError: truncated file, oversized or malformed header, offsets past
-            the end of the file, overlapping or mis-sized entries.
+        FormatError: truncated file, oversized or malformed header, more than
+            ``MAX_HEADER_ENTRIES`` JSON objects in it, offsets past the end of the
+            file, overlapping or mis-sized entries.
     """
     size = len(data) if file_size is None else file_size
-    if size < 8:
-        raise FormatError(f"not a safetensors file: {size} bytes is shorter than the 8-byte header length")
+    if min(size, len(data)) < 8:
+        raise FormatError(f"not a safetensors file: {min(size, len(data))} bytes is shorter than the 8-byte header length")
     (header_len,) = struct.unpack("<Q", bytes(data[:8]))
     if header_len > MAX_HEADER_BYTES or header_len > size - 8:
         raise FormatError(f"safetensors header declares {header_len} bytes but the file has {size} bytes")
     if len(data) < 8 + header_len:
         raise FormatError("safetensors header is truncated")
+    objects = bytes(data[8 : 8 + header_len]).count(b"{")  # every entry is one, so this bounds entries before parsing
+    if objects > MAX_HEADER_ENTRIES:
+        raise FormatError(f"safetensors header has up to {objects:,} entries, more than the {MAX_HEADER_ENTRIES:,} allowed")
     header = loads_bounded(data[8 : 8 + header_len], what="safetensors header", max_bytes=MAX_HEADER_BYTES)
     if not isinstance(header, dict):
         raise FormatError("malformed safetensors header: not a JSON object")
@@ -264,7 +273,13 @@ def encode_delta(
 
     Returns:
         The delta file's bytes.
+
+    Raises:
+        FormatError: ``step`` or ``base_step`` is not an integer readers accept (0 to 10^19 - 1).
     """
+    for key, value in (("step", step), ("base_step", base_step)):
+        if type(value) is not int or not 0 <= value <= MAX_METADATA_INT:
+            raise FormatError(f"{key} {value!r} is not an integer in [0, {MAX_METADATA_INT}] (readers refuse it)")
     coder = get_codec(codec)
     entries: dict[str, torch.Tensor] = {}
     table: dict[str, dict[str, Any]] = {}
@@ -474,18 +489,23 @@ def anchor_index(weight_map: Mapping[str, str], metadata: Mapping[str, str], *, 
 
 
 def load_anchor(files: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Read an anchor's shards (index file, if any, is ignored here; shards carry the metadata).
+    """Read an anchor's shards; an index file, if any, must be exactly the one
+    :func:`anchor_index` writes for them (the shards carry the metadata).
 
     Returns:
         ``(state, metadata)``.
 
     Raises:
-        FormatError: a shard is malformed, not an anchor, or disagrees with the others.
+        FormatError: a shard is malformed, not an anchor, or disagrees with the others; the
+            index names other tensors, files, sizes or metadata than the shards, or is garbage.
     """
     state: dict[str, torch.Tensor] = {}
     first: dict[str, str] | None = None
+    weight_map: dict[str, str] = {}
+    index: Path | None = None
     for path in files:
         if path.name == INDEX_FILE:
+            index = path
             continue
         _, metadata = read_header_file(path)
         check_format(metadata, "anchor")
@@ -501,6 +521,16 @@ def load_anchor(files: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, s
         if overlap:
             raise FormatError(f"{path.name}: tensors appear in two shards: {sorted(overlap)[:3]}")
         state.update(tensors)
+        weight_map.update(dict.fromkeys(tensors, path.name))
     if first is None:
         raise FormatError("anchor has no shard files")
+    if index is not None:
+        shards_size = sum(p.stat().st_size for p in files if p.name != INDEX_FILE)
+        expected = json.loads(anchor_index(weight_map, first, total_size=shards_size))
+        try:
+            data = read_regular(index, max_bytes=MAX_HEADER_BYTES)
+        except OSError as exc:
+            raise FormatError(f"{INDEX_FILE}: {exc}") from None
+        if loads_bounded(data, what=INDEX_FILE, max_bytes=MAX_HEADER_BYTES) != expected:
+            raise FormatError(f"{INDEX_FILE} names other tensors, shard files, sizes or metadata than the anchor's shards")
     return state, first

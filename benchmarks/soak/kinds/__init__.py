@@ -11,16 +11,20 @@ from ..invariants import TrialResult
 from . import (
     apply_interrupt,
     bucket_damage,
+    checkpoints,
     flaky_storage,
     hostile_replicas,
     hub_storage,
+    lock_garbage,
+    pointer_entries,
     publisher_kill,
     subscriber_kill,
     two_trainers,
 )
 
 #: Trial kinds in the order a run draws their seeds.
-MODULES = (publisher_kill, subscriber_kill, apply_interrupt, bucket_damage, flaky_storage, two_trainers, hub_storage, hostile_replicas)
+MODULES = (publisher_kill, subscriber_kill, apply_interrupt, bucket_damage, flaky_storage, two_trainers, hub_storage, hostile_replicas,
+           lock_garbage, pointer_entries, checkpoints)  # fmt: skip
 
 TRIALS: dict[str, Callable[[random.Random, Path], TrialResult]] = {
     m.__name__.rsplit(".", 1)[1]: getattr(m, "trial_" + m.__name__.rsplit(".", 1)[1]) for m in MODULES

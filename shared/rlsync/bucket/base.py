@@ -173,8 +173,11 @@ class Bucket(abc.ABC):
     def delete(self, keys: Iterable[str]) -> None:
         """Delete the given objects; keys that do not exist are ignored."""
 
-    def sweep_temporary(self, max_age_s: float) -> int:
-        """Delete temporary files older than ``max_age_s`` that killed writers left behind.
+    def sweep_temporary(self, max_age_s: float, prefixes: Iterable[str]) -> int:
+        """Delete temporary files older than ``max_age_s`` that killed writers of this
+        backend left behind, only where keys starting with one of ``prefixes`` live: a
+        prefix ending in ``/`` covers its folder and those below, any other prefix (a key)
+        only its own folder.
 
         Only backends whose writes go through temporary files have any (the local
         folder); the default does nothing.

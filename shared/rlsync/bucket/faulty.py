@@ -181,8 +181,8 @@ class FaultyBucket(Bucket):
         self._before("get", repr(key))
         self.inner.get_file_limited(key, path, max_bytes)
 
-    def sweep_temporary(self, max_age_s: float) -> int:
-        return self.inner.sweep_temporary(max_age_s)
+    def sweep_temporary(self, max_age_s: float, prefixes: Iterable[str]) -> int:
+        return self.inner.sweep_temporary(max_age_s, prefixes)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         self._before("list", f"prefix {prefix!r}")

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import stat
+import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from ..files import TMP_MARK, FileTooLargeError, NotRegularFileError, age_out, copy_regular, create_new, open_regular
+from ..files import TMP_MARK, TMP_TOKEN_CHARS, FileTooLargeError, NotRegularFileError, copy_regular, create_new, open_regular
 from .base import (
     Bucket,
     BucketError,
@@ -218,13 +220,39 @@ class LocalBucket(Bucket):
         except (_MissingFolder, FileNotFoundError, BucketError):
             return False
 
-    def sweep_temporary(self, max_age_s: float) -> int:
-        """Delete ``.tmp-*`` files older than ``max_age_s`` that killed writers left behind.
+    def sweep_temporary(self, max_age_s: float, prefixes: Iterable[str]) -> int:
+        """Delete the temporary files this class writes through (``.tmp-`` and 12 hex digits,
+        regular files only) older than ``max_age_s``, in the folders ``prefixes`` cover (see
+        :meth:`Bucket.sweep_temporary`); nothing else, and no symlink is followed.
 
         Returns:
             The number of files removed.
         """
         removed = 0
-        for dirpath, _dirs, _files in os.walk(self.root):
-            removed += age_out(dirpath, max_age_s=max_age_s, pattern=f"{TMP_MARK}*")
+        now = time.time()
+        for prefix in prefixes:
+            folder = prefix.rstrip("/") if prefix.endswith("/") else prefix.rpartition("/")[0]
+            top = self.root.joinpath(*folder.split("/")) if folder else self.root
+            if not top.is_dir() or top.is_symlink():
+                continue
+            walk = os.walk(top) if prefix.endswith("/") else [(str(top), [], os.listdir(top))]
+            for dirpath, _dirs, names in walk:
+                for name in names:
+                    if _TMP_NAME.fullmatch(name):
+                        removed += _unlink_if_old(Path(dirpath, name), now - max_age_s)
         return removed
+
+
+_TMP_NAME = re.compile(re.escape(TMP_MARK) + f"[{TMP_TOKEN_CHARS}]{{12}}")
+
+
+def _unlink_if_old(path: Path, cutoff: float) -> int:
+    """Remove ``path`` if it is a regular file last written before ``cutoff``; 1 if removed."""
+    try:
+        st = path.lstat()
+        if not stat.S_ISREG(st.st_mode) or st.st_mtime >= cutoff:
+            return 0
+        path.unlink()
+        return 1
+    except OSError:
+        return 0

@@ -136,8 +136,8 @@ class RetryingBucket(Bucket):
     def get_file_limited(self, key: str, path: str | Path, max_bytes: int) -> None:
         self._run("get", repr(key), lambda: self.inner.get_file_limited(key, path, max_bytes))
 
-    def sweep_temporary(self, max_age_s: float) -> int:
-        return self.inner.sweep_temporary(max_age_s)
+    def sweep_temporary(self, max_age_s: float, prefixes: Iterable[str]) -> int:
+        return self.inner.sweep_temporary(max_age_s, prefixes)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         return self._run("list", f"prefix {prefix!r}", lambda: self.inner.list(prefix))

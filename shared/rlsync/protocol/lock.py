@@ -74,12 +74,16 @@ def parse_lock(data: bytes) -> RunLock:
 def read_lock(bucket: Bucket) -> RunLock | None:
     """The current lock, or ``None``; a malformed lock counts as absent (logged)."""
     try:
-        return parse_lock(bucket.get_limited(LOCK_KEY, MAX_LOCK_BYTES))
+        return _read_lock_strict(bucket)
     except ObjectNotFoundError:
         return None
     except (FormatError, ObjectTooLargeError) as exc:
         logger.warning("ignoring malformed %s: %s", LOCK_KEY, exc)
         return None
+
+
+def _read_lock_strict(bucket: Bucket) -> RunLock:
+    return parse_lock(bucket.get_limited(LOCK_KEY, MAX_LOCK_BYTES))
 
 
 def is_fresh(lock: RunLock, ttl_s: float, now: float) -> bool:
@@ -93,20 +97,34 @@ def write_lock(bucket: Bucket, lock: RunLock) -> None:
     bucket.put(LOCK_KEY, json.dumps(dataclasses.asdict(lock)).encode())
 
 
-def acquire(bucket: Bucket, owner: str, ttl_s: float = DEFAULT_LOCK_TTL_S) -> RunLock:
+def acquire(bucket: Bucket, owner: str, ttl_s: float = DEFAULT_LOCK_TTL_S, *, floor: int = 0) -> RunLock:
     """Take the run lock for ``owner``.
+
+    The new epoch is above the current lock's and above ``floor`` (the highest epoch the
+    pointer names). A garbage lock object counts as no lock, but the trainer that held it
+    may still run under its epoch, so the new epoch then also passes the clock in seconds:
+    the two never share an epoch (nor the keys written under it).
 
     Raises:
         RunLockedError: another owner holds it and its heartbeat is younger than ``ttl_s``.
     """
-    current = read_lock(bucket)
+    try:
+        current: RunLock | None = _read_lock_strict(bucket)
+    except ObjectNotFoundError:
+        current = None
+    except (FormatError, ObjectTooLargeError) as exc:
+        logger.warning("ignoring malformed %s: %s", LOCK_KEY, exc)
+        current, floor = None, max(floor, int(time.time()))
     now = time.time()
     if current is not None and current.owner != owner and is_fresh(current, ttl_s, now):
         raise RunLockedError(
             f"{bucket.url} is locked by trainer {current.owner!r} (heartbeat {now - current.heartbeat:.0f}s ago); "
             f"stop it, or wait {ttl_s:.0f}s after it stops"
         )
-    lock = RunLock(owner, (current.epoch + 1) if current else 1, now)
+    epoch = max(current.epoch if current else 0, floor) + 1
+    if epoch >= MAX_EPOCH:
+        raise RunLockedError(f"{bucket.url}: no run-lock epoch is left above {epoch - 1}")
+    lock = RunLock(owner, epoch, now)
     write_lock(bucket, lock)
     confirmed = read_lock(bucket)
     if confirmed != lock:
@@ -115,11 +133,42 @@ def acquire(bucket: Bucket, owner: str, ttl_s: float = DEFAULT_LOCK_TTL_S) -> Ru
     return lock
 
 
-def check_fence(bucket: Bucket, lock: RunLock) -> None:
-    """Raise :class:`FencedError` unless ``lock`` is still the bucket's lock epoch."""
+def check_fence(bucket: Bucket, lock: RunLock) -> RunLock:
+    """Check that ``lock`` is still the bucket's lock epoch.
+
+    A takeover always writes a valid lock of another epoch, so a missing, garbage or
+    cut-short lock object (a hostile write, or an upload of this trainer's own heartbeat
+    cut short) is not one: the lock is written again with a fresh heartbeat and the
+    trainer goes on.
+
+    Returns:
+        The lock held now (``lock``, or its rewrite with a fresh heartbeat).
+
+    Raises:
+        FencedError: another owner or epoch holds the lock.
+    """
+    try:
+        current = _read_lock_strict(bucket)
+    except (ObjectNotFoundError, FormatError, ObjectTooLargeError) as exc:
+        logger.warning("%s is unreadable or missing (%s); writing this trainer's lock again", LOCK_KEY, exc)
+        restored = dataclasses.replace(lock, heartbeat=time.time())
+        write_lock(bucket, restored)
+        return _confirm(bucket, restored)
+    if current.epoch != lock.epoch or current.owner != lock.owner:
+        raise _fenced(lock, current)
+    return lock
+
+
+def _confirm(bucket: Bucket, lock: RunLock) -> RunLock:
+    """``lock`` if the bucket holds exactly it (right after rewriting it); else :class:`FencedError`."""
     current = read_lock(bucket)
-    if current is None or current.epoch != lock.epoch or current.owner != lock.owner:
-        raise FencedError(
-            f"trainer {lock.owner!r} (epoch {lock.epoch}) was taken over by "
-            f"{current.owner if current else 'nobody'!r}; refusing to publish"
-        )
+    if current != lock:
+        raise _fenced(lock, current)
+    return lock
+
+
+def _fenced(lock: RunLock, current: RunLock | None) -> FencedError:
+    return FencedError(
+        f"trainer {lock.owner!r} (epoch {lock.epoch}) was taken over by "
+        f"{current.owner if current else 'nobody'!r}; refusing to publish"
+    )

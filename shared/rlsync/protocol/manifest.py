@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any
 
 from ..bucket import InvalidKeyError, validate_key
 from ..errors import FormatError
-from ..format import FORMAT_NAME, FORMAT_VERSION, READABLE_FORMAT_VERSIONS
+from ..format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, READABLE_FORMAT_VERSIONS, SINGLE_FILE, shard_names
 from ..jsonlimits import loads_bounded
 
 POINTER_KEY = "latest.json"
@@ -38,6 +39,11 @@ DELTA_PREFIX = "deltas/"
 CONTROL_KEY = "control/publisher.json"
 STATUS_PREFIX = "status/"
 MAX_POINTER_BYTES = 16 * 1024 * 1024
+
+# the keys this protocol derives (format version 1 had no epoch); groups: step, epoch, then the file
+# name (anchors) or part and parts (deltas)
+_ANCHOR_FILE = re.compile(r"anchors/(\d{12,20})(?:-e(\d{4,16}))?/(model(?:-\d{5}-of-\d{5})?\.safetensors(?:\.index\.json)?)")
+_DELTA_FILE = re.compile(r"deltas/(\d{12,20})(?:-e(\d{4,16}))?(?:\.safetensors|/part-(\d{5})-of-(\d{5})\.safetensors)")
 
 
 def anchor_folder(step: int, epoch: int) -> str:
@@ -109,6 +115,18 @@ class DeltaEntry:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointPin:
+    """The weights hash of a training checkpoint, kept in the pointer so that a restarting trainer
+    resumes only from checkpoints this chain's writer saved (see :mod:`rlsync.trl.checkpoints`)."""
+
+    step: int
+    weights_hash: str
+
+
+MAX_CHECKPOINT_PINS = 16
+
+
+@dataclasses.dataclass(frozen=True)
 class Manifest:
     """The pointer object: every retained version, newest last."""
 
@@ -118,6 +136,7 @@ class Manifest:
     deltas: tuple[DeltaEntry, ...]
     run_id: str = ""
     format_version: int = FORMAT_VERSION
+    checkpoints: tuple[CheckpointPin, ...] = ()
 
     @property
     def newest_anchor(self) -> AnchorEntry:
@@ -149,6 +168,8 @@ class Manifest:
             "anchors": [dataclasses.asdict(a) for a in self.anchors],
             "deltas": [dataclasses.asdict(d) for d in self.deltas],
         }
+        if self.checkpoints:
+            doc["checkpoints"] = [dataclasses.asdict(p) for p in self.checkpoints]
         return json.dumps(doc, indent=1).encode()
 
     @classmethod
@@ -192,6 +213,9 @@ class Manifest:
                 deltas=deltas,
                 run_id=_str(doc.get("run_id", "")),
                 format_version=version,
+                checkpoints=tuple(
+                    CheckpointPin(_int(p["step"]), _str(p["weights_hash"])) for p in doc.get("checkpoints", ())
+                ),
             )
         except FormatError:
             raise
@@ -215,6 +239,22 @@ class Manifest:
         newest = max([a.step for a in self.anchors] + [d.step for d in self.deltas])
         if newest != self.step:
             raise FormatError(f"pointer step {self.step} is not its newest version {newest}")
+        for a in self.anchors:
+            _check_anchor_keys(a)
+        for d in self.deltas:
+            _check_delta_keys(d)
+        pinned = [p.step for p in self.checkpoints]
+        if len(pinned) > MAX_CHECKPOINT_PINS or pinned != sorted(set(pinned)):
+            raise FormatError(f"pointer pins more than {MAX_CHECKPOINT_PINS} checkpoints, or not in increasing steps")
+        keys = [f.key for a in self.anchors for f in a.files] + [f.key for d in self.deltas for f in d.files]
+        if len(keys) != len(set(keys)):
+            raise FormatError("pointer names one object twice")
+
+    def epochs(self) -> set[int]:
+        """The run-lock epochs of the trainers that wrote the retained files."""
+        return {key_epoch(f.key) for a in self.anchors for f in a.files} | {
+            key_epoch(f.key) for d in self.deltas for f in d.files
+        }
 
 
 def _int(value: Any) -> int:
@@ -231,3 +271,52 @@ def _str(value: Any) -> str:
 
 def _file(value: Any) -> FileEntry:
     return FileEntry(key=validate_key(value["key"]), size=_int(value["size"]))
+
+
+def key_epoch(key: str) -> int:
+    """The run-lock epoch in a key this protocol derives (``anchors/<step>-e<epoch>/...``, ``deltas/...``;
+    0 for format version 1's keys, which had none).
+
+    Raises:
+        FormatError: ``key`` is not such a key.
+    """
+    match = _ANCHOR_FILE.fullmatch(key) or _DELTA_FILE.fullmatch(key)
+    if match is None:
+        raise FormatError(f"{key!r} is not an anchor or delta key")
+    return int(match.group(2) or 0)
+
+
+def _matches(pattern: re.Pattern, step: int, files: tuple[FileEntry, ...], what: str) -> list[re.Match]:
+    """Match every file key of one version; all must be derived for ``step`` under one epoch."""
+    matches = []
+    for f in files:
+        match = pattern.fullmatch(f.key)
+        if match is None:
+            raise FormatError(f"{what} {step}: {f.key!r} is not a key this protocol writes")
+        matches.append(match)
+    written, epoch = matches[0].group(1), matches[0].group(2)
+    canonical = (f"{step:012d}", epoch if epoch is None else f"{int(epoch):04d}")
+    if {(m.group(1), m.group(2)) for m in matches} != {(written, epoch)} or (written, epoch) != canonical:
+        raise FormatError(f"{what} {step}: files of another step or epoch")
+    return matches
+
+
+def _check_anchor_keys(anchor: AnchorEntry) -> None:
+    """Every file of an anchor is under ``anchor_folder(step, epoch)``, named as
+    :func:`~rlsync.format.write_anchor` names them: one ``model.safetensors``, or shards
+    ``1..n`` of ``n`` (``n`` at least 2) in order with an optional index last."""
+    names = [m.group(3) for m in _matches(_ANCHOR_FILE, anchor.step, anchor.files, "anchor")]
+    if names == [SINGLE_FILE]:
+        return
+    shards = names[:-1] if names[-1] == INDEX_FILE else names
+    if len(shards) < 2 or shards != shard_names(len(shards)):
+        raise FormatError(f"anchor {anchor.step}: its files are not one model file, or shards 1..n of n in order")
+
+
+def _check_delta_keys(delta: DeltaEntry) -> None:
+    """A delta is ``delta_key(step, epoch)``, or parts ``1..n`` of ``n`` in order (``delta_part_key``)."""
+    matches = _matches(_DELTA_FILE, delta.step, delta.files, "delta")
+    count = len(matches)
+    parts = [(m.group(3), m.group(4)) for m in matches]
+    if parts != [(None, None)] and parts != [(f"{i + 1:05d}", f"{count:05d}") for i in range(count)]:
+        raise FormatError(f"delta {delta.step}: its files are not one delta file, or parts 1..n of n in order")

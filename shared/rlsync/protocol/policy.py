@@ -19,8 +19,12 @@ from .manifest import Manifest
 
 DEFAULT_INTERVAL = 10
 DEFAULT_MAX_CATCHUP_RATIO = 2.0
-MAX_INTERVAL = 1_000_000
-MAX_CATCHUP_RATIO = 1_000_000.0
+# Bounds that keep the pointer and a new replica's catch-up within limits: the pointer lists
+# every retained delta (~300 bytes each, more for sharded parts) and must stay under its 16 MiB
+# (the publisher also anchors early when it passes its share, see Publisher); catching up costs
+# the newest anchor plus every delta since, so at most MAX_CATCHUP_RATIO anchors' worth.
+MAX_INTERVAL = 1_000
+MAX_CATCHUP_RATIO = 100.0
 MAX_CONTROL_BYTES = 64 * 1024
 
 
@@ -113,8 +117,17 @@ def policy_to_json(policy: AnchorPolicy) -> bytes:
 
 
 def policy_from_json(data: bytes) -> AnchorPolicy:
-    """Parse a control object written by :func:`policy_to_json`."""
+    """Parse a control object written by :func:`policy_to_json`: exactly one policy's settings.
+
+    Raises:
+        FormatError: not a JSON object, or not exactly the keys of a known policy's settings
+            (any other object, e.g. ``{"note": "hi"}``, would otherwise mean the defaults).
+    """
     settings = loads_bounded(data, what="control object", max_bytes=MAX_CONTROL_BYTES)
     if not isinstance(settings, dict):
         raise FormatError("control object is not a JSON object")
+    expected = {FixedInterval.name: {"policy", "interval"}, Adaptive.name: {"policy", "max_catchup_ratio"}}
+    keys = expected.get(settings.get("policy"))  # type: ignore[arg-type]
+    if keys is None or settings.keys() != keys:
+        raise FormatError(f"control object is not an anchor policy's settings (keys {sorted(settings)[:8]})")
     return policy_from_settings(settings)

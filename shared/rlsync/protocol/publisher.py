@@ -8,6 +8,7 @@ the bucket readable at the previous version.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -27,12 +28,16 @@ from ..errors import FormatError, SyncError
 from ..dtypes import numpy_to_values
 from ..format import DEFAULT_MAX_SHARD_BYTES, FORMAT_VERSION, Change, encode_delta, write_anchor
 from ..hashing import combine_digests, tensor_digest
-from .lock import DEFAULT_LOCK_TTL_S, FencedError, RunLock, acquire, check_fence, write_lock
+from .lock import DEFAULT_LOCK_TTL_S, LOCK_KEY, FencedError, RunLock, acquire, check_fence, write_lock
 from .manifest import (
+    ANCHOR_PREFIX,
     CONTROL_KEY,
+    DELTA_PREFIX,
+    MAX_CHECKPOINT_PINS,
     MAX_POINTER_BYTES,
     POINTER_KEY,
     AnchorEntry,
+    CheckpointPin,
     DeltaEntry,
     FileEntry,
     Manifest,
@@ -215,6 +220,8 @@ class Publisher:
         self._floor: int | None = None  # the newest version of the run a new run replaces
         self.lock: RunLock | None = None
         self._written: set[tuple[int, str]] = set()  # (step, hash) of pointers this publisher wrote or tried to
+        self.refused: collections.Counter[str] = collections.Counter()  # invalid bucket objects ignored, by key
+        self._pointer_bytes = 0  # size of the last pointer written
 
     @property
     def step(self) -> int | None:
@@ -279,6 +286,7 @@ class Publisher:
         if manifest is None:
             return None
         check_writable(manifest)
+        self._check_entries(manifest)
         sub = Subscriber(self.bucket)
         sub.sync()
         if sub.step != manifest.step:
@@ -288,18 +296,52 @@ class Publisher:
         self.detector.published = {n: t.clone() for n, t in sub.state.items()}
         self._digests = {n: tensor_digest(t) for n, t in sub.state.items()}
         self.manifest = manifest
+        self._pointer_bytes = len(manifest.to_json())
         self._written = {(manifest.step, manifest.state_hash)}
         if not self.run_id:
             self.run_id = manifest.run_id
         logger.info("resumed at step %d (hash %s)", manifest.step, manifest.state_hash[:12])
         return {n: t.clone() for n, t in sub.state.items()}
 
+    def _check_entries(self, manifest: Manifest) -> None:
+        """Every file the pointer names, not only the newest chain the resume replays, exists with the
+        size the pointer gives (retention will act on them): one listing per prefix, and a direct
+        check of a key a stale listing may lack.
+
+        Raises:
+            FormatError: a named file is missing or of another size.
+        """
+        listed = {o.key: o.size for prefix in (ANCHOR_PREFIX, DELTA_PREFIX) for o in self.bucket.list(prefix)}
+        for f in [f for a in manifest.anchors for f in a.files] + [f for d in manifest.deltas for f in d.files]:
+            size = listed.get(f.key)
+            if size is None and not self.bucket.exists(f.key):
+                raise FormatError(f"the pointer names {f.key}, which is not in the bucket; refusing to take it over")
+            if size is not None and size != f.size:
+                raise FormatError(f"the pointer gives {f.key} {f.size:,} bytes, the bucket holds {size:,}; refusing to take it over")
+
     def _lock(self) -> None:
         """Take the run lock once, then check at every publish that it is still ours."""
         if self.lock is None:
-            self.lock = acquire(self.bucket, self.owner, self.lock_ttl_s)
+            self.lock = acquire(self.bucket, self.owner, self.lock_ttl_s, floor=self._highest_epoch())
         else:
-            check_fence(self.bucket, self.lock)
+            self._fence()
+
+    def _highest_epoch(self) -> int:
+        """The highest run-lock epoch the pointer's files were written under (0 without a readable pointer),
+        so that a trainer taking a run whose lock object was deleted never reuses a writer's epoch."""
+        try:
+            manifest = read_manifest(self.bucket)
+        except FormatError:
+            return 0
+        return max(manifest.epochs()) if manifest else 0
+
+    def _fence(self) -> None:
+        """Check the run lock is still ours; an unreadable lock object is written again and counted."""
+        assert self.lock is not None
+        held = check_fence(self.bucket, self.lock)
+        if held is not self.lock:
+            self.refused[LOCK_KEY] += 1
+            self.lock = held
 
     def _check_pointer(self) -> None:
         """Refuse to write when the pointer names a version this publisher did not write.
@@ -327,9 +369,24 @@ class Publisher:
     def heartbeat(self) -> None:
         """Refresh the run lock's heartbeat (call while training without publishing for long)."""
         if self.lock is not None:
-            check_fence(self.bucket, self.lock)
+            self._fence()
             self.lock = dataclasses.replace(self.lock, heartbeat=time.time())
             write_lock(self.bucket, self.lock)
+
+    def pin_checkpoint(self, step: int, weights_hash: str) -> None:
+        """Record a training checkpoint's weights hash in the pointer (the newest
+        ``MAX_CHECKPOINT_PINS`` are kept), so a restart can tell it from a planted one.
+
+        Raises:
+            SyncError: nothing is published yet.
+            FencedError, BucketError: as :meth:`publish`.
+        """
+        if self.manifest is None:
+            raise SyncError("pin_checkpoint before the first publish")
+        self._lock()
+        self._check_pointer()
+        pins = tuple(p for p in self.manifest.checkpoints if p.step < step) + (CheckpointPin(step, weights_hash),)
+        self._commit(dataclasses.replace(self.manifest, checkpoints=pins[-MAX_CHECKPOINT_PINS:]))
 
     def _refresh_policy(self) -> None:
         if not self.follow_control:
@@ -339,12 +396,14 @@ class Publisher:
         except ObjectNotFoundError:
             return
         except ObjectTooLargeError as exc:
+            self.refused[CONTROL_KEY] += 1
             logger.warning("ignoring invalid control object: %s", exc)
             return
         try:
             policy = policy_from_json(data)
         except FormatError as exc:
-            logger.warning("ignoring invalid control object: %s", exc)
+            self.refused[CONTROL_KEY] += 1
+            logger.warning("ignoring invalid control object (policy stays %s): %s", self.policy.settings(), exc)
             return
         if policy != self.policy:
             logger.info("anchor policy now %s", policy.settings())
@@ -394,7 +453,13 @@ class Publisher:
                 + (" of the run this new run replaces (versions never go back; see next_step)" if self.step is None else "")
             )
         self._refresh_policy()
-        return self.manifest is None or self.policy.wants_anchor(self.manifest)
+        return self.manifest is None or self.policy.wants_anchor(self.manifest) or self._pointer_full()
+
+    def _pointer_full(self) -> bool:
+        """Whether the pointer passed a quarter of ``MAX_POINTER_BYTES``: then the next publish is an
+        anchor (retention then drops the oldest period), whatever the policy, so readers never see a
+        pointer over its limit (an adaptive policy with tiny deltas would otherwise never anchor)."""
+        return self._pointer_bytes > MAX_POINTER_BYTES // 4
 
     def publish_stream(self, step: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishRecord:
         """Publish version ``step`` from ``(name, tensor)`` pairs, comparing each as it arrives.
@@ -562,11 +627,13 @@ class Publisher:
         """Write the pointer for ``manifest`` (after retention), then delete what it dropped."""
         pruned, dropped = prune(manifest, self.keep_anchors)
         if self.lock is not None:  # the data may have taken long to upload: still ours?
-            check_fence(self.bucket, self.lock)
+            self._fence()
         self._written = {(self.manifest.step, self.manifest.state_hash)} if self.manifest else set()
         self._written.add((pruned.step, pruned.state_hash))  # a put that failed may still have landed
-        self.bucket.put(POINTER_KEY, pruned.to_json())
+        pointer = pruned.to_json()
+        self.bucket.put(POINTER_KEY, pointer)
         self.manifest = pruned
+        self._pointer_bytes = len(pointer)
         try:
             if dropped:
                 self.bucket.delete(dropped)

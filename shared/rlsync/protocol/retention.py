@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..bucket import Bucket
-from .manifest import ANCHOR_PREFIX, DELTA_PREFIX, Manifest
+from .manifest import ANCHOR_PREFIX, DELTA_PREFIX, POINTER_KEY, Manifest
 
 DEFAULT_KEEP_ANCHORS = 2
 
@@ -40,7 +40,9 @@ TMP_MAX_AGE_S = 6 * 3600.0
 def sweep_orphans(bucket: Bucket, manifest: Manifest) -> list[str]:
     """Delete anchor and delta objects older than the oldest retained version that
     the manifest does not name (left by failed deletes or crashed publishes), and
-    temporary files of killed writers older than ``TMP_MAX_AGE_S``.
+    temporary files of killed writers older than ``TMP_MAX_AGE_S`` where the publisher
+    writes: under ``anchors/``, ``deltas/`` and beside the pointer and the lock (never
+    elsewhere in the bucket).
 
     Objects newer than the manifest's oldest version are left alone: they may
     belong to a publish in progress.
@@ -58,7 +60,7 @@ def sweep_orphans(bucket: Bucket, manifest: Manifest) -> list[str]:
     ]
     if stale:
         bucket.delete(stale)
-    bucket.sweep_temporary(TMP_MAX_AGE_S)
+    bucket.sweep_temporary(TMP_MAX_AGE_S, (ANCHOR_PREFIX, DELTA_PREFIX, POINTER_KEY))
     return stale
 
 

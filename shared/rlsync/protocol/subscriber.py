@@ -15,8 +15,11 @@ concurrently (at most ``max_parallel_downloads`` at a time) and are validated
 and merged in the pointer's order.
 
 On a missing, truncated or corrupt delta, or a hash mismatch, the subscriber
-refuses the update, keeps its last good state, and waits for an anchor newer
-than its state to resynchronise. Applying a delta twice is refused.
+refuses the update, keeps its last good state, and resynchronises from the next
+pointer it can verify: an anchor newer than its state, or, once the pointer has
+changed since the refusal (e.g. a replayed old pointer was replaced by the genuine
+one), a delta based on exactly its state (base and result hashes checked). Applying
+a delta twice is refused.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from ..patch import TensorPatch, gather, scatter_
 from .manifest import MAX_POINTER_BYTES, POINTER_KEY, AnchorEntry, DeltaEntry, FileEntry, Manifest
 
 DEFAULT_MAX_PARALLEL_DOWNLOADS = 8
+MAX_HEADERS_BYTES = 64 << 20  # room for the headers and metadata of an update's files
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +134,7 @@ class Subscriber:
         self._downloads = concurrent.futures.ThreadPoolExecutor(max(1, max_parallel_downloads), thread_name_prefix="rlsync-get")
         self._resync = False
         self._announced_run: str | None = None
+        self._refused_at: tuple[int, str] | None = None  # the pointer (step, hash) when an update was refused
         self.manifest: Manifest | None = None
         self._lock = threading.RLock()  # fetch validates against the state that apply changes
         self._stats_lock = threading.Lock()
@@ -158,7 +163,7 @@ class Subscriber:
 
     @property
     def needs_resync(self) -> bool:
-        """True after a refused update, until an anchor newer than the state is applied."""
+        """True after a refused update, until a verified update (see the module docstring) is applied."""
         return self._resync
 
     def fetch(self) -> Update | None:
@@ -182,40 +187,60 @@ class Subscriber:
         if manifest is None:
             return None
         if manifest.step == self.step:
-            if manifest.state_hash != self.state_hash and not self._resync:  # same step, other state: a fork
+            if manifest.state_hash == self.state_hash:
+                self._resync = False  # the pointer names exactly this state again
+            elif not self._resync:  # same step, other state: a fork
                 raise self._refuse(ChainError(f"the pointer names step {self.step} with another state than this one"))
             return None
         if self.step is not None and manifest.step < self.step:
             raise self._refuse(ChainError(f"pointer went back from {self.step} to {manifest.step}"))
-        if self.step is not None and manifest.run_id != self.run_id:
-            if self._announced_run != manifest.run_id:  # one line per new run, not per poll
-                self._announced_run = manifest.run_id
-                logger.warning(
-                    "the bucket's run changed from %r (version %d) to %r (version %d): re-bootstrapping from its newest anchor",
-                    self.run_id, self.step, manifest.run_id, manifest.step,
-                )  # fmt: skip
-        elif self.step is not None and not self._resync:
-            entry = manifest.delta_after(self.step)
-            if entry is not None:
-                return self._fetch_delta(entry)
+        run_changed = self.step is not None and manifest.run_id != self.run_id
+        if run_changed and self._announced_run != manifest.run_id:  # one line per new run, not per poll
+            self._announced_run = manifest.run_id
+            logger.warning(
+                "the bucket's run changed from %r (version %d) to %r (version %d): re-bootstrapping from its newest anchor",
+                self.run_id, self.step, manifest.run_id, manifest.step,
+            )  # fmt: skip
+        entry = manifest.delta_after(self.step) if self.step is not None and not run_changed else None
+        if entry is not None and not self._resync:
+            return self._fetch_delta(entry)
         newer = [a for a in manifest.anchors if self.step is None or a.step > self.step]
-        if not newer:
-            if not self._resync:
-                raise self._refuse(ChainError(f"no retained delta or anchor continues step {self.step}"))
-            return None
-        return self._fetch_anchor(newer[-1])
+        if newer:
+            return self._fetch_anchor(newer[-1])
+        if not self._resync:
+            raise self._refuse(ChainError(f"no retained delta or anchor continues step {self.step}"))
+        if entry is not None and self._refused_at != (manifest.step, manifest.state_hash):
+            return self._fetch_delta(entry)  # a pointer changed since the refusal: verified by its base and result hashes
+        return None
+
+    def _check_size(self, kind: str, step: int, nbytes: int) -> None:
+        """Refuse, before any download, an update larger than any the model can need: three times
+        its bytes (a delta's positions and values, or an anchor) plus headers. A subscriber without
+        a state yet has only the pointer's own bounds.
+
+        Raises:
+            FormatError: the pointer promises more bytes than that.
+        """
+        if not self.state:
+            return
+        limit = 3 * sum(t.numel() * t.element_size() for t in self.state.values()) + MAX_HEADERS_BYTES
+        if nbytes > limit:
+            raise FormatError(f"{kind} {step}: the pointer promised {nbytes:,} bytes, more than the model's {limit:,} bound")
 
     def _refuse(self, error: SyncError) -> SyncError:
         self._resync = True
+        if self.manifest is not None:
+            self._refused_at = (self.manifest.step, self.manifest.state_hash)
         self.stats.refused += 1
         self.stats.last_error = str(error)
-        logger.error("refused update: %s; keeping step %s until the next anchor", error, self.step)
+        logger.error("refused update: %s; keeping step %s until a pointer it can verify", error, self.step)
         return error
 
     def _fetch_delta(self, entry: DeltaEntry) -> Update:
         t0 = time.perf_counter()
         version = self.manifest.format_version if self.manifest else FORMAT_VERSION
         try:
+            self._check_size("delta", entry.step, entry.nbytes)
             blobs = list(self._downloads.map(lambda f: self._get(f.key, f.size), entry.files))
         except ObjectNotFoundError as exc:
             raise self._refuse(ChainError(f"delta {entry.step} is missing: {exc}")) from None
@@ -249,6 +274,12 @@ class Subscriber:
     def _fetch_anchor(self, entry: AnchorEntry) -> Update:
         t0 = time.perf_counter()
         version = self.manifest.format_version if self.manifest else FORMAT_VERSION
+        try:
+            self._check_size("anchor", entry.step, entry.nbytes)
+        except FormatError as exc:
+            self.stats.refused += 1
+            self.stats.last_error = str(exc)
+            raise
         folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=self.workdir))
         try:
             files = list(self._downloads.map(lambda f: self._get_anchor_file(entry, f, folder), entry.files))
@@ -320,6 +351,7 @@ class Subscriber:
             self.stats.anchors_applied += 1
         else:
             self._apply_delta(update)
+            self._resync = False
             self.stats.deltas_applied += 1
         self.step = update.step
         self.state_hash = update.state_hash
@@ -328,7 +360,7 @@ class Subscriber:
 
     def _apply_delta(self, update: Update) -> None:
         assert update.patches is not None
-        if update.base_step != self.step or self._resync:  # replayed or out of order: the state is still good
+        if update.base_step != self.step:  # replayed or out of order: the state is still good
             raise ChainError(f"delta {update.base_step}->{update.step} does not apply to step {self.step}")
         if update.base_hash != self.state_hash:  # same step, another state: a fork, resync from the next anchor
             raise self._refuse(ChainError(f"delta {update.step} is based on another state than step {self.step}"))

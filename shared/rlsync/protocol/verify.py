@@ -23,6 +23,7 @@ class VerifyReport:
     deltas_checked: int = 0
     newest_step: int | None = None
     errors: list[str] = dataclasses.field(default_factory=list)
+    raced: list[str] = dataclasses.field(default_factory=list)  # replays restarted: a publish deleted files meanwhile
 
     @property
     def ok(self) -> bool:
@@ -47,17 +48,22 @@ def verify_bucket(bucket: Bucket, *, attempts: int = MAX_ATTEMPTS) -> VerifyRepo
     snapshot (up to ``attempts`` times); if it still does, the failure is reported.
 
     Returns:
-        A report; ``report.errors`` lists every problem found.
+        A report; ``report.errors`` lists every problem found, ``report.raced`` the replays
+        restarted because a concurrent publish deleted files.
     """
+    raced: list[str] = []
     for attempt in range(1, attempts + 1):
         manifest = read_manifest(bucket)
         if manifest is None:
-            return VerifyReport(errors=[f"{bucket.url}: no pointer object; nothing published"])
+            return VerifyReport(errors=[f"{bucket.url}: no pointer object; nothing published"], raced=raced)
         try:
-            return _replay(bucket, manifest)
+            return dataclasses.replace(_replay(bucket, manifest), raced=raced)
         except _Vanished as exc:
-            logger.info("verify attempt %d: %s; replaying the newer pointer", attempt, exc)
-    return VerifyReport(errors=[f"the bucket changed under every one of {attempts} replays (retention kept deleting files)"])
+            raced.append(str(exc))
+            logger.warning("verify raced a concurrent publish (attempt %d: %s); replaying the newer pointer", attempt, exc)
+    return VerifyReport(
+        errors=[f"the bucket changed under every one of {attempts} replays (retention kept deleting files)"], raced=raced
+    )
 
 
 def _still_named(bucket: Bucket, keys: list[str]) -> bool:
@@ -68,7 +74,7 @@ def _still_named(bucket: Bucket, keys: list[str]) -> bool:
         return True
     if current is None:
         return False
-    named = {f.key for a in current.anchors for f in a.files} | {d.file.key for d in current.deltas}
+    named = {f.key for a in current.anchors for f in a.files} | {f.key for d in current.deltas for f in d.files}
     return any(k in named for k in keys)
 
 
@@ -108,7 +114,7 @@ def _replay(bucket: Bucket, manifest: Manifest) -> VerifyReport:
             if entry.base_step != sub.step:
                 report.errors.append(f"gap: delta {entry.step} is based on {entry.base_step}, replay is at {sub.step}")
                 return report
-            checked([entry.file.key], lambda entry=entry: sub.apply(sub._fetch_delta(entry)))
+            checked([f.key for f in entry.files], lambda entry=entry: sub.apply(sub._fetch_delta(entry)))
             report.deltas_checked += 1
             replayed[entry.step] = sub.state_hash or ""
         for step, entry in sorted(later.items()):
