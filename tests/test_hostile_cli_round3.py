@@ -13,7 +13,8 @@ import torch
 import zstandard
 
 from rlsync import format as fmt
-from rlsync.cli import FILE_HASH_KEY, HEADER_KEY, main
+from rlsync.cli import main
+from rlsync.commands import FILE_HASH_KEY, HEADER_KEY
 from rlsync.errors import FormatError
 from rlsync.format import MAX_HEADER_ENTRIES, encode_delta, parse_header
 

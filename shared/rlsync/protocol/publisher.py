@@ -12,11 +12,9 @@ import collections
 import dataclasses
 import logging
 import os
-import secrets
 import socket
 import tempfile
 import time
-from pathlib import Path
 from typing import Iterable, Mapping
 
 import torch
@@ -26,7 +24,7 @@ from ..codecs import DEFAULT_CODEC, get_codec
 from ..detect import DEFAULT_CHUNK_ELEMENTS, ChangeDetector, PatchedState, cast_chunk, serving_copy
 from ..errors import FormatError, SyncError
 from ..dtypes import numpy_to_values
-from ..format import DEFAULT_MAX_SHARD_BYTES, FORMAT_VERSION, Change, encode_delta, write_anchor
+from ..format import DEFAULT_MAX_SHARD_BYTES, Change, encode_delta, write_anchor
 from ..hashing import combine_digests, tensor_digest
 from .lock import DEFAULT_LOCK_TTL_S, LOCK_KEY, FencedError, RunLock, acquire, check_fence, write_lock
 from .manifest import (
@@ -46,6 +44,7 @@ from .manifest import (
 )
 from .policy import MAX_CONTROL_BYTES, AnchorPolicy, FixedInterval, policy_from_json
 from .retention import DEFAULT_KEEP_ANCHORS, prune, sweep_orphans
+from .run import RunExistsError, check_writable, new_run_id, read_manifest, run_exists_error
 from .subscriber import SCRATCH_PREFIX, Subscriber
 
 logger = logging.getLogger(__name__)
@@ -76,37 +75,6 @@ def check_finite_changes(changes: Mapping[str, Change]) -> None:
             )
 
 
-class RunExistsError(SyncError):
-    """The bucket holds a run and this trainer neither continues it nor starts a new one explicitly."""
-
-
-#: How a :class:`Publisher` user goes on from a :class:`RunExistsError`.
-PUBLISHER_WAYS_ON = (
-    "continue it with resume() (when the trainer restored a checkpoint of that run), "
-    "or start a new run explicitly with Publisher(..., new_run=True)"
-)
-
-
-def run_exists_error(bucket: Bucket, manifest: Manifest, ways_on: str = PUBLISHER_WAYS_ON) -> RunExistsError:
-    """The refusal to publish over a run without continuing it, naming the ways on.
-
-    Args:
-        bucket: The bucket holding the run.
-        manifest: Its pointer.
-        ways_on: What the caller can do instead (the API it was reached through).
-    """
-    return RunExistsError(
-        f"{bucket.url} already holds run {manifest.run_id or '(unnamed)'!r} at version {manifest.step}, and this "
-        f"trainer has no checkpoint of it to continue from: publishing its weights would silently replace the run's. "
-        f"Either {ways_on}; replicas then re-bootstrap from the new run's first anchor"
-    )
-
-
-def new_run_id() -> str:
-    """A fresh run id: UTC start time and 8 random hex digits."""
-    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(4)}"
-
-
 @dataclasses.dataclass
 class PublishRecord:
     """What one publish wrote and what it cost."""
@@ -126,34 +94,6 @@ class PublishRecord:
     @property
     def changed_fraction(self) -> float:
         return self.changed / self.total if self.total else 0.0
-
-
-def read_manifest(bucket: Bucket) -> Manifest | None:
-    """The bucket's pointer object, or ``None`` before the first publish.
-
-    Raises:
-        FormatError: the pointer exists but is invalid.
-    """
-    try:
-        data = bucket.get_limited(POINTER_KEY, MAX_POINTER_BYTES)
-    except ObjectNotFoundError:
-        return None
-    except ObjectTooLargeError as exc:
-        raise FormatError(str(exc)) from None
-    return Manifest.from_json(data)
-
-
-def check_writable(manifest: Manifest) -> None:
-    """Refuse to extend a chain written in an older format version (its hashes are another kind).
-
-    Raises:
-        SyncError: the pointer's format version is not the current one.
-    """
-    if manifest.format_version != FORMAT_VERSION:
-        raise SyncError(
-            f"the bucket holds a format version {manifest.format_version} chain; this publisher writes version "
-            f"{FORMAT_VERSION} (another state hash): publish to a new bucket"
-        )
 
 
 class Publisher:
