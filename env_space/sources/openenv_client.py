@@ -26,7 +26,7 @@ from typing import Any
 from openenv.core.generic_client import GenericEnvClient
 
 from env_space.bounded import ScoringFailure
-from env_space.environments import Environment, Task
+from env_space.environments import Environment, Scoring, Task
 
 from .settings import OpenEnvConfig
 
@@ -40,6 +40,8 @@ class OpenEnvEnvironment(Environment):
         url: The server's base URL (``http://`` or ``ws://``; a Space: ``https://OWNER-NAME.hf.space``).
         config: Field names and timeouts.
     """
+
+    scoring = Scoring.SELF_BOUNDED  # the server scores; each call is bounded by the client's timeouts
 
     def __init__(self, url: str, config: OpenEnvConfig | None = None) -> None:
         self.url = url

@@ -67,7 +67,7 @@ class DatasetSourceConfig:
         default=5.0, metadata={"help": "time bound of one reward function call"}
     )
     reward_isolation: str = dataclasses.field(
-        default="process", metadata={"help": "process (a child killed when a call overstays) or thread"}
+        default="process", metadata={"help": "process (one confined worker, killed when a call overstays) or thread (a confined fork per call)"}
     )
 
     @classmethod
