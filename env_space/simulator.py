@@ -157,15 +157,19 @@ class EnvSimulator:
                 return batch + 1
         return 0
 
+    def _own_next(self) -> int:
+        """The next batch number this simulator will publish."""
+        if self._next_batch is None:
+            self._next_batch = self._resume_batch()
+        return self._next_batch
+
     def publish_tasks(self) -> int:
         """Publish one batch of tasks; returns its number.
 
         Raises:
             RuntimeError: The batch numbers are used up (``MAX_BATCH``).
         """
-        if self._next_batch is None:
-            self._next_batch = self._resume_batch()
-        batch = self._next_batch
+        batch = self._own_next()
         if batch > MAX_BATCH:
             raise RuntimeError(f"task batch numbers are used up (the last is {MAX_BATCH})")
         seed = self._seed(batch)
@@ -182,7 +186,7 @@ class EnvSimulator:
     def waiting_batches(self) -> list[int]:
         """This simulator's batches that no replica has answered yet."""
         answered = set(list_batches(self.bucket, ROLLOUTS_PREFIX)) | set(list_batches(self.bucket, SCORES_PREFIX))
-        newest = self._next_batch if self._next_batch is not None else MAX_BATCH + 1
+        newest = self._own_next()
         return [b for b in list_batches(self.bucket, TASKS_PREFIX) if b not in answered and b < newest]
 
     # -- scoring ------------------------------------------------------------
@@ -306,12 +310,11 @@ class EnvSimulator:
     def prune(self) -> None:
         """Delete tasks, rollouts and scores of batches more than ``keep_batches`` behind this simulator's
         newest, and task objects ahead of its numbering (planted; counted as refused)."""
-        if self._next_batch is None:
-            return
-        cutoff = self._next_batch - self.config.keep_batches
+        newest = self._own_next()
+        cutoff = newest - self.config.keep_batches
         old = [k for prefix in (TASKS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX)
                for b, keys in list_batches(self.bucket, prefix).items() if b < cutoff for k in keys]  # fmt: skip
-        ahead = [k for b, keys in list_batches(self.bucket, TASKS_PREFIX).items() if b >= self._next_batch for k in keys]
+        ahead = [k for b, keys in list_batches(self.bucket, TASKS_PREFIX).items() if b >= newest for k in keys]
         for key in ahead:
             self.refusals.add(key, "a task batch ahead of the environment's own numbering")
         if old or ahead:

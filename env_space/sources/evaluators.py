@@ -35,8 +35,11 @@ from sympy.parsing import sympy_parser
 
 __all__ = ["EvaluatorRefused", "check_literal", "check_sympy_text", "guard_evaluators"]
 
-#: sympy names that are values or plain functions rather than ``Function`` classes.
-_SYMPY_VALUES = frozenset({"pi", "E", "I", "oo", "zoo", "nan", "sqrt", "cbrt", "root", "Rational", "Integer", "Float"})
+#: sympy names that are values, plain functions or unevaluated operators rather than ``Function`` classes.
+_SYMPY_VALUES = frozenset({
+    "pi", "E", "I", "oo", "zoo", "nan", "sqrt", "cbrt", "root", "Rational", "Integer", "Float",
+    "Integral", "Derivative", "Sum", "Product", "Limit",
+})  # fmt: skip
 _FORBIDDEN_OPS = frozenset({".", "=", ":", ":=", ";", "@", "[", "]", "{", "}", "->", "...", "`"}) | {
     op + "=" for op in ("+", "-", "*", "/", "//", "%", "**", "&", "|", "^", "<<", ">>", "@")
 }
