@@ -1,10 +1,9 @@
-"""Calling user code (reward functions, verifiers, remote environments) with a time bound.
+"""Results of calling user code (reward functions, verifiers, remote environments).
 
-A reward function may raise, hang or return NaN. :func:`call_bounded` runs one call
-in a confined child process (:func:`env_space.isolation.run_confined`: no network, a
-memory bound) and waits at most ``timeout_s``; the caller gets either the value or a
-short failure reason, never an exception. A call that overstays is killed with its
-child, so even a computation that holds the GIL ends at the bound.
+A reward function may raise, hang or return NaN; the callers that bound it
+(:func:`env_space.isolation.call_bounded`, :mod:`env_space.sources.reward_worker`)
+give either its value or a short failure reason (:class:`BoundedResult`), never an
+exception.
 
 :class:`FailureCounts` keeps the reasons for the panel and ``metrics/env.json``.
 """
@@ -17,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["BoundedResult", "FailureCounts", "ScoringFailure", "call_bounded", "finite_reward"]
+__all__ = ["BoundedResult", "FailureCounts", "ScoringFailure", "finite_reward"]
 
 
 class ScoringFailure(Exception):
@@ -40,23 +39,6 @@ class BoundedResult:
     @property
     def ok(self) -> bool:
         return self.failure is None
-
-
-def call_bounded(fn: Callable[..., Any], *args: Any, timeout_s: float, **kwargs: Any) -> BoundedResult:
-    """Run ``fn(*args, **kwargs)`` in a confined child process with a time bound.
-
-    Args:
-        fn: The function (user code); closures work (the child is forked), only its value is pickled back.
-        timeout_s: Seconds to wait for it; the child is killed then.
-
-    Returns:
-        ``BoundedResult(value)``, or a failure: ``"timeout"``, ``"worker_died"`` (e.g. its memory bound),
-        ``"error:<ExceptionType>"``, or a :class:`ScoringFailure`'s reason.
-    """
-    from .isolation import Confinement, run_confined  # isolation builds on this module's results
-
-    result = run_confined(lambda _: fn(*args, **kwargs), [None], Confinement(timeout_s, budget_s=timeout_s * 1.5))[0]
-    return BoundedResult(failure="timeout") if result.failure == "budget" else result
 
 
 def finite_reward(value: Any) -> BoundedResult:

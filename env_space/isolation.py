@@ -16,7 +16,7 @@ and sets limits: address space (``memory_mb`` above what it inherited), CPU seco
 no new processes or threads, no file writes. Files the child could create are not
 prevented (``touch`` of an empty file still works): keeping code from reaching an
 evaluator at all is :mod:`env_space.sources.evaluators`' job; this module bounds what
-gets through.
+gets through. :func:`call_bounded` is one such call.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 
 from .bounded import BoundedResult, ScoringFailure
 
-__all__ = ["Confinement", "confine", "run_confined"]
+__all__ = ["Confinement", "call_bounded", "confine", "run_confined"]
 
 logger = logging.getLogger(__name__)
 
@@ -201,3 +201,18 @@ def run_confined(fn: Callable[[Any], Any], items: Sequence[Any], confinement: Co
         finally:
             _end(pid, conn)
     return results
+
+
+def call_bounded(fn: Callable[..., Any], *args: Any, timeout_s: float, **kwargs: Any) -> BoundedResult:
+    """Run ``fn(*args, **kwargs)`` in a confined child process with a time bound.
+
+    Args:
+        fn: The function (user code); closures work (the child is forked), only its value is pickled back.
+        timeout_s: Seconds to wait for it; the child is killed then.
+
+    Returns:
+        ``BoundedResult(value)``, or a failure: ``"timeout"``, ``"worker_died"`` (e.g. its memory bound),
+        ``"error:<ExceptionType>"``, or a :class:`ScoringFailure`'s reason.
+    """
+    result = run_confined(lambda _: fn(*args, **kwargs), [None], Confinement(timeout_s, budget_s=timeout_s * 1.5))[0]
+    return BoundedResult(failure="timeout") if result.failure == "budget" else result

@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 import math
 import textwrap
-import threading
 import time
 
 import datasets
@@ -15,7 +14,6 @@ import reasoning_gym
 from math_verify import parse, verify
 from reasoning_gym.utils import extract_answer
 
-from env_space import bounded
 from env_space.simulator import EnvConfig, EnvSimulator
 from env_space.sources import open_environment, parse_weighted
 from env_space.sources.rewards import format_reward

@@ -9,9 +9,8 @@ import time
 
 import pytest
 
-from env_space.bounded import call_bounded
 from env_space.environments import Scoring
-from env_space.isolation import Confinement, run_confined
+from env_space.isolation import Confinement, call_bounded, run_confined
 from env_space.simulator import EnvConfig, EnvSimulator
 from env_space.sources import open_environment
 from env_space.sources.evaluators import EvaluatorRefused, check_literal, check_sympy_text, guard_evaluators

@@ -12,7 +12,7 @@ The reward is TRL's: the weighted sum of the reward functions' values
 function that returns ``None`` for the sample. Each function call is bounded by
 ``reward_timeout_s`` and runs in a child process that is killed when a call overstays
 (``reward_isolation=process``, :mod:`.reward_worker`) or in a forked, confined child per
-call (``thread``, :func:`env_space.bounded.call_bounded`); one that raises, overstays, returns a
+call (``thread``, :func:`env_space.isolation.call_bounded`); one that raises, overstays, returns a
 non-finite value or the wrong number of values fails the sample with that reason,
 and the simulator scores it ``failure_reward``.
 """
@@ -25,7 +25,8 @@ from typing import Any
 
 import datasets
 
-from env_space.bounded import ScoringFailure, call_bounded, finite_reward
+from env_space.bounded import ScoringFailure, finite_reward
+from env_space.isolation import call_bounded
 from env_space.environments import Environment, Scoring, Task
 
 from . import parse_weighted
