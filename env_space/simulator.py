@@ -20,6 +20,7 @@ as its next number; keys beyond its numbering are deleted as refused.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 import time
@@ -28,6 +29,7 @@ from rlsync.bucket import Bucket, BucketError, open_bucket
 from rlsync.errors import FormatError
 from rlsync.spaces.exchange import (
     MAX_BATCH,
+    MAX_OBJECT_BYTES,
     MAX_REWARD,
     MAX_TASKS,
     ROLLOUTS_PREFIX,
@@ -38,6 +40,7 @@ from rlsync.spaces.exchange import (
     SampleLimits,
     get_json,
     list_batches,
+    parse_tasks,
     put_json,
     read_samples,
     replica_of,
@@ -56,6 +59,7 @@ from .sources.settings import source_settings
 
 logger = logging.getLogger(__name__)
 _EPISODE_CHARS = 400  # prompt tail / completion head kept per recent episode for the panel
+_MAX_BACKOFF_S = 60.0  # longest wait between steps after failures in a row
 
 
 @dataclasses.dataclass
@@ -174,10 +178,19 @@ class EnvSimulator:
             raise RuntimeError(f"task batch numbers are used up (the last is {MAX_BATCH})")
         seed = self._seed(batch)
         tasks = self.environment.tasks(self.config.tasks_per_batch, seed=seed)
-        put_json(self.bucket, task_key(batch), {
+        doc = {
             "batch": batch, "env": self.environment.name, "seed": seed, "n": len(tasks), "created_at": time.time(),
             "tasks": [{"task_id": t.task_id, "prompt": t.prompt} for t in tasks],
-        })  # fmt: skip
+        }  # fmt: skip
+        try:
+            parse_tasks(doc)  # what replicas will check, and within what they read
+            if len(json.dumps(doc, separators=(",", ":"))) > MAX_OBJECT_BYTES:
+                raise ValueError(f"more than {MAX_OBJECT_BYTES} bytes")
+        except ValueError as exc:
+            self._next_batch = batch + 1  # this seed makes an object no replica reads: skip its number
+            self.failures.add("tasks", "unreadable batch skipped")
+            raise ValueError(f"task batch {batch} would be refused by replicas: {exc}") from None
+        put_json(self.bucket, task_key(batch), doc)
         self._next_batch = batch + 1
         self._tasks_made += len(tasks)
         logger.info("published task batch %d (%d %s tasks)", batch, len(tasks), self.environment.name)
@@ -342,16 +355,21 @@ class EnvSimulator:
     # -- lifecycle ----------------------------------------------------------
 
     def run(self) -> None:
-        """Run until :meth:`stop`; bucket errors and failing sources are logged (and counted) and retried."""
+        """Run until :meth:`stop`; bucket errors and failing sources are logged (and counted) and retried,
+        waiting twice as long after each failure in a row (up to a minute)."""
+        failed = 0
         while not self._stop.is_set():
             try:
                 self.step()
+                failed = 0
             except BucketError as exc:
                 logger.warning("bucket error, retrying: %s", exc)
+                failed += 1
             except Exception as exc:  # a failing source (user code, a remote server) must not end the role
                 logger.exception("environment step failed, retrying")
                 self.failures.add("step", f"error:{type(exc).__name__}")
-            self._stop.wait(self.config.poll_s)
+                failed += 1
+            self._stop.wait(min(self.config.poll_s * 2 ** min(failed, 16), max(self.config.poll_s, _MAX_BACKOFF_S)))
 
     def start(self) -> None:
         """Run in a background thread."""

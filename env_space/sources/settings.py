@@ -87,6 +87,12 @@ class OpenEnvConfig:
         default="task_type", metadata={"help": "observation field naming the task type ('' = none)"}
     )
     timeout_s: float = dataclasses.field(default=30.0, metadata={"help": "connect and message timeout"})
+    batch_timeout_s: float = dataclasses.field(
+        default=120.0, metadata={"help": "time bound of making one task batch (plus at most one call's timeout)"}
+    )
+    max_message_mb: float = dataclasses.field(
+        default=1.0, metadata={"help": "largest WebSocket message accepted from the server"}
+    )
 
     @classmethod
     def from_env(cls, **overrides: Any) -> OpenEnvConfig:
