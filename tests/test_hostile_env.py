@@ -238,3 +238,47 @@ def test_a_task_object_asking_for_millions_of_tasks_is_refused_without_generatin
     put_json(bucket, task_key(batch), {**doc, "n": 5000, "tasks": [{}] * 5000})
     write_samples(bucket, rollout_key(batch, "r0"), [Sample("reverse-0-0", "p", "x", [1], [2], [-0.5], 0)], batch=batch)
     assert env.score_rollouts() == 0 and calls == []
+
+
+@pytest.mark.parametrize(
+    "refused, shown",
+    [
+        ({"total": 3, "by_kind": {"rollouts": 2, "tasks": 1}, "last": "x"}, True),
+        ({"total": 10**15, "by_kind": {"rollouts": 2}, "last": "x"}, False),  # a false total
+        ({"total": 2, "by_kind": {"rollouts": 2.0}, "last": "x"}, False),
+        ({"total": 2, "last": "x"}, False),
+        ({"total": True, "by_kind": {"a": 1}}, False),
+    ],
+)
+def test_a_refusal_total_is_shown_only_when_it_is_the_sum_of_its_counts(refused, shown):
+    from rlsync.spaces.frames import refused_parts
+
+    parts = refused_parts({"refused": refused})
+    assert bool(parts) is shown and (not shown or parts[0].startswith("**3 bucket objects refused**"))
+
+
+def test_the_env_backs_off_after_failed_steps_in_a_row(bucket, monkeypatch):
+    env = EnvSimulator(EnvConfig(poll_s=0.05), bucket)
+    calls = []
+
+    def failing(n, *, seed):
+        calls.append(time.monotonic())
+        raise ConnectionError("source down")
+
+    monkeypatch.setattr(env.environment, "tasks", failing)
+    env.start()
+    time.sleep(2.0)
+    env.stop()
+    assert 3 <= len(calls) <= 7  # 0.1 + 0.2 + 0.4 + 0.8 s between tries; at a fixed 0.05 s: about 40
+    assert env.failures.as_dict()["step: error:ConnectionError"] == len(calls)
+
+
+def test_a_batch_replicas_would_refuse_is_never_written_and_its_number_skipped(bucket, monkeypatch):
+    env = EnvSimulator(EnvConfig(tasks_per_batch=2), bucket)
+    original = env.environment.tasks
+    monkeypatch.setattr(env.environment, "tasks", lambda n, *, seed: [t.__class__(t.task_id, "9" * 70_000, t.answer) for t in original(n, seed=seed)])
+    with pytest.raises(ValueError, match="refused by replicas"):
+        env.publish_tasks()
+    assert not list(bucket.list("tasks/")) and env.failures.as_dict() == {"tasks: unreadable batch skipped": 1}
+    monkeypatch.setattr(env.environment, "tasks", original)
+    assert env.publish_tasks() == 1
