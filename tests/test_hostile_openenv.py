@@ -9,21 +9,13 @@ import time
 
 import pytest
 import uvicorn
-from openenv.core.env_server import Action, Environment, Observation, State, create_app
+from openenv.core.env_server import Environment, State, create_app
 
 from env_space.environments import Task
 from env_space.simulator import EnvConfig, EnvSimulator
 from env_space.sources.openenv_client import OpenEnvEnvironment
 from env_space.sources.settings import OpenEnvConfig
-from tests.test_env_openenv import _free_port, _wait_healthy
-
-
-class TextAction(Action):
-    message: str
-
-
-class TextObservation(Observation):
-    prompt: str = ""
+from tests.test_env_openenv import GuessAction, RiddleObservation, _free_port, _wait_healthy
 
 
 class Hostile(Environment):
@@ -36,10 +28,10 @@ class Hostile(Environment):
 
     def reset(self, seed=None, episode_id=None, **kwargs):
         time.sleep(Hostile.delay_s)
-        return TextObservation(prompt="p" * Hostile.prompt_chars)
+        return RiddleObservation(question="p" * Hostile.prompt_chars)
 
     def step(self, action, timeout_s=None, **kwargs):
-        return TextObservation(done=True, reward=Hostile.reward)
+        return RiddleObservation(done=True, reward=Hostile.reward)
 
     @property
     def state(self):
@@ -49,7 +41,7 @@ class Hostile(Environment):
 @pytest.fixture
 def hostile_url():
     port = _free_port()
-    app = create_app(Hostile, TextAction, TextObservation, max_concurrent_envs=8)
+    app = create_app(Hostile, GuessAction, RiddleObservation, max_concurrent_envs=8)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", ws_max_size=1 << 30))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -64,7 +56,8 @@ def hostile_url():
 
 def _simulator(bucket, url: str, **settings) -> EnvSimulator:
     env = EnvSimulator(EnvConfig(tasks_per_batch=6, failure_reward=-1.0), bucket)
-    env.environment = OpenEnvEnvironment(url, OpenEnvConfig(type_field="", **settings))
+    config = OpenEnvConfig(prompt_field="question", action_field="guess", type_field="", **settings)
+    env.environment = OpenEnvEnvironment(url, config)
     return env
 
 
