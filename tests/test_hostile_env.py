@@ -282,3 +282,15 @@ def test_a_batch_replicas_would_refuse_is_never_written_and_its_number_skipped(b
     assert not list(bucket.list("tasks/")) and env.failures.as_dict() == {"tasks: unreadable batch skipped": 1}
     monkeypatch.setattr(env.environment, "tasks", original)
     assert env.publish_tasks() == 1
+
+
+def test_soak_trial_hostile_tasks(tmp_path):
+    """The soak's hostile-task trial, short: planted keys and sizes and code in completions against the real env
+    and a real replica; no code runs, nothing outside the bucket changes, nothing is lost, both roles live."""
+    import random
+
+    from benchmarks.soak.kinds.hostile_tasks import trial_hostile_tasks
+
+    result = trial_hostile_tasks(random.Random(5), tmp_path, trial_s=8.0)
+    assert not result.violations and result.lost == 0
+    assert result.faults["rollouts objects with code"] > 0 and result.notes["files touched outside the run's prefixes"] == 0

@@ -134,8 +134,8 @@ class Planter(threading.Thread):
         self.result.faults["rollouts objects with code"] += 1
 
 
-def trial_hostile_tasks(rng: random.Random, workdir: Path) -> TrialResult:
-    """The env and a replica against planted task keys and sizes and code-execution completions."""
+def trial_hostile_tasks(rng: random.Random, workdir: Path, trial_s: float = TRIAL_S) -> TrialResult:
+    """The env and a replica against planted task keys and sizes and code-execution completions, for ``trial_s``."""
     result = TrialResult("hostile_tasks")
     bucket = LocalBucket(workdir / "bucket")
     model_dir = build_tiny_model(workdir / "model", seed=rng.randrange(1000))
@@ -154,7 +154,7 @@ def trial_hostile_tasks(rng: random.Random, workdir: Path) -> TrialResult:
     env.start()
     replica.start()
     planter.start()
-    time.sleep(TRIAL_S)
+    time.sleep(trial_s)
     planter.stop.set()
     planter.join(30)
     result.check(env.running, "the env thread died")
@@ -163,7 +163,7 @@ def trial_hostile_tasks(rng: random.Random, workdir: Path) -> TrialResult:
     env.stop()
     env.score_rollouts()  # what was written last
     own = env._next_batch or 0
-    result.check(own < 1000, f"the env numbered {own} batches in {TRIAL_S:g}s (followed a planted key or looped)")
+    result.check(own < 1000, f"the env numbered {own} batches in {trial_s:g}s (followed a planted key or looped)")
     tasks = set(list_batches(bucket, "tasks/"))
     result.check(set(range(own)) <= tasks, f"genuine batches missing: {sorted(set(range(own)) - tasks)[:10]}")
     result.check(not [b for b in tasks if b >= own], "task keys beyond the env's numbering survived its prune")
