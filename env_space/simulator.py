@@ -60,6 +60,7 @@ from .sources.settings import source_settings
 logger = logging.getLogger(__name__)
 _EPISODE_CHARS = 400  # prompt tail / completion head kept per recent episode for the panel
 _MAX_BACKOFF_S = 60.0  # longest wait between steps after failures in a row
+_RESUME_BELOW = 10**9  # a restart resumes only below this (a batch a second for 31 years): headroom to MAX_BATCH
 
 
 @dataclasses.dataclass
@@ -147,17 +148,16 @@ class EnvSimulator:
         return self.config.seed * 1_000_003 + batch
 
     def _resume_batch(self) -> int:
-        """The number after the newest task object this simulator made (its batch, environment and seed
-        match the key; at most ``keep_batches`` reads from the top), else 0."""
-        for batch in sorted(list_batches(self.bucket, TASKS_PREFIX), reverse=True)[: self.config.keep_batches]:
+        """The number after the newest task object a simulator wrote (its ``batch`` is the key's and its seed
+        follows the numbering, whatever the environment and base seed; below ``_RESUME_BELOW``, so a
+        planted number cannot use the numbers up; at most ``keep_batches`` reads from the top), else 0."""
+        listed = sorted((b for b in list_batches(self.bucket, TASKS_PREFIX) if b < _RESUME_BELOW), reverse=True)
+        for batch in listed[: self.config.keep_batches]:
             doc = get_json(self.bucket, task_key(batch))
-            if (
-                batch < MAX_BATCH
-                and isinstance(doc, dict)
-                and doc.get("batch") == batch
-                and doc.get("env") == self.environment.name
-                and doc.get("seed") == self._seed(batch)
-            ):
+            if not isinstance(doc, dict) or doc.get("batch") != batch:
+                continue
+            seed = doc.get("seed")
+            if type(seed) is int and (seed - batch) % 1_000_003 == 0:
                 return batch + 1
         return 0
 
@@ -321,10 +321,12 @@ class EnvSimulator:
     # -- housekeeping -------------------------------------------------------
 
     def prune(self) -> None:
-        """Delete tasks, rollouts and scores of batches more than ``keep_batches`` behind this simulator's
-        newest, and task objects ahead of its numbering (planted; counted as refused)."""
+        """Delete tasks, rollouts and scores of batches older than the newest ``keep_batches`` task batches
+        (by rank, so a jump in numbering deletes nothing early), and task objects ahead of this simulator's
+        numbering (planted; counted as refused)."""
         newest = self._own_next()
-        cutoff = newest - self.config.keep_batches
+        behind = sorted(b for b in list_batches(self.bucket, TASKS_PREFIX) if b < newest)
+        cutoff = behind[-self.config.keep_batches] if len(behind) > self.config.keep_batches else -1
         old = [k for prefix in (TASKS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX)
                for b, keys in list_batches(self.bucket, prefix).items() if b < cutoff for k in keys]  # fmt: skip
         ahead = [k for b, keys in list_batches(self.bucket, TASKS_PREFIX).items() if b >= newest for k in keys]

@@ -224,6 +224,18 @@ def test_a_planted_batch_key_neither_loops_the_env_nor_deletes_genuine_batches(b
     assert restarted.publish_tasks() == 2  # its own numbering went on from its own batches
 
 
+def test_an_env_restarted_with_another_environment_goes_on_numbering_and_keeps_old_batches(bucket):
+    env = EnvSimulator(EnvConfig(tasks_per_batch=1, keep_batches=3), bucket)
+    for _ in range(5):
+        env.publish_tasks()
+    write_samples(bucket, score_key(4, "r0"), [Sample("reverse-4-0", "p", "c", [1], [2], [-0.5], 0, 1.0)], batch=4)
+    other = EnvSimulator(EnvConfig(environment="arithmetic", seed=7, tasks_per_batch=1, keep_batches=3), bucket)
+    assert other.publish_tasks() == 5  # not 0: that would overwrite batch 0 and collide with pending scores
+    other.prune()
+    assert sorted(batch_of(o.key) for o in bucket.list("tasks/")) == [3, 4, 5]  # the newest 3, by rank
+    assert [o.key for o in bucket.list("scores/")] == [score_key(4, "r0")]
+
+
 def test_a_task_object_asking_for_millions_of_tasks_is_refused_without_generating_them(bucket, monkeypatch):
     env = EnvSimulator(EnvConfig(tasks_per_batch=2), bucket)
     batch = env.publish_tasks()
