@@ -12,9 +12,9 @@ object cannot hold up the others' scores. An exception, a timeout, a non-finite 
 or one beyond ``MAX_REWARD`` scores the sample ``failure_reward`` and counts the reason,
 and the simulator carries on.
 
-Batch numbers are the simulator's own: it resumes after the newest task object it can
-recognise as its own, counts on from there in memory, and never takes a planted key
-as its next number; keys beyond its numbering are deleted as refused.
+Batch numbers are the simulator's own: it resumes after the newest task object a
+simulator wrote, counts on from there in memory, and never takes a planted key as its
+next number; keys beyond its numbering are deleted as refused.
 """
 
 from __future__ import annotations
