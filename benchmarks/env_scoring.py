@@ -3,8 +3,8 @@
 For each source, ``--samples`` scripted completions (half correct, half wrong) are
 scored twice in the same run (each after one untimed warm-up pass): by calling the library directly (reasoning-gym's
 ``score_answer``, math-verify's ``verify(parse(...))``), and through the env
-simulator's ``score_sample`` (a bounded call on its own thread; reward functions in
-the child process or on a thread). Printed: microseconds per sample and the ratio
+simulator's ``score_sample`` (a confined forked child per call; reward functions in
+the worker process or in a forked child per call). Printed: microseconds per sample and the ratio
 to the direct call, which is what the time bound and the isolation cost. The
 OpenEnv row is one WebSocket ``reset`` + ``step`` round trip per sample to a server
 on 127.0.0.1 serving the same reasoning-gym generators (its direct baseline is the

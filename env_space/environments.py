@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import enum
 import random
 import re
 from collections.abc import Callable
@@ -37,6 +38,7 @@ __all__ = [
     "ArithmeticEnvironment",
     "Environment",
     "ReverseEnvironment",
+    "Scoring",
     "Task",
     "get_environment",
     "last_integer",
@@ -62,6 +64,16 @@ class Task:
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+class Scoring(enum.Enum):
+    """Where the simulator runs an environment's :meth:`Environment.score` (it reads untrusted completions)."""
+
+    #: In a forked child bounded in time, memory and network (:mod:`env_space.isolation`); the default.
+    CONFINED = "confined"
+    #: In the env's process: the environment bounds and confines its own calls (a remote server,
+    #: or reward functions in their own worker process).
+    SELF_BOUNDED = "self_bounded"
+
+
 class Environment(abc.ABC):
     """A task generator and scorer.
 
@@ -70,6 +82,8 @@ class Environment(abc.ABC):
 
     #: Registry name.
     name: str
+    #: How the simulator runs :meth:`score`.
+    scoring: ClassVar[Scoring] = Scoring.CONFINED
 
     @abc.abstractmethod
     def tasks(self, n: int, *, seed: int) -> list[Task]:

@@ -5,15 +5,22 @@ scores every rollouts object that replicas wrote (regenerating the batch's
 tasks from its seed, so answers never leave the environment), writes the
 scored samples for the trainer, and mirrors its figures to ``metrics/env.json``.
 
-Scoring runs user code (reward functions, verifiers, remote environments), so each
-call is bounded by ``score_timeout_s``; an exception, a timeout or a non-finite
-reward scores the sample ``failure_reward`` and counts the reason, and the
-simulator carries on.
+Scoring runs user code (reward functions, verifiers, remote environments) on untrusted
+completions: it runs confined (:class:`~env_space.environments.Scoring`), each sample
+bounded by ``score_timeout_s`` and each rollouts object by ``score_budget_s``, so one
+object cannot hold up the others' scores. An exception, a timeout, a non-finite reward
+or one beyond ``MAX_REWARD`` scores the sample ``failure_reward`` and counts the reason,
+and the simulator carries on.
+
+Batch numbers are the simulator's own: it resumes after the newest task object a
+simulator wrote, counts on from there in memory, and never takes a planted key as its
+next number; keys beyond its numbering are deleted as refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 import time
@@ -21,6 +28,10 @@ import time
 from rlsync.bucket import Bucket, BucketError, open_bucket
 from rlsync.errors import FormatError
 from rlsync.spaces.exchange import (
+    MAX_BATCH,
+    MAX_OBJECT_BYTES,
+    MAX_REWARD,
+    MAX_TASKS,
     ROLLOUTS_PREFIX,
     SCORES_PREFIX,
     TASKS_PREFIX,
@@ -29,6 +40,7 @@ from rlsync.spaces.exchange import (
     SampleLimits,
     get_json,
     list_batches,
+    parse_tasks,
     put_json,
     read_samples,
     replica_of,
@@ -39,13 +51,16 @@ from rlsync.spaces.exchange import (
 from rlsync.protocol import read_manifest
 from rlsync.spaces.settings import from_env
 
-from .bounded import FailureCounts, call_bounded, finite_reward
-from .environments import Environment, Task
+from .bounded import BoundedResult, FailureCounts, ScoringFailure, finite_reward
+from .environments import Environment, Scoring, Task
+from .isolation import Confinement, run_confined
 from .sources import open_environment
 from .sources.settings import source_settings
 
 logger = logging.getLogger(__name__)
 _EPISODE_CHARS = 400  # prompt tail / completion head kept per recent episode for the panel
+_MAX_BACKOFF_S = 60.0  # longest wait between steps after failures in a row
+_RESUME_BELOW = 10**9  # a restart resumes only below this (a batch a second for 31 years): headroom to MAX_BATCH
 
 
 @dataclasses.dataclass
@@ -64,6 +79,8 @@ class EnvConfig:
         default="", metadata={"help": "JSON object of source settings, over the ENV_RG_/ENV_DATASET_/ENV_OPENENV_ variables"}
     )
     score_timeout_s: float = dataclasses.field(default=10.0, metadata={"help": "time bound of one scoring call"})
+    score_budget_s: float = dataclasses.field(default=60.0, metadata={"help": "time bound of scoring one rollouts object"})
+    score_memory_mb: int = dataclasses.field(default=2048, metadata={"help": "memory a confined scoring child may add"})
     failure_reward: float = dataclasses.field(default=0.0, metadata={"help": "reward of a sample whose scoring failed"})
     tasks_per_batch: int = dataclasses.field(default=8, metadata={"help": "tasks in one batch"})
     queue_depth: int = dataclasses.field(default=2, metadata={"help": "batches kept waiting for replicas"})
@@ -100,6 +117,7 @@ class EnvSimulator:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._tasks_made = 0
+        self._next_batch: int | None = None  # resumed from the bucket at the first publish
         self._scored = 0
         self._t0 = time.time()
         self.refusals = Refusals()
@@ -120,28 +138,69 @@ class EnvSimulator:
             n, seed = doc["n"], doc["seed"]
             if type(n) is not int or type(seed) is not int or not isinstance(doc.get("tasks"), list) or n != len(doc["tasks"]):
                 raise ValueError(f"n={n!r}, seed={seed!r} do not describe its task list")
+            if not 0 < n <= MAX_TASKS or abs(seed) >= 1 << 63:
+                raise ValueError(f"n={n!r} is not in [1, {MAX_TASKS}] or seed={seed!r} is not a 64-bit integer"[:200])
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"task batch {batch}: {exc}") from None
         return {t.task_id: t for t in env.tasks(n, seed=seed)}
 
+    def _seed(self, batch: int) -> int:
+        return self.config.seed * 1_000_003 + batch
+
+    def _resume_batch(self) -> int:
+        """The number after the newest task object a simulator wrote (its ``batch`` is the key's and its seed
+        follows the numbering, whatever the environment and base seed; below ``_RESUME_BELOW``, so a
+        planted number cannot use the numbers up; at most ``keep_batches`` reads from the top), else 0."""
+        listed = sorted((b for b in list_batches(self.bucket, TASKS_PREFIX) if b < _RESUME_BELOW), reverse=True)
+        for batch in listed[: self.config.keep_batches]:
+            doc = get_json(self.bucket, task_key(batch))
+            if not isinstance(doc, dict) or doc.get("batch") != batch:
+                continue
+            seed = doc.get("seed")
+            if type(seed) is int and (seed - batch) % 1_000_003 == 0:
+                return batch + 1
+        return 0
+
+    def _own_next(self) -> int:
+        """The next batch number this simulator will publish."""
+        if self._next_batch is None:
+            self._next_batch = self._resume_batch()
+        return self._next_batch
+
     def publish_tasks(self) -> int:
-        """Publish one batch of tasks; returns its number."""
-        batches = list_batches(self.bucket, TASKS_PREFIX)
-        batch = max(batches, default=-1) + 1
-        seed = self.config.seed * 1_000_003 + batch
+        """Publish one batch of tasks; returns its number.
+
+        Raises:
+            RuntimeError: The batch numbers are used up (``MAX_BATCH``).
+        """
+        batch = self._own_next()
+        if batch > MAX_BATCH:
+            raise RuntimeError(f"task batch numbers are used up (the last is {MAX_BATCH})")
+        seed = self._seed(batch)
         tasks = self.environment.tasks(self.config.tasks_per_batch, seed=seed)
-        put_json(self.bucket, task_key(batch), {
+        doc = {
             "batch": batch, "env": self.environment.name, "seed": seed, "n": len(tasks), "created_at": time.time(),
             "tasks": [{"task_id": t.task_id, "prompt": t.prompt} for t in tasks],
-        })  # fmt: skip
+        }  # fmt: skip
+        try:
+            parse_tasks(doc)  # what replicas will check, and within what they read
+            if len(json.dumps(doc, separators=(",", ":"))) > MAX_OBJECT_BYTES:
+                raise ValueError(f"more than {MAX_OBJECT_BYTES} bytes")
+        except ValueError as exc:
+            self._next_batch = batch + 1  # this seed makes an object no replica reads: skip its number
+            self.failures.add("tasks", "unreadable batch skipped")
+            raise ValueError(f"task batch {batch} would be refused by replicas: {exc}") from None
+        put_json(self.bucket, task_key(batch), doc)
+        self._next_batch = batch + 1
         self._tasks_made += len(tasks)
         logger.info("published task batch %d (%d %s tasks)", batch, len(tasks), self.environment.name)
         return batch
 
     def waiting_batches(self) -> list[int]:
-        """Batches no replica has answered yet."""
+        """This simulator's batches that no replica has answered yet."""
         answered = set(list_batches(self.bucket, ROLLOUTS_PREFIX)) | set(list_batches(self.bucket, SCORES_PREFIX))
-        return [b for b in list_batches(self.bucket, TASKS_PREFIX) if b not in answered]
+        newest = self._own_next()
+        return [b for b in list_batches(self.bucket, TASKS_PREFIX) if b not in answered and b < newest]
 
     # -- scoring ------------------------------------------------------------
 
@@ -185,8 +244,8 @@ class EnvSimulator:
                 kept = [s for s in samples if s.task_id in tasks and s.prompt == tasks[s.task_id].prompt]
                 if len(kept) < len(samples):
                     self.failures.add("rollouts", "unknown task or changed prompt", len(samples) - len(kept))
-                for s in kept:
-                    s.reward = self.score_sample(tasks[s.task_id], s.completion)
+                for s, reward in zip(kept, self.score_samples([(tasks[s.task_id], s.completion) for s in kept])):
+                    s.reward = reward
                 write_samples(self.bucket, score_key(batch, replica), kept, batch=batch, replica=replica, env=doc["env"])
                 self.bucket.delete([key])
                 self._record(tasks, kept)
@@ -194,10 +253,45 @@ class EnvSimulator:
         return scored
 
     def score_sample(self, task: Task, completion: str) -> float:
-        """Score one completion, bounded in time; a failure scores ``failure_reward`` and is counted."""
-        result = call_bounded(self.environment.score, task, completion, timeout_s=self.config.score_timeout_s)
+        """Score one completion (see :meth:`score_samples`)."""
+        return self.score_samples([(task, completion)])[0]
+
+    def score_samples(self, pairs: list[tuple[Task, str]]) -> list[float]:
+        """Score ``(task, completion)`` pairs (one rollouts object), each bounded by ``score_timeout_s`` and
+        all by ``score_budget_s``; a failure scores ``failure_reward`` and is counted.
+
+        Returns:
+            One reward per pair.
+        """
+        config = self.config
+        if self.environment.scoring is Scoring.CONFINED:
+            confinement = Confinement(config.score_timeout_s, config.score_budget_s, config.score_memory_mb)
+            results = run_confined(lambda pair: self.environment.score(*pair), pairs, confinement)
+        else:
+            results = self._score_in_process(pairs)
+        return [self._reward(result) for result in results]
+
+    def _score_in_process(self, pairs: list[tuple[Task, str]]) -> list[BoundedResult]:
+        """For :attr:`Scoring.SELF_BOUNDED` environments: each call bounds itself; the budget is checked between calls."""
+        deadline = time.monotonic() + self.config.score_budget_s
+        results = []
+        for task, completion in pairs:
+            if time.monotonic() >= deadline:
+                results.append(BoundedResult(failure="budget"))
+                continue
+            try:
+                results.append(BoundedResult(self.environment.score(task, completion)))
+            except ScoringFailure as exc:
+                results.append(BoundedResult(failure=exc.reason))
+            except Exception as exc:  # noqa: BLE001 - user code or a remote server: anything it raises is a failure
+                results.append(BoundedResult(failure=f"error:{type(exc).__name__}"))
+        return results
+
+    def _reward(self, result: BoundedResult) -> float:
         if result.ok:
             result = finite_reward(result.value)
+        if result.ok and abs(result.value) > MAX_REWARD:
+            result = BoundedResult(failure="out_of_range")
         if not result.ok:
             self.failures.add("score", result.failure)
             return self.config.failure_reward
@@ -227,19 +321,23 @@ class EnvSimulator:
     # -- housekeeping -------------------------------------------------------
 
     def prune(self) -> None:
-        """Delete tasks, rollouts and scores of batches older than ``keep_batches``."""
-        batches = list_batches(self.bucket, TASKS_PREFIX)
-        if not batches:
-            return
-        cutoff = max(batches) - self.config.keep_batches
+        """Delete tasks, rollouts and scores of batches older than the newest ``keep_batches`` task batches
+        (by rank, so a jump in numbering deletes nothing early), and task objects ahead of this simulator's
+        numbering (planted; counted as refused)."""
+        newest = self._own_next()
+        behind = sorted(b for b in list_batches(self.bucket, TASKS_PREFIX) if b < newest)
+        cutoff = behind[-self.config.keep_batches] if len(behind) > self.config.keep_batches else -1
         old = [k for prefix in (TASKS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX)
                for b, keys in list_batches(self.bucket, prefix).items() if b < cutoff for k in keys]  # fmt: skip
-        if old:
-            self.bucket.delete(old)
+        ahead = [k for b, keys in list_batches(self.bucket, TASKS_PREFIX).items() if b >= newest for k in keys]
+        for key in ahead:
+            self.refusals.add(key, "a task batch ahead of the environment's own numbering")
+        if old or ahead:
+            self.bucket.delete(old + ahead)
 
     def step(self) -> None:
         """One iteration: top up the task queue, score what arrived, publish figures."""
-        while len(self.waiting_batches()) < self.config.queue_depth:
+        for _ in range(self.config.queue_depth - len(self.waiting_batches())):
             self.publish_tasks()
         self.score_rollouts()
         self.prune()
@@ -259,16 +357,21 @@ class EnvSimulator:
     # -- lifecycle ----------------------------------------------------------
 
     def run(self) -> None:
-        """Run until :meth:`stop`; bucket errors and failing sources are logged (and counted) and retried."""
+        """Run until :meth:`stop`; bucket errors and failing sources are logged (and counted) and retried,
+        waiting twice as long after each failure in a row (up to a minute)."""
+        failed = 0
         while not self._stop.is_set():
             try:
                 self.step()
+                failed = 0
             except BucketError as exc:
                 logger.warning("bucket error, retrying: %s", exc)
+                failed += 1
             except Exception as exc:  # a failing source (user code, a remote server) must not end the role
                 logger.exception("environment step failed, retrying")
                 self.failures.add("step", f"error:{type(exc).__name__}")
-            self._stop.wait(self.config.poll_s)
+                failed += 1
+            self._stop.wait(min(self.config.poll_s * 2 ** min(failed, 16), max(self.config.poll_s, _MAX_BACKOFF_S)))
 
     def start(self) -> None:
         """Run in a background thread."""

@@ -50,6 +50,7 @@ from rlsync.spaces.settings import default_model, from_env, resolve_device
 from rlsync.spaces.tiny_model import model_or_default
 
 from .engine import Engine, SamplingSettings, create_engine
+from .token_budget import TokenBudget, context_length, plan_batch
 
 logger = logging.getLogger(__name__)
 TINY_MODEL_MAX_NEW_TOKENS, REAL_MODEL_MAX_NEW_TOKENS = 8, 64  # the CPU demo's answers are short; a chat model's are not
@@ -72,6 +73,9 @@ class ReplicaConfig:
     device: str = dataclasses.field(default="auto", metadata={"help": "torch device for the transformers engine ('auto': cuda if available)"})
     samples_per_task: int = dataclasses.field(default=4, metadata={"help": "G completions per task"})
     max_new_tokens: int = dataclasses.field(default=0, metadata={"help": "completion length limit (0: 8 for the tiny offline CPU model, 64 for a real model)"})
+    max_prompt_tokens: int = dataclasses.field(default=0, metadata={"help": "longest prompt answered (0: the model's context less max_new_tokens)"})
+    max_batch_tokens: int = dataclasses.field(default=1 << 20, metadata={"help": "most tokens (prompts and completions, all samples) one task batch may cost"})
+    chunk_tokens: int = dataclasses.field(default=1 << 16, metadata={"help": "most padded tokens in one engine call"})
     temperature: float = dataclasses.field(default=1.0, metadata={"help": "sampling temperature"})
     poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls"})
     seed: int = dataclasses.field(default=0, metadata={"help": "sampling seed (mixed with batch and version)"})
@@ -108,6 +112,11 @@ class Replica:
         kind = config.engine if config.engine != "auto" else _auto_engine(device)
         self.engine = engine or create_engine(kind, model_path=model, **({"device": device} if kind == "transformers" else {}))
         self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.budget = TokenBudget(
+            max_prompt_tokens=config.max_prompt_tokens or max(1, context_length(model) - config.max_new_tokens),
+            max_new_tokens=config.max_new_tokens, n=config.samples_per_task,
+            max_batch_tokens=config.max_batch_tokens, chunk_tokens=config.chunk_tokens,
+        )  # fmt: skip
         self.subscriber = Subscriber(self.bucket)
         self._pending: Update | None = None
         self._slot = threading.Condition()
@@ -208,24 +217,34 @@ class Replica:
         except ValueError as exc:
             self.refusals.add(task_key(batch), str(exc))
             return 0
+        prompt_ids = [self.tokenizer(t["prompt"])["input_ids"] for t in tasks]
+        plan = plan_batch([len(ids) for ids in prompt_ids], self.budget)
+        if plan.dropped or plan.refused:
+            self.refusals.add(task_key(batch), plan.refused or f"{len(plan.dropped)} prompts longer than {self.budget.max_prompt_tokens} tokens")
         version = self.subscriber.step
         assert version is not None
-        sampling = SamplingSettings(
-            n=self.config.samples_per_task, max_new_tokens=self.config.max_new_tokens,
-            temperature=self.config.temperature, seed=self._sampling_seed(batch, version),
-        )  # fmt: skip
+        seed = self._sampling_seed(batch, version)
         t0 = time.perf_counter()
-        groups = self.engine.generate([t["prompt"] for t in tasks], sampling)
-        self.gen_s += time.perf_counter() - t0
         samples = []
-        for task, group in zip(tasks, groups):
-            prompt_ids = self.tokenizer(task["prompt"])["input_ids"]
-            for c in group:
-                samples.append(Sample(str(task["task_id"]), task["prompt"], c.text, prompt_ids, c.token_ids, c.logprobs, version))
-                self.tokens += len(c.token_ids)
+        for chunk_index, chunk in enumerate(plan.chunks):
+            sampling = SamplingSettings(
+                n=self.config.samples_per_task, max_new_tokens=self.config.max_new_tokens,
+                temperature=self.config.temperature, seed=seed + chunk_index,
+            )  # fmt: skip
+            groups = self.engine.generate([tasks[i]["prompt"] for i in chunk], sampling)
+            samples += self._samples([tasks[i] for i in chunk], [prompt_ids[i] for i in chunk], groups, version)
+        self.gen_s += time.perf_counter() - t0
         write_samples(self.bucket, rollout_key(batch, self.replica_id), samples, batch=batch, replica=self.replica_id, version=version)
         self.completions += len(samples)
         return len(samples)
+
+    def _samples(self, tasks: list[dict], prompt_ids: list[list[int]], groups: list, version: int) -> list[Sample]:
+        samples = []
+        for task, ids, group in zip(tasks, prompt_ids, groups):
+            for c in group:
+                samples.append(Sample(str(task["task_id"]), task["prompt"], c.text, ids, c.token_ids, c.logprobs, version))
+                self.tokens += len(c.token_ids)
+        return samples
 
     def _sampling_seed(self, batch: int, version: int) -> int:
         """Seed of one batch: differs between replicas, so racing replicas add new samples, not copies."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 import math
 import textwrap
-import threading
 import time
 
 import datasets
@@ -15,7 +14,6 @@ import reasoning_gym
 from math_verify import parse, verify
 from reasoning_gym.utils import extract_answer
 
-from env_space import bounded
 from env_space.simulator import EnvConfig, EnvSimulator
 from env_space.sources import open_environment, parse_weighted
 from env_space.sources.rewards import format_reward
@@ -181,21 +179,19 @@ def test_builtin_exact_match_and_format(local_dataset):
 
 
 def test_conversational_prompts_get_trl_style_completions(tmp_path, monkeypatch):
-    seen = {}
-
-    def spy(prompts, completions, **columns):
-        seen.update(prompts=prompts, completions=completions, columns=columns)
-        return [1.0]
+    def spy(prompts, completions, **columns):  # runs in a confined child: it answers with what it saw
+        return [
+            float(prompts == [[{"role": "user", "content": "hi"}]])
+            + 2 * float(completions == [[{"role": "assistant", "content": "hello"}]])
+            + 4 * float(columns["answer"] == ["x"] and "prompt" not in columns)
+        ]
 
     monkeypatch.setattr("env_space.sources.rewards.BUILTIN_REWARDS", {"spy": spy})
     path = str(tmp_path / "chat")
     datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]], "answer": ["x"]}).save_to_disk(path)
     env = open_environment(f"dataset:{path}", settings=DatasetSourceConfig(rewards="spy", reward_isolation="thread"))
     task = env.tasks(1, seed=0)[0]
-    assert env.score(task, "hello") == 1.0
-    assert seen["prompts"] == [[{"role": "user", "content": "hi"}]]
-    assert seen["completions"] == [[{"role": "assistant", "content": "hello"}]]
-    assert seen["columns"]["answer"] == ["x"] and "prompt" not in seen["columns"]
+    assert env.score(task, "hello") == 7.0  # prompts, completions and columns as TRL passes them
 
 
 def test_dataset_source_rejects_bad_settings(local_dataset):
@@ -287,20 +283,6 @@ def test_hostile_scorer_is_bounded_for_any_environment(bucket, monkeypatch):
     rewards = [s.reward for s in read_samples(bucket, score_key(batch, "r0"))[1]]
     assert rewards == [1.0, 0.0, 0.0, 0.0, 0.0]
     assert env.failures.as_dict() == {"score: error:KeyError": 1, "score: timeout": 1, "score: non_finite": 2}
-
-
-def test_abandoned_calls_are_capped(monkeypatch):
-    monkeypatch.setattr(bounded, "MAX_ABANDONED", 2)
-    monkeypatch.setattr(bounded, "_abandoned", set())
-    release = threading.Event()
-    assert [bounded.call_bounded(release.wait, timeout_s=0.05).failure for _ in range(3)] == [
-        "timeout",
-        "timeout",
-        "saturated",
-    ]
-    release.set()
-    time.sleep(0.1)
-    assert bounded.call_bounded(lambda: 3, timeout_s=1).value == 3  # finished threads free their places
 
 
 def test_simulator_publishes_and_scores_reasoning_gym_through_the_bucket(bucket):

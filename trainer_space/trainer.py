@@ -189,7 +189,7 @@ class Trainer:
         self.worker = BucketRolloutWorker(
             self.bucket, self._read_scores, vocab_size=len(tokenizer), poll_s=config.poll_s,
             queue_maxsize=max(4 * config.batch_size, 256), max_staleness=config.max_staleness,
-            heartbeat=self.transfer.heartbeat,
+            heartbeat=self.transfer.heartbeat, max_tokens=0,  # _read_scores bounds them by the model's context
         )  # fmt: skip
         sdpa = apply_cpu_compat()
         from datasets import Dataset

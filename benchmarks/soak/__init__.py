@@ -60,6 +60,13 @@ Trial kinds (``--kinds``):
     versions, deep or huge-integer JSON, oversized objects), scores straight into
     ``scores/``, bad status objects and a NaN control value: 0 states lost, 0
     non-finite publishes, every role alive, every hostile object refused and counted.
+``hostile_tasks``
+    The env (reasoning-gym verifiers that evaluate answers) and a real replica (tiny model)
+    while planted task keys (``tasks/9999999999.json``, 11-digit and unpadded names), task
+    objects asking for millions of tasks or holding 8 MB of prompts, and rollouts whose
+    completions are code (``__import__('os').system(...)``, ``9**9**9**9``) arrive: no code runs
+    (a canary file), no file outside the bucket changes, no genuine batch is lost or unscored,
+    both roles stay alive within bounded memory.
 
 Usage::
 

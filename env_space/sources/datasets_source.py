@@ -11,8 +11,8 @@ The reward is TRL's: the weighted sum of the reward functions' values
 (``ENV_DATASET_REWARDS=math_verify=1,format=0.2,my_pkg.rewards.brevity=0.5``), skipping a
 function that returns ``None`` for the sample. Each function call is bounded by
 ``reward_timeout_s`` and runs in a child process that is killed when a call overstays
-(``reward_isolation=process``, :mod:`.reward_worker`) or on an abandoned thread
-(``thread``, :mod:`env_space.bounded`); one that raises, overstays, returns a
+(``reward_isolation=process``, :mod:`.reward_worker`) or in a forked, confined child per
+call (``thread``, :func:`env_space.isolation.call_bounded`); one that raises, overstays, returns a
 non-finite value or the wrong number of values fails the sample with that reason,
 and the simulator scores it ``failure_reward``.
 """
@@ -25,8 +25,9 @@ from typing import Any
 
 import datasets
 
-from env_space.bounded import ScoringFailure, call_bounded, finite_reward
-from env_space.environments import Environment, Task
+from env_space.bounded import ScoringFailure, finite_reward
+from env_space.isolation import call_bounded
+from env_space.environments import Environment, Scoring, Task
 
 from . import parse_weighted
 from .prompts import render_prompt
@@ -67,6 +68,8 @@ class DatasetEnvironment(Environment):
     Raises:
         ValueError: A missing column, an empty dataset, or a reward that cannot be loaded.
     """
+
+    scoring = Scoring.SELF_BOUNDED  # each reward call runs confined (reward worker, or call_bounded)
 
     def __init__(
         self, dataset: datasets.Dataset, name: str, config: DatasetSourceConfig | None = None, chat_template: str = ""

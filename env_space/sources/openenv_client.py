@@ -8,7 +8,11 @@ the same prompt again (so the server must reset reproducibly by seed), sends the
 completion as the action's ``ENV_OPENENV_ACTION_FIELD`` in one ``step`` and takes the
 step result's ``reward``. No episode stays open between publishing a task and scoring
 it, so the server may restart in between. One WebSocket session is reused from call
-to call; a call that fails (or overstays its bound) discards its session.
+to call; a call that fails (or overstays its bound) discards its session, and
+further calls fail at once (``ConnectionError``) for a backoff that doubles with
+each failure in a row (1 s up to 60 s), so a malformed server is not retried hot.
+Messages are capped (``ENV_OPENENV_MAX_MESSAGE_MB``) and prompts at what a replica
+reads; making one batch is bounded by ``ENV_OPENENV_BATCH_TIMEOUT_S``.
 
 Defaults fit text environments whose action is ``{"message": ...}`` and whose
 observation has a ``prompt`` (TextArena-style, and this project's own
@@ -20,17 +24,21 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 from openenv.core.generic_client import GenericEnvClient
 
 from env_space.bounded import ScoringFailure
-from env_space.environments import Environment, Task
+from rlsync.spaces.exchange import DEFAULT_LIMITS
+from env_space.environments import Environment, Scoring, Task
 
 from .settings import OpenEnvConfig
 
 __all__ = ["OpenEnvEnvironment", "from_spec"]
+
+_MAX_BACKOFF_S = 60.0
 
 
 class OpenEnvEnvironment(Environment):
@@ -41,28 +49,43 @@ class OpenEnvEnvironment(Environment):
         config: Field names and timeouts.
     """
 
+    scoring = Scoring.SELF_BOUNDED  # the server scores; each call is bounded by the client's timeouts
+
     def __init__(self, url: str, config: OpenEnvConfig | None = None) -> None:
         self.url = url
         self.config = config or OpenEnvConfig()
         self.name = f"openenv:{url}"
         self._idle: list[Any] = []  # connected sessions nobody is using
         self._lock = threading.Lock()
+        self._backoff_s = 0.0  # after failures in a row: calls fail at once until _retry_at
+        self._retry_at = 0.0
 
     @contextlib.contextmanager
     def _session(self) -> Iterator[Any]:
         """An idle connected session, or a new one; kept for reuse unless the call fails."""
         with self._lock:
+            if time.monotonic() < self._retry_at:
+                raise ConnectionError(f"openenv: {self.url} failed; backing off {self._backoff_s:.0f}s")
             client = self._idle.pop() if self._idle else None
-        if client is None:
-            timeout = self.config.timeout_s
-            client = GenericEnvClient(base_url=self.url, connect_timeout_s=timeout, message_timeout_s=timeout).sync()
-            client.connect()
         try:
+            if client is None:
+                timeout = self.config.timeout_s
+                client = GenericEnvClient(
+                    base_url=self.url, connect_timeout_s=timeout, message_timeout_s=timeout,
+                    max_message_size_mb=self.config.max_message_mb,
+                ).sync()  # fmt: skip
+                client.connect()
             yield client
-        except BaseException:
-            client.close()
+        except BaseException as exc:
+            if client is not None:
+                client.close()
+            if not isinstance(exc, ScoringFailure):  # the server answered; only failing calls back off
+                with self._lock:
+                    self._backoff_s = min(max(2 * self._backoff_s, 1.0), _MAX_BACKOFF_S)
+                    self._retry_at = time.monotonic() + self._backoff_s
             raise
         with self._lock:
+            self._backoff_s, self._retry_at = 0.0, 0.0
             self._idle.append(client)
 
     def close(self) -> None:
@@ -80,13 +103,18 @@ class OpenEnvEnvironment(Environment):
     def _prompt(self, observation: dict[str, Any]) -> str:
         prompt = observation.get(self.config.prompt_field)
         if not isinstance(prompt, str):
-            raise ValueError(f"observation has no text field {self.config.prompt_field!r}: {sorted(observation)}")
+            raise ValueError(f"observation has no text field {self.config.prompt_field!r}: {sorted(observation)[:20]}")
+        if len(prompt) > DEFAULT_LIMITS.max_chars:
+            raise ValueError(f"a prompt of {len(prompt)} characters, more than replicas read ({DEFAULT_LIMITS.max_chars})")
         return prompt
 
     def tasks(self, n: int, *, seed: int) -> list[Task]:
         out = []
+        deadline = time.monotonic() + self.config.batch_timeout_s
         with self._session() as client:
             for i in range(n):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"openenv: {i} of {n} tasks after {self.config.batch_timeout_s:g}s")
                 episode_seed = self.episode_seed(seed, i)
                 observation = client.reset(seed=episode_seed).observation
                 kind = (

@@ -24,7 +24,8 @@ from typing import Any
 from openenv.core.env_server import Action, Observation, State, create_app
 from openenv.core.env_server import Environment as OpenEnvEnvironment
 
-from env_space.bounded import call_bounded, finite_reward
+from env_space.bounded import finite_reward
+from env_space.isolation import call_bounded
 from env_space.environments import Environment, Task
 
 __all__ = ["CompletionAction", "PromptObservation", "SingleStepEpisode", "build_app", "main"]

@@ -7,7 +7,10 @@ the policy's chat template when ``ENV_CHAT_TEMPLATE`` is set); the system prompt
 for the final answer inside ``<answer>...</answer>``. Scoring extracts the last such
 tag with ``reasoning_gym.utils.extract_answer`` and calls the generator's own
 ``score_answer(answer, entry)``, exactly as reasoning-gym's evaluation does; a
-completion without the tag scores what the verifier gives ``None`` (0).
+completion without the tag scores what the verifier gives ``None`` (0). Importing this
+module puts :func:`~env_space.sources.evaluators.guard_evaluators` in front of the
+evaluators some verifiers call on the answer (sympy's ``parse_expr``, ``eval``), and the
+simulator scores in a confined child (:attr:`~env_space.environments.Scoring.CONFINED`).
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
 from env_space.environments import Environment, Task
 
 from . import parse_weighted
+from .evaluators import guard_evaluators
 from .prompts import render_prompt
 from .settings import ReasoningGymConfig
+
+guard_evaluators()
 
 __all__ = ["ReasoningGymEnvironment", "from_spec"]
 

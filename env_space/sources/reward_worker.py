@@ -11,7 +11,10 @@ crash of the child (segfault, ``os._exit``) fails that call only. The child load
 functions by name itself (built-ins or dotted paths,
 :func:`~env_space.sources.rewards.load_reward`, with the parent's ``sys.path``), so
 only the call's arguments and the returned values travel, pickled, over a socket
-pair.
+pair. Once the functions are loaded the child confines itself
+(:func:`env_space.isolation.confine`: no inherited descriptors, no network, 2 GiB of
+address space more, no new processes, no file writes), so a reward function reads
+completion text without the env's bucket connections or token.
 """
 
 from __future__ import annotations
@@ -31,14 +34,17 @@ from env_space.bounded import BoundedResult
 __all__ = ["RewardWorker"]
 
 logger = logging.getLogger(__name__)
+_MEMORY_MB = 2048  # address space a worker may add once its functions are loaded
 
 
 def _serve(conn: Connection) -> None:
     """The child: receive the setup, load the functions, say ready, then answer calls until the parent leaves."""
+    from env_space.isolation import confine
     from env_space.sources.rewards import load_reward
 
     names, answer_column, answer_tag = conn.recv()
     functions = {name: load_reward(name, answer_column=answer_column, answer_tag=answer_tag) for name in names}
+    confine([conn.fileno()], memory_mb=_MEMORY_MB, network=False, cpu_s=None)
     conn.send(("ready", None))
     while True:
         try:

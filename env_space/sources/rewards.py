@@ -32,6 +32,10 @@ from typing import Any
 
 from math_verify import parse, verify
 
+from .evaluators import guard_evaluators
+
+guard_evaluators()  # math-verify parses completions with sympy's parse_expr
+
 __all__ = [
     "BUILTIN_REWARDS",
     "RewardFunction",

@@ -67,7 +67,7 @@ class DatasetSourceConfig:
         default=5.0, metadata={"help": "time bound of one reward function call"}
     )
     reward_isolation: str = dataclasses.field(
-        default="process", metadata={"help": "process (a child killed when a call overstays) or thread"}
+        default="process", metadata={"help": "process (one confined worker, killed when a call overstays) or thread (a confined fork per call)"}
     )
 
     @classmethod
@@ -87,6 +87,12 @@ class OpenEnvConfig:
         default="task_type", metadata={"help": "observation field naming the task type ('' = none)"}
     )
     timeout_s: float = dataclasses.field(default=30.0, metadata={"help": "connect and message timeout"})
+    batch_timeout_s: float = dataclasses.field(
+        default=120.0, metadata={"help": "time bound of making one task batch (plus at most one call's timeout)"}
+    )
+    max_message_mb: float = dataclasses.field(
+        default=1.0, metadata={"help": "largest WebSocket message accepted from the server"}
+    )
 
     @classmethod
     def from_env(cls, **overrides: Any) -> OpenEnvConfig:

@@ -42,7 +42,10 @@ SCORES_PREFIX = "scores/"
 STATUS_PREFIX = "status/"
 METRICS_PREFIX = "metrics/"
 MAX_OBJECT_BYTES = 16 * 1024 * 1024
+#: The largest batch number (keys hold ten digits).
+MAX_BATCH = 10**10 - 1
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_BATCH_KEY = re.compile(r"^(?:tasks/([0-9]{10})\.json|(?:rollouts|scores)/([0-9]{10})/[^/]+)$")
 
 
 def check_id(value: str) -> str:
@@ -53,6 +56,13 @@ def check_id(value: str) -> str:
 
 
 def task_key(batch: int) -> str:
+    """``tasks/<batch>.json``, ten digits.
+
+    Raises:
+        ValueError: ``batch`` is not in ``[0, MAX_BATCH]``.
+    """
+    if not 0 <= batch <= MAX_BATCH:
+        raise ValueError(f"batch {batch} is not in [0, {MAX_BATCH}]")
     return f"{TASKS_PREFIX}{batch:010d}.json"
 
 
@@ -73,10 +83,10 @@ def metrics_key(role: str) -> str:
 
 
 def batch_of(key: str) -> int | None:
-    """The batch number in a ``tasks/``, ``rollouts/`` or ``scores/`` key."""
-    parts = key.split("/")
-    part = parts[1].split(".")[0] if len(parts) > 1 else ""
-    return int(part) if part.isascii() and part.isdigit() and len(part) <= 10 else None
+    """The batch number in a ``tasks/``, ``rollouts/`` or ``scores/`` key written as this module writes
+    them (ten digits; ``tasks/5.json`` or ``tasks/0000000005.x.json`` are not batch keys)."""
+    found = _BATCH_KEY.fullmatch(key)
+    return int(found.group(1) or found.group(2)) if found else None
 
 
 def replica_of(key: str) -> str | None:

@@ -268,9 +268,13 @@ def trainer_summary(snap: Snapshot) -> str:
 
 
 def refused_parts(extra: dict[str, Any]) -> list[str]:
-    """``["N bucket objects refused (last: ...)"]`` from a role's metrics, or nothing."""
+    """``["N bucket objects refused (last: ...)"]`` from a role's metrics, or nothing: also when the claimed
+    ``total`` is not the sum of its ``by_kind`` counts (:meth:`~rlsync.spaces.exchange.Refusals.as_dict`)."""
     refused = extra.get("refused")
-    if not isinstance(refused, dict) or not as_number(refused.get("total")):
+    if not isinstance(refused, dict) or not isinstance(refused.get("by_kind"), dict):
+        return []
+    counts, total = list(refused["by_kind"].values()), refused.get("total")
+    if not all(type(c) is int and c >= 0 for c in counts) or type(total) is not int or not 0 < total == sum(counts):
         return []
     last = refused.get("last") if isinstance(refused.get("last"), str) else ""
     return [f"**{int(refused['total'])} bucket objects refused** (last: {plain(last[:120])})"]

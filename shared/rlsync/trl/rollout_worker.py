@@ -21,7 +21,10 @@ per-token log-probabilities, reward, policy version):
   check compares like with like after a restart.
 
 Scored objects are untrusted: anything malformed, out of the vocabulary, with a
-non-finite reward or log-probability is counted and skipped, never queued.
+non-finite reward or log-probability, longer than ``max_tokens`` (default
+:data:`DEFAULT_MAX_TOKENS`) or claiming a version newer than the newest published
+one (which TRL's staleness check would take as fresh for good) is counted and
+skipped, never queued.
 """
 
 from __future__ import annotations
@@ -37,11 +40,14 @@ import numpy as np
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from ..bucket import Bucket, BucketError
+from ..errors import FormatError
 from ..protocol import read_manifest
 
 logger = logging.getLogger(__name__)
 
 SCORES_PREFIX = "scores/"
+#: Longest prompt + completion accepted by default (pass the model's context length instead).
+DEFAULT_MAX_TOKENS = 4096
 
 
 class ScoredSample(Protocol):
@@ -100,7 +106,7 @@ class BucketRolloutWorker:
         bucket: The run's bucket.
         read_scores: Parser of one scores object (e.g. ``rlsync.spaces.exchange.read_samples``).
         vocab_size: Token ids must be below this (a hostile id would crash the embedding).
-        max_tokens: Longest prompt + completion accepted (0: no limit).
+        max_tokens: Longest prompt + completion accepted (pass the model's context; 0: no limit).
         prefix: Where scored objects are listed.
         poll_s: Seconds between bucket listings.
         queue_maxsize: Bound of ``rollout_buffer`` (0: unbounded).
@@ -116,7 +122,7 @@ class BucketRolloutWorker:
         read_scores: ScoresReader,
         *,
         vocab_size: int,
-        max_tokens: int = 0,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
         prefix: str = SCORES_PREFIX,
         poll_s: float = 0.5,
         queue_maxsize: int = 0,
@@ -138,6 +144,7 @@ class BucketRolloutWorker:
         self.model_version = 0
         self.version_offset: int | None = None
         self.counts = {"queued": 0, "invalid": 0, "dropped_stale": 0, "unreadable": 0}
+        self._newest_version = 0  # newest published bucket version, read at each poll that finds new objects
         self._consumed: set[str] = set()
         self._next_group = 0
         self._stop = threading.Event()
@@ -207,6 +214,8 @@ class BucketRolloutWorker:
         """Read new scored objects once; returns samples queued."""
         listed = sorted(o.key for o in self.bucket.list(self.prefix) if o.key.endswith(".json"))
         self._consumed &= set(listed)  # objects the environment pruned will not come back
+        if set(listed) - self._consumed:
+            self._read_newest_version()
         queued = 0
         for key in listed:
             if key in self._consumed:
@@ -219,10 +228,20 @@ class BucketRolloutWorker:
             queued += self._queue_groups(read[1])
         return queued
 
+    def _read_newest_version(self) -> None:
+        try:
+            manifest = read_manifest(self.bucket)
+        except FormatError as exc:  # a damaged pointer: keep the last good version
+            logger.warning("reading the pointer failed, keeping version %d: %s", self._newest_version, exc)
+            return
+        self._newest_version = manifest.step if manifest is not None else 0
+
     def _usable(self, sample: ScoredSample) -> bool:
         ids = list(sample.prompt_ids) + list(sample.token_ids)
         return (
-            sample.reward is not None
+            type(sample.version) is int
+            and 0 <= sample.version <= self._newest_version
+            and sample.reward is not None
             and math.isfinite(sample.reward)
             and len(sample.token_ids) > 0
             and len(sample.prompt_ids) > 0
