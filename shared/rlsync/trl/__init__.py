@@ -9,6 +9,8 @@ Plug-ins any TRL user can pass to the trainer, importable without the Spaces:
 - :class:`BucketCheckpoints`, :class:`CheckpointCallback`: Trainer-format checkpoints in
   the bucket, resume from the newest complete one.
 - :class:`FinalWeightSync`: publish the last steps when training ends between two syncs.
+- :class:`NonFiniteStepGuard`, :class:`VersionGuard`: skip steps with non-finite gradients
+  before the optimizer; keep TRL's policy version from running ahead of the bucket's.
 - :func:`apply_cpu_compat`: run the trainer without a GPU.
 
 Names are imported on first use, so publishing alone does not import TRL.
@@ -28,6 +30,8 @@ _EXPORTS = {
     "BucketCheckpoints": "checkpoints",
     "CheckpointCallback": "checkpoints",
     "FinalWeightSync": "final_sync",
+    "NonFiniteStepGuard": "guards",
+    "VersionGuard": "guards",
     "apply_cpu_compat": "cpu_compat",
     "sdpa_tree_attention": "cpu_compat",
 }

@@ -1,0 +1,262 @@
+"""Demand-driven work (issue 20) and the samples the trainer refuses (issue 26, critical 2 and low 6).
+
+- the env issues task batches at the rate in the trainer's ``control/demand.json`` and
+  cancels rollouts already too stale instead of scoring them;
+- a replica does not start a batch that would be stale, a slower replica's late answer is
+  cancelled, and a replica that stops mid-round leaves its batch to the others;
+- cumulative counts (read, trained, dropped stale, expired unread) and the staleness histogram;
+- in-range logprob lies (-200) are refused, degenerate groups dropped and counted, a step with
+  non-finite gradients skipped before the optimizer, TRL's version pinned to the bucket's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+from collections import defaultdict
+
+import pytest
+import torch
+
+from env_space.environments import get_environment
+from env_space.simulator import EnvConfig, EnvSimulator
+from rollout_space.engine import Completion, Engine
+from rollout_space.replica import Replica, ReplicaConfig
+from rlsync.protocol import FixedInterval, NonFiniteError, Publisher
+from rlsync.sampling import MAX_GROUP_SIZE, MIN_SAMPLED_LOGPROB
+from rlsync.spaces.demand import DEMAND_KEY, Demand, parse_demand, read_demand, target_in_flight, write_demand
+from rlsync.spaces.exchange import Refusals, Sample, SampleLimits, parse_samples, read_samples, rollout_key, score_key, write_samples
+from rlsync.spaces.tiny_model import tiny_model_path
+from rlsync.trl import BucketRolloutWorker, BucketWeightTransfer, NonFiniteStepGuard, VersionGuard
+from tests.helpers import bf16, master_state, rl_step
+
+PER_BATCH = 2 * 4  # tasks_per_batch=2, G=4
+
+
+class FakeEngine(Engine):
+    """Completions of two fixed tokens (the flow does not depend on what is generated)."""
+
+    name = "fake"
+
+    def load_state(self, state) -> None:
+        pass
+
+    def apply_patches(self, patches, state) -> None:
+        pass
+
+    def generate(self, prompts, sampling):
+        return [[Completion("ab", [5, 6], [-1.0, -2.0]) for _ in range(sampling.n)] for _ in prompts]
+
+
+def replica(bucket, name: str) -> Replica:
+    model = str(tiny_model_path(environments=get_environment))
+    return Replica(ReplicaConfig(bucket=str(bucket.root), replica_id=name, model=model, device="cpu"), bucket=bucket, engine=FakeEngine())
+
+
+def sync(r: Replica) -> None:
+    r._pending = r.subscriber.fetch()
+    assert r._pending is not None and r.apply_pending()
+
+
+def tasks_in(bucket) -> list[int]:
+    return sorted(int(o.key.split("/")[1][:10]) for o in bucket.list("tasks/"))
+
+
+def sample(task: str, reward: float, version: int = 0, logprobs=(-0.5, -1.25)) -> Sample:
+    return Sample(task, "p", "c", [1, 5], [7, 8], list(logprobs), version, reward=reward)
+
+
+# -- the demand object --------------------------------------------------------
+
+
+@pytest.mark.parametrize("doc", [
+    [], {"version": 1}, {"version": -1, "max_staleness": 2, "read_batch": 0, "want_samples": 1},
+    {"version": 1, "max_staleness": 2, "read_batch": 0, "want_samples": 10**9},
+    {"version": 1, "max_staleness": 2, "read_batch": 0, "want_samples": 1.5},
+    {"version": 1, "max_staleness": 2, "read_batch": 0, "want_samples": 1, "step_s": float("nan")},
+    {"version": 1, "max_staleness": 2, "read_batch": 0, "want_samples": 1, "latency_s": 1e9},
+    {"version": True, "max_staleness": 2, "read_batch": 0, "want_samples": 1},
+])  # fmt: skip
+def test_hostile_demand_objects_are_refused_and_counted(bucket, doc):
+    with pytest.raises(ValueError):
+        parse_demand(doc)
+    bucket.put(DEMAND_KEY, json.dumps(doc).encode())
+    refusals = Refusals()
+    assert read_demand(bucket, refusals) is None and refusals.counts == {"control": 1}
+
+
+def test_in_flight_is_sized_from_step_and_latency_within_the_staleness_window():
+    assert target_in_flight(16, 2, None, None) == 32  # nothing measured: the whole window
+    assert target_in_flight(16, 4, 2.0, 0.5) == 32  # read within a step: the step in progress plus one
+    assert target_in_flight(16, 4, 1.0, 2.5) == 64  # three steps to read, plus one
+    assert target_in_flight(16, 2, 1.0, 30.0) == 32  # never more than can be trained before going stale
+    assert target_in_flight(16, 0, 1.0, 30.0) == 16
+
+
+# -- env, replicas, worker ----------------------------------------------------
+
+
+def test_env_issues_what_the_trainer_demands_and_cancels_stale_rollouts(bucket):
+    master, pub = master_state(), Publisher(bucket, policy=FixedInterval(10))
+    for v in range(6):
+        rl_step(master, v)
+        pub.publish(v, master)
+    env = EnvSimulator(EnvConfig(tasks_per_batch=2), bucket)
+    env.step()
+    assert tasks_in(bucket) == [0, 1]  # no demand yet: queue_depth batches waiting
+    write_demand(bucket, Demand(version=5, max_staleness=2, read_batch=1, want_samples=3 * PER_BATCH))
+    env.step()
+    assert tasks_in(bucket) == [0, 1, 2, 3, 4]  # three batches in flight after the last one read
+    env.step()
+    assert tasks_in(bucket) == [0, 1, 2, 3, 4]  # and no more while they are
+    prompts = {b: json.loads(bucket.get(f"tasks/{b:010d}.json"))["tasks"] for b in (2, 3)}
+    for b, version in ((2, 3), (3, 2)):  # min_version is 5 - 2 = 3: batch 3's rollouts are already stale
+        write_samples(bucket, rollout_key(b, "r"), [Sample(t["task_id"], t["prompt"], "x", [1], [5], [-1.0], version) for t in prompts[b] for _ in range(4)])
+    env.step()
+    assert read_samples(bucket, score_key(2, "r")) is not None
+    assert read_samples(bucket, score_key(3, "r")) is None and bucket.list("rollouts/") == []  # cancelled, not scored
+    metrics = json.loads(bucket.get("metrics/env.json"))
+    assert (metrics["scored"], metrics["cancelled_stale"], metrics["pacing"]) == (PER_BATCH, PER_BATCH, "demand")
+    env.step()  # batch 3 yields nothing more: one batch is issued in its place
+    assert tasks_in(bucket) == [0, 1, 2, 3, 4, 5]
+
+
+def test_slower_replica_and_replica_stopping_mid_round_keep_counts_exact(bucket):
+    master, pub = master_state(), Publisher(bucket, policy=FixedInterval(10))
+    pub.publish(0, master)
+    fast, slow = replica(bucket, "fast"), replica(bucket, "slow")
+    sync(fast), sync(slow)
+    worker = BucketRolloutWorker(bucket, read_samples, vocab_size=1 << 20, max_staleness=1)
+    worker.align_versions()
+    env = EnvSimulator(EnvConfig(tasks_per_batch=2), bucket)
+    write_demand(bucket, Demand(version=0, max_staleness=1, read_batch=-1, want_samples=2 * PER_BATCH, step_s=1.0))
+    env.step()
+    assert tasks_in(bucket) == [0, 1]
+    assert slow.next_batch() == 0  # the slow replica takes batch 0 and stops mid-round: it never answers
+    assert fast.step() and fast.step()  # the fast one answers both, the abandoned batch first
+    assert {o.key for o in bucket.list("rollouts/")} == {rollout_key(0, "fast"), rollout_key(1, "fast")}
+    env.step()
+    assert worker.poll() == 2 * PER_BATCH and worker.newest_batch == 1
+
+    for v in (1, 2):  # the trainer moves on; the slow replica lags at version 0
+        rl_step(master, v)
+        pub.publish(v, master)
+    sync(fast), sync(fast)
+    worker.update_model_version(2)
+    write_demand(bucket, Demand(version=2, max_staleness=1, read_batch=1, want_samples=2 * PER_BATCH, step_s=1.0))
+    env.step()
+    assert tasks_in(bucket) == [0, 1, 2, 3]
+    assert not slow.step() and slow.skipped_stale == 1  # version 0 would be two behind: not started
+    assert bucket.list("rollouts/") == []
+    slow.answer(2)  # a slow replica that had started before the trainer moved on answers late, at version 0
+    env.step()
+    assert read_samples(bucket, score_key(2, "slow")) is None and env._cancelled == PER_BATCH  # cancelled, unscored
+    assert fast.step() and fast.step()  # batch 2 is unanswered again: the fast replica does it, then 3
+    env.step()
+    assert worker.poll() == 2 * PER_BATCH
+    flow = worker.flow()
+    assert flow["read"] == env._scored == 4 * PER_BATCH and flow["dropped_stale"] == 0 and flow["queued"] == 4 * PER_BATCH
+    slow.publish_status()
+    assert json.loads(bucket.get("status/slow.json"))["skipped_stale"] == 1
+
+
+def test_cumulative_counts_expired_unread_and_staleness_histogram(bucket):
+    from accelerate import PartialState
+    from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset
+
+    from trainer_space.flow import FlowControl
+
+    PartialState(cpu=True)
+    Publisher(bucket).publish(10, bf16(master_state()))
+    worker = BucketRolloutWorker(bucket, read_samples, vocab_size=32, max_staleness=2)
+    worker.update_model_version(1)
+    worker.align_versions()  # bucket 10 is trainer version 1
+    groups = [sample("b", 1.0, 9), sample("b", 0.0, 9), sample("c", 1.0, 9), sample("c", 0.0, 9), sample("a", 1.0, 10), sample("a", 0.0, 10)]
+    write_samples(bucket, score_key(0, "r0"), groups, batch=0, issued_at=0.0)
+    assert worker.poll() == 6 and worker.newest_batch == 0 and worker.latency_s == 3600.0  # latency capped
+    worker.update_model_version(3)  # two versions on: bucket 10 lags 2, bucket 9 lags 3 (expired in the queue)
+    metrics = defaultdict(list)
+    dataset = RolloutQueueDataset(worker.rollout_buffer, lambda: worker.model_version, worker.check_health, 60.0, metrics, max_staleness=2, poll_interval_s=0.01)
+    it = iter(dataset)
+    assert [next(it)["metrics"]["reward"] for _ in range(2)] == [1.0, 0.0]
+    assert worker.rollout_buffer.qsize() == 0  # the other four were taken and dropped
+    flow = worker.flow()
+    assert (flow["read"], flow["expired_unread"], flow["staleness"]) == (6, 4, {"2": 2})
+    transfer = types.SimpleNamespace(version=10)
+    control = FlowControl(bucket, worker, transfer, batch_size=2, max_staleness=2)
+    control.add_step(2.0, 0.25, 1.25)
+    control.publish_demand()
+    figures = control.figures()
+    assert (figures["trained"], figures["wait_s_total"], figures["step_compute_s"]) == (2, 0.25, 1.0)
+    demand = read_demand(bucket)
+    assert demand == Demand(10, 2, 0, 4, 1.0, worker.latency_s, demand.written_at)  # the window: 2 steps x 2
+
+
+# -- issue 26: lies and degenerate groups ---------------------------------------
+
+
+def test_in_range_logprob_lies_are_refused_by_env_and_trainer(bucket):
+    doc = {"samples": [{"task_id": "t", "prompt": "p", "completion": "c", "prompt_ids": [1], "token_ids": [5, 6],
+                        "logprobs": [-1.0, -200.0], "version": 0, "reward": 1.0}]}  # fmt: skip
+    with pytest.raises(ValueError, match="logprob"):
+        parse_samples(doc, SampleLimits())
+    doc["samples"][0]["logprobs"] = [-1.0, MIN_SAMPLED_LOGPROB]
+    assert parse_samples(doc, SampleLimits())[1][0].logprobs[1] == MIN_SAMPLED_LOGPROB
+    Publisher(bucket).publish(0, bf16(master_state()))
+    worker = BucketRolloutWorker(bucket, lambda b, k: ({}, [sample("t", 1.0), sample("t", 0.0, logprobs=(-1.0, -200.0)),
+                                                            sample("t", 0.5, logprobs=(-1.0, MIN_SAMPLED_LOGPROB - 0.01))]), vocab_size=32)  # fmt: skip
+    write_samples(bucket, score_key(0, "r"), [])
+    assert worker.poll() == 0 and worker.counts["invalid"] == 2 and worker.counts["degenerate_groups"] == 1
+
+
+def test_degenerate_groups_are_dropped_and_counted(bucket):
+    Publisher(bucket).publish(0, bf16(master_state()))
+    huge = [sample("huge", 1.0 if i == 0 else 0.0) for i in range(MAX_GROUP_SIZE + 1)]
+    kept = [sample("pair", 1.0), sample("pair", 0.0)]
+    write_samples(bucket, score_key(0, "r"), [sample("single", 1.0), *huge, *kept])
+    worker = BucketRolloutWorker(bucket, read_samples, vocab_size=32)
+    worker.align_versions()
+    assert worker.poll() == 2
+    assert (worker.counts["degenerate_groups"], worker.counts["dropped_degenerate"]) == (2, 1 + MAX_GROUP_SIZE + 1)
+    taken = [worker.rollout_buffer.get_nowait() for _ in range(2)]
+    assert max(abs(s.advantage) for s in taken) == pytest.approx(1.0)
+
+
+def test_non_finite_step_never_reaches_the_optimizer():
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    guard = NonFiniteStepGuard()
+    (model(torch.ones(1, 4)).sum() * float("nan")).backward()
+    guard.on_pre_optimizer_step(None, types.SimpleNamespace(global_step=0), None, model=model)
+    optimizer.step()
+    assert guard.skipped == 1 and not optimizer.state
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    guard.on_pre_optimizer_step(None, types.SimpleNamespace(global_step=1), None, model=model)
+    optimizer.step()
+    assert guard.skipped == 1 and optimizer.state and not torch.equal(model.weight, before["weight"])
+
+
+def test_refused_publish_does_not_let_trl_version_run_ahead(bucket):
+    refused: list[NonFiniteError] = []
+    transfer = BucketWeightTransfer(bucket, on_non_finite=refused.append)
+    state = bf16(master_state())
+    transfer.send_weights(iter(state.items()))  # bucket version 0
+    worker = BucketRolloutWorker(bucket, read_samples, vocab_size=32, max_staleness=2)
+    trl = types.SimpleNamespace(model_version=1)  # TRL counts the initial sync as version 1
+    worker.update_model_version(1)
+    worker.align_versions()
+    guard = VersionGuard(trl, transfer, worker)
+    for _ in range(3):  # three poisoned syncs: TRL bumps its version after each, the bucket refuses each
+        poisoned = {n: t.clone() for n, t in state.items()}
+        next(iter(poisoned.values())).view(-1)[0] = float("nan")
+        transfer.send_weights(iter(poisoned.items()))
+        trl.model_version += 1
+        worker.update_model_version(trl.model_version)
+        guard.pin()
+    assert len(refused) == 3 and transfer.version == 0
+    assert trl.model_version == worker.model_version == worker.trainer_version(0) == 1 and guard.corrected == 3
+    write_samples(bucket, score_key(0, "r"), [Sample("t", "p", "c", [1], [2], [-1.0], 0, reward=r) for r in (0.0, 1.0)])
+    assert worker.poll() == 2 and worker.counts["dropped_stale"] == 0  # honest samples are not stale
