@@ -18,6 +18,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from env_space.environments import get_environment
 from env_space.simulator import EnvConfig, EnvSimulator
@@ -260,3 +261,56 @@ def test_refused_publish_does_not_let_trl_version_run_ahead(bucket):
     assert trl.model_version == worker.model_version == worker.trainer_version(0) == 1 and guard.corrected == 3
     write_samples(bucket, score_key(0, "r"), [Sample("t", "p", "c", [1], [2], [-1.0], 0, reward=r) for r in (0.0, 1.0)])
     assert worker.poll() == 2 and worker.counts["dropped_stale"] == 0  # honest samples are not stale
+
+
+def test_overview_shows_share_trained_waiting_and_staleness_histogram():
+    from rlsync.spaces.frames import flow_summary, staleness_frame
+    from rlsync.spaces.snapshots import Snapshot
+
+    flow = {"pacing": "demand", "trained": 900, "wait_s_total": 12.4, "wait_share": 0.041, "wait_s_last": 0.25,
+            "dropped_stale": 3, "expired_unread": 0, "staleness": {"0": 100, "1": 700, "2": 100, "x": 5, "99": 1, "3": "bad"}}  # fmt: skip
+    snap = Snapshot(trainer_extra={"flow": flow}, env_extra={"scored": 1000, "cancelled_stale": 7})
+    line = flow_summary(snap)
+    assert "**90%** of 1000 scored samples trained on (900)" in line and "waited **12 s** (4% of its wall time)" in line
+    assert "3 dropped stale" in line and "7 cancelled stale" in line and "expired" not in line
+    assert staleness_frame(snap).to_dict("list") == {"staleness": ["0", "1", "2"], "samples": [100, 700, 100]}
+    hostile = Snapshot(trainer_extra={"flow": {"pacing": "<img src=x>", "trained": "many", "staleness": [1, 2]}})
+    assert flow_summary(hostile) == "Flow: " and staleness_frame(hostile).empty
+    assert flow_summary(Snapshot()) == "Flow: no figures yet."
+
+
+class PoisonWeights(TrainerCallback):
+    """NaN into one weight as step ``at`` begins: its loss and gradients are NaN, and so would be its publish."""
+
+    def __init__(self, trainer, at: int) -> None:
+        self.trainer, self.at = trainer, at
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.at:
+            with torch.no_grad():
+                norm = [p for n, p in self.trainer.trl.model.named_parameters() if n.endswith("norm.weight")][-1]
+                norm.fill_(float("nan"))  # the final norm: every logit, the loss and every gradient are NaN
+
+
+def test_trainer_keeps_training_through_logprob_lies_and_a_nan_step(tmp_path):
+    """The issue's trigger (two scores objects of -200 logprobs) is refused; a NaN step is skipped before the
+    optimizer, its publish refused, and TRL's version stays the bucket's, so honest samples keep training."""
+    from rlsync.bucket import LocalBucket
+    from tests.trl_feed import ScoreFeeder
+    from trainer_space.trainer import Trainer, TrainerConfig
+
+    bucket = LocalBucket(tmp_path / "bucket")
+    trainer = Trainer(TrainerConfig(bucket=str(bucket.root), batch_size=4, max_steps=4, device="cpu", max_staleness=1, poll_s=0.05), bucket)
+    trainer.trl.add_callback(PoisonWeights(trainer, at=2))
+    lie = {"task_id": "t", "prompt": "p", "completion": "c", "prompt_ids": [1, 2], "token_ids": [5, 6], "logprobs": [-200.0, -200.0], "version": 0}
+    for i in range(2):
+        write_samples(bucket, score_key(0, f"lie{i}"), [Sample(**lie, reward=float(r)) for r in (0, 1, 0, 1)])
+    with ScoreFeeder(bucket, trainer.trl.processing_class, tasks=2, group=2, every_s=0.2):
+        trainer.run()
+    assert trainer.refusals.total == 2 and "logprob" in trainer.refusals.last
+    assert trainer.step_guard.skipped == 1 and trainer.transfer.non_finite_refused == 1 and trainer.version_guard.corrected == 1
+    assert trainer.opt_steps == 4 and trainer.version == 3  # train begin, then steps 1, 3 and 4 (step 2 refused)
+    assert trainer.trl.model_version == trainer.worker.model_version == trainer.worker.trainer_version(trainer.version)
+    flow = json.loads(bucket.get("metrics/trainer.json"))["flow"]
+    assert flow["trained"] == 16 and flow["steps"] == 4 and flow["pacing"] == "demand"
+    assert read_demand(bucket).version == trainer.version
