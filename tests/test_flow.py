@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import math
 import types
 from collections import defaultdict
 
@@ -22,7 +21,6 @@ from transformers import TrainerCallback
 
 from env_space.environments import get_environment
 from env_space.simulator import EnvConfig, EnvSimulator
-from rollout_space.engine import Completion, Engine
 from rollout_space.replica import Replica, ReplicaConfig
 from rlsync.protocol import FixedInterval, NonFiniteError, Publisher
 from rlsync.sampling import MAX_GROUP_SIZE, MIN_SAMPLED_LOGPROB
@@ -31,28 +29,14 @@ from rlsync.spaces.exchange import Refusals, Sample, SampleLimits, parse_samples
 from rlsync.spaces.tiny_model import tiny_model_path
 from rlsync.trl import BucketRolloutWorker, BucketWeightTransfer, NonFiniteStepGuard, VersionGuard
 from tests.helpers import bf16, master_state, rl_step
+from tests.test_secrets import StubEngine
 
 PER_BATCH = 2 * 4  # tasks_per_batch=2, G=4
 
 
-class FakeEngine(Engine):
-    """Completions of two fixed tokens (the flow does not depend on what is generated)."""
-
-    name = "fake"
-
-    def load_state(self, state) -> None:
-        pass
-
-    def apply_patches(self, patches, state) -> None:
-        pass
-
-    def generate(self, prompts, sampling):
-        return [[Completion("ab", [5, 6], [-1.0, -2.0]) for _ in range(sampling.n)] for _ in prompts]
-
-
 def replica(bucket, name: str) -> Replica:
     model = str(tiny_model_path(environments=get_environment))
-    return Replica(ReplicaConfig(bucket=str(bucket.root), replica_id=name, model=model, device="cpu"), bucket=bucket, engine=FakeEngine())
+    return Replica(ReplicaConfig(bucket=str(bucket.root), replica_id=name, model=model, device="cpu"), bucket=bucket, engine=StubEngine())
 
 
 def sync(r: Replica) -> None:
