@@ -166,7 +166,8 @@ class EnvSimulator:
             return issued
         batches = list(list_batches(self.bucket, TASKS_PREFIX))
         self._closed &= set(batches)
-        count = batches_to_issue(self.demand, batches, self._closed, self.samples_per_batch())
+        scored = set(list_batches(self.bucket, SCORES_PREFIX))
+        count = batches_to_issue(self.demand, batches, scored, self._closed, self.samples_per_batch())
         for _ in range(count):
             self.publish_tasks()
         return count

@@ -92,19 +92,23 @@ def test_env_issues_what_the_trainer_demands_and_cancels_stale_rollouts(bucket):
     assert tasks_in(bucket) == [0, 1]  # no demand yet: queue_depth batches waiting
     write_demand(bucket, Demand(version=5, max_staleness=2, read_batch=1, want_samples=3 * PER_BATCH))
     env.step()
-    assert tasks_in(bucket) == [0, 1, 2, 3, 4]  # three batches in flight after the last one read
+    assert tasks_in(bucket) == [0, 1, 2]  # three batches in flight: 0 and 1 are not answered yet
     env.step()
-    assert tasks_in(bucket) == [0, 1, 2, 3, 4]  # and no more while they are
-    prompts = {b: json.loads(bucket.get(f"tasks/{b:010d}.json"))["tasks"] for b in (2, 3)}
-    for b, version in ((2, 3), (3, 2)):  # min_version is 5 - 2 = 3: batch 3's rollouts are already stale
+    assert tasks_in(bucket) == [0, 1, 2]  # and no more while they are
+    prompts = {b: json.loads(bucket.get(f"tasks/{b:010d}.json"))["tasks"] for b in (1, 2)}
+    for b, version in ((2, 3), (1, 2)):  # min_version is 5 - 2 = 3: batch 1's rollouts are already stale
         write_samples(bucket, rollout_key(b, "r"), [Sample(t["task_id"], t["prompt"], "x", [1], [5], [-1.0], version) for t in prompts[b] for _ in range(4)])
     env.step()
     assert read_samples(bucket, score_key(2, "r")) is not None
-    assert read_samples(bucket, score_key(3, "r")) is None and bucket.list("rollouts/") == []  # cancelled, not scored
+    assert read_samples(bucket, score_key(1, "r")) is None and bucket.list("rollouts/") == []  # cancelled, not scored
     metrics = json.loads(bucket.get("metrics/env.json"))
     assert (metrics["scored"], metrics["cancelled_stale"], metrics["pacing"]) == (PER_BATCH, PER_BATCH, "demand")
-    env.step()  # batch 3 yields nothing more: one batch is issued in its place
-    assert tasks_in(bucket) == [0, 1, 2, 3, 4, 5]
+    env.step()  # batch 1 yields nothing more: one batch is issued in its place (2 is scored but not read yet)
+    assert tasks_in(bucket) == [0, 1, 2, 3]
+    write_demand(bucket, Demand(version=5, max_staleness=2, read_batch=10**10 - 1, want_samples=3 * PER_BATCH))
+    for _ in range(3):  # a read_batch past everything: scored batches count as read, unscored ones stay in flight
+        env.step()
+    assert tasks_in(bucket) == [0, 1, 2, 3, 4]  # 0, 3, 4 in flight: never more than the demand
 
 
 def test_slower_replica_and_replica_stopping_mid_round_keep_counts_exact(bucket):
@@ -176,6 +180,15 @@ def test_cumulative_counts_expired_unread_and_staleness_histogram(bucket):
     assert (figures["trained"], figures["wait_s_total"], figures["step_compute_s"]) == (2, 0.25, 1.0)
     demand = read_demand(bucket)
     assert demand == Demand(10, 2, 0, 4, 1.0, worker.latency_s, demand.written_at)  # the window: 2 steps x 2
+    write_samples(bucket, score_key(1, "r0"), [sample("d", 1.0, 10), sample("d", 0.0, 10)], batch=1)
+    worker.poll()  # two samples buffered: the demand written now asks for 4 - 2
+    control.publish_demand()
+    assert read_demand(bucket).want_samples == 2
+    control.refresh_if_drained()
+    assert read_demand(bucket).want_samples == 2  # not drained: not rewritten
+    [next(it) for _ in range(2)]  # TRL takes them without a step ending (here: no step at all)
+    control.refresh_if_drained()
+    assert read_demand(bucket).want_samples == 4  # drained since written: the whole window asked again
 
 
 # -- issue 26: lies and degenerate groups ---------------------------------------

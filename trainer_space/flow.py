@@ -53,6 +53,8 @@ class FlowControl(TrainerCallback):
         self.last_wait_s: float | None = None
         self.compute_s: float | None = None  # EMA of a step without its waiting
         self.started_at = time.time()
+        self._buffered_at_write = 0  # samples in the buffer when the demand was last written
+        worker.on_poll = self.refresh_if_drained
 
     def on_train_begin(self, args, state, control, **kwargs: Any):
         self.started_at = time.time()
@@ -97,11 +99,18 @@ class FlowControl(TrainerCallback):
             step_s=self.compute_s or 0.0, latency_s=self.worker.latency_s or 0.0,
         )  # fmt: skip
 
+    def refresh_if_drained(self) -> None:
+        """Rewrite the demand once when the buffer ran empty since it was written (TRL took and dropped
+        stale samples: no step ends, so none would write it, and the env would wait on a demand met)."""
+        if self._buffered_at_write and not self.worker.rollout_buffer.qsize():
+            self.publish_demand()
+
     def publish_demand(self) -> None:
         """Write ``control/demand.json`` (pacing ``demand`` only; errors are logged)."""
         demand = self.demand() if self.pacing is Pacing.DEMAND else None
         if demand is None:
             return
+        self._buffered_at_write = self.worker.rollout_buffer.qsize()
         try:
             write_demand(self.bucket, demand)
         except BucketError as exc:

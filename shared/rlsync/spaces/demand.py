@@ -87,16 +87,23 @@ def target_in_flight(batch_size: int, max_staleness: int, step_s: float | None, 
     return min(max(steps, 1), most) * batch_size
 
 
-def batches_to_issue(demand: Demand, issued: list[int], closed: set[int], samples_per_batch: float) -> int:
+def batches_to_issue(
+    demand: Demand, issued: list[int], scored: set[int], closed: set[int], samples_per_batch: float
+) -> int:
     """How many new task batches the env should issue now.
+
+    A batch is in flight until its scores are written and the trainer has read past it. Unscored
+    batches count whatever ``read_batch`` says, so a wrong ``read_batch`` cannot make the env issue
+    more than ``want_samples`` worth of unscored work.
 
     Args:
         demand: The trainer's demand.
         issued: Task batches in the bucket.
+        scored: Batches with scores written.
         closed: Batches that will yield nothing more (their rollouts were cancelled or refused).
         samples_per_batch: Measured scored samples per batch (all replicas together).
     """
-    in_flight = [b for b in issued if b > demand.read_batch and b not in closed]
+    in_flight = [b for b in issued if b not in closed and (b not in scored or b > demand.read_batch)]
     need = math.ceil(demand.want_samples / max(samples_per_batch, 1.0))
     return max(0, need - len(in_flight))
 

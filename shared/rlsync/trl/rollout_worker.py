@@ -144,6 +144,8 @@ class BucketRolloutWorker:
         heartbeat_s: Seconds between heartbeats.
         max_group_size: Largest group kept (larger ones are degenerate: see :mod:`rlsync.sampling`).
         summary_s: Seconds between the summary log lines of reads and drops.
+        on_poll: Called after every poll of the bucket (e.g. to refresh a demand object while the
+            trainer waits, when no step ends to do it).
     """
 
     def __init__(
@@ -161,6 +163,7 @@ class BucketRolloutWorker:
         heartbeat_s: float = 60.0,
         max_group_size: int = MAX_GROUP_SIZE,
         summary_s: float = 60.0,
+        on_poll: Callable[[], None] | None = None,
     ) -> None:
         self.bucket = bucket
         self.read_scores = read_scores
@@ -173,6 +176,7 @@ class BucketRolloutWorker:
         self.heartbeat_s = heartbeat_s
         self.max_group_size = max_group_size
         self.summary_s = summary_s
+        self.on_poll = on_poll
         self.rollout_buffer: queue.Queue = _TakenQueue(queue_maxsize, self._taken)
         self.metrics_queue: queue.Queue = queue.Queue()
         self.model_version = 0
@@ -378,5 +382,7 @@ class BucketRolloutWorker:
             if any(grown.values()):
                 self.metrics_queue.put({f"rollout/{k}_total": v for k, v in grown.items()})
             self._log_summary()
+            if self.on_poll is not None:
+                self.on_poll()
             self._beat()
             self._stop.wait(self.poll_s)
