@@ -311,3 +311,27 @@ def test_trainer_keeps_training_through_logprob_lies_and_a_nan_step(tmp_path):
     flow = json.loads(bucket.get("metrics/trainer.json"))["flow"]
     assert flow["trained"] == 16 and flow["steps"] == 4 and flow["pacing"] == "demand"
     assert read_demand(bucket).version == trainer.version
+
+
+def test_drops_are_logged_as_one_summary_line_per_interval(bucket, caplog):
+    import logging
+    import time
+
+    Publisher(bucket).publish(10, bf16(master_state()))
+    write_samples(bucket, score_key(0, "r"), [sample(f"t{i}", float(i % 2), 8) for i in range(40)])  # 2 versions behind
+    worker = BucketRolloutWorker(bucket, read_samples, vocab_size=32, max_staleness=1, poll_s=0.05, summary_s=0.3)
+    caplog.set_level(logging.INFO)
+    worker.start()
+    try:
+        deadline = time.time() + 30
+        while worker.counts["dropped_stale"] < 40 and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)
+    finally:
+        worker.stop()
+    logging.getLogger("trl.experimental.async_grpo.async_grpo_trainer").info("dropping stale sample (staleness=3, max=2)")
+    lines = [r.getMessage() for r in caplog.records]
+    assert [m for m in lines if "dropped stale" in m] == [
+        "rollouts in the last 0.3s: read 40, dropped stale 40, expired unread 0, dropped degenerate 0, invalid 0, unreadable 0"
+    ]
+    assert not any(m.startswith("dropping stale sample") for m in lines)

@@ -357,7 +357,7 @@ class BucketRolloutWorker:
         grown = {k: now[k] - self._summary_counts[k] for k in _SUMMARY_COUNTS}
         self._summary_at, self._summary_counts = time.monotonic(), {k: now[k] for k in _SUMMARY_COUNTS}
         if any(grown.values()):
-            logger.info("rollouts in the last %.0fs: %s", self.summary_s, ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in grown.items()))
+            logger.info("rollouts in the last %gs: %s", self.summary_s, ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in grown.items()))
 
     def _beat(self) -> None:
         if self.heartbeat is not None and time.monotonic() - self._last_heartbeat >= self.heartbeat_s:
