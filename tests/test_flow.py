@@ -24,7 +24,7 @@ from env_space.simulator import EnvConfig, EnvSimulator
 from rollout_space.replica import Replica, ReplicaConfig
 from rlsync.protocol import FixedInterval, NonFiniteError, Publisher
 from rlsync.sampling import MAX_GROUP_SIZE, MIN_SAMPLED_LOGPROB
-from rlsync.spaces.demand import DEMAND_KEY, Demand, parse_demand, read_demand, target_in_flight, write_demand
+from rlsync.spaces.demand import DEMAND_KEY, Demand, parse_demand, read_demand, target_in_flight, would_be_stale, write_demand
 from rlsync.spaces.exchange import Refusals, Sample, SampleLimits, parse_samples, read_samples, rollout_key, score_key, write_samples
 from rlsync.spaces.tiny_model import tiny_model_path
 from rlsync.trl import BucketRolloutWorker, BucketWeightTransfer, NonFiniteStepGuard, VersionGuard
@@ -137,6 +137,9 @@ def test_slower_replica_and_replica_stopping_mid_round_keep_counts_exact(bucket)
     env.step()
     assert tasks_in(bucket) == [0, 1, 2, 3]
     assert not slow.step() and slow.skipped_stale == 1  # version 0 would be two behind: not started
+    slow.batch_gen_s = 50.0  # a very slow replica, and a starving trainer: it can start at the newest version
+    assert would_be_stale(Demand(2, 1, 1, 8, step_s=1.0, buffered_steps=3.0), 2, 50.0)  # 3 steps buffered: stale by then
+    assert not would_be_stale(Demand(2, 1, 1, 8, step_s=1.0, buffered_steps=0.0), 2, 50.0)
     assert bucket.list("rollouts/") == []
     slow.answer(2)  # a slow replica that had started before the trainer moved on answers late, at version 0
     env.step()
@@ -179,7 +182,7 @@ def test_cumulative_counts_expired_unread_and_staleness_histogram(bucket):
     figures = control.figures()
     assert (figures["trained"], figures["wait_s_total"], figures["step_compute_s"]) == (2, 0.25, 1.0)
     demand = read_demand(bucket)
-    assert demand == Demand(10, 2, 0, 4, 1.0, worker.latency_s, demand.written_at)  # the window: 2 steps x 2
+    assert demand == Demand(10, 2, 0, 4, 1.0, worker.latency_s, 0.0, demand.written_at)  # the window: 2 steps x 2
     write_samples(bucket, score_key(1, "r0"), [sample("d", 1.0, 10), sample("d", 0.0, 10)], batch=1)
     worker.poll()  # two samples buffered: the demand written now asks for 4 - 2
     control.publish_demand()

@@ -92,11 +92,11 @@ class FlowControl(TrainerCallback):
         if version is None:
             return None
         target = target_in_flight(self.batch_size, self.max_staleness, self.compute_s, self.worker.latency_s)
-        newest = self.worker.newest_batch
+        newest, buffered = self.worker.newest_batch, self.worker.rollout_buffer.qsize()
         return Demand(
             version=version, max_staleness=self.max_staleness, read_batch=-1 if newest is None else newest,
-            want_samples=max(0, target - self.worker.rollout_buffer.qsize()),
-            step_s=self.compute_s or 0.0, latency_s=self.worker.latency_s or 0.0,
+            want_samples=max(0, target - buffered), step_s=self.compute_s or 0.0,
+            latency_s=self.worker.latency_s or 0.0, buffered_steps=buffered / max(self.batch_size, 1),
         )  # fmt: skip
 
     def refresh_if_drained(self) -> None:

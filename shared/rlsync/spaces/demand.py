@@ -5,7 +5,7 @@ consumes, and on the CPU demo about 80% of the generated samples never reach the
 loss. With it, the trainer writes one small object per optimizer step::
 
     control/demand.json   trainer -> env, replicas: {"version", "max_staleness",
-                          "read_batch", "want_samples", "step_s", "latency_s", "written_at"}
+                          "read_batch", "want_samples", "step_s", "latency_s", "buffered_steps", "written_at"}
 
 - ``read_batch``: the newest task batch whose scores the trainer has read; batches
   after it are in flight (issued, being generated, scored but unread).
@@ -56,6 +56,7 @@ class Demand:
     want_samples: int
     step_s: float = 0.0
     latency_s: float = 0.0
+    buffered_steps: float = 0.0
     written_at: float = 0.0
 
     @property
@@ -111,9 +112,11 @@ def batches_to_issue(
 def would_be_stale(demand: Demand, version: int, generate_s: float) -> bool:
     """Whether samples a replica starts now at ``version`` would be too stale once trained.
 
-    The trainer moves on about ``generate_s / step_s`` versions while the replica generates.
+    The trainer moves on about ``generate_s / step_s`` versions while the replica generates, but only
+    as far as the samples it already holds take it (``buffered_steps``): a starving trainer does not
+    move on, so nothing it is waiting for can go stale.
     """
-    ahead = generate_s / demand.step_s if demand.step_s > 0 else 0.0
+    ahead = min(generate_s / demand.step_s, demand.buffered_steps) if demand.step_s > 0 else 0.0
     return demand.version + ahead - version > demand.max_staleness
 
 
@@ -139,13 +142,13 @@ def parse_demand(doc: Any) -> Demand:
     """
     if not isinstance(doc, dict):
         raise ValueError("a demand must be a JSON object")
-    step_s, latency_s = _seconds(doc, "step_s"), _seconds(doc, "latency_s")
-    if step_s > _MAX_SECONDS or latency_s > _MAX_SECONDS:
-        raise ValueError(f"step_s and latency_s must be at most {_MAX_SECONDS:g}")
+    step_s, latency_s, buffered = _seconds(doc, "step_s"), _seconds(doc, "latency_s"), _seconds(doc, "buffered_steps")
+    if step_s > _MAX_SECONDS or latency_s > _MAX_SECONDS or buffered > _MAX_SAMPLES:
+        raise ValueError(f"step_s and latency_s must be at most {_MAX_SECONDS:g}, buffered_steps at most {_MAX_SAMPLES}")
     return Demand(
         version=_int(doc, "version", 0, 1 << 62), max_staleness=_int(doc, "max_staleness", 0, 1 << 20),
         read_batch=_int(doc, "read_batch", -1, 10**10 - 1), want_samples=_int(doc, "want_samples", 0, _MAX_SAMPLES),
-        step_s=step_s, latency_s=latency_s, written_at=_seconds(doc, "written_at"),
+        step_s=step_s, latency_s=latency_s, buffered_steps=buffered, written_at=_seconds(doc, "written_at"),
     )  # fmt: skip
 
 
