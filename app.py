@@ -224,10 +224,13 @@ def build_app(stack: Stack) -> gr.Blocks:
                     live.add(status, lambda view, snap: stack.status())
                     components.summary_line(live, frames.trainer_summary, elem_id="overview-trainer-summary")
                     components.summary_line(live, frames.env_summary, elem_id="overview-env-summary")
+                    components.summary_line(live, frames.flow_summary, elem_id="overview-flow-summary")
                     with gr.Row():
                         components.reward_plot(live, prefix="overview-")
                         components.size_plot(live, prefix="overview-")
-                    components.ratio_plot(live, prefix="overview-")
+                    with gr.Row():
+                        components.ratio_plot(live, prefix="overview-")
+                        components.staleness_plot(live, prefix="overview-")
                     components.fleet_table(live, prefix="overview-")
             with gr.Tab("Trainer", id="trainer", elem_id="tab-trainer") as trainer_tab:
                 trainer_app.build_panel(

@@ -6,10 +6,17 @@ Runs the three roles as processes on a fresh local bucket for ``--minutes`` (wha
 - the median % of elements changed per delta after warm-up (versions after ``--warmup``),
   and per-version sizes against the anchor and against the TRL layout (6 bytes per
   changed bf16 element plus the header);
-- the environment's mean reward over the first and the last minute of samples.
+- the environment's mean reward over the first and the last minute of samples;
+- the flow: samples scored by the env and trained by the trainer (the share that reached
+  the loss), trained samples per minute, dropped stale, expired unread, cancelled, the
+  staleness histogram of trained samples and the trainer's waiting time.
 
-    python -m benchmarks.demo                          # the demo defaults, 5 minutes
-    python -m benchmarks.demo --minutes 3 --set TRAINER_LR=2e-5 --set TRAINER_ADAM_EPSILON=1e-8
+``--pacing`` picks how tasks are issued: ``queue`` (the env keeps ``queue_depth`` batches
+waiting, the old pacing), ``demand`` (the trainer's ``control/demand.json``), or ``both``
+(the default: one after the other in the same invocation, printed side by side).
+
+    python -m benchmarks.demo                          # the demo defaults, 5 minutes per pacing
+    python -m benchmarks.demo --pacing demand --minutes 3 --set TRAINER_LR=2e-5 --set TRAINER_ADAM_EPSILON=1e-8
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from env_space.environments import get_environment
 from rlsync.bucket import LocalBucket
@@ -37,7 +45,7 @@ def run(minutes: float, overrides: dict[str, str], warmup: int) -> dict:
     tiny_model_path(environments=get_environment)
     with tempfile.TemporaryDirectory(prefix="rlsync-demo-") as tmp:
         bucket_dir = Path(tmp) / "bucket"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT / "shared"), str(ROOT))), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "TRAINER_BUCKET": str(bucket_dir), "ROLLOUT_BUCKET": str(bucket_dir), "ENV_BUCKET": str(bucket_dir),
                "ROLLOUT_REPLICA_ID": "r0", **overrides}  # fmt: skip
         procs = [
@@ -54,8 +62,9 @@ def run(minutes: float, overrides: dict[str, str], warmup: int) -> dict:
             for p in procs:
                 p.wait(120)
         bucket = LocalBucket(bucket_dir)
-        trainer = (get_json(bucket, metrics_key("trainer")) or {}).get("rows", [])
-        env_rows = (get_json(bucket, metrics_key("env")) or {}).get("rows", [])
+        trainer_doc = get_json(bucket, metrics_key("trainer")) or {}
+        env_doc = get_json(bucket, metrics_key("env")) or {}
+        trainer, env_rows = trainer_doc.get("rows", []), env_doc.get("rows", [])
         manifest = read_manifest(bucket)
     deltas = [r for r in trainer if r.get("kind") == "delta" and r["version"] > warmup]
     anchor = next((r["nbytes"] for r in trainer if r.get("kind") == "anchor"), None)
@@ -67,8 +76,10 @@ def run(minutes: float, overrides: dict[str, str], warmup: int) -> dict:
         n = sum(r["count"] for r in rows)
         return sum(r["mean_reward"] * r["count"] for r in rows) / n if n else None
 
+    first, last = reward(t0, t0 + 60), reward(t1 - 60, t1)
     return {
         "settings": overrides, "minutes": minutes, "load_avg": os.getloadavg()[0],
+        **flow_figures(trainer_doc.get("flow") or {}, env_doc), "reward_rise": None if first is None or last is None else last - first,
         "versions": manifest.step if manifest else None,
         "median_changed_pct_after_warmup": statistics.median(r["changed_pct"] for r in deltas) if deltas else None,
         "median_delta_vs_anchor": statistics.median(r["nbytes"] / anchor for r in deltas) if deltas and anchor else None,
@@ -77,15 +88,52 @@ def run(minutes: float, overrides: dict[str, str], warmup: int) -> dict:
     }
 
 
+def flow_figures(flow: dict[str, Any], env_doc: dict[str, Any]) -> dict[str, Any]:
+    """Scored, trained and dropped samples, their rates and the trainer's waiting, from the metrics objects."""
+    scored, trained, wall = env_doc.get("scored") or 0, flow.get("trained") or 0, flow.get("wall_s") or 0.0
+    return {
+        "scored": scored, "trained": trained, "trained_share": trained / scored if scored else None,
+        "trained_per_min": 60 * trained / wall if wall else None, "trainer_wall_s": wall,
+        "wait_share": flow.get("wait_share"), "wait_share_after_first_step": flow.get("wait_share_after_first_step"),
+        "dropped_stale": flow.get("dropped_stale"),
+        "expired_unread": flow.get("expired_unread"), "cancelled_stale": env_doc.get("cancelled_stale"),
+        "dropped_degenerate": flow.get("dropped_degenerate"), "staleness_trained": flow.get("staleness"),
+    }
+
+
+ROWS = ("scored", "trained", "trained_share", "trained_per_min", "wait_share", "wait_share_after_first_step",
+        "dropped_stale", "expired_unread",
+        "cancelled_stale", "staleness_trained", "reward_first_minute", "reward_last_minute", "reward_rise", "versions",
+        "median_changed_pct_after_warmup", "load_avg")  # fmt: skip
+
+
+def side_by_side(results: dict[str, dict]) -> str:
+    """The figures of each pacing in columns."""
+    names = list(results)
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.3f}"
+        return json.dumps(value) if isinstance(value, dict) else str(value)
+
+    lines = [f"{'':34}" + "".join(f"{n:>26}" for n in names)]
+    lines += [f"{row:34}" + "".join(f"{cell(results[n].get(row)):>26}" for n in names) for row in ROWS]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--warmup", type=int, default=10, help="versions excluded from the median")
     parser.add_argument("--set", action="append", default=[], metavar="VAR=VALUE", help="role settings (environment variables)")
+    parser.add_argument("--pacing", choices=("queue", "demand", "both"), default="both", help="task pacing (both: side by side)")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args()
-    result = run(args.minutes, dict(s.split("=", 1) for s in args.set), args.warmup)
+    settings = dict(s.split("=", 1) for s in args.set)
+    pacings = ("queue", "demand") if args.pacing == "both" else (args.pacing,)
+    result = {p: run(args.minutes, {**settings, "TRAINER_PACING": p}, args.warmup) for p in pacings}
     print(json.dumps(result, indent=2))
+    print(side_by_side(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

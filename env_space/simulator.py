@@ -1,7 +1,9 @@
 """The environment simulator role: tasks out, rewards back, only through the bucket.
 
-Each iteration it keeps ``queue_depth`` task batches waiting for replicas,
-scores every rollouts object that replicas wrote (regenerating the batch's
+Each iteration it issues task batches at the rate the trainer consumes them
+(the trainer's ``control/demand.json``, see :mod:`rlsync.spaces.demand`; without
+one it keeps ``queue_depth`` batches waiting), scores every rollouts object that
+replicas wrote (cancelling those already too stale for the trainer) (regenerating the batch's
 tasks from its seed, so answers never leave the environment), writes the
 scored samples for the trainer, and mirrors its figures to ``metrics/env.json``.
 
@@ -19,9 +21,11 @@ next number; keys beyond its numbering are deleted as refused.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
+import math
 import threading
 import time
 
@@ -49,6 +53,7 @@ from rlsync.spaces.exchange import (
     write_samples,
 )
 from rlsync.protocol import read_manifest
+from rlsync.spaces.demand import Demand, batches_to_issue, read_demand
 from rlsync.spaces.settings import from_env
 
 from .bounded import BoundedResult, FailureCounts, ScoringFailure, finite_reward
@@ -61,6 +66,7 @@ logger = logging.getLogger(__name__)
 _EPISODE_CHARS = 400  # prompt tail / completion head kept per recent episode for the panel
 _MAX_BACKOFF_S = 60.0  # longest wait between steps after failures in a row
 _RESUME_BELOW = 10**9  # a restart resumes only below this (a batch a second for 31 years): headroom to MAX_BATCH
+_SAMPLES_PER_TASK = 4  # the replicas' default G, until the env has measured samples per batch
 
 
 @dataclasses.dataclass
@@ -119,8 +125,12 @@ class EnvSimulator:
         self._tasks_made = 0
         self._next_batch: int | None = None  # resumed from the bucket at the first publish
         self._scored = 0
+        self._cancelled = 0
         self._t0 = time.time()
         self.refusals = Refusals()
+        self.demand: Demand | None = None
+        self._batch_samples: collections.OrderedDict[int, int] = collections.OrderedDict()  # recent batch -> samples scored
+        self._closed: set[int] = set()  # batches whose rollouts were cancelled or refused: nothing more in flight
 
     # -- tasks --------------------------------------------------------------
 
@@ -196,6 +206,29 @@ class EnvSimulator:
         logger.info("published task batch %d (%d %s tasks)", batch, len(tasks), self.environment.name)
         return batch
 
+    def samples_per_batch(self) -> float:
+        """Scored samples per task batch, over recent batches (all replicas' answers together)."""
+        if not self._batch_samples:
+            return float(self.config.tasks_per_batch * _SAMPLES_PER_TASK)
+        return sum(self._batch_samples.values()) / len(self._batch_samples)
+
+    def issue_tasks(self) -> int:
+        """Top up the task batches: what the trainer's demand asks for, else ``queue_depth`` waiting;
+        returns the number of batches issued."""
+        self.demand = read_demand(self.bucket, self.refusals)
+        if self.demand is None:  # at most queue_depth per step, whatever the bucket holds
+            issued = max(0, self.config.queue_depth - len(self.waiting_batches()))
+            for _ in range(issued):
+                self.publish_tasks()
+            return issued
+        batches = list(list_batches(self.bucket, TASKS_PREFIX))
+        self._closed &= set(batches)
+        scored = set(list_batches(self.bucket, SCORES_PREFIX))
+        count = batches_to_issue(self.demand, batches, scored, self._closed, self.samples_per_batch())
+        for _ in range(count):
+            self.publish_tasks()
+        return count
+
     def waiting_batches(self) -> list[int]:
         """This simulator's batches that no replica has answered yet."""
         answered = set(list_batches(self.bucket, ROLLOUTS_PREFIX)) | set(list_batches(self.bucket, SCORES_PREFIX))
@@ -239,18 +272,36 @@ class EnvSimulator:
                 if tasks is None or read is None or replica is None:  # refused objects are already logged and counted
                     logger.info("dropping %s: refused, or its task batch is gone", key)
                     self.bucket.delete([key])
+                    self._closed.add(batch)
                     continue
                 header, samples = read
                 kept = [s for s in samples if s.task_id in tasks and s.prompt == tasks[s.task_id].prompt]
                 if len(kept) < len(samples):
                     self.failures.add("rollouts", "unknown task or changed prompt", len(samples) - len(kept))
-                for s, reward in zip(kept, self.score_samples([(tasks[s.task_id], s.completion) for s in kept])):
+                fresh = [s for s in kept if self.demand is None or s.version >= self.demand.min_version]
+                self._cancelled += len(kept) - len(fresh)
+                if not fresh:  # nothing the trainer would still take: cancelled, not scored
+                    self._closed.add(batch)
+                    self.bucket.delete([key])
+                    continue
+                for s, reward in zip(fresh, self.score_samples([(tasks[s.task_id], s.completion) for s in fresh])):
                     s.reward = reward
-                write_samples(self.bucket, score_key(batch, replica), kept, batch=batch, replica=replica, env=doc["env"])
+                issued_at = doc.get("created_at")
+                write_samples(
+                    self.bucket, score_key(batch, replica), fresh, batch=batch, replica=replica, env=doc["env"],
+                    **({"issued_at": issued_at} if type(issued_at) in (int, float) and math.isfinite(issued_at) else {}),
+                )  # fmt: skip
                 self.bucket.delete([key])
-                self._record(tasks, kept)
-                scored += len(kept)
+                self._record(tasks, fresh)
+                self._count_batch(batch, len(fresh))
+                scored += len(fresh)
         return scored
+
+    def _count_batch(self, batch: int, samples: int) -> None:
+        self._batch_samples[batch] = self._batch_samples.get(batch, 0) + samples
+        self._batch_samples.move_to_end(batch)
+        while len(self._batch_samples) > 16:
+            self._batch_samples.popitem(last=False)
 
     def score_sample(self, task: Task, completion: str) -> float:
         """Score one completion (see :meth:`score_samples`)."""
@@ -337,8 +388,7 @@ class EnvSimulator:
 
     def step(self) -> None:
         """One iteration: top up the task queue, score what arrived, publish figures."""
-        for _ in range(self.config.queue_depth - len(self.waiting_batches())):
-            self.publish_tasks()
+        self.issue_tasks()
         self.score_rollouts()
         self.prune()
         elapsed = max(time.time() - self._t0, 1e-9)
@@ -348,6 +398,8 @@ class EnvSimulator:
             "tasks_per_s": self._tasks_made / elapsed,
             "scores_per_s": self._scored / elapsed,
             "scored": self._scored,
+            "cancelled_stale": self._cancelled,
+            "pacing": "queue" if self.demand is None else "demand",
             "refused": self.refusals.as_dict(),
             "failures": self.failures.as_dict(),
             "by_type": {k: {"mean_reward": s / n, "count": n} for k, (s, n) in self.by_type.items()},

@@ -29,6 +29,8 @@ from rlsync.trl import (
     BucketWeightTransfer,
     CheckpointCallback,
     FinalWeightSync,
+    NonFiniteStepGuard,
+    VersionGuard,
     apply_cpu_compat,
 )
 
@@ -65,6 +67,8 @@ trainer = AsyncGRPOTrainer(
 )  # fmt: skip
 trainer.add_callback(FinalWeightSync(trainer))  # publish the last steps off the weight_sync_steps grid
 trainer.add_callback(CheckpointCallback(BucketCheckpoints(bucket)))  # Trainer checkpoints into checkpoints/
+trainer.add_callback(NonFiniteStepGuard())  # a NaN/Inf step never reaches the optimizer
+trainer.add_callback(VersionGuard(trainer, transfer, worker))  # TRL's version stays the bucket's after a refused publish
 trainer.train(resume_from_checkpoint=folder)
 trainer.save_model(args.output_dir)
 print(f"trained {trainer.state.global_step} steps; published version {transfer.version} to {bucket.url}")

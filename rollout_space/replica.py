@@ -12,6 +12,12 @@ fleet spreads batches over its members without coordination. Two replicas can
 race for the same batch; then both answers are kept and the trainer simply gets
 more groups for those tasks (the env counts them). Every replica writes
 ``status/<replica>.json`` so any panel can show the fleet.
+
+Demand (``control/demand.json``, :mod:`rlsync.spaces.demand`): before a batch the
+replica applies the newest version it holds, and does not start a batch whose
+samples would be too stale by the time the trainer gets them (its version too far
+behind the trainer's, given its own measured generation time); it waits for newer
+weights instead and counts the skip.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from rlsync.spaces.exchange import (
 )
 from rlsync.hashing import state_hash
 from rlsync.protocol import Subscriber, Update
+from rlsync.spaces.demand import read_demand, would_be_stale
 from rlsync.spaces.settings import default_model, from_env, resolve_device
 from rlsync.spaces.tiny_model import model_or_default
 
@@ -127,6 +134,8 @@ class Replica:
         self.tokens = 0
         self.gen_s = 0.0
         self.completions = 0
+        self.batch_gen_s: float | None = None  # EMA of one batch's generation time
+        self.skipped_stale = 0
         self.refusals = Refusals()
         self.newest_step: int | None = None
         self.engine_state_hash: str | None = None
@@ -233,7 +242,9 @@ class Replica:
             )  # fmt: skip
             groups = self.engine.generate([tasks[i]["prompt"] for i in chunk], sampling)
             samples += self._samples([tasks[i] for i in chunk], [prompt_ids[i] for i in chunk], groups, version)
-        self.gen_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.gen_s += elapsed
+        self.batch_gen_s = elapsed if self.batch_gen_s is None else 0.7 * self.batch_gen_s + 0.3 * elapsed
         write_samples(self.bucket, rollout_key(batch, self.replica_id), samples, batch=batch, replica=self.replica_id, version=version)
         self.completions += len(samples)
         return len(samples)
@@ -245,6 +256,16 @@ class Replica:
                 samples.append(Sample(str(task["task_id"]), task["prompt"], c.text, ids, c.token_ids, c.logprobs, version))
                 self.tokens += len(c.token_ids)
         return samples
+
+    def fresh_enough(self) -> bool:
+        """Whether a batch started now at this replica's version would still be trained (see
+        :func:`~rlsync.spaces.demand.would_be_stale`); ``True`` without a demand object."""
+        demand = read_demand(self.bucket, self.refusals)
+        version = self.subscriber.step
+        if demand is None or version is None or not would_be_stale(demand, version, self.batch_gen_s or 0.0):
+            return True
+        self.skipped_stale += 1
+        return False
 
     def _sampling_seed(self, batch: int, version: int) -> int:
         """Seed of one batch: differs between replicas, so racing replicas add new samples, not copies."""
@@ -272,6 +293,7 @@ class Replica:
             "refused_objects": self.refusals.total,
             "tokens_per_s": self.tokens / self.gen_s if self.gen_s else 0.0,
             "completions": self.completions,
+            "skipped_stale": self.skipped_stale,
             "state_hash": self.subscriber.state_hash,
             "engine_state_hash": self.engine_state_hash,
             "recent_syncs": [
@@ -293,7 +315,7 @@ class Replica:
         worked = self.apply_pending()
         if self.subscriber.step is not None:
             batch = self.next_batch()
-            if batch is not None:
+            if batch is not None and self.fresh_enough():
                 self.answer(batch)
                 worked = True
         self.publish_status()

@@ -440,7 +440,7 @@ def test_env_scores_good_rollouts_next_to_hostile_ones(bucket):
 def test_trainer_collects_good_scores_next_to_hostile_ones(bucket):
     from rlsync.trl import BucketRolloutWorker
 
-    good = [Sample("t0", "p", "c", [1], [2], [-0.1], 0, reward=1.0)]
+    good = [Sample("t0", "p", "c", [1], [2], [-0.1], 0, reward=r) for r in (1.0, 0.0)]  # a group of one would be degenerate
     write_samples(bucket, score_key(0, "good"), good, batch=0)
     bucket.put(score_key(0, "inf"), b'{"samples": [{"task_id": "t1", "prompt": "p", "completion": "c", "prompt_ids": [1], '
                b'"token_ids": [Infinity], "logprobs": [0.0], "version": 0, "reward": 1.0}]}')  # fmt: skip
@@ -448,8 +448,8 @@ def test_trainer_collects_good_scores_next_to_hostile_ones(bucket):
     _foreign_file(bucket, "scores/0000000000/a b.json")
     _foreign_file(bucket, "scores/²/x.json")
     worker = BucketRolloutWorker(bucket, read_samples, vocab_size=32)  # what the trainer reads scores with
-    assert worker.poll() == 1
-    assert worker.rollout_buffer.get_nowait().input_ids.tolist() == [1, 2] and worker.rollout_buffer.empty()
+    assert worker.poll() == 2
+    assert [worker.rollout_buffer.get_nowait().input_ids.tolist() for _ in good] == [[1, 2]] * 2 and worker.rollout_buffer.empty()
 
 
 def test_replica_skips_hostile_task_names_and_refuses_malformed_task_batches(bucket):

@@ -109,9 +109,9 @@ def test_stale_samples_are_dropped_by_trl_at_dequeue(bucket):
     assert metrics["sample/staleness_max"] == [1.0, 1.0]
     # the worker can also skip samples already too old when it reads them
     worker.max_staleness = 2
-    write_samples(bucket, score_key(1, "r0"), [sample("old", 1.0, 7), sample("new", 1.0, 10)])
+    write_samples(bucket, score_key(1, "r0"), [sample("old", 1.0, 7), sample("new", 1.0, 10), sample("new", 0.0, 10)])
     worker.update_model_version(2)
-    assert worker.poll() == 1 and worker.counts["dropped_stale"] == 1
+    assert worker.poll() == 2 and worker.counts["dropped_stale"] == 1
 
 
 def test_health_tolerates_waiting_keeps_the_lock_fresh_and_reports_stop(bucket):

@@ -17,6 +17,12 @@ sync library's TRL plug-ins (:mod:`rlsync.trl`) into it:
   ``checkpoint_every`` steps and on stop; a restarted trainer resumes from the
   newest complete one and continues the bucket's version numbers; without a checkpoint it
   refuses to publish over the bucket's run unless ``new_run`` starts a new one.
+- :class:`~rlsync.trl.NonFiniteStepGuard` skips a step with non-finite gradients before
+  the optimizer, and :class:`~rlsync.trl.VersionGuard` keeps TRL's policy version at the
+  bucket's when a publish is refused;
+- :class:`~trainer_space.flow.FlowControl` writes ``control/demand.json`` once per step
+  (pacing ``demand``: the env issues tasks at the rate the trainer consumes) and counts
+  trained samples and the trainer's waiting time.
 
 TRL's logs feed ``metrics/trainer.json`` (kind ``train`` rows next to the
 ``anchor``/``delta`` rows of each publish), which every panel plots.
@@ -47,11 +53,16 @@ from rlsync.trl import (
     BucketWeightTransfer,
     CheckpointCallback,
     FinalWeightSync,
+    NonFiniteStepGuard,
     StopRequested,
+    VersionGuard,
     apply_cpu_compat,
 )
+from rlsync.spaces.demand import Pacing
 from rlsync.trl.checkpoint_checks import CheckpointExpectations
 from rlsync.trl.metrics import trl_layout_bytes
+
+from .flow import FlowControl
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +86,7 @@ class TrainerConfig:
     batch_size: int = dataclasses.field(default=16, metadata={"help": "samples per optimizer step (per_device_train_batch_size)"})
     sync_every: int = dataclasses.field(default=1, metadata={"help": "optimizer steps per publish (weight_sync_steps)"})
     max_staleness: int = dataclasses.field(default=2, metadata={"help": "drop samples this many versions behind (max_staleness)"})
+    pacing: str = dataclasses.field(default="demand", metadata={"help": "'demand': write control/demand.json so the env issues tasks at the rate this trainer consumes; 'queue': the env keeps its queue_depth batches waiting"})
     clip_eps: float = dataclasses.field(default=0.2, metadata={"help": "importance-ratio clip (epsilon)"})
     temperature: float = dataclasses.field(default=1.0, metadata={"help": "sampling temperature of the replicas (temperature)"})
     max_grad_norm: float = dataclasses.field(default=1.0, metadata={"help": "gradient clipping (max_grad_norm)"})
@@ -140,6 +152,7 @@ class BucketFigures(TrainerCallback):
             groups=logs.get("batch/groups_per_step"), clipped=logs.get("clip_ratio/region_mean"), ratio=logs.get("ratio"),
             kl=logs.get("kl"), entropy=logs.get("entropy"), staleness=logs.get("sample/staleness_mean"),
             dropped_stale=self.owner.worker.counts["dropped_stale"], step_s=logs.get("perf/step_s"),
+            wait_s=logs.get("perf/rollout_wait_s"),
         )  # fmt: skip
         self.owner.flush()
 
@@ -203,7 +216,13 @@ class Trainer:
             self.checkpoints, info=lambda: {"published_version": self.transfer.version}
         )
         self.final_sync = FinalWeightSync(self.trl)
-        for callback in (self.checkpoint_callback, self.final_sync, BucketFigures(self)):
+        self.step_guard = NonFiniteStepGuard()
+        self.version_guard = VersionGuard(self.trl, self.transfer, self.worker)
+        self.flow = FlowControl(
+            self.bucket, self.worker, self.transfer, batch_size=config.batch_size,
+            max_staleness=config.max_staleness, pacing=Pacing(config.pacing),
+        )  # fmt: skip
+        for callback in (self.step_guard, self.version_guard, self.flow, self.checkpoint_callback, self.final_sync, BucketFigures(self)):
             self.trl.add_callback(callback)
         logger.info(
             "training %s through TRL AsyncGRPOTrainer on %s (%s attention), lr %g, %d samples per step, publish every %d step(s)",
@@ -263,6 +282,8 @@ class Trainer:
             "checkpoint_step": self.checkpoint_callback.last_step, "notice": self.notice,
             "refused": self.refusals.as_dict(), "non_finite_refused": self.transfer.non_finite_refused,
             "checkpoints_skipped": self.checkpoints.skipped, "bucket_refused": dict(self.publisher.refused),
+            "non_finite_steps_skipped": self.step_guard.skipped, "version_corrections": self.version_guard.corrected,
+            "flow": self.flow.figures(),
         }  # fmt: skip
         self.metrics.flush()
 

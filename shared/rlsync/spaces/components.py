@@ -33,6 +33,7 @@ from .frames import (
     fleet_frame,
     recent_publishes_frame,
     reward_frame,
+    staleness_frame,
     sync_time_frame,
     timing_frame,
 )
@@ -313,6 +314,28 @@ def reward_plot(source: BucketSource | Live, prefix: str = "") -> Any:
         elem_id=f"{prefix}plot-reward",
     )
     _show(source, plot, lambda view, snap: with_series(reward_frame(snap), "source", REWARD_SOURCES, "mean_reward"))
+    return plot
+
+
+def staleness_plot(source: BucketSource | Live, prefix: str = "") -> Any:
+    """Histogram of the trained samples' staleness (versions behind the trainer when it took them).
+
+    Args:
+        source: A bucket URL (or a function returning it), or a :class:`Live` to refresh with.
+        prefix: Prepended to the plot's ``elem_id``.
+    """
+    import gradio as gr
+
+    plot = gr.BarPlot(
+        None, x="staleness", y="samples", title="Staleness of trained samples (versions behind)", height=260,
+        elem_id=f"{prefix}plot-staleness",
+    )  # fmt: skip
+
+    def render(view: BucketView, snap: Snapshot) -> Any:
+        frame = staleness_frame(snap)
+        return frame if len(frame) else None
+
+    _show(source, plot, render)
     return plot
 
 

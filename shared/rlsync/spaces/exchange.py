@@ -33,6 +33,7 @@ from typing import Any
 from ..bucket import Bucket, BucketError, ObjectNotFoundError, ObjectTooLargeError, validate_key
 from ..errors import FormatError
 from ..jsonlimits import loads_bounded
+from ..sampling import MIN_SAMPLED_LOGPROB
 
 logger = logging.getLogger(__name__)
 
@@ -236,7 +237,7 @@ class Sample:
             completion=_str_field(doc, "completion", limits.max_chars),
             prompt_ids=prompt_ids,
             token_ids=token_ids,
-            logprobs=[_finite(x, "a logprob", -1e4, 0.0) for x in logprobs],
+            logprobs=[_finite(x, "a logprob", MIN_SAMPLED_LOGPROB, 0.0) for x in logprobs],
             version=version,
             reward=None if reward is None else _finite(reward, "reward", -MAX_REWARD, MAX_REWARD),
         )
@@ -294,7 +295,7 @@ def parse_tasks(doc: Any, *, max_chars: int = DEFAULT_LIMITS.max_chars) -> list[
 
 _STATUS_NUMBERS = (
     "applied_step", "newest_step", "lag", "apply_s", "idle_per_sync_s", "bytes_downloaded", "reads", "refused",
-    "refused_objects", "tokens_per_s", "completions", "updated_at",
+    "refused_objects", "tokens_per_s", "completions", "skipped_stale", "updated_at",
 )  # fmt: skip
 _STATUS_STRINGS = ("replica_id", "engine", "state_hash", "engine_state_hash")
 _SYNC_FIELDS = ("step", "kind", "nbytes", "download_s", "idle_s", "time")

@@ -301,3 +301,37 @@ def env_summary(snap: Snapshot) -> str:
         parts.append(f"mean reward {last['mean_reward']:.3f} at version {last['version']}")
     parts += refused_parts(extra)
     return "Environment: " + ", ".join(parts)
+
+
+#: Staleness values drawn in the histogram (versions behind when trained).
+MAX_STALENESS_BARS = 64
+
+
+def staleness_frame(snap: Snapshot) -> pd.DataFrame:
+    """Samples TRL took in time, by staleness (``metrics/trainer.json`` -> ``flow.staleness``)."""
+    flow = snap.trainer_extra.get("flow")
+    histogram = flow.get("staleness") if isinstance(flow, dict) else None
+    rows = [{"staleness": int(k), "samples": _count(v)} for k, v in (histogram.items() if isinstance(histogram, dict) else ())
+            if isinstance(k, str) and k.isascii() and k.isdigit() and int(k) < MAX_STALENESS_BARS and _count(v) is not None]  # fmt: skip
+    frame = pd.DataFrame(rows, columns=["staleness", "samples"]).sort_values("staleness")
+    return frame.astype({"staleness": "str"})
+
+
+def flow_summary(snap: Snapshot) -> str:
+    """One line: the share of scored samples trained on, the trainer's waiting, and what was dropped."""
+    flow = snap.trainer_extra.get("flow")
+    if not isinstance(flow, dict):
+        return "Flow: no figures yet."
+    trained, scored = _count(flow.get("trained")), _count(snap.env_extra.get("scored"))
+    parts = [f"pacing {flow['pacing']}"] if flow.get("pacing") in ("queue", "demand") else []
+    if trained is not None and scored:
+        parts.append(f"**{100 * trained / scored:.0f}%** of {scored} scored samples trained on ({trained})")
+    wait, share, last = (as_number(flow.get(k)) for k in ("wait_s_total", "wait_share", "wait_s_last"))
+    if wait is not None and share is not None:
+        parts.append(f"trainer waited **{wait:.0f} s** ({100 * share:.0f}% of its wall time)")
+    if last is not None:
+        parts.append(f"{last:.2f} s before the last step")
+    counts = [(flow.get("dropped_stale"), "dropped stale"), (flow.get("expired_unread"), "expired unread"),
+              (flow.get("dropped_degenerate"), "in degenerate groups"), (snap.env_extra.get("cancelled_stale"), "cancelled stale")]  # fmt: skip
+    parts += [f"{_count(n)} {label}" for n, label in counts if _count(n)]
+    return "Flow: " + ", ".join(parts)

@@ -12,6 +12,8 @@ Plug-ins any TRL user can pass to the trainer, importable without the Spaces:
   its own shards, nothing gathers (:func:`allow_cpu_fsdp`: FSDP2 through accelerate on CPU);
   :class:`ShardedCheckpointCallback`, :func:`restore_sharded`: its checkpoints in DCP's format.
 - :class:`FinalWeightSync`: publish the last steps when training ends between two syncs.
+- :class:`NonFiniteStepGuard`, :class:`VersionGuard`: skip steps with non-finite gradients
+  before the optimizer; keep TRL's policy version from running ahead of the bucket's.
 - :func:`apply_cpu_compat`: run the trainer without a GPU.
 
 Names are imported on first use, so publishing alone does not import TRL. Two warnings of the pinned
@@ -48,6 +50,8 @@ _EXPORTS = {
     "ShardedCheckpointCallback": "sharded_checkpoints",
     "restore_sharded": "sharded_checkpoints",
     "allow_cpu_fsdp": "cpu_fsdp",
+    "NonFiniteStepGuard": "guards",
+    "VersionGuard": "guards",
     "apply_cpu_compat": "cpu_compat",
     "sdpa_tree_attention": "cpu_compat",
 }

@@ -15,20 +15,29 @@ per-token log-probabilities, reward, policy version):
   sampler's log-probability of each completion token at that token's position.
 - samples of one task in one scores object form a group (one ``group_id``); the
   advantage is the reward minus the group mean over the group's std (plus 1e-8),
-  as in TRL's own worker.
+  as in TRL's own worker. Degenerate groups (one member, or more than
+  ``max_group_size``: see :mod:`rlsync.sampling`) are dropped and counted.
 - ``model_version`` is the bucket version that generated the sample, shifted into
   the trainer's numbering (``AsyncGRPOTrainer.model_version``), so TRL's staleness
   check compares like with like after a restart.
 
 Scored objects are untrusted: anything malformed, out of the vocabulary, with a
-non-finite reward or log-probability, longer than ``max_tokens`` (default
+non-finite reward, a log-probability no sampler reports (below
+:data:`~rlsync.sampling.MIN_SAMPLED_LOGPROB`), longer than ``max_tokens`` (default
 :data:`DEFAULT_MAX_TOKENS`) or claiming a version newer than the newest published
 one (which TRL's staleness check would take as fresh for good) is counted and
 skipped, never queued.
+
+Flow figures (:meth:`BucketRolloutWorker.flow`): cumulative counts of samples read,
+dropped stale when read, expired unread (queued, then too stale when TRL took them),
+the staleness histogram of the samples TRL took in time, the newest task batch read
+and the measured latency from a task batch's issue to its scores being read. Drops
+are logged as one summary line per ``summary_s``, not one line per sample.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import queue
@@ -42,6 +51,7 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 from ..bucket import Bucket, BucketError
 from ..errors import FormatError
 from ..protocol import read_manifest
+from ..sampling import MAX_GROUP_SIZE, degenerate_group, sampled_logprob_ok
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +109,30 @@ def to_rollout_sample(sample: ScoredSample, advantage: float, group_id: int, mod
     )
 
 
+class _TakenQueue(queue.Queue):
+    """``rollout_buffer``: a queue that reports every sample TRL takes from it."""
+
+    def __init__(self, maxsize: int, on_take: Callable[[RolloutSample], None]) -> None:
+        super().__init__(maxsize=maxsize)
+        self._on_take = on_take
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        item = super().get(block, timeout)
+        self._on_take(item)
+        return item
+
+
+class _TrlSampleLines(logging.Filter):
+    """Drops TRL's per-sample "dropping stale sample" lines: the worker logs one summary per interval."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("dropping stale sample")
+
+
+_TRL_DATASET_LOGGER = "trl.experimental.async_grpo.async_grpo_trainer"
+_SUMMARY_COUNTS = ("read", "dropped_stale", "expired_unread", "dropped_degenerate", "invalid", "unreadable")
+
+
 class BucketRolloutWorker:
     """TRL ``RolloutWorkerProtocol`` reading scored samples from a bucket.
 
@@ -114,6 +148,10 @@ class BucketRolloutWorker:
         heartbeat: Called every ``heartbeat_s`` (e.g. :meth:`BucketWeightTransfer.heartbeat`) so
             the run lock stays fresh while the trainer waits for data.
         heartbeat_s: Seconds between heartbeats.
+        max_group_size: Largest group kept (larger ones are degenerate: see :mod:`rlsync.sampling`).
+        summary_s: Seconds between the summary log lines of reads and drops.
+        on_poll: Called after every poll of the bucket (e.g. to refresh a demand object while the
+            trainer waits, when no step ends to do it).
     """
 
     def __init__(
@@ -129,6 +167,9 @@ class BucketRolloutWorker:
         max_staleness: int | None = None,
         heartbeat: Callable[[], None] | None = None,
         heartbeat_s: float = 60.0,
+        max_group_size: int = MAX_GROUP_SIZE,
+        summary_s: float = 60.0,
+        on_poll: Callable[[], None] | None = None,
     ) -> None:
         self.bucket = bucket
         self.read_scores = read_scores
@@ -139,11 +180,23 @@ class BucketRolloutWorker:
         self.max_staleness = max_staleness
         self.heartbeat = heartbeat
         self.heartbeat_s = heartbeat_s
-        self.rollout_buffer: queue.Queue = queue.Queue(maxsize=queue_maxsize)
+        self.max_group_size = max_group_size
+        self.summary_s = summary_s
+        self.on_poll = on_poll
+        self.rollout_buffer: queue.Queue = _TakenQueue(queue_maxsize, self._taken)
         self.metrics_queue: queue.Queue = queue.Queue()
         self.model_version = 0
         self.version_offset: int | None = None
-        self.counts = {"queued": 0, "invalid": 0, "dropped_stale": 0, "unreadable": 0}
+        self.counts = {
+            "read": 0, "queued": 0, "invalid": 0, "dropped_stale": 0, "unreadable": 0,
+            "dropped_degenerate": 0, "degenerate_groups": 0, "expired_unread": 0,
+        }  # fmt: skip
+        self.staleness: collections.Counter[int] = collections.Counter()
+        self.newest_batch: int | None = None
+        self.latency_s: float | None = None
+        self._counts_lock = threading.Lock()
+        self._summary_at = time.monotonic()
+        self._summary_counts = dict(self.counts)
         self._newest_version = 0  # newest published bucket version, read at each poll that finds new objects
         self._consumed: set[str] = set()
         self._next_group = 0
@@ -160,6 +213,9 @@ class BucketRolloutWorker:
         if self._thread is not None and self._thread.is_alive():
             return
         self.align_versions()
+        trl_logger = logging.getLogger(_TRL_DATASET_LOGGER)
+        if not any(isinstance(f, _TrlSampleLines) for f in trl_logger.filters):
+            trl_logger.addFilter(_TrlSampleLines())
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="bucket-rollouts", daemon=True)
         self._thread.start()
@@ -225,6 +281,7 @@ class BucketRolloutWorker:
             if read is None:
                 self.counts["unreadable"] += 1
                 continue
+            self._note_header(read[0])
             queued += self._queue_groups(read[1])
         return queued
 
@@ -235,6 +292,32 @@ class BucketRolloutWorker:
             logger.warning("reading the pointer failed, keeping version %d: %s", self._newest_version, exc)
             return
         self._newest_version = manifest.step if manifest is not None else 0
+
+    def _note_header(self, header: dict[str, Any]) -> None:
+        """Track the newest task batch read and the issue-to-read latency (headers are untrusted: sanity-checked)."""
+        batch, issued = header.get("batch"), header.get("issued_at")
+        if type(batch) is int and 0 <= batch < 1 << 40:
+            self.newest_batch = batch if self.newest_batch is None else max(self.newest_batch, batch)
+        if type(issued) in (int, float) and math.isfinite(issued):
+            latency = min(max(time.time() - issued, 0.0), 3600.0)
+            self.latency_s = latency if self.latency_s is None else 0.8 * self.latency_s + 0.2 * latency
+
+    def _taken(self, sample: RolloutSample) -> None:
+        """TRL took ``sample`` from the buffer: it trains on it, or drops it as stale (expired unread)."""
+        staleness = self.model_version - int(sample.model_version)
+        with self._counts_lock:
+            if self.max_staleness is not None and staleness > self.max_staleness:
+                self.counts["expired_unread"] += 1
+            else:
+                self.staleness[staleness] += 1
+
+    def flow(self) -> dict[str, Any]:
+        """Cumulative counts, the staleness histogram of samples taken in time, newest batch read, latency."""
+        with self._counts_lock:
+            return {
+                **self.counts, "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
+                "newest_batch": self.newest_batch, "latency_s": self.latency_s,
+            }  # fmt: skip
 
     def _usable(self, sample: ScoredSample) -> bool:
         ids = list(sample.prompt_ids) + list(sample.token_ids)
@@ -247,7 +330,7 @@ class BucketRolloutWorker:
             and len(sample.prompt_ids) > 0
             and len(sample.logprobs) == len(sample.token_ids)
             and all(0 <= t < self.vocab_size for t in ids)
-            and all(math.isfinite(x) and x <= 0.0 for x in sample.logprobs)
+            and all(sampled_logprob_ok(x) for x in sample.logprobs)
             and (not self.max_tokens or len(ids) <= self.max_tokens)
         )
 
@@ -262,8 +345,13 @@ class BucketRolloutWorker:
                 self.counts["dropped_stale"] += 1
                 continue
             groups.setdefault(s.task_id, []).append(s)
+        self.counts["read"] += len(samples)
         queued = 0
         for group in groups.values():
+            if degenerate_group(len(group), self.max_group_size):
+                self.counts["degenerate_groups"] += 1
+                self.counts["dropped_degenerate"] += len(group)
+                continue
             advantages = group_advantages([float(s.reward) for s in group])  # type: ignore[arg-type]
             group_id, self._next_group = self._next_group, self._next_group + 1
             for sample, advantage in zip(group, advantages):
@@ -279,6 +367,16 @@ class BucketRolloutWorker:
                 return
             except queue.Full:
                 self._beat()
+
+    def _log_summary(self, force: bool = False) -> None:
+        """One line per ``summary_s`` with the samples read and dropped since the last one."""
+        if not force and time.monotonic() - self._summary_at < self.summary_s:
+            return
+        now = self.flow()
+        grown = {k: now[k] - self._summary_counts[k] for k in _SUMMARY_COUNTS}
+        self._summary_at, self._summary_counts = time.monotonic(), {k: now[k] for k in _SUMMARY_COUNTS}
+        if any(grown.values()):
+            logger.info("rollouts in the last %gs: %s", self.summary_s, ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in grown.items()))
 
     def _beat(self) -> None:
         if self.heartbeat is not None and time.monotonic() - self._last_heartbeat >= self.heartbeat_s:
@@ -299,8 +397,11 @@ class BucketRolloutWorker:
                 logger.exception("bucket rollout worker failed")
                 self._error = exc
                 return
-            grown = {k: float(self.counts[k] - before[k]) for k in ("invalid", "dropped_stale", "unreadable")}
+            grown = {k: float(self.counts[k] - before[k]) for k in ("invalid", "dropped_stale", "unreadable", "dropped_degenerate")}
             if any(grown.values()):
                 self.metrics_queue.put({f"rollout/{k}_total": v for k, v in grown.items()})
+            self._log_summary()
+            if self.on_poll is not None:
+                self.on_poll()
             self._beat()
             self._stop.wait(self.poll_s)
