@@ -29,5 +29,5 @@ def test_future_versions_and_long_samples_are_refused_by_default(bucket):
     queued = [worker.rollout_buffer.get_nowait() for _ in range(2)]
     assert all(len(s.input_ids) == 4 for s in queued)
     publisher.publish(4, bf16(master_state()))  # once published, version 4 is fine
-    write_samples(bucket, score_key(1, "next"), [_sample("d", 4)])
-    assert worker.poll() == 1
+    write_samples(bucket, score_key(1, "next"), [_sample("d", 4), _sample("d", 4)])  # a group of 2 (one alone is degenerate)
+    assert worker.poll() == 2
