@@ -214,6 +214,7 @@ def build_app(stack: Stack) -> gr.Blocks:
                     live.add(status, lambda view, snap: stack.status())
                     components.summary_line(live, frames.trainer_summary, elem_id="overview-trainer-summary")
                     components.summary_line(live, frames.env_summary, elem_id="overview-env-summary")
+                    components.summary_line(live, frames.hub_requests_summary, elem_id="overview-hub-requests")
                     with gr.Row():
                         components.reward_plot(live, prefix="overview-")
                         components.size_plot(live, prefix="overview-")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from env_space.environments import get_environment
 from rlsync.bucket import Bucket, BucketError, open_bucket
+from rlsync.bucket.watch import IDLE_WAIT_S, generation, meter_of, wait_for_change, watch
 from rlsync.errors import SyncError
 from rlsync.spaces.exchange import (
     ROLLOUTS_PREFIX,
@@ -46,6 +47,7 @@ from rlsync.spaces.exchange import (
 )
 from rlsync.hashing import state_hash
 from rlsync.protocol import Subscriber, Update
+from rlsync.protocol.manifest import POINTER_KEY
 from rlsync.spaces.settings import from_env, resolve_device
 from rlsync.spaces.tiny_model import model_or_default
 
@@ -72,7 +74,8 @@ class ReplicaConfig:
     samples_per_task: int = dataclasses.field(default=4, metadata={"help": "G completions per task"})
     max_new_tokens: int = dataclasses.field(default=8, metadata={"help": "completion length limit"})
     temperature: float = dataclasses.field(default=1.0, metadata={"help": "sampling temperature"})
-    poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls"})
+    poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls (a Hub bucket is watched instead)"})
+    status_every_s: float = dataclasses.field(default=30.0, metadata={"help": "seconds between status writes on a Hub bucket"})
     seed: int = dataclasses.field(default=0, metadata={"help": "sampling seed (mixed with batch and version)"})
     verify_engine: bool = dataclasses.field(default=False, metadata={"help": "hash the engine's own weights after every apply (slow on big models)"})
 
@@ -95,7 +98,10 @@ class Replica:
 
         self.config = config
         self.replica_id = check_id(config.replica_id or default_replica_id())
-        self.bucket = bucket or open_bucket(config.bucket)
+        self.bucket = watch(bucket or open_bucket(config.bucket))
+        self.meter = meter_of(self.bucket)
+        self._status_at = -float("inf")
+        self._since: int | None = None
         device = resolve_device(config.device)
         model = resolve_model(model_or_default(config.model, device, get_environment))
         kind = config.engine if config.engine != "auto" else _auto_engine(device)
@@ -125,6 +131,7 @@ class Replica:
                     self._slot.wait(0.5)
             if self._stop.is_set():
                 return
+            since = generation(self.bucket)
             try:
                 update = self.subscriber.fetch()
             except (SyncError, BucketError) as exc:
@@ -133,7 +140,7 @@ class Replica:
             if self.subscriber.manifest is not None:
                 self.newest_step = self.subscriber.manifest.step
             if update is None:
-                self._stop.wait(self.config.poll_s)
+                wait_for_change(self.bucket, self._stop, self._idle_s, (POINTER_KEY,), since)
                 continue
             with self._slot:
                 self._pending = update
@@ -247,6 +254,7 @@ class Replica:
             "tokens_per_s": self.tokens / self.gen_s if self.gen_s else 0.0,
             "completions": self.completions,
             "state_hash": self.subscriber.state_hash,
+            **({"hub": self.meter.snapshot()} if self.meter is not None else {}),
             "engine_state_hash": self.engine_state_hash,
             "recent_syncs": [
                 {k: s[k] for k in ("step", "kind", "nbytes", "download_s", "idle_s", "time")} for s in self.syncs[-50:]
@@ -254,7 +262,12 @@ class Replica:
             "updated_at": time.time(),
         }
 
-    def publish_status(self) -> None:
+    def publish_status(self, force: bool = False) -> None:
+        """Write the status object (on a Hub bucket at most every ``status_every_s`` unless `force`)."""
+        now = time.monotonic()
+        if self.meter is not None and not force and now - self._status_at < self.config.status_every_s:
+            return
+        self._status_at = now
         try:
             put_json(self.bucket, status_key(self.replica_id), self.status())
         except BucketError as exc:
@@ -265,6 +278,7 @@ class Replica:
     def step(self) -> bool:
         """One iteration of the main loop; returns whether it did any work."""
         worked = self.apply_pending()
+        self._since = generation(self.bucket)
         if self.subscriber.step is not None:
             batch = self.next_batch()
             if batch is not None:
@@ -285,7 +299,21 @@ class Replica:
                 logger.warning("bucket error, retrying: %s", exc)
                 worked = False
             if not worked:
-                self._stop.wait(self.config.poll_s)
+                self._idle()
+        self.publish_status(force=True)
+
+    @property
+    def _idle_s(self) -> float:
+        return self.config.poll_s if generation(self.bucket) is None else IDLE_WAIT_S
+
+    def _idle(self) -> None:
+        """Wait for new tasks or weights (a watched bucket: until they appear or an update is downloaded)."""
+        deadline = time.monotonic() + self._idle_s
+        since = self._since
+        while not self._stop.is_set() and self._pending is None and (left := deadline - time.monotonic()) > 0:
+            prefixes = (TASKS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX)
+            if wait_for_change(self.bucket, self._stop, min(left, 1.0), prefixes, since):
+                return
 
     def start(self) -> None:
         """Run in background threads."""

@@ -66,7 +66,8 @@ from .base import (
     validate_key,
     validate_prefix,
 )
-from .hf_transport import HfTransferConfig, RetryableHttpError, install, single_attempt
+from .budget import RequestMeter
+from .hf_transport import HfTransferConfig, RetryableHttpError, install, metering, single_attempt
 
 __all__ = ["HfBucket"]
 
@@ -135,6 +136,9 @@ class HfBucket(Bucket):
         transfer ([`HfTransferConfig`], *optional*):
             Request timeouts, process-wide (see `rlsync.bucket.hf_transport.install`). By default the
             settings already installed are kept, else `HfTransferConfig.from_env()` is installed.
+        meter ([`~rlsync.bucket.budget.RequestMeter`], *optional*):
+            Counts this bucket's requests and paces them to the role's share of the Hub's limits.
+            Defaults to a meter with `BudgetConfig.from_env()`.
 
     Raises:
         [`BucketError`]: `bucket_id` is not `"namespace/name"`, the prefix is not a valid key, or
@@ -150,8 +154,10 @@ class HfBucket(Bucket):
         api: HfApi | None = None,
         create: bool = False,
         transfer: HfTransferConfig | None = None,
+        meter: RequestMeter | None = None,
     ) -> None:
         install(transfer)
+        self.meter = meter if meter is not None else RequestMeter()
         parts = bucket_id.split("/") if isinstance(bucket_id, str) else []
         if len(parts) != 2 or not all(parts):
             raise BucketError(f"invalid bucket id {bucket_id!r}: expected 'namespace/name'")
@@ -223,7 +229,7 @@ class HfBucket(Bucket):
     def _call(self, op: str, key: str | None, fn: Callable[[], _T]) -> _T:
         """Run one `huggingface_hub` call, mapping its errors onto the bucket error types."""
         try:
-            with single_attempt():
+            with metering(self.meter), single_attempt():
                 return fn()
         except BucketError:
             raise
@@ -431,7 +437,7 @@ class HfBucket(Bucket):
             except BucketError:
                 skipped += 1
                 continue
-            out.append(ObjectInfo(key, int(item.size)))
+            out.append(ObjectInfo(key, int(item.size), item.xet_hash or None))
         if skipped:
             log = logger.debug if self._warned_skipped else logger.warning
             self._warned_skipped = True

@@ -37,6 +37,7 @@ import numpy as np
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from ..bucket import Bucket, BucketError
+from ..bucket.watch import IDLE_WAIT_S, generation, wait_for_change
 from ..protocol import read_manifest
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class BucketRolloutWorker:
         vocab_size: Token ids must be below this (a hostile id would crash the embedding).
         max_tokens: Longest prompt + completion accepted (0: no limit).
         prefix: Where scored objects are listed.
-        poll_s: Seconds between bucket listings.
+        poll_s: Seconds between bucket listings (a watched bucket wakes the worker on a change instead).
         queue_maxsize: Bound of ``rollout_buffer`` (0: unbounded).
         max_staleness: Skip samples already this many versions behind when read (``None``: leave it to TRL).
         heartbeat: Called every ``heartbeat_s`` (e.g. :meth:`BucketWeightTransfer.heartbeat`) so
@@ -272,6 +273,7 @@ class BucketRolloutWorker:
     def _run(self) -> None:
         while not self._stop.is_set():
             before = dict(self.counts)
+            since = generation(self.bucket)
             try:
                 self.poll()
             except BucketError as exc:
@@ -284,4 +286,5 @@ class BucketRolloutWorker:
             if any(grown.values()):
                 self.metrics_queue.put({f"rollout/{k}_total": v for k, v in grown.items()})
             self._beat()
-            self._stop.wait(self.poll_s)
+            timeout = self.poll_s if since is None else min(IDLE_WAIT_S, self.heartbeat_s)
+            wait_for_change(self.bucket, self._stop, timeout, (self.prefix,), since)
