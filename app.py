@@ -250,6 +250,8 @@ def _interrupt(signum: int, _frame: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    # The roles and the panel share the token's Hub budget: each paces itself to its share.
+    os.environ.setdefault("HUB_SHARE", str(args.replicas + 3))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "rlsync.protocol.subscriber"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -101,6 +101,7 @@ class Replica:
         self.bucket = watch(bucket or open_bucket(config.bucket))
         self.meter = meter_of(self.bucket)
         self._status_at = -float("inf")
+        self._status_progress: tuple | None = None
         self._since: int | None = None
         device = resolve_device(config.device)
         model = resolve_model(model_or_default(config.model, device, get_environment))
@@ -265,11 +266,14 @@ class Replica:
     def publish_status(self, force: bool = False) -> None:
         """Write the status object (on a Hub bucket at most every ``status_every_s`` unless `force`)."""
         now = time.monotonic()
-        if self.meter is not None and not force and now - self._status_at < self.config.status_every_s:
-            return
-        self._status_at = now
+        status = self.status()
+        progress = (status["applied_step"], status["newest_step"], status["completions"], status["refused"])
+        if self.meter is not None and not force:
+            if now - self._status_at < self.config.status_every_s or progress == self._status_progress:
+                return  # on the Hub: at most every status_every_s, and only when something moved
+        self._status_at, self._status_progress = now, progress
         try:
-            put_json(self.bucket, status_key(self.replica_id), self.status())
+            put_json(self.bucket, status_key(self.replica_id), status)
         except BucketError as exc:
             logger.warning("could not write status: %s", exc)
 

@@ -103,8 +103,9 @@ def test_meter_counts_every_request_of_a_bucket_by_class_and_kind(server):
     bucket.get("a.json")
     bucket.list()
     snap = meter.snapshot()
+    registry = snap["by_kind"].pop("GET agent-registry", 0)  # huggingface_hub's once-a-day fetch, telemetry on
     assert snap["by_kind"] == {"POST batch": 2 - 1, "POST paths-info": 1, "HEAD resolve": 1, "GET tree": 1}
-    assert snap["api"] == 3 and snap["resolver"] == 1  # hf_xet's own token requests are not seen by the client
+    assert snap["api"] == 3 + registry and snap["resolver"] == 1  # hf_xet's own token requests are not seen by the client
     assert snap["api_limit"] == 1000 and snap["resolver_limit"] == 5000 and snap["tier"] == "free"
 
 
@@ -136,6 +137,23 @@ def test_meter_holds_after_a_429_and_when_the_token_budget_is_low():
     start = now[0]
     meter.acquire(RequestClass.API)
     assert now[0] - start == pytest.approx(40.0) and "RateLimit" in meter.pacing
+
+
+def test_a_busy_role_borrows_what_the_token_has_to_spare_and_no_more():
+    now = [0.0]
+    meter = RequestMeter(BudgetConfig(tier=Tier.FREE, share=5, target=0.8, window_s=30), clock=lambda: now[0],
+                         sleep=lambda s: now.__setitem__(0, now[0] + s))  # fmt: skip
+    remaining = 100  # the token's whole window, others idle: the header tells the role so
+    for _ in range(60):
+        meter.acquire(RequestClass.API)
+        remaining -= 1
+        reset = max(1, int(30 - now[0]))
+        meter.record("GET", "/api/buckets/a/b/tree", 200, {"RateLimit": f'"api";r={remaining};t={reset}',
+                                                         "RateLimit-Policy": '"fixed window";"api";q=100;w=30'})  # fmt: skip
+        if now[0] >= 29:
+            break
+    # its own share is 16 per 30 s; with the others idle it took more, and left the margin untouched
+    assert 24 < 100 - remaining <= 80
 
 
 def test_budget_settings_come_from_the_environment(monkeypatch):
@@ -236,3 +254,49 @@ def test_429_through_a_watched_bucket_is_retried_without_losing_the_write(server
     with pytest.raises(TransientBucketError):
         server.inject("api", Fault(429, {"Retry-After": "1"}, path="/tree"))
         hf().list()
+
+
+
+# -- an idle fleet ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("feed", [True, False], ids=["feed", "polling"])
+def test_idle_fleet_of_four_replicas_and_the_env_makes_almost_no_requests(server, tmp_path, monkeypatch, feed):
+    """The trainer stopped after publishing an anchor; 4 replicas and the env stay up with nothing to
+    do (no tasks: ``queue_depth=0`` stands in for a trainer that asks for none). Over 60 idle seconds,
+    a fifth of the Hub's window, they stay within a fifth of the bounds for 5 minutes: 20 API
+    requests with the feed on, 200 with it off (adaptive polling). About 90 s."""
+    from safetensors.torch import load_file
+
+    from env_space.simulator import EnvConfig, EnvSimulator
+    from rlsync.protocol import Publisher
+    from rlsync.spaces.tiny_model import build_tiny_model
+    from rollout_space.replica import Replica, ReplicaConfig
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setenv("HUB_FEED", "1" if feed else "0")
+    model = build_tiny_model(tmp_path / "tiny", seed=0)
+    state = {n: t.float() for n, t in load_file(model / "model.safetensors").items()}
+    Publisher(hf()).publish(0, state)
+    server.feed(True, session_s=300)
+    url = f"hf://buckets/{BUCKET}"
+    env = EnvSimulator(EnvConfig(bucket=url, queue_depth=0))
+    replicas = [
+        Replica(ReplicaConfig(bucket=url, replica_id=f"r{i}", engine="transformers", model=str(model), device="cpu"))
+        for i in range(4)
+    ]
+    roles = [env, *replicas]
+    try:
+        for role in roles:
+            role.start()
+        wait_until(lambda: all(r.subscriber.step == 0 for r in replicas), timeout=60)
+        time.sleep(10)  # settle: first status and metrics writes, the feed sessions opened
+        since = time.time()
+        time.sleep(60)
+        idle = server.usage(RequestClass.API, TOKEN, since)
+    finally:
+        for role in roles:
+            role.stop()
+    kinds = sorted(classify(r.method, r.path)[1] for r in idle)
+    assert len(idle) <= (4 if feed else 40), kinds
+    assert all(r.subscriber.step == 0 for r in replicas)

@@ -10,7 +10,10 @@ one budget. :class:`RequestMeter` is one role's view of it:
   :class:`RequestClass` and kind (``"GET tree"``, ``"POST batch"``, ...), over the last window;
 - it paces the role to its share of the tier's limits (:class:`BudgetConfig`: tier, roles sharing
   the token, target fraction) with a token bucket per class, so a role slows down evenly instead of
-  spending its share in a burst and then stalling for the rest of the window;
+  spending its share in a burst and then stalling for the rest of the window; when the Hub's
+  ``RateLimit`` header shows the token has budget to spare (other roles idle), a busy role may also
+  take up to ``1/share`` of what is left per second of the window, so together the roles never
+  spend more than is left;
 - it reads the Hub's ``RateLimit`` headers whenever they come: when the whole token's remaining
   budget is low (other processes share it too) it waits for the window to reset, and a 429 holds
   every request of the role until the time the server gave.
@@ -69,6 +72,7 @@ _KINDS = (
     (re.compile(r"/xet-write-token"), "xet-write-token"),
     (re.compile(r"/api/buckets/[^/]+/[^/]+/(tree|paths-info|batch|events)\b"), None),
     (re.compile(r"/api/telemetry"), "telemetry"),
+    (re.compile(r"/api/agent-harnesses"), "agent-registry"),
     (re.compile(r"/api/buckets/[^/]+/[^/]+$"), "bucket"),
 )
 
@@ -209,11 +213,13 @@ class RequestMeter:
             for cls in RequestClass
         }
         self._log: collections.deque[tuple[float, RequestClass, str]] = collections.deque()
-        self.totals: collections.Counter[str] = collections.Counter()
+        self.totals: collections.Counter[str] = collections.Counter()  # by kind, since the start
+        self.class_totals: collections.Counter[RequestClass] = collections.Counter()
         self.throttled = 0
         self.waited_s = 0.0
         self._held_until = 0.0
         self._server: dict[RequestClass, tuple[int, int | None, float]] = {}  # remaining, limit, reset at
+        self._spare: dict[RequestClass, _TokenBucket] = {}  # this role's share of what the token has left
         self.pacing = ""
 
     # -- used by the transport -------------------------------------------------------------------
@@ -230,8 +236,12 @@ class RequestMeter:
             with self._lock:
                 now = self._clock()
                 wait, why = self._held_until - now, "the Hub answered 429"
+                borrowed = False
                 if self.config.enabled:
                     paced = self._buckets[cls].wait_s(now)
+                    spare = self._spare.get(cls)
+                    if paced > 0 and spare is not None and spare.wait_s(now) == 0:
+                        paced, borrowed = 0.0, True  # the token has budget to spare: take a share of it
                     if paced > wait:
                         wait, why = paced, f"{cls.value} share ({self.config.allowance(cls):.0f} per {self.config.window_s:g}s) spent"
                     server = self._server_wait(cls, now)
@@ -239,7 +249,7 @@ class RequestMeter:
                         wait, why = server, f"the token's {cls.value} budget is nearly spent (RateLimit header)"
                 if wait <= 0:
                     if self.config.enabled:
-                        self._buckets[cls].level -= 1.0
+                        (self._spare[cls] if borrowed else self._buckets[cls]).level -= 1.0
                     if waited:
                         self.waited_s += waited
                     return waited
@@ -264,6 +274,8 @@ class RequestMeter:
             now = self._clock()
             self._log.append((now, cls, kind))
             self.totals[kind] += 1
+            if cls is not None:
+                self.class_totals[cls] += 1
             self._trim(now)
             if headers is not None:
                 self._observe(headers, now)
@@ -285,6 +297,20 @@ class RequestMeter:
         except ValueError:
             return
         self._server[cls] = (info.remaining, info.limit, now + info.reset_in_seconds)
+        # What the whole token has left for the rest of the window, less the margin, split between the
+        # roles sharing it: taking at most 1/share of it per second, the roles together never exceed it.
+        limit = info.limit or self.config.limit(cls)
+        left_s = max(1.0, float(info.reset_in_seconds))
+        margin = (1 - self.config.target) * limit * min(1.0, left_s / self.config.window_s)
+        rate = max(0.0, info.remaining - margin) / left_s / self.config.share
+        spare = self._spare.get(cls)
+        if rate <= 0:
+            self._spare.pop(cls, None)
+        elif spare is None:
+            self._spare[cls] = _TokenBucket(rate, 1.0, now)
+        else:
+            spare.refill(now)
+            spare.rate = rate
 
     def _trim(self, now: float) -> None:
         while self._log and self._log[0][0] < now - self.config.window_s:

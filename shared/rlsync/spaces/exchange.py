@@ -361,13 +361,15 @@ class MetricsLog:
         role: Object name under ``metrics/``.
         keep: Rows kept.
         every_s: Least seconds between two writes (a flush in between is skipped, the rows kept for
-            the next); roles on the Hub pass their setting, as every write is a request.
+            the next); roles on the Hub pass their setting, as every write is a request. With it set,
+            a flush also writes only when a row was added since the last write.
     """
 
     def __init__(self, bucket: Bucket | None, role: str, keep: int = 1000, every_s: float = 0.0) -> None:
         self.bucket = bucket
         self.every_s = every_s
         self._flushed_at = -math.inf
+        self._dirty = True
         self.key = metrics_key(role)
         self.keep = keep
         self.rows: list[dict[str, Any]] = []
@@ -381,13 +383,16 @@ class MetricsLog:
         clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
         self.rows.append({"time": time.time(), **clean})
         del self.rows[: -self.keep]
+        self._dirty = True
 
     def flush(self, force: bool = False) -> None:
         """Write the rows to the bucket (errors are logged, not raised); skipped within ``every_s`` of
         the last write unless `force`."""
-        if self.bucket is None or (not force and time.monotonic() - self._flushed_at < self.every_s):
+        if self.bucket is None:
             return
-        self._flushed_at = time.monotonic()
+        if not force and self.every_s and (time.monotonic() - self._flushed_at < self.every_s or not self._dirty):
+            return
+        self._flushed_at, self._dirty = time.monotonic(), False
         try:
             put_json(self.bucket, self.key, {"rows": self.rows, **self.extra})
         except BucketError as exc:
