@@ -240,8 +240,9 @@ class RequestMeter:
                 if self.config.enabled:
                     paced = self._buckets[cls].wait_s(now)
                     spare = self._spare.get(cls)
-                    if paced > 0 and spare is not None and spare.wait_s(now) == 0:
-                        paced, borrowed = 0.0, True  # the token has budget to spare: take a share of it
+                    if paced > 0 and spare is not None:  # the token has budget to spare: take a share of it
+                        borrow = spare.wait_s(now)
+                        paced, borrowed = min(paced, borrow), borrow == 0
                     if paced > wait:
                         wait, why = paced, f"{cls.value} share ({self.config.allowance(cls):.0f} per {self.config.window_s:g}s) spent"
                     server = self._server_wait(cls, now)

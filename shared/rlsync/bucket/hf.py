@@ -331,7 +331,7 @@ class HfBucket(Bucket):
         self._call(
             "put",
             key,
-            lambda: self._api.batch_bucket_files(self.bucket_id, add=[(payload, remote)], token=self._token),
+            lambda: self._xet_token("write") or self._api.batch_bucket_files(self.bucket_id, add=[(payload, remote)], token=self._token),
         )
 
     def put_file(self, key: str, path: str | Path) -> None:
@@ -344,14 +344,24 @@ class HfBucket(Bucket):
         local = str(Path(path))
         logger.debug("put_file %s -> %s in %s", local, remote, self.bucket_id)
         self._call(
-            "put", key, lambda: self._api.batch_bucket_files(self.bucket_id, add=[(local, remote)], token=self._token)
+            "put", key,
+            lambda: self._xet_token("write") or self._api.batch_bucket_files(self.bucket_id, add=[(local, remote)], token=self._token),
         )
+
+    def _xet_token(self, kind: str) -> None:
+        """Count and pace the Xet token request hf_xet makes itself (outside the Hub client) for one
+        transfer: one API request per upload commit or download group."""
+        from .budget import RequestClass
+
+        path = f"/api/buckets/{self.bucket_id}/xet-{kind}-token"
+        self.meter.acquire(RequestClass.API)
+        self.meter.record("GET", path, None, None)
 
     def _download(self, key: str, remote: str, dest: Path) -> None:
         self._call(
             "get",
             key,
-            lambda: self._api.download_bucket_files(
+            lambda: self._xet_token("read") or self._api.download_bucket_files(
                 self.bucket_id, [(remote, str(dest))], raise_on_missing_files=True, token=self._token
             ),
         )
