@@ -11,9 +11,9 @@ one budget. :class:`RequestMeter` is one role's view of it:
 - it paces the role to its share of the tier's limits (:class:`BudgetConfig`: tier, roles sharing
   the token, target fraction) with a token bucket per class, so a role slows down evenly instead of
   spending its share in a burst and then stalling for the rest of the window; when the Hub's
-  ``RateLimit`` header shows the token has budget to spare (other roles idle), a busy role may also
-  take up to ``1/share`` of what is left per second of the window, so together the roles never
-  spend more than is left;
+  ``RateLimit`` header shows the token has budget to spare (other roles idle: more left than the
+  pro-rata limit for the rest of the window), a busy role may also take up to ``1/share`` of that
+  surplus per second, so together the roles never spend more than is left;
 - it reads the Hub's ``RateLimit`` headers whenever they come: when the whole token's remaining
   budget is low (other processes share it too) it waits for the window to reset, and a 429 holds
   every request of the role until the time the server gave.
@@ -298,11 +298,12 @@ class RequestMeter:
         except ValueError:
             return
         self._server[cls] = (info.remaining, info.limit, now + info.reset_in_seconds)
-        # What the whole token has left for the rest of the window, less the margin, split between the
-        # roles sharing it: taking at most 1/share of it per second, the roles together never exceed it.
+        # What the whole token has left beyond the pro-rata limit for the rest of the window (which the
+        # roles' own shares may still spend), split between the roles sharing it: taking at most
+        # 1/share of it per second each, the roles together never exceed what is left.
         limit = info.limit or self.config.limit(cls)
         left_s = max(1.0, float(info.reset_in_seconds))
-        margin = (1 - self.config.target) * limit * min(1.0, left_s / self.config.window_s)
+        margin = limit * min(1.0, left_s / self.config.window_s)
         rate = max(0.0, info.remaining - margin) / left_s / self.config.share
         spare = self._spare.get(cls)
         if rate <= 0:
