@@ -328,11 +328,7 @@ class HfBucket(Bucket):
         remote = self._remote(key)
         logger.debug("put %s (%d bytes) to %s", remote, len(data), self.bucket_id)
         payload = bytes(data)  # huggingface_hub tells raw content from a path by the `bytes` type
-        self._call(
-            "put",
-            key,
-            lambda: self._xet_token("write") or self._api.batch_bucket_files(self.bucket_id, add=[(payload, remote)], token=self._token),
-        )
+        self._call("put", key, lambda: self._upload(payload, remote))
 
     def put_file(self, key: str, path: str | Path) -> None:
         """Upload the local file `path` under `key` without reading it into memory.
@@ -343,10 +339,11 @@ class HfBucket(Bucket):
         remote = self._remote(key)
         local = str(Path(path))
         logger.debug("put_file %s -> %s in %s", local, remote, self.bucket_id)
-        self._call(
-            "put", key,
-            lambda: self._xet_token("write") or self._api.batch_bucket_files(self.bucket_id, add=[(local, remote)], token=self._token),
-        )
+        self._call("put", key, lambda: self._upload(local, remote))
+
+    def _upload(self, source: bytes | str, remote: str) -> None:
+        self._xet_token("write")
+        self._api.batch_bucket_files(self.bucket_id, add=[(source, remote)], token=self._token)
 
     def _xet_token(self, kind: str) -> None:
         """Count and pace the Xet token request hf_xet makes itself (outside the Hub client) for one
@@ -357,13 +354,15 @@ class HfBucket(Bucket):
         self.meter.acquire(RequestClass.API)
         self.meter.record("GET", path, None, None)
 
+    def _fetch(self, remote: str, dest: Path) -> None:
+        self._xet_token("read")
+        self._api.download_bucket_files(self.bucket_id, [(remote, str(dest))], raise_on_missing_files=True, token=self._token)
+
     def _download(self, key: str, remote: str, dest: Path) -> None:
         self._call(
             "get",
             key,
-            lambda: self._xet_token("read") or self._api.download_bucket_files(
-                self.bucket_id, [(remote, str(dest))], raise_on_missing_files=True, token=self._token
-            ),
+            lambda: self._fetch(remote, dest),
         )
         if not dest.is_file():  # the client skipped it: treat as missing rather than return garbage
             raise ObjectNotFoundError(f"get {key!r} in {self.url} failed: no such object")
