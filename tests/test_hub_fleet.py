@@ -33,11 +33,11 @@ WINDOW_S = 30
 STEPS = 2
 
 
-def newest_version(hub) -> int:
+def trained(hub) -> bool:
+    """Whether the trainer saved its final checkpoint (at ``max_steps``), from the stand-in's metadata."""
     with hub._lock:
         keys = list(hub.buckets.get(BUCKET, {}))
-    steps = [int(k.split("/")[1][:12]) for k in keys if k.startswith(("anchors/", "deltas/")) and k.split("/")[1][:12].isdigit()]
-    return max(steps, default=-1)
+    return f"checkpoints/{STEPS:010d}/COMPLETE.json" in keys
 
 
 def free_port() -> int:
@@ -68,11 +68,11 @@ def test_trainer_env_and_two_replicas_stay_within_the_free_tier(hub, tmp_path):
     )  # fmt: skip
     try:
         # Read only the stand-in's own metadata while the app runs (downloading here would open the
-        # Xet storage the app holds): the newest version is the largest anchor or delta step.
+        # Xet storage the app holds): the trainer is done once its final checkpoint is there.
         deadline = time.time() + 500
-        while time.time() < deadline and app.poll() is None and newest_version(hub) < STEPS:
+        while time.time() < deadline and app.poll() is None and not trained(hub):
             time.sleep(3)
-        time.sleep(20)  # the replicas apply the last version
+        time.sleep(45)  # the final publish (coalesced steps), and the replicas apply it
     finally:
         app.send_signal(signal.SIGTERM)  # the roles stop cleanly; each replica writes its final status
         try:
@@ -85,7 +85,7 @@ def test_trainer_env_and_two_replicas_stay_within_the_free_tier(hub, tmp_path):
     manifest = read_manifest(reader)
     statuses = [parse_status(get_json(reader, status_key(f"replica-{i}"))) for i in range(2)]
     logs = log.read_text()[-4000:]
-    assert manifest is not None and manifest.step >= STEPS, logs
+    assert manifest is not None and manifest.step >= 1, logs  # publishes may be coalesced: versions <= steps
     assert hub.throttled(TOKEN) == 0, logs
     for s in statuses:
         assert (s.get("applied_step") or -10) >= manifest.step - 2, (statuses, manifest.step, logs)
@@ -103,5 +103,7 @@ def test_trainer_env_and_two_replicas_stay_within_the_free_tier(hub, tmp_path):
     assert hub.count("api", "/events$") >= 4  # trainer, env, 2 replicas (the panel's view too)
     assert hub.count("api", "/api/telemetry") == 0 and hub.count("api", "/api/agent-harnesses") == 0
     # each role reports its own counts for the panels
-    trainer_hub = get_json(reader, metrics_key("trainer"))["hub"]
+    trainer_metrics = get_json(reader, metrics_key("trainer"))
+    assert trainer_metrics["opt_steps"] == STEPS and trainer_metrics["version"] == manifest.step, logs
+    trainer_hub = trainer_metrics["hub"]
     assert trainer_hub["tier"] == "free" and trainer_hub["api"] > 0 and trainer_hub["throttled"] == 0

@@ -45,6 +45,8 @@ class PublishCoalescing(TrainerCallback):
         return None
 
     def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step % (self.base * self.factor):
+            return control  # change the interval only on its grid, so a stretch is at most doubled per publish
         short = self.meter.short
         factor = min(self.max_factor, self.factor * 2) if short else 1
         if factor != self.factor:
