@@ -225,6 +225,7 @@ def build_app(stack: Stack) -> gr.Blocks:
                     components.summary_line(live, frames.trainer_summary, elem_id="overview-trainer-summary")
                     components.summary_line(live, frames.env_summary, elem_id="overview-env-summary")
                     components.summary_line(live, frames.flow_summary, elem_id="overview-flow-summary")
+                    components.summary_line(live, frames.hub_requests_summary, elem_id="overview-hub-requests")
                     with gr.Row():
                         components.reward_plot(live, prefix="overview-")
                         components.size_plot(live, prefix="overview-")
@@ -262,6 +263,8 @@ def _interrupt(signum: int, _frame: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    # The roles and the panel share the token's Hub budget: each paces itself to its share.
+    os.environ.setdefault("HUB_SHARE", str(args.replicas + 3))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "rlsync.protocol.subscriber"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

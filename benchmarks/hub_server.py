@@ -10,7 +10,17 @@ huggingface_hub 2.4.0's bucket methods make:
 - ``POST /api/buckets/{id}/paths-info`` (get_bucket_paths_info);
 - ``POST /api/buckets/{id}/batch`` (batch_bucket_files' ndjson commit of add/delete operations);
 - ``HEAD /buckets/{id}/resolve/{path}`` (get_bucket_file_metadata: Xet hash and token refresh route);
-- ``GET /api/buckets/{id}/xet-{read,write}-token`` (the Xet token endpoint hf_xet calls itself).
+- ``GET /api/buckets/{id}/xet-{read,write}-token`` (the Xet token endpoint hf_xet calls itself);
+- ``GET /api/buckets/{id}/events?cursor=...|since=...`` (the live-follow feed of
+  ``huggingface_hub._bucket_live_follow``: server-sent ``changes``, ``ready``, ``reset`` and
+  ``reconnect`` events, keep-alive comments; :meth:`HubServer.feed` turns it off or forces a reset).
+
+Rate limits (:meth:`HubServer.limit`) are the Hub's: per token, in fixed windows, API requests (every
+``/api/...`` endpoint, Xet token endpoints and the feed included) and resolver requests
+(``/resolve/...``) counted apart against the tier's limits (``rlsync.bucket.budget.HUB_LIMITS``,
+scaled to a shortened window for tests). Over the limit a request gets 429 with ``RateLimit``,
+``RateLimit-Policy`` and ``Retry-After``; every counted response carries ``RateLimit`` headers.
+:attr:`HubServer.log` keeps every counted request per token and class for benchmarks.
 
 The Xet token endpoint hands hf_xet a ``local://`` CAS URL, which makes hf_xet use xet-core's
 file-backed CAS client in a folder of this server: the bytes are chunked, deduplicated, stored and
@@ -28,7 +38,9 @@ generator.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import datetime
 import json
 import random
 import re
@@ -41,10 +53,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from benchmarks.hub_events import serve_events
+from rlsync.bucket.budget import WINDOW_S, RequestClass, Tier, scaled_limit
+
 #: Longest a stall may hold a request, whatever the test asked (keeps a broken test bounded).
 MAX_STALL_SECONDS = 30.0
 #: Largest request body the server accepts.
 MAX_BODY_BYTES = 64 << 20
+#: Changes the events feed can replay; an older cursor gets a ``reset`` event.
+FEED_REPLAY = 10_000
 
 
 @dataclasses.dataclass
@@ -81,6 +98,17 @@ class Request:
     path: str
     side: str
     authorization: str | None
+    status: int = 0
+
+
+@dataclasses.dataclass
+class Logged:
+    """One request counted against a token's rate limits."""
+
+    time: float
+    method: str
+    path: str
+    status: int
 
 
 class HubServer:
@@ -96,6 +124,7 @@ class HubServer:
         self.page_size = page_size
         self._lock = threading.Lock()
         self._release = threading.Event()
+        self._changed = threading.Condition(self._lock)
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         self._httpd.daemon_threads = True
         self._httpd.hub = self  # type: ignore[attr-defined]
@@ -120,6 +149,21 @@ class HubServer:
             #: token -> "read" or "write"; a request with any other bearer token gets 401.
             self.tokens: dict[str, str] = {}
             self.storage = Path(tempfile.mkdtemp(prefix="xet-", dir=self.root))
+            #: Rate limits: the tier (None: unlimited) and the window length in seconds.
+            self.tier: Tier | None = None
+            self.window_s = WINDOW_S
+            #: token -> class -> counted requests (``"anonymous"`` for requests without a token).
+            self.log: dict[str, dict[RequestClass, list[Logged]]] = collections.defaultdict(
+                lambda: {cls: [] for cls in RequestClass}
+            )
+            self._windows: dict[tuple[str, RequestClass], tuple[float, int]] = {}
+            #: bucket id -> [(cursor, time, change)] for the events feed, and the feed's settings.
+            self.changes: dict[str, list[tuple[int, float, dict]]] = {}
+            self._seq = 0
+            self.feed_enabled = True
+            self.feed_session_s = 300.0
+            self.feed_ping_s = 15.0
+            self._reset_pending = 0
         self._release = threading.Event()
 
     def add_token(self, token: str, role: str = "write") -> None:
@@ -130,6 +174,37 @@ class HubServer:
     def create_bucket(self, bucket_id: str) -> None:
         with self._lock:
             self.buckets.setdefault(bucket_id, {})
+            self.changes.setdefault(bucket_id, [])
+
+    def limit(self, tier: Tier | str | None, window_s: float = WINDOW_S) -> None:
+        """Enforce `tier`'s limits per token in fixed windows of `window_s` seconds (the limits scaled
+        to it); `None` lifts them. Restarts every token's window."""
+        with self._lock:
+            self.tier = Tier(tier) if tier is not None else None
+            self.window_s = float(window_s)
+            self._windows.clear()
+
+    def feed(self, enabled: bool = True, *, session_s: float | None = None, ping_s: float | None = None,
+             reset: int = 0) -> None:
+        """Serve the events feed or not (off: 404, as on a deployment without live-follow); end each
+        session with a ``reconnect`` after `session_s`; answer the next `reset` sessions with ``reset``."""
+        with self._lock:
+            self.feed_enabled = enabled
+            self.feed_session_s = session_s if session_s is not None else self.feed_session_s
+            self.feed_ping_s = ping_s if ping_s is not None else self.feed_ping_s
+            self._reset_pending = reset
+            self._changed.notify_all()
+
+    def usage(self, cls: RequestClass | str, token: str | None = None, since: float = 0.0) -> list[Logged]:
+        """The counted requests of `cls` (of one token, or of all), from time `since` on."""
+        cls = RequestClass(cls)
+        with self._lock:
+            tokens = [token] if token is not None else list(self.log)
+            return sorted((r for t in tokens for r in self.log[t][cls] if r.time >= since), key=lambda r: r.time)
+
+    def throttled(self, token: str | None = None) -> int:
+        """How many counted requests were answered 429 for exceeding the limits."""
+        return sum(1 for cls in RequestClass for r in self.usage(cls, token) if r.status == 429)
 
     def chaos(self, rates: dict[str, float], seed: int = 0) -> None:
         """Fail this share of the requests of each side ("api", "token"; "storage": of the token grants)
@@ -161,6 +236,9 @@ class HubServer:
 
     def close(self) -> None:
         self._release.set()
+        with self._lock:
+            self.feed_enabled = False
+            self._changed.notify_all()
         self._httpd.shutdown()
         self._httpd.server_close()
 
@@ -176,6 +254,42 @@ class HubServer:
                 return self._rng.choice([Fault(429, {"Retry-After": "0"}), Fault(503), Fault(drop=True)])
         return None
 
+    def _count(self, token: str, cls: RequestClass, method: str, path: str) -> dict[str, str]:
+        """Count one request; returns the rate-limit headers, with ``Retry-After`` when it is over."""
+        with self._lock:
+            now = time.time()
+            entry = Logged(now, method, path, 200)
+            self.log[token][cls].append(entry)
+            if self.tier is None:
+                return {}
+            quota = scaled_limit(self.tier, cls, self.window_s)
+            start, used = self._windows.get((token, cls), (now, 0))
+            if now >= start + self.window_s:
+                start, used = start + (now - start) // self.window_s * self.window_s, 0
+            over = used >= quota
+            used += 0 if over else 1
+            self._windows[(token, cls)] = (start, used)
+            reset = max(1, int(start + self.window_s - now + 0.999))
+            headers = {
+                "RateLimit": f'"{cls.value}";r={max(0, quota - used)};t={reset}',
+                "RateLimit-Policy": f'"fixed window";"{cls.value}";q={quota};w={int(self.window_s)}',
+            }
+            if over:
+                entry.status = 429
+                headers["Retry-After"] = str(reset)
+            return headers
+
+    def _record_change(self, bucket_id: str, change: dict) -> None:
+        """Add a change to the feed's log (the lock is held)."""
+        self._seq += 1
+        log = self.changes.setdefault(bucket_id, [])
+        log.append((self._seq, time.time(), change))
+        del log[:-FEED_REPLAY]
+        self._changed.notify_all()
+
+
+def _iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def _file_entry(path: str, meta: dict) -> dict:
@@ -205,7 +319,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _send(self, status: int, body: object = b"", headers: dict[str, str] | None = None) -> None:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         self.send_response(status)
-        for name, value in (headers or {}).items():
+        for name, value in {**getattr(self, "_limits", {}), **(headers or {})}.items():
             self.send_header(name, value)
         if not isinstance(body, bytes):
             self.send_header("Content-Type", "application/json")
@@ -252,6 +366,13 @@ class _Handler(BaseHTTPRequestHandler):
             body = self._body()
         except ValueError as err:
             return self._error(413, str(err))
+        cls = RequestClass.RESOLVER if "/resolve/" in url.path else RequestClass.API if url.path.startswith("/api/") else None
+        self._limits = {}
+        if cls is not None:
+            token = auth[len("Bearer ") :] if auth and auth.startswith("Bearer ") else "anonymous"
+            self._limits = self.hub._count(token, cls, self.command, url.path)
+            if "Retry-After" in self._limits:
+                return self._error(429, "You have exceeded our rate limits", self._limits)
         if side == "storage":  # only reached through a grant that handed out a storage fault
             return self._apply_fault(self.hub.storage_fault)
         fault = self.hub._take_fault(side, self.command, url.path)
@@ -299,6 +420,9 @@ class _Handler(BaseHTTPRequestHandler):
         match = re.fullmatch(r"/api/buckets/([^/]+)/([^/]+)", raw_path)
         if match:
             return self._bucket(f"{match[1]}/{match[2]}", role)
+        match = re.fullmatch(r"/api/buckets/([^/]+/[^/]+)/events", raw_path)
+        if match and self.command == "GET":
+            return self._events(match[1], query)
         match = re.fullmatch(r"/api/buckets/([^/]+/[^/]+)/(tree|paths-info|batch)(/.*)?", raw_path)
         if match:
             bucket_id, op = match[1], match[2]
@@ -327,8 +451,10 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(200, {"url": f"{self.hub.url}/buckets/{bucket_id}", "id": bucket_id})
         if not exists:
             return self._error(404, "Bucket not found", {"X-Error-Code": "RepoNotFound"})
+        changes = self.hub.changes.get(bucket_id) or []
+        updated = _iso(changes[-1][1]) if changes else "2026-01-01T00:00:00.000Z"
         self._send(200, {"id": bucket_id, "private": False, "createdAt": "2026-01-01T00:00:00.000Z",
-                         "size": 0, "totalFiles": len(self.hub.buckets[bucket_id])})
+                         "updatedAt": updated, "size": 0, "totalFiles": len(self.hub.buckets[bucket_id])})
 
     def _tree(self, bucket_id: str, prefix: str, query: dict) -> None:
         objects = self.hub.buckets[bucket_id]
@@ -367,12 +493,19 @@ class _Handler(BaseHTTPRequestHandler):
                     if size is None:
                         failed.append({"path": op["path"], "error": "unknown xet hash"})
                         continue
+                    change = "update" if op["path"] in objects else "add"
                     objects[op["path"]] = {"size": size, "xetHash": op["xetHash"], "mtime": op.get("mtime")}
+                    self.hub._record_change(bucket_id, {"path": op["path"], "op": change, "size": size,
+                                                        "xetHash": op["xetHash"], "uploadedAt": _iso(time.time())})
                 elif op["type"] == "deleteFile":
-                    objects.pop(op["path"], None)
+                    if objects.pop(op["path"], None) is not None:
+                        self.hub._record_change(bucket_id, {"path": op["path"], "op": "delete"})
                 else:
                     failed.append({"path": op.get("path"), "error": f"unsupported operation {op['type']}"})
         self._send(422 if failed and len(failed) == len(operations) else 200, {"failed": failed})
+
+    def _events(self, bucket_id: str, query: dict) -> None:
+        serve_events(self, bucket_id, query)
 
     def _resolve(self, bucket_id: str, path: str) -> None:
         meta = self.hub.buckets.get(bucket_id, {}).get(path)

@@ -122,6 +122,7 @@ def build_panel(
             prefix=prefix,
         )
         summary = components.summary_line(live, frames.env_summary, elem_id=f"{prefix}env-summary")
+        components.summary_line(live, frames.hub_requests_summary, elem_id=f"{prefix}hub-requests")
         reward = components.reward_plot(live, prefix=prefix)
         with gr.Row():
             by_type = _table(live, frames.task_type_frame, "Reward per source and task type", f"{prefix}env-by-type")

@@ -30,6 +30,7 @@ import threading
 import time
 
 from rlsync.bucket import Bucket, BucketError, open_bucket
+from rlsync.bucket.watch import IDLE_WAIT_S, generation, meter_of, wait_for_change, watch
 from rlsync.errors import FormatError
 from rlsync.spaces.exchange import (
     MAX_BATCH,
@@ -53,7 +54,7 @@ from rlsync.spaces.exchange import (
     write_samples,
 )
 from rlsync.protocol import read_manifest
-from rlsync.spaces.demand import Demand, batches_to_issue, read_demand
+from rlsync.spaces.demand import DEMAND_KEY, Demand, batches_to_issue, read_demand
 from rlsync.spaces.settings import from_env
 
 from .bounded import BoundedResult, FailureCounts, ScoringFailure, finite_reward
@@ -91,7 +92,8 @@ class EnvConfig:
     tasks_per_batch: int = dataclasses.field(default=8, metadata={"help": "tasks in one batch"})
     queue_depth: int = dataclasses.field(default=2, metadata={"help": "batches kept waiting for replicas"})
     keep_batches: int = dataclasses.field(default=64, metadata={"help": "batches kept in the bucket"})
-    poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls"})
+    poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls (a Hub bucket is watched instead)"})
+    metrics_every_s: float = dataclasses.field(default=30.0, metadata={"help": "seconds between metrics writes on a Hub bucket"})
     seed: int = dataclasses.field(default=0, metadata={"help": "base seed of task generation"})
     vocab_size: int = dataclasses.field(default=0, metadata={"help": "refuse token ids at or above it (0: the trainer checks them)"})
     max_completion_tokens: int = dataclasses.field(default=4096, metadata={"help": "refuse rollouts with longer completions"})
@@ -111,14 +113,15 @@ class EnvSimulator:
 
     def __init__(self, config: EnvConfig, bucket: Bucket | None = None) -> None:
         self.config = config
-        self.bucket = bucket or open_bucket(config.bucket)
+        self.bucket = watch(bucket or open_bucket(config.bucket))
+        self.meter = meter_of(self.bucket)
         settings = source_settings(config.environment, config.source_settings)
         self.environment: Environment = open_environment(
             config.environment, chat_template=config.chat_template, settings=settings
         )
         self.failures = FailureCounts()
         self.by_type: dict[str, list[float]] = {}  # "<source> / <task type>" -> [reward sum, count]
-        self.metrics = MetricsLog(self.bucket, "env")
+        self.metrics = MetricsLog(self.bucket, "env", every_s=config.metrics_every_s if self.meter is not None else 0.0)
         self.episodes: list[dict] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -403,6 +406,7 @@ class EnvSimulator:
             "refused": self.refusals.as_dict(),
             "failures": self.failures.as_dict(),
             "by_type": {k: {"mean_reward": s / n, "count": n} for k, (s, n) in self.by_type.items()},
+            **({"hub": self.meter.snapshot()} if self.meter is not None else {}),
         }
         self.metrics.flush()
 
@@ -413,6 +417,7 @@ class EnvSimulator:
         waiting twice as long after each failure in a row (up to a minute)."""
         failed = 0
         while not self._stop.is_set():
+            since = generation(self.bucket)
             try:
                 self.step()
                 failed = 0
@@ -423,7 +428,13 @@ class EnvSimulator:
                 logger.exception("environment step failed, retrying")
                 self.failures.add("step", f"error:{type(exc).__name__}")
                 failed += 1
-            self._stop.wait(min(self.config.poll_s * 2 ** min(failed, 16), max(self.config.poll_s, _MAX_BACKOFF_S)))
+            if failed:  # twice as long after each failure in a row, up to a minute
+                self._stop.wait(min(self.config.poll_s * 2 ** min(failed, 16), max(self.config.poll_s, _MAX_BACKOFF_S)))
+                continue
+            timeout = self.config.poll_s if since is None else IDLE_WAIT_S
+            # rollouts to score, or the trainer's demand for more tasks
+            wait_for_change(self.bucket, self._stop, timeout, (ROLLOUTS_PREFIX, DEMAND_KEY), since)
+        self.metrics.flush(force=True)
 
     def start(self) -> None:
         """Run in a background thread."""

@@ -28,7 +28,7 @@ from typing import Any
 import gradio as gr
 
 from rollout_space.replica import Replica, ReplicaConfig, default_replica_id
-from rlsync.spaces import components, forms, role_control, snapshots
+from rlsync.spaces import components, forms, frames, role_control, snapshots
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +114,7 @@ def build_panel(
         apply = components.apply_plot(live, replicas=lambda: hosted_ids(runner), prefix=prefix)
         gr.Markdown("### Fleet")
         fleet = components.fleet_table(live, prefix=prefix)
+        components.summary_line(live, frames.hub_requests_summary, elem_id=f"{prefix}hub-requests")
     return {**controls, "form": form, "replicas": replicas, "own": mine, "apply": apply, "fleet": fleet, "live": live}
 
 

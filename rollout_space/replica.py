@@ -33,6 +33,7 @@ from pathlib import Path
 
 from env_space.environments import get_environment
 from rlsync.bucket import Bucket, BucketError, open_bucket
+from rlsync.bucket.watch import IDLE_WAIT_S, generation, meter_of, wait_for_change, watch
 from rlsync.errors import SyncError
 from rlsync.spaces.exchange import (
     ROLLOUTS_PREFIX,
@@ -52,6 +53,7 @@ from rlsync.spaces.exchange import (
 )
 from rlsync.hashing import state_hash
 from rlsync.protocol import Subscriber, Update
+from rlsync.protocol.manifest import POINTER_KEY
 from rlsync.spaces.demand import read_demand, would_be_stale
 from rlsync.spaces.settings import default_model, from_env, resolve_device
 from rlsync.spaces.tiny_model import model_or_default
@@ -84,7 +86,8 @@ class ReplicaConfig:
     max_batch_tokens: int = dataclasses.field(default=1 << 20, metadata={"help": "most tokens (prompts and completions, all samples) one task batch may cost"})
     chunk_tokens: int = dataclasses.field(default=1 << 16, metadata={"help": "most padded tokens in one engine call"})
     temperature: float = dataclasses.field(default=1.0, metadata={"help": "sampling temperature"})
-    poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls"})
+    poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls (a Hub bucket is watched instead)"})
+    status_every_s: float = dataclasses.field(default=30.0, metadata={"help": "seconds between status writes on a Hub bucket"})
     seed: int = dataclasses.field(default=0, metadata={"help": "sampling seed (mixed with batch and version)"})
     verify_engine: bool = dataclasses.field(default=False, metadata={"help": "hash the engine's own weights after every apply (slow on big models)"})
 
@@ -114,7 +117,11 @@ class Replica:
         device = resolve_device(config.device)
         self.config = config = config.with_model_defaults(device)
         self.replica_id = check_id(config.replica_id or default_replica_id())
-        self.bucket = bucket or open_bucket(config.bucket)
+        self.bucket = watch(bucket or open_bucket(config.bucket))
+        self.meter = meter_of(self.bucket)
+        self._status_at = -float("inf")
+        self._status_progress: tuple | None = None
+        self._since: int | None = None
         model = resolve_model(model_or_default(config.model, device, get_environment))
         kind = config.engine if config.engine != "auto" else _auto_engine(device)
         self.engine = engine or create_engine(kind, model_path=model, **({"device": device} if kind == "transformers" else {}))
@@ -150,6 +157,7 @@ class Replica:
                     self._slot.wait(0.5)
             if self._stop.is_set():
                 return
+            since = generation(self.bucket)
             try:
                 update = self.subscriber.fetch()
             except (SyncError, BucketError) as exc:
@@ -158,7 +166,7 @@ class Replica:
             if self.subscriber.manifest is not None:
                 self.newest_step = self.subscriber.manifest.step
             if update is None:
-                self._stop.wait(self.config.poll_s)
+                wait_for_change(self.bucket, self._stop, self._idle_s, (POINTER_KEY,), since)
                 continue
             with self._slot:
                 self._pending = update
@@ -295,6 +303,7 @@ class Replica:
             "completions": self.completions,
             "skipped_stale": self.skipped_stale,
             "state_hash": self.subscriber.state_hash,
+            **({"hub": self.meter.snapshot()} if self.meter is not None else {}),
             "engine_state_hash": self.engine_state_hash,
             "recent_syncs": [
                 {k: s[k] for k in ("step", "kind", "nbytes", "download_s", "idle_s", "time")} for s in self.syncs[-50:]
@@ -302,9 +311,17 @@ class Replica:
             "updated_at": time.time(),
         }
 
-    def publish_status(self) -> None:
+    def publish_status(self, force: bool = False) -> None:
+        """Write the status object (on a Hub bucket at most every ``status_every_s`` unless `force`)."""
+        now = time.monotonic()
+        status = self.status()
+        progress = (status["applied_step"], status["newest_step"], status["completions"], status["refused"])
+        if self.meter is not None and not force:
+            if now - self._status_at < self.config.status_every_s or progress == self._status_progress:
+                return  # on the Hub: at most every status_every_s, and only when something moved
+        self._status_at, self._status_progress = now, progress
         try:
-            put_json(self.bucket, status_key(self.replica_id), self.status())
+            put_json(self.bucket, status_key(self.replica_id), status)
         except BucketError as exc:
             logger.warning("could not write status: %s", exc)
 
@@ -313,6 +330,7 @@ class Replica:
     def step(self) -> bool:
         """One iteration of the main loop; returns whether it did any work."""
         worked = self.apply_pending()
+        self._since = generation(self.bucket)
         if self.subscriber.step is not None:
             batch = self.next_batch()
             if batch is not None and self.fresh_enough():
@@ -333,7 +351,21 @@ class Replica:
                 logger.warning("bucket error, retrying: %s", exc)
                 worked = False
             if not worked:
-                self._stop.wait(self.config.poll_s)
+                self._idle()
+        self.publish_status(force=True)
+
+    @property
+    def _idle_s(self) -> float:
+        return self.config.poll_s if generation(self.bucket) is None else IDLE_WAIT_S
+
+    def _idle(self) -> None:
+        """Wait for new tasks or weights (a watched bucket: until they appear or an update is downloaded)."""
+        deadline = time.monotonic() + self._idle_s
+        since = self._since
+        while not self._stop.is_set() and self._pending is None and (left := deadline - time.monotonic()) > 0:
+            prefixes = (TASKS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX)
+            if wait_for_change(self.bucket, self._stop, min(left, 1.0), prefixes, since):
+                return
 
     def start(self) -> None:
         """Run in background threads."""

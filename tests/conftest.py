@@ -67,6 +67,7 @@ def hub(hub_server, monkeypatch):
 
     hub_server.reset()
     monkeypatch.setenv("HF_ENDPOINT", hub_server.url)
+    monkeypatch.setenv("HUB_PACING", "0")  # the stand-in limits nothing unless a test says so (HubServer.limit)
     monkeypatch.setattr(constants, "ENDPOINT", hub_server.url)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     install(HfTransferConfig(connect_timeout=HUB_TIMEOUT_SECONDS, read_timeout=HUB_TIMEOUT_SECONDS))

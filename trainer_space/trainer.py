@@ -42,6 +42,7 @@ from transformers import TrainerCallback
 
 from env_space.environments import get_environment
 from rlsync.bucket import Bucket, open_bucket
+from rlsync.bucket.watch import meter_of, watch
 from rlsync.codecs import default_codec
 from rlsync.protocol import CONTROL_KEY, Adaptive, FixedInterval, NonFiniteError, Publisher, PublishRecord, policy_to_json, read_manifest
 from rlsync.spaces.exchange import MetricsLog, Refusals, SampleLimits, read_samples
@@ -60,6 +61,7 @@ from rlsync.trl import (
 )
 from rlsync.spaces.demand import Pacing
 from rlsync.trl.checkpoint_checks import CheckpointExpectations
+from rlsync.trl.coalesce import PublishCoalescing
 from rlsync.trl.metrics import trl_layout_bytes
 
 from .flow import FlowControl
@@ -98,7 +100,8 @@ class TrainerConfig:
     max_steps: int = dataclasses.field(default=0, metadata={"help": "stop after this many optimizer steps (0: never) (max_steps)"})
     checkpoint_every: int = dataclasses.field(default=50, metadata={"help": "optimizer steps per bucket checkpoint, also saved on stop (save_steps)"})
     keep_checkpoints: int = dataclasses.field(default=2, metadata={"help": "checkpoints retained in the bucket"})
-    poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls"})
+    poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls (a Hub bucket is watched instead)"})
+    metrics_every_s: float = dataclasses.field(default=30.0, metadata={"help": "seconds between metrics writes on a Hub bucket"})
     seed: int = dataclasses.field(default=0, metadata={"help": "torch seed (seed)"})
     trainer_id: str = dataclasses.field(default="", metadata={"help": "run-lock owner id; a restart with the same id takes over (default: SPACE_ID or host name)"})
     new_run: bool = dataclasses.field(default=False, metadata={"help": "when the bucket holds a run but no checkpoint to continue from: start a new run (new run id; replicas re-bootstrap from its first anchor) instead of refusing; a checkpoint, when there is one, is always resumed from"})
@@ -176,12 +179,13 @@ class Trainer:
         from transformers import AutoTokenizer
         from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-        self.bucket = bucket or open_bucket(config.bucket)
+        self.bucket = watch(bucket or open_bucket(config.bucket))
+        self.meter = meter_of(self.bucket)
         device = resolve_device(config.device)
         config = dataclasses.replace(config, device=device, codec=default_codec(device) if config.codec == "auto" else config.codec)
         config = config.with_model_defaults(device)
         self.config = config
-        self.metrics = MetricsLog(self.bucket, "trainer")
+        self.metrics = MetricsLog(self.bucket, "trainer", every_s=config.metrics_every_s if self.meter is not None else 0.0)
         self.publisher = Publisher(
             self.bucket, policy=config.policy(), keep_anchors=config.keep_anchors, codec=config.codec,
             owner=config.trainer_id or None, new_run=config.new_run,
@@ -222,8 +226,11 @@ class Trainer:
             self.bucket, self.worker, self.transfer, batch_size=config.batch_size,
             max_staleness=config.max_staleness, pacing=Pacing(config.pacing),
         )  # fmt: skip
-        for callback in (self.step_guard, self.version_guard, self.flow, self.checkpoint_callback, self.final_sync, BucketFigures(self)):
-            self.trl.add_callback(callback)
+        self.coalescing = PublishCoalescing(self.trl, self.meter) if self.meter is not None else None
+        callbacks = (self.step_guard, self.version_guard, self.flow, self.checkpoint_callback, self.final_sync, BucketFigures(self), self.coalescing)
+        for callback in callbacks:
+            if callback is not None:
+                self.trl.add_callback(callback)
         logger.info(
             "training %s through TRL AsyncGRPOTrainer on %s (%s attention), lr %g, %d samples per step, publish every %d step(s)",
             model, config.device, "SDPA tree" if sdpa else "flash-attention-3 tree", config.lr, config.batch_size, config.sync_every,
@@ -275,9 +282,11 @@ class Trainer:
         )  # fmt: skip
         self.flush()
 
-    def flush(self) -> None:
+    def flush(self, force: bool = False) -> None:
         """Write ``metrics/trainer.json`` (rows and the trainer's current state)."""
+        budget = {"hub": self.meter.snapshot(), "coalescing": self.coalescing.notice} if self.meter is not None else {}
         self.metrics.extra = {
+            **budget,
             "version": self.transfer.version, "opt_steps": self.opt_steps, "queued_samples": self.worker.rollout_buffer.qsize(),
             "checkpoint_step": self.checkpoint_callback.last_step, "notice": self.notice,
             "refused": self.refusals.as_dict(), "non_finite_refused": self.transfer.non_finite_refused,
@@ -285,7 +294,7 @@ class Trainer:
             "non_finite_steps_skipped": self.step_guard.skipped, "version_corrections": self.version_guard.corrected,
             "flow": self.flow.figures(),
         }  # fmt: skip
-        self.metrics.flush()
+        self.metrics.flush(force)
 
     def set_anchor_policy(self, policy: str, interval: int = 10, max_catchup_ratio: float = 2.0) -> None:
         """Change the anchor policy for the next publish, through the bucket's control object
@@ -351,8 +360,16 @@ class Trainer:
                 self.checkpoint_callback.upload(self.scratch, step)
             self.final_sync.sync(step)
         finally:
-            self.flush()
+            self._publish_coalesced()
+            self.flush(force=True)
         logger.info("trainer finished at step %d, version %s", self.trl.state.global_step, self.transfer.version)
+
+    def _publish_coalesced(self) -> None:
+        """While publishes were coalesced the last steps may not be published: publish the final weights."""
+        if self.coalescing is None or self.coalescing.factor == 1 or not self.trl.state.global_step:
+            return
+        self.final_sync.synced_step = None
+        self.final_sync.sync(self.trl.state.global_step)
 
     def start(self) -> None:
         if self.running:

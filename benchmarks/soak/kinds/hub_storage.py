@@ -40,9 +40,11 @@ def _online() -> Iterator[None]:
 def _bucket(server: HubServer, attempts: int) -> RetryingBucket:
     from huggingface_hub import HfApi
 
+    from rlsync.bucket.budget import BudgetConfig, RequestMeter
     from rlsync.bucket.hf import HfBucket
 
-    inner = HfBucket(BUCKET, token=TOKEN, api=HfApi(endpoint=server.url, token=TOKEN))
+    unpaced = RequestMeter(BudgetConfig(enabled=False))  # the stand-in limits nothing here: faults, not a budget
+    inner = HfBucket(BUCKET, token=TOKEN, api=HfApi(endpoint=server.url, token=TOKEN), meter=unpaced)
     return RetryingBucket(inner, max_attempts=attempts, base_delay=0.001, max_delay=0.01, max_total=30.0)
 
 

@@ -62,10 +62,18 @@ class InvalidKeyError(BucketError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ObjectInfo:
-    """One object in a bucket listing."""
+    """One object in a bucket listing.
+
+    Args:
+        key: The object's key.
+        size: Its size in bytes.
+        etag: A hash of its content when the backend knows one (the Hub's Xet hash), else `None`;
+            not part of equality (listings compare by key and size).
+    """
 
     key: str
     size: int
+    etag: str | None = dataclasses.field(default=None, compare=False)
 
 
 _SEGMENT = re.compile(r"^[A-Za-z0-9._=+@-]+$")

@@ -66,7 +66,8 @@ from .base import (
     validate_key,
     validate_prefix,
 )
-from .hf_transport import HfTransferConfig, RetryableHttpError, install, single_attempt
+from .budget import RequestMeter
+from .hf_transport import HfTransferConfig, RetryableHttpError, install, metering, single_attempt
 
 __all__ = ["HfBucket"]
 
@@ -136,6 +137,9 @@ class HfBucket(Bucket):
         transfer ([`HfTransferConfig`], *optional*):
             Request timeouts, process-wide (see `rlsync.bucket.hf_transport.install`). By default the
             settings already installed are kept, else `HfTransferConfig.from_env()` is installed.
+        meter ([`~rlsync.bucket.budget.RequestMeter`], *optional*):
+            Counts this bucket's requests and paces them to the role's share of the Hub's limits.
+            Defaults to a meter with `BudgetConfig.from_env()`.
 
     Raises:
         [`BucketError`]: `bucket_id` is not `"namespace/name"`, the prefix is not a valid key, or
@@ -151,8 +155,10 @@ class HfBucket(Bucket):
         api: HfApi | None = None,
         create: bool = False,
         transfer: HfTransferConfig | None = None,
+        meter: RequestMeter | None = None,
     ) -> None:
         install(transfer)
+        self.meter = meter if meter is not None else RequestMeter()
         parts = bucket_id.split("/") if isinstance(bucket_id, str) else []
         if len(parts) != 2 or not all(parts):
             raise BucketError(f"invalid bucket id {bucket_id!r}: expected 'namespace/name'")
@@ -246,7 +252,7 @@ class HfBucket(Bucket):
     def _call(self, op: str, key: str | None, fn: Callable[[], _T]) -> _T:
         """Run one `huggingface_hub` call, mapping its errors onto the bucket error types."""
         try:
-            with single_attempt():
+            with metering(self.meter), single_attempt():
                 return fn()
         except BucketError:
             raise
@@ -345,11 +351,7 @@ class HfBucket(Bucket):
         remote = self._remote(key)
         logger.debug("put %s (%d bytes) to %s", remote, len(data), self.bucket_id)
         payload = bytes(data)  # huggingface_hub tells raw content from a path by the `bytes` type
-        self._call(
-            "put",
-            key,
-            lambda: self._api.batch_bucket_files(self.bucket_id, add=[(payload, remote)], token=self._token),
-        )
+        self._call("put", key, lambda: self._upload(payload, remote))
 
     def put_file(self, key: str, path: str | Path) -> None:
         """Upload the local file `path` under `key` without reading it into memory.
@@ -360,17 +362,30 @@ class HfBucket(Bucket):
         remote = self._remote(key)
         local = str(Path(path))
         logger.debug("put_file %s -> %s in %s", local, remote, self.bucket_id)
-        self._call(
-            "put", key, lambda: self._api.batch_bucket_files(self.bucket_id, add=[(local, remote)], token=self._token)
-        )
+        self._call("put", key, lambda: self._upload(local, remote))
+
+    def _upload(self, source: bytes | str, remote: str) -> None:
+        self._xet_token("write")
+        self._api.batch_bucket_files(self.bucket_id, add=[(source, remote)], token=self._token)
+
+    def _xet_token(self, kind: str) -> None:
+        """Count and pace the Xet token request hf_xet makes itself (outside the Hub client) for one
+        transfer: one API request per upload commit or download group."""
+        from .budget import RequestClass
+
+        path = f"/api/buckets/{self.bucket_id}/xet-{kind}-token"
+        self.meter.acquire(RequestClass.API)
+        self.meter.record("GET", path, None, None)
+
+    def _fetch(self, remote: str, dest: Path) -> None:
+        self._xet_token("read")
+        self._api.download_bucket_files(self.bucket_id, [(remote, str(dest))], raise_on_missing_files=True, token=self._token)
 
     def _download(self, key: str, remote: str, dest: Path) -> None:
         self._call(
             "get",
             key,
-            lambda: self._api.download_bucket_files(
-                self.bucket_id, [(remote, str(dest))], raise_on_missing_files=True, token=self._token
-            ),
+            lambda: self._fetch(remote, dest),
         )
         if not dest.is_file():  # the client skipped it: treat as missing rather than return garbage
             raise ObjectNotFoundError(f"get {key!r} in {self.url} failed: no such object")
@@ -454,7 +469,7 @@ class HfBucket(Bucket):
             except BucketError:
                 skipped += 1
                 continue
-            out.append(ObjectInfo(key, int(item.size)))
+            out.append(ObjectInfo(key, int(item.size), item.xet_hash or None))
         if skipped:
             log = logger.debug if self._warned_skipped else logger.warning
             self._warned_skipped = True

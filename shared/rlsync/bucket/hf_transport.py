@@ -15,6 +15,10 @@ Two settings, applied once per process before the first bucket request:
   single attempt, so the only retries are :class:`~rlsync.bucket.retry.RetryingBucket`'s, bounded in
   total time.
 
+- **Counting and pacing.** Within :func:`metering` (every bucket call, and the events feed's thread),
+  each request first waits for the :class:`~rlsync.bucket.budget.RequestMeter`'s budget, then is
+  counted by class and kind with its status, and the ``RateLimit`` headers of its answer are read.
+
 Outside bucket calls (e.g. a model download through the same library) the library keeps its own
 retries; only the timeouts apply. httpcore2's DEBUG trace (raw response headers, where a server may
 echo a token) is raised to INFO unless the application set its level.
@@ -28,11 +32,14 @@ import dataclasses
 import logging
 import os
 import threading
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import httpx2
 
-__all__ = ["HfTransferConfig", "RetryableHttpError", "install", "single_attempt"]
+if TYPE_CHECKING:
+    from .budget import RequestMeter
+
+__all__ = ["HfTransferConfig", "RetryableHttpError", "install", "metering", "single_attempt"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +47,7 @@ logger = logging.getLogger(__name__)
 RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
 _SINGLE_ATTEMPT = contextvars.ContextVar("hf_bucket_single_attempt", default=False)
+_METER: contextvars.ContextVar["RequestMeter | None"] = contextvars.ContextVar("hf_bucket_meter", default=None)
 _INSTALL_LOCK = threading.Lock()
 _installed: "HfTransferConfig | None" = None
 
@@ -99,6 +107,24 @@ class _BucketTransport(httpx2.HTTPTransport):
             name: given.get(name) if given.get(name) is not None else default
             for name, default in self._timeouts.items()
         }
+        meter = _METER.get()
+        if meter is None:
+            return self._send(request)
+        from .budget import classify
+
+        meter.acquire(classify(request.method, request.url.path)[0])
+        try:
+            response = self._send(request)
+        except RetryableHttpError as err:
+            meter.record(request.method, request.url.path, err.status, err.headers)
+            raise
+        except httpx2.TransportError:
+            meter.record(request.method, request.url.path, None, None)
+            raise
+        meter.record(request.method, request.url.path, response.status_code, response.headers)
+        return response
+
+    def _send(self, request: httpx2.Request) -> httpx2.Response:
         if not _SINGLE_ATTEMPT.get():
             return super().handle_request(request)
         try:
@@ -124,6 +150,16 @@ def single_attempt() -> Iterator[None]:
         yield
     finally:
         _SINGLE_ATTEMPT.reset(token)
+
+
+@contextlib.contextmanager
+def metering(meter: "RequestMeter | None") -> Iterator[None]:
+    """Within this block, Hub requests of this thread are paced and counted by `meter` (`None`: not)."""
+    token = _METER.set(meter)
+    try:
+        yield
+    finally:
+        _METER.reset(token)
 
 
 def install(config: HfTransferConfig | None = None) -> None:

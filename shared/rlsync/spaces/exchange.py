@@ -305,6 +305,22 @@ def _json_number(value: Any) -> bool:
     return type(value) in (int, float) and math.isfinite(value) and abs(value) < 1e18
 
 
+_HUB_NUMBERS = ("share", "window_s", "api", "resolver", "api_limit", "resolver_limit", "throttled", "waited_s")
+_HUB_TIERS = ("free", "pro", "team", "enterprise")
+
+
+def parse_hub(doc: Any) -> dict[str, Any] | None:
+    """Check a role's Hub request counts (``RequestMeter.snapshot()`` in its status or metrics):
+    known numbers only, a known tier, a pacing notice of at most 200 characters; ``None`` if unusable."""
+    if not isinstance(doc, dict) or doc.get("tier") not in _HUB_TIERS:
+        return None
+    out: dict[str, Any] = {k: doc[k] for k in _HUB_NUMBERS if _json_number(doc.get(k))}
+    out["tier"] = doc["tier"]
+    out["short"] = doc.get("short") is True
+    out["pacing"] = doc["pacing"][:200] if isinstance(doc.get("pacing"), str) else ""
+    return out
+
+
 def parse_status(doc: Any) -> dict[str, Any]:
     """Check a replica status object; returns only its known fields, each of the right type
     (numbers finite, strings at most 128 characters, at most 200 recent syncs).
@@ -316,6 +332,9 @@ def parse_status(doc: Any) -> dict[str, Any]:
         raise ValueError("not a status object with a valid replica_id")
     out: dict[str, Any] = {k: doc[k] for k in _STATUS_NUMBERS if _json_number(doc.get(k))}
     out.update({k: doc[k] for k in _STATUS_STRINGS if isinstance(doc.get(k), str) and len(doc[k]) <= 128})
+    hub = parse_hub(doc.get("hub"))
+    if hub is not None:
+        out["hub"] = hub
     syncs = doc.get("recent_syncs")
     out["recent_syncs"] = [
         {k: s[k] for k in _SYNC_FIELDS if _json_number(s.get(k)) or (k == "kind" and s.get(k) in ("anchor", "delta"))}
@@ -352,10 +371,16 @@ class MetricsLog:
         bucket: Where to mirror (``None``: keep in memory only).
         role: Object name under ``metrics/``.
         keep: Rows kept.
+        every_s: Least seconds between two writes (a flush in between is skipped, the rows kept for
+            the next); roles on the Hub pass their setting, as every write is a request. With it set,
+            a flush also writes only when a row was added since the last write.
     """
 
-    def __init__(self, bucket: Bucket | None, role: str, keep: int = 1000) -> None:
+    def __init__(self, bucket: Bucket | None, role: str, keep: int = 1000, every_s: float = 0.0) -> None:
         self.bucket = bucket
+        self.every_s = every_s
+        self._flushed_at = -math.inf
+        self._dirty = True
         self.key = metrics_key(role)
         self.keep = keep
         self.rows: list[dict[str, Any]] = []
@@ -369,11 +394,16 @@ class MetricsLog:
         clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
         self.rows.append({"time": time.time(), **clean})
         del self.rows[: -self.keep]
+        self._dirty = True
 
-    def flush(self) -> None:
-        """Write the rows to the bucket (errors are logged, not raised)."""
+    def flush(self, force: bool = False) -> None:
+        """Write the rows to the bucket (errors are logged, not raised); skipped within ``every_s`` of
+        the last write unless `force`."""
         if self.bucket is None:
             return
+        if not force and self.every_s and (time.monotonic() - self._flushed_at < self.every_s or not self._dirty):
+            return
+        self._flushed_at, self._dirty = time.monotonic(), False
         try:
             put_json(self.bucket, self.key, {"rows": self.rows, **self.extra})
         except BucketError as exc:

@@ -335,3 +335,33 @@ def flow_summary(snap: Snapshot) -> str:
               (flow.get("dropped_degenerate"), "in degenerate groups"), (snap.env_extra.get("cancelled_stale"), "cancelled stale")]  # fmt: skip
     parts += [f"{_count(n)} {label}" for n, label in counts if _count(n)]
     return "Flow: " + ", ".join(parts)
+
+
+def hub_requests_summary(snap: Snapshot) -> str:
+    """"Hub requests, last 5 min: X of Y (tier)" per role and for the whole run, with each role's
+    pacing notice ('' when no role runs on the Hub)."""
+    from .exchange import parse_hub
+
+    roles = [("trainer", parse_hub(snap.trainer_extra.get("hub"))), ("env", parse_hub(snap.env_extra.get("hub")))]
+    roles += [(str(st.get("replica_id", "?")), st.get("hub")) for st in snap.statuses]
+    roles = [(name, hub) for name, hub in roles if hub]
+    if not roles:
+        return ""
+    tier, window = roles[0][1]["tier"], roles[0][1].get("window_s", 300)
+    minutes = f"{window / 60:g} min"
+    total_api = sum(int(h.get("api", 0)) for _, h in roles)
+    total_res = sum(int(h.get("resolver", 0)) for _, h in roles)
+    lines = [
+        f"**Hub requests, last {minutes}: {total_api} of {roles[0][1].get('api_limit', '?')} API, "
+        f"{total_res} of {roles[0][1].get('resolver_limit', '?')} resolver ({tier} tier, whole run)**"
+    ]
+    for name, hub in roles:
+        share = hub.get("share") or 1
+        line = (f"{name}: {int(hub.get('api', 0))} of {int(hub.get('api_limit', 0) / share)} API, "
+                f"{int(hub.get('resolver', 0))} resolver ({hub['tier']}, 1/{share:g} share)")  # fmt: skip
+        if hub.get("throttled"):
+            line += f", {int(hub['throttled'])} answered 429"
+        if hub.get("pacing"):
+            line += f"; {hub['pacing']}"
+        lines.append(line)
+    return "  \n".join(lines)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..bucket import Bucket, BucketError, ObjectNotFoundError, open_bucket
+from ..bucket.watch import watch
 from ..errors import FormatError
 from ..protocol import CONTROL_KEY, AnchorPolicy, Manifest, policy_from_json, read_manifest
 from ..protocol.policy import MAX_CONTROL_BYTES
@@ -140,7 +141,7 @@ class BucketView:
     @property
     def bucket(self) -> Bucket:
         if self._bucket is None:
-            self._bucket = open_bucket(self.url)
+            self._bucket = watch(open_bucket(self.url))  # on the Hub: listings from the feed, reads only on change
         return self._bucket
 
     def snapshot(self) -> Snapshot:

@@ -49,6 +49,7 @@ import numpy as np
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from ..bucket import Bucket, BucketError
+from ..bucket.watch import IDLE_WAIT_S, generation, wait_for_change
 from ..errors import FormatError
 from ..protocol import read_manifest
 from ..sampling import MAX_GROUP_SIZE, degenerate_group, sampled_logprob_ok
@@ -142,7 +143,7 @@ class BucketRolloutWorker:
         vocab_size: Token ids must be below this (a hostile id would crash the embedding).
         max_tokens: Longest prompt + completion accepted (pass the model's context; 0: no limit).
         prefix: Where scored objects are listed.
-        poll_s: Seconds between bucket listings.
+        poll_s: Seconds between bucket listings (a watched bucket wakes the worker on a change instead).
         queue_maxsize: Bound of ``rollout_buffer`` (0: unbounded).
         max_staleness: Skip samples already this many versions behind when read (``None``: leave it to TRL).
         heartbeat: Called every ``heartbeat_s`` (e.g. :meth:`BucketWeightTransfer.heartbeat`) so
@@ -389,6 +390,7 @@ class BucketRolloutWorker:
     def _run(self) -> None:
         while not self._stop.is_set():
             before = dict(self.counts)
+            since = generation(self.bucket)
             try:
                 self.poll()
             except BucketError as exc:
@@ -404,4 +406,5 @@ class BucketRolloutWorker:
             if self.on_poll is not None:
                 self.on_poll()
             self._beat()
-            self._stop.wait(self.poll_s)
+            timeout = self.poll_s if since is None else min(IDLE_WAIT_S, self.heartbeat_s)
+            wait_for_change(self.bucket, self._stop, timeout, (self.prefix,), since)

@@ -1,0 +1,170 @@
+"""A fleet on the rate-limited Hub stand-in: requests per event, lag and versions per minute.
+
+    python -m benchmarks.hub_budget --replicas 16 --tier pro --seconds 300 [--no-governor]
+
+One process runs, on the stand-in (:mod:`benchmarks.hub_server`, the tier's real limits per token
+in fixed 5-minute windows), all sharing one token as a deployment does:
+
+- a trainer stand-in that nudges the tiny model's fp32 weights and publishes them every
+  ``--step-s`` seconds through the real :class:`~rlsync.protocol.Publisher` (anchors and sparse bf16
+  deltas); with the governor it publishes every k-th step while its budget is short, as
+  :class:`~rlsync.trl.coalesce.PublishCoalescing` does in the TRL trainer;
+- the real environment role (:class:`env_space.simulator.EnvSimulator`, reverse task);
+- ``--replicas`` real replicas (:class:`rollout_space.replica.Replica`, transformers engine on the
+  tiny offline model), each following the bucket through its own watched bucket.
+
+``--no-governor`` turns pacing off (``HUB_PACING=0``) and the trainer publishes every step. It
+prints one JSON object: versions per minute, the highest share of each limit used in any window,
+429s, the largest replica lag seen, and requests per published version, per replica per rollout
+batch (as each role's client counts them: hf_xet's own Xet token requests are not seen there; the
+``by_kind`` totals are the stand-in's, which sees them), and per idle minute (the trainer then
+stopped and no new task batches for ``--idle-s`` seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+TOKEN = "hf_budget_bench"
+BUCKET = "bench/fleet"
+
+
+def _max_window(times: list[float], window: float) -> int:
+    if not times:
+        return 0
+    counts: dict[int, int] = {}
+    for t in times:
+        counts[int((t - times[0]) // window)] = counts.get(int((t - times[0]) // window), 0) + 1
+    return max(counts.values())
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", type=int, default=16)
+    parser.add_argument("--tier", default="pro")
+    parser.add_argument("--seconds", type=float, default=300.0)
+    parser.add_argument("--idle-s", type=float, default=60.0)
+    parser.add_argument("--step-s", type=float, default=2.0, help="seconds between trainer steps")
+    parser.add_argument("--no-governor", action="store_true")
+    args = parser.parse_args(argv)
+
+    os.environ.update({
+        "HF_TOKEN": TOKEN, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HUB_TIER": args.tier,
+        "HUB_SHARE": str(args.replicas + 2), "HUB_PACING": "0" if args.no_governor else "1",
+    })  # fmt: skip
+    from huggingface_hub import constants
+    from safetensors.torch import load_file
+
+    from benchmarks.hub_server import HubServer
+    from env_space.simulator import EnvConfig, EnvSimulator
+    from rlsync.bucket import open_bucket
+    from rlsync.bucket.budget import RequestClass, Tier, scaled_limit
+    from rlsync.bucket.watch import meter_of, watch
+    from rlsync.protocol import FixedInterval, Publisher
+    from rlsync.spaces.tiny_model import build_tiny_model
+    from rollout_space.replica import Replica, ReplicaConfig
+
+    root = Path(tempfile.mkdtemp(prefix="hub-budget-"))
+    server = HubServer(root)
+    server.add_token(TOKEN)
+    server.create_bucket(BUCKET)
+    server.limit(Tier(args.tier))
+    os.environ["HF_ENDPOINT"] = server.url
+    constants.ENDPOINT, constants.HF_HUB_OFFLINE = server.url, False
+    url = f"hf://buckets/{BUCKET}"
+    model = build_tiny_model(root / "tiny", seed=0)
+    master = {n: t.float() for n, t in load_file(model / "model.safetensors").items()}
+
+    bucket = watch(open_bucket(url))
+    meter = meter_of(bucket)
+    publisher = Publisher(bucket, policy=FixedInterval(10))
+    env = EnvSimulator(EnvConfig(bucket=url, queue_depth=max(2, args.replicas // 2)))
+    replicas = [
+        Replica(ReplicaConfig(bucket=url, replica_id=f"r{i}", engine="transformers", model=str(model), device="cpu", seed=i))
+        for i in range(args.replicas)
+    ]  # fmt: skip
+    stop, idle = threading.Event(), threading.Event()
+    published: list[float] = []
+    coalesced = [0]
+    lag = [0]
+
+    def train() -> None:
+        import torch
+
+        g = torch.Generator().manual_seed(0)
+        step, since_publish = 0, 0
+        while not stop.wait(args.step_s) and not idle.is_set():
+            for t in master.values():
+                t += torch.randn(t.shape, generator=g) * t.abs().mean() * 0.02
+            since_publish += 1
+            if not args.no_governor and meter.short and since_publish < 8:
+                coalesced[0] += 1
+                continue
+            publisher.publish(step, master)
+            published.append(time.time())
+            step, since_publish = step + 1, 0
+
+    def watch_lag() -> None:
+        while not stop.wait(2.0):
+            if publisher.step is not None and not idle.is_set():
+                lag[0] = max(lag[0], max(publisher.step - (r.subscriber.step or 0) for r in replicas))
+
+    started = time.time()
+    threads = [threading.Thread(target=f, daemon=True) for f in (train, watch_lag)]
+    for role in (env, *replicas):
+        role.start()
+    for t in threads:
+        t.start()
+    time.sleep(args.seconds)
+    busy_end = time.time()
+    idle.set()
+    env.config.queue_depth = 0  # nothing asked for while the trainer is stopped (no new task batches)
+    trainer_api = meter.class_totals[RequestClass.API]
+    replica_api = sum(r.meter.class_totals[RequestClass.API] for r in replicas)
+    batches = sum(len(r.done_batches) for r in replicas)
+    time.sleep(10)  # the last version reaches the replicas
+    idle_from = time.time()
+    time.sleep(args.idle_s)
+    idle_to = time.time()
+    stop.set()
+    for role in (env, *replicas):
+        role.stop()
+
+    def api(since: float, until: float) -> int:
+        return sum(1 for r in server.usage(RequestClass.API, TOKEN, since) if r.time < until)
+
+    import collections
+
+    from rlsync.bucket.budget import classify
+
+    by_kind = collections.Counter(
+        classify(r.method, r.path)[1] for cls in RequestClass for r in server.usage(cls, TOKEN, started) if r.time < busy_end
+    )
+    busy_api = sum(1 for r in server.usage(RequestClass.API, TOKEN, started) if r.time < busy_end)
+    result = {
+        "governor": not args.no_governor, "tier": args.tier, "replicas": args.replicas, "seconds": args.seconds,
+        "versions": len(published), "versions_per_min": round(60 * len(published) / (busy_end - started), 2),
+        "coalesced_steps": coalesced[0], "max_lag": lag[0],
+        "max_api_share_of_limit": round(_max_window([r.time for r in server.usage("api", TOKEN)], 300) / scaled_limit(Tier(args.tier), RequestClass.API, 300), 3),
+        "max_resolver_share_of_limit": round(_max_window([r.time for r in server.usage("resolver", TOKEN)], 300) / scaled_limit(Tier(args.tier), RequestClass.RESOLVER, 300), 3),
+        "throttled_429": server.throttled(TOKEN),
+        "fleet_api_per_min": round(60 * busy_api / (busy_end - started), 1),
+        "trainer_api_per_version": round(trainer_api / max(1, len(published)), 2),
+        "replica_batches": batches,
+        "replica_api_per_batch": round(replica_api / max(1, batches), 2),
+        "fleet_api_per_idle_min": round(60 * api(idle_from, idle_to) / (idle_to - idle_from), 2),
+        "by_kind": dict(by_kind.most_common()),
+    }  # fmt: skip
+    print(json.dumps(result))
+    server.close()
+    return result
+
+
+if __name__ == "__main__":
+    main()

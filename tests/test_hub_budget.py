@@ -1,0 +1,307 @@
+"""The Hub's request budget: the stand-in's rate limits and events feed, the library's request meter
+(counting and pacing), and the watched bucket that follows the feed instead of listing.
+
+Everything runs against ``benchmarks/hub_server.py`` with the real huggingface_hub + hf_xet client.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx2
+import pytest
+
+from rlsync.bucket import ObjectNotFoundError, TransientBucketError
+from rlsync.bucket.budget import BudgetConfig, RequestClass, RequestMeter, Tier, classify
+from rlsync.bucket.hf import HfBucket
+from rlsync.bucket.watch import WatchConfig, WatchedBucket, WatchMode, watch
+
+TOKEN = "hf_budget_token"
+BUCKET = "me/budget"
+
+
+@pytest.fixture
+def server(hub):
+    hub.add_token(TOKEN)
+    hub.create_bucket(BUCKET)
+    return hub
+
+
+def hf(meter: RequestMeter | None = None) -> HfBucket:
+    return HfBucket(BUCKET, token=TOKEN, meter=meter or RequestMeter(BudgetConfig(enabled=False)))
+
+
+def api_kinds(server, since: float) -> list[str]:
+    return [classify(r.method, r.path)[1] for r in server.usage(RequestClass.API, TOKEN, since)]
+
+
+# -- the stand-in ------------------------------------------------------------------------------------
+
+
+def test_stand_in_enforces_the_tier_per_token_in_fixed_windows_with_headers(server):
+    server.limit(Tier.FREE, window_s=6)  # free: 1,000 API per 300 s -> 20 per 6 s
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    answers = [httpx2.get(f"{server.url}/api/buckets/{BUCKET}/tree?recursive=true", headers=headers) for _ in range(21)]
+    assert [a.status_code for a in answers[:20]] == [200] * 20
+    assert answers[0].headers["RateLimit-Policy"] == '"fixed window";"api";q=20;w=6'
+    assert answers[19].headers["RateLimit"].startswith('"api";r=0;')
+    over = answers[20]
+    assert over.status_code == 429 and 1 <= int(over.headers["Retry-After"]) <= 6
+    assert over.headers["RateLimit"].startswith('"api";r=0;t=')
+    # resolver requests have their own limit (100 per 6 s), another token its own window
+    resolve = httpx2.head(f"{server.url}/buckets/{BUCKET}/resolve/missing", headers=headers)
+    assert resolve.status_code == 404 and resolve.headers["RateLimit-Policy"].endswith("q=100;w=6")
+    server.add_token("other")
+    other = httpx2.get(f"{server.url}/api/buckets/{BUCKET}", headers={"Authorization": "Bearer other"})
+    assert other.status_code == 200
+    assert len(server.usage("api", TOKEN)) == 21 and len(server.usage("resolver", TOKEN)) == 1
+    assert server.throttled(TOKEN) == 1 and server.throttled("other") == 0
+    time.sleep(float(over.headers["Retry-After"]) + 0.2)  # the next fixed window starts afresh
+    assert httpx2.get(f"{server.url}/api/buckets/{BUCKET}", headers=headers).status_code == 200
+
+
+def test_feed_replays_changes_then_follows_live_and_resets(server):
+    from huggingface_hub._bucket_live_follow import BucketFollower
+
+    writer = hf()
+    writer.put("before.json", b"1")
+    got, reconciled = [], []
+    server.feed(session_s=1.0, ping_s=0.2)
+    follower = BucketFollower(
+        endpoint=server.url, bucket_id=BUCKET, token=TOKEN, on_changes=got.extend,
+        on_reconcile=lambda: reconciled.append(1), is_alive=lambda: True,
+    )  # fmt: skip
+    follower.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not follower.subscribed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        writer.put("live.json", b"22")
+        writer.delete(["before.json"])
+        server.feed(session_s=1.0, ping_s=0.2, reset=1)  # the next session answers reset: reconcile again
+        deadline = time.monotonic() + 15
+        while (len(reconciled) < 2 or not any(c.op == "delete" for c in got)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        follower.stop()
+    ops = [(c.path, c.op) for c in got]
+    assert ("live.json", "add") in ops and ("before.json", "delete") in ops
+    live = next(c for c in got if c.path == "live.json")
+    assert live.size == 2 and live.xet_hash
+    assert len(reconciled) >= 2  # first subscription, then after the reset
+    assert server.count("api", "/events$") >= 2  # reconnect after each session
+
+
+# -- the request meter --------------------------------------------------------------------------------
+
+
+def test_meter_counts_every_request_of_a_bucket_by_class_and_kind(server):
+    meter = RequestMeter(BudgetConfig(enabled=False), role="test")
+    bucket = hf(meter)
+    bucket.put("a.json", b"x")
+    bucket.get("a.json")
+    bucket.list()
+    snap = meter.snapshot()
+    registry = snap["by_kind"].pop("GET agent-registry", 0)  # huggingface_hub's once-a-day fetch, telemetry on
+    assert snap["by_kind"] == {
+        "GET xet-write-token": 1, "POST batch": 1, "POST paths-info": 1, "HEAD resolve": 1, "GET xet-read-token": 1,
+        "GET tree": 1,
+    }  # fmt: skip
+    assert snap["api"] == 5 + registry and snap["resolver"] == 1  # hf_xet's own token requests counted too
+    assert snap["api"] - registry == len(server.usage("api", TOKEN))  # as the stand-in saw them
+    assert snap["api_limit"] == 1000 and snap["resolver_limit"] == 5000 and snap["tier"] == "free"
+
+
+def test_meter_paces_to_its_share_evenly():
+    now = [0.0]
+    waits: list[float] = []
+
+    def sleep(s):
+        waits.append(s)
+        now[0] += s
+
+    meter = RequestMeter(BudgetConfig(tier=Tier.FREE, share=4, target=0.8), clock=lambda: now[0], sleep=sleep)
+    for _ in range(400):
+        meter.acquire(RequestClass.API)
+        meter.record("GET", "/api/buckets/a/b/tree", 200, {})
+    # 1,000 * 0.8 / 4 = 200 per 300 s: a burst of 20, then paced; never more than 200 in any 300 s
+    assert sum(1 for w in waits if w > 0) >= 379
+    assert 300 <= now[0] <= 700
+    assert meter.count(RequestClass.API) <= 200 and meter.short and "api share" in meter.pacing
+
+
+def test_meter_holds_after_a_429_and_when_the_token_budget_is_low():
+    now = [0.0]
+    meter = RequestMeter(BudgetConfig(enabled=True), clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    meter.record("GET", "/api/buckets/a/b/tree", 429, {"Retry-After": "7"})
+    assert meter.acquire(RequestClass.API) == pytest.approx(7.0) and meter.throttled == 1
+    # another process spent the token's budget: the RateLimit header says 3 left, reset in 40 s
+    meter.record("GET", "/api/buckets/a/b/tree", 200, {"RateLimit": '"api";r=3;t=40', "RateLimit-Policy": '"fixed window";"api";q=1000;w=300'})
+    start = now[0]
+    meter.acquire(RequestClass.API)
+    assert now[0] - start == pytest.approx(40.0) and "RateLimit" in meter.pacing
+
+
+def test_a_busy_role_borrows_what_the_token_has_to_spare_and_no_more():
+    now = [0.0]
+    meter = RequestMeter(BudgetConfig(tier=Tier.FREE, share=5, target=0.8, window_s=30), clock=lambda: now[0],
+                         sleep=lambda s: now.__setitem__(0, now[0] + s))  # fmt: skip
+    remaining = 100  # the token's whole window, others idle: the header tells the role so
+    for _ in range(60):
+        meter.acquire(RequestClass.API)
+        remaining -= 1
+        reset = max(1, int(30 - now[0]))
+        meter.record("GET", "/api/buckets/a/b/tree", 200, {"RateLimit": f'"api";r={remaining};t={reset}',
+                                                         "RateLimit-Policy": '"fixed window";"api";q=100;w=30'})  # fmt: skip
+        if now[0] >= 29:
+            break
+    # its own share is 16 per 30 s; with the others idle it took more, never past the limit
+    assert 20 < 100 - remaining <= 100
+
+
+def test_budget_settings_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("HUB_TIER", "pro")
+    monkeypatch.setenv("ROLLOUT_HUB_SHARE", "17")
+    config = BudgetConfig.from_env("rollout")
+    assert config.tier is Tier.PRO and config.share == 17 and config.limit(RequestClass.API) == 2500
+    assert BudgetConfig.from_env("env").share == 4
+    monkeypatch.setenv("HUB_TIER", "platinum")
+    with pytest.raises(ValueError):
+        BudgetConfig.from_env()
+
+
+def test_a_paced_bucket_stays_under_the_stand_in_limit(server):
+    server.limit(Tier.FREE, window_s=6)  # 20 API per 6 s for the token
+    meter = RequestMeter(BudgetConfig(tier=Tier.FREE, share=1, target=0.8, window_s=6))
+    bucket = hf(meter)
+    started = time.monotonic()
+    for i in range(30):
+        bucket.list()
+    assert server.throttled(TOKEN) == 0
+    assert time.monotonic() - started >= 6  # 30 listings need more than one window at 16 per window
+
+
+# -- the watched bucket ----------------------------------------------------------------------------------
+
+
+def wait_until(predicate, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_watched_bucket_lists_from_the_feed_and_reads_pointers_only_when_changed(server):
+    writer = hf()
+    writer.put("latest.json", b'{"v":1}')
+    watched = watch(hf())
+    assert isinstance(watched, WatchedBucket) and watched.mode is WatchMode.FEED
+    try:
+        assert [o.key for o in watched.list()] == ["latest.json"]
+        wait_until(lambda: server.count("api", "/events$") >= 1)
+        since = time.time()
+        assert watched.get_limited("latest.json", 100) == b'{"v":1}'
+        for _ in range(5):
+            assert watched.get_limited("latest.json", 100) == b'{"v":1}'
+            assert [o.key for o in watched.list("")] == ["latest.json"]
+        with pytest.raises(ObjectNotFoundError):
+            watched.get_limited("missing.json", 100)
+        assert api_kinds(server, since) == ["POST paths-info", "GET xet-read-token"]  # one read, the rest from view and cache
+        stop = threading.Event()
+        gen = watched.generation
+        threading.Timer(0.3, lambda: writer.put("tasks/0000000001.json", b"{}")).start()
+        assert watched.wait(stop, 10, ("tasks/",), gen)  # woken by the feed, not by a listing
+        writer.put("latest.json", b'{"v":2}')
+        wait_until(lambda: watched.get_limited("latest.json", 100) == b'{"v":2}')
+        assert server.count("api", "/tree") == 1  # the one reconciling listing
+    finally:
+        watched.close()
+
+
+def test_without_the_feed_a_watched_bucket_polls_with_backoff(server):
+    server.feed(False)
+    watched = watch(hf(), WatchConfig(feed=True, min_poll_s=0.1, max_poll_s=0.8))
+    try:
+        wait_until(lambda: watched.mode is WatchMode.POLL and watched.polls >= 1)
+        time.sleep(3.0)
+        # 0.1, 0.2, 0.4, then 0.8 s: about 6 polls in 3 s, not 30
+        assert 4 <= watched.polls <= 9
+        before = watched.polls
+        hf().put("new.json", b"1")
+        wait_until(lambda: [o.key for o in watched.list()] == ["new.json"])
+        assert watched.polls > before
+    finally:
+        watched.close()
+
+
+def test_local_buckets_are_not_wrapped(tmp_path):
+    from rlsync.bucket import LocalBucket
+
+    local = LocalBucket(tmp_path)
+    assert watch(local) is local
+
+
+def test_429_through_a_watched_bucket_is_retried_without_losing_the_write(server):
+    from benchmarks.hub_server import Fault
+    from rlsync.bucket import RetryingBucket
+
+    watched = watch(RetryingBucket(hf(), base_delay=0.05))
+    try:
+        watched.list()
+        server.inject("api", Fault(429, {"Retry-After": "1"}, path="/batch$"))
+        watched.put("rollouts/0000000001/r0.json", b"[1]")
+        assert hf().get("rollouts/0000000001/r0.json") == b"[1]"
+        assert server.count("api", "/batch$") == 2  # refused once, then written once
+    finally:
+        watched.close()
+    with pytest.raises(TransientBucketError):
+        server.inject("api", Fault(429, {"Retry-After": "1"}, path="/tree"))
+        hf().list()
+
+
+
+# -- an idle fleet ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("feed", [True, False], ids=["feed", "polling"])
+def test_idle_fleet_of_four_replicas_and_the_env_makes_almost_no_requests(server, tmp_path, monkeypatch, feed):
+    """The trainer stopped after publishing an anchor; 4 replicas and the env stay up with nothing to
+    do (no tasks: ``queue_depth=0`` stands in for a trainer that asks for none). Over 60 idle seconds,
+    a fifth of the Hub's window, they stay within a fifth of the bounds for 5 minutes: 20 API
+    requests with the feed on, 200 with it off (adaptive polling). About 2 minutes each."""
+    from safetensors.torch import load_file
+
+    from env_space.simulator import EnvConfig, EnvSimulator
+    from rlsync.protocol import Publisher
+    from rlsync.spaces.tiny_model import build_tiny_model
+    from rollout_space.replica import Replica, ReplicaConfig
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setenv("HUB_FEED", "1" if feed else "0")
+    model = build_tiny_model(tmp_path / "tiny", seed=0)
+    state = {n: t.float() for n, t in load_file(model / "model.safetensors").items()}
+    Publisher(hf()).publish(0, state)
+    server.feed(True, session_s=300)
+    url = f"hf://buckets/{BUCKET}"
+    env = EnvSimulator(EnvConfig(bucket=url, queue_depth=0))
+    replicas = [
+        Replica(ReplicaConfig(bucket=url, replica_id=f"r{i}", engine="transformers", model=str(model), device="cpu"))
+        for i in range(4)
+    ]
+    roles = [env, *replicas]
+    try:
+        for role in roles:
+            role.start()
+        wait_until(lambda: all(r.subscriber.step == 0 for r in replicas), timeout=60)
+        time.sleep(35)  # settle: the status writes after the first apply (at most every 30 s), feed sessions open
+        since = time.time()
+        time.sleep(60)
+        idle = server.usage(RequestClass.API, TOKEN, since)
+    finally:
+        for role in roles:
+            role.stop()
+            role.bucket.close()
+    kinds = sorted(classify(r.method, r.path)[1] for r in idle)
+    assert len(idle) <= (4 if feed else 40), kinds
+    assert all(r.subscriber.step == 0 for r in replicas)
