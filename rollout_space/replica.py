@@ -12,6 +12,10 @@ fleet spreads batches over its members without coordination. Two replicas can
 race for the same batch; then both answers are kept and the trainer simply gets
 more groups for those tasks (the env counts them). Every replica writes
 ``status/<replica>.json`` so any panel can show the fleet.
+
+In a LoRA run (``lora``) the weights chain holds the base and an
+:class:`~rollout_space.adapters.AdapterFollower` serves the adapter chain's versions;
+samples then carry the adapter version as their policy version.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from rlsync.protocol import Subscriber, Update
 from rlsync.spaces.settings import from_env, resolve_device
 from rlsync.spaces.tiny_model import model_or_default
 
+from .adapters import AdapterFollower
 from .engine import Engine, SamplingSettings, create_engine
 
 logger = logging.getLogger(__name__)
@@ -75,6 +80,9 @@ class ReplicaConfig:
     poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls"})
     seed: int = dataclasses.field(default=0, metadata={"help": "sampling seed (mixed with batch and version)"})
     verify_engine: bool = dataclasses.field(default=False, metadata={"help": "hash the engine's own weights after every apply (slow on big models)"})
+    lora: bool = dataclasses.field(default=False, metadata={"help": "a LoRA run: serve the adapter chain (adapters/) on the base from the weights chain"})
+    lora_window: int = dataclasses.field(default=3, metadata={"help": "adapter versions served at once (the trainer's max_staleness + 1)"})
+    lora_max_rank: int = dataclasses.field(default=16, metadata={"help": "largest adapter rank the vLLM engine accepts (1, 8, 16, 32, 64...)"})
 
     @classmethod
     def from_env(cls, **overrides) -> "ReplicaConfig":
@@ -99,9 +107,16 @@ class Replica:
         device = resolve_device(config.device)
         model = resolve_model(model_or_default(config.model, device, get_environment))
         kind = config.engine if config.engine != "auto" else _auto_engine(device)
-        self.engine = engine or create_engine(kind, model_path=model, **({"device": device} if kind == "transformers" else {}))
+        engine_kwargs = {"device": device} if kind == "transformers" else {}
+        if config.lora and kind == "vllm":
+            engine_kwargs.update(max_loras=config.lora_window + 1, max_lora_rank=config.lora_max_rank)
+        self.engine = engine or create_engine(kind, model_path=model, **engine_kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.subscriber = Subscriber(self.bucket)
+        self.adapters = (
+            AdapterFollower(self.bucket, self.engine, lambda: self.subscriber.state_hash, window=config.lora_window, poll_s=config.poll_s)
+            if config.lora else None
+        )  # fmt: skip
         self._pending: Update | None = None
         self._slot = threading.Condition()
         self._stop = threading.Event()
@@ -201,11 +216,12 @@ class Replica:
         except ValueError as exc:
             self.refusals.add(task_key(batch), str(exc))
             return 0
-        version = self.subscriber.step
+        version = self.policy_version
         assert version is not None
         sampling = SamplingSettings(
             n=self.config.samples_per_task, max_new_tokens=self.config.max_new_tokens,
             temperature=self.config.temperature, seed=self._sampling_seed(batch, version),
+            adapter=version if self.adapters is not None else None,
         )  # fmt: skip
         t0 = time.perf_counter()
         groups = self.engine.generate([t["prompt"] for t in tasks], sampling)
@@ -219,6 +235,13 @@ class Replica:
         write_samples(self.bucket, rollout_key(batch, self.replica_id), samples, batch=batch, replica=self.replica_id, version=version)
         self.completions += len(samples)
         return len(samples)
+
+    @property
+    def policy_version(self) -> int | None:
+        """The version samples are generated with: the served adapter's in a LoRA run, else the weights'."""
+        if self.adapters is not None:
+            return self.adapters.step
+        return self.subscriber.step
 
     def _sampling_seed(self, batch: int, version: int) -> int:
         """Seed of one batch: differs between replicas, so racing replicas add new samples, not copies."""
@@ -251,6 +274,7 @@ class Replica:
             "recent_syncs": [
                 {k: s[k] for k in ("step", "kind", "nbytes", "download_s", "idle_s", "time")} for s in self.syncs[-50:]
             ],
+            **(self.adapters.status() if self.adapters is not None else {}),
             "updated_at": time.time(),
         }
 
@@ -265,7 +289,9 @@ class Replica:
     def step(self) -> bool:
         """One iteration of the main loop; returns whether it did any work."""
         worked = self.apply_pending()
-        if self.subscriber.step is not None:
+        if self.adapters is not None:
+            worked = self.adapters.apply_pending() or worked
+        if self.policy_version is not None:
             batch = self.next_batch()
             if batch is not None:
                 self.answer(batch)
@@ -278,6 +304,10 @@ class Replica:
         fetcher = threading.Thread(target=self.fetch_loop, name=f"fetch-{self.replica_id}", daemon=True)
         fetcher.start()
         self._threads.append(fetcher)
+        if self.adapters is not None:
+            adapter_fetcher = threading.Thread(target=self.adapters.fetch_loop, args=(self._stop,), name=f"adapters-{self.replica_id}", daemon=True)
+            adapter_fetcher.start()
+            self._threads.append(adapter_fetcher)
         while not self._stop.is_set():
             try:
                 worked = self.step()
@@ -301,6 +331,8 @@ class Replica:
         self._stop.set()
         with self._slot:
             self._slot.notify_all()
+        if self.adapters is not None:
+            self.adapters.wake()
         for t in self._threads:
             t.join(timeout=60)
 

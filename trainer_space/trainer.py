@@ -12,6 +12,9 @@ sync library's TRL plug-ins (:mod:`rlsync.trl`) into it:
   sparse bf16 delta, as the anchor policy decides; the policy follows the bucket's
   control object, so any panel can change it while the run goes on); the final
   weights are published at ``max_steps`` or on stop;
+- with ``lora_rank`` set, TRL trains a LoRA adapter (``peft_config``) and
+  :class:`~rlsync.trl.BucketAdapterSync` publishes the base once to the weights chain and
+  then adapter versions to the adapter chain under ``adapters/`` (see ``docs/lora.md``);
 - :class:`~rlsync.trl.BucketCheckpoints` keeps Trainer-format checkpoints (fp32
   weights, optimizer, scheduler, RNG, step) under ``checkpoints/`` every
   ``checkpoint_every`` steps and on stop; a restarted trainer resumes from the
@@ -34,6 +37,7 @@ import torch
 from transformers import TrainerCallback
 
 from env_space.environments import get_environment
+from rlsync.adapters import LoraSpec
 from rlsync.bucket import Bucket, open_bucket
 from rlsync.codecs import default_codec
 from rlsync.protocol import CONTROL_KEY, Adaptive, FixedInterval, NonFiniteError, Publisher, PublishRecord, policy_to_json
@@ -41,6 +45,7 @@ from rlsync.spaces.exchange import MetricsLog, Refusals, SampleLimits, read_samp
 from rlsync.spaces.settings import default_model, from_env, resolve_device
 from rlsync.spaces.tiny_model import model_or_default
 from rlsync.trl import (
+    BucketAdapterSync,
     BucketCheckpoints,
     BucketRolloutWorker,
     BucketWeightTransfer,
@@ -56,6 +61,7 @@ logger = logging.getLogger(__name__)
 #: ``max_steps`` given to TRL when the run has no limit (TRL needs one; the schedule is constant).
 UNLIMITED_STEPS = 10**9
 TINY_MODEL_LR, TINY_MODEL_ADAM_EPSILON = 5e-4, 3e-3  # the CPU demo: median delta ~8% changed, reward +0.29 in 5 min
+TINY_MODEL_LORA_LR = 2e-3  # the CPU LoRA demo (docs/lora.md): an adapter needs larger steps than full fine-tuning
 REAL_MODEL_LR, REAL_MODEL_ADAM_EPSILON = 1e-6, 1e-8  # RL fine-tuning of a pretrained model
 
 
@@ -87,6 +93,9 @@ class TrainerConfig:
     poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls"})
     seed: int = dataclasses.field(default=0, metadata={"help": "torch seed (seed)"})
     trainer_id: str = dataclasses.field(default="", metadata={"help": "run-lock owner id; a restart with the same id takes over (default: SPACE_ID or host name)"})
+    lora_rank: int = dataclasses.field(default=0, metadata={"help": "train a LoRA adapter of this rank and publish adapter versions under adapters/ (0: train all weights)"})
+    lora_alpha: float = dataclasses.field(default=16.0, metadata={"help": "LoRA alpha (the update is scaled by alpha / rank)"})
+    lora_target_modules: str = dataclasses.field(default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", metadata={"help": "comma-separated module names the adapter wraps"})
 
     @classmethod
     def from_env(cls, **overrides) -> "TrainerConfig":
@@ -97,7 +106,16 @@ class TrainerConfig:
         demo's for the tiny offline model, conservative ones for a real model (e.g. Qwen3-0.6B on a GPU)."""
         tiny = not (self.model or default_model(device))
         lr, eps = (TINY_MODEL_LR, TINY_MODEL_ADAM_EPSILON) if tiny else (REAL_MODEL_LR, REAL_MODEL_ADAM_EPSILON)
+        if tiny and self.lora_rank:
+            lr = TINY_MODEL_LORA_LR
         return dataclasses.replace(self, lr=self.lr or lr, adam_epsilon=self.adam_epsilon or eps)
+
+    def lora(self) -> LoraSpec | None:
+        """The LoRA settings, or ``None`` when all weights train."""
+        if not self.lora_rank:
+            return None
+        modules = tuple(m.strip() for m in self.lora_target_modules.split(",") if m.strip())
+        return LoraSpec(self.lora_rank, self.lora_alpha, modules)
 
     def policy(self):
         if self.anchor_policy == "adaptive":
@@ -166,13 +184,18 @@ class Trainer:
         config = config.with_model_defaults(device)
         self.config = config
         self.metrics = MetricsLog(self.bucket, "trainer")
-        self.publisher = Publisher(
-            self.bucket, policy=config.policy(), keep_anchors=config.keep_anchors, codec=config.codec,
-            owner=config.trainer_id or None,
-        )  # fmt: skip
-        self.transfer = BucketWeightTransfer(
-            publisher=self.publisher, on_publish=self._record_publish, on_non_finite=self._restore_published
-        )
+        chain_settings = dict(policy=config.policy(), keep_anchors=config.keep_anchors, codec=config.codec, owner=config.trainer_id or None)
+        lora = config.lora()
+        self.adapter_sync = BucketAdapterSync(self.bucket, **chain_settings) if lora else None
+        if self.adapter_sync is not None:
+            self.transfer = self.adapter_sync.transfer
+            self.transfer.on_publish, self.transfer.on_non_finite = self._record_publish, self._restore_published
+        else:
+            self.transfer = BucketWeightTransfer(
+                publisher=Publisher(self.bucket, **chain_settings), on_publish=self._record_publish,
+                on_non_finite=self._restore_published,
+            )  # fmt: skip
+        self.publisher = self.transfer.publisher
         self.checkpoints = BucketCheckpoints(self.bucket, keep=config.keep_checkpoints)
         self.scratch = tempfile.mkdtemp(prefix="rlsync-trainer-")
         self.opt_steps = 0
@@ -186,7 +209,7 @@ class Trainer:
         self.worker = BucketRolloutWorker(
             self.bucket, self._read_scores, vocab_size=len(tokenizer), poll_s=config.poll_s,
             queue_maxsize=max(4 * config.batch_size, 256), max_staleness=config.max_staleness,
-            heartbeat=self.transfer.heartbeat,
+            heartbeat=self.transfer.heartbeat, chain=self.publisher.bucket,
         )  # fmt: skip
         sdpa = apply_cpu_compat()
         from datasets import Dataset
@@ -194,8 +217,10 @@ class Trainer:
         self.trl = AsyncGRPOTrainer(
             model=model, args=config.grpo_config(self.scratch), processing_class=tokenizer,
             train_dataset=Dataset.from_dict({"prompt": ["(prompts come from the bucket's tasks/)"]}),
-            rollout_worker=self.worker, weight_transfer=self.transfer,
+            rollout_worker=self.worker, weight_transfer=self.transfer, peft_config=lora.peft_config() if lora else None,
         )  # fmt: skip
+        if self.adapter_sync is not None:
+            self.adapter_sync.attach(self.trl)
         self.checkpoint_callback = CheckpointCallback(
             self.checkpoints, info=lambda: {"published_version": self.transfer.version}
         )
@@ -203,8 +228,9 @@ class Trainer:
         for callback in (self.checkpoint_callback, self.final_sync, BucketFigures(self)):
             self.trl.add_callback(callback)
         logger.info(
-            "training %s through TRL AsyncGRPOTrainer on %s (%s attention), lr %g, %d samples per step, publish every %d step(s)",
-            model, config.device, "SDPA tree" if sdpa else "flash-attention-3 tree", config.lr, config.batch_size, config.sync_every,
+            "training %s%s through TRL AsyncGRPOTrainer on %s (%s attention), lr %g, %d samples per step, publish every %d step(s)",
+            model, f" (LoRA rank {lora.rank} on {','.join(lora.target_modules)})" if lora else "", config.device,
+            "SDPA tree" if sdpa else "flash-attention-3 tree", config.lr, config.batch_size, config.sync_every,
         )  # fmt: skip
 
     @property
@@ -225,13 +251,20 @@ class Trainer:
     def _restore_published(self, exc: NonFiniteError) -> None:
         """Never train on from a poisoned model: back to the published weights, optimizer state reset."""
         logger.error("%s; restoring the published weights and resetting the optimizer", exc)
-        params = dict(self.trl.model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in (self.publisher.detector.published or {}).items():
-                if name in params:
-                    params[name].copy_(tensor.to(params[name].dtype))
+        self._load_published(self.publisher.detector.published or {})
         if self.trl.optimizer is not None:
             self.trl.optimizer.state.clear()
+
+    def _load_published(self, published: dict[str, torch.Tensor]) -> None:
+        """Load published tensors (weights, or the adapter in a LoRA run) into the trained model."""
+        if self.adapter_sync is not None:
+            self.adapter_sync.restore(published)
+            return
+        params = dict(self.trl.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in published.items():
+                if name in params:
+                    params[name].copy_(tensor.to(params[name].dtype))
 
     # -- figures ------------------------------------------------------------
 
@@ -257,7 +290,7 @@ class Trainer:
         """Change the anchor policy for the next publish, through the bucket's control object
         (so it also reaches a trainer running in another Space)."""
         new = Adaptive(max_catchup_ratio) if policy == "adaptive" else FixedInterval(int(interval))
-        self.bucket.put(CONTROL_KEY, policy_to_json(new))
+        self.publisher.bucket.put(CONTROL_KEY, policy_to_json(new))  # the adapter chain's own in a LoRA run
 
     # -- resuming -------------------------------------------------------------
 
@@ -283,11 +316,7 @@ class Trainer:
             logger.info("resuming from checkpoint %d", step)
             return str(folder)
         if published is not None:
-            params = dict(self.trl.model.named_parameters())
-            with torch.no_grad():
-                for name, tensor in published.items():
-                    if name in params:
-                        params[name].copy_(tensor.to(params[name].dtype))
+            self._load_published(published)
             self.notice = (
                 f"no checkpoint in the bucket: continued from published version {self.transfer.version} "
                 "with a fresh optimizer"

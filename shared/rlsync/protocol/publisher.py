@@ -140,6 +140,9 @@ class Publisher:
         lock_ttl_s: Age after which another owner's lock may be taken over.
         allow_non_finite: Publish states that turn finite values into NaN or Inf
             (refused with :class:`NonFiniteError` by default).
+        metadata: The chain's metadata, stored in the pointer from the first publish on
+            (e.g. an adapter chain's base model, see :mod:`rlsync.adapters`); :meth:`resume`
+            refuses a chain whose metadata differs.
     """
 
     def __init__(
@@ -157,8 +160,10 @@ class Publisher:
         owner: str | None = None,
         lock_ttl_s: float = DEFAULT_LOCK_TTL_S,
         allow_non_finite: bool = False,
+        metadata: Mapping[str, str] | None = None,
     ) -> None:
         get_codec(codec)
+        self.metadata = dict(metadata or {})
         self.bucket = bucket
         self.policy = policy or FixedInterval()
         self.keep_anchors = keep_anchors
@@ -197,6 +202,11 @@ class Publisher:
         if manifest is None:
             return None
         check_writable(manifest)
+        if self.metadata and dict(manifest.metadata) != self.metadata:
+            raise SyncError(
+                f"{self.bucket.url} holds a chain with metadata {dict(manifest.metadata)}, not {self.metadata}: "
+                "publish to a new bucket (or prefix)"
+            )
         sub = Subscriber(self.bucket)
         sub.sync()
         if sub.step != manifest.step:
@@ -449,7 +459,7 @@ class Publisher:
                 self.bucket.put_file(entry.key, path)
         anchor = AnchorEntry(step, result_hash, entries)
         if self.manifest is None:
-            manifest = Manifest(step, result_hash, (anchor,), (), run_id=self.run_id)
+            manifest = Manifest(step, result_hash, (anchor,), (), run_id=self.run_id, metadata=self.metadata)
         else:
             manifest = dataclasses.replace(
                 self.manifest, step=step, state_hash=result_hash,

@@ -8,6 +8,8 @@ Plug-ins any TRL user can pass to the trainer, importable without the Spaces:
   from the bucket's ``scores/``.
 - :class:`BucketCheckpoints`, :class:`CheckpointCallback`: Trainer-format checkpoints in
   the bucket, resume from the newest complete one.
+- :class:`BucketAdapterSync`: a LoRA run (``peft_config``) publishes its adapter, not merged weights,
+  to the bucket's adapter chain (:mod:`rlsync.adapters`).
 - :class:`FinalWeightSync`: publish the last steps when training ends between two syncs.
 - :func:`apply_cpu_compat`: run the trainer without a GPU.
 
@@ -20,6 +22,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
+    "BucketAdapterSync": "adapter_sync",
     "BucketWeightTransfer": "weight_transfer",
     "BucketRolloutWorker": "rollout_worker",
     "StopRequested": "rollout_worker",

@@ -108,6 +108,8 @@ class BucketRolloutWorker:
         heartbeat: Called every ``heartbeat_s`` (e.g. :meth:`BucketWeightTransfer.heartbeat`) so
             the run lock stays fresh while the trainer waits for data.
         heartbeat_s: Seconds between heartbeats.
+        chain: The bucket whose pointer numbers the policy versions (default ``bucket``; the
+            adapter chain's view, :func:`rlsync.adapters.adapter_bucket`, in a LoRA run).
     """
 
     def __init__(
@@ -123,8 +125,10 @@ class BucketRolloutWorker:
         max_staleness: int | None = None,
         heartbeat: Callable[[], None] | None = None,
         heartbeat_s: float = 60.0,
+        chain: Bucket | None = None,
     ) -> None:
         self.bucket = bucket
+        self.chain = chain or bucket
         self.read_scores = read_scores
         self.vocab_size = vocab_size
         self.max_tokens = max_tokens
@@ -167,7 +171,7 @@ class BucketRolloutWorker:
         """Fix the offset between bucket and trainer versions: the live bucket version is the
         trainer's current one (TRL has just synced when it calls :meth:`start`)."""
         if self.version_offset is None:
-            manifest = read_manifest(self.bucket)
+            manifest = read_manifest(self.chain)
             self.version_offset = (manifest.step if manifest else 0) - self.model_version
 
     def update_model_version(self, model_version: int) -> None:
