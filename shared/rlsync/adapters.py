@@ -58,7 +58,7 @@ class LoraSpec:
     Args:
         rank: LoRA rank ``r``.
         alpha: ``lora_alpha`` (the update is scaled by ``alpha / rank``).
-        target_modules: Module names the adapter wraps (e.g. ``("q_proj", "v_proj")``).
+        target_modules: Module names the adapter wraps (e.g. ``("q_proj", "v_proj")``; kept sorted).
 
     Raises:
         ValueError: a rank outside ``[1, MAX_LORA_RANK]``, a non-positive alpha, or no or too many
@@ -77,11 +77,12 @@ class LoraSpec:
         modules = self.target_modules
         if not modules or len(modules) > MAX_TARGET_MODULES or not all(isinstance(m, str) and 0 < len(m) <= 128 for m in modules):
             raise ValueError(f"LoRA target modules must be 1 to {MAX_TARGET_MODULES} module names, got {modules!r}")
+        object.__setattr__(self, "target_modules", tuple(sorted(set(modules))))
 
     @classmethod
     def from_peft(cls, config: Any) -> "LoraSpec":
         """The settings of a peft ``LoraConfig``."""
-        return cls(int(config.r), float(config.lora_alpha), tuple(sorted(config.target_modules)))
+        return cls(int(config.r), float(config.lora_alpha), tuple(config.target_modules))
 
     def peft_config(self, **kwargs: Any) -> Any:
         """These settings as a peft ``LoraConfig`` (``kwargs`` are passed on, e.g. ``lora_dropout``)."""
