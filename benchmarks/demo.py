@@ -4,12 +4,15 @@ Runs the three roles as processes on a fresh local bucket for ``--minutes`` (wha
 ``python app.py`` runs, without the panel), then reads the bucket's figures and prints:
 
 - the median % of elements changed per delta after warm-up (versions after ``--warmup``),
-  and per-version sizes against the anchor and against the TRL layout (6 bytes per
-  changed bf16 element plus the header);
+  and per-version sizes against the anchor, against the TRL layout (6 bytes per
+  changed bf16 element plus the header), and per changed element;
 - the environment's mean reward over the first and the last minute of samples.
 
     python -m benchmarks.demo                          # the demo defaults, 5 minutes
     python -m benchmarks.demo --minutes 3 --set TRAINER_LR=2e-5 --set TRAINER_ADAM_EPSILON=1e-8
+    python -m benchmarks.demo --set TRAINER_LORA_RANK=8 --set ROLLOUT_LORA=1   # the LoRA demo (docs/lora.md)
+
+In a LoRA run the versions and sizes are the adapter chain's.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import time
 from pathlib import Path
 
 from env_space.environments import get_environment
+from rlsync.adapters import adapter_bucket
 from rlsync.bucket import LocalBucket
 from rlsync.protocol import read_manifest
 from rlsync.spaces.exchange import get_json, metrics_key
@@ -56,7 +60,7 @@ def run(minutes: float, overrides: dict[str, str], warmup: int) -> dict:
         bucket = LocalBucket(bucket_dir)
         trainer = (get_json(bucket, metrics_key("trainer")) or {}).get("rows", [])
         env_rows = (get_json(bucket, metrics_key("env")) or {}).get("rows", [])
-        manifest = read_manifest(bucket)
+        manifest = read_manifest(adapter_bucket(bucket)) or read_manifest(bucket)
     deltas = [r for r in trainer if r.get("kind") == "delta" and r["version"] > warmup]
     anchor = next((r["nbytes"] for r in trainer if r.get("kind") == "anchor"), None)
     t0 = min((r["time"] for r in env_rows), default=start)
@@ -73,6 +77,8 @@ def run(minutes: float, overrides: dict[str, str], warmup: int) -> dict:
         "median_changed_pct_after_warmup": statistics.median(r["changed_pct"] for r in deltas) if deltas else None,
         "median_delta_vs_anchor": statistics.median(r["nbytes"] / anchor for r in deltas) if deltas and anchor else None,
         "median_delta_vs_trl_layout": statistics.median(r["nbytes"] / r["trl_nbytes"] for r in deltas) if deltas else None,
+        "median_bytes_per_changed_element": statistics.median(r["nbytes"] / r["changed"] for r in deltas if r["changed"]) if deltas else None,
+        "anchor_bytes": anchor,
         "reward_first_minute": reward(t0, t0 + 60), "reward_last_minute": reward(t1 - 60, t1),
     }
 

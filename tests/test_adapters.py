@@ -149,3 +149,28 @@ def test_invalid_lora_settings_in_the_chain_are_a_format_error(bucket):
         LoraSpec(rank=0)
     with pytest.raises(ValueError):
         LoraSpec(target_modules=())
+
+
+def test_an_anchor_whose_delta_does_not_pay_is_written_without_it(bucket):
+    """A dense update (every element new) at an anchor step: replicas keeping up download the anchor."""
+    pub = adapter_publisher(bucket, chain(), policy=FixedInterval(2))
+    sub = adapter_subscriber(bucket, "b" * 64)
+    pub.publish(0, adapter_state(0))
+    sub.sync()
+    small = adapter_state(0)
+    adam_like_step(small, 1, 1e-4)
+    pub.publish(1, small)  # a delta
+    sub.sync()
+    dense = adapter_state(7)  # another random adapter: a delta would be as large as the whole adapter
+    dense = {n: t + torch.randn(t.shape) for n, t in dense.items()}
+    record = pub.publish(2, dense)
+    assert record.kind == "anchor" and [d.step for d in pub.manifest.deltas] == [1]  # no companion delta of 2
+    assert not any(k.key.startswith(f"{ADAPTER_PREFIX}deltas/000000000002") for k in bucket.list())
+    applied = sub.sync()
+    assert [u.kind for u in applied] == ["anchor"] and sub.state_hash == state_hash(bf16(dense))
+    small = {n: t.clone() for n, t in dense.items()}
+    adam_like_step(small, 3, 1e-4)
+    pub.publish(3, small)
+    record = pub.publish(4, {n: t.clone() for n, t in small.items()})  # an anchor of an unchanged adapter
+    assert record.kind == "anchor" and pub.manifest.deltas[-1].step == 4  # its (empty) delta pays
+    assert [u.kind for u in sub.sync()] == ["delta", "delta"]

@@ -61,7 +61,8 @@ logger = logging.getLogger(__name__)
 #: ``max_steps`` given to TRL when the run has no limit (TRL needs one; the schedule is constant).
 UNLIMITED_STEPS = 10**9
 TINY_MODEL_LR, TINY_MODEL_ADAM_EPSILON = 5e-4, 3e-3  # the CPU demo: median delta ~8% changed, reward +0.29 in 5 min
-TINY_MODEL_LORA_LR = 2e-3  # the CPU LoRA demo (docs/lora.md): an adapter needs larger steps than full fine-tuning
+# LoRA runs (docs/lora.md): plain AdamW (its step is ~lr on every adapter element), a larger lr than full fine-tuning
+TINY_MODEL_LORA_LR, REAL_MODEL_LORA_LR, LORA_ADAM_EPSILON = 1e-3, 1e-5, 1e-8
 REAL_MODEL_LR, REAL_MODEL_ADAM_EPSILON = 1e-6, 1e-8  # RL fine-tuning of a pretrained model
 
 
@@ -72,9 +73,9 @@ class TrainerConfig:
     bucket: str = dataclasses.field(default="./runs/bucket", metadata={"help": "bucket URL or path (write access)"})
     model: str = dataclasses.field(default="", metadata={"help": "model name or folder (default: Qwen/Qwen3-0.6B on a GPU, the tiny offline model on CPU)"})
     device: str = dataclasses.field(default="auto", metadata={"help": "torch device ('auto': cuda if available, else cpu)"})
-    lr: float = dataclasses.field(default=0.0, metadata={"help": "learning rate (learning_rate); 0: 5e-4 for the tiny offline CPU model, 1e-6 for a real model"})
+    lr: float = dataclasses.field(default=0.0, metadata={"help": "learning rate (learning_rate); 0: 5e-4 for the tiny offline CPU model, 1e-6 for a real model (LoRA: 1e-3 and 1e-5)"})
     optim: str = dataclasses.field(default="adamw_torch", metadata={"help": "optimizer: a transformers optim name, e.g. 'adamw_torch' or 'sgd' (optim)"})
-    adam_epsilon: float = dataclasses.field(default=0.0, metadata={"help": "AdamW epsilon (adam_epsilon); 0: 3e-3 for the tiny offline CPU model (steps follow the gradient's size, so weights with small gradients barely move and deltas stay sparse), 1e-8 for a real model"})
+    adam_epsilon: float = dataclasses.field(default=0.0, metadata={"help": "AdamW epsilon (adam_epsilon); 0: 3e-3 for the tiny offline CPU model (steps follow the gradient's size, so weights with small gradients barely move and deltas stay sparse), 1e-8 for a real model and for LoRA"})
     weight_decay: float = dataclasses.field(default=0.0, metadata={"help": "weight decay (weight_decay)"})
     batch_size: int = dataclasses.field(default=16, metadata={"help": "samples per optimizer step (per_device_train_batch_size)"})
     sync_every: int = dataclasses.field(default=1, metadata={"help": "optimizer steps per publish (weight_sync_steps)"})
@@ -103,11 +104,12 @@ class TrainerConfig:
 
     def with_model_defaults(self, device: str) -> "TrainerConfig":
         """``lr`` and ``adam_epsilon`` left at 0 take the defaults of the model that will train: the CPU
-        demo's for the tiny offline model, conservative ones for a real model (e.g. Qwen3-0.6B on a GPU)."""
+        demo's for the tiny offline model, conservative ones for a real model (e.g. Qwen3-0.6B on a GPU);
+        a LoRA run (``lora_rank``) has its own."""
         tiny = not (self.model or default_model(device))
         lr, eps = (TINY_MODEL_LR, TINY_MODEL_ADAM_EPSILON) if tiny else (REAL_MODEL_LR, REAL_MODEL_ADAM_EPSILON)
-        if tiny and self.lora_rank:
-            lr = TINY_MODEL_LORA_LR
+        if self.lora_rank:
+            lr, eps = (TINY_MODEL_LORA_LR if tiny else REAL_MODEL_LORA_LR), LORA_ADAM_EPSILON
         return dataclasses.replace(self, lr=self.lr or lr, adam_epsilon=self.adam_epsilon or eps)
 
     def lora(self) -> LoraSpec | None:

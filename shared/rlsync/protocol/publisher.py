@@ -426,7 +426,9 @@ class Publisher:
 
     def _publish_anchor(self, step: int, state: Mapping[str, torch.Tensor], owned: bool = False) -> PublishRecord:
         """Write a full anchor; when the state continues the published one, also a companion
-        delta of the same step, so that replicas keeping up never need to download anchors.
+        delta of the same step, so that replicas keeping up never need to download anchors, unless
+        that delta is no smaller than the anchor (a dense update, e.g. of a LoRA adapter): then they
+        download the anchor instead.
         ``owned``: ``state`` holds contiguous serving-dtype tensors nobody else modifies, kept without a copy."""
         assert self.lock is not None
         t0 = time.perf_counter()
@@ -440,6 +442,7 @@ class Publisher:
         t1 = time.perf_counter()
         total = sum(t.numel() for t in serving.values())
         companion: tuple[DeltaEntry, ...] = ()
+        data = b""
         if continues:
             assert self.manifest is not None
             data = encode_delta(
@@ -449,12 +452,16 @@ class Publisher:
             changed = sum(c.index.size for c in changes.values())
             key = delta_key(step, self.lock.epoch)
             companion = (DeltaEntry(step, self.manifest.step, result_hash, FileEntry(key, len(data)), changed, total),)
-            self.bucket.put(key, data)
         folder = anchor_folder(step, self.lock.epoch)
         with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX) as tmp:
             files = write_anchor(serving, tmp, step=step, state_hash=result_hash, max_shard_bytes=self.max_shard_bytes)
             t2 = time.perf_counter()
             entries = tuple(FileEntry(f"{folder}/{p.name}", p.stat().st_size) for p in files)
+            if companion and len(data) >= sum(e.size for e in entries):
+                logger.info("anchor %d: its delta (%d bytes) does not pay, replicas download the anchor", step, len(data))
+                companion = ()
+            for entry in companion:
+                self.bucket.put(entry.file.key, data)
             for path, entry in zip(files, entries):
                 self.bucket.put_file(entry.key, path)
         anchor = AnchorEntry(step, result_hash, entries)
