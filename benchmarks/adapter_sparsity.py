@@ -26,7 +26,8 @@ import tempfile
 import torch
 
 from env_space.environments import get_environment
-from rlsync.adapters import AdapterChain, LoraSpec, adapter_publisher, adapter_tensors
+from rlsync.adapters import AdapterChain, LoraSpec, adapter_publisher
+from rlsync.lora import adapter_tensors, peft_config
 from rlsync.bucket import LocalBucket
 from rlsync.protocol import FixedInterval
 from rlsync.spaces.tiny_model import tiny_model_path
@@ -58,7 +59,7 @@ def measure(lr: float, steps: int, rank: int, seed: int = 0) -> dict:
     path = tiny_model_path(environments=get_environment)
     tokenizer = AutoTokenizer.from_pretrained(path)
     lora = LoraSpec(rank, 2.0 * rank, TARGETS)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), lora.peft_config())
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), peft_config(lora))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, eps=1e-8, weight_decay=0.0)
     generator = torch.Generator().manual_seed(seed)
     with tempfile.TemporaryDirectory(prefix="rlsync-adapter-sparsity-") as tmp:

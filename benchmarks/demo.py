@@ -41,7 +41,7 @@ def run(minutes: float, overrides: dict[str, str], warmup: int) -> dict:
     tiny_model_path(environments=get_environment)
     with tempfile.TemporaryDirectory(prefix="rlsync-demo-") as tmp:
         bucket_dir = Path(tmp) / "bucket"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "shared"), str(ROOT)]), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "TRAINER_BUCKET": str(bucket_dir), "ROLLOUT_BUCKET": str(bucket_dir), "ENV_BUCKET": str(bucket_dir),
                "ROLLOUT_REPLICA_ID": "r0", **overrides}  # fmt: skip
         procs = [

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from rlsync.adapters import AdapterChain, LoraSpec, adapter_publisher  # noqa: E402
 from rlsync.hashing import state_hash  # noqa: E402
+from rlsync.lora import peft_config  # noqa: E402
 from rlsync.protocol import FixedInterval, Publisher, Subscriber  # noqa: E402
 from rlsync.spaces.tiny_model import build_tiny_model  # noqa: E402
 from rollout_space.adapters import AdapterFollower  # noqa: E402
@@ -38,7 +39,7 @@ def model_dir(tmp_path_factory):
 
 def trained_adapter(model_dir, seed: int) -> dict[str, torch.Tensor]:
     """A peft adapter whose B is not zero (as after training), in bf16 under peft's saved names."""
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), LORA.peft_config())
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), peft_config(LORA))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -52,7 +53,7 @@ def peft_reference(model_dir, tensors) -> list[list[int]]:
     from peft import set_peft_model_state_dict
 
     model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16), LORA.peft_config(), autocast_adapter_dtype=False
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16), peft_config(LORA), autocast_adapter_dtype=False
     )
     set_peft_model_state_dict(model, tensors)
     model.eval()
@@ -97,6 +98,25 @@ def test_transformers_engine_refuses_tensors_of_another_adapter(model_dir):
         engine.generate(PROMPTS, greedy(0))
 
 
+def publish_and_follow(follower: AdapterFollower, pub, versions: dict[int, dict[str, torch.Tensor]]) -> dict:
+    """Publish each adapter version and let ``follower`` (its fetch loop in a thread) take it in, served or
+    refused, before the next; returns ``versions``."""
+    stop = threading.Event()
+    thread = threading.Thread(target=follower.fetch_loop, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        for version, tensors in versions.items():
+            pub.publish(version, tensors)
+            while not follower.apply_pending() and follower.subscriber.step != version:  # served, or refused
+                assert thread.is_alive()
+                stop.wait(0.02)
+    finally:
+        stop.set()
+        follower.wake()
+        thread.join(timeout=10)
+    return versions
+
+
 class BitFlippingEngine(TransformersEngine):
     """Serves adapter version 2 with one element changed after loading (a faulty engine)."""
 
@@ -115,23 +135,7 @@ def test_follower_serves_verified_versions_in_a_window_and_drops_a_mismatch(buck
     base.sync()
     follower = AdapterFollower(bucket, engine, lambda: base.state_hash, window=2, poll_s=0.05)
     pub = adapter_publisher(bucket, AdapterChain("tiny", base_hash, LORA), policy=FixedInterval(3))
-    stop = threading.Event()
-    thread = threading.Thread(target=follower.fetch_loop, args=(stop,), daemon=True)
-    thread.start()
-    published = {}
-    try:
-        for version in range(5):
-            published[version] = trained_adapter(model_dir, version)
-            pub.publish(version, published[version])
-            while not follower.apply_pending():
-                assert thread.is_alive()
-                if follower.subscriber.step == version:  # applied but not served (the mismatch)
-                    break
-                stop.wait(0.02)
-    finally:
-        stop.set()
-        follower.wake()
-        thread.join(timeout=10)
+    published = publish_and_follow(follower, pub, {v: trained_adapter(model_dir, v) for v in range(5)})
     assert follower.refused == 1 and 2 not in follower.served  # never served with the wrong bits
     assert sorted(follower.served) == [3, 4] and sorted(engine._peft.peft_config) == ["v3", "v4"]
     assert follower.status()["engine_adapter_hash"] == state_hash(bf16_of(published[4])) == pub.manifest.state_hash

@@ -24,7 +24,7 @@ from rlsync.adapters import (
 from rlsync.bucket import FaultyBucket, InvalidKeyError, PrefixedBucket, TransientBucketError
 from rlsync.errors import ChainError, FormatError, SyncError
 from rlsync.hashing import state_hash
-from rlsync.protocol import POINTER_KEY, FixedInterval, Manifest, Publisher, Subscriber, read_manifest
+from rlsync.protocol import POINTER_KEY, FixedInterval, Manifest, Publisher, read_manifest
 from tests.helpers import bf16, master_state
 
 LORA = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))

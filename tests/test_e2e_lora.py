@@ -9,17 +9,14 @@ reward rises. About 2.5 minutes on 2 cores."""
 from __future__ import annotations
 
 import json
-import os
-import time
-from pathlib import Path
 
 from env_space.environments import get_environment
 from rlsync.adapters import AdapterChain, adapter_bucket, adapter_subscriber
 from rlsync.bucket import LocalBucket
 from rlsync.protocol import read_manifest
-from rlsync.spaces.exchange import get_json, metrics_key, status_key
+from rlsync.spaces.exchange import get_json, metrics_key
 from rlsync.spaces.tiny_model import tiny_model_path
-from tests.test_e2e import ROOT, spawn
+from tests.test_e2e import role_env, run_roles
 
 STEPS = 60
 
@@ -27,41 +24,12 @@ STEPS = 60
 def test_lora_run_learns_and_replicas_serve_the_last_adapter_bit_identically(tmp_path):
     tiny_model_path(environments=get_environment)  # built once, before the processes race for it
     bucket_dir = tmp_path / "bucket"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "shared"), str(ROOT)]),  # this checkout's rlsync, installed or not
-        "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-        "TRAINER_BUCKET": str(bucket_dir), "ROLLOUT_BUCKET": str(bucket_dir), "ENV_BUCKET": str(bucket_dir),
-        "TRAINER_MAX_STEPS": str(STEPS), "TRAINER_LORA_RANK": "8", "TRAINER_ANCHOR_INTERVAL": "8",
-        "TRAINER_BATCH_SIZE": "32", "TRAINER_SEED": "0", "TRAINER_SYNC_EVERY": "1",
-        "ROLLOUT_LORA": "1", "ROLLOUT_VERIFY_ENGINE": "1", "ROLLOUT_POLL_S": "0.2", "ENV_POLL_S": "0.2",
-        "TRAINER_POLL_S": "0.2",
-    }  # fmt: skip
-    procs = {"trainer": spawn("trainer_space", env, tmp_path / "trainer.log", "INFO")}
-    procs["env"] = spawn("env_space", env, tmp_path / "env.log")
-    for i in range(2):
-        procs[f"r{i}"] = spawn("rollout_space", {**env, "ROLLOUT_REPLICA_ID": f"r{i}", "ROLLOUT_SEED": str(i)}, tmp_path / f"r{i}.log")
+    env = role_env(bucket_dir, STEPS, TRAINER_LORA_RANK="8", ROLLOUT_LORA="1")
+    statuses, logs = run_roles(tmp_path, env, "adapter_step", STEPS)
+    assert "(LoRA rank 8 on " in logs["trainer"], logs["trainer"][-3000:]
     bucket = LocalBucket(bucket_dir)
-    try:
-        procs["trainer"].wait(timeout=420)
-        trainer_log = (tmp_path / "trainer.log").read_text()
-        assert procs["trainer"].returncode == 0, trainer_log[-3000:]
-        assert "(LoRA rank 8 on " in trainer_log, trainer_log[-3000:]
-        adapters = read_manifest(adapter_bucket(bucket))
-        assert adapters is not None and adapters.step == STEPS
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            statuses = [get_json(bucket, status_key(f"r{i}")) or {} for i in range(2)]
-            if all(s.get("adapter_step") == STEPS for s in statuses):
-                break
-            time.sleep(0.5)
-    finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            p.wait(timeout=60)
-    logs = {name: (tmp_path / f"{name}.log").read_text()[-2000:] for name in procs}
+    adapters = read_manifest(adapter_bucket(bucket))
+    assert adapters is not None and adapters.step == STEPS
     weights = read_manifest(bucket)
     assert weights.step == 0 and len(weights.anchors) == 1  # the base, published once
     chain = AdapterChain.from_manifest(adapters)

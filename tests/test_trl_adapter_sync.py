@@ -12,7 +12,8 @@ from transformers import AutoTokenizer
 pytest.importorskip("peft")
 
 from env_space.environments import get_environment  # noqa: E402
-from rlsync.adapters import AdapterChain, LoraSpec, adapter_bucket, adapter_subscriber, base_parameters  # noqa: E402
+from rlsync.adapters import AdapterChain, LoraSpec, adapter_bucket, adapter_subscriber  # noqa: E402
+from rlsync.lora import base_parameters, peft_config  # noqa: E402
 from rlsync.errors import SyncError  # noqa: E402
 from rlsync.hashing import state_hash  # noqa: E402
 from rlsync.protocol import Subscriber, read_manifest  # noqa: E402
@@ -41,7 +42,7 @@ def test_peft_run_publishes_adapter_versions_bit_exactly_and_never_merges(bucket
     )  # fmt: skip
     trainer = AsyncGRPOTrainer(
         model=path, args=args, processing_class=tokenizer, train_dataset=Dataset.from_dict({"prompt": ["x"]}),
-        rollout_worker=worker, weight_transfer=sync.transfer, peft_config=LORA.peft_config(),
+        rollout_worker=worker, weight_transfer=sync.transfer, peft_config=peft_config(LORA),
     )  # fmt: skip
     chain = sync.attach(trainer)
     trainer.add_callback(FinalWeightSync(trainer))

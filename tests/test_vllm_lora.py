@@ -10,8 +10,6 @@ same adapter, and a chain for another base is refused.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -20,16 +18,15 @@ pytest.importorskip("peft")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from rlsync.adapters import AdapterChain, LoraSpec, adapter_publisher, adapter_subscriber  # noqa: E402
+from rlsync.adapters import AdapterChain, adapter_publisher, adapter_subscriber  # noqa: E402
 from rlsync.errors import ChainError  # noqa: E402
 from rlsync.hashing import state_hash  # noqa: E402
 from rlsync.protocol import Publisher  # noqa: E402
 from rlsync.spaces.tiny_model import build_tiny_model  # noqa: E402
 from rollout_space.adapters import AdapterFollower  # noqa: E402
 from rollout_space.engine import SamplingSettings  # noqa: E402
-from tests.test_adapter_serving import peft_reference, tokens  # noqa: E402
+from tests.test_adapter_serving import LORA, peft_reference, publish_and_follow, tokens, trained_adapter  # noqa: E402
 
-LORA = LoraSpec(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj", "down_proj"))
 ENGINE_KWARGS = dict(max_model_len=128, max_num_seqs=8, kv_cache_memory_bytes=32 << 20, block_size=32)
 
 
@@ -55,36 +52,15 @@ def engine(model_dir):
         eng.close()
 
 
-def adapter_version(model_dir, seed: int) -> dict[str, torch.Tensor]:
-    from tests.test_adapter_serving import LORA as SERVING_LORA, trained_adapter
-
-    assert SERVING_LORA == LORA
-    return trained_adapter(model_dir, seed)
-
-
 def test_vllm_serves_each_adapter_version_as_a_new_lora_request(engine, model_dir, bucket):
     base_hash = Publisher(bucket).publish(0, load_file(model_dir / "model.safetensors")).state_hash
     assert engine.state_hash() == base_hash  # the base vLLM serves is the weights chain's
     follower = AdapterFollower(bucket, engine, engine.state_hash, window=2, poll_s=0.05)
     pub = adapter_publisher(bucket, AdapterChain("tiny", base_hash, LORA))
     base_tokens = tokens(engine, greedy())
-    stop = threading.Event()
-    thread = threading.Thread(target=follower.fetch_loop, args=(stop,), daemon=True)
-    thread.start()
-    published = {}
-    try:
-        for version in range(3):
-            published[version] = adapter_version(model_dir, version)
-            pub.publish(version, published[version])
-            while not follower.apply_pending():
-                assert thread.is_alive()
-                stop.wait(0.02)
-            assert follower.served[version] == pub.manifest.state_hash == state_hash(published[version])
-    finally:
-        stop.set()
-        follower.wake()
-        thread.join(timeout=10)
-    assert sorted(follower.served) == [1, 2] and engine.llm.llm_engine.list_loras() == {2, 3}  # id = version + 1
+    published = publish_and_follow(follower, pub, {v: trained_adapter(model_dir, v) for v in range(3)})
+    assert follower.refused == 0 and follower.status()["engine_adapter_hash"] == pub.manifest.state_hash == state_hash(published[2])
+    assert sorted(follower.served) == [1, 2] and set(engine.llm.llm_engine.list_loras()) == {2, 3}  # id = version + 1
     with pytest.raises(KeyError):
         engine.generate(["x"], greedy(0))  # dropped: out of the window
     for version in (1, 2):

@@ -38,6 +38,7 @@ from transformers import TrainerCallback
 
 from env_space.environments import get_environment
 from rlsync.adapters import LoraSpec
+from rlsync.lora import peft_config
 from rlsync.bucket import Bucket, open_bucket
 from rlsync.codecs import default_codec
 from rlsync.protocol import CONTROL_KEY, Adaptive, FixedInterval, NonFiniteError, Publisher, PublishRecord, policy_to_json
@@ -219,7 +220,7 @@ class Trainer:
         self.trl = AsyncGRPOTrainer(
             model=model, args=config.grpo_config(self.scratch), processing_class=tokenizer,
             train_dataset=Dataset.from_dict({"prompt": ["(prompts come from the bucket's tasks/)"]}),
-            rollout_worker=self.worker, weight_transfer=self.transfer, peft_config=lora.peft_config() if lora else None,
+            rollout_worker=self.worker, weight_transfer=self.transfer, peft_config=peft_config(lora) if lora else None,
         )  # fmt: skip
         if self.adapter_sync is not None:
             self.adapter_sync.attach(self.trl)

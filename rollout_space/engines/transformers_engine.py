@@ -32,6 +32,7 @@ import torch
 from rollout_space.engine import Completion, Engine, SamplingSettings, register_engine
 from rlsync.adapters import AdapterChain
 from rlsync.hashing import state_hash
+from rlsync.lora import peft_config
 from rlsync.patch import TensorPatch
 
 logger = logging.getLogger(__name__)
@@ -159,7 +160,7 @@ class TransformersEngine(Engine):
         from peft import get_peft_model, set_peft_model_state_dict
 
         name = _adapter_name(version)
-        config = chain.lora.peft_config(lora_dropout=0.0, inference_mode=True)
+        config = peft_config(chain.lora, lora_dropout=0.0, inference_mode=True)
         if self._peft is None:
             self._peft = get_peft_model(self.model, config, adapter_name=name, autocast_adapter_dtype=False)
         else:

@@ -16,7 +16,8 @@ and the LoRA settings. A replica subscribes with the hash of the base it serves,
 another base is refused before anything is downloaded.
 
 Tensor names are those of peft's ``adapter_model.safetensors``
-(``base_model.model.<module>.lora_A.weight``), which peft and vLLM load as they are.
+(``base_model.model.<module>.lora_A.weight``), which peft and vLLM load as they are. This module
+needs no peft; :mod:`rlsync.lora` holds what does.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import enum
 import json
 import math
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -83,12 +84,6 @@ class LoraSpec:
     def from_peft(cls, config: Any) -> "LoraSpec":
         """The settings of a peft ``LoraConfig``."""
         return cls(int(config.r), float(config.lora_alpha), tuple(config.target_modules))
-
-    def peft_config(self, **kwargs: Any) -> Any:
-        """These settings as a peft ``LoraConfig`` (``kwargs`` are passed on, e.g. ``lora_dropout``)."""
-        from peft import LoraConfig
-
-        return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=list(self.target_modules), **kwargs)
 
     def to_json(self) -> str:
         return json.dumps({"rank": self.rank, "alpha": self.alpha, "target_modules": list(self.target_modules)})
@@ -194,27 +189,3 @@ def write_adapter_folder(folder: str | Path, tensors: Mapping[str, torch.Tensor]
     save_file({n: t.contiguous() for n, t in tensors.items()}, path / ADAPTER_WEIGHTS_FILE)
     (path / ADAPTER_CONFIG_FILE).write_text(json.dumps(chain.adapter_config(), indent=1))
     return path
-
-
-def adapter_tensors(model: Any, adapter_name: str = "default") -> dict[str, torch.Tensor]:
-    """The adapter ``adapter_name`` of a peft model under peft's saved names, gathered to whole CPU tensors.
-
-    Every rank of a sharded model must call it (gathering a sharded tensor is a collective).
-    """
-    from peft.utils import get_peft_model_state_dict
-
-    state = get_peft_model_state_dict(model, adapter_name=adapter_name)
-    gathered = {}
-    for name, tensor in state.items():
-        if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor
-            tensor = tensor.full_tensor()
-        gathered[name] = tensor.detach().cpu()
-    return gathered
-
-
-def base_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The base model's parameters of a peft model under the base checkpoint's names (adapter tensors left out)."""
-    for name, param in model.named_parameters():
-        if "lora_" in name:
-            continue
-        yield name.removeprefix("module.").removeprefix("base_model.model.").replace(".base_layer", ""), param

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from ..adapters import AdapterChain, LoraSpec, adapter_bucket, adapter_tensors, base_parameters
+from ..adapters import AdapterChain, LoraSpec, adapter_bucket
+from ..lora import adapter_tensors, base_parameters
 from ..bucket import Bucket
 from ..errors import SyncError
 from ..hashing import state_hash
