@@ -51,6 +51,7 @@ class AdapterFollower:
         self.engine_hash: str | None = None
         self._pending: Update | None = None
         self._slot = threading.Condition()
+        self._last_error = ""
 
     @property
     def step(self) -> int | None:
@@ -71,11 +72,14 @@ class AdapterFollower:
             try:
                 update = self.subscriber.fetch()
             except (SyncError, BucketError) as exc:
-                logger.warning("adapter update refused or unavailable: %s", exc)
+                if str(exc) != self._last_error:  # once per cause, not at every poll
+                    logger.warning("adapter update refused or unavailable: %s", exc)
+                self._last_error = str(exc)
                 update = None
             if update is None:
                 stop.wait(self.poll_s)
                 continue
+            self._last_error = ""
             with self._slot:
                 self._pending = update
 

@@ -32,6 +32,7 @@ import torch
 from ..adapters import AdapterChain, LoraSpec, adapter_bucket
 from ..lora import adapter_tensors, base_parameters
 from ..bucket import Bucket
+from ..detect import serving_copy
 from ..errors import SyncError
 from ..hashing import state_hash
 from ..protocol import Publisher
@@ -49,7 +50,7 @@ class BucketAdapterSync:
 
     Args:
         bucket: The run's bucket: the base goes to its weights chain, the adapter under ``adapters/``.
-        base_publisher: Publisher of the weights chain (default ``Publisher(bucket)``).
+        base_publisher: Publisher of the weights chain (default ``Publisher(bucket)`` with the same run-lock owner).
         **publisher_kwargs: Arguments of the adapter chain's :class:`~rlsync.protocol.Publisher`
             (anchor policy, codec, retention, run-lock owner...).
 
@@ -60,7 +61,7 @@ class BucketAdapterSync:
     """
 
     def __init__(self, bucket: Bucket, *, base_publisher: Publisher | None = None, **publisher_kwargs: Any) -> None:
-        self.base_publisher = base_publisher or Publisher(bucket)
+        self.base_publisher = base_publisher or Publisher(bucket, owner=publisher_kwargs.get("owner"))
         self.transfer = BucketWeightTransfer(publisher=Publisher(adapter_bucket(bucket), **publisher_kwargs))
         self.chain: AdapterChain | None = None
         self.trainer: Any = None
@@ -103,7 +104,7 @@ class BucketAdapterSync:
         published = self.base_publisher.resume() is not None
         if not published:
             return self.base_publisher.publish(0, base).state_hash
-        expected = state_hash({n: t.to(self.base_publisher.dtype) if t.is_floating_point() else t for n, t in base.items()})
+        expected = state_hash({n: serving_copy(t, self.base_publisher.dtype) for n, t in base.items()})
         if expected != self.base_publisher.manifest.state_hash:
             raise SyncError(
                 f"{self.base_publisher.bucket.url} holds another base model (hash {self.base_publisher.manifest.state_hash[:12]}) "
