@@ -4,6 +4,7 @@ serving, a new adapter per version, versions out of the staleness window dropped
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import pytest
@@ -48,16 +49,22 @@ def trained_adapter(model_dir, seed: int) -> dict[str, torch.Tensor]:
     return {n: t.to(torch.bfloat16) for n, t in get_peft_model_state_dict(model).items()}
 
 
+@functools.lru_cache(maxsize=1)
+def _reference_model(model_dir: str):
+    """An independent bf16 peft model of ``model_dir`` (built once; each reference loads its adapter into it)."""
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16), peft_config(LORA), autocast_adapter_dtype=False
+    )
+    return model.eval(), AutoTokenizer.from_pretrained(model_dir)
+
+
 def peft_reference(model_dir, tensors) -> list[list[int]]:
     """Greedy tokens of an independent peft model (bf16) holding ``tensors``."""
     from peft import set_peft_model_state_dict
 
-    model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16), peft_config(LORA), autocast_adapter_dtype=False
-    )
-    set_peft_model_state_dict(model, tensors)
-    model.eval()
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    model, tok = _reference_model(str(model_dir))
+    result = set_peft_model_state_dict(model, tensors)
+    assert not result.unexpected_keys
     out = []
     for prompt in PROMPTS:
         ids = tok(prompt, return_tensors="pt")["input_ids"]
