@@ -77,6 +77,18 @@ def run_roles(tmp_path: Path, env: dict, done: str, steps: int, replicas: int = 
     return statuses, logs
 
 
+def reward_rise(env_rows: list[dict], steps: int) -> tuple[float, float]:
+    """The environment's mean reward of samples from the first 10 and the last 10 versions (printed)."""
+
+    def mean_reward(versions):
+        picked = [r for r in env_rows if r["version"] in versions]
+        return sum(r["mean_reward"] * r["count"] for r in picked) / sum(r["count"] for r in picked)
+
+    early, late = mean_reward(range(0, 10)), mean_reward(range(steps - 10, steps + 1))
+    print(json.dumps({"reward_first_10_versions": early, "reward_last_10_versions": late}))
+    return early, late
+
+
 def test_three_roles_learn_and_replicas_end_bit_identical(tmp_path):
     tiny_model_path(environments=get_environment)  # built once, before the processes race for it
     bucket_dir = tmp_path / "bucket"
@@ -106,10 +118,5 @@ def test_three_roles_learn_and_replicas_end_bit_identical(tmp_path):
     env_rows = get_json(bucket, metrics_key("env"))["rows"]
     assert len({r["version"] for r in env_rows}) > STEPS // 2
     # the policy learned: mean reward of samples from the last versions beats the first ones
-    def mean_reward(versions):
-        picked = [r for r in env_rows if r["version"] in versions]
-        return sum(r["mean_reward"] * r["count"] for r in picked) / sum(r["count"] for r in picked)
-
-    early, late_reward = mean_reward(range(0, 10)), mean_reward(range(STEPS - 10, STEPS + 1))
-    print(json.dumps({"reward_first_10_versions": early, "reward_last_10_versions": late_reward}))
+    early, late_reward = reward_rise(env_rows, STEPS)
     assert late_reward >= early + 0.05, (early, late_reward)

@@ -8,15 +8,13 @@ reward rises. About 2.5 minutes on 2 cores."""
 
 from __future__ import annotations
 
-import json
-
 from env_space.environments import get_environment
 from rlsync.adapters import AdapterChain, adapter_bucket, adapter_subscriber
 from rlsync.bucket import LocalBucket
 from rlsync.protocol import read_manifest
 from rlsync.spaces.exchange import get_json, metrics_key
 from rlsync.spaces.tiny_model import tiny_model_path
-from tests.test_e2e import role_env, run_roles
+from tests.test_e2e import reward_rise, role_env, run_roles
 
 STEPS = 60
 
@@ -52,11 +50,5 @@ def test_lora_run_learns_and_replicas_serve_the_last_adapter_bit_identically(tmp
     # rollouts carried the adapter version, and the policy learned
     env_rows = get_json(bucket, metrics_key("env"))["rows"]
     assert len({r["version"] for r in env_rows}) > STEPS // 2 and max(r["version"] for r in env_rows) <= STEPS
-
-    def mean_reward(versions):
-        picked = [r for r in env_rows if r["version"] in versions]
-        return sum(r["mean_reward"] * r["count"] for r in picked) / sum(r["count"] for r in picked)
-
-    early, late_reward = mean_reward(range(0, 10)), mean_reward(range(STEPS - 10, STEPS + 1))
-    print(json.dumps({"reward_first_10_versions": early, "reward_last_10_versions": late_reward}))
+    early, late_reward = reward_rise(env_rows, STEPS)
     assert late_reward >= early + 0.03, (early, late_reward)
