@@ -19,6 +19,8 @@ Flags::
     --fresh             delete the bucket's run objects first (weights, tasks, scores, status, metrics)
     --environment NAME  environment of the env role (default: ENV_ENVIRONMENT or "reverse")
     --max-steps N       stop the trainer after N optimizer steps (default: TRAINER_MAX_STEPS or never)
+    --lora              train a LoRA adapter (rank TRAINER_LORA_RANK, default 8) and serve its versions
+                        from the bucket's adapter chain (docs/lora.md)
 
 Every other setting comes from the roles' environment variables
 (``TRAINER_*``, ``ROLLOUT_*``, ``ENV_*``, see each Space's README). "Start all"
@@ -31,6 +33,7 @@ SIGTERM or Ctrl-C stops the roles cleanly.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -44,6 +47,7 @@ from env_space import app as env_app
 from env_space.simulator import EnvConfig
 from rollout_space import app as rollout_app
 from rollout_space.replica import ReplicaConfig
+from rlsync.adapters import ADAPTER_PREFIX
 from rlsync.spaces import access, components, frames, role_control, snapshots
 from rlsync.bucket import Bucket, open_bucket
 from rlsync.spaces.exchange import METRICS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX, STATUS_PREFIX, TASKS_PREFIX
@@ -69,7 +73,10 @@ RUN_PREFIXES = (
     ROLLOUTS_PREFIX,
     SCORES_PREFIX,
     CHECKPOINTS_PREFIX,
+    ADAPTER_PREFIX,
 )
+#: LoRA rank of ``--lora`` when ``TRAINER_LORA_RANK`` does not set one.
+DEFAULT_LORA_RANK = 8
 PROGRESS_EVERY_S = 20.0
 
 
@@ -93,6 +100,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fresh", action="store_true", help="delete the bucket's run objects first")
     parser.add_argument("--environment", default=None, help="environment name (default from ENV_ENVIRONMENT)")
     parser.add_argument("--max-steps", type=int, default=None, help="trainer optimizer steps (0: never stop)")
+    parser.add_argument("--lora", action="store_true", help="train and serve a LoRA adapter (docs/lora.md)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     if args.replicas < 1:
@@ -117,18 +125,22 @@ class Stack:
         replicas: Rollout replicas.
         environment: Environment name (``None``: from ``ENV_ENVIRONMENT``).
         max_steps: Trainer step limit (``None``: from ``TRAINER_MAX_STEPS``).
+        lora: Train a LoRA adapter (``TRAINER_LORA_RANK``, default :data:`DEFAULT_LORA_RANK`) and serve its versions.
     """
 
     def __init__(
-        self, bucket: str, replicas: int, environment: str | None = None, max_steps: int | None = None
+        self, bucket: str, replicas: int, environment: str | None = None, max_steps: int | None = None, lora: bool = False
     ) -> None:
         self.bucket = bucket
         self.replicas = replicas
         self.trainer_config = TrainerConfig.from_env(bucket=bucket, max_steps=max_steps)
+        if lora and not self.trainer_config.lora_rank:
+            self.trainer_config = dataclasses.replace(self.trainer_config, lora_rank=DEFAULT_LORA_RANK)
         self.env_config = EnvConfig.from_env(bucket=bucket, environment=environment)
         self.replica_config = ReplicaConfig.from_env(
-            bucket=bucket, replica_id=os.environ.get("ROLLOUT_REPLICA_ID") or "replica"
-        )
+            bucket=bucket, replica_id=os.environ.get("ROLLOUT_REPLICA_ID") or "replica",
+            **({"lora": True} if lora else {}),
+        )  # fmt: skip
         self.trainer = trainer_app.make_runner()
         self.env = env_app.make_runner()
         self.rollout = rollout_app.make_runner()
@@ -268,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "rlsync.protocol.subscriber"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    stack = Stack(args.bucket, args.replicas, environment=args.environment, max_steps=args.max_steps)
+    stack = Stack(args.bucket, args.replicas, environment=args.environment, max_steps=args.max_steps, lora=args.lora)
     demo = build_app(stack)
     options: dict[str, Any] = {**components.launch_options(args.host), "server_port": args.port}
     demo.launch(prevent_thread_lock=True, **options)  # first, so a busy port stops us before any role runs

@@ -16,7 +16,10 @@ waiting, the old pacing), ``demand`` (the trainer's ``control/demand.json``), or
 (the default: one after the other in the same invocation, printed side by side).
 
     python -m benchmarks.demo                          # the demo defaults, 5 minutes per pacing
+    python -m benchmarks.demo --set TRAINER_LORA_RANK=8 --set ROLLOUT_LORA=1   # the LoRA demo (docs/lora.md)
     python -m benchmarks.demo --pacing demand --minutes 3 --set TRAINER_LR=2e-5 --set TRAINER_ADAM_EPSILON=1e-8
+
+In a LoRA run the versions and sizes are the adapter chain's.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from env_space.environments import get_environment
+from rlsync.adapters import adapter_bucket
 from rlsync.bucket import LocalBucket
 from rlsync.protocol import read_manifest
 from rlsync.spaces.exchange import get_json, metrics_key
@@ -65,7 +69,7 @@ def run(minutes: float, overrides: dict[str, str], warmup: int) -> dict:
         trainer_doc = get_json(bucket, metrics_key("trainer")) or {}
         env_doc = get_json(bucket, metrics_key("env")) or {}
         trainer, env_rows = trainer_doc.get("rows", []), env_doc.get("rows", [])
-        manifest = read_manifest(bucket)
+        manifest = read_manifest(adapter_bucket(bucket)) or read_manifest(bucket)
     deltas = [r for r in trainer if r.get("kind") == "delta" and r["version"] > warmup]
     anchor = next((r["nbytes"] for r in trainer if r.get("kind") == "anchor"), None)
     t0 = min((r["time"] for r in env_rows), default=start)
@@ -84,6 +88,8 @@ def run(minutes: float, overrides: dict[str, str], warmup: int) -> dict:
         "median_changed_pct_after_warmup": statistics.median(r["changed_pct"] for r in deltas) if deltas else None,
         "median_delta_vs_anchor": statistics.median(r["nbytes"] / anchor for r in deltas) if deltas and anchor else None,
         "median_delta_vs_trl_layout": statistics.median(r["nbytes"] / r["trl_nbytes"] for r in deltas) if deltas else None,
+        "median_bytes_per_changed_element": statistics.median(r["nbytes"] / r["changed"] for r in deltas if r["changed"]) if deltas else None,
+        "anchor_bytes": anchor,
         "reward_first_minute": reward(t0, t0 + 60), "reward_last_minute": reward(t1 - 60, t1),
     }
 

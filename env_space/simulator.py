@@ -53,6 +53,7 @@ from rlsync.spaces.exchange import (
     task_key,
     write_samples,
 )
+from rlsync.adapters import adapter_bucket
 from rlsync.protocol import read_manifest
 from rlsync.spaces.demand import DEMAND_KEY, Demand, batches_to_issue, read_demand
 from rlsync.spaces.settings import from_env
@@ -242,9 +243,9 @@ class EnvSimulator:
 
     def sample_limits(self) -> SampleLimits:
         """What a rollout may hold: token ids below ``vocab_size`` (when set), versions no newer
-        than the newest published one (none published yet: only version 0)."""
+        than the newest published one (the adapter chain's in a LoRA run; none published yet: only version 0)."""
         try:
-            manifest = read_manifest(self.bucket)
+            manifest = read_manifest(adapter_bucket(self.bucket)) or read_manifest(self.bucket)
         except FormatError:
             manifest = None
         return SampleLimits(

@@ -13,6 +13,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from rlsync.adapters import AdapterChain
 from rlsync.patch import TensorPatch
 
 
@@ -33,13 +34,14 @@ class Completion:
 
 @dataclasses.dataclass
 class SamplingSettings:
-    """How to sample: G completions per prompt."""
+    """How to sample: G completions per prompt (``adapter``: the adapter version to serve, in a LoRA run)."""
 
     n: int = 4
     max_new_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    adapter: int | None = None
 
 
 class Engine(abc.ABC):
@@ -67,6 +69,27 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompts: list[str], sampling: SamplingSettings) -> list[list[Completion]]:
         """Sample ``sampling.n`` completions for each prompt."""
+
+    def load_adapter(self, version: int, tensors: Mapping[str, torch.Tensor], chain: AdapterChain) -> str:
+        """Serve a verified adapter as version ``version`` (a new adapter id per version), next to the others.
+
+        Args:
+            version: The adapter chain's version; ``SamplingSettings.adapter`` names it.
+            tensors: The whole adapter (peft names, serving dtype); copied, not kept.
+            chain: The chain's LoRA settings and base.
+
+        Returns:
+            The :func:`rlsync.hashing.state_hash` of the adapter as the engine will serve it
+            (the caller drops the version unless it equals the verified hash).
+
+        Raises:
+            NotImplementedError: this engine serves no adapters.
+        """
+        raise NotImplementedError(f"the {self.name} engine serves no LoRA adapters")
+
+    def drop_adapter(self, version: int) -> None:
+        """Stop serving adapter version ``version`` and free it (unknown versions are ignored)."""
+        raise NotImplementedError(f"the {self.name} engine serves no LoRA adapters")
 
     def close(self) -> None:
         """Release the engine's resources."""

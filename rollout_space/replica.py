@@ -18,6 +18,10 @@ replica applies the newest version it holds, and does not start a batch whose
 samples would be too stale by the time the trainer gets them (its version too far
 behind the trainer's, given its own measured generation time); it waits for newer
 weights instead and counts the skip.
+
+In a LoRA run (``lora``) the weights chain holds the base and an
+:class:`~rollout_space.adapters.AdapterFollower` serves the adapter chain's versions;
+samples then carry the adapter version as their policy version.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from rlsync.spaces.demand import read_demand, would_be_stale
 from rlsync.spaces.settings import default_model, from_env, resolve_device
 from rlsync.spaces.tiny_model import model_or_default
 
+from .adapters import AdapterFollower
 from .engine import Engine, SamplingSettings, create_engine
 from .token_budget import TokenBudget, context_length, plan_batch
 
@@ -90,6 +95,9 @@ class ReplicaConfig:
     status_every_s: float = dataclasses.field(default=30.0, metadata={"help": "seconds between status writes on a Hub bucket"})
     seed: int = dataclasses.field(default=0, metadata={"help": "sampling seed (mixed with batch and version)"})
     verify_engine: bool = dataclasses.field(default=False, metadata={"help": "hash the engine's own weights after every apply (slow on big models)"})
+    lora: bool = dataclasses.field(default=False, metadata={"help": "a LoRA run: serve the adapter chain (adapters/) on the base from the weights chain"})
+    lora_window: int = dataclasses.field(default=3, metadata={"help": "adapter versions served at once (the trainer's max_staleness + 1)"})
+    lora_max_rank: int = dataclasses.field(default=16, metadata={"help": "largest adapter rank the vLLM engine accepts (1, 8, 16, 32, 64...)"})
 
     @classmethod
     def from_env(cls, **overrides) -> "ReplicaConfig":
@@ -124,7 +132,10 @@ class Replica:
         self._since: int | None = None
         model = resolve_model(model_or_default(config.model, device, get_environment))
         kind = config.engine if config.engine != "auto" else _auto_engine(device)
-        self.engine = engine or create_engine(kind, model_path=model, **({"device": device} if kind == "transformers" else {}))
+        engine_kwargs = {"device": device} if kind == "transformers" else {}
+        if config.lora and kind == "vllm":
+            engine_kwargs.update(max_loras=config.lora_window + 1, max_lora_rank=config.lora_max_rank)
+        self.engine = engine or create_engine(kind, model_path=model, **engine_kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.budget = TokenBudget(
             max_prompt_tokens=config.max_prompt_tokens or max(1, context_length(model) - config.max_new_tokens),
@@ -132,6 +143,10 @@ class Replica:
             max_batch_tokens=config.max_batch_tokens, chunk_tokens=config.chunk_tokens,
         )  # fmt: skip
         self.subscriber = Subscriber(self.bucket)
+        self.adapters = (
+            AdapterFollower(self.bucket, self.engine, lambda: self.subscriber.state_hash, window=config.lora_window, poll_s=config.poll_s)
+            if config.lora else None
+        )  # fmt: skip
         self._pending: Update | None = None
         self._slot = threading.Condition()
         self._stop = threading.Event()
@@ -238,7 +253,7 @@ class Replica:
         plan = plan_batch([len(ids) for ids in prompt_ids], self.budget)
         if plan.dropped or plan.refused:
             self.refusals.add(task_key(batch), plan.refused or f"{len(plan.dropped)} prompts longer than {self.budget.max_prompt_tokens} tokens")
-        version = self.subscriber.step
+        version = self.policy_version
         assert version is not None
         seed = self._sampling_seed(batch, version)
         t0 = time.perf_counter()
@@ -247,6 +262,7 @@ class Replica:
             sampling = SamplingSettings(
                 n=self.config.samples_per_task, max_new_tokens=self.config.max_new_tokens,
                 temperature=self.config.temperature, seed=seed + chunk_index,
+                adapter=version if self.adapters is not None else None,
             )  # fmt: skip
             groups = self.engine.generate([tasks[i]["prompt"] for i in chunk], sampling)
             samples += self._samples([tasks[i] for i in chunk], [prompt_ids[i] for i in chunk], groups, version)
@@ -269,11 +285,18 @@ class Replica:
         """Whether a batch started now at this replica's version would still be trained (see
         :func:`~rlsync.spaces.demand.would_be_stale`); ``True`` without a demand object."""
         demand = read_demand(self.bucket, self.refusals)
-        version = self.subscriber.step
+        version = self.policy_version
         if demand is None or version is None or not would_be_stale(demand, version, self.batch_gen_s or 0.0):
             return True
         self.skipped_stale += 1
         return False
+
+    @property
+    def policy_version(self) -> int | None:
+        """The version samples are generated with: the served adapter's in a LoRA run, else the weights'."""
+        if self.adapters is not None:
+            return self.adapters.step
+        return self.subscriber.step
 
     def _sampling_seed(self, batch: int, version: int) -> int:
         """Seed of one batch: differs between replicas, so racing replicas add new samples, not copies."""
@@ -308,6 +331,7 @@ class Replica:
             "recent_syncs": [
                 {k: s[k] for k in ("step", "kind", "nbytes", "download_s", "idle_s", "time")} for s in self.syncs[-50:]
             ],
+            **(self.adapters.status() if self.adapters is not None else {}),
             "updated_at": time.time(),
         }
 
@@ -331,7 +355,9 @@ class Replica:
         """One iteration of the main loop; returns whether it did any work."""
         worked = self.apply_pending()
         self._since = generation(self.bucket)
-        if self.subscriber.step is not None:
+        if self.adapters is not None:
+            worked = self.adapters.apply_pending() or worked
+        if self.policy_version is not None:
             batch = self.next_batch()
             if batch is not None and self.fresh_enough():
                 self.answer(batch)
@@ -344,6 +370,10 @@ class Replica:
         fetcher = threading.Thread(target=self.fetch_loop, name=f"fetch-{self.replica_id}", daemon=True)
         fetcher.start()
         self._threads.append(fetcher)
+        if self.adapters is not None:
+            adapter_fetcher = threading.Thread(target=self.adapters.fetch_loop, args=(self._stop,), name=f"adapters-{self.replica_id}", daemon=True)
+            adapter_fetcher.start()
+            self._threads.append(adapter_fetcher)
         while not self._stop.is_set():
             try:
                 worked = self.step()
@@ -381,6 +411,8 @@ class Replica:
         self._stop.set()
         with self._slot:
             self._slot.notify_all()
+        if self.adapters is not None:
+            self.adapters.wake()
         for t in self._threads:
             t.join(timeout=60)
 

@@ -12,17 +12,22 @@ from rlsync.protocol import read_manifest
 
 
 class ScoreFeeder:
-    """Writes ``tasks`` groups of ``group`` samples (random completions, rewards 0/1) every ``every_s``."""
+    """Writes ``tasks`` groups of ``group`` samples (random completions, rewards 0/1) every ``every_s``,
+    tagged with the newest version of ``chain`` (default ``bucket``; the adapter chain in a LoRA run)."""
 
-    def __init__(self, bucket: Bucket, tokenizer, tasks: int = 4, group: int = 4, every_s: float = 0.3, seed: int = 0) -> None:
+    def __init__(
+        self, bucket: Bucket, tokenizer, tasks: int = 4, group: int = 4, every_s: float = 0.3, seed: int = 0,
+        chain: Bucket | None = None,
+    ) -> None:  # fmt: skip
         self.bucket, self.tokenizer, self.tasks, self.group, self.every_s = bucket, tokenizer, tasks, group, every_s
+        self.chain = chain or bucket
         self.rng = random.Random(seed)
         self.batches = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def write_one(self) -> bool:
-        manifest = read_manifest(self.bucket)
+        manifest = read_manifest(self.chain)
         if manifest is None:
             return False
         samples = []

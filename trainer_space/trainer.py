@@ -12,6 +12,9 @@ sync library's TRL plug-ins (:mod:`rlsync.trl`) into it:
   sparse bf16 delta, as the anchor policy decides; the policy follows the bucket's
   control object, so any panel can change it while the run goes on); the final
   weights are published at ``max_steps`` or on stop;
+- with ``lora_rank`` set, TRL trains a LoRA adapter (``peft_config``) and
+  :class:`~rlsync.trl.BucketAdapterSync` publishes the base once to the weights chain and
+  then adapter versions to the adapter chain under ``adapters/`` (see ``docs/lora.md``);
 - :class:`~rlsync.trl.BucketCheckpoints` keeps Trainer-format checkpoints (fp32
   weights, optimizer, scheduler, RNG, step) under ``checkpoints/`` every
   ``checkpoint_every`` steps and on stop; a restarted trainer resumes from the
@@ -41,6 +44,8 @@ import torch
 from transformers import TrainerCallback
 
 from env_space.environments import get_environment
+from rlsync.adapters import LoraSpec
+from rlsync.lora import peft_config
 from rlsync.bucket import Bucket, open_bucket
 from rlsync.bucket.watch import meter_of, watch
 from rlsync.codecs import default_codec
@@ -49,6 +54,7 @@ from rlsync.spaces.exchange import MetricsLog, Refusals, SampleLimits, read_samp
 from rlsync.spaces.settings import default_model, from_env, resolve_device
 from rlsync.spaces.tiny_model import model_or_default
 from rlsync.trl import (
+    BucketAdapterSync,
     BucketCheckpoints,
     BucketRolloutWorker,
     BucketWeightTransfer,
@@ -71,6 +77,8 @@ logger = logging.getLogger(__name__)
 #: ``max_steps`` given to TRL when the run has no limit (TRL needs one; the schedule is constant).
 UNLIMITED_STEPS = 10**9
 TINY_MODEL_LR, TINY_MODEL_ADAM_EPSILON = 5e-4, 3e-3  # the CPU demo: median delta ~8% changed, reward +0.29 in 5 min
+# LoRA runs (docs/lora.md): plain AdamW (its step is ~lr on every adapter element), a larger lr than full fine-tuning
+TINY_MODEL_LORA_LR, REAL_MODEL_LORA_LR, LORA_ADAM_EPSILON = 1e-3, 1e-5, 1e-8
 REAL_MODEL_LR, REAL_MODEL_ADAM_EPSILON = 1e-6, 1e-8  # RL fine-tuning of a pretrained model
 
 
@@ -81,9 +89,9 @@ class TrainerConfig:
     bucket: str = dataclasses.field(default="./runs/bucket", metadata={"help": "bucket URL or path (write access)"})
     model: str = dataclasses.field(default="", metadata={"help": "model name or folder (default: Qwen/Qwen3-0.6B on a GPU, the tiny offline model on CPU)"})
     device: str = dataclasses.field(default="auto", metadata={"help": "torch device ('auto': cuda if available, else cpu)"})
-    lr: float = dataclasses.field(default=0.0, metadata={"help": "learning rate (learning_rate); 0: 5e-4 for the tiny offline CPU model, 1e-6 for a real model"})
+    lr: float = dataclasses.field(default=0.0, metadata={"help": "learning rate (learning_rate); 0: 5e-4 for the tiny offline CPU model, 1e-6 for a real model (LoRA: 1e-3 and 1e-5)"})
     optim: str = dataclasses.field(default="adamw_torch", metadata={"help": "optimizer: a transformers optim name, e.g. 'adamw_torch' or 'sgd' (optim)"})
-    adam_epsilon: float = dataclasses.field(default=0.0, metadata={"help": "AdamW epsilon (adam_epsilon); 0: 3e-3 for the tiny offline CPU model (steps follow the gradient's size, so weights with small gradients barely move and deltas stay sparse), 1e-8 for a real model"})
+    adam_epsilon: float = dataclasses.field(default=0.0, metadata={"help": "AdamW epsilon (adam_epsilon); 0: 3e-3 for the tiny offline CPU model (steps follow the gradient's size, so weights with small gradients barely move and deltas stay sparse), 1e-8 for a real model and for LoRA"})
     weight_decay: float = dataclasses.field(default=0.0, metadata={"help": "weight decay (weight_decay)"})
     batch_size: int = dataclasses.field(default=16, metadata={"help": "samples per optimizer step (per_device_train_batch_size)"})
     sync_every: int = dataclasses.field(default=1, metadata={"help": "optimizer steps per publish (weight_sync_steps)"})
@@ -105,6 +113,9 @@ class TrainerConfig:
     seed: int = dataclasses.field(default=0, metadata={"help": "torch seed (seed)"})
     trainer_id: str = dataclasses.field(default="", metadata={"help": "run-lock owner id; a restart with the same id takes over (default: SPACE_ID or host name)"})
     new_run: bool = dataclasses.field(default=False, metadata={"help": "when the bucket holds a run but no checkpoint to continue from: start a new run (new run id; replicas re-bootstrap from its first anchor) instead of refusing; a checkpoint, when there is one, is always resumed from"})
+    lora_rank: int = dataclasses.field(default=0, metadata={"help": "train a LoRA adapter of this rank and publish adapter versions under adapters/ (0: train all weights)"})
+    lora_alpha: float = dataclasses.field(default=16.0, metadata={"help": "LoRA alpha (the update is scaled by alpha / rank)"})
+    lora_target_modules: str = dataclasses.field(default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", metadata={"help": "comma-separated module names the adapter wraps"})
 
     @classmethod
     def from_env(cls, **overrides) -> "TrainerConfig":
@@ -112,10 +123,20 @@ class TrainerConfig:
 
     def with_model_defaults(self, device: str) -> "TrainerConfig":
         """``lr`` and ``adam_epsilon`` left at 0 take the defaults of the model that will train: the CPU
-        demo's for the tiny offline model, conservative ones for a real model (e.g. Qwen3-0.6B on a GPU)."""
+        demo's for the tiny offline model, conservative ones for a real model (e.g. Qwen3-0.6B on a GPU);
+        a LoRA run (``lora_rank``) has its own."""
         tiny = not (self.model or default_model(device))
         lr, eps = (TINY_MODEL_LR, TINY_MODEL_ADAM_EPSILON) if tiny else (REAL_MODEL_LR, REAL_MODEL_ADAM_EPSILON)
+        if self.lora_rank:
+            lr, eps = (TINY_MODEL_LORA_LR if tiny else REAL_MODEL_LORA_LR), LORA_ADAM_EPSILON
         return dataclasses.replace(self, lr=self.lr or lr, adam_epsilon=self.adam_epsilon or eps)
+
+    def lora(self) -> LoraSpec | None:
+        """The LoRA settings, or ``None`` when all weights train."""
+        if not self.lora_rank:
+            return None
+        modules = tuple(m.strip() for m in self.lora_target_modules.split(",") if m.strip())
+        return LoraSpec(self.lora_rank, self.lora_alpha, modules)
 
     def policy(self):
         if self.anchor_policy == "adaptive":
@@ -186,13 +207,21 @@ class Trainer:
         config = config.with_model_defaults(device)
         self.config = config
         self.metrics = MetricsLog(self.bucket, "trainer", every_s=config.metrics_every_s if self.meter is not None else 0.0)
-        self.publisher = Publisher(
-            self.bucket, policy=config.policy(), keep_anchors=config.keep_anchors, codec=config.codec,
-            owner=config.trainer_id or None, new_run=config.new_run,
+        chain_settings = dict(
+            policy=config.policy(), keep_anchors=config.keep_anchors, codec=config.codec, owner=config.trainer_id or None,
+            new_run=config.new_run,
         )  # fmt: skip
-        self.transfer = BucketWeightTransfer(
-            publisher=self.publisher, on_publish=self._record_publish, on_non_finite=self._restore_published
-        )
+        lora = config.lora()
+        self.adapter_sync = BucketAdapterSync(self.bucket, **chain_settings) if lora else None
+        if self.adapter_sync is not None:
+            self.transfer = self.adapter_sync.transfer
+            self.transfer.on_publish, self.transfer.on_non_finite = self._record_publish, self._restore_published
+        else:
+            self.transfer = BucketWeightTransfer(
+                publisher=Publisher(self.bucket, **chain_settings), on_publish=self._record_publish,
+                on_non_finite=self._restore_published,
+            )  # fmt: skip
+        self.publisher = self.transfer.publisher
         self.checkpoints = BucketCheckpoints(self.bucket, keep=config.keep_checkpoints, chain=self.publisher)
         self.scratch = tempfile.mkdtemp(prefix="rlsync-trainer-")
         self.opt_steps = 0
@@ -206,7 +235,7 @@ class Trainer:
         self.worker = BucketRolloutWorker(
             self.bucket, self._read_scores, vocab_size=len(tokenizer), poll_s=config.poll_s,
             queue_maxsize=max(4 * config.batch_size, 256), max_staleness=config.max_staleness,
-            heartbeat=self.transfer.heartbeat, max_tokens=0,  # _read_scores bounds them by the model's context
+            heartbeat=self.transfer.heartbeat, max_tokens=0, chain=self.publisher.bucket,  # _read_scores bounds tokens by the model's context
         )  # fmt: skip
         sdpa = apply_cpu_compat()
         from datasets import Dataset
@@ -214,8 +243,10 @@ class Trainer:
         self.trl = AsyncGRPOTrainer(
             model=model, args=config.grpo_config(self.scratch), processing_class=tokenizer,
             train_dataset=Dataset.from_dict({"prompt": ["(prompts come from the bucket's tasks/)"]}),
-            rollout_worker=self.worker, weight_transfer=self.transfer,
+            rollout_worker=self.worker, weight_transfer=self.transfer, peft_config=peft_config(lora) if lora else None,
         )  # fmt: skip
+        if self.adapter_sync is not None:
+            self.adapter_sync.attach(self.trl)
         self.checkpoint_callback = CheckpointCallback(
             self.checkpoints, info=lambda: {"published_version": self.transfer.version}
         )
@@ -232,8 +263,9 @@ class Trainer:
             if callback is not None:
                 self.trl.add_callback(callback)
         logger.info(
-            "training %s through TRL AsyncGRPOTrainer on %s (%s attention), lr %g, %d samples per step, publish every %d step(s)",
-            model, config.device, "SDPA tree" if sdpa else "flash-attention-3 tree", config.lr, config.batch_size, config.sync_every,
+            "training %s%s through TRL AsyncGRPOTrainer on %s (%s attention), lr %g, %d samples per step, publish every %d step(s)",
+            model, f" (LoRA rank {lora.rank} on {','.join(lora.target_modules)})" if lora else "", config.device,
+            "SDPA tree" if sdpa else "flash-attention-3 tree", config.lr, config.batch_size, config.sync_every,
         )  # fmt: skip
 
     @property
@@ -263,13 +295,20 @@ class Trainer:
     def _restore_published(self, exc: NonFiniteError) -> None:
         """Never train on from a poisoned model: back to the published weights, optimizer state reset."""
         logger.error("%s; restoring the published weights and resetting the optimizer", exc)
-        params = dict(self.trl.model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in (self.publisher.detector.published or {}).items():
-                if name in params:
-                    params[name].copy_(tensor.to(params[name].dtype))
+        self._load_published(self.publisher.detector.published or {})
         if self.trl.optimizer is not None:
             self.trl.optimizer.state.clear()
+
+    def _load_published(self, published: dict[str, torch.Tensor]) -> None:
+        """Load published tensors (weights, or the adapter in a LoRA run) into the trained model."""
+        if self.adapter_sync is not None:
+            self.adapter_sync.restore(published)
+            return
+        params = dict(self.trl.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in published.items():
+                if name in params:
+                    params[name].copy_(tensor.to(params[name].dtype))
 
     # -- figures ------------------------------------------------------------
 
@@ -300,7 +339,7 @@ class Trainer:
         """Change the anchor policy for the next publish, through the bucket's control object
         (so it also reaches a trainer running in another Space)."""
         new = Adaptive(max_catchup_ratio) if policy == "adaptive" else FixedInterval(int(interval))
-        self.bucket.put(CONTROL_KEY, policy_to_json(new))
+        self.publisher.bucket.put(CONTROL_KEY, policy_to_json(new))  # the adapter chain's own in a LoRA run
 
     # -- resuming -------------------------------------------------------------
 

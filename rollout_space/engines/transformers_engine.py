@@ -11,19 +11,28 @@ log-probabilities are those of the distribution actually sampled from:
 ``log_softmax(logits.float() / temperature)``, renormalised over the top-p
 nucleus when ``top_p < 1``. ``temperature <= GREEDY_TEMPERATURE`` means greedy
 decoding; its log-probabilities are then those of the unscaled logits.
+
+LoRA runs: each adapter version is a peft adapter of its own (``v<version>``) on the same
+model, in the serving dtype (``autocast_adapter_dtype=False``, so the served bits are the
+published ones); ``generate`` activates the version ``SamplingSettings.adapter`` names.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from rollout_space.engine import Completion, Engine, SamplingSettings, register_engine
+from rlsync.adapters import AdapterChain
+from rlsync.hashing import state_hash
+from rlsync.lora import peft_config
 from rlsync.patch import TensorPatch
 
 logger = logging.getLogger(__name__)
@@ -64,6 +73,7 @@ class TransformersEngine(Engine):
         self.model.eval()
         self.model.requires_grad_(False)
         self._targets, self._aliases = _map_checkpoint_names(self.model, _checkpoint_names(self.model_path))
+        self._peft: Any = None  # the peft wrapper, once an adapter is loaded
         self._eos_ids = _eos_ids(self.model, self.tokenizer)
         self._pad_id = self.tokenizer.pad_token_id
         if self._pad_id is None:
@@ -139,6 +149,57 @@ class TransformersEngine(Engine):
             for target, patch in resolved:
                 patch.apply_(target)
 
+    # -- adapters ------------------------------------------------------------------
+
+    def load_adapter(self, version: int, tensors: Mapping[str, torch.Tensor], chain: AdapterChain) -> str:
+        """Add adapter version ``version`` as the peft adapter ``v<version>`` (see :meth:`Engine.load_adapter`).
+
+        Raises:
+            ValueError: the tensors are not exactly the adapter's (unknown or missing names); nothing stays loaded.
+        """
+        from peft import get_peft_model, set_peft_model_state_dict
+
+        name = _adapter_name(version)
+        config = peft_config(chain.lora, lora_dropout=0.0, inference_mode=True)
+        if self._peft is None:
+            self._peft = get_peft_model(self.model, config, adapter_name=name, autocast_adapter_dtype=False)
+        else:
+            self._peft.add_adapter(name, config, autocast_adapter_dtype=False)
+        result = set_peft_model_state_dict(self._peft, dict(tensors), adapter_name=name)
+        served = self.adapter_state(version)
+        if result.unexpected_keys or served.keys() != tensors.keys():
+            self.drop_adapter(version)
+            raise ValueError(f"adapter {version}: tensor names do not match the LoRA settings (e.g. {result.unexpected_keys[:2]})")
+        return state_hash(served)
+
+    def adapter_state(self, version: int) -> dict[str, torch.Tensor]:
+        """The served tensors of adapter version ``version`` under peft's saved names."""
+        from peft.utils import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self._peft, adapter_name=_adapter_name(version))
+
+    def drop_adapter(self, version: int) -> None:
+        """Delete the peft adapter of ``version`` (see :meth:`Engine.drop_adapter`)."""
+        name = _adapter_name(version)
+        if self._peft is not None and name in self._peft.peft_config:
+            self._peft.delete_adapter(name)
+
+    @contextlib.contextmanager
+    def _adapter(self, version: int | None) -> Iterator[None]:
+        """Serve adapter ``version`` (``None``: the base model) within the block."""
+        if self._peft is None:
+            if version is not None:
+                raise KeyError(f"adapter {version} is not loaded")
+            yield
+        elif version is None:
+            with self._peft.disable_adapter():
+                yield
+        else:
+            if _adapter_name(version) not in self._peft.peft_config:
+                raise KeyError(f"adapter {version} is not loaded")
+            self._peft.set_adapter(_adapter_name(version), inference_mode=True)
+            yield
+
     # -- sampling ------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -159,7 +220,12 @@ class TransformersEngine(Engine):
 
         Raises:
             ValueError: ``n`` or ``max_new_tokens`` is below 1, or ``top_p`` is not in ``(0, 1]``.
+            KeyError: ``sampling.adapter`` names an adapter version that is not loaded.
         """
+        with self._adapter(sampling.adapter):
+            return self._generate(prompts, sampling)
+
+    def _generate(self, prompts: list[str], sampling: SamplingSettings) -> list[list[Completion]]:
         if sampling.n < 1 or sampling.max_new_tokens < 1:
             raise ValueError("sampling.n and sampling.max_new_tokens must be >= 1")
         if not 0.0 < sampling.top_p <= 1.0:
@@ -226,7 +292,12 @@ class TransformersEngine(Engine):
         """Drop the model and tokenizer."""
         self.model = None
         self.tokenizer = None
+        self._peft = None
         self._targets = {}
+
+
+def _adapter_name(version: int) -> str:
+    return f"v{version}"
 
 
 def sample_tokens(

@@ -16,6 +16,11 @@ Generation and weight updates are serialised by a lock: an update waits for the
 running ``generate`` call and pauses the next one, which is the offline API's
 equivalent of ``pause_generation``/``resume_generation``.
 
+LoRA runs (``max_loras > 0``): each verified adapter version is written to a folder of its own
+(peft's layout), read back and hashed, and added to vLLM as a ``LoRARequest`` with a new id per
+version (``version + 1``, so vLLM's prefix cache never mixes two versions); ``generate`` sends
+its requests with the version ``SamplingSettings.adapter`` names.
+
 Log-probabilities are vLLM's ``processed_logprobs``: those of the distribution
 actually sampled from (after temperature and top-p), like the transformers engine.
 
@@ -33,6 +38,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -40,6 +47,8 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from rollout_space.engine import Completion, Engine, SamplingSettings, register_engine
+from rlsync.adapters import ADAPTER_WEIGHTS_FILE, AdapterChain, write_adapter_folder
+from rlsync.hashing import state_hash
 from rlsync.patch import TensorPatch
 
 from rlsync.vllm.worker import WeightLayout, pack_patches, pack_tensors, plan_update, unpack_tensors
@@ -71,6 +80,8 @@ class VllmEngine(Engine):
             on CPU and vLLM's ``gpu_memory_utilization`` sizing on GPU.
         spool_dir: Folder for weight payloads too large to pass inline (must be
             visible to vLLM's workers; default: the system temporary folder).
+        max_loras: LoRA adapter versions served at once (0: no LoRA; ``enable_lora`` otherwise).
+        max_lora_rank: Largest adapter rank (a rank vLLM accepts: 1, 8, 16, 32, 64...).
         **llm_kwargs: Further ``vllm.LLM`` arguments (e.g. ``max_num_seqs``,
             ``gpu_memory_utilization``, ``tensor_parallel_size``).
     """
@@ -87,6 +98,8 @@ class VllmEngine(Engine):
         enforce_eager: bool = True,
         kv_cache_memory_bytes: int | None = None,
         spool_dir: str | os.PathLike | None = None,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
         **llm_kwargs: Any,
     ) -> None:
         from vllm import LLM
@@ -110,7 +123,12 @@ class VllmEngine(Engine):
             kwargs["max_model_len"] = max_model_len
         if kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        if max_loras:
+            kwargs.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
         kwargs.update(llm_kwargs)
+        self.max_loras = max_loras
+        self._adapters: dict[int, Any] = {}  # version -> LoRARequest
+        self._adapter_dir: Path | None = None
         self._lock = threading.RLock()
         self.llm = LLM(**kwargs)
         self.layout = WeightLayout.from_json(self.llm.collective_rpc("sync_layout")[0])
@@ -193,6 +211,42 @@ class VllmEngine(Engine):
         with self._lock:
             return self.llm.collective_rpc("sync_state_hash")[0]
 
+    # -- adapters ------------------------------------------------------------------
+
+    def load_adapter(self, version: int, tensors: Mapping[str, torch.Tensor], chain: AdapterChain) -> str:
+        """Add adapter version ``version`` as a ``LoRARequest`` (see :meth:`Engine.load_adapter`).
+
+        The hash returned is that of the adapter file vLLM loads, read back from disk.
+
+        Raises:
+            RuntimeError: the engine was started without LoRA (``max_loras=0``), or vLLM refused the adapter.
+        """
+        from safetensors.torch import load_file
+        from vllm.lora.request import LoRARequest
+
+        if not self.max_loras:
+            raise RuntimeError("this vLLM engine was started without LoRA (give max_loras > 0)")
+        if self._adapter_dir is None:
+            self._adapter_dir = Path(tempfile.mkdtemp(prefix="rlsync-adapters-", dir=self.spool_dir))
+        folder = write_adapter_folder(self._adapter_dir / f"v{version}", tensors, chain)
+        served = state_hash(load_file(folder / ADAPTER_WEIGHTS_FILE))
+        request = LoRARequest(f"v{version}", version + 1, str(folder))
+        with self._lock:
+            if not self.llm.llm_engine.add_lora(request):
+                shutil.rmtree(folder, ignore_errors=True)
+                raise RuntimeError(f"vLLM refused adapter {version}")
+            self._adapters[version] = request
+        return served
+
+    def drop_adapter(self, version: int) -> None:
+        """Remove adapter version ``version`` from vLLM and delete its folder (see :meth:`Engine.drop_adapter`)."""
+        with self._lock:
+            request = self._adapters.pop(version, None)
+            if request is None:
+                return
+            self.llm.llm_engine.remove_lora(request.lora_int_id)
+        shutil.rmtree(request.lora_path, ignore_errors=True)
+
     # -- sampling ------------------------------------------------------------------
 
     def generate(self, prompts: list[str], sampling: SamplingSettings) -> list[list[Completion]]:
@@ -203,6 +257,7 @@ class VllmEngine(Engine):
 
         Raises:
             ValueError: ``n`` or ``max_new_tokens`` is below 1.
+            KeyError: ``sampling.adapter`` names an adapter version that is not loaded.
         """
         from vllm import SamplingParams
 
@@ -227,7 +282,10 @@ class VllmEngine(Engine):
             for _ in range(copies)
         ]
         with self._lock:
-            outputs = self.llm.generate([p for p in prompts for _ in range(copies)], params, use_tqdm=False)
+            if sampling.adapter is not None and sampling.adapter not in self._adapters:
+                raise KeyError(f"adapter {sampling.adapter} is not loaded")
+            lora = None if sampling.adapter is None else self._adapters[sampling.adapter]
+            outputs = self.llm.generate([p for p in prompts for _ in range(copies)], params, use_tqdm=False, lora_request=lora)
         flat = [_completion(c) for out in outputs for c in out.outputs]
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
@@ -236,6 +294,8 @@ class VllmEngine(Engine):
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
+        if getattr(self, "_adapter_dir", None) is not None:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
 
 
 def _completion(output: Any) -> Completion:

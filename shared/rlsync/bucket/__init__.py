@@ -21,6 +21,7 @@ from .base import (
 )
 from .faulty import FaultyBucket
 from .local import LocalBucket
+from .prefixed import PrefixedBucket
 from .retry import RetryingBucket
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "ObjectInfo",
     "ObjectNotFoundError",
     "ObjectTooLargeError",
+    "PrefixedBucket",
     "RetryingBucket",
     "TransientBucketError",
     "open_bucket",

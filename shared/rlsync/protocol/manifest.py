@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Any
+from typing import Any, Mapping
 
 from ..bucket import InvalidKeyError, validate_key
 from ..errors import FormatError
@@ -39,6 +39,8 @@ DELTA_PREFIX = "deltas/"
 CONTROL_KEY = "control/publisher.json"
 STATUS_PREFIX = "status/"
 MAX_POINTER_BYTES = 16 * 1024 * 1024
+MAX_METADATA_ENTRIES = 32
+MAX_METADATA_VALUE_CHARS = 4096
 
 # the keys this protocol derives (format version 1 had no epoch); groups: step, epoch, then the file
 # name (anchors) or part and parts (deltas)
@@ -137,6 +139,9 @@ class Manifest:
     run_id: str = ""
     format_version: int = FORMAT_VERSION
     checkpoints: tuple[CheckpointPin, ...] = ()
+    #: What the chain's versions apply to, set at its first publish and kept (e.g. an adapter chain's
+    #: base model name and hash, see :mod:`rlsync.adapters`); empty for a weights chain.
+    metadata: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def newest_anchor(self) -> AnchorEntry:
@@ -170,6 +175,8 @@ class Manifest:
         }
         if self.checkpoints:
             doc["checkpoints"] = [dataclasses.asdict(p) for p in self.checkpoints]
+        if self.metadata:
+            doc["metadata"] = dict(self.metadata)
         return json.dumps(doc, indent=1).encode()
 
     @classmethod
@@ -216,6 +223,7 @@ class Manifest:
                 checkpoints=tuple(
                     CheckpointPin(_int(p["step"]), _str(p["weights_hash"])) for p in doc.get("checkpoints", ())
                 ),
+                metadata=_metadata(doc.get("metadata", {})),
             )
         except FormatError:
             raise
@@ -267,6 +275,16 @@ def _str(value: Any) -> str:
     if not isinstance(value, str) or len(value) > 256:
         raise FormatError(f"expected a short string, got {type(value).__name__}")
     return value
+
+
+def _metadata(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict) or len(value) > MAX_METADATA_ENTRIES:
+        raise FormatError(f"pointer metadata must be an object of at most {MAX_METADATA_ENTRIES} entries")
+    for key, item in value.items():
+        _str(key)
+        if not isinstance(item, str) or len(item) > MAX_METADATA_VALUE_CHARS:
+            raise FormatError(f"pointer metadata {key!r}: expected a string of at most {MAX_METADATA_VALUE_CHARS} characters")
+    return dict(value)
 
 
 def _file(value: Any) -> FileEntry:

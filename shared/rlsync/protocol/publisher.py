@@ -121,6 +121,9 @@ class Publisher:
         new_run: On a bucket that already holds a run which this publisher does not
             :meth:`resume`, start a new run (:meth:`start_new_run`) at the first publish
             instead of refusing with :class:`RunExistsError`.
+        metadata: The chain's metadata, stored in the pointer from the first publish on
+            (e.g. an adapter chain's base model, see :mod:`rlsync.adapters`); :meth:`resume`
+            refuses a chain whose metadata differs.
     """
 
     def __init__(
@@ -139,8 +142,10 @@ class Publisher:
         lock_ttl_s: float = DEFAULT_LOCK_TTL_S,
         allow_non_finite: bool = False,
         new_run: bool = False,
+        metadata: Mapping[str, str] | None = None,
     ) -> None:
         get_codec(codec)
+        self.metadata = dict(metadata or {})
         self.bucket = bucket
         self.policy = policy or FixedInterval()
         self.keep_anchors = keep_anchors
@@ -227,6 +232,11 @@ class Publisher:
             return None
         check_writable(manifest)
         self._check_entries(manifest)
+        if self.metadata and dict(manifest.metadata) != self.metadata:
+            raise SyncError(
+                f"{self.bucket.url} holds a chain with metadata {dict(manifest.metadata)}, not {self.metadata}: "
+                "publish to a new bucket (or prefix)"
+            )
         sub = Subscriber(self.bucket)
         sub.sync()
         if sub.step != manifest.step:
@@ -511,7 +521,9 @@ class Publisher:
 
     def _publish_anchor(self, step: int, state: Mapping[str, torch.Tensor], owned: bool = False) -> PublishRecord:
         """Write a full anchor; when the state continues the published one, also a companion
-        delta of the same step, so that replicas keeping up never need to download anchors.
+        delta of the same step, so that replicas keeping up never need to download anchors, unless
+        that delta is no smaller than the anchor (a dense update, e.g. of a LoRA adapter): then they
+        download the anchor instead.
         ``owned``: ``state`` holds contiguous serving-dtype tensors nobody else modifies, kept without a copy."""
         assert self.lock is not None
         t0 = time.perf_counter()
@@ -525,6 +537,7 @@ class Publisher:
         t1 = time.perf_counter()
         total = sum(t.numel() for t in serving.values())
         companion: tuple[DeltaEntry, ...] = ()
+        data = b""
         if continues:
             assert self.manifest is not None
             data = encode_delta(
@@ -534,18 +547,23 @@ class Publisher:
             changed = sum(c.index.size for c in changes.values())
             key = delta_key(step, self.lock.epoch)
             companion = (DeltaEntry(step, self.manifest.step, result_hash, FileEntry(key, len(data)), changed, total),)
-            self.bucket.put(key, data)
         folder = anchor_folder(step, self.lock.epoch)
         with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX) as tmp:
             files = write_anchor(serving, tmp, step=step, state_hash=result_hash, max_shard_bytes=self.max_shard_bytes)
             t2 = time.perf_counter()
             entries = tuple(FileEntry(f"{folder}/{p.name}", p.stat().st_size) for p in files)
+            if companion and len(data) >= sum(e.size for e in entries):
+                logger.info("anchor %d: its delta (%d bytes) does not pay, replicas download the anchor", step, len(data))
+                companion = ()
+            for entry in companion:
+                self.bucket.put(entry.file.key, data)
             for path, entry in zip(files, entries):
                 self.bucket.put_file(entry.key, path)
         anchor = AnchorEntry(step, result_hash, entries)
         if self.manifest is None:
             self.run_id = self.run_id or new_run_id()
             manifest = Manifest(step, result_hash, (anchor,), (), run_id=self.run_id)
+            manifest = Manifest(step, result_hash, (anchor,), (), run_id=self.run_id, metadata=self.metadata)
         else:
             manifest = dataclasses.replace(
                 self.manifest, step=step, state_hash=result_hash,

@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Mapping
 
 import torch
 
@@ -111,6 +112,8 @@ class Subscriber:
         workdir: Scratch folder for anchor downloads (default: a temporary folder); scratch
             folders older than ``SCRATCH_MAX_AGE_S`` there (left by killed processes) are removed.
         max_parallel_downloads: Files of one update downloaded at once.
+        expect_metadata: Pointer metadata entries the chain must carry (e.g. an adapter chain's
+            base model hash); a chain whose metadata disagrees is refused before any download.
     """
 
     def __init__(
@@ -120,8 +123,10 @@ class Subscriber:
         device: str | torch.device = "cpu",
         workdir: str | Path | None = None,
         max_parallel_downloads: int = DEFAULT_MAX_PARALLEL_DOWNLOADS,
+        expect_metadata: Mapping[str, str] | None = None,
     ) -> None:
         self.bucket = bucket
+        self.expect_metadata = dict(expect_metadata or {})
         self.device = torch.device(device)
         self.workdir = Path(workdir) if workdir else None
         self.state: dict[str, torch.Tensor] = {}
@@ -186,6 +191,9 @@ class Subscriber:
         manifest = self.read_manifest()
         if manifest is None:
             return None
+        wrong = {k: manifest.metadata.get(k) for k, v in self.expect_metadata.items() if manifest.metadata.get(k) != v}
+        if wrong:
+            raise self._refuse(ChainError(f"the chain's metadata {wrong} differs from this subscriber's {self.expect_metadata}"))
         if manifest.step == self.step:
             if manifest.state_hash == self.state_hash:
                 self._resync = False  # the pointer names exactly this state again

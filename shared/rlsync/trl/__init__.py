@@ -11,6 +11,8 @@ Plug-ins any TRL user can pass to the trainer, importable without the Spaces:
 - :class:`ShardedWeightTransfer`: ``weight_transfer=`` for FSDP2 runs; every rank publishes
   its own shards, nothing gathers (:func:`allow_cpu_fsdp`: FSDP2 through accelerate on CPU);
   :class:`ShardedCheckpointCallback`, :func:`restore_sharded`: its checkpoints in DCP's format.
+- :class:`BucketAdapterSync`: a LoRA run (``peft_config``) publishes its adapter, not merged weights,
+  to the bucket's adapter chain (:mod:`rlsync.adapters`).
 - :class:`FinalWeightSync`: publish the last steps when training ends between two syncs.
 - :class:`NonFiniteStepGuard`, :class:`VersionGuard`: skip steps with non-finite gradients
   before the optimizer; keep TRL's policy version from running ahead of the bucket's.
@@ -38,6 +40,7 @@ for _message in KNOWN_WARNINGS:
 logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
 
 _EXPORTS = {
+    "BucketAdapterSync": "adapter_sync",
     "BucketWeightTransfer": "weight_transfer",
     "BucketRolloutWorker": "rollout_worker",
     "StopRequested": "rollout_worker",

@@ -153,6 +153,8 @@ class BucketRolloutWorker:
         summary_s: Seconds between the summary log lines of reads and drops.
         on_poll: Called after every poll of the bucket (e.g. to refresh a demand object while the
             trainer waits, when no step ends to do it).
+        chain: The bucket whose pointer numbers the policy versions (default ``bucket``; the
+            adapter chain's view, :func:`rlsync.adapters.adapter_bucket`, in a LoRA run).
     """
 
     def __init__(
@@ -171,8 +173,10 @@ class BucketRolloutWorker:
         max_group_size: int = MAX_GROUP_SIZE,
         summary_s: float = 60.0,
         on_poll: Callable[[], None] | None = None,
+        chain: Bucket | None = None,
     ) -> None:
         self.bucket = bucket
+        self.chain = chain or bucket
         self.read_scores = read_scores
         self.vocab_size = vocab_size
         self.max_tokens = max_tokens
@@ -231,7 +235,7 @@ class BucketRolloutWorker:
         """Fix the offset between bucket and trainer versions: the live bucket version is the
         trainer's current one (TRL has just synced when it calls :meth:`start`)."""
         if self.version_offset is None:
-            manifest = read_manifest(self.bucket)
+            manifest = read_manifest(self.chain)
             self.version_offset = (manifest.step if manifest else 0) - self.model_version
 
     def update_model_version(self, model_version: int) -> None:
@@ -288,7 +292,7 @@ class BucketRolloutWorker:
 
     def _read_newest_version(self) -> None:
         try:
-            manifest = read_manifest(self.bucket)
+            manifest = read_manifest(self.chain)
         except FormatError as exc:  # a damaged pointer: keep the last good version
             logger.warning("reading the pointer failed, keeping version %d: %s", self._newest_version, exc)
             return

@@ -427,14 +427,15 @@ class ModelWeights:
         """A module parameter as used for serving, in vLLM layout minus vocabulary padding."""
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
-        lookup = isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)
+        base = getattr(module, "base_layer", module)  # with enable_lora, vLLM's LoRA layer wraps the original one
+        lookup = isinstance(base, VocabParallelEmbedding) and not isinstance(base, ParallelLMHead)
         if param == "weight" and _is_prepacked(module) and not lookup:
             tensor = _read_through_kernel(module)
         else:
             tensor = getattr(module, param).detach()
         tensor = gather_tensor_parallel(module, getattr(module, param), tensor)
-        if isinstance(module, VocabParallelEmbedding) and param == "weight":
-            tensor = tensor[: module.org_vocab_size]
+        if isinstance(base, VocabParallelEmbedding) and param == "weight":
+            tensor = tensor[: base.org_vocab_size]
         elif param == "bias" and _is_prepacked(module):
             tensor = tensor.to(self.model_config.dtype)  # the SGL CPU kernel keeps biases in fp32
         return tensor.to("cpu")
