@@ -23,7 +23,6 @@ from ..bucket import Bucket, BucketError, ObjectNotFoundError, ObjectTooLargeErr
 from ..codecs import DEFAULT_CODEC, get_codec
 from ..detect import DEFAULT_CHUNK_ELEMENTS, ChangeDetector, PatchedState, cast_chunk, serving_copy
 from ..errors import FormatError, SyncError
-from ..dtypes import numpy_to_values
 from ..format import DEFAULT_MAX_SHARD_BYTES, Change, encode_delta, write_anchor
 from ..hashing import combine_digests, tensor_digest
 from .lock import DEFAULT_LOCK_TTL_S, LOCK_KEY, FencedError, RunLock, acquire, check_fence, write_lock
@@ -44,35 +43,11 @@ from .manifest import (
 )
 from .policy import MAX_CONTROL_BYTES, AnchorPolicy, FixedInterval, policy_from_json
 from .retention import DEFAULT_KEEP_ANCHORS, prune, sweep_orphans
+from .finite import NonFiniteError, check_finite_changes
 from .run import RunExistsError, check_writable, new_run_id, read_manifest, run_exists_error
 from .subscriber import SCRATCH_PREFIX, Subscriber
 
 logger = logging.getLogger(__name__)
-
-
-class NonFiniteError(SyncError):
-    """A publish would turn finite published values into NaN or Inf (see ``Publisher(allow_non_finite=...)``)."""
-
-
-def check_finite_changes(changes: Mapping[str, Change]) -> None:
-    """Refuse changes that turn a finite published value into NaN or Inf.
-
-    Only the changed elements are looked at, so the cost follows the delta, not the model.
-
-    Raises:
-        NonFiniteError: naming the first tensor concerned and how many values.
-    """
-    for name, change in changes.items():
-        if not change.dtype.is_floating_point or change.index.size == 0:
-            continue
-        new = numpy_to_values(change.new_bits, change.dtype)
-        old = numpy_to_values(change.old_bits, change.dtype)
-        introduced = int((~torch.isfinite(new) & torch.isfinite(old)).sum())
-        if introduced:
-            raise NonFiniteError(
-                f"{name}: {introduced} finite published values would become NaN or Inf; refusing to publish "
-                "(the trainer diverged or was fed bad data)"
-            )
 
 
 @dataclasses.dataclass

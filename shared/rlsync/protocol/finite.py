@@ -1,0 +1,36 @@
+"""The refusal of publishes that would turn finite published values into NaN or Inf."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from ..dtypes import numpy_to_values
+from ..errors import SyncError
+from ..format import Change
+
+
+class NonFiniteError(SyncError):
+    """A publish would turn finite published values into NaN or Inf (see ``Publisher(allow_non_finite=...)``)."""
+
+
+def check_finite_changes(changes: Mapping[str, Change]) -> None:
+    """Refuse changes that turn a finite published value into NaN or Inf.
+
+    Only the changed elements are looked at, so the cost follows the delta, not the model.
+
+    Raises:
+        NonFiniteError: naming the first tensor concerned and how many values.
+    """
+    for name, change in changes.items():
+        if not change.dtype.is_floating_point or change.index.size == 0:
+            continue
+        new = numpy_to_values(change.new_bits, change.dtype)
+        old = numpy_to_values(change.old_bits, change.dtype)
+        introduced = int((~torch.isfinite(new) & torch.isfinite(old)).sum())
+        if introduced:
+            raise NonFiniteError(
+                f"{name}: {introduced} finite published values would become NaN or Inf; refusing to publish "
+                "(the trainer diverged or was fed bad data)"
+            )
