@@ -24,7 +24,9 @@ TRL's logs feed ``metrics/trainer.json`` (kind ``train`` rows next to the
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -50,6 +52,7 @@ from rlsync.trl import (
     apply_cpu_compat,
 )
 from rlsync.trl.metrics import trl_layout_bytes
+from rlsync.trl.trackio_sync import TrackioSyncFigures
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,14 @@ logger = logging.getLogger(__name__)
 UNLIMITED_STEPS = 10**9
 TINY_MODEL_LR, TINY_MODEL_ADAM_EPSILON = 5e-4, 3e-3  # the CPU demo: median delta ~8% changed, reward +0.29 in 5 min
 REAL_MODEL_LR, REAL_MODEL_ADAM_EPSILON = 1e-6, 1e-8  # RL fine-tuning of a pretrained model
+
+
+class ReportTo(str, enum.Enum):
+    """Where TRL's logs and the sync figures go (``TRAINER_REPORT_TO``)."""
+
+    AUTO = "auto"
+    TRACKIO = "trackio"
+    NONE = "none"
 
 
 @dataclasses.dataclass
@@ -87,6 +98,10 @@ class TrainerConfig:
     poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls"})
     seed: int = dataclasses.field(default=0, metadata={"help": "torch seed (seed)"})
     trainer_id: str = dataclasses.field(default="", metadata={"help": "run-lock owner id; a restart with the same id takes over (default: SPACE_ID or host name)"})
+    report_to: str = dataclasses.field(default=ReportTo.AUTO.value, metadata={"help": "'trackio', 'none' or 'auto' (trackio on a Space, i.e. SPACE_ID set; none elsewhere); TRL's logs and the sync figures go there (report_to)"})
+    trackio_project: str = dataclasses.field(default="rlsync", metadata={"help": "Trackio project (project)"})
+    trackio_space_id: str = dataclasses.field(default="", metadata={"help": "Trackio Space to log to, e.g. 'user/trackio' (empty: local Trackio database only) (trackio_space_id)"})
+    trackio_bucket_id: str = dataclasses.field(default="", metadata={"help": "Hugging Face Bucket keeping the Trackio database (empty: Trackio's default) (trackio_bucket_id)"})
 
     @classmethod
     def from_env(cls, **overrides) -> "TrainerConfig":
@@ -98,6 +113,13 @@ class TrainerConfig:
         tiny = not (self.model or default_model(device))
         lr, eps = (TINY_MODEL_LR, TINY_MODEL_ADAM_EPSILON) if tiny else (REAL_MODEL_LR, REAL_MODEL_ADAM_EPSILON)
         return dataclasses.replace(self, lr=self.lr or lr, adam_epsilon=self.adam_epsilon or eps)
+
+    def report_targets(self) -> list[str]:
+        """The ``report_to`` list given to TRL."""
+        target = ReportTo(self.report_to)
+        if target is ReportTo.AUTO:
+            target = ReportTo.TRACKIO if os.environ.get("SPACE_ID") else ReportTo.NONE
+        return [] if target is ReportTo.NONE else [target.value]
 
     def policy(self):
         if self.anchor_policy == "adaptive":
@@ -117,7 +139,9 @@ class TrainerConfig:
             temperature=self.temperature, max_grad_norm=self.max_grad_norm,
             max_steps=self.max_steps or UNLIMITED_STEPS, bf16=on_gpu, use_cpu=not on_gpu, seed=self.seed,
             save_strategy="steps", save_steps=max(1, self.checkpoint_every or UNLIMITED_STEPS), save_total_limit=None,
-            logging_steps=1, report_to=[], disable_tqdm=True, dataloader_num_workers=0,
+            logging_steps=1, report_to=self.report_targets(), disable_tqdm=True, dataloader_num_workers=0,
+            project=self.trackio_project, trackio_space_id=self.trackio_space_id or None,
+            trackio_bucket_id=self.trackio_bucket_id or None, trackio_static_space_id=False,
         )  # fmt: skip
 
 
@@ -166,6 +190,7 @@ class Trainer:
         config = config.with_model_defaults(device)
         self.config = config
         self.metrics = MetricsLog(self.bucket, "trainer")
+        self.trackio = TrackioSyncFigures() if ReportTo.TRACKIO.value in config.report_targets() else None
         self.publisher = Publisher(
             self.bucket, policy=config.policy(), keep_anchors=config.keep_anchors, codec=config.codec,
             owner=config.trainer_id or None,
@@ -202,6 +227,8 @@ class Trainer:
         self.final_sync = FinalWeightSync(self.trl)
         for callback in (self.checkpoint_callback, self.final_sync, BucketFigures(self)):
             self.trl.add_callback(callback)
+        if self.trackio is not None:
+            self.trackio.install(self.trl)
         logger.info(
             "training %s through TRL AsyncGRPOTrainer on %s (%s attention), lr %g, %d samples per step, publish every %d step(s)",
             model, config.device, "SDPA tree" if sdpa else "flash-attention-3 tree", config.lr, config.batch_size, config.sync_every,
@@ -242,6 +269,8 @@ class Trainer:
             trl_nbytes=trl_layout_bytes(rec.changed, len(self.publisher.detector.published or ())),
             encode_s=rec.encode_s, hash_s=rec.hash_s, upload_s=rec.upload_s, catchup_bytes=rec.catchup_bytes,
         )  # fmt: skip
+        if self.trackio is not None:
+            self.trackio.record(rec)
         self.flush()
 
     def flush(self) -> None:
