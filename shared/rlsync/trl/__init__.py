@@ -10,6 +10,7 @@ Plug-ins any TRL user can pass to the trainer, importable without the Spaces:
   the bucket, resume from the newest complete one.
 - :class:`FinalWeightSync`: publish the last steps when training ends between two syncs.
 - :func:`apply_cpu_compat`: run the trainer without a GPU.
+- :class:`TrackioSyncFigures`: each publish's sizes and times in the ``report_to="trackio"`` run.
 
 Names are imported on first use, so publishing alone does not import TRL.
 """
@@ -29,6 +30,7 @@ _EXPORTS = {
     "CheckpointCallback": "checkpoints",
     "FinalWeightSync": "final_sync",
     "apply_cpu_compat": "cpu_compat",
+    "TrackioSyncFigures": "trackio_sync",
     "sdpa_tree_attention": "cpu_compat",
 }
 

@@ -54,6 +54,7 @@ class TrackioSyncFigures(TrainerCallback):
         self._run: Any = None
         self._lock = threading.Lock()
         self.logged = 0
+        self.failed = 0
 
     def install(self, trainer: Any) -> "TrackioSyncFigures":
         """Add this callback to ``trainer`` and move its ``TrackioCallback`` (if any) after it.
@@ -88,8 +89,13 @@ class TrackioSyncFigures(TrainerCallback):
                 return
             pending, self._pending = self._pending, []
         for step, figures in pending:
-            self._run.log(figures, step=step)
-        self.logged += len(pending)
+            try:  # best effort, like TRL's own trace logging: a Trackio hiccup must not stop training
+                self._run.log(figures, step=step)
+                self.logged += 1
+            except Exception as exc:
+                self.failed += 1
+                if self.failed == 1:
+                    logger.warning("could not log sync figures to Trackio (%s); counting further failures", exc)
 
     def on_log(self, args, state, control, **kwargs):
         self._drain()
@@ -98,3 +104,5 @@ class TrackioSyncFigures(TrainerCallback):
         self._drain()
         if self._pending:
             logger.warning("%d publish(es) not logged to Trackio: no Trackio run was started", len(self._pending))
+        with self._lock:
+            self._run = None  # TrackioCallback finishes it next; another train() starts a new one
