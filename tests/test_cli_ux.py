@@ -1,17 +1,23 @@
 """``rlsync`` as a new user meets it: ``inspect`` takes the keys ``ls`` prints (an anchor folder)
 and the pointer ``latest.json``; ``diff`` of two anchors records their own steps; long commands
-show progress bars on stderr when asked (``--progress``) and stay quiet off a terminal."""
+show progress bars on stderr on a terminal or when asked (``--progress``), and stay quiet otherwise."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import re
+import struct
+import subprocess
+import sys
+import termios
 
 import pytest
 
 from rlsync.bucket import LocalBucket
 from rlsync.protocol import FixedInterval, Publisher
 from tests.helpers import master_state, rl_step
-from tests.test_cli import cli
+from tests.test_cli import ROOT, cli
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +86,28 @@ def test_progress_bars_on_stderr_only_when_asked(bucket_dir, anchor_keys, tmp_pa
     assert r.returncode == 0 and re.search(r"apply: 100%\|.*\| 5/5", r.stderr)
     r = cli("diff", str(old), str(new), "-o", str(patch))
     assert r.returncode == 0 and r.stderr == ""
+
+
+def test_progress_bars_by_default_on_a_terminal(bucket_dir):
+    leader, follower = os.openpty()  # stderr a terminal (80 columns, as tqdm reads its width), stdout a pipe
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    try:
+        r = subprocess.run([sys.executable, "-m", "rlsync", "verify", str(bucket_dir)], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=follower, text=True, timeout=120)  # fmt: skip
+        os.close(follower)
+        follower = -1
+        err = b""
+        while chunk := _read(leader):
+            err += chunk
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+    assert r.returncode == 0 and r.stdout.startswith("OK: ") and b"verify: 100%" in err
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 65536)
+    except OSError:  # EIO: the terminal's other end is closed and drained
+        return b""
