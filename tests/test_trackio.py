@@ -58,7 +58,8 @@ def test_a_trackio_run_holds_trl_logs_and_the_sync_figures(bucket, tmp_path):
     train = [row for row in logs if "train/loss" in row]
     assert len(train) == 3 and all(isinstance(row["train/reward"], float) for row in train)
     published = {step: (kind, nbytes) for step, kind, nbytes in result["published"]}
-    logged = {row["step"]: row for row in logs if "sync/changed_pct" in row}
+    logged = {row["sync/version"]: row for row in logs if "sync/version" in row}
     assert set(logged) == set(published) and 0 in published and len(published) >= 3  # the initial anchor and the final publish too
-    for step, (kind, nbytes) in published.items():
-        assert logged[step][f"sync/{kind}_bytes"] == nbytes
+    for version, (kind, nbytes) in published.items():
+        assert logged[version][f"sync/{kind}_bytes"] == nbytes
+    assert logged[0]["step"] == 0 and logged[max(published)]["step"] == 3  # on TRL's optimizer-step axis

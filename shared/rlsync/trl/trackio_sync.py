@@ -3,7 +3,7 @@
 TRL's own logs (loss, reward, KL, ...) reach Trackio through transformers'
 ``TrackioCallback``; :class:`TrackioSyncFigures` adds what the bucket sync did at each
 publish (kind, bytes, % changed, publish time, catch-up bytes) to the same run, as
-``sync/*`` metrics at the published version's step.
+``sync/*`` metrics at the optimizer step the publish followed (the step axis of TRL's rows).
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ def sync_figures(rec: PublishRecord) -> dict[str, float]:
         rec: What the publish wrote.
 
     Returns:
-        ``sync/*`` metrics: bytes of the anchor or delta, % of elements changed, seconds
+        ``sync/*`` metrics: the version, bytes of the anchor or delta, % of elements changed, seconds
         spent encoding, hashing and uploading, and the bytes a new replica downloads to catch up.
     """
     return {
+        "sync/version": rec.step,
         f"sync/{rec.kind}_bytes": rec.nbytes,
         "sync/changed_pct": 100 * rec.changed_fraction,
         "sync/publish_s": rec.encode_s + rec.hash_s + rec.upload_s,
@@ -55,6 +56,7 @@ class TrackioSyncFigures(TrainerCallback):
         self._lock = threading.Lock()
         self.logged = 0
         self.failed = 0
+        self._state: Any = None  # the trainer's TrainerState while it trains (its global_step is live)
 
     def install(self, trainer: Any) -> "TrackioSyncFigures":
         """Add this callback to ``trainer`` and move its ``TrackioCallback`` (if any) after it.
@@ -76,7 +78,7 @@ class TrackioSyncFigures(TrainerCallback):
     def record(self, rec: PublishRecord) -> None:
         """Queue one publish's figures and log what can be logged."""
         with self._lock:
-            self._pending.append((rec.step, sync_figures(rec)))
+            self._pending.append((self._state.global_step if self._state is not None else 0, sync_figures(rec)))
         self._drain()
 
     def _drain(self) -> None:
@@ -96,6 +98,9 @@ class TrackioSyncFigures(TrainerCallback):
                 self.failed += 1
                 if self.failed == 1:
                     logger.warning("could not log sync figures to Trackio (%s); counting further failures", exc)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._state = state
 
     def on_log(self, args, state, control, **kwargs):
         self._drain()
