@@ -98,3 +98,35 @@ def test_hash_mismatch_is_reported(published):
     finally:
         vllm.close()
     assert vllm.calls[-1] == "/resume"
+
+
+class NoExtensionVllm(FakeVllm):
+    """A server started without ``--worker-extension-cls``: vLLM's worker raises
+    ``AttributeError: sync_state_hash`` and the connection is reset without an answer."""
+
+    def __init__(self, state_hash: str) -> None:
+        super().__init__(state_hash)
+        handler = self.httpd.RequestHandlerClass
+        answer = handler.do_POST
+
+        def do_post(request) -> None:
+            if request.path.split("?")[0] == "/collective_rpc":
+                self.calls.append("/collective_rpc")
+                request.rfile.read(int(request.headers.get("Content-Length") or 0))
+                request.connection.shutdown(2)  # the "Connection reset by peer" of the real server
+                request.close_connection = True
+                return
+            answer(request)
+
+        handler.do_POST = do_post
+
+
+def test_verify_without_the_worker_extension_says_what_is_missing(published):
+    bucket, state_hash = published
+    vllm = NoExtensionVllm(state_hash)
+    try:
+        with pytest.raises(RuntimeError, match="--worker-extension-cls rlsync.vllm.worker.SyncWorkerExtension"):
+            BucketSyncClient(vllm.url, bucket.url).sync()
+    finally:
+        vllm.close()
+    assert vllm.calls[-2:] == ["/collective_rpc", "/resume"]

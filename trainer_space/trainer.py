@@ -34,7 +34,9 @@ TRL's logs feed ``metrics/trainer.json`` (kind ``train`` rows next to the
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -69,6 +71,7 @@ from rlsync.spaces.demand import Pacing
 from rlsync.trl.checkpoint_checks import CheckpointExpectations
 from rlsync.trl.coalesce import PublishCoalescing
 from rlsync.trl.metrics import trl_layout_bytes
+from rlsync.trl.trackio_sync import TrackioSyncFigures
 
 from .flow import FlowControl
 
@@ -80,6 +83,14 @@ TINY_MODEL_LR, TINY_MODEL_ADAM_EPSILON = 5e-4, 3e-3  # the CPU demo: median delt
 # LoRA runs (docs/lora.md): plain AdamW (its step is ~lr on every adapter element), a larger lr than full fine-tuning
 TINY_MODEL_LORA_LR, REAL_MODEL_LORA_LR, LORA_ADAM_EPSILON = 1e-3, 1e-5, 1e-8
 REAL_MODEL_LR, REAL_MODEL_ADAM_EPSILON = 1e-6, 1e-8  # RL fine-tuning of a pretrained model
+
+
+class ReportTo(str, enum.Enum):
+    """Where TRL's logs and the sync figures go (``TRAINER_REPORT_TO``)."""
+
+    AUTO = "auto"
+    TRACKIO = "trackio"
+    NONE = "none"
 
 
 @dataclasses.dataclass
@@ -116,6 +127,10 @@ class TrainerConfig:
     lora_rank: int = dataclasses.field(default=0, metadata={"help": "train a LoRA adapter of this rank and publish adapter versions under adapters/ (0: train all weights)"})
     lora_alpha: float = dataclasses.field(default=16.0, metadata={"help": "LoRA alpha (the update is scaled by alpha / rank)"})
     lora_target_modules: str = dataclasses.field(default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", metadata={"help": "comma-separated module names the adapter wraps"})
+    report_to: str = dataclasses.field(default=ReportTo.AUTO.value, metadata={"help": "'trackio', 'none' or 'auto' (trackio on a Space, i.e. SPACE_ID set; none elsewhere); TRL's logs and the sync figures go there (report_to)"})
+    trackio_project: str = dataclasses.field(default="rlsync", metadata={"help": "Trackio project (project)"})
+    trackio_space_id: str = dataclasses.field(default="", metadata={"help": "Trackio Space to log to, e.g. 'user/trackio' (empty: local Trackio database only) (trackio_space_id)"})
+    trackio_bucket_id: str = dataclasses.field(default="", metadata={"help": "Hugging Face Bucket keeping the Trackio database (empty: Trackio's default) (trackio_bucket_id)"})
 
     @classmethod
     def from_env(cls, **overrides) -> "TrainerConfig":
@@ -138,6 +153,13 @@ class TrainerConfig:
         modules = tuple(m.strip() for m in self.lora_target_modules.split(",") if m.strip())
         return LoraSpec(self.lora_rank, self.lora_alpha, modules)
 
+    def report_targets(self) -> list[str]:
+        """The ``report_to`` list given to TRL."""
+        target = ReportTo(self.report_to)
+        if target is ReportTo.AUTO:
+            target = ReportTo.TRACKIO if os.environ.get("SPACE_ID") else ReportTo.NONE
+        return [] if target is ReportTo.NONE else [target.value]
+
     def policy(self):
         if self.anchor_policy == "adaptive":
             return Adaptive(self.max_catchup_ratio)
@@ -156,7 +178,9 @@ class TrainerConfig:
             temperature=self.temperature, max_grad_norm=self.max_grad_norm,
             max_steps=self.max_steps or UNLIMITED_STEPS, bf16=on_gpu, use_cpu=not on_gpu, seed=self.seed,
             save_strategy="steps", save_steps=max(1, self.checkpoint_every or UNLIMITED_STEPS), save_total_limit=None,
-            logging_steps=1, report_to=[], disable_tqdm=True, dataloader_num_workers=0,
+            logging_steps=1, report_to=self.report_targets(), disable_tqdm=True, dataloader_num_workers=0,
+            project=self.trackio_project, trackio_space_id=self.trackio_space_id or None,
+            trackio_bucket_id=self.trackio_bucket_id or None, trackio_static_space_id=False,
         )  # fmt: skip
 
 
@@ -207,6 +231,7 @@ class Trainer:
         config = config.with_model_defaults(device)
         self.config = config
         self.metrics = MetricsLog(self.bucket, "trainer", every_s=config.metrics_every_s if self.meter is not None else 0.0)
+        self.trackio = TrackioSyncFigures() if ReportTo.TRACKIO.value in config.report_targets() else None
         chain_settings = dict(
             policy=config.policy(), keep_anchors=config.keep_anchors, codec=config.codec, owner=config.trainer_id or None,
             new_run=config.new_run,
@@ -262,6 +287,8 @@ class Trainer:
         for callback in callbacks:
             if callback is not None:
                 self.trl.add_callback(callback)
+        if self.trackio is not None:
+            self.trackio.install(self.trl)
         logger.info(
             "training %s%s through TRL AsyncGRPOTrainer on %s (%s attention), lr %g, %d samples per step, publish every %d step(s)",
             model, f" (LoRA rank {lora.rank} on {','.join(lora.target_modules)})" if lora else "", config.device,
@@ -319,6 +346,8 @@ class Trainer:
             trl_nbytes=trl_layout_bytes(rec.changed, len(self.publisher.detector.published or ())),
             encode_s=rec.encode_s, hash_s=rec.hash_s, upload_s=rec.upload_s, catchup_bytes=rec.catchup_bytes,
         )  # fmt: skip
+        if self.trackio is not None:
+            self.trackio.record(rec)
         self.flush()
 
     def flush(self, force: bool = False) -> None:

@@ -23,14 +23,18 @@ MAX_ERROR_CHARS = 600  # hostile files can make messages long (names, shapes); t
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlsync", description="Sparse bf16 weight sync: files and buckets.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    parser.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="progress bars on stderr for verify, diff and apply (default: only on a terminal)",
+    )  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("diff", help="write a delta that turns OLD into NEW")
     p.add_argument("old", type=Path)
     p.add_argument("new", type=Path)
     p.add_argument("-o", "--output", type=Path, required=True)
     p.add_argument("--codec", metavar="NAME", help="delta codec (default: the library's default codec; an unknown name lists the known ones)")
-    p.add_argument("--step", type=int, default=1, help="step recorded for NEW (default 1)")
-    p.add_argument("--base-step", type=int, default=0, help="step recorded for OLD (default 0)")
+    p.add_argument("--step", type=int, help="step recorded for NEW (default: its anchor metadata's step, else base step + 1)")
+    p.add_argument("--base-step", type=int, help="step recorded for OLD (default: its anchor metadata's step, else step - 1, else 0)")
     p.set_defaults(command_name="diff")
     p = sub.add_parser("apply", help="apply PATCH to BASE and write the result")
     p.add_argument("base", type=Path)

@@ -17,6 +17,7 @@ import torch
 import zstandard
 
 from .bucket import open_bucket
+from .cli_views import anchor_folder_files, describe_json
 from .codecs import DEFAULT_CODEC
 from .codecs.checks import decompress_frame
 from .detect import ChangeDetector
@@ -36,6 +37,7 @@ from .format import (
 )
 from .hashing import state_hash
 from .jsonlimits import loads_bounded
+from .progress import progress_bar
 
 HEADER_KEY = "file_header"
 FILE_HASH_KEY = "file_sha256"
@@ -73,23 +75,47 @@ def check_output(path: Path) -> None:
         raise SyncError(f"{path} exists and is not a regular file; refusing to replace it")
 
 
+def _anchor_step(data: bytes) -> int | None:
+    """The step in an rlsync anchor's metadata, or ``None`` for a plain safetensors file."""
+    _, metadata = parse_header(data)
+    try:
+        return metadata_int(metadata, "step") if file_kind(metadata) == "anchor" else None
+    except FormatError:
+        return None
+
+
 def cmd_diff(args: argparse.Namespace) -> None:
     check_output(args.output)
-    if not 0 <= args.base_step < args.step:
-        raise SyncError(f"--step {args.step} must exceed --base-step {args.base_step}, both non-negative")
-    old, _ = _load(args.old)
+    with progress_bar(4, "diff: load", enabled=args.progress, unit="stage") as bar:
+        _diff(args, bar)
+
+
+def _diff(args: argparse.Namespace, bar) -> None:
+    old, old_data = _load(args.old)
     new, new_data = _load(args.new)
+    bar.update()
+    bar.set_description("diff: compare")
+    step = args.step if args.step is not None else _anchor_step(new_data)
+    base_step = args.base_step if args.base_step is not None else _anchor_step(old_data)
+    if step is None:  # plain checkpoints: NEW is one step after OLD unless told
+        step = base_step + 1 if base_step is not None else 1
+    if base_step is None:
+        base_step = step - 1
+    if not 0 <= base_step < step:
+        raise SyncError(f"--step {step} must exceed --base-step {base_step}, both non-negative")
     detector = ChangeDetector(dtype=None)
     detector.published = old
     if not detector.compatible(new):
         raise FormatError("the two checkpoints differ in tensor names, shapes or dtypes; a delta cannot express that")
     changes = detector.diff(new)
     total = sum(t.numel() for t in new.values())
+    bar.update()
+    bar.set_description("diff: encode")
     header_len = 8 + int.from_bytes(new_data[:8], "little")
     data = encode_delta(
         changes,
-        step=args.step,
-        base_step=args.base_step,
+        step=step,
+        base_step=base_step,
         base_hash=state_hash(old),
         state_hash=state_hash(new),
         total=total,
@@ -99,7 +125,10 @@ def cmd_diff(args: argparse.Namespace) -> None:
             FILE_HASH_KEY: hashlib.sha256(new_data).hexdigest(),
         },
     )
+    bar.update()
+    bar.set_description("diff: write")
     write_atomic(args.output, lambda f: f.write(data))
+    bar.update()
     changed = sum(c.index.size for c in changes.values())
     print(f"{args.output}: {len(data):,} bytes, {changed:,}/{total:,} elements changed ({100 * changed / max(total, 1):.3f}%), "
           f"{len(data) / max(changed, 1):.3f} bytes per changed element")  # fmt: skip
@@ -149,8 +178,10 @@ def cmd_apply(args: argparse.Namespace) -> None:
     if metadata.get("base_hash") != state_hash(base):  # before decoding: a context codec reads the base
         raise SyncError(f"{args.patch} was made for another base than {args.base} (base hash differs)")
     delta = decode_delta(data, base)
-    for name, patch in delta.patches.items():
-        patch.apply_(base[name])
+    with progress_bar(len(delta.patches), "apply", enabled=args.progress, unit="tensor") as bar:
+        for name, patch in delta.patches.items():
+            patch.apply_(base[name])
+            bar.update()
     if state_hash(base) != delta.state_hash:
         raise SyncError("result does not match the patch's state hash")
     if HEADER_KEY in metadata:  # reproduce the new file byte for byte: its own header, then its data in offset order
@@ -189,6 +220,16 @@ def _delta_table(metadata: dict[str, str]) -> dict[str, dict]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
+    if args.file.is_dir():  # an anchor folder, as ``ls`` prints it: its files, each described
+        files = anchor_folder_files(args.file)
+        print(f"anchor folder: {printable(args.file)} ({len(files)} file(s), {sum(f.stat().st_size for f in files):,} bytes)")
+        for path in files:
+            print()
+            cmd_inspect(argparse.Namespace(file=path))
+        return
+    if args.file.suffix == ".json":  # the pointer object (latest.json) or a sharded checkpoint's index
+        print("\n".join(printable(line) for line in describe_json(args.file)))
+        return
     header, metadata = read_header_file(args.file)
     lines: list[str] = []  # printed only once the whole file checked out
     size = args.file.stat().st_size
@@ -251,7 +292,13 @@ def cmd_ls(args: argparse.Namespace) -> None:
 def cmd_verify(args: argparse.Namespace) -> None:
     from .protocol.verify import verify_bucket
 
-    report = verify_bucket(open_bucket(args.bucket, create=False))
+    with progress_bar(None, "verify", enabled=args.progress) as bar:
+
+        def checked(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        report = verify_bucket(open_bucket(args.bucket, create=False), on_checked=checked)
     if not report.ok:
         raise SyncError(f"verification failed with {len(report.errors)} error(s): " + "; ".join(report.errors))
     raced = f" (raced a concurrent publish {len(report.raced)} time(s): replayed the newer pointer)" if report.raced else ""

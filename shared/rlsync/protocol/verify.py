@@ -37,7 +37,9 @@ class _Vanished(Exception):
     """A file of the snapshot disappeared and the current pointer no longer names it (retention)."""
 
 
-def verify_bucket(bucket: Bucket, *, attempts: int = MAX_ATTEMPTS) -> VerifyReport:
+def verify_bucket(
+    bucket: Bucket, *, attempts: int = MAX_ATTEMPTS, on_checked: Callable[[int, int], None] | None = None
+) -> VerifyReport:
     """Replay from the oldest retained anchor through every delta and later anchor,
     checking every file against the pointer, every anchor's content hash, every
     delta's base and result hash, and that the chain has no gap.
@@ -46,6 +48,12 @@ def verify_bucket(bucket: Bucket, *, attempts: int = MAX_ATTEMPTS) -> VerifyRepo
     may delete files of that snapshot (retention); when a file fails, the pointer is
     read again: if it no longer names the file, the replay starts over from the new
     snapshot (up to ``attempts`` times); if it still does, the failure is reported.
+
+    Args:
+        bucket: The bucket to verify.
+        attempts: Replays to start before giving up on a bucket that retention keeps changing.
+        on_checked: Called with ``(bytes checked so far, bytes of the snapshot)`` after each
+            file (progress bars); the total grows when a replay starts over.
 
     Returns:
         A report; ``report.errors`` lists every problem found, ``report.raced`` the replays
@@ -57,7 +65,7 @@ def verify_bucket(bucket: Bucket, *, attempts: int = MAX_ATTEMPTS) -> VerifyRepo
         if manifest is None:
             return VerifyReport(errors=[f"{bucket.url}: no pointer object; nothing published"], raced=raced)
         try:
-            return dataclasses.replace(_replay(bucket, manifest), raced=raced)
+            return dataclasses.replace(_replay(bucket, manifest, on_checked), raced=raced)
         except _Vanished as exc:
             raced.append(str(exc))
             logger.warning("verify raced a concurrent publish (attempt %d: %s); replaying the newer pointer", attempt, exc)
@@ -78,9 +86,17 @@ def _still_named(bucket: Bucket, keys: list[str]) -> bool:
     return any(k in named for k in keys)
 
 
-def _replay(bucket: Bucket, manifest: Manifest) -> VerifyReport:
+def _replay(bucket: Bucket, manifest: Manifest, on_checked: Callable[[int, int], None] | None = None) -> VerifyReport:
     """One replay of ``manifest``; raises :class:`_Vanished` when retention removed a file meanwhile."""
     report = VerifyReport(newest_step=manifest.step)
+    total = sum(a.nbytes for a in manifest.anchors) + sum(d.nbytes for d in manifest.deltas)
+    done = 0
+
+    def count(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if on_checked is not None:
+            on_checked(done, total)
     sub = Subscriber(bucket)
     sub.manifest = manifest
 
@@ -99,6 +115,7 @@ def _replay(bucket: Bucket, manifest: Manifest) -> VerifyReport:
         else:
             checked(keys, lambda: Subscriber(bucket)._fetch_anchor(entry))
         report.anchors_checked += 1
+        count(entry.nbytes)
 
     try:
         anchor(manifest.anchors[0])
@@ -116,6 +133,7 @@ def _replay(bucket: Bucket, manifest: Manifest) -> VerifyReport:
                 return report
             checked([f.key for f in entry.files], lambda entry=entry: sub.apply(sub._fetch_delta(entry)))
             report.deltas_checked += 1
+            count(entry.nbytes)
             replayed[entry.step] = sub.state_hash or ""
         for step, entry in sorted(later.items()):
             if step > (sub.step or -1):  # beyond the deltas: continue the replay from it

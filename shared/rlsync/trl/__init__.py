@@ -17,6 +17,7 @@ Plug-ins any TRL user can pass to the trainer, importable without the Spaces:
 - :class:`NonFiniteStepGuard`, :class:`VersionGuard`: skip steps with non-finite gradients
   before the optimizer; keep TRL's policy version from running ahead of the bucket's.
 - :func:`apply_cpu_compat`: run the trainer without a GPU.
+- :class:`TrackioSyncFigures`: each publish's sizes and times in the ``report_to="trackio"`` run.
 
 Names are imported on first use, so publishing alone does not import TRL. Two warnings of the pinned
 TRL (1.16) that are known and harmless here are silenced, by their exact messages: the one for every
@@ -56,6 +57,7 @@ _EXPORTS = {
     "NonFiniteStepGuard": "guards",
     "VersionGuard": "guards",
     "apply_cpu_compat": "cpu_compat",
+    "TrackioSyncFigures": "trackio_sync",
     "sdpa_tree_attention": "cpu_compat",
 }
 

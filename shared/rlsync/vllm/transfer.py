@@ -54,11 +54,14 @@ from rlsync.bucket import open_bucket
 from rlsync.protocol import Subscriber
 
 from .plugin import BACKEND_NAME, register
-from .worker import ModelWeights, plan_update
+from .worker import ModelWeights, SyncWorkerExtension, plan_update
 
 __all__ = ["BACKEND_NAME", "BucketInitInfo", "BucketSyncClient", "BucketUpdateInfo", "BucketWeightTransferEngine", "register"]
 
 logger = logging.getLogger(__name__)
+
+#: The ``--worker-extension-cls`` that gives a server's workers ``sync_state_hash``.
+WORKER_EXTENSION = f"{SyncWorkerExtension.__module__}.{SyncWorkerExtension.__qualname__}"
 
 #: Environment variable holding the default bucket URL.
 BUCKET_ENV = "ROLLOUT_BUCKET"
@@ -223,8 +226,22 @@ class BucketSyncClient:
         return response.json() if response.content else None
 
     def served_state_hash(self) -> str:
-        """The state hash of the weights the server's workers serve (every TP rank computes it)."""
-        return self._post("/collective_rpc", json={"method": "sync_state_hash"})["results"][0]
+        """The state hash of the weights the server's workers serve (every TP rank computes it).
+
+        Raises:
+            RuntimeError: The server has no ``sync_state_hash`` worker method (started without
+                the worker extension): vLLM fails the call or drops the connection.
+        """
+        import httpx
+
+        try:
+            return self._post("/collective_rpc", json={"method": "sync_state_hash"})["results"][0]
+        except (httpx.TransportError, httpx.HTTPStatusError, KeyError, IndexError, TypeError) as exc:
+            raise RuntimeError(
+                f"verify: the server did not answer collective_rpc('sync_state_hash') ({type(exc).__name__}: {exc}); "
+                f"its workers lack the method: start vllm serve with --worker-extension-cls {WORKER_EXTENSION}, "
+                "or pass verify=False"
+            ) from exc
 
     def _reset_prefix_cache(self) -> None:
         for attempt in range(1, self.reset_attempts + 1):
@@ -242,9 +259,12 @@ class BucketSyncClient:
 
         Raises:
             RuntimeError: ``verify`` is on and the served weights do not hash equal
-                to the bucket's state, or vLLM kept refusing to reset its prefix cache.
+                to the bucket's state or the server lacks the worker extension, or vLLM
+                kept refusing to reset its prefix cache.
             httpx.HTTPStatusError: The server refused a call (e.g. a refused update).
         """
+        import httpx
+
         from rlsync.protocol import read_manifest
 
         manifest = read_manifest(self.bucket)
@@ -262,8 +282,13 @@ class BucketSyncClient:
             self.step = manifest.step
             if self.verify and self.served_state_hash() != manifest.state_hash:
                 raise RuntimeError(f"the server's weights do not hash equal to bucket step {manifest.step}")
-        finally:
-            self._post("/resume")
+        except Exception:
+            try:
+                self._post("/resume")
+            except httpx.HTTPError as exc:  # the sync's own error says more than a failed resume
+                logger.warning("could not resume the server after a failed sync: %s", exc)
+            raise
+        self._post("/resume")
         return self.step
 
     def close(self) -> None:

@@ -1,0 +1,113 @@
+"""Sync figures in the Trackio run that TRL's ``report_to="trackio"`` opens.
+
+TRL's own logs (loss, reward, KL, ...) reach Trackio through transformers'
+``TrackioCallback``; :class:`TrackioSyncFigures` adds what the bucket sync did at each
+publish (kind, bytes, % changed, publish time, catch-up bytes) to the same run, as
+``sync/*`` metrics at the optimizer step the publish followed (the step axis of TRL's rows).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from transformers import TrainerCallback
+
+from rlsync.protocol import PublishRecord
+
+logger = logging.getLogger(__name__)
+
+
+def sync_figures(rec: PublishRecord) -> dict[str, float]:
+    """The Trackio metrics of one publish.
+
+    Args:
+        rec: What the publish wrote.
+
+    Returns:
+        ``sync/*`` metrics: the version, bytes of the anchor or delta, % of elements changed, seconds
+        spent encoding, hashing and uploading, and the bytes a new replica downloads to catch up.
+    """
+    return {
+        "sync/version": rec.step,
+        f"sync/{rec.kind}_bytes": rec.nbytes,
+        "sync/changed_pct": 100 * rec.changed_fraction,
+        "sync/publish_s": rec.encode_s + rec.hash_s + rec.upload_s,
+        "sync/upload_s": rec.upload_s,
+        "sync/catchup_bytes": rec.catchup_bytes,
+    }
+
+
+class TrackioSyncFigures(TrainerCallback):
+    """Logs each publish's :func:`sync_figures` to the current Trackio run.
+
+    Pass :meth:`record` as :class:`~rlsync.trl.BucketWeightTransfer`'s ``on_publish`` (or call
+    it from yours) and add the callback to a trainer created with ``report_to="trackio"``.
+    Publishes made before the run starts (the initial anchor) are kept and logged once it
+    does; the callback must come before transformers' ``TrackioCallback`` so that the final
+    publish (:class:`~rlsync.trl.FinalWeightSync`, at train end) is logged before the run is
+    finished: use :meth:`install`.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[int, dict[str, float]]] = []
+        self._run: Any = None
+        self._lock = threading.Lock()
+        self.logged = 0
+        self.failed = 0
+        self._state: Any = None  # the trainer's TrainerState while it trains (its global_step is live)
+
+    def install(self, trainer: Any) -> "TrackioSyncFigures":
+        """Add this callback to ``trainer`` and move its ``TrackioCallback`` (if any) after it.
+
+        Args:
+            trainer: A ``transformers.Trainer`` (e.g. TRL's ``AsyncGRPOTrainer``).
+
+        Returns:
+            This callback.
+        """
+        from transformers.integrations import TrackioCallback
+
+        trainer.add_callback(self)
+        tracker = trainer.pop_callback(TrackioCallback)
+        if tracker is not None:
+            trainer.add_callback(tracker)
+        return self
+
+    def record(self, rec: PublishRecord) -> None:
+        """Queue one publish's figures and log what can be logged."""
+        with self._lock:
+            self._pending.append((self._state.global_step if self._state is not None else 0, sync_figures(rec)))
+        self._drain()
+
+    def _drain(self) -> None:
+        with self._lock:
+            if self._run is None:
+                from trackio import context_vars
+
+                self._run = context_vars.current_run.get()
+            if self._run is None:
+                return
+            pending, self._pending = self._pending, []
+        for step, figures in pending:
+            try:  # best effort, like TRL's own trace logging: a Trackio hiccup must not stop training
+                self._run.log(figures, step=step)
+                self.logged += 1
+            except Exception as exc:
+                self.failed += 1
+                if self.failed == 1:
+                    logger.warning("could not log sync figures to Trackio (%s); counting further failures", exc)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._state = state
+
+    def on_log(self, args, state, control, **kwargs):
+        self._drain()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._drain()
+        if self._pending:
+            logger.warning("%d publish(es) not logged to Trackio: no Trackio run was started", len(self._pending))
+        with self._lock:
+            self._run = None  # TrackioCallback finishes it next; another train() starts a new one
