@@ -3,7 +3,7 @@ random malformed objects among the good ones.
 
 Honest replicas answer task batches with valid rollouts made from the pointer's version.
 Hostile replicas write, at random, one malformed rollouts object per class in
-:data:`HOSTILE_ROLLOUTS` (non-finite log-probs, token ids out of vocabulary, negative or
+:data:`HOSTILE_ROLLOUTS` (non-finite log-probs, in-range log-prob lies, token ids out of vocabulary, negative or
 float, empty or overlong sequences, versions from the future, deep or huge-integer JSON,
 bytes that are not JSON, an object too large), scores objects straight into ``scores/``
 (bypassing the env), malformed status objects and control objects with a NaN ratio.
@@ -63,6 +63,8 @@ HOSTILE_SAMPLES: dict[str, Callable[[Sample, int], Sample]] = {
     "nan_logprobs": lambda s, v: {**s, "logprobs": [float("nan")] * len(s["token_ids"])},
     "inf_logprob": lambda s, v: {**s, "logprobs": [float("-inf")] + s["logprobs"][1:]},
     "positive_logprob": lambda s, v: {**s, "logprobs": [5.0] * len(s["token_ids"])},
+    # finite and once in range (>= -1e4), but no sampler reports it: TRL's importance ratio would overflow
+    "logprob_lie_in_range": lambda s, v: {**s, "logprobs": [-200.0] * len(s["token_ids"])},
     "token_out_of_vocab": lambda s, v: {**s, "token_ids": [v] + s["token_ids"][1:]},
     "token_negative": lambda s, v: {**s, "token_ids": [-1] + s["token_ids"][1:]},
     "token_float": lambda s, v: {**s, "token_ids": [1.5] + s["token_ids"][1:]},
