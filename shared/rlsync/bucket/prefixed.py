@@ -67,8 +67,8 @@ class PrefixedBucket(Bucket):
     def delete(self, keys: Iterable[str]) -> None:
         self.inner.delete([self._key(k) for k in keys])
 
-    def sweep_temporary(self, max_age_s: float) -> int:
-        return self.inner.sweep_temporary(max_age_s)
+    def sweep_temporary(self, max_age_s: float, prefixes: Iterable[str]) -> int:
+        return self.inner.sweep_temporary(max_age_s, [self.prefix + validate_prefix(p) for p in prefixes])
 
     def exists(self, key: str) -> bool:
         return self.inner.exists(self._key(key))

@@ -322,8 +322,8 @@ class WatchedBucket(Bucket):
                 self._cache.pop(key, None)
             self._cond.notify_all()
 
-    def sweep_temporary(self, max_age_s: float) -> int:
-        return self.inner.sweep_temporary(max_age_s)
+    def sweep_temporary(self, max_age_s: float, prefixes: Iterable[str]) -> int:
+        return self.inner.sweep_temporary(max_age_s, prefixes)
 
     def close(self) -> None:
         """Stop following (the feed's session ends at its next event or keep-alive)."""
