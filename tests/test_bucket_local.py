@@ -250,14 +250,14 @@ def test_open_bucket_hf_url(monkeypatch):
 
     from rlsync.bucket import RetryingBucket
 
-    wrapped = open_bucket("hf://buckets/someone/rl-sync/runs/exp-1")
+    wrapped = open_bucket("hf://buckets/someone/rl-sync/runs/exp-1", create=False)  # create: one bucket_info call
     assert isinstance(wrapped, RetryingBucket)  # the Hub throttles: hf:// buckets retry by default
     bucket = wrapped.inner
     assert isinstance(bucket, HfBucket)
     assert (bucket.bucket_id, bucket.prefix) == ("someone/rl-sync", "runs/exp-1")
     assert bucket.url == wrapped.url == "hf://buckets/someone/rl-sync/runs/exp-1"
 
-    bare = open_bucket("hf://buckets/someone/rl-sync").inner
+    bare = open_bucket("hf://buckets/someone/rl-sync", create=False).inner
     assert (bare.bucket_id, bare.prefix, bare.url) == ("someone/rl-sync", "", "hf://buckets/someone/rl-sync")
 
 
