@@ -89,7 +89,8 @@ def test_trainer_env_and_two_replicas_stay_within_the_free_tier(hub, tmp_path):
     assert hub.throttled(TOKEN) == 0, logs
     for s in statuses:
         assert (s.get("applied_step") or -10) >= manifest.step - 2, (statuses, manifest.step, logs)
-        assert s["hub"]["api"] > 0 and s["hub"]["throttled"] == 0
+        # its counts of the last window (a replica idle since the trainer's last step may have none in it)
+        assert s["hub"]["tier"] == "free" and s["hub"].get("api", -1) >= 0 and s["hub"]["throttled"] == 0
     # the budget held in every fixed window (the stand-in counts per token and class)
     for cls in RequestClass:
         times = [r.time for r in hub.usage(cls, TOKEN)]
@@ -106,4 +107,4 @@ def test_trainer_env_and_two_replicas_stay_within_the_free_tier(hub, tmp_path):
     trainer_metrics = get_json(reader, metrics_key("trainer"))
     assert trainer_metrics["opt_steps"] == STEPS and trainer_metrics["version"] == manifest.step, logs
     trainer_hub = trainer_metrics["hub"]
-    assert trainer_hub["tier"] == "free" and trainer_hub["api"] > 0 and trainer_hub["throttled"] == 0
+    assert trainer_hub["tier"] == "free" and sum(trainer_hub["by_kind"].values()) > 0 and trainer_hub["throttled"] == 0
