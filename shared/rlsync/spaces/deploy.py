@@ -563,7 +563,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return 2
     secrets = {key: os.environ.get(key, "") for key in SECRETS}
     secrets = {key: value for key, value in secrets.items() if value or key == TOKEN_SECRET}
-    if AUTH_ENV not in secrets and not args.allow_no_login:
+    if AUTH_ENV not in secrets and not (args.allow_no_login or args.export):  # an export creates no Space
         print(DEPLOY_REFUSAL, file=sys.stderr)
         return 2
     try:
