@@ -24,7 +24,7 @@ from env_space.simulator import EnvConfig, EnvSimulator
 from rollout_space.replica import Replica, ReplicaConfig
 from rlsync.protocol import FixedInterval, NonFiniteError, Publisher
 from rlsync.sampling import MAX_GROUP_SIZE, MIN_SAMPLED_LOGPROB
-from rlsync.spaces.demand import DEMAND_KEY, Demand, parse_demand, read_demand, target_in_flight, would_be_stale, write_demand
+from rlsync.spaces.demand import DEMAND_KEY, Demand, batches_to_issue, parse_demand, read_demand, target_in_flight, would_be_stale, write_demand
 from rlsync.spaces.exchange import Refusals, Sample, SampleLimits, parse_samples, read_samples, rollout_key, score_key, write_samples
 from rlsync.spaces.tiny_model import tiny_model_path
 from rlsync.trl import BucketRolloutWorker, BucketWeightTransfer, NonFiniteStepGuard, VersionGuard
@@ -187,11 +187,37 @@ def test_cumulative_counts_expired_unread_and_staleness_histogram(bucket):
     worker.poll()  # two samples buffered: the demand written now asks for 4 - 2
     control.publish_demand()
     assert read_demand(bucket).want_samples == 2
-    control.refresh_if_drained()
+    control.refresh_if_starving()
     assert read_demand(bucket).want_samples == 2  # not drained: not rewritten
     [next(it) for _ in range(2)]  # TRL takes them without a step ending (here: no step at all)
-    control.refresh_if_drained()
+    control.refresh_if_starving()
     assert read_demand(bucket).want_samples == 4  # drained since written: the whole window asked again
+
+
+def test_a_restarted_trainer_that_reads_only_stale_scores_rewrites_its_demand(bucket):
+    """A trainer restarted on a bucket that holds old scores writes its demand before it has read
+    anything (``read_batch`` -1: every batch in the bucket counts as in flight, so the env issues
+    nothing). It then reads the old batches and drops them all as stale: no step ends to write a
+    new demand, so the poll that read them must, or the run waits for good."""
+    from trainer_space.flow import FlowControl
+
+    Publisher(bucket).publish(20, bf16(master_state()))
+    worker = BucketRolloutWorker(bucket, read_samples, vocab_size=32, max_staleness=2)
+    worker.update_model_version(1)
+    worker.align_versions()  # bucket 20 is trainer version 1
+    for batch in range(3):  # scores of a run long past
+        write_samples(bucket, score_key(batch, "r0"), [sample(f"t{batch}", 1.0, 5), sample(f"t{batch}", 0.0, 5)], batch=batch)
+    control = FlowControl(bucket, worker, types.SimpleNamespace(version=20), batch_size=2, max_staleness=2)
+    control.publish_demand()  # on_train_begin
+    assert read_demand(bucket).read_batch == -1
+    env_issues = lambda: batches_to_issue(read_demand(bucket), [0, 1, 2], {0, 1, 2}, set(), 2.0)  # noqa: E731
+    assert env_issues() == 0  # all three count as in flight
+    assert worker.poll() == 0 and worker.flow()["dropped_stale"] == 6 and worker.newest_batch == 2
+    control.refresh_if_starving()
+    assert read_demand(bucket).read_batch == 2 and env_issues() == 2  # the env issues again
+    written_at = read_demand(bucket).written_at
+    control.refresh_if_starving()  # nothing new read: not rewritten
+    assert read_demand(bucket).written_at == written_at
 
 
 # -- issue 26: lies and degenerate groups ---------------------------------------

@@ -54,7 +54,8 @@ class FlowControl(TrainerCallback):
         self.compute_s: float | None = None  # EMA of a step without its waiting
         self.started_at = time.time()
         self._buffered_at_write = 0  # samples in the buffer when the demand was last written
-        worker.on_poll = self.refresh_if_drained
+        self._read_batch_at_write = -1  # the read_batch it said
+        worker.on_poll = self.refresh_if_starving
 
     def on_train_begin(self, args, state, control, **kwargs: Any):
         self.started_at = time.time()
@@ -99,10 +100,19 @@ class FlowControl(TrainerCallback):
             latency_s=self.worker.latency_s or 0.0, buffered_steps=buffered / max(self.batch_size, 1),
         )  # fmt: skip
 
-    def refresh_if_drained(self) -> None:
-        """Rewrite the demand once when the buffer ran empty since it was written (TRL took and dropped
-        stale samples: no step ends, so none would write it, and the env would wait on a demand met)."""
-        if self._buffered_at_write and not self.worker.rollout_buffer.qsize():
+    def refresh_if_starving(self) -> None:
+        """Rewrite the demand between steps when the trainer starves on the one written.
+
+        No step ends then, so none would write it, and the env would wait on a demand it takes
+        as met. Either the buffer ran empty since it was written (TRL took and dropped stale
+        samples), or batches were read past its ``read_batch`` without filling a step (read and
+        dropped stale, as after a restart on a bucket holding old scores): the env would count
+        those batches as in flight. One write at most per batch read.
+        """
+        buffered, newest = self.worker.rollout_buffer.qsize(), self.worker.newest_batch
+        drained = self._buffered_at_write and not buffered
+        read_past = newest is not None and newest > self._read_batch_at_write and buffered < self.batch_size
+        if drained or read_past:
             self.publish_demand()
 
     def publish_demand(self) -> None:
@@ -110,7 +120,7 @@ class FlowControl(TrainerCallback):
         demand = self.demand() if self.pacing is Pacing.DEMAND else None
         if demand is None:
             return
-        self._buffered_at_write = self.worker.rollout_buffer.qsize()
+        self._buffered_at_write, self._read_batch_at_write = self.worker.rollout_buffer.qsize(), demand.read_batch
         try:
             write_demand(self.bucket, demand)
         except BucketError as exc:
