@@ -30,7 +30,7 @@ import threading
 import time
 
 from rlsync.bucket import Bucket, BucketError, open_bucket
-from rlsync.bucket.watch import IDLE_WAIT_S, generation, meter_of, wait_for_change, watch
+from rlsync.bucket.watch import IDLE_WAIT_S, generation, meter_of, wait_for_change
 from rlsync.errors import FormatError
 from rlsync.spaces.exchange import (
     MAX_BATCH,
@@ -51,6 +51,7 @@ from rlsync.spaces.exchange import (
     replica_of,
     score_key,
     task_key,
+    watch_role_bucket,
     write_samples,
 )
 from rlsync.adapters import adapter_bucket
@@ -114,7 +115,7 @@ class EnvSimulator:
 
     def __init__(self, config: EnvConfig, bucket: Bucket | None = None) -> None:
         self.config = config
-        self.bucket = watch(bucket or open_bucket(config.bucket))
+        self.bucket = watch_role_bucket(bucket or open_bucket(config.bucket))
         self.meter = meter_of(self.bucket)
         settings = source_settings(config.environment, config.source_settings)
         self.environment: Environment = open_environment(

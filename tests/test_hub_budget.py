@@ -6,6 +6,8 @@ Everything runs against ``benchmarks/hub_server.py`` with the real huggingface_h
 
 from __future__ import annotations
 
+import collections
+
 import threading
 import time
 
@@ -235,6 +237,25 @@ def test_without_the_feed_a_watched_bucket_polls_with_backoff(server):
         watched.close()
 
 
+def test_a_roles_own_reports_do_not_reset_the_polling_backoff(server):
+    """Writing status or metrics (quiet prefixes) keeps the backed-off interval; any other write
+    brings it back to the shortest, since other roles answer it."""
+    server.feed(False)
+    watched = watch(hf(), WatchConfig(feed=False, min_poll_s=0.1, max_poll_s=5.0, quiet_prefixes=("status/",)))
+    try:
+        time.sleep(2.0)  # 0.1 + 0.2 + 0.4 + 0.8: the next poll is 1.6 s on
+        before = watched.polls
+        for i in range(5):
+            watched.put("status/r0.json", str(i).encode())
+            time.sleep(0.2)
+        assert watched.polls - before <= 1  # not one short poll after each report
+        before = watched.polls
+        watched.put("rollouts/0000000001/r0.json", b"[1]")
+        wait_until(lambda: watched.polls - before >= 2, timeout=1.5)  # 0.1 s, then 0.2 s on
+    finally:
+        watched.close()
+
+
 def test_local_buckets_are_not_wrapped(tmp_path):
     from rlsync.bucket import LocalBucket
 
@@ -303,5 +324,6 @@ def test_idle_fleet_of_four_replicas_and_the_env_makes_almost_no_requests(server
             role.stop()
             role.bucket.close()
     kinds = sorted(classify(r.method, r.path)[1] for r in idle)
+    print(f"feed {feed}: {len(idle)} API requests in 60 idle seconds: {collections.Counter(kinds)}")
     assert len(idle) <= (4 if feed else 40), kinds
     assert all(r.subscriber.step == 0 for r in replicas)

@@ -49,10 +49,10 @@ from env_space.environments import get_environment
 from rlsync.adapters import LoraSpec
 from rlsync.lora import peft_config
 from rlsync.bucket import Bucket, open_bucket
-from rlsync.bucket.watch import meter_of, watch
+from rlsync.bucket.watch import meter_of
 from rlsync.codecs import default_codec
 from rlsync.protocol import CONTROL_KEY, Adaptive, FixedInterval, NonFiniteError, Publisher, PublishRecord, policy_to_json, read_manifest
-from rlsync.spaces.exchange import MetricsLog, Refusals, SampleLimits, read_samples
+from rlsync.spaces.exchange import MetricsLog, Refusals, SampleLimits, read_samples, watch_role_bucket
 from rlsync.spaces.settings import default_model, from_env, resolve_device
 from rlsync.spaces.tiny_model import model_or_default
 from rlsync.trl import (
@@ -224,7 +224,7 @@ class Trainer:
         from transformers import AutoTokenizer
         from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-        self.bucket = watch(bucket or open_bucket(config.bucket))
+        self.bucket = watch_role_bucket(bucket or open_bucket(config.bucket))
         self.meter = meter_of(self.bucket)
         device = resolve_device(config.device)
         config = dataclasses.replace(config, device=device, codec=default_codec(device) if config.codec == "auto" else config.codec)

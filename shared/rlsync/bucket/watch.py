@@ -62,20 +62,25 @@ class WatchConfig:
         min_poll_s (`float`, *optional*, defaults to 1): Shortest polling interval (env `HUB_MIN_POLL_S`).
         max_poll_s (`float`, *optional*, defaults to 60): Longest polling interval, reached after
             a run of polls that found nothing new (env `HUB_MAX_POLL_S`).
+        quiet_prefixes (`tuple[str, ...]`, *optional*): Keys under these prefixes are the role's own
+            reports (status, metrics) that no other role answers: writing one does not bring the
+            polling interval back to `min_poll_s`, so an idle role's periodic reports cost no polls.
     """
 
     feed: bool = True
     min_poll_s: float = 1.0
     max_poll_s: float = 60.0
+    quiet_prefixes: tuple[str, ...] = ()
 
     @classmethod
-    def from_env(cls) -> "WatchConfig":
+    def from_env(cls, quiet_prefixes: Iterable[str] = ()) -> "WatchConfig":
         """The defaults, overridden by `HUB_FEED`, `HUB_MIN_POLL_S`, `HUB_MAX_POLL_S`."""
         d = cls()
         return cls(
             feed=os.environ.get("HUB_FEED", "1").lower() not in ("0", "false", "no", "off"),
             min_poll_s=float(os.environ.get("HUB_MIN_POLL_S", d.min_poll_s)),
             max_poll_s=float(os.environ.get("HUB_MAX_POLL_S", d.max_poll_s)),
+            quiet_prefixes=tuple(quiet_prefixes),
         )
 
 
@@ -302,8 +307,8 @@ class WatchedBucket(Bucket):
             self._set(key, ObjectInfo(key, size, None))
             self._cache.pop(key, None)
             self._cond.notify_all()
-        if self.mode is WatchMode.POLL:
-            self._poke.set()
+        if self.mode is WatchMode.POLL and not key.startswith(self.config.quiet_prefixes):
+            self._poke.set()  # other roles answer writes: look again soon
 
     def put(self, key: str, data: bytes) -> None:
         self.inner.put(key, data)

@@ -4,7 +4,6 @@ from .lock import LOCK_KEY, FencedError, RunLockedError, read_lock
 from .manifest import (
     CONTROL_KEY,
     POINTER_KEY,
-    STATUS_PREFIX,
     AnchorEntry,
     DeltaEntry,
     FileEntry,
@@ -24,7 +23,6 @@ __all__ = [
     "RunLockedError",
     "read_lock",
     "POINTER_KEY",
-    "STATUS_PREFIX",
     "Adaptive",
     "AnchorEntry",
     "AnchorPolicy",

@@ -37,7 +37,6 @@ POINTER_KEY = "latest.json"
 ANCHOR_PREFIX = "anchors/"
 DELTA_PREFIX = "deltas/"
 CONTROL_KEY = "control/publisher.json"
-STATUS_PREFIX = "status/"
 MAX_POINTER_BYTES = 16 * 1024 * 1024
 MAX_METADATA_ENTRIES = 32
 MAX_METADATA_VALUE_CHARS = 4096

@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from ..bucket import Bucket, BucketError, ObjectNotFoundError, ObjectTooLargeError, validate_key
+from ..bucket.watch import WatchConfig, watch
 from ..errors import FormatError
 from ..jsonlimits import loads_bounded
 from ..sampling import MIN_SAMPLED_LOGPROB
@@ -42,6 +43,8 @@ ROLLOUTS_PREFIX = "rollouts/"
 SCORES_PREFIX = "scores/"
 STATUS_PREFIX = "status/"
 METRICS_PREFIX = "metrics/"
+#: A role's own reports: no other role answers them (see :attr:`~rlsync.bucket.watch.WatchConfig.quiet_prefixes`).
+REPORT_PREFIXES = (STATUS_PREFIX, METRICS_PREFIX)
 MAX_OBJECT_BYTES = 16 * 1024 * 1024
 #: The largest batch number (keys hold ten digits).
 MAX_BATCH = 10**10 - 1
@@ -81,6 +84,12 @@ def status_key(replica: str) -> str:
 
 def metrics_key(role: str) -> str:
     return f"{METRICS_PREFIX}{check_id(role)}.json"
+
+
+def watch_role_bucket(bucket: Bucket) -> Bucket:
+    """A role's bucket, watched on the Hub (:func:`~rlsync.bucket.watch.watch`); writing its own
+    status and metrics does not make it poll sooner."""
+    return watch(bucket, WatchConfig.from_env(quiet_prefixes=REPORT_PREFIXES))
 
 
 def batch_of(key: str) -> int | None:
