@@ -141,6 +141,16 @@ def test_hostile_tasks_and_status_refused() -> None:
             parse_status(doc)
 
 
+def test_hostile_hub_counts_in_a_status_are_refused_field_by_field() -> None:
+    hub = {"tier": "free", "api": 3, "by_kind": {"GET tree": 7, "POST batch": -1, "x" * 65: 1, "put": 1.5, "resolve": True}}
+    assert parse_status({"replica_id": "r1", "hub": hub})["hub"] == {
+        "tier": "free", "api": 3, "by_kind": {"GET tree": 7}, "short": False, "pacing": "",
+    }  # fmt: skip
+    flood = {"tier": "free", "by_kind": {f"k{i}": 1 for i in range(65)}}
+    assert "by_kind" not in parse_status({"replica_id": "r1", "hub": flood})["hub"]
+    assert "hub" not in parse_status({"replica_id": "r1", "hub": {"tier": "gold", "api": 1}})
+
+
 def test_env_refuses_hostile_rollouts_counts_them_and_keeps_scoring(bucket) -> None:
     """The env validates before scoring: the hostile object is deleted unscored and counted,
     the good one is scored, the env keeps running (finding 1)."""

@@ -316,14 +316,22 @@ def _json_number(value: Any) -> bool:
 
 _HUB_NUMBERS = ("share", "window_s", "api", "resolver", "api_limit", "resolver_limit", "throttled", "waited_s")
 _HUB_TIERS = ("free", "pro", "team", "enterprise")
+_MAX_HUB_KINDS = 64
 
 
 def parse_hub(doc: Any) -> dict[str, Any] | None:
     """Check a role's Hub request counts (``RequestMeter.snapshot()`` in its status or metrics):
-    known numbers only, a known tier, a pacing notice of at most 200 characters; ``None`` if unusable."""
+    known numbers only, a known tier, a pacing notice of at most 200 characters, whole-run totals
+    by request kind (at most 64 kinds, names of at most 64 characters, non-negative integers);
+    ``None`` if unusable."""
     if not isinstance(doc, dict) or doc.get("tier") not in _HUB_TIERS:
         return None
     out: dict[str, Any] = {k: doc[k] for k in _HUB_NUMBERS if _json_number(doc.get(k))}
+    kinds = doc.get("by_kind")
+    if isinstance(kinds, dict) and len(kinds) <= _MAX_HUB_KINDS:
+        out["by_kind"] = {
+            k: n for k, n in kinds.items() if isinstance(k, str) and len(k) <= 64 and type(n) is int and n >= 0
+        }
     out["tier"] = doc["tier"]
     out["short"] = doc.get("short") is True
     out["pacing"] = doc["pacing"][:200] if isinstance(doc.get("pacing"), str) else ""
