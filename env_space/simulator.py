@@ -116,6 +116,7 @@ class EnvSimulator:
     def __init__(self, config: EnvConfig, bucket: Bucket | None = None) -> None:
         self.config = config
         self.bucket = watch_role_bucket(bucket or open_bucket(config.bucket))
+        self._owns_watch = self.bucket is not bucket  # close() stops the watch this role made
         self.meter = meter_of(self.bucket)
         settings = source_settings(config.environment, config.source_settings)
         self.environment: Environment = open_environment(
@@ -454,6 +455,12 @@ class EnvSimulator:
         close = getattr(self.environment, "close", None)  # sources holding connections (openenv)
         if close is not None:
             close()
+
+    def close(self) -> None:
+        """Stop and stop watching the bucket."""
+        self.stop()
+        if self._owns_watch:
+            self.bucket.close()
 
     @property
     def running(self) -> bool:

@@ -127,6 +127,7 @@ class Replica:
         self.config = config = config.with_model_defaults(device)
         self.replica_id = check_id(config.replica_id or default_replica_id())
         self.bucket = watch_role_bucket(bucket or open_bucket(config.bucket))
+        self._owns_watch = self.bucket is not bucket  # close() stops the watch this role made
         self.meter = meter_of(self.bucket)
         self._status_at = -float("inf")
         self._status_progress: tuple | None = None
@@ -418,9 +419,11 @@ class Replica:
             t.join(timeout=60)
 
     def close(self) -> None:
-        """Stop and release the engine (GPU memory with vLLM)."""
+        """Stop, release the engine (GPU memory with vLLM) and stop watching the bucket."""
         self.stop()
         self.engine.close()
+        if self._owns_watch:
+            self.bucket.close()
 
     @property
     def running(self) -> bool:

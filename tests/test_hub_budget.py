@@ -256,6 +256,25 @@ def test_a_roles_own_reports_do_not_reset_the_polling_backoff(server):
         watched.close()
 
 
+def test_a_closed_role_stops_watching_and_its_bucket_answers_directly(server, monkeypatch):
+    """Start builds new role objects: each closed one must end its watch (a thread, a feed session),
+    and a closed watch answers like the bucket under it, never from a frozen view."""
+    from env_space.simulator import EnvConfig, EnvSimulator
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setenv("HUB_FEED", "0")
+    env = EnvSimulator(EnvConfig(bucket=f"hf://buckets/{BUCKET}", queue_depth=0))
+    watched = env.bucket
+    assert isinstance(watched, WatchedBucket)
+    env.start()
+    wait_until(lambda: watched.polls >= 1)
+    env.close()
+    wait_until(lambda: not watched._thread.is_alive(), timeout=10)
+    polls = watched.polls
+    hf().put("tasks/0000000007.json", b"{}")
+    assert [o.key for o in watched.list("tasks/")] == ["tasks/0000000007.json"] and watched.polls == polls
+
+
 def test_local_buckets_are_not_wrapped(tmp_path):
     from rlsync.bucket import LocalBucket
 

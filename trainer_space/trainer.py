@@ -225,6 +225,7 @@ class Trainer:
         from trl.experimental.async_grpo import AsyncGRPOTrainer
 
         self.bucket = watch_role_bucket(bucket or open_bucket(config.bucket))
+        self._owns_watch = self.bucket is not bucket  # close() stops the watch this role made
         self.meter = meter_of(self.bucket)
         device = resolve_device(config.device)
         config = dataclasses.replace(config, device=device, codec=default_codec(device) if config.codec == "auto" else config.codec)
@@ -455,9 +456,11 @@ class Trainer:
             self._thread.join(timeout=300)
 
     def close(self) -> None:
-        """Stop and delete the local scratch folder."""
+        """Stop, delete the local scratch folder and stop watching the bucket."""
         self.stop()
         shutil.rmtree(self.scratch, ignore_errors=True)
+        if self._owns_watch:
+            self.bucket.close()
 
     @property
     def finished(self) -> bool:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable
 from .base import (
     Bucket,
     BucketError,
+    BucketWrapper,
     InvalidKeyError,
     ObjectInfo,
     ObjectNotFoundError,
@@ -27,6 +28,7 @@ from .retry import RetryingBucket
 __all__ = [
     "Bucket",
     "BucketError",
+    "BucketWrapper",
     "FaultyBucket",
     "HfBucket",
     "InvalidKeyError",

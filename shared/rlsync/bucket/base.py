@@ -19,6 +19,7 @@ from typing import Iterable
 __all__ = [
     "Bucket",
     "BucketError",
+    "BucketWrapper",
     "ObjectInfo",
     "ObjectNotFoundError",
     "ObjectTooLargeError",
@@ -203,5 +204,58 @@ class Bucket(abc.ABC):
             return False
         return True
 
+    def close(self) -> None:
+        """Release what the bucket holds (background threads, open sessions); the default holds nothing."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+
+class BucketWrapper(Bucket):
+    """A bucket in front of another: every operation goes to `inner` unchanged unless a subclass
+    changes it, so a wrapper (retries, faults, a key prefix, a watched listing) states only what
+    it adds, and an operation added to :class:`Bucket` reaches every backend through any wrapper.
+
+    Args:
+        inner ([`Bucket`]): The bucket the operations go to.
+    """
+
+    def __init__(self, inner: Bucket) -> None:
+        self.inner = inner
+        self.url = inner.url
+
+    def put(self, key: str, data: bytes) -> None:
+        self.inner.put(key, data)
+
+    def put_file(self, key: str, path: str | Path) -> None:
+        self.inner.put_file(key, path)
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def get_file(self, key: str, path: str | Path) -> None:
+        self.inner.get_file(key, path)
+
+    def get_limited(self, key: str, max_bytes: int) -> bytes:
+        return self.inner.get_limited(key, max_bytes)
+
+    def get_file_limited(self, key: str, path: str | Path, max_bytes: int) -> None:
+        self.inner.get_file_limited(key, path, max_bytes)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        self.inner.delete(keys)
+
+    def sweep_temporary(self, max_age_s: float, prefixes: Iterable[str]) -> int:
+        return self.inner.sweep_temporary(max_age_s, prefixes)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.inner!r})"

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-from .base import Bucket, ObjectInfo, TransientBucketError, validate_key
+from .base import Bucket, BucketWrapper, ObjectInfo, TransientBucketError, validate_key
 
 __all__ = ["FaultyBucket"]
 
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 FAULT_KINDS = ("latency", "error", "throttle", "truncate", "lag")
 
 
-class FaultyBucket(Bucket):
+class FaultyBucket(BucketWrapper):
     """Wrap a bucket and inject latency, transient errors, throttling, truncated uploads and lagging listings.
 
     Every operation draws one number from the seeded generator to decide on an error or throttle
@@ -87,7 +87,7 @@ class FaultyBucket(Bucket):
             raise ValueError("error_rate + throttle_rate must not exceed 1")
         if latency < 0 or retry_after < 0 or list_lag < 0:
             raise ValueError("latency, retry_after and list_lag must not be negative")
-        self.inner = inner
+        super().__init__(inner)
         self.seed = seed
         self.latency = latency
         self.error_rate = error_rate
@@ -95,7 +95,6 @@ class FaultyBucket(Bucket):
         self.retry_after = retry_after
         self.truncate_rate = truncate_rate
         self.list_lag = list_lag
-        self.url = inner.url
         #: Number of faults injected so far, by kind (`latency`, `error`, `throttle`, `truncate`,
         #: `lag`: keys left out of a listing, counted once per listing).
         self.injected: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
@@ -180,9 +179,6 @@ class FaultyBucket(Bucket):
     def get_file_limited(self, key: str, path: str | Path, max_bytes: int) -> None:
         self._before("get", repr(key))
         self.inner.get_file_limited(key, path, max_bytes)
-
-    def sweep_temporary(self, max_age_s: float, prefixes: Iterable[str]) -> int:
-        return self.inner.sweep_temporary(max_age_s, prefixes)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         self._before("list", f"prefix {prefix!r}")

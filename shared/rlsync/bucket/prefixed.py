@@ -10,12 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-from .base import Bucket, ObjectInfo, validate_key, validate_prefix
+from .base import Bucket, BucketWrapper, ObjectInfo, validate_key, validate_prefix
 
 __all__ = ["PrefixedBucket"]
 
 
-class PrefixedBucket(Bucket):
+class PrefixedBucket(BucketWrapper):
     """The objects of ``inner`` whose keys start with ``prefix``, addressed without it.
 
     Args:
@@ -31,7 +31,7 @@ class PrefixedBucket(Bucket):
         if not prefix.endswith("/"):
             raise ValueError(f"a bucket prefix ends with '/', got {prefix!r}")
         validate_key(prefix[:-1])
-        self.inner = inner
+        super().__init__(inner)
         self.prefix = prefix
         self.url = f"{inner.url.rstrip('/')}/{prefix[:-1]}"
 
@@ -59,7 +59,7 @@ class PrefixedBucket(Bucket):
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         validate_prefix(prefix)
         return [
-            ObjectInfo(info.key[len(self.prefix) :], info.size)
+            ObjectInfo(info.key[len(self.prefix) :], info.size, info.etag)
             for info in self.inner.list(self.prefix + prefix)
             if info.key.startswith(self.prefix)
         ]

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, TypeVar
 
-from .base import Bucket, BucketError, ObjectInfo, TransientBucketError
+from .base import Bucket, BucketError, BucketWrapper, ObjectInfo, TransientBucketError
 
 __all__ = ["RetryingBucket"]
 
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-class RetryingBucket(Bucket):
+class RetryingBucket(BucketWrapper):
     """A bucket that retries transient failures of the bucket it wraps.
 
     The wait before retry `n` (1-based) is `min(max_delay, base_delay * 2**(n-1))` scaled by a random
@@ -70,7 +70,7 @@ class RetryingBucket(Bucket):
             raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
         if base_delay < 0 or max_delay < 0 or max_total < 0:
             raise ValueError("base_delay, max_delay and max_total must not be negative")
-        self.inner = inner
+        super().__init__(inner)
         self.max_attempts = max_attempts
         self.base_delay = base_delay
         self.max_delay = max_delay
@@ -78,7 +78,6 @@ class RetryingBucket(Bucket):
         self._sleep = sleep
         self._clock = clock
         self._random = random.Random()
-        self.url = inner.url
 
     def backoff(self, retry: int, retry_after: float | None = None) -> float:
         """Seconds to wait before retry number `retry` (1-based).
@@ -135,9 +134,6 @@ class RetryingBucket(Bucket):
 
     def get_file_limited(self, key: str, path: str | Path, max_bytes: int) -> None:
         self._run("get", repr(key), lambda: self.inner.get_file_limited(key, path, max_bytes))
-
-    def sweep_temporary(self, max_age_s: float, prefixes: Iterable[str]) -> int:
-        return self.inner.sweep_temporary(max_age_s, prefixes)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         return self._run("list", f"prefix {prefix!r}", lambda: self.inner.list(prefix))

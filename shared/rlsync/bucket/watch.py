@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-from .base import Bucket, BucketError, InvalidKeyError, ObjectInfo, ObjectNotFoundError, validate_key
+from .base import Bucket, BucketError, BucketWrapper, InvalidKeyError, ObjectInfo, ObjectNotFoundError, validate_key
 
 __all__ = [
-    "IDLE_WAIT_S", "WatchConfig", "WatchMode", "WatchedBucket", "generation", "hub_backend", "meter_of",
+    "IDLE_WAIT_S", "WatchConfig", "WatchMode", "WatchedBucket", "generation", "hub_backend", "listing_error", "meter_of",
     "wait_for_change", "watch",
 ]  # fmt: skip
 
@@ -86,18 +86,12 @@ class WatchConfig:
 
 def hub_backend(bucket: Bucket):
     """The :class:`~rlsync.bucket.hf.HfBucket` under `bucket` (through retry/watch wrappers), or `None`."""
-    seen = 0
-    while seen < 8:
-        if type(bucket).__name__ == "HfBucket":
-            return bucket
-        inner = getattr(bucket, "inner", None)
-        if not isinstance(inner, Bucket):
-            return None
-        bucket, seen = inner, seen + 1
-    return None
+    while isinstance(bucket, BucketWrapper):
+        bucket = bucket.inner
+    return bucket if type(bucket).__name__ == "HfBucket" else None
 
 
-class WatchedBucket(Bucket):
+class WatchedBucket(BucketWrapper):
     """A bucket whose listings come from a live view (see the module docstring).
 
     Args:
@@ -106,8 +100,7 @@ class WatchedBucket(Bucket):
     """
 
     def __init__(self, inner: Bucket, config: WatchConfig | None = None) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.config = config if config is not None else WatchConfig.from_env()
         self._hub = hub_backend(inner)
         self.meter = getattr(self._hub, "meter", None)
@@ -121,6 +114,8 @@ class WatchedBucket(Bucket):
         use_feed = self.config.feed and self._hub is not None
         self.mode = WatchMode.FEED if use_feed else WatchMode.POLL
         self.polls = 0
+        #: Why the newest listing failed (the view is as of the last good one), or ``None``.
+        self.listing_error: str | None = None
         self._thread = threading.Thread(target=self._run, name=f"watch-{self.url}", daemon=True)
         self._thread.start()
 
@@ -177,10 +172,15 @@ class WatchedBucket(Bucket):
 
     def _list_inner(self) -> list[ObjectInfo] | None:
         try:
-            return self.inner.list("")
+            listing = self.inner.list("")
         except BucketError as exc:
             logger.warning("watch %s: listing failed: %s", self.url, exc)
+            with self._cond:
+                self.listing_error = str(exc)
+                self._cond.notify_all()  # a first view waited for will not come from this listing
             return None
+        self.listing_error = None
+        return listing
 
     # -- background thread ---------------------------------------------------------------------
 
@@ -233,9 +233,13 @@ class WatchedBucket(Bucket):
     # -- reading -------------------------------------------------------------------------------
 
     def _ready_view(self, timeout: float = 30.0) -> dict[str, ObjectInfo] | None:
+        """The view, once the first listing is in; ``None`` if it failed or the watch is closed
+        (callers then ask the bucket: a closed watch answers like the bucket it wraps)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._view is not None or self._stop.is_set(), timeout)
-            return self._view
+            self._cond.wait_for(
+                lambda: self._view is not None or self.listing_error is not None or self._stop.is_set(), timeout
+            )
+            return None if self._stop.is_set() else self._view
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Objects under `prefix`, from the view (a real listing until the first view is ready)."""
@@ -285,15 +289,6 @@ class WatchedBucket(Bucket):
             self._cache[key] = (info.etag, data)
         return data
 
-    def get(self, key: str) -> bytes:
-        return self.inner.get(key)
-
-    def get_file(self, key: str, path: str | Path) -> None:
-        self.inner.get_file(key, path)
-
-    def get_file_limited(self, key: str, path: str | Path, max_bytes: int) -> None:
-        self.inner.get_file_limited(key, path, max_bytes)
-
     def exists(self, key: str) -> bool:
         view = self._ready_view(0.0)
         if view is not None and key in view:
@@ -327,11 +322,9 @@ class WatchedBucket(Bucket):
                 self._cache.pop(key, None)
             self._cond.notify_all()
 
-    def sweep_temporary(self, max_age_s: float, prefixes: Iterable[str]) -> int:
-        return self.inner.sweep_temporary(max_age_s, prefixes)
-
     def close(self) -> None:
-        """Stop following (the feed's session ends at its next event or keep-alive)."""
+        """Stop following (the feed's session ends at its next event or keep-alive). `inner` stays
+        open (a watch is a view; the bucket under it may be shared), and answers from now on."""
         self._stop.set()
         self._poke.set()
         with self._cond:
@@ -359,6 +352,11 @@ def watch(bucket: Bucket, config: WatchConfig | None = None) -> Bucket:
 def meter_of(bucket: Bucket):
     """The :class:`~rlsync.bucket.budget.RequestMeter` of a watched Hub bucket, else `None`."""
     return bucket.meter if isinstance(bucket, WatchedBucket) else None
+
+
+def listing_error(bucket: Bucket) -> str | None:
+    """Why a watched bucket's newest listing failed (its view is that of the last good one), else `None`."""
+    return bucket.listing_error if isinstance(bucket, WatchedBucket) else None
 
 
 def generation(bucket: Bucket) -> int | None:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..bucket import Bucket, BucketError, ObjectNotFoundError, open_bucket
-from ..bucket.watch import watch
+from ..bucket.watch import listing_error, watch
 from ..errors import FormatError
 from ..protocol import CONTROL_KEY, AnchorPolicy, Manifest, policy_from_json, read_manifest
 from ..protocol.policy import MAX_CONTROL_BYTES
@@ -113,6 +113,9 @@ def read_snapshot(bucket: Bucket) -> Snapshot:
     except BucketError as exc:
         snap.error = redact(f"bucket read failed: {exc}")
         logger.warning("%s: %s", getattr(bucket, "url", "bucket"), snap.error)
+    stale = listing_error(bucket)
+    if stale and not snap.error:
+        snap.error = redact(f"bucket listing failed (showing the last good one): {stale}")
     return snap
 
 
