@@ -275,6 +275,25 @@ def test_a_closed_role_stops_watching_and_its_bucket_answers_directly(server, mo
     assert [o.key for o in watched.list("tasks/")] == ["tasks/0000000007.json"] and watched.polls == polls
 
 
+def test_a_failed_background_listing_is_shown_until_one_succeeds(server):
+    """A watch whose listing fails keeps its last view; the panel says so instead of showing it as fresh."""
+    from benchmarks.hub_server import Fault
+    from rlsync.spaces.snapshots import read_snapshot
+
+    server.feed(False)
+    watched = watch(hf(), WatchConfig(feed=False, min_poll_s=0.2, max_poll_s=0.2))
+    try:
+        wait_until(lambda: watched.polls >= 1)
+        assert not read_snapshot(watched).error
+        server.inject("api", *[Fault(401, message="no", path="/tree")] * 3)
+        wait_until(lambda: watched.listing_error is not None)
+        assert "bucket listing failed" in read_snapshot(watched).error
+        wait_until(lambda: watched.listing_error is None, timeout=10)
+        assert not read_snapshot(watched).error
+    finally:
+        watched.close()
+
+
 def test_local_buckets_are_not_wrapped(tmp_path):
     from rlsync.bucket import LocalBucket
 
