@@ -39,42 +39,21 @@ import os
 import signal
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import gradio as gr
+from env_space.config import EnvConfig
+from rollout_space.config import ReplicaConfig
+from trainer_space.config import TrainerConfig
 
-from env_space import app as env_app
-from env_space.simulator import EnvConfig
-from rollout_space import app as rollout_app
-from rollout_space.replica import ReplicaConfig
-from rlsync.adapters import ADAPTER_PREFIX
-from rlsync.spaces import access, components, frames, role_control, snapshots
-from rlsync.bucket import Bucket, open_bucket
-from rlsync.spaces.exchange import METRICS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX, STATUS_PREFIX, TASKS_PREFIX
-from rlsync.trl.checkpoints import CHECKPOINTS_PREFIX
-from rlsync.protocol.lock import LOCK_KEY
-from rlsync.protocol.manifest import ANCHOR_PREFIX, CONTROL_KEY, DELTA_PREFIX, POINTER_KEY
-from trainer_space import app as trainer_app
-from trainer_space.trainer import TrainerConfig
+if TYPE_CHECKING:  # the roles, gradio and torch are imported once the flags are read: --help stays fast
+    import gradio as gr
+
+    from rlsync.bucket import Bucket
+    from rlsync.spaces import role_control, snapshots
 
 logger = logging.getLogger("app")
 
 DEFAULT_BUCKET = "./runs/bucket"
-#: Keys and key prefixes of one run's objects, deleted by ``--fresh`` (nothing else in the folder is touched).
-RUN_PREFIXES = (
-    POINTER_KEY,
-    LOCK_KEY,
-    ANCHOR_PREFIX,
-    DELTA_PREFIX,
-    CONTROL_KEY.split("/")[0] + "/",
-    STATUS_PREFIX,
-    METRICS_PREFIX,
-    TASKS_PREFIX,
-    ROLLOUTS_PREFIX,
-    SCORES_PREFIX,
-    CHECKPOINTS_PREFIX,
-    ADAPTER_PREFIX,
-)
 #: LoRA rank of ``--lora`` when ``TRAINER_LORA_RANK`` does not set one.
 DEFAULT_LORA_RANK = 8
 PROGRESS_EVERY_S = 20.0
@@ -108,9 +87,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def run_prefixes() -> tuple[str, ...]:
+    """Keys and key prefixes of one run's objects, deleted by ``--fresh`` (nothing else in the folder is touched)."""
+    from rlsync.adapters import ADAPTER_PREFIX
+    from rlsync.protocol.lock import LOCK_KEY
+    from rlsync.protocol.manifest import ANCHOR_PREFIX, CONTROL_KEY, DELTA_PREFIX, POINTER_KEY
+    from rlsync.spaces.exchange import METRICS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX, STATUS_PREFIX, TASKS_PREFIX
+    from rlsync.trl.checkpoints import CHECKPOINTS_PREFIX
+
+    return (
+        POINTER_KEY, LOCK_KEY, ANCHOR_PREFIX, DELTA_PREFIX, CONTROL_KEY.split("/")[0] + "/", STATUS_PREFIX,
+        METRICS_PREFIX, TASKS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX, CHECKPOINTS_PREFIX, ADAPTER_PREFIX,
+    )  # fmt: skip
+
+
 def clear_run(bucket: Bucket) -> int:
-    """Delete a run's objects (:data:`RUN_PREFIXES`) from ``bucket``; returns how many."""
-    keys = [o.key for o in bucket.list() if o.key.startswith(RUN_PREFIXES)]
+    """Delete a run's objects (:func:`run_prefixes`) from ``bucket``; returns how many."""
+    keys = [o.key for o in bucket.list() if o.key.startswith(run_prefixes())]
     if keys:
         bucket.delete(keys)
     logger.info("fresh start: deleted %d objects from %s", len(keys), bucket.url)
@@ -131,6 +124,10 @@ class Stack:
     def __init__(
         self, bucket: str, replicas: int, environment: str | None = None, max_steps: int | None = None, lora: bool = False
     ) -> None:
+        from env_space import app as env_app
+        from rollout_space import app as rollout_app
+        from trainer_space import app as trainer_app
+
         self.bucket = bucket
         self.replicas = replicas
         self.trainer_config = TrainerConfig.from_env(bucket=bucket, max_steps=max_steps)
@@ -173,6 +170,8 @@ class Stack:
 
 def progress_line(snap: snapshots.Snapshot) -> str:
     """One log line of the run's progress, from a bucket snapshot."""
+    from rlsync.spaces import frames
+
     parts = []
     if snap.manifest is not None:
         pubs = frames.publish_frame(snap)
@@ -198,6 +197,8 @@ def progress_line(snap: snapshots.Snapshot) -> str:
 
 def log_progress(stack: Stack, stop: threading.Event, every: float = PROGRESS_EVERY_S) -> None:
     """Log :func:`progress_line` every ``every`` seconds while any role runs."""
+    from rlsync.spaces import snapshots
+
     view = snapshots.bucket_view(stack.bucket)
     while not stop.wait(every):
         if any(r.running for r in stack.runners):
@@ -209,6 +210,13 @@ def build_app(stack: Stack) -> gr.Blocks:
 
     Each tab has its own refresh timer, active only while the tab is selected.
     """
+    import gradio as gr
+
+    from env_space import app as env_app
+    from rollout_space import app as rollout_app
+    from rlsync.spaces import access, components, frames
+    from trainer_space import app as trainer_app
+
     url = stack.bucket
     names = ["overview", "trainer", "rollout", "env"]
     with gr.Blocks(title="RL Sync: async RL weight sync") as demo:
@@ -275,6 +283,9 @@ def _interrupt(signum: int, _frame: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    from rlsync.bucket import open_bucket
+    from rlsync.spaces import components
+
     # The roles and the panel share the token's Hub budget: each paces itself to its share.
     os.environ.setdefault("HUB_SHARE", str(args.replicas + 3))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

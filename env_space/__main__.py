@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from rlsync.spaces.runner import run_role
 
-from .simulator import EnvConfig, EnvSimulator
+from .config import EnvConfig
+
+
+def build(config: EnvConfig):
+    """The role, imported once the flags are read (``--help`` imports no torch)."""
+    from .simulator import EnvSimulator
+
+    return EnvSimulator(config)
+
 
 if __name__ == "__main__":
-    run_role("env", EnvConfig, EnvSimulator)
+    run_role("env", EnvConfig, build)

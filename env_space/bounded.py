@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import math
 import threading
-from collections.abc import Callable
 from typing import Any
 
 __all__ = ["BoundedResult", "FailureCounts", "ScoringFailure", "finite_reward"]

@@ -22,7 +22,6 @@ next number; keys beyond its numbering are deleted as refused.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import logging
 import math
@@ -57,9 +56,9 @@ from rlsync.spaces.exchange import (
 from rlsync.adapters import adapter_bucket
 from rlsync.protocol import read_manifest
 from rlsync.spaces.demand import DEMAND_KEY, Demand, batches_to_issue, read_demand
-from rlsync.spaces.settings import from_env
 
 from .bounded import BoundedResult, FailureCounts, ScoringFailure, finite_reward
+from .config import EnvConfig
 from .environments import Environment, Scoring, Task
 from .isolation import Confinement, run_confined
 from .sources import open_environment
@@ -70,39 +69,6 @@ _EPISODE_CHARS = 400  # prompt tail / completion head kept per recent episode fo
 _MAX_BACKOFF_S = 60.0  # longest wait between steps after failures in a row
 _RESUME_BELOW = 10**9  # a restart resumes only below this (a batch a second for 31 years): headroom to MAX_BATCH
 _SAMPLES_PER_TASK = 4  # the replicas' default G, until the env has measured samples per batch
-
-
-@dataclasses.dataclass
-class EnvConfig:
-    """Settings of the environment Space (environment variables ``ENV_<FIELD>``)."""
-
-    bucket: str = dataclasses.field(default="./runs/bucket", metadata={"help": "bucket URL or path"})
-    environment: str = dataclasses.field(
-        default="reverse",
-        metadata={"help": "reverse | arithmetic | reasoning_gym:NAME[=W],... | dataset:HUB_ID_OR_PATH | openenv:URL"},
-    )
-    chat_template: str = dataclasses.field(
-        default="", metadata={"help": "model id/path whose chat template formats source prompts ('' = plain text)"}
-    )
-    source_settings: str = dataclasses.field(
-        default="", metadata={"help": "JSON object of source settings, over the ENV_RG_/ENV_DATASET_/ENV_OPENENV_ variables"}
-    )
-    score_timeout_s: float = dataclasses.field(default=10.0, metadata={"help": "time bound of one scoring call"})
-    score_budget_s: float = dataclasses.field(default=60.0, metadata={"help": "time bound of scoring one rollouts object"})
-    score_memory_mb: int = dataclasses.field(default=2048, metadata={"help": "memory a confined scoring child may add"})
-    failure_reward: float = dataclasses.field(default=0.0, metadata={"help": "reward of a sample whose scoring failed"})
-    tasks_per_batch: int = dataclasses.field(default=8, metadata={"help": "tasks in one batch"})
-    queue_depth: int = dataclasses.field(default=2, metadata={"help": "batches kept waiting for replicas"})
-    keep_batches: int = dataclasses.field(default=64, metadata={"help": "batches kept in the bucket"})
-    poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls (a Hub bucket is watched instead)"})
-    metrics_every_s: float = dataclasses.field(default=30.0, metadata={"help": "seconds between metrics writes on a Hub bucket"})
-    seed: int = dataclasses.field(default=0, metadata={"help": "base seed of task generation"})
-    vocab_size: int = dataclasses.field(default=0, metadata={"help": "refuse token ids at or above it (0: the trainer checks them)"})
-    max_completion_tokens: int = dataclasses.field(default=4096, metadata={"help": "refuse rollouts with longer completions"})
-
-    @classmethod
-    def from_env(cls, **overrides) -> "EnvConfig":
-        return from_env(cls, "ENV", **overrides)
 
 
 class EnvSimulator:

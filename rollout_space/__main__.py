@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from rlsync.spaces.runner import run_role
 
-from .replica import Replica, ReplicaConfig
+from .config import ReplicaConfig
+
+
+def build(config: ReplicaConfig):
+    """The role, imported once the flags are read (``--help`` imports no torch)."""
+    from .replica import Replica
+
+    return Replica(config)
+
 
 if __name__ == "__main__":
-    run_role("rollout", ReplicaConfig, Replica)
+    run_role("rollout", ReplicaConfig, build)

@@ -26,11 +26,8 @@ samples then carry the adapter version as their policy version.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
-import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -60,57 +57,15 @@ from rlsync.hashing import state_hash
 from rlsync.protocol import Subscriber, Update
 from rlsync.protocol.manifest import POINTER_KEY
 from rlsync.spaces.demand import read_demand, would_be_stale
-from rlsync.spaces.settings import default_model, from_env, resolve_device
+from rlsync.spaces.settings import resolve_device
 from rlsync.spaces.tiny_model import model_or_default
 
 from .adapters import AdapterFollower
+from .config import ReplicaConfig, default_replica_id
 from .engine import Engine, SamplingSettings, create_engine
 from .token_budget import TokenBudget, context_length, plan_batch
 
 logger = logging.getLogger(__name__)
-TINY_MODEL_MAX_NEW_TOKENS, REAL_MODEL_MAX_NEW_TOKENS = 8, 64  # the CPU demo's answers are short; a chat model's are not
-
-
-def default_replica_id() -> str:
-    """``<host>-<pid>``, sanitised for object keys."""
-    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40] or "replica"
-    return f"{host}-{os.getpid()}"
-
-
-@dataclasses.dataclass
-class ReplicaConfig:
-    """Settings of a rollout replica (environment variables ``ROLLOUT_<FIELD>``)."""
-
-    bucket: str = dataclasses.field(default="./runs/bucket", metadata={"help": "bucket URL or path (read access to weights, write to rollouts/ and status/)"})
-    replica_id: str = dataclasses.field(default="", metadata={"help": "unique id (default host-pid)"})
-    engine: str = dataclasses.field(default="auto", metadata={"help": "'transformers', 'vllm', or 'auto' (vllm on a GPU when installed)"})
-    model: str = dataclasses.field(default="", metadata={"help": "model name or folder (default: Qwen/Qwen3-0.6B on a GPU, the tiny offline model on CPU)"})
-    device: str = dataclasses.field(default="auto", metadata={"help": "torch device for the transformers engine ('auto': cuda if available)"})
-    samples_per_task: int = dataclasses.field(default=4, metadata={"help": "G completions per task"})
-    max_new_tokens: int = dataclasses.field(default=0, metadata={"help": "completion length limit (0: 8 for the tiny offline CPU model, 64 for a real model)"})
-    max_prompt_tokens: int = dataclasses.field(default=0, metadata={"help": "longest prompt answered (0: the model's context less max_new_tokens)"})
-    max_batch_tokens: int = dataclasses.field(default=1 << 20, metadata={"help": "most tokens (prompts and completions, all samples) one task batch may cost"})
-    chunk_tokens: int = dataclasses.field(default=1 << 16, metadata={"help": "most padded tokens in one engine call"})
-    temperature: float = dataclasses.field(default=1.0, metadata={"help": "sampling temperature"})
-    poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls (a Hub bucket is watched instead)"})
-    status_every_s: float = dataclasses.field(default=30.0, metadata={"help": "seconds between status writes on a Hub bucket"})
-    seed: int = dataclasses.field(default=0, metadata={"help": "sampling seed (mixed with batch and version)"})
-    verify_engine: bool = dataclasses.field(default=False, metadata={"help": "hash the engine's own weights after every apply (slow on big models)"})
-    lora: bool = dataclasses.field(default=False, metadata={"help": "a LoRA run: serve the adapter chain (adapters/) on the base from the weights chain"})
-    lora_window: int = dataclasses.field(default=3, metadata={"help": "adapter versions served at once (the trainer's max_staleness + 1)"})
-    lora_max_rank: int = dataclasses.field(default=16, metadata={"help": "largest adapter rank the vLLM engine accepts (1, 8, 16, 32, 64...)"})
-
-    @classmethod
-    def from_env(cls, **overrides) -> "ReplicaConfig":
-        return from_env(cls, "ROLLOUT", **overrides)
-
-    def with_model_defaults(self, device: str) -> "ReplicaConfig":
-        """``max_new_tokens`` left at 0 takes the default of the model that will run (the same for a Space made
-        by the deploy command or duplicated by hand)."""
-        tiny = not (self.model or default_model(device))
-        return dataclasses.replace(self, max_new_tokens=self.max_new_tokens or (TINY_MODEL_MAX_NEW_TOKENS if tiny else REAL_MODEL_MAX_NEW_TOKENS))
-
-
 class Replica:
     """Follows the bucket's weights and answers task batches.
 

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from rlsync.spaces.runner import run_role
 
-from .trainer import Trainer, TrainerConfig
+from .config import TrainerConfig
+
+
+def build(config: TrainerConfig):
+    """The role, imported once the flags are read (``--help`` imports no torch)."""
+    from .trainer import Trainer
+
+    return Trainer(config)
+
 
 if __name__ == "__main__":
-    run_role("trainer", TrainerConfig, Trainer)
+    run_role("trainer", TrainerConfig, build)
