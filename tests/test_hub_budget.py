@@ -237,18 +237,26 @@ def test_without_the_feed_a_watched_bucket_polls_with_backoff(server):
         watched.close()
 
 
-def test_a_roles_own_reports_do_not_reset_the_polling_backoff(server):
-    """Writing status or metrics (quiet prefixes) keeps the backed-off interval; any other write
-    brings it back to the shortest, since other roles answer it."""
+def test_reports_do_not_reset_the_polling_backoff(server):
+    """Status or metrics (quiet prefixes), written by the role or seen from another, keep the
+    backed-off interval; any other write brings it back to the shortest, since roles answer it."""
     server.feed(False)
-    watched = watch(hf(), WatchConfig(feed=False, min_poll_s=0.1, max_poll_s=5.0, quiet_prefixes=("status/",)))
+    watched = watch(hf(), WatchConfig(feed=False, min_poll_s=0.1, max_poll_s=1.6, quiet_prefixes=("status/",)))
     try:
-        time.sleep(2.0)  # 0.1 + 0.2 + 0.4 + 0.8: the next poll is 1.6 s on
+        time.sleep(2.0)  # 0.1 + 0.2 + 0.4 + 0.8: the interval is now 1.6 s
         before = watched.polls
         for i in range(5):
             watched.put("status/r0.json", str(i).encode())
             time.sleep(0.2)
         assert watched.polls - before <= 1  # not one short poll after each report
+        other = hf()
+        for i in range(4):  # another role's reports, one per poll
+            other.put("status/r1.json", str(i).encode())
+            time.sleep(1.7)
+        wait_until(lambda: "status/r1.json" in [o.key for o in watched.list("status/")])
+        before = watched.polls
+        time.sleep(1.5)
+        assert watched.polls - before <= 1  # still 1.6 s apart, not 0.1, 0.2, 0.4...
         before = watched.polls
         watched.put("rollouts/0000000001/r0.json", b"[1]")
         wait_until(lambda: watched.polls - before >= 2, timeout=1.5)  # 0.1 s, then 0.2 s on
@@ -359,8 +367,7 @@ def test_idle_fleet_of_four_replicas_and_the_env_makes_almost_no_requests(server
         idle = server.usage(RequestClass.API, TOKEN, since)
     finally:
         for role in roles:
-            role.stop()
-            role.bucket.close()
+            role.close()  # stops it and its watch
     kinds = sorted(classify(r.method, r.path)[1] for r in idle)
     print(f"feed {feed}: {len(idle)} API requests in 60 idle seconds: {collections.Counter(kinds)}")
     assert len(idle) <= (4 if feed else 40), kinds

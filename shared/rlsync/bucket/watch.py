@@ -9,7 +9,8 @@ something under the given prefixes changed (or a timeout), so an idle role makes
   reconcile when the feed cannot replay);
 - **adaptive polling** (:attr:`WatchMode.POLL`), the fallback when the feed is off or unavailable:
   one listing per poll, the interval doubling from ``min_poll_s`` to ``max_poll_s`` while nothing
-  changes and back to ``min_poll_s`` on a change or a local write.
+  changes and back to ``min_poll_s`` on a change or a local write (reports under
+  :attr:`WatchConfig.quiet_prefixes` excepted).
 
 Writes and deletes through the wrapper update the view at once (a role always sees its own
 writes). Small objects read with :meth:`~WatchedBucket.get_limited` are cached by the Xet hash the
@@ -62,9 +63,10 @@ class WatchConfig:
         min_poll_s (`float`, *optional*, defaults to 1): Shortest polling interval (env `HUB_MIN_POLL_S`).
         max_poll_s (`float`, *optional*, defaults to 60): Longest polling interval, reached after
             a run of polls that found nothing new (env `HUB_MAX_POLL_S`).
-        quiet_prefixes (`tuple[str, ...]`, *optional*): Keys under these prefixes are the role's own
-            reports (status, metrics) that no other role answers: writing one does not bring the
-            polling interval back to `min_poll_s`, so an idle role's periodic reports cost no polls.
+        quiet_prefixes (`tuple[str, ...]`, *optional*): Keys under these prefixes are the roles'
+            reports (status, metrics) that no role answers: writing one, or seeing another role's
+            change, does not bring the polling interval back to `min_poll_s`, so an idle fleet's
+            periodic reports cost no extra polls.
     """
 
     feed: bool = True
@@ -137,7 +139,7 @@ class WatchedBucket(BucketWrapper):
         self._changed_at[key] = self.generation
 
     def _replace(self, listing: list[ObjectInfo]) -> bool:
-        """Replace the view by a full listing; returns whether anything changed."""
+        """Replace the view by a full listing; returns whether a key outside the quiet prefixes changed."""
         fresh = {o.key: o for o in listing}
         with self._cond:
             if self._view is None:
@@ -149,7 +151,8 @@ class WatchedBucket(BucketWrapper):
             for key in set(self._view) | set(fresh):
                 self._set(key, fresh.get(key))
             self._cond.notify_all()
-            return self.generation != before
+            quiet = self.config.quiet_prefixes
+            return any(g > before and not k.startswith(quiet) for k, g in self._changed_at.items())
 
     def _apply_changes(self, changes) -> None:
         """Apply a batch of the feed's changes (``BucketFileChange``)."""
