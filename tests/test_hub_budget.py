@@ -168,6 +168,9 @@ def test_budget_settings_come_from_the_environment(monkeypatch):
     config = BudgetConfig.from_env("rollout")
     assert config.tier is Tier.PRO and config.share == 17 and config.limit(RequestClass.API) == 2500
     assert BudgetConfig.from_env("env").share == 4
+    monkeypatch.setenv("HUB_PACING", "0")  # the documented name (the field is `enabled`)
+    monkeypatch.setenv("ROLLOUT_HUB_PACING", "1")
+    assert not BudgetConfig.from_env("env").enabled and BudgetConfig.from_env("rollout").enabled
     monkeypatch.setenv("HUB_TIER", "platinum")
     with pytest.raises(ValueError):
         BudgetConfig.from_env()

@@ -320,16 +320,8 @@ class Trainer:
                 self.checkpoint_callback.upload(self.scratch, step)
             self.final_sync.sync(step)
         finally:
-            self._publish_coalesced()
             self.flush(force=True)
         logger.info("trainer finished at step %d, version %s", self.trl.state.global_step, self.transfer.version)
-
-    def _publish_coalesced(self) -> None:
-        """While publishes were coalesced the last steps may not be published: publish the final weights."""
-        if self.coalescing is None or self.coalescing.factor == 1 or not self.trl.state.global_step:
-            return
-        self.final_sync.synced_step = None
-        self.final_sync.sync(self.trl.state.global_step)
 
     def start(self) -> None:
         if self.running:

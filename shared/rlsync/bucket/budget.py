@@ -137,7 +137,8 @@ class BudgetConfig:
         """
         values: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
-            for name in (f"HUB_{field.name.upper()}", f"{role.upper()}_HUB_{field.name.upper()}" if role else ""):
+            env = _ENV_NAMES.get(field.name, field.name.upper())
+            for name in (f"HUB_{env}", f"{role.upper()}_HUB_{env}" if role else ""):
                 raw = os.environ.get(name) if name else None
                 if raw not in (None, ""):
                     values[field.name] = raw
@@ -153,6 +154,10 @@ class BudgetConfig:
     def allowance(self, cls: RequestClass) -> float:
         """This role's share of `cls` requests per window."""
         return self.limit(cls) * self.target / self.share
+
+
+#: Environment names of the :class:`BudgetConfig` fields not named after them (``HUB_<NAME>``).
+_ENV_NAMES = {"enabled": "PACING"}
 
 
 class _TokenBucket:
