@@ -98,6 +98,27 @@ def test_decode_without_base_reads_old_bits_through_the_callback(dtype: torch.dt
         np.testing.assert_array_equal(got_bits, new_all[index])
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_decode_without_base_reads_the_old_bits_a_chunk_at_a_time(dtype: torch.dtype, monkeypatch) -> None:
+    """Without a base the old bits are read in chunks (no index array of the whole tensor), and the
+    patch is the same as with the base."""
+    import rlsync.codecs.classrice as classrice
+
+    monkeypatch.setattr(classrice, "CHUNK", 64)
+    rng = np.random.default_rng(4)
+    old, old_all, new_all, index = _case(rng, dtype, 777, 40)
+    encoded = KERNEL.encode("w", index, old_all[index], new_all[index], base=old)
+    asked: list[int] = []
+    params = {"dtype": dtype_name(old.dtype), **encoded.params}
+    got_index, got_bits = KERNEL.decode(
+        "w", encoded.entries, params, count=index.size, numel=old.numel(), itemsize=old.element_size(),
+        old_bits_at=lambda idx: asked.append(idx.size) or old_all[idx], base=None,
+    )
+    np.testing.assert_array_equal(got_index, index)
+    np.testing.assert_array_equal(got_bits, new_all[index])
+    assert sum(asked) >= 777 and max(asked) <= 64
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.uint8], ids=str)
 def test_flat_order_without_an_exponent_or_a_base(dtype: torch.dtype) -> None:
     """Integer tensors, and any tensor encoded without its base, are one class of all elements in flat order."""
