@@ -21,6 +21,7 @@ from rlsync.errors import FormatError, SyncError
 from rlsync.protocol import Update
 
 from .engine import Engine
+from .update_slot import UpdateSlot
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,7 @@ class AdapterFollower:
         self.served: dict[int, str] = {}  # version -> served hash
         self.refused = 0
         self.engine_hash: str | None = None
-        self._pending: Update | None = None
-        self._slot = threading.Condition()
+        self.slot = UpdateSlot()
         self._last_error = ""
 
     @property
@@ -61,9 +61,7 @@ class AdapterFollower:
     def fetch_loop(self, stop: threading.Event) -> None:
         """Background thread: download and validate the next adapter version until ``stop`` is set."""
         while not stop.is_set():
-            with self._slot:
-                while self._pending is not None and not stop.is_set():
-                    self._slot.wait(0.5)
+            self.slot.wait_empty(stop)
             base = self.base_hash()
             if base is None:
                 stop.wait(self.poll_s)
@@ -80,21 +78,11 @@ class AdapterFollower:
                 stop.wait(self.poll_s)
                 continue
             self._last_error = ""
-            with self._slot:
-                self._pending = update
+            self.slot.put(update)
 
     def apply_pending(self) -> bool:
         """Verify and serve a downloaded version, dropping the ones out of the window; returns whether one was served."""
-        with self._slot:
-            update = self._pending
-        if update is None:
-            return False
-        try:
-            return self._serve(update)
-        finally:
-            with self._slot:
-                self._pending = None
-                self._slot.notify_all()
+        return self.slot.apply(self._serve)
 
     def _serve(self, update: Update) -> bool:
         try:
@@ -126,8 +114,7 @@ class AdapterFollower:
 
     def wake(self) -> None:
         """Wake a fetch loop waiting for its pending update to be served (on stop)."""
-        with self._slot:
-            self._slot.notify_all()
+        self.slot.wake()
 
     def status(self) -> dict:
         """The adapter part of the replica's status object."""

@@ -64,6 +64,7 @@ from .adapters import AdapterFollower
 from .config import ReplicaConfig, default_replica_id
 from .engine import Engine, SamplingSettings, create_engine
 from .token_budget import TokenBudget, context_length, plan_batch
+from .update_slot import UpdateSlot
 
 logger = logging.getLogger(__name__)
 class Replica:
@@ -104,8 +105,7 @@ class Replica:
             AdapterFollower(self.bucket, self.engine, lambda: self.subscriber.state_hash, window=config.lora_window, poll_s=config.poll_s)
             if config.lora else None
         )  # fmt: skip
-        self._pending: Update | None = None
-        self._slot = threading.Condition()
+        self.slot = UpdateSlot()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.syncs: list[dict] = []
@@ -124,9 +124,7 @@ class Replica:
     def fetch_loop(self) -> None:
         """Background thread: download and validate the next update while generation goes on."""
         while not self._stop.is_set():
-            with self._slot:
-                while self._pending is not None and not self._stop.is_set():
-                    self._slot.wait(0.5)
+            self.slot.wait_empty(self._stop)
             if self._stop.is_set():
                 return
             since = generation(self.bucket)
@@ -140,8 +138,7 @@ class Replica:
             if update is None:
                 wait_for_change(self.bucket, self._stop, self._idle_s, (POINTER_KEY,), since)
                 continue
-            with self._slot:
-                self._pending = update
+            self.slot.put(update)
 
     def apply_pending(self) -> bool:
         """Apply a downloaded update, pausing generation; returns whether one was applied.
@@ -149,16 +146,7 @@ class Replica:
         The fetch thread waits until this returns before it fetches the next
         update, which is validated against the state this apply produces.
         """
-        with self._slot:
-            update = self._pending
-        if update is None:
-            return False
-        try:
-            return self._apply(update)
-        finally:
-            with self._slot:
-                self._pending = None
-                self._slot.notify_all()
+        return self.slot.apply(self._apply)
 
     def _apply(self, update: Update) -> bool:
         t0 = time.perf_counter()
@@ -349,7 +337,7 @@ class Replica:
         """Wait for new tasks or weights (a watched bucket: until they appear or an update is downloaded)."""
         deadline = time.monotonic() + self._idle_s
         since = self._since
-        while not self._stop.is_set() and self._pending is None and (left := deadline - time.monotonic()) > 0:
+        while not self._stop.is_set() and self.slot.update is None and (left := deadline - time.monotonic()) > 0:
             prefixes = (TASKS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX)
             if wait_for_change(self.bucket, self._stop, min(left, 1.0), prefixes, since):
                 return
@@ -366,8 +354,7 @@ class Replica:
     def stop(self) -> None:
         """Stop the loops; the engine stays loaded so :meth:`start` can resume (see :meth:`close`)."""
         self._stop.set()
-        with self._slot:
-            self._slot.notify_all()
+        self.slot.wake()
         if self.adapters is not None:
             self.adapters.wake()
         for t in self._threads:

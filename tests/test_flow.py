@@ -40,8 +40,8 @@ def replica(bucket, name: str) -> Replica:
 
 
 def sync(r: Replica) -> None:
-    r._pending = r.subscriber.fetch()
-    assert r._pending is not None and r.apply_pending()
+    r.slot.put(r.subscriber.fetch())
+    assert r.slot.update is not None and r.apply_pending()
 
 
 def tasks_in(bucket) -> list[int]:

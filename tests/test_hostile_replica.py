@@ -28,7 +28,7 @@ def _replica(bucket, model_dir, **config) -> Replica:
                       device="cpu", samples_per_task=2, max_new_tokens=4, **config),
         bucket=bucket,
     )  # fmt: skip
-    replica._pending = replica.subscriber.fetch()
+    replica.slot.put(replica.subscriber.fetch())
     assert replica.apply_pending()
     return replica
 

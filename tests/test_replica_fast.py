@@ -31,8 +31,8 @@ def _nudge(master: dict[str, torch.Tensor], seed: int) -> None:
 
 
 def _sync_once(replica: Replica) -> None:
-    replica._pending = replica.subscriber.fetch()
-    assert replica._pending is not None
+    replica.slot.put(replica.subscriber.fetch())
+    assert replica.slot.update is not None
     assert replica.apply_pending()
 
 

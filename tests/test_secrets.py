@@ -202,7 +202,7 @@ def test_three_roles_on_a_flaky_hub_never_show_the_token(hub, hf_bucket, logs, c
     fail_soon(hub)
     env.step()  # tasks out
     fail_soon(hub)
-    replica._pending = replica.subscriber.fetch()
+    replica.slot.put(replica.subscriber.fetch())
     assert replica.step()  # applies version 0, answers the batch, writes its status
     fail_soon(hub)
     env.step()  # scores
@@ -210,7 +210,7 @@ def test_three_roles_on_a_flaky_hub_never_show_the_token(hub, hf_bucket, logs, c
     # TRL's data loader reads one batch ahead: the 4 samples are two batches of 2, enough for one step
     trainer._thread.join(timeout=180)  # trains one step on the scores, publishes version 1, checkpoints
     assert not trainer.running
-    replica._pending = replica.subscriber.fetch()
+    replica.slot.put(replica.subscriber.fetch())
     replica.step()
     assert replica.status()["applied_step"] == 1 == trainer.version
     assert raised(hub) >= 20
