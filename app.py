@@ -103,7 +103,8 @@ def run_prefixes() -> tuple[str, ...]:
 
 def clear_run(bucket: Bucket) -> int:
     """Delete a run's objects (:func:`run_prefixes`) from ``bucket``; returns how many."""
-    keys = [o.key for o in bucket.list() if o.key.startswith(run_prefixes())]
+    prefixes = run_prefixes()
+    keys = [o.key for o in bucket.list() if o.key.startswith(prefixes)]
     if keys:
         bucket.delete(keys)
     logger.info("fresh start: deleted %d objects from %s", len(keys), bucket.url)
