@@ -18,15 +18,13 @@ from rlsync.errors import SyncError  # noqa: E402
 from rlsync.hashing import state_hash  # noqa: E402
 from rlsync.protocol import Subscriber, read_manifest  # noqa: E402
 from rlsync.spaces.tiny_model import tiny_model_path  # noqa: E402
-from tests.trl_feed import ScoreFeeder  # noqa: E402
+from tests.trl_feed import ScoreFeeder, off_grid_trainer  # noqa: E402
 
 LORA = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "up_proj"))
 
 
 def test_peft_run_publishes_adapter_versions_bit_exactly_and_never_merges(bucket, tmp_path):
-    from datasets import Dataset
     from peft.utils import get_peft_model_state_dict
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
     from rlsync.spaces.exchange import read_samples
     from rlsync.trl import BucketAdapterSync, BucketRolloutWorker, FinalWeightSync, apply_cpu_compat
@@ -36,14 +34,9 @@ def test_peft_run_publishes_adapter_versions_bit_exactly_and_never_merges(bucket
     tokenizer = AutoTokenizer.from_pretrained(path)
     sync = BucketAdapterSync(bucket)
     worker = BucketRolloutWorker(bucket, read_samples, vocab_size=len(tokenizer), poll_s=0.1, chain=adapter_bucket(bucket))
-    args = AsyncGRPOConfig(
-        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, max_steps=3, weight_sync_steps=2,
-        per_device_train_batch_size=16, token_budget=0, learning_rate=1e-2, report_to=[], save_strategy="no", disable_tqdm=True,
-    )  # fmt: skip
-    trainer = AsyncGRPOTrainer(
-        model=path, args=args, processing_class=tokenizer, train_dataset=Dataset.from_dict({"prompt": ["x"]}),
-        rollout_worker=worker, weight_transfer=sync.transfer, peft_config=peft_config(LORA),
-    )  # fmt: skip
+    trainer = off_grid_trainer(
+        path, tokenizer, str(tmp_path / "out"), worker, sync.transfer, learning_rate=1e-2, peft_config=peft_config(LORA)
+    )
     chain = sync.attach(trainer)
     trainer.add_callback(FinalWeightSync(trainer))
     base_before = {n: p.detach().clone() for n, p in base_parameters(trainer.model)}

@@ -20,15 +20,12 @@ from rlsync.hashing import state_hash
 from rlsync.protocol import Subscriber, read_manifest
 from rlsync.spaces.tiny_model import tiny_model_path
 from rlsync.trl import BucketCheckpoints
-from tests.trl_feed import ScoreFeeder
+from tests.trl_feed import ScoreFeeder, off_grid_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_final_weights_are_published_off_the_sync_grid(bucket, tmp_path):
-    from datasets import Dataset
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-
     from rlsync.spaces.exchange import read_samples
     from rlsync.protocol import Publisher
     from rlsync.trl import BucketRolloutWorker, BucketWeightTransfer, FinalWeightSync, apply_cpu_compat
@@ -38,14 +35,7 @@ def test_final_weights_are_published_off_the_sync_grid(bucket, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(path)
     transfer = BucketWeightTransfer(publisher=Publisher(bucket))
     worker = BucketRolloutWorker(bucket, read_samples, vocab_size=len(tokenizer), poll_s=0.1)
-    args = AsyncGRPOConfig(
-        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, max_steps=3, weight_sync_steps=2,
-        per_device_train_batch_size=16, token_budget=0, learning_rate=1e-3, report_to=[], save_strategy="no", disable_tqdm=True,
-    )  # fmt: skip
-    trainer = AsyncGRPOTrainer(
-        model=path, args=args, processing_class=tokenizer, train_dataset=Dataset.from_dict({"prompt": ["x"]}),
-        rollout_worker=worker, weight_transfer=transfer,
-    )  # fmt: skip
+    trainer = off_grid_trainer(path, tokenizer, str(tmp_path / "out"), worker, transfer, learning_rate=1e-3)
     trainer.add_callback(FinalWeightSync(trainer))
     with ScoreFeeder(bucket, tokenizer):
         trainer.train()

@@ -1,5 +1,6 @@
 """Synthetic scored rollouts for tests of the TRL trainer without replicas: a thread that
-writes one scores object per poll, tagged with the bucket's current version."""
+writes one scores object per poll, tagged with the bucket's current version; and the short
+``AsyncGRPOTrainer`` run those tests train."""
 
 from __future__ import annotations
 
@@ -9,6 +10,22 @@ import threading
 from rlsync.bucket import Bucket
 from rlsync.spaces.exchange import Sample, score_key, write_samples
 from rlsync.protocol import read_manifest
+
+
+def off_grid_trainer(path: str, tokenizer, out: str, worker, transfer, *, learning_rate: float, peft_config=None):
+    """TRL's ``AsyncGRPOTrainer`` on the tiny model: 3 CPU steps, a weight sync every 2, so the last
+    step is off the sync grid; scores come from ``worker``, publishes go to ``transfer``."""
+    from datasets import Dataset
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    args = AsyncGRPOConfig(
+        output_dir=out, use_cpu=True, bf16=False, max_steps=3, weight_sync_steps=2, per_device_train_batch_size=16,
+        token_budget=0, learning_rate=learning_rate, report_to=[], save_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    return AsyncGRPOTrainer(
+        model=path, args=args, processing_class=tokenizer, train_dataset=Dataset.from_dict({"prompt": ["x"]}),
+        rollout_worker=worker, weight_transfer=transfer, peft_config=peft_config,
+    )  # fmt: skip
 
 
 class ScoreFeeder:
