@@ -201,9 +201,23 @@ def log_progress(stack: Stack, stop: threading.Event, every: float = PROGRESS_EV
     from rlsync.spaces import snapshots
 
     view = snapshots.bucket_view(stack.bucket)
+    hinted = False
     while not stop.wait(every):
+        if not hinted and (hint := fresh_hint(stack)):
+            logger.warning(hint)
+            hinted = True
         if any(r.running for r in stack.runners):
             logger.info("progress: %s", progress_line(view.snapshot()))
+
+
+def fresh_hint(stack: Stack) -> str | None:
+    """What to do when the trainer refused the bucket's run (a run with no checkpoint to resume from)."""
+    if "RunExistsError" not in stack.trainer.error:
+        return None
+    return (
+        f"the trainer refused the run already in {stack.bucket}: `python app.py --fresh` deletes its objects "
+        "and starts a new run (or use another --bucket)"
+    )
 
 
 def build_app(stack: Stack) -> gr.Blocks:

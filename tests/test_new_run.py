@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -119,6 +120,11 @@ def test_trainer_space_restart_without_checkpoint_refuses_in_the_panel_then_new_
     runner = RoleRunner("trainer", lambda cfg: [Trainer(cfg, bucket)])
     runner.start(config, wait=True)
     assert runner.state == "failed" and "RunExistsError" in runner.error and "TRAINER_NEW_RUN=1" in runner.error
+    import app  # the combined app names its own way on: --fresh
+
+    stack = SimpleNamespace(trainer=runner, bucket=config.bucket)
+    assert "python app.py --fresh" in app.fresh_hint(stack)
+    assert app.fresh_hint(SimpleNamespace(trainer=RoleRunner("trainer", lambda cfg: []), bucket="b")) is None
     assert read_manifest(bucket) == old
     assert from_env(TrainerConfig, "TRAINER", {"TRAINER_NEW_RUN": "1"}).new_run is True
     again = Trainer(TrainerConfig(**{**config.__dict__, "new_run": True}), bucket)
