@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from rlsync.bucket import (
     open_bucket,
     validate_key,
 )
+from rlsync.bucket.base import MAX_KEY_LENGTH, validate_prefix
 
 BAD_KEYS = [
     "../escape",
@@ -120,9 +122,44 @@ def test_validate_key_rejects_unsafe_keys(key):
         validate_key(key)
 
 
-@pytest.mark.parametrize("key", ["a", "anchors/step-000010.safetensors", "x/y/z=1+2@v.json", "A_b.c-d"])
+@pytest.mark.parametrize(
+    ("key", "reason"),
+    [
+        ("", "must be a non-empty string"),
+        (None, "must be a non-empty string"),
+        ("a" * (MAX_KEY_LENGTH + 1), f"longer than {MAX_KEY_LENGTH} characters"),
+        ("/abs", "relative '/'-separated path"),
+        ("a\\b", "relative '/'-separated path"),
+        ("c:/x", "relative '/'-separated path"),
+        ("a//b", "empty, '.' or '..' segment"),
+        ("a/", "empty, '.' or '..' segment"),
+        ("a/../b", "empty, '.' or '..' segment"),
+        ("a b", "unsupported characters"),
+        ("a\n", "unsupported characters"),
+    ],
+)
+def test_validate_key_names_why_a_key_is_refused(key, reason):
+    """The error a user sees says which rule the key broke (a hostile pointer's key, a typo in a prefix)."""
+    with pytest.raises(InvalidKeyError, match=re.escape(reason)):
+        validate_key(key)
+
+
+@pytest.mark.parametrize(
+    "key", ["a", "anchors/step-000010.safetensors", "x/y/z=1+2@v.json", "A_b.c-d", "k" * MAX_KEY_LENGTH]
+)
 def test_validate_key_accepts_relative_keys(key):
     assert validate_key(key) == key
+
+
+@pytest.mark.parametrize(
+    ("prefix", "bad"), [("", False), ("anchors/", False), ("a/b", False), ("/", True), ("a/../", True), ("/abs/", True)]
+)
+def test_validate_prefix_accepts_keys_with_a_trailing_slash(prefix, bad):
+    if bad:
+        with pytest.raises(InvalidKeyError):
+            validate_prefix(prefix)
+    else:
+        assert validate_prefix(prefix) == prefix
 
 
 @pytest.mark.parametrize("key", BAD_KEYS)
@@ -270,3 +307,9 @@ def test_open_bucket_hf_url_that_is_not_a_bucket_is_rejected(url):
 def test_open_bucket_unknown_scheme():
     with pytest.raises(BucketError, match="unsupported bucket URL 's3://b/k'"):
         open_bucket("s3://b/k")
+
+
+def test_object_not_found_reads_as_its_message_not_as_a_quoted_key():
+    """KeyError's str() would quote the message (and fail on no argument); a missing object reads plainly."""
+    assert str(ObjectNotFoundError("no object 'a/b' in the bucket")) == "no object 'a/b' in the bucket"
+    assert str(ObjectNotFoundError()) == "object not found"
