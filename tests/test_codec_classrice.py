@@ -108,15 +108,18 @@ def test_decode_without_base_reads_the_old_bits_a_chunk_at_a_time(dtype: torch.d
     rng = np.random.default_rng(4)
     old, old_all, new_all, index = _case(rng, dtype, 777, 40)
     encoded = KERNEL.encode("w", index, old_all[index], new_all[index], base=old)
-    asked: list[int] = []
+    asked: list[np.ndarray] = []
     params = {"dtype": dtype_name(old.dtype), **encoded.params}
     got_index, got_bits = KERNEL.decode(
         "w", encoded.entries, params, count=index.size, numel=old.numel(), itemsize=old.element_size(),
-        old_bits_at=lambda idx: asked.append(idx.size) or old_all[idx], base=None,
+        old_bits_at=lambda idx: asked.append(idx.copy()) or old_all[idx], base=None,
     )
     np.testing.assert_array_equal(got_index, index)
     np.testing.assert_array_equal(got_bits, new_all[index])
-    assert sum(asked) >= 777 and max(asked) <= 64
+    *chunks, changed = asked  # the class order reads every element once, in chunks; then the changed ones
+    assert [(int(c[0]), c.size) for c in chunks] == [(start, min(64, 777 - start)) for start in range(0, 777, 64)]
+    np.testing.assert_array_equal(np.concatenate(chunks), np.arange(777))
+    np.testing.assert_array_equal(np.sort(changed), index)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.uint8], ids=str)
@@ -196,7 +199,7 @@ def _set_row(field: str, value: int, row: int = 0):
         ({"classes": 10**6}, "invalid class table size"),
         ({"classes": 1.0}, "invalid class table size"),
         ({"unary_bytes": -3}, "invalid class table size"),
-        ({"unary_bytes": 10**9}, "shorter than its table"),
+        ({"unary_bytes": 10**9}, f"entry '{NAME}.pos': .* bytes, shorter than its table"),
     ],
 )
 def test_invalid_parameters_refused(state, params: dict, match: str) -> None:
@@ -228,6 +231,69 @@ def test_classes_out_of_order_refused(state) -> None:
         return pos
 
     assert_refused(rewrite(data, entries=_edit_pos(swap)), state, "invalid class table")
+
+
+def test_class_table_boundaries_refused(state) -> None:
+    """A class id one past the dtype's classes (bf16: 256), on the last row where the order check does
+    not catch it, and a class listed twice are refused as an invalid table."""
+    data = make_delta(state, "classrice")
+    rows = _classes(data)
+    assert rows >= 2
+    assert_refused(rewrite(data, entries=_edit_pos(_set_row("cls", 256, row=rows - 1))), state, "invalid class table")
+
+    def repeat(pos):
+        table = pos[: 2 * TABLE.itemsize].view(TABLE)
+        table[1]["cls"] = table[0]["cls"]
+        return pos
+
+    assert_refused(rewrite(data, entries=_edit_pos(repeat)), state, "invalid class table")
+
+
+def test_the_largest_rice_parameter_decodes(monkeypatch) -> None:
+    """Every parameter the table can hold (0-40) is valid: a class coded with the largest round-trips."""
+    import rlsync.codecs.classrice as classrice
+
+    monkeypatch.setattr(classrice, "_rice_parameter", lambda gaps: classrice.MAX_RICE_K)
+    old, old_all, new_all, index = _case(np.random.default_rng(3), torch.bfloat16, 500, 30)
+    encoded = KERNEL.encode("w", index, old_all[index], new_all[index], base=old)
+    pos = encoded.entries["w.pos"].numpy()
+    assert set(pos[: encoded.params["classes"] * TABLE.itemsize].view(TABLE)["flags"] & 0x3F) == {classrice.MAX_RICE_K}
+    got_index, got_bits = _decode(KERNEL, encoded, old, old_all, index)
+    np.testing.assert_array_equal(got_index, index)
+    np.testing.assert_array_equal(got_bits, new_all[index])
+
+
+def _with_groups(encoded: EncodedTensor, groups) -> EncodedTensor:
+    """``encoded`` with its class table and Rice streams rebuilt from ``groups`` (values unchanged)."""
+    table, unary, rem = ClassRiceCodec._encode_classes(groups)
+    pos = np.concatenate([table.view(np.uint8), unary, rem])
+    params = {**encoded.params, "classes": int(table.size), "unary_bytes": int(unary.size)}
+    return EncodedTensor(entries={**encoded.entries, "w.pos": torch.from_numpy(pos)}, params=params)
+
+
+@pytest.mark.parametrize("codec", [KERNEL, TORCH], ids=["kernel", "torch"])
+@pytest.mark.parametrize("hostile", ["rank_at_class_size", "inverted_class"])
+def test_hostile_ranks_refused_on_both_rank_paths(codec: ClassRiceCodec, hostile: str) -> None:
+    """A coded rank equal to its class's size, or a class coded inverted that was not, is refused by the
+    CPU kernel and by the torch class order (an accelerator's path) alike."""
+    from rlsync.codecs.classgap import EXPONENT_FIELDS
+    from rlsync.codecs.classrice import _class_ranks
+
+    old, old_all, new_all, index = _case(np.random.default_rng(11), torch.bfloat16, 2000, 60)
+    encoded = codec.encode("w", index, old_all[index], new_all[index], base=old)
+    ranks, classes, members = _class_ranks(old, index, EXPONENT_FIELDS[dtype_name(old.dtype)], compiled=True)
+    groups = [(int(c), np.sort(ranks[classes == c]), int(members[c])) for c in np.unique(classes)]
+    c, mine, size = max(groups, key=lambda g: g[1].size)  # the fullest class: its last rank can move
+    assert 2 * mine.size <= size  # coded as listed, not inverted
+    if hostile == "rank_at_class_size":
+        groups[[g[0] for g in groups].index(c)] = (c, np.append(mine[:-1], size), size + 1)
+        match = "w: a coded rank is beyond its class" if codec is TORCH else "w: the coded ranks do not fit"
+    else:  # listing the class's unchanged members instead: other positions, another count
+        groups[[g[0] for g in groups].index(c)] = (c, np.setdiff1d(np.arange(size), mine), size)
+        match = f"w: the coded ranks make {index.size + size - 2 * mine.size} changes, the metadata declares {index.size}"
+        match = match if codec is TORCH else "w: the coded ranks do not fit the tensor's classes, or do not make"
+    with pytest.raises(FormatError, match=match):
+        _decode(codec, _with_groups(encoded, groups), old, old_all, index)
 
 
 def test_flipped_inversion_refused(state) -> None:

@@ -252,7 +252,7 @@ class ClassRiceCodec(ClassGapCodec):
                 keep[mine] = False
                 mine = np.flatnonzero(keep)
             ranks.append(mine + int(order.class_start[c]))
-        rank = np.concatenate(ranks) if ranks else np.empty(0, np.int64)
+        rank = np.concatenate(ranks)  # one array per class, and there is at least one class
         if rank.size != count:
             raise FormatError(f"{name}: the coded ranks make {rank.size} changes, the metadata declares {count}")
         positions = order.positions_of(torch.from_numpy(rank).to(base.device)).cpu().numpy()
