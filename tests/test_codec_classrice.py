@@ -296,6 +296,44 @@ def test_hostile_ranks_refused_on_both_rank_paths(codec: ClassRiceCodec, hostile
         _decode(codec, _with_groups(encoded, groups), old, old_all, index)
 
 
+@pytest.mark.parametrize(
+    "hostile, match",
+    [
+        ("second_class", "w: invalid class table"),
+        ("inverted", "w: a flat order cannot be inverted"),
+        ("one_rank_less", "w: 19 positions, the metadata declares 20"),
+        ("byte_after_the_streams", "w: bytes left after the Rice streams"),
+        ("exponent_order_of_integers", "w: invalid order 'exponent' for dtype 'I32'"),
+    ],
+)
+def test_hostile_flat_order_refused(hostile: str, match: str) -> None:
+    """A flat order (no exponent field, or encoded without the base) has one class, never inverted, and
+    codes exactly the declared number of positions in streams with nothing after them."""
+    old, old_all, new_all, index = _case(np.random.default_rng(5), torch.bfloat16, 300, 20)
+    encoded = KERNEL.encode("w", index, old_all[index], new_all[index], base=None)
+    assert encoded.params["order"] == "flat" and index.size == 20
+    pos = encoded.entries["w.pos"].numpy().copy()
+    dtype = dtype_name(old.dtype)
+    if hostile == "second_class":
+        pos[: TABLE.itemsize].view(TABLE)[0]["cls"] = 1
+    elif hostile == "inverted":
+        pos[: TABLE.itemsize].view(TABLE)[0]["flags"] |= INVERTED
+    elif hostile == "one_rank_less":
+        encoded = _with_groups(encoded, [(0, index[:-1], 1 << 62)])
+        pos = encoded.entries["w.pos"].numpy()
+    elif hostile == "byte_after_the_streams":
+        pos = np.append(pos, np.uint8(0))
+    else:
+        dtype = "I32"
+        encoded = EncodedTensor(encoded.entries, {**encoded.params, "order": "exponent"})
+    entries = {**encoded.entries, "w.pos": torch.from_numpy(pos)}
+    with pytest.raises(FormatError, match=match):
+        KERNEL.decode(
+            "w", entries, {**encoded.params, "dtype": dtype}, count=index.size, numel=old.numel(),
+            itemsize=old.element_size(), old_bits_at=lambda idx: old_all[idx],
+        )
+
+
 def test_flipped_inversion_refused(state) -> None:
     """Flipping a class's "inverted" flag makes other positions: refused by the count the metadata declares."""
     data = make_delta(state, "classrice")

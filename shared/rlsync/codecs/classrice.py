@@ -65,7 +65,7 @@ def _class_ranks(base: torch.Tensor, index: np.ndarray, field: tuple[int, int], 
     cls = order.classes[position].long()
     within = rank - order.class_start[cls]
     by_position = torch.argsort(position)
-    members = order.upto_chunk[-1] if order.upto_chunk.numel() else torch.zeros(mask + 1, dtype=torch.long)
+    members = order.upto_chunk[-1]  # a changed element means a tensor of at least one chunk
     return within[by_position].cpu().numpy(), cls[by_position].cpu().numpy(), members.cpu().numpy()
 
 
