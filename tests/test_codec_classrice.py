@@ -18,7 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlsync.codecs import EncodedTensor, get_codec
-from rlsync.codecs.classrice import INVERTED, TABLE, ClassRiceCodec
+from rlsync.codecs.classgap import EXPONENT_FIELDS
+from rlsync.codecs.classrice import INVERTED, TABLE, ClassRiceCodec, _class_ranks
 from rlsync.detect import ChangeDetector
 from rlsync.dtypes import dtype_name
 from rlsync.errors import FormatError
@@ -45,6 +46,16 @@ def _decode(codec: ClassRiceCodec, encoded, old: torch.Tensor, old_all: np.ndarr
         "w", encoded.entries, params, count=index.size, numel=old.numel(), itemsize=old.element_size(),
         old_bits_at=lambda idx: old_all[idx], base=old if base else None,
     )
+
+
+def _table(pos: np.ndarray, rows: int) -> np.ndarray:
+    """The first ``rows`` rows of the class table of a ``.pos`` entry, as a view (edits write through)."""
+    return pos[: rows * TABLE.itemsize].view(TABLE)
+
+
+def _classes_of(old: torch.Tensor, index: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per changed element its rank within its class and its class, and every class's size (CPU kernel)."""
+    return _class_ranks(old, index, EXPONENT_FIELDS[dtype_name(old.dtype)], compiled=True)
 
 
 @HYPOTHESIS
@@ -77,14 +88,11 @@ def test_kernel_and_torch_class_order_agree(dtype: torch.dtype, numel: int, chun
 def test_dense_classes_are_coded_inverted_and_round_trip(changed: int) -> None:
     """A class where more than half the members changed (and only such a class) lists its unchanged
     members instead, and decodes exactly."""
-    from rlsync.codecs.classgap import EXPONENT_FIELDS
-    from rlsync.codecs.classrice import _class_ranks
-
     rng = np.random.default_rng(5)
     old, old_all, new_all, index = _case(rng, torch.bfloat16, 4000, changed)
     encoded = KERNEL.encode("w", index, old_all[index], new_all[index], base=old)
-    rows = encoded.entries["w.pos"].numpy()[: encoded.params["classes"] * TABLE.itemsize].view(TABLE)
-    _, classes, members = _class_ranks(old, index, EXPONENT_FIELDS[dtype_name(old.dtype)], compiled=True)
+    rows = _table(encoded.entries["w.pos"].numpy(), encoded.params["classes"])
+    _, classes, members = _classes_of(old, index)
     dense = {int(c) for c in np.unique(classes) if 2 * int((classes == c).sum()) > members[c]}
     assert dense and {int(r["cls"]) for r in rows if r["flags"] & INVERTED} == dense
     for decoder, base in ((KERNEL, True), (KERNEL, False), (TORCH, True)):
@@ -190,8 +198,7 @@ def _classes(data: bytes) -> int:
 
 def _set_row(field: str, value: int, row: int = 0):
     def edit(pos):
-        rows = pos[: (row + 1) * TABLE.itemsize].view(TABLE)
-        rows[row][field] = value
+        _table(pos, row + 1)[row][field] = value
         return pos
 
     return edit
@@ -233,7 +240,7 @@ def test_classes_out_of_order_refused(state) -> None:
     assert _classes(data) >= 2
 
     def swap(pos):
-        rows = pos[: 2 * TABLE.itemsize].view(TABLE)
+        rows = _table(pos, 2)
         rows[0]["cls"], rows[1]["cls"] = rows[1]["cls"], rows[0]["cls"]
         return pos
 
@@ -249,7 +256,7 @@ def test_class_table_boundaries_refused(state) -> None:
     assert_refused(rewrite(data, entries=_edit_pos(_set_row("cls", 256, row=rows - 1))), state, "invalid class table")
 
     def repeat(pos):
-        table = pos[: 2 * TABLE.itemsize].view(TABLE)
+        table = _table(pos, 2)
         table[1]["cls"] = table[0]["cls"]
         return pos
 
@@ -263,8 +270,7 @@ def test_the_largest_rice_parameter_decodes(monkeypatch) -> None:
     monkeypatch.setattr(classrice, "_rice_parameter", lambda gaps: classrice.MAX_RICE_K)
     old, old_all, new_all, index = _case(np.random.default_rng(3), torch.bfloat16, 500, 30)
     encoded = KERNEL.encode("w", index, old_all[index], new_all[index], base=old)
-    pos = encoded.entries["w.pos"].numpy()
-    assert set(pos[: encoded.params["classes"] * TABLE.itemsize].view(TABLE)["flags"] & 0x3F) == {classrice.MAX_RICE_K}
+    assert set(_table(encoded.entries["w.pos"].numpy(), encoded.params["classes"])["flags"] & 0x3F) == {classrice.MAX_RICE_K}
     got_index, got_bits = _decode(KERNEL, encoded, old, old_all, index)
     np.testing.assert_array_equal(got_index, index)
     np.testing.assert_array_equal(got_bits, new_all[index])
@@ -283,20 +289,18 @@ def _with_groups(encoded: EncodedTensor, groups) -> EncodedTensor:
 def test_hostile_ranks_refused_on_both_rank_paths(codec: ClassRiceCodec, hostile: str) -> None:
     """A coded rank equal to its class's size, or a class coded inverted that was not, is refused by the
     CPU kernel and by the torch class order (an accelerator's path) alike."""
-    from rlsync.codecs.classgap import EXPONENT_FIELDS
-    from rlsync.codecs.classrice import _class_ranks
-
     old, old_all, new_all, index = _case(np.random.default_rng(11), torch.bfloat16, 2000, 60)
     encoded = codec.encode("w", index, old_all[index], new_all[index], base=old)
-    ranks, classes, members = _class_ranks(old, index, EXPONENT_FIELDS[dtype_name(old.dtype)], compiled=True)
+    ranks, classes, members = _classes_of(old, index)
     groups = [(int(c), np.sort(ranks[classes == c]), int(members[c])) for c in np.unique(classes)]
-    c, mine, size = max(groups, key=lambda g: g[1].size)  # the fullest class: its last rank can move
+    at = max(range(len(groups)), key=lambda i: groups[i][1].size)  # the fullest class: its last rank can move
+    c, mine, size = groups[at]
     assert 2 * mine.size <= size  # coded as listed, not inverted
     if hostile == "rank_at_class_size":
-        groups[[g[0] for g in groups].index(c)] = (c, np.append(mine[:-1], size), size + 1)
+        groups[at] = (c, np.append(mine[:-1], size), size + 1)
         match = "w: a coded rank is beyond its class" if codec is TORCH else "w: the coded ranks do not fit"
     else:  # listing the class's unchanged members instead: other positions, another count
-        groups[[g[0] for g in groups].index(c)] = (c, np.setdiff1d(np.arange(size), mine), size)
+        groups[at] = (c, np.setdiff1d(np.arange(size), mine), size)
         match = f"w: the coded ranks make {index.size + size - 2 * mine.size} changes, the metadata declares {index.size}"
         match = match if codec is TORCH else "w: the coded ranks do not fit the tensor's classes, or do not make"
     with pytest.raises(FormatError, match=match):
@@ -319,26 +323,20 @@ def test_hostile_flat_order_refused(hostile: str, match: str) -> None:
     old, old_all, new_all, index = _case(np.random.default_rng(5), torch.bfloat16, 300, 20)
     encoded = KERNEL.encode("w", index, old_all[index], new_all[index], base=None)
     assert encoded.params["order"] == "flat" and index.size == 20
-    pos = encoded.entries["w.pos"].numpy().copy()
-    dtype = dtype_name(old.dtype)
+    pos, params = encoded.entries["w.pos"].numpy().copy(), encoded.params
     if hostile == "second_class":
-        pos[: TABLE.itemsize].view(TABLE)[0]["cls"] = 1
+        _table(pos, 1)[0]["cls"] = 1
     elif hostile == "inverted":
-        pos[: TABLE.itemsize].view(TABLE)[0]["flags"] |= INVERTED
+        _table(pos, 1)[0]["flags"] |= INVERTED
     elif hostile == "one_rank_less":
         encoded = _with_groups(encoded, [(0, index[:-1], 1 << 62)])
-        pos = encoded.entries["w.pos"].numpy()
+        pos, params = encoded.entries["w.pos"].numpy(), encoded.params
     elif hostile == "byte_after_the_streams":
         pos = np.append(pos, np.uint8(0))
     else:
-        dtype = "I32"
-        encoded = EncodedTensor(encoded.entries, {**encoded.params, "order": "exponent"})
-    entries = {**encoded.entries, "w.pos": torch.from_numpy(pos)}
+        params = {**params, "order": "exponent", "dtype": "I32"}
     with pytest.raises(FormatError, match=match):
-        KERNEL.decode(
-            "w", entries, {**encoded.params, "dtype": dtype}, count=index.size, numel=old.numel(),
-            itemsize=old.element_size(), old_bits_at=lambda idx: old_all[idx],
-        )
+        _decode(KERNEL, EncodedTensor({**encoded.entries, "w.pos": torch.from_numpy(pos)}, params), old, old_all, index, base=False)
 
 
 def test_flipped_inversion_refused(state) -> None:
@@ -346,8 +344,7 @@ def test_flipped_inversion_refused(state) -> None:
     data = make_delta(state, "classrice")
 
     def flip(pos):
-        rows = pos[: TABLE.itemsize].view(TABLE)
-        rows[0]["flags"] ^= INVERTED
+        _table(pos, 1)[0]["flags"] ^= INVERTED
         return pos
 
     assert_refused(rewrite(data, entries=_edit_pos(flip)), state, "do not make|do not fit")
