@@ -89,14 +89,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def run_prefixes() -> tuple[str, ...]:
     """Keys and key prefixes of one run's objects, deleted by ``--fresh`` (nothing else in the folder is touched)."""
-    from rlsync.adapters import ADAPTER_PREFIX
-    from rlsync.protocol.lock import LOCK_KEY
-    from rlsync.protocol.manifest import ANCHOR_PREFIX, CONTROL_KEY, DELTA_PREFIX, POINTER_KEY
-    from rlsync.spaces.exchange import METRICS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX, STATUS_PREFIX, TASKS_PREFIX
-    from rlsync.trl.checkpoints import CHECKPOINTS_PREFIX
+    from rlsync.layout import (
+        ADAPTER_PREFIX,
+        ANCHOR_PREFIX,
+        CHECKPOINTS_PREFIX,
+        CONTROL_PREFIX,
+        DELTA_PREFIX,
+        LOCK_KEY,
+        METRICS_PREFIX,
+        POINTER_KEY,
+        ROLLOUTS_PREFIX,
+        SCORES_PREFIX,
+        STATUS_PREFIX,
+        TASKS_PREFIX,
+    )
 
     return (
-        POINTER_KEY, LOCK_KEY, ANCHOR_PREFIX, DELTA_PREFIX, CONTROL_KEY.split("/")[0] + "/", STATUS_PREFIX,
+        POINTER_KEY, LOCK_KEY, ANCHOR_PREFIX, DELTA_PREFIX, CONTROL_PREFIX, STATUS_PREFIX,
         METRICS_PREFIX, TASKS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX, CHECKPOINTS_PREFIX, ADAPTER_PREFIX,
     )  # fmt: skip
 
@@ -228,8 +237,8 @@ def build_app(stack: Stack) -> gr.Blocks:
     import gradio as gr
 
     from env_space import app as env_app
-    from rollout_space import app as rollout_app
     from rlsync.spaces import access, components, frames
+    from rollout_space import app as rollout_app
     from trainer_space import app as trainer_app
 
     url = stack.bucket

@@ -38,8 +38,9 @@ from typing import Any
 from env_space.environments import get_environment
 from rlsync.adapters import adapter_bucket
 from rlsync.bucket import LocalBucket
+from rlsync.layout import metrics_key
 from rlsync.protocol import read_manifest
-from rlsync.spaces.exchange import get_json, metrics_key
+from rlsync.spaces.exchange import get_json
 from rlsync.spaces.tiny_model import tiny_model_path
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,10 +15,12 @@ import math
 import threading
 from typing import Any
 
+from rlsync.errors import RefusedObjectError
+
 __all__ = ["BoundedResult", "FailureCounts", "ScoringFailure", "finite_reward"]
 
 
-class ScoringFailure(Exception):
+class ScoringFailure(RefusedObjectError):
     """Raised by a scorer that already knows why a sample failed; the reason is counted as is."""
 
     def __init__(self, reason: str) -> None:

@@ -28,17 +28,26 @@ import math
 import threading
 import time
 
-from rlsync.bucket import Bucket, BucketError, open_bucket
+from rlsync.adapters import adapter_bucket
+from rlsync.bucket import Bucket, open_bucket
 from rlsync.bucket.watch import IDLE_WAIT_S, generation, meter_of, wait_for_change
-from rlsync.errors import FormatError
-from rlsync.spaces.exchange import (
+from rlsync.errors import BucketError, FormatError
+from rlsync.layout import (
+    DEMAND_KEY,
     MAX_BATCH,
-    MAX_OBJECT_BYTES,
-    MAX_REWARD,
-    MAX_TASKS,
     ROLLOUTS_PREFIX,
     SCORES_PREFIX,
     TASKS_PREFIX,
+    replica_of,
+    score_key,
+    task_key,
+)
+from rlsync.limits import MAX_OBJECT_BYTES
+from rlsync.protocol import read_manifest
+from rlsync.spaces.demand import Demand, batches_to_issue, read_demand
+from rlsync.spaces.exchange import (
+    MAX_REWARD,
+    MAX_TASKS,
     MetricsLog,
     Refusals,
     SampleLimits,
@@ -47,15 +56,9 @@ from rlsync.spaces.exchange import (
     parse_tasks,
     put_json,
     read_samples,
-    replica_of,
-    score_key,
-    task_key,
     watch_role_bucket,
     write_samples,
 )
-from rlsync.adapters import adapter_bucket
-from rlsync.protocol import read_manifest
-from rlsync.spaces.demand import DEMAND_KEY, Demand, batches_to_issue, read_demand
 
 from .bounded import BoundedResult, FailureCounts, ScoringFailure, finite_reward
 from .config import EnvConfig

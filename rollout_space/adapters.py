@@ -16,8 +16,8 @@ import threading
 from typing import Callable
 
 from rlsync.adapters import AdapterChain, AdapterMetadata, adapter_subscriber
-from rlsync.bucket import Bucket, BucketError
-from rlsync.errors import FormatError, SyncError
+from rlsync.bucket import Bucket
+from rlsync.errors import BucketError, FormatError, SyncError
 from rlsync.protocol import Update
 
 from .engine import Engine

@@ -33,30 +33,32 @@ import time
 from pathlib import Path
 
 from env_space.environments import get_environment
-from rlsync.bucket import Bucket, BucketError, open_bucket
+from rlsync.bucket import Bucket, open_bucket
 from rlsync.bucket.watch import IDLE_WAIT_S, generation, meter_of, wait_for_change
-from rlsync.errors import SyncError
-from rlsync.spaces.exchange import (
+from rlsync.errors import BucketError, SyncError
+from rlsync.hashing import state_hash
+from rlsync.layout import (
+    POINTER_KEY,
     ROLLOUTS_PREFIX,
     SCORES_PREFIX,
     TASKS_PREFIX,
+    check_id,
+    rollout_key,
+    status_key,
+    task_key,
+)
+from rlsync.protocol import Subscriber, Update
+from rlsync.spaces.demand import read_demand, would_be_stale
+from rlsync.spaces.exchange import (
     Refusals,
     Sample,
-    check_id,
     get_json,
     list_batches,
     parse_tasks,
     put_json,
-    rollout_key,
-    status_key,
-    task_key,
     watch_role_bucket,
     write_samples,
 )
-from rlsync.hashing import state_hash
-from rlsync.protocol import Subscriber, Update
-from rlsync.protocol.manifest import POINTER_KEY
-from rlsync.spaces.demand import read_demand, would_be_stale
 from rlsync.spaces.settings import resolve_device
 from rlsync.spaces.tiny_model import model_or_default
 

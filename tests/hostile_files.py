@@ -21,8 +21,8 @@ import zstandard
 
 from rlsync.cli import main
 from rlsync.commands import FILE_HASH_KEY, HEADER_KEY
+from rlsync.layout import POINTER_KEY
 from rlsync.protocol import FixedInterval, Publisher
-from rlsync.protocol.manifest import POINTER_KEY
 
 NAMES = ("model.a.weight", "model.b.weight", "model.c.weight")
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlsync.bucket import BucketError, LocalBucket
-from rlsync.errors import SyncError
+from rlsync.bucket import LocalBucket
+from rlsync.errors import BucketError, SyncError
 from rlsync.hashing import state_hash
 from rlsync.protocol import FixedInterval, Publisher
 from rlsync.protocol.sharded import ShardedPublisher

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from rlsync.adapters import (
-    ADAPTER_PREFIX,
     AdapterChain,
     AdapterMetadata,
     LoraSpec,
@@ -21,10 +20,11 @@ from rlsync.adapters import (
     adapter_publisher,
     adapter_subscriber,
 )
-from rlsync.bucket import FaultyBucket, InvalidKeyError, PrefixedBucket, TransientBucketError
-from rlsync.errors import ChainError, FormatError, SyncError
+from rlsync.bucket import FaultyBucket, PrefixedBucket
+from rlsync.errors import ChainError, FormatError, InvalidKeyError, SyncError, TransientBucketError
 from rlsync.hashing import state_hash
-from rlsync.protocol import POINTER_KEY, FixedInterval, Manifest, Publisher, read_manifest
+from rlsync.layout import ADAPTER_PREFIX, POINTER_KEY
+from rlsync.protocol import FixedInterval, Manifest, Publisher, read_manifest
 from tests.helpers import bf16, master_state
 
 LORA = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))

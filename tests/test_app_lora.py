@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import app
-from rlsync.adapters import ADAPTER_PREFIX
+from rlsync.layout import ADAPTER_PREFIX
 
 
 def test_lora_flag_trains_and_serves_an_adapter(monkeypatch, tmp_path):

@@ -13,24 +13,17 @@ import subprocess
 import sys
 import threading
 import time
-from email.utils import format_datetime
 from datetime import datetime, timedelta, timezone
+from email.utils import format_datetime
 from pathlib import Path
 
 import pytest
 
-from rlsync.bucket import (
-    BucketError,
-    InvalidKeyError,
-    ObjectInfo,
-    ObjectNotFoundError,
-    RetryingBucket,
-    TransientBucketError,
-    open_bucket,
-)
-from rlsync.bucket.hf import HfBucket
-from tests.conftest import HUB_TIMEOUT_SECONDS
 from benchmarks.hub_server import Fault
+from rlsync.bucket import ObjectInfo, RetryingBucket, open_bucket
+from rlsync.bucket.hf import HfBucket
+from rlsync.errors import BucketError, InvalidKeyError, ObjectNotFoundError, TransientBucketError
+from tests.conftest import HUB_TIMEOUT_SECONDS
 
 TOKEN = "hf_TESTsecretTOKEN0123456789abcdefXYZ"
 READ_ONLY = "hf_READonlyTOKEN0123456789abcdefXYZ"

@@ -9,16 +9,9 @@ from pathlib import Path
 import pytest
 
 import rlsync.bucket.local as local_module
-from rlsync.bucket import (
-    BucketError,
-    InvalidKeyError,
-    LocalBucket,
-    ObjectInfo,
-    ObjectNotFoundError,
-    open_bucket,
-    validate_key,
-)
+from rlsync.bucket import LocalBucket, ObjectInfo, open_bucket, validate_key
 from rlsync.bucket.base import MAX_KEY_LENGTH, validate_prefix
+from rlsync.errors import BucketError, InvalidKeyError, ObjectNotFoundError
 
 BAD_KEYS = [
     "../escape",
@@ -283,9 +276,8 @@ def test_open_bucket_file_url_with_remote_host_is_rejected(tmp_path):
 
 def test_open_bucket_hf_url(monkeypatch):
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    from rlsync.bucket.hf import HfBucket
-
     from rlsync.bucket import RetryingBucket
+    from rlsync.bucket.hf import HfBucket
 
     wrapped = open_bucket("hf://buckets/someone/rl-sync/runs/exp-1", create=False)  # create: one bucket_info call
     assert isinstance(wrapped, RetryingBucket)  # the Hub throttles: hf:// buckets retry by default

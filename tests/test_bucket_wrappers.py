@@ -8,17 +8,8 @@ import time
 
 import pytest
 
-from rlsync.bucket import (
-    Bucket,
-    BucketError,
-    FaultyBucket,
-    InvalidKeyError,
-    LocalBucket,
-    ObjectInfo,
-    ObjectNotFoundError,
-    RetryingBucket,
-    TransientBucketError,
-)
+from rlsync.bucket import Bucket, FaultyBucket, LocalBucket, ObjectInfo, RetryingBucket
+from rlsync.errors import BucketError, InvalidKeyError, ObjectNotFoundError, TransientBucketError
 
 
 class Sleeps(list):

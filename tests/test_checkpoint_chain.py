@@ -13,9 +13,10 @@ import pytest
 import safetensors.torch
 import torch
 
+from rlsync.layout import checkpoint_folder
 from rlsync.protocol import Publisher, read_manifest
 from rlsync.trl.checkpoint_checks import CheckpointExpectations, weights_hash
-from rlsync.trl.checkpoints import MARKER, BucketCheckpoints, checkpoint_folder
+from rlsync.trl.checkpoints import MARKER, BucketCheckpoints
 from tests.helpers import master_state
 
 LR = 1e-3

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlsync.protocol import FixedInterval, Publisher, delta_key
+from rlsync.layout import delta_key
+from rlsync.protocol import FixedInterval, Publisher
 from tests.helpers import master_state, rl_step
 
 ROOT = Path(__file__).resolve().parents[1]

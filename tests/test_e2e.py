@@ -14,8 +14,9 @@ from pathlib import Path
 
 from env_space.environments import get_environment
 from rlsync.bucket import LocalBucket
-from rlsync.spaces.exchange import get_json, metrics_key, status_key
+from rlsync.layout import metrics_key, status_key
 from rlsync.protocol import Subscriber, read_manifest
+from rlsync.spaces.exchange import get_json
 from rlsync.spaces.tiny_model import tiny_model_path
 
 ROOT = Path(__file__).resolve().parents[1]

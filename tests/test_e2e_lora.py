@@ -11,8 +11,9 @@ from __future__ import annotations
 from env_space.environments import get_environment
 from rlsync.adapters import AdapterChain, adapter_bucket, adapter_subscriber
 from rlsync.bucket import LocalBucket
+from rlsync.layout import metrics_key
 from rlsync.protocol import read_manifest
-from rlsync.spaces.exchange import get_json, metrics_key
+from rlsync.spaces.exchange import get_json
 from rlsync.spaces.tiny_model import tiny_model_path
 from tests.test_e2e import reward_rise, role_env, run_roles
 

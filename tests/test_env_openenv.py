@@ -23,7 +23,8 @@ from env_space.simulator import EnvConfig, EnvSimulator
 from env_space.sources import open_environment
 from env_space.sources.openenv_client import OpenEnvEnvironment
 from env_space.sources.settings import OpenEnvConfig
-from rlsync.spaces.exchange import Sample, get_json, read_samples, rollout_key, score_key, task_key, write_samples
+from rlsync.layout import rollout_key, score_key, task_key
+from rlsync.spaces.exchange import Sample, get_json, read_samples, write_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVED = "reasoning_gym:leg_counting,basic_arithmetic"

@@ -22,7 +22,8 @@ import pytest
 from env_space.sources import open_environment
 from env_space.sources.settings import ReasoningGymConfig
 from rlsync.bucket import LocalBucket
-from rlsync.spaces.exchange import Sample, rollout_key, write_samples
+from rlsync.layout import rollout_key
+from rlsync.spaces.exchange import Sample, write_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"

@@ -18,7 +18,8 @@ from env_space.simulator import EnvConfig, EnvSimulator
 from env_space.sources import open_environment, parse_weighted
 from env_space.sources.rewards import format_reward
 from env_space.sources.settings import DatasetSourceConfig, ReasoningGymConfig
-from rlsync.spaces.exchange import Sample, get_json, read_samples, rollout_key, score_key, task_key, write_samples
+from rlsync.layout import rollout_key, score_key, task_key
+from rlsync.spaces.exchange import Sample, get_json, read_samples, write_samples
 
 RG_SPEC = "reasoning_gym:leg_counting=2,basic_arithmetic"
 

@@ -26,31 +26,12 @@ from benchmarks.soak.kinds.publisher_kill import trial_publisher_kill
 from benchmarks.soak.kinds.subscriber_kill import trial_subscriber_kill
 from benchmarks.soak.kinds.two_trainers import trial_two_trainers
 from rlsync.bucket import LocalBucket
-from rlsync.errors import ChainError, FormatError
-from rlsync.spaces.exchange import (
-    Sample,
-    check_id,
-    get_json,
-    list_batches,
-    read_samples,
-    replica_of,
-    rollout_key,
-    score_key,
-    task_key,
-    write_samples,
-)
+from rlsync.errors import ChainError, FencedError, FormatError
 from rlsync.hashing import state_hash
-from rlsync.protocol import (
-    CONTROL_KEY,
-    LOCK_KEY,
-    POINTER_KEY,
-    FencedError,
-    FixedInterval,
-    Publisher,
-    Subscriber,
-    read_manifest,
-)
+from rlsync.layout import CONTROL_KEY, LOCK_KEY, POINTER_KEY, check_id, replica_of, rollout_key, score_key, task_key
+from rlsync.protocol import FixedInterval, Publisher, Subscriber, read_manifest
 from rlsync.protocol.verify import verify_bucket
+from rlsync.spaces.exchange import Sample, get_json, list_batches, read_samples, write_samples
 from tests.helpers import bf16, files_under, master_state, rl_step
 
 

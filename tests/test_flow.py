@@ -21,13 +21,23 @@ from transformers import TrainerCallback
 
 from env_space.environments import get_environment
 from env_space.simulator import EnvConfig, EnvSimulator
-from rollout_space.replica import Replica, ReplicaConfig
-from rlsync.protocol import FixedInterval, NonFiniteError, Publisher
+from rlsync.errors import NonFiniteError
+from rlsync.layout import DEMAND_KEY, rollout_key, score_key
+from rlsync.protocol import FixedInterval, Publisher
 from rlsync.sampling import MAX_GROUP_SIZE, MIN_SAMPLED_LOGPROB
-from rlsync.spaces.demand import DEMAND_KEY, Demand, batches_to_issue, parse_demand, read_demand, target_in_flight, would_be_stale, write_demand
-from rlsync.spaces.exchange import Refusals, Sample, SampleLimits, parse_samples, read_samples, rollout_key, score_key, write_samples
+from rlsync.spaces.demand import (
+    Demand,
+    batches_to_issue,
+    parse_demand,
+    read_demand,
+    target_in_flight,
+    would_be_stale,
+    write_demand,
+)
+from rlsync.spaces.exchange import Refusals, Sample, SampleLimits, parse_samples, read_samples, write_samples
 from rlsync.spaces.tiny_model import tiny_model_path
 from rlsync.trl import BucketRolloutWorker, BucketWeightTransfer, NonFiniteStepGuard, VersionGuard
+from rollout_space.replica import Replica, ReplicaConfig
 from tests.helpers import bf16, master_state, rl_step
 from tests.test_secrets import StubEngine
 

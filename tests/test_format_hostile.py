@@ -30,7 +30,6 @@ from rlsync.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     INDEX_FILE,
-    MAX_HEADER_BYTES,
     Change,
     anchor_metadata,
     decode_delta,
@@ -43,6 +42,7 @@ from rlsync.format import (
     write_anchor,
 )
 from rlsync.hashing import state_hash
+from rlsync.limits import MAX_HEADER_BYTES
 
 CODECS = ["gapzz", "trl"]
 

@@ -8,25 +8,13 @@ import os
 import time
 
 import pytest
-
-from rlsync.errors import ChainError, FormatError
-from rlsync.hashing import state_hash
 import torch
 
-from rlsync.protocol import (
-    CONTROL_KEY,
-    LOCK_KEY,
-    POINTER_KEY,
-    Adaptive,
-    FencedError,
-    FixedInterval,
-    Publisher,
-    Subscriber,
-    policy_from_json,
-    read_lock,
-    read_manifest,
-)
-from rlsync.protocol.manifest import MAX_POINTER_BYTES
+from rlsync.errors import ChainError, FencedError, FormatError
+from rlsync.hashing import state_hash
+from rlsync.layout import CONTROL_KEY, LOCK_KEY, POINTER_KEY
+from rlsync.limits import MAX_POINTER_BYTES
+from rlsync.protocol import Adaptive, FixedInterval, Publisher, Subscriber, policy_from_json, read_lock, read_manifest
 from rlsync.protocol.policy import MAX_INTERVAL
 from rlsync.protocol.verify import verify_bucket
 from tests.helpers import bf16, master_state, rl_step

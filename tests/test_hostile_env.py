@@ -12,21 +12,9 @@ import pytest
 from env_space.environments import Scoring
 from env_space.isolation import Confinement, call_bounded, run_confined
 from env_space.simulator import EnvConfig, EnvSimulator
-from env_space.sources import open_environment
 from env_space.sources.evaluators import EvaluatorRefused, check_literal, check_sympy_text, guard_evaluators
-from env_space.sources.settings import ReasoningGymConfig
-from rlsync.spaces.exchange import (
-    MAX_BATCH,
-    Sample,
-    batch_of,
-    get_json,
-    put_json,
-    read_samples,
-    rollout_key,
-    score_key,
-    task_key,
-    write_samples,
-)
+from rlsync.layout import MAX_BATCH, batch_of, rollout_key, score_key, task_key
+from rlsync.spaces.exchange import Sample, get_json, put_json, read_samples, write_samples
 
 #: The verifiers that hand the answer to sympy's parse_expr or to Python's eval.
 EVALUATING = [

@@ -17,23 +17,21 @@ import pytest
 import torch
 
 from env_space.simulator import EnvConfig, EnvSimulator
-from rlsync.errors import FormatError
+from rlsync.errors import FormatError, NonFiniteError, RunLockedError
+from rlsync.hashing import state_hash
+from rlsync.layout import CONTROL_KEY, LOCK_KEY, rollout_key, score_key
+from rlsync.protocol import FixedInterval, Publisher, Subscriber
+from rlsync.protocol.lock import acquire, parse_lock
+from rlsync.protocol.policy import policy_from_json
 from rlsync.spaces.exchange import (
+    Refusals,
     SampleLimits,
     parse_samples,
     parse_status,
     parse_tasks,
     put_json,
     read_samples,
-    rollout_key,
-    score_key,
-    Refusals,
 )
-from rlsync.hashing import state_hash
-from rlsync.protocol import CONTROL_KEY, FixedInterval, NonFiniteError, Publisher, Subscriber
-from rlsync.protocol.lock import LOCK_KEY, RunLockedError, acquire, parse_lock
-from rlsync.protocol.policy import policy_from_json
-
 from tests.helpers import bf16, master_state, rl_step
 
 LIMITS = SampleLimits(vocab_size=100, max_version=5, max_prompt_tokens=16, max_completion_tokens=16, max_samples=8)
@@ -325,7 +323,8 @@ def test_soak_trial_hostile_replicas(tmp_path) -> None:
 
 def test_metrics_with_a_diverged_loss_stay_readable(bucket) -> None:
     """Readers refuse NaN/Infinity, so the metrics writer stores non-finite figures as null."""
-    from rlsync.spaces.exchange import MetricsLog, get_json, metrics_key
+    from rlsync.layout import metrics_key
+    from rlsync.spaces.exchange import MetricsLog, get_json
 
     log = MetricsLog(bucket, "trainer")
     log.add(loss=float("nan"), reward=float("inf"), step=3)

@@ -9,8 +9,9 @@ import resource
 import pytest
 from safetensors.torch import load_file
 
+from rlsync.layout import rollout_key, task_key
 from rlsync.protocol import FixedInterval, Publisher
-from rlsync.spaces.exchange import get_json, put_json, read_samples, rollout_key, task_key
+from rlsync.spaces.exchange import get_json, put_json, read_samples
 from rlsync.spaces.tiny_model import build_tiny_model
 from rollout_space.replica import Replica, ReplicaConfig
 from rollout_space.token_budget import TokenBudget, plan_batch

@@ -4,8 +4,9 @@ library's defaults refuse them."""
 
 from __future__ import annotations
 
+from rlsync.layout import score_key
 from rlsync.protocol import Publisher
-from rlsync.spaces.exchange import Sample, read_samples, score_key, write_samples
+from rlsync.spaces.exchange import Sample, read_samples, write_samples
 from rlsync.trl import BucketRolloutWorker
 from rlsync.trl.rollout_worker import DEFAULT_MAX_TOKENS
 from tests.helpers import bf16, master_state

@@ -7,17 +7,16 @@ Everything runs against ``benchmarks/hub_server.py`` with the real huggingface_h
 from __future__ import annotations
 
 import collections
-
 import threading
 import time
 
 import httpx2
 import pytest
 
-from rlsync.bucket import ObjectNotFoundError, TransientBucketError
 from rlsync.bucket.budget import BudgetConfig, RequestClass, RequestMeter, Tier, classify
 from rlsync.bucket.hf import HfBucket
 from rlsync.bucket.watch import WatchConfig, WatchedBucket, WatchMode, watch
+from rlsync.errors import ObjectNotFoundError, TransientBucketError
 
 TOKEN = "hf_budget_token"
 BUCKET = "me/budget"

@@ -22,8 +22,9 @@ from pathlib import Path
 from env_space.environments import get_environment
 from rlsync.bucket.budget import RequestClass, Tier, scaled_limit
 from rlsync.bucket.hf import HfBucket
+from rlsync.layout import metrics_key, status_key
 from rlsync.protocol import read_manifest
-from rlsync.spaces.exchange import get_json, metrics_key, parse_status, status_key
+from rlsync.spaces.exchange import get_json, parse_status
 from rlsync.spaces.tiny_model import tiny_model_path
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from rlsync.bucket import BucketError, LocalBucket, ObjectNotFoundError, ObjectTooLargeError, open_bucket
-from rlsync.errors import FormatError, SyncError
+from rlsync.bucket import LocalBucket, open_bucket
+from rlsync.errors import BucketError, FormatError, ObjectNotFoundError, ObjectTooLargeError, SyncError
 from rlsync.files import age_out, write_atomic
-from rlsync.protocol import FixedInterval, Publisher, Subscriber, delta_key
+from rlsync.layout import delta_key
+from rlsync.protocol import FixedInterval, Publisher, Subscriber
 from rlsync.protocol.subscriber import SCRATCH_PREFIX
 from tests.helpers import master_state, rl_step
 

@@ -15,11 +15,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rlsync.errors import RunExistsError, SyncError
 from rlsync.hashing import state_hash
-from rlsync.protocol import FixedInterval, Publisher, RunExistsError, Subscriber, read_manifest
-from rlsync.errors import SyncError
-from rlsync.protocol.manifest import POINTER_KEY
-from rlsync.spaces.exchange import Sample, score_key, write_samples
+from rlsync.layout import POINTER_KEY, score_key
+from rlsync.protocol import FixedInterval, Publisher, Subscriber, read_manifest
+from rlsync.spaces.exchange import Sample, write_samples
 from rlsync.trl import BucketWeightTransfer
 from tests.helpers import bf16, master_state, rl_step
 

@@ -17,12 +17,11 @@ import httpx
 import markdown_it
 import pytest
 
+import app  # the combined panel (the repository root is on the path, as for every test)
 from rlsync.bucket import LocalBucket
-from rlsync.protocol.manifest import CONTROL_KEY
+from rlsync.layout import CONTROL_KEY
 from rlsync.spaces import access, components, frames, role_control
 from rlsync.spaces.snapshots import Snapshot
-
-import app  # the combined panel (the repository root is on the path, as for every test)
 
 gradio_client = pytest.importorskip("gradio_client")
 

@@ -9,21 +9,11 @@ import pytest
 import torch
 
 from rlsync.bucket import LocalBucket
-from rlsync.errors import ChainError, FormatError, HashMismatchError, SyncError
+from rlsync.errors import ChainError, FencedError, FormatError, HashMismatchError, SyncError
 from rlsync.format import encode_delta
 from rlsync.hashing import state_hash
-from rlsync.protocol import (
-    CONTROL_KEY,
-    FencedError,
-    POINTER_KEY,
-    Adaptive,
-    FixedInterval,
-    Publisher,
-    Subscriber,
-    delta_key,
-    policy_to_json,
-    read_manifest,
-)
+from rlsync.layout import CONTROL_KEY, POINTER_KEY, delta_key
+from rlsync.protocol import Adaptive, FixedInterval, Publisher, Subscriber, policy_to_json, read_manifest
 from rlsync.protocol.verify import verify_bucket
 from tests.helpers import bf16, files_under, master_state, rl_step
 
@@ -318,7 +308,7 @@ def test_non_bf16_tensors_are_shipped_in_their_own_dtype(bucket):
 
 
 def test_second_trainer_is_refused_and_a_taken_over_one_is_fenced(bucket):
-    from rlsync.protocol import FencedError, RunLockedError
+    from rlsync.errors import FencedError, RunLockedError
 
     master = master_state()
     first = Publisher(bucket, owner="trainer-a")

@@ -16,8 +16,10 @@ import types
 
 import pytest
 
-from rlsync.bucket import BucketError, LocalBucket
-from rlsync.protocol import POINTER_KEY, FixedInterval, Publisher, Subscriber
+from rlsync.bucket import LocalBucket
+from rlsync.errors import BucketError
+from rlsync.layout import POINTER_KEY
+from rlsync.protocol import FixedInterval, Publisher, Subscriber
 from rlsync.spaces import role_control, snapshots
 from tests.helpers import master_state, rl_step
 

@@ -14,20 +14,20 @@ and nothing a panel renders.
 
 from __future__ import annotations
 
-import time
-
 import logging
+import time
 import traceback
 import types
 from typing import Any
 
 import pytest
 
-from rlsync.bucket import BucketError, open_bucket
+from benchmarks.hub_server import Fault, HubServer
+from rlsync.bucket import open_bucket
 from rlsync.bucket.hf import HfBucket
+from rlsync.errors import BucketError
 from rlsync.protocol import FixedInterval, Publisher, Subscriber
 from tests.helpers import master_state, rl_step
-from benchmarks.hub_server import Fault, HubServer
 
 TOKEN = "hf_TESTsecretTOKEN0123456789abcdefXYZ"
 BUCKET = "someone/rl-sync"

@@ -105,8 +105,9 @@ def test_rollout_space_on_transformers_applies_a_version(tmp_path, exported):
     from safetensors.torch import load_file
 
     from env_space.environments import get_environment
+    from rlsync.layout import status_key
     from rlsync.protocol import Publisher
-    from rlsync.spaces.exchange import get_json, status_key
+    from rlsync.spaces.exchange import get_json
     from rlsync.spaces.tiny_model import tiny_model_path
 
     bucket = LocalBucket(tmp_path / "bucket")

@@ -11,7 +11,8 @@ import safetensors.torch
 
 from rlsync.errors import ChainError, HashMismatchError
 from rlsync.hashing import state_hash
-from rlsync.protocol import POINTER_KEY, FixedInterval, Publisher, Subscriber, delta_key
+from rlsync.layout import POINTER_KEY, delta_key
+from rlsync.protocol import FixedInterval, Publisher, Subscriber
 from tests.helpers import bf16, master_state, rl_step
 
 OTHER_HASH = "0" * 64

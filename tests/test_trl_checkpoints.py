@@ -11,7 +11,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from rlsync.trl.checkpoints import MARKER, BucketCheckpoints, CheckpointError, checkpoint_folder
+from rlsync.errors import CheckpointError
+from rlsync.layout import checkpoint_folder
+from rlsync.trl.checkpoints import MARKER, BucketCheckpoints
 
 
 def trainer_folder(tmp_path, step: int):

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from rlsync.spaces.exchange import Sample, read_samples, score_key, write_samples
-from rlsync.hashing import state_hash
 from rlsync.detect import CPU_CHUNK_ELEMENTS
+from rlsync.errors import StopRequested
+from rlsync.hashing import state_hash
+from rlsync.layout import score_key
 from rlsync.protocol import FixedInterval, Publisher, Subscriber, read_manifest
-from rlsync.trl import BucketRolloutWorker, BucketWeightTransfer, StopRequested, group_advantages
+from rlsync.spaces.exchange import Sample, read_samples, write_samples
+from rlsync.trl import BucketRolloutWorker, BucketWeightTransfer, group_advantages
 from tests.helpers import bf16, master_state, rl_step
 
 ROOT = Path(__file__).resolve().parents[1]

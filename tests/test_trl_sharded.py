@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from rlsync.bucket import LocalBucket
+from rlsync.errors import CheckpointError
 from rlsync.protocol import Subscriber, read_manifest
 from rlsync.protocol.verify import verify_bucket
 from rlsync.trl import BucketCheckpoints
-from rlsync.trl.checkpoints import CheckpointError
 from rlsync.trl.sharded_checkpoints import ShardedCheckpointCallback, read_dcp_metadata, restore_sharded
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,7 +197,7 @@ def test_send_weights_leaves_the_gathering_iterator_unread_and_a_non_finite_sync
 def test_a_checkpoint_whose_upload_fails_on_a_rank_gets_no_marker(tmp_path):
     import torch.distributed as dist
 
-    from rlsync.bucket import BucketError
+    from rlsync.errors import BucketError
 
     class FailingBucket(LocalBucket):
         def put_file(self, key, path):

@@ -8,8 +8,9 @@ import random
 import threading
 
 from rlsync.bucket import Bucket
-from rlsync.spaces.exchange import Sample, score_key, write_samples
+from rlsync.layout import score_key
 from rlsync.protocol import read_manifest
+from rlsync.spaces.exchange import Sample, write_samples
 
 
 def off_grid_trainer(path: str, tokenizer, out: str, worker, transfer, *, learning_rate: float, peft_config=None):

@@ -21,8 +21,10 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from rlsync.bucket import Bucket, BucketError
-from rlsync.spaces.demand import DEMAND_KEY, Demand, Pacing, target_in_flight, write_demand
+from rlsync.bucket import Bucket
+from rlsync.errors import BucketError
+from rlsync.layout import DEMAND_KEY
+from rlsync.spaces.demand import Demand, Pacing, target_in_flight, write_demand
 from rlsync.trl import BucketRolloutWorker, BucketWeightTransfer
 
 logger = logging.getLogger(__name__)

@@ -43,11 +43,14 @@ import torch
 from transformers import TrainerCallback
 
 from env_space.environments import get_environment
-from rlsync.lora import peft_config
 from rlsync.bucket import Bucket, open_bucket
 from rlsync.bucket.watch import meter_of
 from rlsync.codecs import default_codec
-from rlsync.protocol import CONTROL_KEY, Adaptive, FixedInterval, NonFiniteError, Publisher, PublishRecord, policy_to_json, read_manifest
+from rlsync.errors import NonFiniteError, StopRequested
+from rlsync.layout import CONTROL_KEY
+from rlsync.lora import peft_config
+from rlsync.protocol import Adaptive, FixedInterval, Publisher, PublishRecord, policy_to_json, read_manifest
+from rlsync.spaces.demand import Pacing
 from rlsync.spaces.exchange import MetricsLog, Refusals, SampleLimits, read_samples, watch_role_bucket
 from rlsync.spaces.settings import resolve_device
 from rlsync.spaces.tiny_model import model_or_default
@@ -59,11 +62,9 @@ from rlsync.trl import (
     CheckpointCallback,
     FinalWeightSync,
     NonFiniteStepGuard,
-    StopRequested,
     VersionGuard,
     apply_cpu_compat,
 )
-from rlsync.spaces.demand import Pacing
 from rlsync.trl.checkpoint_checks import CheckpointExpectations
 from rlsync.trl.coalesce import PublishCoalescing
 from rlsync.trl.metrics import trl_layout_bytes

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterable
 
 from rlsync.bucket import LocalBucket
-from rlsync.protocol import POINTER_KEY
+from rlsync.layout import POINTER_KEY
 
 
 def die() -> None:

@@ -12,8 +12,8 @@ import threading
 
 import torch
 
-from rlsync.bucket import BucketError, LocalBucket
-from rlsync.errors import FormatError, SyncError
+from rlsync.bucket import LocalBucket
+from rlsync.errors import BucketError, FormatError, SyncError
 from rlsync.hashing import state_hash
 from rlsync.protocol import Manifest, Subscriber, read_manifest
 from rlsync.protocol.verify import verify_bucket

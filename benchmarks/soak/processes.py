@@ -18,10 +18,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from rlsync.bucket import BucketError
-from rlsync.errors import SyncError
+from rlsync.errors import BucketError, FencedError, RunLockedError, SyncError
 from rlsync.hashing import state_hash
-from rlsync.protocol import FencedError, FixedInterval, Publisher, RunLockedError, Subscriber
+from rlsync.protocol import FixedInterval, Publisher, Subscriber
 from rlsync.protocol import subscriber as subscriber_module
 
 from .hooks import HookBucket, die

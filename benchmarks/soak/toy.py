@@ -8,8 +8,7 @@ import time
 
 import torch
 
-from rlsync.bucket import BucketError
-from rlsync.errors import FormatError, SyncError
+from rlsync.errors import BucketError, FormatError, SyncError
 from rlsync.protocol import FixedInterval, Publisher
 
 from .invariants import Ledger

@@ -33,6 +33,8 @@ from typing import Any
 from sympy.core.function import FunctionClass
 from sympy.parsing import sympy_parser
 
+from rlsync.errors import RefusedObjectError
+
 __all__ = ["EvaluatorRefused", "check_literal", "check_sympy_text", "guard_evaluators"]
 
 #: sympy names that are values, plain functions or unevaluated operators rather than ``Function`` classes.
@@ -50,7 +52,7 @@ _LITERAL_NODES = (
 _original_eval = builtins.eval
 
 
-class EvaluatorRefused(ValueError):
+class EvaluatorRefused(RefusedObjectError, ValueError):
     """Text that would run as code, refused before it reaches an evaluator."""
 
 

@@ -33,10 +33,9 @@ import torch
 
 from .bucket import Bucket, PrefixedBucket
 from .errors import FormatError
+from .layout import ADAPTER_PREFIX
 from .protocol import Manifest, Publisher, Subscriber
 
-#: Key prefix of the adapter chain inside a run's bucket.
-ADAPTER_PREFIX = "adapters/"
 #: Name of an adapter's tensor file and config in a peft / vLLM adapter folder.
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"

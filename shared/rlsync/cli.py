@@ -14,8 +14,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from .bucket import BucketError
-from .errors import SyncError
+from .errors import BucketError, SyncError
 
 MAX_ERROR_CHARS = 600  # hostile files can make messages long (names, shapes); the error stays one readable line
 

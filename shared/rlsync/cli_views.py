@@ -11,7 +11,8 @@ from pathlib import Path
 from .errors import FormatError
 from .files import read_regular
 from .jsonlimits import loads_bounded
-from .protocol.manifest import MAX_POINTER_BYTES, Manifest
+from .limits import MAX_POINTER_BYTES
+from .protocol.manifest import Manifest
 
 #: Files of one folder that ``inspect`` describes (a hostile folder may hold any number).
 MAX_FOLDER_FILES = 256

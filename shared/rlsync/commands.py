@@ -24,19 +24,10 @@ from .detect import ChangeDetector
 from .dtypes import dtype_name
 from .errors import FormatError, SyncError
 from .files import read_regular, write_atomic
-from .format import (
-    MAX_HEADER_BYTES,
-    MAX_METADATA_BYTES,
-    decode_delta,
-    encode_delta,
-    file_kind,
-    metadata_int,
-    parse_header,
-    read_header_file,
-    shaped_nbytes,
-)
+from .format import decode_delta, encode_delta, file_kind, metadata_int, parse_header, read_header_file, shaped_nbytes
 from .hashing import state_hash
 from .jsonlimits import loads_bounded
+from .limits import MAX_HEADER_BYTES, MAX_METADATA_BYTES
 from .progress import progress_bar
 
 HEADER_KEY = "file_header"

@@ -15,19 +15,13 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Callable
 
+from .errors import FileTooLargeError, NotRegularFileError
+
 logger = logging.getLogger(__name__)
 
 TMP_MARK = ".tmp-"
 TMP_TOKEN_CHARS = "0-9a-f"  # create_new's names: TMP_MARK, then 12 of these (secrets.token_hex(6))
 _CHUNK = 1 << 20  # 1 MiB per read: copying a large anchor keeps memory flat
-
-
-class NotRegularFileError(OSError):
-    """The path names a FIFO, device, directory or (where refused) a symlink."""
-
-
-class FileTooLargeError(OSError):
-    """The file is larger than the caller allows."""
 
 
 def open_regular(

@@ -35,6 +35,7 @@ from .dtypes import bits_to_numpy, dtype_from_name, dtype_name, int_view, numpy_
 from .errors import FormatError
 from .files import open_regular, read_regular
 from .jsonlimits import loads_bounded
+from .limits import MAX_HEADER_BYTES, MAX_METADATA_BYTES
 from .patch import TensorPatch, gather
 from .workers import worker_pool
 
@@ -43,8 +44,6 @@ MAX_METADATA_INT = 10**19 - 1  # what _DECIMAL accepts
 FORMAT_NAME = "rlsync"
 FORMAT_VERSION = 2  # 2: tree state hash (rlsync.hashing); 1: flat state hash, still readable
 READABLE_FORMAT_VERSIONS = (1, 2)
-MAX_HEADER_BYTES = 100 * 1024 * 1024
-MAX_METADATA_BYTES = 16 * 1024 * 1024
 MAX_DIMS = 64
 # JSON objects in a header (its entries, plus any "{" inside metadata strings, such as a delta's
 # tensor table): a model of 100,000 tensors needs a few per tensor; more is a header built to cost

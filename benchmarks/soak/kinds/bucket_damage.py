@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Callable
 
 from rlsync.bucket import LocalBucket
-from rlsync.protocol import POINTER_KEY, FixedInterval, Publisher, Subscriber, read_manifest
+from rlsync.layout import POINTER_KEY
+from rlsync.protocol import FixedInterval, Publisher, Subscriber, read_manifest
 
 from ..invariants import Ledger, TrialResult, checked_sync
 from ..toy import SHARD_BYTES, toy_master, toy_step

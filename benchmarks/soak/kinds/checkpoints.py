@@ -16,9 +16,10 @@ import safetensors.torch
 import torch
 
 from rlsync.bucket import LocalBucket
+from rlsync.layout import checkpoint_folder
 from rlsync.protocol import Publisher, read_manifest
 from rlsync.trl.checkpoint_checks import CheckpointExpectations
-from rlsync.trl.checkpoints import MARKER, BucketCheckpoints, checkpoint_folder
+from rlsync.trl.checkpoints import MARKER, BucketCheckpoints
 
 from ..bystanders import check_bystanders, plant_bystanders
 from ..invariants import TrialResult

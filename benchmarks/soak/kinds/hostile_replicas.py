@@ -27,20 +27,11 @@ from typing import Any, Callable
 import torch
 
 from env_space.simulator import EnvConfig, EnvSimulator
-from rlsync.bucket import BucketError, LocalBucket
-from rlsync.errors import SyncError
-from rlsync.protocol import CONTROL_KEY, Subscriber, read_manifest
-from rlsync.spaces.exchange import (
-    ROLLOUTS_PREFIX,
-    SCORES_PREFIX,
-    TASKS_PREFIX,
-    list_batches,
-    parse_tasks,
-    put_json,
-    rollout_key,
-    score_key,
-    status_key,
-)
+from rlsync.bucket import LocalBucket
+from rlsync.errors import BucketError, SyncError
+from rlsync.layout import CONTROL_KEY, ROLLOUTS_PREFIX, SCORES_PREFIX, TASKS_PREFIX, rollout_key, score_key, status_key
+from rlsync.protocol import Subscriber, read_manifest
+from rlsync.spaces.exchange import list_batches, parse_tasks, put_json
 from rlsync.spaces.frames import env_summary, trainer_summary
 from rlsync.spaces.snapshots import read_snapshot
 from trainer_space.trainer import Trainer, TrainerConfig

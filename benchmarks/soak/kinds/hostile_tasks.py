@@ -23,19 +23,11 @@ import time
 from pathlib import Path
 
 from env_space.simulator import EnvConfig, EnvSimulator
-from rlsync.bucket import BucketError, LocalBucket
+from rlsync.bucket import LocalBucket
+from rlsync.errors import BucketError
+from rlsync.layout import MAX_BATCH, SCORES_PREFIX, rollout_key, task_key
 from rlsync.protocol import FixedInterval, Publisher
-from rlsync.spaces.exchange import (
-    MAX_BATCH,
-    SCORES_PREFIX,
-    Sample,
-    get_json,
-    list_batches,
-    put_json,
-    rollout_key,
-    task_key,
-    write_samples,
-)
+from rlsync.spaces.exchange import Sample, get_json, list_batches, put_json, write_samples
 from rlsync.spaces.tiny_model import build_tiny_model
 from rollout_space.replica import Replica, ReplicaConfig
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from rlsync.bucket import LocalBucket
 from rlsync.errors import SyncError
-from rlsync.protocol import LOCK_KEY, FixedInterval, Publisher, Subscriber, read_lock
+from rlsync.layout import LOCK_KEY
+from rlsync.protocol import FixedInterval, Publisher, Subscriber, read_lock
 
 from ..bystanders import check_bystanders, plant_bystanders, publish_and_follow
 from ..invariants import Ledger, TrialResult, check_verified

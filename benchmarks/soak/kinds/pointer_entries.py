@@ -12,7 +12,8 @@ from pathlib import Path
 
 from rlsync.bucket import LocalBucket
 from rlsync.errors import SyncError
-from rlsync.protocol import POINTER_KEY, FixedInterval, Publisher, Subscriber
+from rlsync.layout import POINTER_KEY
+from rlsync.protocol import FixedInterval, Publisher, Subscriber
 
 from ..bystanders import BYSTANDER_KEYS, check_bystanders, plant_bystanders, publish_and_follow
 from ..invariants import Ledger, TrialResult, check_verified, checked_sync

@@ -9,17 +9,8 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Callable
 
-from .base import (
-    Bucket,
-    BucketError,
-    BucketWrapper,
-    InvalidKeyError,
-    ObjectInfo,
-    ObjectNotFoundError,
-    ObjectTooLargeError,
-    TransientBucketError,
-    validate_key,
-)
+from ..errors import BucketError, InvalidKeyError, ObjectNotFoundError, ObjectTooLargeError, TransientBucketError
+from .base import Bucket, BucketWrapper, ObjectInfo, validate_key
 from .faulty import FaultyBucket
 from .local import LocalBucket
 from .prefixed import PrefixedBucket

@@ -16,6 +16,8 @@ import uuid
 from pathlib import Path
 from typing import Iterable
 
+from ..errors import BucketError, InvalidKeyError, ObjectNotFoundError, ObjectTooLargeError, TransientBucketError
+
 __all__ = [
     "Bucket",
     "BucketError",
@@ -27,38 +29,6 @@ __all__ = [
     "InvalidKeyError",
     "validate_key",
 ]
-
-
-class BucketError(Exception):
-    """A bucket operation failed and retrying will not help."""
-
-
-class ObjectNotFoundError(BucketError, KeyError):
-    """The requested object does not exist."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else "object not found"
-
-
-class ObjectTooLargeError(BucketError):
-    """An object is larger than the reader allows (checked before its bytes are read)."""
-
-
-class TransientBucketError(BucketError):
-    """A bucket operation failed in a way that may succeed if retried (5xx, 429).
-
-    Args:
-        message: What failed.
-        retry_after: Seconds the server asked us to wait, if it said.
-    """
-
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class InvalidKeyError(BucketError, ValueError):
-    """An object key is not a safe relative path."""
 
 
 @dataclasses.dataclass(frozen=True)

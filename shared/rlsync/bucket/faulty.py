@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-from .base import Bucket, BucketWrapper, ObjectInfo, TransientBucketError, validate_key
+from ..errors import TransientBucketError
+from .base import Bucket, BucketWrapper, ObjectInfo, validate_key
 
 __all__ = ["FaultyBucket"]
 

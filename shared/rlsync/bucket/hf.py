@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Callable, Iterable, TypeVar
 
 import httpx2
+from hf_xet import XetAuthenticationError, XetObjectNotFoundError
 from huggingface_hub import BucketFile, HfApi, get_token
 from huggingface_hub.errors import (
     BucketBatchError,
@@ -53,21 +54,10 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import parse_hf_uri, parse_ratelimit_headers
 
-from hf_xet import XetAuthenticationError, XetObjectNotFoundError
-
-from .base import (
-    Bucket,
-    BucketError,
-    ObjectInfo,
-    ObjectNotFoundError,
-    ObjectTooLargeError,
-    TransientBucketError,
-    part_path,
-    validate_key,
-    validate_prefix,
-)
+from ..errors import BucketError, ObjectNotFoundError, ObjectTooLargeError, RetryableHttpError, TransientBucketError
+from .base import Bucket, ObjectInfo, part_path, validate_key, validate_prefix
 from .budget import RequestMeter
-from .hf_transport import HfTransferConfig, RetryableHttpError, install, metering, single_attempt
+from .hf_transport import HfTransferConfig, install, metering, single_attempt
 
 __all__ = ["HfBucket"]
 

@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Iterator
 
 import httpx2
 
+from ..errors import RetryableHttpError
+
 if TYPE_CHECKING:
     from .budget import RequestMeter
 
@@ -77,21 +79,6 @@ class HfTransferConfig:
 
     def timeout(self) -> httpx2.Timeout:
         return httpx2.Timeout(self.read_timeout, connect=self.connect_timeout)
-
-
-class RetryableHttpError(Exception):
-    """A Hub API request failed in a retryable way during a bucket call (not retried by the library).
-
-    Args:
-        message: What failed.
-        status: The HTTP status, or None for a connection failure or timeout.
-        headers: The response headers (for `Retry-After`), empty for a connection failure.
-    """
-
-    def __init__(self, message: str, status: int | None = None, headers: httpx2.Headers | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.headers = headers if headers is not None else httpx2.Headers()
 
 
 class _BucketTransport(httpx2.HTTPTransport):

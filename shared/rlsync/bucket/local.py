@@ -21,18 +21,16 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from ..files import TMP_MARK, TMP_TOKEN_CHARS, FileTooLargeError, NotRegularFileError, copy_regular, create_new, open_regular
-from .base import (
-    Bucket,
+from ..errors import (
     BucketError,
+    FileTooLargeError,
     InvalidKeyError,
-    ObjectInfo,
+    NotRegularFileError,
     ObjectNotFoundError,
     ObjectTooLargeError,
-    part_path,
-    validate_key,
-    validate_prefix,
 )
+from ..files import TMP_MARK, TMP_TOKEN_CHARS, copy_regular, create_new, open_regular
+from .base import Bucket, ObjectInfo, part_path, validate_key, validate_prefix
 
 _WRITE_ATTEMPTS = 5
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, TypeVar
 
-from .base import Bucket, BucketError, BucketWrapper, ObjectInfo, TransientBucketError
+from ..errors import BucketError, TransientBucketError
+from .base import Bucket, BucketWrapper, ObjectInfo
 
 __all__ = ["RetryingBucket"]
 

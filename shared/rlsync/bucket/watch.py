@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-from .base import Bucket, BucketError, BucketWrapper, InvalidKeyError, ObjectInfo, ObjectNotFoundError, validate_key
+from ..errors import BucketError, InvalidKeyError, ObjectNotFoundError
+from .base import Bucket, BucketWrapper, ObjectInfo, validate_key
 
 __all__ = [
     "IDLE_WAIT_S", "WatchConfig", "WatchMode", "WatchedBucket", "generation", "hub_backend", "listing_error", "meter_of",

@@ -1,18 +1,11 @@
 """The bucket protocol: publisher, subscriber, anchor policies, retention, pointer."""
 
-from .lock import LOCK_KEY, FencedError, RunLockedError, read_lock
-from .manifest import (
-    CONTROL_KEY,
-    POINTER_KEY,
-    AnchorEntry,
-    DeltaEntry,
-    FileEntry,
-    Manifest,
-    anchor_folder,
-    delta_key,
-)
+from ..errors import FencedError, NonFiniteError, RunExistsError, RunLockedError
+from ..layout import CONTROL_KEY, LOCK_KEY, POINTER_KEY, anchor_folder, delta_key
+from .lock import read_lock
+from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest
 from .policy import Adaptive, AnchorPolicy, FixedInterval, policy_from_json, policy_from_settings, policy_to_json
-from .publisher import NonFiniteError, PublishRecord, Publisher, RunExistsError, read_manifest
+from .publisher import Publisher, PublishRecord, read_manifest
 from .retention import prune, sweep_orphans
 from .subscriber import Subscriber, SubscriberStats, Update
 

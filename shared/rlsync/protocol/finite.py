@@ -7,12 +7,8 @@ from typing import Mapping
 import torch
 
 from ..dtypes import numpy_to_values
-from ..errors import SyncError
+from ..errors import NonFiniteError
 from ..format import Change
-
-
-class NonFiniteError(SyncError):
-    """A publish would turn finite published values into NaN or Inf (see ``Publisher(allow_non_finite=...)``)."""
 
 
 def check_finite_changes(changes: Mapping[str, Change]) -> None:

@@ -23,25 +23,17 @@ import logging
 import math
 import time
 
-from ..bucket import Bucket, ObjectNotFoundError, ObjectTooLargeError
-from ..errors import FormatError, SyncError
+from ..bucket import Bucket
+from ..errors import FencedError, FormatError, ObjectNotFoundError, ObjectTooLargeError, RunLockedError
 from ..jsonlimits import loads_bounded
+from ..layout import LOCK_KEY
+from ..limits import MAX_LOCK_BYTES
 
 logger = logging.getLogger(__name__)
 
-LOCK_KEY = "lock.json"
 DEFAULT_LOCK_TTL_S = 600.0
-MAX_LOCK_BYTES = 64 * 1024
 MAX_CLOCK_SKEW_S = 300.0
 MAX_EPOCH = 2**53
-
-
-class RunLockedError(SyncError):
-    """Another trainer holds the run lock."""
-
-
-class FencedError(SyncError):
-    """This trainer's lock was taken over; it must stop publishing."""
 
 
 @dataclasses.dataclass(frozen=True)

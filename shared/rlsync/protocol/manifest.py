@@ -1,23 +1,8 @@
-"""Bucket layout and the pointer ("weights ready") object.
-
-Layout of a bucket::
-
-    latest.json                           the pointer: written last, after the data it names
-    anchors/000000000010-e0003/model.safetensors  (or model-0000k-of-0000n.safetensors + index;
-                                          a sharded trainer writes one such file per owner rank)
-    deltas/000000000011-e0003.safetensors
-    deltas/000000000011-e0003/part-00001-of-00004.safetensors
-    control/publisher.json                anchor policy set from any panel
-    status/replica-<id>.json              one status object per replica
-
-``e0003`` is the run-lock epoch of the trainer that wrote the files: a trainer
-taken over mid-upload writes under its own epoch, so it can never overwrite
-the files of the trainer that took over, even at the same step. The pointer
-names every file exactly.
+"""The pointer ("weights ready") object.
 
 The pointer is a small JSON manifest of every retained version: the anchors
 (step, files, sizes, hash) and the deltas (step, base step, file, size, result
-hash), plus the newest step and its hash. Readers never need a listing (which
+hash), plus the newest step and its hash; the keys it names are :mod:`rlsync.layout`'s. Readers never need a listing (which
 object stores may serve stale) and never see a pointer to an incomplete file.
 """
 
@@ -28,43 +13,18 @@ import json
 import re
 from typing import Any, Mapping
 
-from ..bucket import InvalidKeyError, validate_key
-from ..errors import FormatError
+from ..bucket import validate_key
+from ..errors import FormatError, InvalidKeyError
 from ..format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, READABLE_FORMAT_VERSIONS, SINGLE_FILE, shard_names
 from ..jsonlimits import loads_bounded
+from ..layout import (
+    ANCHOR_FILE,
+    DELTA_FILE,
+)
+from ..limits import MAX_POINTER_BYTES
 
-POINTER_KEY = "latest.json"
-ANCHOR_PREFIX = "anchors/"
-DELTA_PREFIX = "deltas/"
-CONTROL_KEY = "control/publisher.json"
-MAX_POINTER_BYTES = 16 * 1024 * 1024
 MAX_METADATA_ENTRIES = 32
 MAX_METADATA_VALUE_CHARS = 4096
-
-# the keys this protocol derives (format version 1 had no epoch); groups: step, epoch, then the file
-# name (anchors) or part and parts (deltas)
-_ANCHOR_FILE = re.compile(r"anchors/(\d{12,20})(?:-e(\d{4,16}))?/(model(?:-\d{5}-of-\d{5})?\.safetensors(?:\.index\.json)?)")
-_DELTA_FILE = re.compile(r"deltas/(\d{12,20})(?:-e(\d{4,16}))?(?:\.safetensors|/part-(\d{5})-of-(\d{5})\.safetensors)")
-
-
-def anchor_folder(step: int, epoch: int) -> str:
-    """Key prefix of the anchor of ``step`` written under run-lock epoch ``epoch``."""
-    return f"{ANCHOR_PREFIX}{step:012d}-e{epoch:04d}"
-
-
-def delta_key(step: int, epoch: int) -> str:
-    """Key of the delta producing ``step``, written under run-lock epoch ``epoch``."""
-    return f"{DELTA_PREFIX}{step:012d}-e{epoch:04d}.safetensors"
-
-
-def part_name(part: int, parts: int) -> str:
-    """File name of part ``part`` (0-based) of ``parts`` of a sharded delta."""
-    return f"part-{part + 1:05d}-of-{parts:05d}.safetensors"
-
-
-def delta_part_key(step: int, epoch: int, part: int, parts: int) -> str:
-    """Key of one part of the sharded delta producing ``step``."""
-    return f"{DELTA_PREFIX}{step:012d}-e{epoch:04d}/{part_name(part, parts)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,7 +257,7 @@ def key_epoch(key: str) -> int:
     Raises:
         FormatError: ``key`` is not such a key.
     """
-    match = _ANCHOR_FILE.fullmatch(key) or _DELTA_FILE.fullmatch(key)
+    match = ANCHOR_FILE.fullmatch(key) or DELTA_FILE.fullmatch(key)
     if match is None:
         raise FormatError(f"{key!r} is not an anchor or delta key")
     return int(match.group(2) or 0)
@@ -322,7 +282,7 @@ def _check_anchor_keys(anchor: AnchorEntry) -> None:
     """Every file of an anchor is under ``anchor_folder(step, epoch)``, named as
     :func:`~rlsync.format.write_anchor` names them: one ``model.safetensors``, or shards
     ``1..n`` of ``n`` (``n`` at least 2) in order with an optional index last."""
-    names = [m.group(3) for m in _matches(_ANCHOR_FILE, anchor.step, anchor.files, "anchor")]
+    names = [m.group(3) for m in _matches(ANCHOR_FILE, anchor.step, anchor.files, "anchor")]
     if names == [SINGLE_FILE]:
         return
     shards = names[:-1] if names[-1] == INDEX_FILE else names
@@ -332,7 +292,7 @@ def _check_anchor_keys(anchor: AnchorEntry) -> None:
 
 def _check_delta_keys(delta: DeltaEntry) -> None:
     """A delta is ``delta_key(step, epoch)``, or parts ``1..n`` of ``n`` in order (``delta_part_key``)."""
-    matches = _matches(_DELTA_FILE, delta.step, delta.files, "delta")
+    matches = _matches(DELTA_FILE, delta.step, delta.files, "delta")
     count = len(matches)
     parts = [(m.group(3), m.group(4)) for m in matches]
     if parts != [(None, None)] and parts != [(f"{i + 1:05d}", f"{count:05d}") for i in range(count)]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import FormatError
 from ..jsonlimits import loads_bounded
+from ..limits import MAX_CONTROL_BYTES
 from .manifest import Manifest
 
 DEFAULT_INTERVAL = 10
@@ -25,7 +26,6 @@ DEFAULT_MAX_CATCHUP_RATIO = 2.0
 # the newest anchor plus every delta since, so at most MAX_CATCHUP_RATIO anchors' worth.
 MAX_INTERVAL = 1_000
 MAX_CATCHUP_RATIO = 100.0
-MAX_CONTROL_BYTES = 64 * 1024
 
 
 class AnchorPolicy(abc.ABC):

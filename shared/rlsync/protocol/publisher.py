@@ -19,32 +19,20 @@ from typing import Iterable, Mapping
 
 import torch
 
-from ..bucket import Bucket, BucketError, ObjectNotFoundError, ObjectTooLargeError
+from ..bucket import Bucket
 from ..codecs import DEFAULT_CODEC, get_codec
 from ..detect import DEFAULT_CHUNK_ELEMENTS, ChangeDetector, PatchedState, cast_chunk, serving_copy
-from ..errors import FormatError, SyncError
+from ..errors import BucketError, FencedError, FormatError, ObjectNotFoundError, ObjectTooLargeError, SyncError
 from ..format import DEFAULT_MAX_SHARD_BYTES, Change, encode_delta, write_anchor
 from ..hashing import combine_digests, tensor_digest
-from .lock import DEFAULT_LOCK_TTL_S, LOCK_KEY, FencedError, RunLock, acquire, check_fence, write_lock
-from .manifest import (
-    ANCHOR_PREFIX,
-    CONTROL_KEY,
-    DELTA_PREFIX,
-    MAX_CHECKPOINT_PINS,
-    MAX_POINTER_BYTES,
-    POINTER_KEY,
-    AnchorEntry,
-    CheckpointPin,
-    DeltaEntry,
-    FileEntry,
-    Manifest,
-    anchor_folder,
-    delta_key,
-)
-from .policy import MAX_CONTROL_BYTES, AnchorPolicy, FixedInterval, policy_from_json
+from ..layout import ANCHOR_PREFIX, CONTROL_KEY, DELTA_PREFIX, LOCK_KEY, POINTER_KEY, anchor_folder, delta_key
+from ..limits import MAX_CONTROL_BYTES, MAX_POINTER_BYTES
+from .finite import check_finite_changes
+from .lock import DEFAULT_LOCK_TTL_S, RunLock, acquire, check_fence, write_lock
+from .manifest import MAX_CHECKPOINT_PINS, AnchorEntry, CheckpointPin, DeltaEntry, FileEntry, Manifest
+from .policy import AnchorPolicy, FixedInterval, policy_from_json
 from .retention import DEFAULT_KEEP_ANCHORS, prune, sweep_orphans
-from .finite import NonFiniteError, check_finite_changes
-from .run import RunExistsError, check_writable, new_run_id, read_manifest, run_exists_error
+from .run import check_writable, new_run_id, read_manifest, run_exists_error
 from .subscriber import SCRATCH_PREFIX, Subscriber
 
 logger = logging.getLogger(__name__)

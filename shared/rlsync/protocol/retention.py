@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from ..bucket import Bucket
-from .manifest import ANCHOR_PREFIX, DELTA_PREFIX, POINTER_KEY, Manifest
+from ..layout import ANCHOR_PREFIX, DELTA_PREFIX, POINTER_KEY
+from .manifest import Manifest
 
 DEFAULT_KEEP_ANCHORS = 2
 

@@ -5,15 +5,12 @@ from __future__ import annotations
 import secrets
 import time
 
-from ..bucket import Bucket, ObjectNotFoundError, ObjectTooLargeError
-from ..errors import FormatError, SyncError
+from ..bucket import Bucket
+from ..errors import FormatError, ObjectNotFoundError, ObjectTooLargeError, RunExistsError, SyncError
 from ..format import FORMAT_VERSION
-from .manifest import MAX_POINTER_BYTES, POINTER_KEY, Manifest
-
-
-class RunExistsError(SyncError):
-    """The bucket holds a run and this trainer neither continues it nor starts a new one explicitly."""
-
+from ..layout import POINTER_KEY
+from ..limits import MAX_POINTER_BYTES
+from .manifest import Manifest
 
 #: How a :class:`Publisher` user goes on from a :class:`RunExistsError`.
 PUBLISHER_WAYS_ON = (

@@ -50,22 +50,18 @@ import torch
 import torch.distributed as dist
 
 from ..detect import cast_chunk, serving_copy, serving_dtype_of
-from ..errors import SyncError
+from ..errors import FencedError, NonFiniteError, RunLockedError, ShardedPublishError
 from ..format import INDEX_FILE, Change, anchor_index, anchor_metadata, encode_delta, shard_names, write_anchor_shard
 from ..hashing import combine_digests, merge_records, raw_bytes, slice_record
+from ..layout import anchor_folder, delta_part_key
 from ..shards import LocalSlice, assign_owners, local_slices, slice_placement
-from .lock import FencedError, RunLockedError
-from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest, anchor_folder, delta_part_key
-from .publisher import NonFiniteError, PublishRecord, Publisher, check_finite_changes, check_writable, read_manifest
+from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest
+from .publisher import Publisher, PublishRecord, check_finite_changes, check_writable, read_manifest
 from .subscriber import SCRATCH_PREFIX
 
 logger = logging.getLogger(__name__)
 
 _PROPAGATED = {cls.__name__: cls for cls in (FencedError, NonFiniteError, RunLockedError)}  # raised as such on every rank
-
-
-class ShardedPublishError(SyncError):
-    """A sharded publish failed on some rank; the previous version stays published."""
 
 
 @dataclasses.dataclass

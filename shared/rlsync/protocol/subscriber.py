@@ -36,16 +36,17 @@ from typing import Mapping
 
 import torch
 
-from ..bucket import Bucket, ObjectNotFoundError, ObjectTooLargeError
-from ..errors import ChainError, FormatError, HashMismatchError, SyncError
+from ..bucket import Bucket
+from ..errors import ChainError, FormatError, HashMismatchError, ObjectNotFoundError, ObjectTooLargeError, SyncError
 from ..files import age_out
 from ..format import FORMAT_VERSION, decode_delta, load_anchor
 from ..hashing import combine_digests, tensor_digest
+from ..layout import POINTER_KEY
+from ..limits import MAX_HEADERS_BYTES, MAX_POINTER_BYTES
 from ..patch import TensorPatch, gather, scatter_
-from .manifest import MAX_POINTER_BYTES, POINTER_KEY, AnchorEntry, DeltaEntry, FileEntry, Manifest
+from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest
 
 DEFAULT_MAX_PARALLEL_DOWNLOADS = 8
-MAX_HEADERS_BYTES = 64 << 20  # room for the headers and metadata of an update's files
 
 logger = logging.getLogger(__name__)
 

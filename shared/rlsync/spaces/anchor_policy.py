@@ -8,7 +8,8 @@ import logging
 from typing import Any
 
 from ..bucket import Bucket
-from ..protocol import CONTROL_KEY, Adaptive, AnchorPolicy, FixedInterval, policy_to_json
+from ..layout import CONTROL_KEY
+from ..protocol import Adaptive, AnchorPolicy, FixedInterval, policy_to_json
 from ..protocol.policy import DEFAULT_INTERVAL, DEFAULT_MAX_CATCHUP_RATIO
 from .snapshots import Snapshot
 

@@ -19,7 +19,7 @@ from typing import Any, Self
 
 import pandas as pd
 
-from ..bucket import BucketError
+from ..errors import BucketError
 from ..protocol import AnchorPolicy
 from .access import Login, PanelAccess, guarded
 from .anchor_policy import current_policy, describe_policy, make_policy, write_policy

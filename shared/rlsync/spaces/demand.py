@@ -31,10 +31,11 @@ import math
 import time
 from typing import Any
 
-from ..bucket import Bucket, BucketError
+from ..bucket import Bucket
+from ..errors import BucketError
+from ..layout import DEMAND_KEY
 from .exchange import Refusals, get_json, put_json
 
-DEMAND_KEY = "control/demand.json"
 _MAX_SAMPLES = 1 << 20
 _MAX_SECONDS = 86400.0
 

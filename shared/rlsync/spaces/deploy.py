@@ -59,8 +59,9 @@ from huggingface_hub import BucketUrl, CommitOperationAdd, HfApi, SpaceCard, Spa
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
+from ..errors import ConfigurationError
+from ..layout import check_id
 from .access import AUTH_ENV, DEPLOY_REFUSAL
-from .exchange import check_id
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ _SKIPPED_SUFFIXES = (".pyc", ".pyo", ".safetensors")
 HARDWARE_CHOICES = tuple(h.value for h in SpaceHardware if not h.value.startswith("zero-"))
 
 
-class DeployError(Exception):
+class DeployError(ConfigurationError):
     """The deployment cannot be planned from this checkout (missing or inconsistent Space files)."""
 
 

@@ -25,85 +25,29 @@ import dataclasses
 import json
 import logging
 import math
-import re
 import threading
 import time
 from typing import Any
 
-from ..bucket import Bucket, BucketError, ObjectNotFoundError, ObjectTooLargeError, validate_key
+from ..bucket import Bucket, validate_key
 from ..bucket.watch import WatchConfig, watch
-from ..errors import FormatError
+from ..errors import BucketError, FormatError, ObjectNotFoundError, ObjectTooLargeError
 from ..jsonlimits import loads_bounded
+from ..layout import (
+    REPORT_PREFIXES,
+    batch_of,
+    is_id,
+    metrics_key,
+)
+from ..limits import MAX_OBJECT_BYTES
 from ..sampling import MIN_SAMPLED_LOGPROB
 
 logger = logging.getLogger(__name__)
-
-TASKS_PREFIX = "tasks/"
-ROLLOUTS_PREFIX = "rollouts/"
-SCORES_PREFIX = "scores/"
-STATUS_PREFIX = "status/"
-METRICS_PREFIX = "metrics/"
-#: A role's own reports: no other role answers them (see :attr:`~rlsync.bucket.watch.WatchConfig.quiet_prefixes`).
-REPORT_PREFIXES = (STATUS_PREFIX, METRICS_PREFIX)
-MAX_OBJECT_BYTES = 16 * 1024 * 1024
-#: The largest batch number (keys hold ten digits).
-MAX_BATCH = 10**10 - 1
-_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-_BATCH_KEY = re.compile(r"^(?:tasks/([0-9]{10})\.json|(?:rollouts|scores)/([0-9]{10})/[^/]+)$")
-
-
-def check_id(value: str) -> str:
-    """Check a replica or role id used inside object keys."""
-    if not isinstance(value, str) or not _ID.fullmatch(value) or value in (".", ".."):
-        raise ValueError(f"invalid id {value!r}: use 1-64 of A-Z a-z 0-9 _ . -")
-    return value
-
-
-def task_key(batch: int) -> str:
-    """``tasks/<batch>.json``, ten digits.
-
-    Raises:
-        ValueError: ``batch`` is not in ``[0, MAX_BATCH]``.
-    """
-    if not 0 <= batch <= MAX_BATCH:
-        raise ValueError(f"batch {batch} is not in [0, {MAX_BATCH}]")
-    return f"{TASKS_PREFIX}{batch:010d}.json"
-
-
-def rollout_key(batch: int, replica: str) -> str:
-    return f"{ROLLOUTS_PREFIX}{batch:010d}/{check_id(replica)}.json"
-
-
-def score_key(batch: int, replica: str) -> str:
-    return f"{SCORES_PREFIX}{batch:010d}/{check_id(replica)}.json"
-
-
-def status_key(replica: str) -> str:
-    return f"{STATUS_PREFIX}{check_id(replica)}.json"
-
-
-def metrics_key(role: str) -> str:
-    return f"{METRICS_PREFIX}{check_id(role)}.json"
-
 
 def watch_role_bucket(bucket: Bucket) -> Bucket:
     """A role's bucket, watched on the Hub (:func:`~rlsync.bucket.watch.watch`); writing its own
     status and metrics does not make it poll sooner."""
     return watch(bucket, WatchConfig.from_env(quiet_prefixes=REPORT_PREFIXES))
-
-
-def batch_of(key: str) -> int | None:
-    """The batch number in a ``tasks/``, ``rollouts/`` or ``scores/`` key written as this module writes
-    them (ten digits; ``tasks/5.json`` or ``tasks/0000000005.x.json`` are not batch keys)."""
-    found = _BATCH_KEY.fullmatch(key)
-    return int(found.group(1) or found.group(2)) if found else None
-
-
-def replica_of(key: str) -> str | None:
-    """The replica id in a ``rollouts/`` or ``scores/`` key; ``None`` unless it is a valid id (see :func:`check_id`)."""
-    parts = key.split("/")
-    replica = parts[2][: -len(".json")] if len(parts) == 3 and parts[2].endswith(".json") else None
-    return replica if replica is not None and _ID.fullmatch(replica) and replica not in (".", "..") else None
 
 
 def put_json(bucket: Bucket, key: str, doc: Any) -> None:
@@ -345,7 +289,7 @@ def parse_status(doc: Any) -> dict[str, Any]:
     Raises:
         ValueError: not an object, or no valid ``replica_id``.
     """
-    if not isinstance(doc, dict) or not isinstance(doc.get("replica_id"), str) or not _ID.fullmatch(doc["replica_id"]):
+    if not isinstance(doc, dict) or not is_id(doc.get("replica_id")):
         raise ValueError("not a status object with a valid replica_id")
     out: dict[str, Any] = {k: doc[k] for k in _STATUS_NUMBERS if _json_number(doc.get(k))}
     out.update({k: doc[k] for k in _STATUS_STRINGS if isinstance(doc.get(k), str) and len(doc[k]) <= 128})

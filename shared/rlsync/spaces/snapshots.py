@@ -21,12 +21,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..bucket import Bucket, BucketError, ObjectNotFoundError, open_bucket
+from ..bucket import Bucket, open_bucket
 from ..bucket.watch import listing_error, watch
-from ..errors import FormatError
-from ..protocol import CONTROL_KEY, AnchorPolicy, Manifest, policy_from_json, read_manifest
-from ..protocol.policy import MAX_CONTROL_BYTES
-from .exchange import STATUS_PREFIX, get_json, metrics_key, parse_status
+from ..errors import BucketError, FormatError, ObjectNotFoundError
+from ..layout import CONTROL_KEY, STATUS_PREFIX, metrics_key
+from ..limits import MAX_CONTROL_BYTES
+from ..protocol import AnchorPolicy, Manifest, policy_from_json, read_manifest
+from .exchange import get_json, parse_status
 
 logger = logging.getLogger(__name__)
 

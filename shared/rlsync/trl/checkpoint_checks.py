@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 from transformers.trainer_pt_utils import safe_globals
 
+from ..errors import CheckpointError
 from ..hashing import combine_digests, tensor_digest
 
 WEIGHTS_FILE = "model.safetensors"
@@ -35,10 +36,6 @@ OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 TRAINER_STATE_FILE = "trainer_state.json"
 LR_TOLERANCE = 1e-6  # relative; the lr is a float that went through JSON or a pickle
-
-
-class CheckpointError(ValueError):
-    """A checkpoint in the bucket is incomplete, malformed, too large, or not this run's."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,26 +37,21 @@ from safetensors import safe_open
 from transformers import TrainerCallback
 from transformers.trainer_pt_utils import safe_globals
 
-from ..bucket import Bucket, BucketError, ObjectNotFoundError, ObjectTooLargeError
-from ..errors import SyncError
+from ..bucket import Bucket
+from ..errors import BucketError, CheckpointError, ObjectNotFoundError, ObjectTooLargeError, SyncError
+from ..layout import CHECKPOINT_MARKER as MARKER
+from ..layout import CHECKPOINTS_PREFIX, checkpoint_folder
+from ..limits import MAX_MARKER_BYTES
 from ..protocol import Publisher
-from .checkpoint_checks import WEIGHTS_FILE, CheckpointError, CheckpointExpectations, check_checkpoint, weights_hash
+from .checkpoint_checks import WEIGHTS_FILE, CheckpointExpectations, check_checkpoint, weights_hash
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINTS_PREFIX = "checkpoints/"
-MARKER = "COMPLETE.json"
 DEFAULT_MAX_FILE_BYTES = 64 * 1024**3
-MAX_MARKER_BYTES = 1 << 20
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _PICKLED = (".pt", ".pth", ".bin")
 #: Written by ``Trainer`` but not read on resume; a full pickle (not loadable with ``weights_only``), so not uploaded.
 SKIPPED_FILES = ("training_args.bin",)
-
-
-def checkpoint_folder(step: int, prefix: str = CHECKPOINTS_PREFIX) -> str:
-    """The bucket folder of the checkpoint at optimizer step ``step``."""
-    return f"{prefix}{step:010d}"
 
 
 class BucketCheckpoints:

@@ -48,15 +48,15 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-from ..bucket import Bucket, BucketError
+from ..bucket import Bucket
 from ..bucket.watch import IDLE_WAIT_S, generation, wait_for_change
-from ..errors import FormatError
+from ..errors import BucketError, FormatError, StopRequested
+from ..layout import SCORES_PREFIX
 from ..protocol import read_manifest
 from ..sampling import MAX_GROUP_SIZE, degenerate_group, sampled_logprob_ok
 
 logger = logging.getLogger(__name__)
 
-SCORES_PREFIX = "scores/"
 #: Longest prompt + completion accepted by default (pass the model's context length instead).
 DEFAULT_MAX_TOKENS = 4096
 
@@ -76,15 +76,6 @@ class ScoredSample(Protocol):
 
 #: Reads one scores object: ``(header, samples)``, or ``None`` when it is unusable.
 ScoresReader = Callable[[Bucket, str], "tuple[dict[str, Any], Sequence[ScoredSample]] | None"]
-
-
-class StopRequested(RuntimeError):
-    """Raised by :meth:`BucketRolloutWorker.check_health` after :meth:`~BucketRolloutWorker.request_stop`.
-
-    ``AsyncGRPOTrainer`` waits for rollouts inside its data loader, where no callback
-    runs; the health check is the one hook it calls there, so a stop requested while
-    the trainer waits ends ``train()`` with this exception.
-    """
 
 
 def group_advantages(rewards: Sequence[float]) -> np.ndarray:

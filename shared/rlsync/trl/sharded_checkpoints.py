@@ -37,8 +37,9 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from ..bucket import BucketError
-from .checkpoints import _FILE_NAME, MARKER, SKIPPED_FILES, BucketCheckpoints, CheckpointError, checkpoint_folder
+from ..errors import BucketError, CheckpointError
+from ..layout import checkpoint_folder
+from .checkpoints import _FILE_NAME, MARKER, SKIPPED_FILES, BucketCheckpoints
 
 logger = logging.getLogger(__name__)
 

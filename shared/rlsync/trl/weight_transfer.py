@@ -22,7 +22,8 @@ from typing import Callable, Iterator
 import torch
 
 from ..bucket import Bucket
-from ..protocol import NonFiniteError, Publisher, PublishRecord, read_manifest
+from ..errors import NonFiniteError
+from ..protocol import Publisher, PublishRecord, read_manifest
 from ..protocol.publisher import run_exists_error
 
 logger = logging.getLogger(__name__)

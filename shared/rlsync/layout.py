@@ -1,0 +1,162 @@
+"""Every key of a run's bucket, in one place.
+
+Layout of a bucket::
+
+    latest.json                                  the pointer, written last (rlsync.protocol.manifest)
+    lock.json                                    the run lock (rlsync.protocol.lock)
+    anchors/000000000010-e0003/model.safetensors full bf16 snapshots (or model-0000k-of-0000n.safetensors + index)
+    deltas/000000000011-e0003.safetensors        changed elements only (or .../part-00001-of-00004.safetensors)
+    checkpoints/0000000010/...                   the trainer's checkpoints, COMPLETE.json last
+    adapters/...                                 a LoRA run's adapter chain: the same layout under this prefix
+    control/publisher.json                       the anchor policy, set from any panel
+    control/demand.json                          what the trainer asks the env for
+    tasks/0000000005.json                        a batch of tasks
+    rollouts/0000000005/<replica>.json           a replica's answers to it
+    scores/0000000005/<replica>.json             their scores
+    status/<replica>.json                        one status object per replica
+    metrics/<role>.json                          one metrics object per role
+
+``e0003`` is the run-lock epoch of the trainer that wrote the files: a trainer taken over
+mid-upload writes under its own epoch, so it can never overwrite the files of the trainer
+that took over, even at the same step.
+
+Nothing else in the code spells a prefix: modules import the constants, builders and
+patterns below.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "POINTER_KEY", "LOCK_KEY", "ANCHOR_PREFIX", "DELTA_PREFIX", "CHECKPOINTS_PREFIX", "CHECKPOINT_MARKER",
+    "ADAPTER_PREFIX", "CONTROL_PREFIX", "CONTROL_KEY", "DEMAND_KEY", "TASKS_PREFIX", "ROLLOUTS_PREFIX",
+    "SCORES_PREFIX", "STATUS_PREFIX", "METRICS_PREFIX", "REPORT_PREFIXES", "MAX_BATCH", "ANCHOR_FILE", "DELTA_FILE",
+    "anchor_folder", "delta_key", "part_name", "delta_part_key", "checkpoint_folder", "check_id", "is_id", "task_key",
+    "rollout_key", "score_key", "status_key", "metrics_key", "batch_of", "replica_of",
+]  # fmt: skip
+
+# -- the weights chain (rlsync.protocol) -------------------------------------------------------------
+POINTER_KEY = "latest.json"
+LOCK_KEY = "lock.json"
+ANCHOR_PREFIX = "anchors/"
+DELTA_PREFIX = "deltas/"
+CHECKPOINTS_PREFIX = "checkpoints/"
+#: The object a checkpoint folder's upload ends with.
+CHECKPOINT_MARKER = "COMPLETE.json"
+#: A LoRA run's adapter chain: the weights chain's layout again, under this prefix.
+ADAPTER_PREFIX = "adapters/"
+
+# -- control objects --------------------------------------------------------------------------------
+CONTROL_PREFIX = "control/"
+CONTROL_KEY = f"{CONTROL_PREFIX}publisher.json"
+DEMAND_KEY = f"{CONTROL_PREFIX}demand.json"
+
+# -- the RL loop's exchange (rlsync.spaces.exchange, rlsync.trl.rollout_worker) ---------------------
+TASKS_PREFIX = "tasks/"
+ROLLOUTS_PREFIX = "rollouts/"
+SCORES_PREFIX = "scores/"
+STATUS_PREFIX = "status/"
+METRICS_PREFIX = "metrics/"
+#: A role's own reports: no other role answers them (see :attr:`~rlsync.bucket.watch.WatchConfig.quiet_prefixes`).
+REPORT_PREFIXES = (STATUS_PREFIX, METRICS_PREFIX)
+#: The largest batch number (keys hold ten digits).
+MAX_BATCH = 10**10 - 1
+
+_STEP = r"(\d{12,20})"
+_EPOCH = r"(?:-e(\d{4,16}))?"  # format version 1 had no epoch
+#: An anchor's file; groups: step, epoch, file name.
+ANCHOR_FILE = re.compile(
+    re.escape(ANCHOR_PREFIX) + _STEP + _EPOCH + r"/(model(?:-\d{5}-of-\d{5})?\.safetensors(?:\.index\.json)?)"
+)
+#: A delta's file; groups: step, epoch, then part and parts for a sharded delta.
+DELTA_FILE = re.compile(
+    re.escape(DELTA_PREFIX) + _STEP + _EPOCH + r"(?:\.safetensors|/part-(\d{5})-of-(\d{5})\.safetensors)"
+)
+_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_BATCH_KEY = re.compile(
+    rf"^(?:{re.escape(TASKS_PREFIX)}([0-9]{{10}})\.json"
+    rf"|(?:{re.escape(ROLLOUTS_PREFIX)}|{re.escape(SCORES_PREFIX)})([0-9]{{10}})/[^/]+)$"
+)
+
+
+def anchor_folder(step: int, epoch: int) -> str:
+    """Key prefix of the anchor of ``step`` written under run-lock epoch ``epoch``."""
+    return f"{ANCHOR_PREFIX}{step:012d}-e{epoch:04d}"
+
+
+def delta_key(step: int, epoch: int) -> str:
+    """Key of the delta producing ``step``, written under run-lock epoch ``epoch``."""
+    return f"{DELTA_PREFIX}{step:012d}-e{epoch:04d}.safetensors"
+
+
+def part_name(part: int, parts: int) -> str:
+    """File name of part ``part`` (0-based) of ``parts`` of a sharded delta."""
+    return f"part-{part + 1:05d}-of-{parts:05d}.safetensors"
+
+
+def delta_part_key(step: int, epoch: int, part: int, parts: int) -> str:
+    """Key of one part of the sharded delta producing ``step``."""
+    return f"{DELTA_PREFIX}{step:012d}-e{epoch:04d}/{part_name(part, parts)}"
+
+
+def checkpoint_folder(step: int, prefix: str = CHECKPOINTS_PREFIX) -> str:
+    """Key prefix of the checkpoint of ``step``."""
+    return f"{prefix}{step:010d}"
+
+
+def is_id(value: object) -> bool:
+    """Whether ``value`` is a valid replica or role id: 1-64 of ``A-Z a-z 0-9 _ . -``, not ``.`` or ``..``."""
+    return isinstance(value, str) and _ID.fullmatch(value) is not None and value not in (".", "..")
+
+
+def check_id(value: str) -> str:
+    """Check a replica or role id used inside object keys.
+
+    Raises:
+        ValueError: not an id (see :func:`is_id`).
+    """
+    if not is_id(value):
+        raise ValueError(f"invalid id {value!r}: use 1-64 of A-Z a-z 0-9 _ . -")
+    return value
+
+
+def task_key(batch: int) -> str:
+    """``tasks/<batch>.json``, ten digits.
+
+    Raises:
+        ValueError: ``batch`` is not in ``[0, MAX_BATCH]``.
+    """
+    if not 0 <= batch <= MAX_BATCH:
+        raise ValueError(f"batch {batch} is not in [0, {MAX_BATCH}]")
+    return f"{TASKS_PREFIX}{batch:010d}.json"
+
+
+def rollout_key(batch: int, replica: str) -> str:
+    return f"{ROLLOUTS_PREFIX}{batch:010d}/{check_id(replica)}.json"
+
+
+def score_key(batch: int, replica: str) -> str:
+    return f"{SCORES_PREFIX}{batch:010d}/{check_id(replica)}.json"
+
+
+def status_key(replica: str) -> str:
+    return f"{STATUS_PREFIX}{check_id(replica)}.json"
+
+
+def metrics_key(role: str) -> str:
+    return f"{METRICS_PREFIX}{check_id(role)}.json"
+
+
+def batch_of(key: str) -> int | None:
+    """The batch number in a ``tasks/``, ``rollouts/`` or ``scores/`` key written as this module writes
+    them (ten digits; ``tasks/5.json`` or ``tasks/0000000005.x.json`` are not batch keys)."""
+    found = _BATCH_KEY.fullmatch(key)
+    return int(found.group(1) or found.group(2)) if found else None
+
+
+def replica_of(key: str) -> str | None:
+    """The replica id in a ``rollouts/`` or ``scores/`` key; ``None`` unless it is a valid id (see :func:`check_id`)."""
+    parts = key.split("/")
+    replica = parts[2][: -len(".json")] if len(parts) == 3 and parts[2].endswith(".json") else None
+    return replica if is_id(replica) else None
