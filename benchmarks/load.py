@@ -217,7 +217,7 @@ def run_phase(n_replicas: int, args: argparse.Namespace, root: Path) -> dict[str
         time.sleep(0.05)
     master = make_model(args.params, seed=args.seed)
     params = sum(t.numel() for t in master.values())
-    pub = Publisher(bucket, policy=FixedInterval(args.anchor_every), keep_anchors=2, owner="load", follow_control=False)
+    pub = Publisher(bucket, policy=FixedInterval(args.anchor_every), keep_anchors=2, owner="load")
     publishes = []
     next_at = time.perf_counter()
     for step in range(args.versions):

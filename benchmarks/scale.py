@@ -91,10 +91,10 @@ def rank_main(rank: int, world: int, port: int, cfg: dict) -> None:
 
     mesh = init_device_mesh("cpu", (world,))
     state = sharded_state(model_shapes(cfg["params"], hidden=cfg["hidden"]), mesh, rank, world)
-    publisher = ShardedPublisher(LocalBucket(cfg["bucket"]), policy=FixedInterval(1000), owner="scale", follow_control=False)
+    publisher = ShardedPublisher(LocalBucket(cfg["bucket"]), policy=FixedInterval(1000), owner="scale")
     single = None  # baseline with one rank: the single-process Publisher on the same weights
     if world == 1:
-        single = Publisher(LocalBucket(cfg["bucket"] + "-single"), policy=FixedInterval(1000), follow_control=False)
+        single = Publisher(LocalBucket(cfg["bucket"] + "-single"), policy=FixedInterval(1000))
     gen = torch.Generator().manual_seed(rank)
     rows = []
     for step in range(1, cfg["deltas"] + 2):

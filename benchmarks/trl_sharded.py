@@ -36,8 +36,17 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.scale import (
-    SIM, UPDATE_SCALE, _peak_rss, _reset_peak_rss, _rss, bytes_per_changed, finish_rank, gathered_sync_s, run_world,
-    sharded_state, simulate,
+    SIM,
+    UPDATE_SCALE,
+    _peak_rss,
+    _reset_peak_rss,
+    _rss,
+    bytes_per_changed,
+    finish_rank,
+    gathered_sync_s,
+    run_world,
+    sharded_state,
+    simulate,
 )  # fmt: skip
 from benchmarks.sync import model_shapes
 
@@ -74,8 +83,8 @@ def rank_main(rank: int, world: int, port: int, cfg: dict) -> None:
     trainers = {p: SimpleNamespace(model=model, accelerator=SimpleNamespace(device=torch.device("cpu"), unwrap_model=lambda m: m)) for p in PATHS}
     trainers["gathered"]._streaming_iter = AsyncGRPOTrainer._streaming_iter.__get__(trainers["gathered"])
     transfers = {
-        "gathered": BucketWeightTransfer(publisher=Publisher(LocalBucket(cfg["bucket"] + "-gathered"), policy=policy, follow_control=False)),
-        "sharded": ShardedWeightTransfer(publisher=ShardedPublisher(LocalBucket(cfg["bucket"] + "-sharded"), policy=policy, follow_control=False)),
+        "gathered": BucketWeightTransfer(publisher=Publisher(LocalBucket(cfg["bucket"] + "-gathered"), policy=policy)),
+        "sharded": ShardedWeightTransfer(publisher=ShardedPublisher(LocalBucket(cfg["bucket"] + "-sharded"), policy=policy)),
     }  # fmt: skip
     transfers["sharded"].attach(trainers["sharded"])
     gen = torch.Generator().manual_seed(rank)

@@ -31,6 +31,7 @@ from rlsync.hashing import state_hash
 from rlsync.layout import CONTROL_KEY, LOCK_KEY, POINTER_KEY, check_id, replica_of, rollout_key, score_key, task_key
 from rlsync.protocol import FixedInterval, Publisher, Subscriber, read_manifest
 from rlsync.protocol.verify import verify_bucket
+from rlsync.spaces.anchor_policy import ControlledPolicy
 from rlsync.spaces.exchange import Sample, get_json, list_batches, read_samples, write_samples
 from tests.helpers import bf16, files_under, master_state, rl_step
 
@@ -294,7 +295,8 @@ def test_deeply_nested_pointer_is_a_format_error(bucket):
 @pytest.mark.parametrize("key", [CONTROL_KEY, LOCK_KEY])
 def test_deeply_nested_control_or_lock_object_does_not_stop_the_publisher(bucket, key):
     master = master_state()
-    pub = Publisher(bucket, policy=FixedInterval(3))
+    policy = ControlledPolicy(bucket, FixedInterval(3))
+    pub = Publisher(bucket, policy=policy)
     pub.publish(0, master)
     bucket.put(key, b"{" + b'"a":{' * 50_000 + b"}" * 50_001)
     if key == LOCK_KEY:  # an unreadable lock counts as absent: a restarted trainer takes the run
@@ -302,7 +304,7 @@ def test_deeply_nested_control_or_lock_object_does_not_stop_the_publisher(bucket
         pub.resume()
     rl_step(master, 1)
     assert pub.publish(1, master).kind == "delta"
-    assert pub.policy == FixedInterval(3)
+    assert policy.policy == FixedInterval(3)
 
 
 def test_anchor_of_an_unknown_format_version_is_refused(bucket):

@@ -17,6 +17,7 @@ from rlsync.limits import MAX_POINTER_BYTES
 from rlsync.protocol import Adaptive, FixedInterval, Publisher, Subscriber, policy_from_json, read_lock, read_manifest
 from rlsync.protocol.policy import MAX_INTERVAL
 from rlsync.protocol.verify import verify_bucket
+from rlsync.spaces.anchor_policy import ControlledPolicy
 from tests.helpers import bf16, master_state, rl_step
 
 
@@ -145,11 +146,14 @@ def test_the_publishers_sweep_deletes_only_its_own_temporary_files_under_the_run
 @pytest.mark.parametrize("doc", [{"note": "hi"}, {}, {"policy": "fixed"}, {"policy": "adaptive", "interval": 3},
                                  {"policy": "fixed", "interval": 3, "extra": 1}])  # fmt: skip
 def test_a_control_object_that_is_no_policy_keeps_the_current_policy(bucket, doc):
-    pub, master = _running(bucket)
+    policy = ControlledPolicy(bucket, FixedInterval(3))
+    master = master_state()
+    pub = Publisher(bucket, owner="trainer", policy=policy)
+    pub.publish(0, master)
     bucket.put(CONTROL_KEY, json.dumps(doc).encode())
-    rl_step(master, 2)
-    pub.publish(2, master)
-    assert pub.policy == FixedInterval(3) and pub.refused[CONTROL_KEY] == 1
+    rl_step(master, 1)
+    pub.publish(1, master)
+    assert policy.policy == FixedInterval(3) and policy.refused[CONTROL_KEY] == 1
 
 
 @pytest.mark.parametrize("doc", [{"policy": "fixed", "interval": 62_000}, {"policy": "adaptive", "max_catchup_ratio": 1e6}])
@@ -164,7 +168,7 @@ def test_the_pointer_stays_under_its_limit_whatever_the_policy(bucket, monkeypat
     pointer passes a quarter of its limit (scaled down here to 4 KiB to keep the test fast)."""
     monkeypatch.setattr("rlsync.protocol.publisher.MAX_POINTER_BYTES", 16 * 1024)
     master = {"w": torch.zeros(4, dtype=torch.float32)}
-    pub = Publisher(bucket, policy=Adaptive(100.0), follow_control=False)
+    pub = Publisher(bucket, policy=Adaptive(100.0))
     kinds = []
     for step in range(120):
         master["w"][step % 4] += 1
@@ -176,7 +180,7 @@ def test_the_pointer_stays_under_its_limit_whatever_the_policy(bucket, monkeypat
 def test_a_replica_resyncs_at_the_next_verifiable_pointer_after_a_replayed_old_one(bucket):
     """High 1: a replay of an old pointer left replicas ``needs_resync`` until the next anchor."""
     master = master_state()
-    pub = Publisher(bucket, policy=FixedInterval(50), follow_control=False)
+    pub = Publisher(bucket, policy=FixedInterval(50))
     sub = Subscriber(bucket)
     for step in range(3):
         rl_step(master, step)
@@ -204,7 +208,7 @@ def test_a_replica_resyncs_at_the_next_verifiable_pointer_after_a_replayed_old_o
 
 def test_a_refused_delta_is_not_downloaded_again_until_the_pointer_changes(bucket):
     master = master_state()
-    pub = Publisher(bucket, policy=FixedInterval(50), follow_control=False)
+    pub = Publisher(bucket, policy=FixedInterval(50))
     sub = Subscriber(bucket)
     pub.publish(0, master)
     sub.sync()

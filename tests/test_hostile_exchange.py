@@ -23,6 +23,7 @@ from rlsync.layout import CONTROL_KEY, LOCK_KEY, rollout_key, score_key
 from rlsync.protocol import FixedInterval, Publisher, Subscriber
 from rlsync.protocol.lock import acquire, parse_lock
 from rlsync.protocol.policy import policy_from_json
+from rlsync.spaces.anchor_policy import ControlledPolicy
 from rlsync.spaces.exchange import (
     Refusals,
     SampleLimits,
@@ -237,13 +238,15 @@ def test_hostile_control_values_refused(bucket, doc: bytes) -> None:
     with pytest.raises(FormatError):
         policy_from_json(doc)
     master = master_state()
-    pub = Publisher(bucket, policy=FixedInterval(2))
+    policy = ControlledPolicy(bucket, FixedInterval(2))
+    pub = Publisher(bucket, policy=policy)
     pub.publish(0, master)
     bucket.put(CONTROL_KEY, doc)
     for step in range(1, 5):  # the trainer keeps its policy: anchors still come every 2 publishes
         rl_step(master, step)
         pub.publish(step, master)
-    assert pub.policy == FixedInterval(2) and [a.step for a in pub.manifest.anchors] == [2, 4]
+    assert policy.policy == FixedInterval(2) and [a.step for a in pub.manifest.anchors] == [2, 4]
+    assert policy.refused[CONTROL_KEY] == 4  # read and refused at every publish
 
 
 def test_panel_refuses_nan_ratio() -> None:

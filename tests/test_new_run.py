@@ -94,7 +94,7 @@ def test_trl_restart_resuming_a_checkpoint_continues_and_a_new_run_starts_over(b
     assert manifest.step == 3 and manifest.run_id == "first-run" and manifest.deltas[-1].base_step == 2
     fresh = master_state(seed=3)
     new = BucketWeightTransfer(bucket, new_run=True)
-    new.publisher.owner = "t"  # the same trainer restarted: takes its lock over at once
+    new.publisher.ownership.owner = "t"  # the same trainer restarted: takes its lock over at once
     new.send_weights(iter(fresh.items()))
     manifest = read_manifest(bucket)
     assert manifest.step == 4 and manifest.run_id != "first-run" and [a.step for a in manifest.anchors] == [4]

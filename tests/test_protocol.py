@@ -15,6 +15,7 @@ from rlsync.hashing import state_hash
 from rlsync.layout import CONTROL_KEY, POINTER_KEY, delta_key
 from rlsync.protocol import Adaptive, FixedInterval, Publisher, Subscriber, policy_to_json, read_manifest
 from rlsync.protocol.verify import verify_bucket
+from rlsync.spaces.anchor_policy import ControlledPolicy
 from tests.helpers import bf16, files_under, master_state, rl_step
 
 
@@ -194,16 +195,25 @@ def test_crash_between_data_and_pointer_leaves_bucket_readable(tmp_path):
 
 def test_anchor_interval_changed_through_control_object(bucket):
     master = master_state()
-    pub = Publisher(bucket, policy=FixedInterval(5))
+    policy = ControlledPolicy(bucket, FixedInterval(5))
+    pub = Publisher(bucket, policy=policy)
     kinds = [r.kind for r in run(pub, master, 6)]
     assert kinds == ["anchor"] + ["delta"] * 4 + ["anchor"]
     bucket.put(CONTROL_KEY, policy_to_json(FixedInterval(2)))
     kinds = [r.kind for r in run(pub, master, 4, start=6)]
     assert kinds == ["delta", "anchor", "delta", "anchor"]
-    assert pub.policy == FixedInterval(2)
+    assert policy.policy == FixedInterval(2) and pub.policy.settings() == FixedInterval(2).settings()
     bucket.put(CONTROL_KEY, b'{"policy": "fixed", "interval": 0}')  # invalid: ignored, old policy kept
     run(pub, master, 1, start=10)
-    assert pub.policy == FixedInterval(2)
+    assert policy.policy == FixedInterval(2) and policy.refused[CONTROL_KEY] == 1
+
+
+def test_a_plain_publisher_keeps_its_own_policy_whatever_the_control_object_says(bucket):
+    """Following the panels' control object is the Space's choice (ControlledPolicy), not the library's."""
+    master = master_state()
+    pub = Publisher(bucket, policy=FixedInterval(5))
+    bucket.put(CONTROL_KEY, policy_to_json(FixedInterval(1)))
+    assert [r.kind for r in run(pub, master, 3)] == ["anchor", "delta", "delta"]
 
 
 def test_adaptive_policy_bounds_catchup_bytes(bucket):

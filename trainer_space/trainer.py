@@ -47,9 +47,9 @@ from rlsync.bucket import Bucket, open_bucket
 from rlsync.bucket.watch import meter_of
 from rlsync.codecs import default_codec
 from rlsync.errors import NonFiniteError, StopRequested
-from rlsync.layout import CONTROL_KEY
 from rlsync.lora import peft_config
-from rlsync.protocol import Adaptive, FixedInterval, Publisher, PublishRecord, policy_to_json, read_manifest
+from rlsync.protocol import Adaptive, FixedInterval, Publisher, PublishRecord, read_manifest
+from rlsync.spaces.anchor_policy import ControlledPolicy, write_policy
 from rlsync.spaces.demand import Pacing
 from rlsync.spaces.exchange import MetricsLog, Refusals, SampleLimits, read_samples, watch_role_bucket
 from rlsync.spaces.settings import resolve_device
@@ -125,8 +125,9 @@ class Trainer:
         self.config = config
         self.metrics = MetricsLog(self.bucket, "trainer", every_s=config.metrics_every_s if self.meter is not None else 0.0)
         self.trackio = TrackioSyncFigures() if ReportTo.TRACKIO.value in config.report_targets() else None
+        self.control = ControlledPolicy(self.bucket, config.policy())  # the panels' anchor policy
         chain_settings = dict(
-            policy=config.policy(), keep_anchors=config.keep_anchors, codec=config.codec, owner=config.trainer_id or None,
+            policy=self.control, keep_anchors=config.keep_anchors, codec=config.codec, owner=config.trainer_id or None,
             new_run=config.new_run,
         )  # fmt: skip
         lora = config.lora()
@@ -251,7 +252,7 @@ class Trainer:
             "version": self.transfer.version, "opt_steps": self.opt_steps, "queued_samples": self.worker.rollout_buffer.qsize(),
             "checkpoint_step": self.checkpoint_callback.last_step, "notice": self.notice,
             "refused": self.refusals.as_dict(), "non_finite_refused": self.transfer.non_finite_refused,
-            "checkpoints_skipped": self.checkpoints.skipped, "bucket_refused": dict(self.publisher.refused),
+            "checkpoints_skipped": self.checkpoints.skipped, "bucket_refused": dict(self.publisher.refused + self.control.refused),
             "non_finite_steps_skipped": self.step_guard.skipped, "version_corrections": self.version_guard.corrected,
             "flow": self.flow.figures(),
         }  # fmt: skip
@@ -260,8 +261,7 @@ class Trainer:
     def set_anchor_policy(self, policy: str, interval: int = 10, max_catchup_ratio: float = 2.0) -> None:
         """Change the anchor policy for the next publish, through the bucket's control object
         (so it also reaches a trainer running in another Space)."""
-        new = Adaptive(max_catchup_ratio) if policy == "adaptive" else FixedInterval(int(interval))
-        self.publisher.bucket.put(CONTROL_KEY, policy_to_json(new))  # the adapter chain's own in a LoRA run
+        write_policy(self.bucket, Adaptive(max_catchup_ratio) if policy == "adaptive" else FixedInterval(int(interval)))
 
     # -- resuming -------------------------------------------------------------
 

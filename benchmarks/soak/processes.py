@@ -79,7 +79,7 @@ def publisher_loop(cfg: dict[str, Any]) -> None:
     bucket = HookBucket(cfg["root"], cfg.get("kill"))
     pub = Publisher(
         bucket, policy=FixedInterval(cfg["interval"]), keep_anchors=cfg["keep"], max_shard_bytes=SHARD_BYTES,
-        owner=cfg["owner"], follow_control=False, lock_ttl_s=cfg.get("lock_ttl_s", 600.0),
+        owner=cfg["owner"], lock_ttl_s=cfg.get("lock_ttl_s", 600.0),
     )  # fmt: skip
     try:
         state = pub.resume()

@@ -67,7 +67,6 @@ class PublisherThread(threading.Thread):
             keep_anchors=keep,
             max_shard_bytes=SHARD_BYTES,
             owner="soak-thread",
-            follow_control=False,
         )
         self.ledger, self.final, self.pause_s = ledger, final, pause_s
         self.master = toy_master(seed)

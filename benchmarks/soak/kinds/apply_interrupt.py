@@ -37,7 +37,7 @@ def trial_apply_interrupt(rng: random.Random, workdir: Path) -> TrialResult:
     result = TrialResult("apply_interrupt")
     bucket = LocalBucket(workdir / "bucket")
     ledger = Ledger(result)
-    pub = Publisher(bucket, policy=FixedInterval(rng.randint(3, 8)), owner="soak", follow_control=False)
+    pub = Publisher(bucket, policy=FixedInterval(rng.randint(3, 8)), owner="soak")
     sub = Subscriber(bucket)
     master = toy_master(rng.randrange(1000))
     final = rng.randint(8, 16)

@@ -46,7 +46,6 @@ def trial_bucket_damage(rng: random.Random, workdir: Path, damage: str | None = 
         keep_anchors=3,
         max_shard_bytes=SHARD_BYTES,
         owner="soak",
-        follow_control=False,
     )
     master = toy_master(rng.randrange(1000))
     follower = Subscriber(bucket)

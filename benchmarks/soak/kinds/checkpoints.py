@@ -140,7 +140,7 @@ def trial_checkpoints(rng: random.Random, workdir: Path) -> TrialResult:
     result = TrialResult("checkpoints")
     bucket = LocalBucket(workdir / "bucket")
     before = plant_bystanders(bucket, rng)
-    pub = Publisher(bucket, owner="soak", follow_control=False)
+    pub = Publisher(bucket, owner="soak")
     pub.publish(0, toy_master(rng.randrange(1000)))
     store = BucketCheckpoints(bucket, keep=3, chain=pub)
     model = _model(rng.randrange(1000))

@@ -43,7 +43,7 @@ def trial_lock_garbage(rng: random.Random, workdir: Path) -> TrialResult:
     bucket = LocalBucket(workdir / "bucket")
     before = plant_bystanders(bucket, rng)
     ledger = Ledger(result)
-    pub = Publisher(bucket, policy=FixedInterval(rng.randint(2, 5)), max_shard_bytes=SHARD_BYTES, owner="soak", follow_control=False)
+    pub = Publisher(bucket, policy=FixedInterval(rng.randint(2, 5)), max_shard_bytes=SHARD_BYTES, owner="soak")
     follower = Subscriber(bucket)
     master = toy_master(rng.randrange(1000))
     for step in range(rng.randint(12, 20)):
@@ -68,7 +68,7 @@ def trial_lock_garbage(rng: random.Random, workdir: Path) -> TrialResult:
     held = read_lock(bucket)
     result.check(held is not None and held.owner == "soak" and held.epoch == pub.lock.epoch, f"lock not restored: {held}")
     result.check(sum(pub.refused.values()) <= sum(result.faults.values()), "more lock refusals counted than planted")
-    restarted = Publisher(bucket, owner="soak", follow_control=False)
+    restarted = Publisher(bucket, owner="soak")
     restarted.resume()
     result.check(restarted.lock.epoch > pub.lock.epoch, "a restart reused the running trainer's epoch")
     check_verified(bucket, result, "after hostile locks")

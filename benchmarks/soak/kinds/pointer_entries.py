@@ -57,7 +57,7 @@ def trial_pointer_entries(rng: random.Random, workdir: Path) -> TrialResult:
     before = plant_bystanders(bucket, rng)
     ledger = Ledger(result)
     interval = rng.randint(2, 4)
-    pub = Publisher(bucket, policy=FixedInterval(interval), keep_anchors=2, max_shard_bytes=SHARD_BYTES, owner="soak", follow_control=False)
+    pub = Publisher(bucket, policy=FixedInterval(interval), keep_anchors=2, max_shard_bytes=SHARD_BYTES, owner="soak")
     follower = Subscriber(bucket)
     master = toy_master(rng.randrange(1000))
     for step in range(rng.randint(3 * interval, 5 * interval)):
@@ -77,12 +77,12 @@ def trial_pointer_entries(rng: random.Random, workdir: Path) -> TrialResult:
             checked_sync(follower, ledger, f"follower on a {kind} pointer")
             result.check((follower.step, follower.state_hash) == state, f"a {kind} pointer moved the follower")
             try:
-                Publisher(bucket, owner="soak", follow_control=False).resume()  # a restart of the same trainer
+                Publisher(bucket, owner="soak").resume()  # a restart of the same trainer
                 result.fail(f"a restarting trainer took over a {kind} pointer")
             except SyncError as exc:  # malformed (FormatError), or names an object that is not there (ChainError)
                 result.notes[f"restart refused: {type(exc).__name__}"] += 1
             bucket.put(POINTER_KEY, genuine)  # the refused restart took the lock; the next restart takes it over
-            pub = Publisher(bucket, policy=FixedInterval(interval), keep_anchors=2, max_shard_bytes=SHARD_BYTES, owner="soak", follow_control=False)
+            pub = Publisher(bucket, policy=FixedInterval(interval), keep_anchors=2, max_shard_bytes=SHARD_BYTES, owner="soak")
             pub.resume()
             if rng.random() < 0.5:  # the running trainer meets the hostile pointer itself, and rewrites it
                 bucket.put(POINTER_KEY, hostile)

@@ -5,8 +5,9 @@ from ..layout import CONTROL_KEY, LOCK_KEY, POINTER_KEY, anchor_folder, delta_ke
 from .lock import read_lock
 from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest
 from .policy import Adaptive, AnchorPolicy, FixedInterval, policy_from_json, policy_from_settings, policy_to_json
-from .publisher import Publisher, PublishRecord, read_manifest
+from .publisher import Publisher, PublishRecord
 from .retention import prune, sweep_orphans
+from .run import read_manifest
 from .subscriber import Subscriber, SubscriberStats, Update
 
 __all__ = [

@@ -22,17 +22,18 @@ import torch
 from ..bucket import Bucket
 from ..codecs import DEFAULT_CODEC, get_codec
 from ..detect import DEFAULT_CHUNK_ELEMENTS, ChangeDetector, PatchedState, cast_chunk, serving_copy
-from ..errors import BucketError, FencedError, FormatError, ObjectNotFoundError, ObjectTooLargeError, SyncError
+from ..errors import BucketError, FormatError, SyncError
 from ..format import DEFAULT_MAX_SHARD_BYTES, Change, encode_delta, write_anchor
 from ..hashing import combine_digests, tensor_digest
-from ..layout import ANCHOR_PREFIX, CONTROL_KEY, DELTA_PREFIX, LOCK_KEY, POINTER_KEY, anchor_folder, delta_key
-from ..limits import MAX_CONTROL_BYTES, MAX_POINTER_BYTES
+from ..layout import ANCHOR_PREFIX, DELTA_PREFIX, POINTER_KEY, anchor_folder, delta_key
+from ..limits import MAX_POINTER_BYTES
 from .finite import check_finite_changes
-from .lock import DEFAULT_LOCK_TTL_S, RunLock, acquire, check_fence, write_lock
+from .lock import DEFAULT_LOCK_TTL_S, RunLock
 from .manifest import MAX_CHECKPOINT_PINS, AnchorEntry, CheckpointPin, DeltaEntry, FileEntry, Manifest
-from .policy import AnchorPolicy, FixedInterval, policy_from_json
+from .ownership import RunOwnership
+from .policy import AnchorPolicy, FixedInterval
 from .retention import DEFAULT_KEEP_ANCHORS, prune, sweep_orphans
-from .run import check_writable, new_run_id, read_manifest, run_exists_error
+from .run import check_writable, new_run_id, read_manifest
 from .subscriber import SCRATCH_PREFIX, Subscriber
 
 logger = logging.getLogger(__name__)
@@ -70,14 +71,12 @@ class Publisher:
         codec: Delta codec name.
         dtype: Serving dtype for floating-point tensors (``None``: as given).
         max_shard_bytes: Largest anchor shard.
-        follow_control: Read the anchor policy from the bucket's control object at
-            every publish, so any panel can change it without a restart.
         chunk_elements: Elements compared at once by change detection.
         run_id: Run name stored in the pointer (default: a fresh :func:`new_run_id` when a
             run starts; a resumed run keeps its own).
         owner: Stable id of this trainer for the run lock (a restart with the same
             id takes over at once; another id is refused while the lock is fresh).
-            Default: ``SPACE_ID`` or the host name.
+            Default: ``SPACE_ID`` or the host name. See :class:`~rlsync.protocol.ownership.RunOwnership`.
         lock_ttl_s: Age after which another owner's lock may be taken over.
         allow_non_finite: Publish states that turn finite values into NaN or Inf
             (refused with :class:`NonFiniteError` by default).
@@ -98,7 +97,6 @@ class Publisher:
         codec: str = DEFAULT_CODEC,
         dtype: torch.dtype | None = torch.bfloat16,
         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-        follow_control: bool = True,
         chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
         run_id: str = "",
         owner: str | None = None,
@@ -115,21 +113,27 @@ class Publisher:
         self.codec = codec
         self.dtype = dtype
         self.max_shard_bytes = max_shard_bytes
-        self.follow_control = follow_control
         self.run_id = run_id
         self.detector = ChangeDetector(dtype, chunk_elements)
         self.manifest: Manifest | None = None
         self._digests: dict[str, bytes] = {}
-        self._resumed = False
-        self.owner = owner or os.environ.get("SPACE_ID") or socket.gethostname()
-        self.lock_ttl_s = lock_ttl_s
         self.allow_non_finite = allow_non_finite
-        self.new_run = new_run
-        self._floor: int | None = None  # the newest version of the run a new run replaces
-        self.lock: RunLock | None = None
-        self._written: set[tuple[int, str]] = set()  # (step, hash) of pointers this publisher wrote or tried to
         self.refused: collections.Counter[str] = collections.Counter()  # invalid bucket objects ignored, by key
+        self.ownership = RunOwnership(
+            bucket, owner=owner or os.environ.get("SPACE_ID") or socket.gethostname(), lock_ttl_s=lock_ttl_s,
+            new_run=new_run, refused=self.refused,
+        )  # fmt: skip
         self._pointer_bytes = 0  # size of the last pointer written
+
+    @property
+    def lock(self) -> RunLock | None:
+        """The run lock this publisher holds (``None`` before its first write)."""
+        return self.ownership.lock
+
+    @property
+    def owner(self) -> str:
+        """This trainer's run-lock owner id."""
+        return self.ownership.owner
 
     @property
     def step(self) -> int | None:
@@ -139,7 +143,7 @@ class Publisher:
     @property
     def replaced_step(self) -> int | None:
         """The newest version of the run this new run replaced (``None``: not a new run over one)."""
-        return self._floor
+        return self.ownership.floor
 
     @property
     def next_step(self) -> int:
@@ -147,7 +151,7 @@ class Publisher:
         replaced run's newest version for a new run (version numbers never go back)."""
         if self.step is not None:
             return self.step + 1
-        return 0 if self._floor is None else self._floor + 1
+        return 0 if self.ownership.floor is None else self.ownership.floor + 1
 
     def start_new_run(self) -> Manifest | None:
         """Take the run lock and start a new run, replacing the bucket's run (if any) at the next publish.
@@ -164,19 +168,7 @@ class Publisher:
             SyncError: ``run_id`` is the old run's id.
             RunLockedError: another trainer holds the run lock.
         """
-        self._resumed = True
-        self._lock()
-        old = read_manifest(self.bucket)
-        if old is not None and self.run_id and self.run_id == old.run_id:
-            raise SyncError(f"a new run needs another run id than the bucket's run {old.run_id!r}")
-        self.run_id = self.run_id or new_run_id()
-        if old is not None:
-            self._floor = old.step
-            self._written = {(old.step, old.state_hash)}
-            logger.warning(
-                "starting new run %r after run %r (version %d): its first publish is an anchor, version %d",
-                self.run_id, old.run_id, old.step, old.step + 1,
-            )  # fmt: skip
+        old, self.run_id = self.ownership.start_new_run(self.run_id)
         return old
 
     def resume(self) -> dict[str, torch.Tensor] | None:
@@ -188,8 +180,8 @@ class Publisher:
         Returns:
             The last published state (serving dtype), or ``None`` for an empty bucket.
         """
-        self._resumed = True
-        self._lock()
+        self.ownership.settled = True
+        self.ownership.claim()
         manifest = read_manifest(self.bucket)
         if manifest is None:
             return None
@@ -210,7 +202,7 @@ class Publisher:
         self._digests = {n: tensor_digest(t) for n, t in sub.state.items()}
         self.manifest = manifest
         self._pointer_bytes = len(manifest.to_json())
-        self._written = {(manifest.step, manifest.state_hash)}
+        self.ownership.adopt(manifest)
         if not self.run_id:
             self.run_id = manifest.run_id
         logger.info("resumed at step %d (hash %s)", manifest.step, manifest.state_hash[:12])
@@ -232,59 +224,9 @@ class Publisher:
             if size is not None and size != f.size:
                 raise FormatError(f"the pointer gives {f.key} {f.size:,} bytes, the bucket holds {size:,}; refusing to take it over")
 
-    def _lock(self) -> None:
-        """Take the run lock once, then check at every publish that it is still ours."""
-        if self.lock is None:
-            self.lock = acquire(self.bucket, self.owner, self.lock_ttl_s, floor=self._highest_epoch())
-        else:
-            self._fence()
-
-    def _highest_epoch(self) -> int:
-        """The highest run-lock epoch the pointer's files were written under (0 without a readable pointer),
-        so that a trainer taking a run whose lock object was deleted never reuses a writer's epoch."""
-        try:
-            manifest = read_manifest(self.bucket)
-        except FormatError:
-            return 0
-        return max(manifest.epochs()) if manifest else 0
-
-    def _fence(self) -> None:
-        """Check the run lock is still ours; an unreadable lock object is written again and counted."""
-        assert self.lock is not None
-        held = check_fence(self.bucket, self.lock)
-        if held is not self.lock:
-            self.refused[LOCK_KEY] += 1
-            self.lock = held
-
-    def _check_pointer(self) -> None:
-        """Refuse to write when the pointer names a version this publisher did not write.
-
-        A trainer taken over while its publish was in flight can land that pointer
-        after the new trainer resumed; publishing on would overwrite the objects it
-        names. An unreadable pointer (an upload cut short) is ours to rewrite.
-
-        Raises:
-            FencedError: the pointer moved to a version this publisher did not publish.
-        """
-        if self.manifest is None:
-            return
-        try:
-            current = read_manifest(self.bucket)
-        except FormatError:
-            return
-        if current is None or (current.step, current.state_hash) in self._written:
-            return
-        raise FencedError(
-            f"{self.bucket.url}: the pointer names step {current.step}, which this trainer did not publish "
-            f"(its last was {self.manifest.step}); another trainer wrote into the chain; resume() before publishing"
-        )
-
     def heartbeat(self) -> None:
         """Refresh the run lock's heartbeat (call while training without publishing for long)."""
-        if self.lock is not None:
-            self._fence()
-            self.lock = dataclasses.replace(self.lock, heartbeat=time.time())
-            write_lock(self.bucket, self.lock)
+        self.ownership.heartbeat()
 
     def pin_checkpoint(self, step: int, weights_hash: str) -> None:
         """Record a training checkpoint's weights hash in the pointer (the newest
@@ -296,31 +238,10 @@ class Publisher:
         """
         if self.manifest is None:
             raise SyncError("pin_checkpoint before the first publish")
-        self._lock()
-        self._check_pointer()
+        self.ownership.claim()
+        self.ownership.check_pointer(self.manifest)
         pins = tuple(p for p in self.manifest.checkpoints if p.step < step) + (CheckpointPin(step, weights_hash),)
         self._commit(dataclasses.replace(self.manifest, checkpoints=pins[-MAX_CHECKPOINT_PINS:]))
-
-    def _refresh_policy(self) -> None:
-        if not self.follow_control:
-            return
-        try:
-            data = self.bucket.get_limited(CONTROL_KEY, MAX_CONTROL_BYTES)
-        except ObjectNotFoundError:
-            return
-        except ObjectTooLargeError as exc:
-            self.refused[CONTROL_KEY] += 1
-            logger.warning("ignoring invalid control object: %s", exc)
-            return
-        try:
-            policy = policy_from_json(data)
-        except FormatError as exc:
-            self.refused[CONTROL_KEY] += 1
-            logger.warning("ignoring invalid control object (policy stays %s): %s", self.policy.settings(), exc)
-            return
-        if policy != self.policy:
-            logger.info("anchor policy now %s", policy.settings())
-            self.policy = policy
 
     def publish(self, step: int, state: Mapping[str, torch.Tensor]) -> PublishRecord:
         """Publish ``state`` as version ``step``.
@@ -347,25 +268,20 @@ class Publisher:
         return self._publish_anchor(step, state) if anchor else self._publish_delta(step, state)
 
     def _prepare(self, step: int) -> bool:
-        """The checks before every publish (run lock, pointer, step); re-read the anchor policy.
+        """The checks before every publish (run, run lock, pointer, step).
 
         Returns:
             Whether the policy (or an empty chain) asks for an anchor.
         """
-        if self.manifest is None and not self._resumed:
-            existing = read_manifest(self.bucket)
-            if existing is not None and not self.new_run:
-                raise run_exists_error(self.bucket, existing)
-            if existing is not None:
-                self.start_new_run()
-        self._lock()
-        self._check_pointer()
+        if self.manifest is None:
+            self.run_id = self.ownership.settle(self.run_id)
+        self.ownership.claim()
+        self.ownership.check_pointer(self.manifest)
         if step < self.next_step:
             raise SyncError(
                 f"step {step} does not advance past the published step {self.next_step - 1}"
                 + (" of the run this new run replaces (versions never go back; see next_step)" if self.step is None else "")
             )
-        self._refresh_policy()
         return self.manifest is None or self.policy.wants_anchor(self.manifest) or self._pointer_full()
 
     def _pointer_full(self) -> bool:
@@ -462,8 +378,7 @@ class Publisher:
             codec=self.codec,
         )
         t3 = time.perf_counter()
-        assert self.lock is not None
-        key = delta_key(step, self.lock.epoch)
+        key = delta_key(step, self.ownership.epoch)
         changed = sum(c.index.size for c in changes.values())
         entry = DeltaEntry(step, self.manifest.step, result_hash, FileEntry(key, len(data)), changed, total)
         manifest = dataclasses.replace(self.manifest, step=step, state_hash=result_hash, deltas=self.manifest.deltas + (entry,))
@@ -488,7 +403,6 @@ class Publisher:
         that delta is no smaller than the anchor (a dense update, e.g. of a LoRA adapter): then they
         download the anchor instead.
         ``owned``: ``state`` holds contiguous serving-dtype tensors nobody else modifies, kept without a copy."""
-        assert self.lock is not None
         t0 = time.perf_counter()
         serving = dict(state) if owned else {n: serving_copy(t, self.dtype) for n, t in state.items()}
         continues = self.manifest is not None and self.detector.compatible(serving)
@@ -508,9 +422,9 @@ class Publisher:
                 state_hash=result_hash, total=total, codec=self.codec,
             )  # fmt: skip
             changed = sum(c.index.size for c in changes.values())
-            key = delta_key(step, self.lock.epoch)
+            key = delta_key(step, self.ownership.epoch)
             companion = (DeltaEntry(step, self.manifest.step, result_hash, FileEntry(key, len(data)), changed, total),)
-        folder = anchor_folder(step, self.lock.epoch)
+        folder = anchor_folder(step, self.ownership.epoch)
         with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX) as tmp:
             files = write_anchor(serving, tmp, step=step, state_hash=result_hash, max_shard_bytes=self.max_shard_bytes)
             t2 = time.perf_counter()
@@ -547,10 +461,7 @@ class Publisher:
     def _commit(self, manifest: Manifest) -> None:
         """Write the pointer for ``manifest`` (after retention), then delete what it dropped."""
         pruned, dropped = prune(manifest, self.keep_anchors)
-        if self.lock is not None:  # the data may have taken long to upload: still ours?
-            self._fence()
-        self._written = {(self.manifest.step, self.manifest.state_hash)} if self.manifest else set()
-        self._written.add((pruned.step, pruned.state_hash))  # a put that failed may still have landed
+        self.ownership.before_commit(self.manifest, pruned)
         pointer = pruned.to_json()
         self.bucket.put(POINTER_KEY, pointer)
         self.manifest = pruned

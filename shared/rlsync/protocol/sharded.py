@@ -55,8 +55,10 @@ from ..format import INDEX_FILE, Change, anchor_index, anchor_metadata, encode_d
 from ..hashing import combine_digests, merge_records, raw_bytes, slice_record
 from ..layout import anchor_folder, delta_part_key
 from ..shards import LocalSlice, assign_owners, local_slices, slice_placement
+from .finite import check_finite_changes
 from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest
-from .publisher import Publisher, PublishRecord, check_finite_changes, check_writable, read_manifest
+from .publisher import Publisher, PublishRecord
+from .run import check_writable, read_manifest
 from .subscriber import SCRATCH_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -131,10 +133,10 @@ class ShardedPublisher(Publisher):
         Rank 0 takes the run lock and adopts the pointer; no rank rebuilds its
         shadow, so the next publish writes an anchor (which needs none).
         """
-        self._resumed = True
+        self.ownership.settled = True
 
         def adopt(_: list[Any]) -> bytes | None:
-            self._lock()
+            self.ownership.claim()
             manifest = read_manifest(self.bucket)
             if manifest is not None:
                 check_writable(manifest)
@@ -144,8 +146,8 @@ class ShardedPublisher(Publisher):
         self.manifest = Manifest.from_json(data) if data else None
         self._shadow_valid = False
         self.detector.published = None
+        self.ownership.adopt(self.manifest)
         if self.manifest is not None:
-            self._written = {(self.manifest.step, self.manifest.state_hash)}
             self.run_id = self.run_id or self.manifest.run_id
 
     # -- publish ------------------------------------------------------------
@@ -226,8 +228,7 @@ class ShardedPublisher(Publisher):
     def _plan(self, step: int, all_compatible: bool) -> _Plan:
         """Rank 0: the checks of :meth:`Publisher.publish`, then anchor or delta."""
         anchor = self._prepare(step) or not all_compatible
-        assert self.lock is not None
-        return _Plan("anchor" if anchor else "delta", self.lock.epoch, anchor and self.manifest is not None and all_compatible)
+        return _Plan("anchor" if anchor else "delta", self.ownership.epoch, anchor and self.manifest is not None and all_compatible)
 
     def _records(self, slices: Mapping[str, LocalSlice], names: set[str]) -> dict[str, Any]:
         """This rank's state-hash records of ``names`` (serving dtype bits)."""

@@ -9,7 +9,7 @@ from typing import Callable
 from ..bucket import Bucket
 from ..errors import SyncError
 from .manifest import AnchorEntry, Manifest
-from .publisher import read_manifest
+from .run import read_manifest
 from .subscriber import Subscriber
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ import torch
 from ..bucket import Bucket
 from ..errors import NonFiniteError
 from ..protocol import Publisher, PublishRecord, read_manifest
-from ..protocol.publisher import run_exists_error
+from ..protocol.run import run_exists_error
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class BucketWeightTransfer:
             if bucket is None:
                 raise ValueError("give a bucket or a publisher")
             publisher = Publisher(bucket)
-        publisher.new_run = publisher.new_run or new_run
+        publisher.ownership.new_run = publisher.ownership.new_run or new_run
         self.publisher = publisher
         self.resume_from_checkpoint = resume_from_checkpoint
         self.on_publish = on_publish
@@ -107,7 +107,7 @@ class BucketWeightTransfer:
             state = self.publisher.resume()
         else:
             existing = read_manifest(self.publisher.bucket)
-            if existing is not None and not self.publisher.new_run:
+            if existing is not None and not self.publisher.ownership.new_run:
                 raise run_exists_error(self.publisher.bucket, existing, TRL_WAYS_ON)
             if existing is not None:
                 self.publisher.start_new_run()
