@@ -28,7 +28,7 @@ import math
 import threading
 import time
 
-from rlsync.bucket import Bucket, BucketError, open_bucket
+from rlsync.bucket import Bucket, BucketError
 from rlsync.bucket.watch import IDLE_WAIT_S, generation, meter_of, wait_for_change
 from rlsync.errors import FormatError
 from rlsync.spaces.exchange import (
@@ -50,7 +50,7 @@ from rlsync.spaces.exchange import (
     replica_of,
     score_key,
     task_key,
-    watch_role_bucket,
+    open_role_bucket,
     write_samples,
 )
 from rlsync.adapters import adapter_bucket
@@ -81,7 +81,7 @@ class EnvSimulator:
 
     def __init__(self, config: EnvConfig, bucket: Bucket | None = None) -> None:
         self.config = config
-        self.bucket = watch_role_bucket(bucket or open_bucket(config.bucket))
+        self.bucket = open_role_bucket("env", config.bucket, bucket)
         self._owns_watch = self.bucket is not bucket  # close() stops the watch this role made
         self.meter = meter_of(self.bucket)
         settings = source_settings(config.environment, config.source_settings)

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from env_space.environments import get_environment
-from rlsync.bucket import Bucket, BucketError, open_bucket
+from rlsync.bucket import Bucket, BucketError
 from rlsync.bucket.watch import IDLE_WAIT_S, generation, meter_of, wait_for_change
 from rlsync.errors import SyncError
 from rlsync.spaces.exchange import (
@@ -50,7 +50,7 @@ from rlsync.spaces.exchange import (
     rollout_key,
     status_key,
     task_key,
-    watch_role_bucket,
+    open_role_bucket,
     write_samples,
 )
 from rlsync.hashing import state_hash
@@ -82,7 +82,7 @@ class Replica:
         device = resolve_device(config.device)
         self.config = config = config.with_model_defaults(device)
         self.replica_id = check_id(config.replica_id or default_replica_id())
-        self.bucket = watch_role_bucket(bucket or open_bucket(config.bucket))
+        self.bucket = open_role_bucket("rollout", config.bucket, bucket)
         self._owns_watch = self.bucket is not bucket  # close() stops the watch this role made
         self.meter = meter_of(self.bucket)
         self._status_at = -float("inf")

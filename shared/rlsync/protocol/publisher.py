@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import os
 import socket
 import tempfile
 import time
@@ -89,7 +88,7 @@ class Publisher:
             run starts; a resumed run keeps its own).
         owner: Stable id of this trainer for the run lock (a restart with the same
             id takes over at once; another id is refused while the lock is fresh).
-            Default: ``SPACE_ID`` or the host name.
+            Default: the host name (a Space passes its ``SPACE_ID``, which survives restarts).
         lock_ttl_s: Age after which another owner's lock may be taken over.
         allow_non_finite: Publish states that turn finite values into NaN or Inf
             (refused with :class:`NonFiniteError` by default).
@@ -133,7 +132,7 @@ class Publisher:
         self.manifest: Manifest | None = None
         self._digests: dict[str, bytes] = {}
         self._resumed = False
-        self.owner = owner or os.environ.get("SPACE_ID") or socket.gethostname()
+        self.owner = owner or socket.gethostname()
         self.lock_ttl_s = lock_ttl_s
         self.allow_non_finite = allow_non_finite
         self.new_run = new_run
