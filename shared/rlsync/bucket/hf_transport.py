@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, ClassVar, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import httpx2
 
@@ -56,8 +56,7 @@ _installed: "HfTransferConfig | None" = None
 class HfTransferConfig:
     """Request timeouts for the Hub API and Xet storage, in seconds.
 
-    Entry points read it with `rlsync.config.from_env(HfTransferConfig, ENV_PREFIX)` (see
-    [`~rlsync.bucket.settings.BucketSettings.from_env`]).
+    Entry points read it from the environment with [`~rlsync.bucket.settings.BucketSettings.from_env`].
 
     Args:
         connect_timeout (`float`, *optional*, defaults to 10):
@@ -65,9 +64,6 @@ class HfTransferConfig:
         read_timeout (`float`, *optional*, defaults to 60):
             Longest silence while waiting for response bytes (env `HF_BUCKET_READ_TIMEOUT`).
     """
-
-    #: The prefix of its environment variables (``HF_BUCKET_CONNECT_TIMEOUT``, ...).
-    ENV_PREFIX: ClassVar[str] = "HF_BUCKET"
 
     connect_timeout: float = 10.0
     read_timeout: float = 60.0

@@ -17,11 +17,13 @@ from .budget import BudgetConfig, RequestMeter
 from .hf_transport import HfTransferConfig
 from .watch import WatchConfig
 
-__all__ = ["BUDGET_ENV_PREFIX", "BucketSettings"]
+__all__ = ["HUB_ENV_PREFIX", "TRANSFER_ENV_PREFIX", "BucketSettings"]
 
+#: The prefix of the timeout variables (``HF_BUCKET_CONNECT_TIMEOUT``, ``HF_BUCKET_READ_TIMEOUT``).
+TRANSFER_ENV_PREFIX = "HF_BUCKET"
 #: The prefix of the budget and watch variables (``HUB_SHARE``, ``HUB_FEED``); ``<ROLE>_HUB_<FIELD>``
 #: overrides ``HUB_<FIELD>`` for one role.
-BUDGET_ENV_PREFIX = "HUB"
+HUB_ENV_PREFIX = "HUB"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +62,9 @@ class BucketSettings:
         Raises:
             `ValueError`: a variable has an invalid value (the message names it), or the budget is invalid.
         """
-        prefixes = (BUDGET_ENV_PREFIX, f"{role}_{BUDGET_ENV_PREFIX}") if role else (BUDGET_ENV_PREFIX,)
+        prefixes = (HUB_ENV_PREFIX, f"{role}_{HUB_ENV_PREFIX}") if role else (HUB_ENV_PREFIX,)
         return cls(
-            transfer=from_env(HfTransferConfig, HfTransferConfig.ENV_PREFIX, environ),
+            transfer=from_env(HfTransferConfig, TRANSFER_ENV_PREFIX, environ),
             budget=from_env(BudgetConfig, prefixes, environ),
             watch=from_env(WatchConfig, prefixes, environ),
             role=role,
