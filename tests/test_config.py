@@ -138,3 +138,18 @@ def test_open_bucket_gives_a_hub_bucket_its_settings(monkeypatch):
     hub = open_bucket("hf://buckets/someone/rl-sync", create=False, settings=settings).inner
     assert hub.meter.config == settings.budget and hub.meter.role == "rollout"
     assert open_bucket("hf://buckets/someone/rl-sync", create=False).inner.meter.config.share == BudgetConfig().share
+
+
+def test_the_trainer_space_not_the_publisher_reads_space_id(tmp_path, monkeypatch):
+    import socket
+
+    from rlsync.bucket import LocalBucket
+    from rlsync.protocol import Publisher
+    from rlsync.spaces.settings import space_owner
+
+    monkeypatch.setenv("SPACE_ID", "me/trainer")
+    assert space_owner() == "me/trainer"
+    assert Publisher(LocalBucket(tmp_path / "b")).owner == socket.gethostname()
+    assert Publisher(LocalBucket(tmp_path / "b"), owner=space_owner()).owner == "me/trainer"
+    monkeypatch.delenv("SPACE_ID")
+    assert space_owner() == socket.gethostname()
