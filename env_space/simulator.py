@@ -44,13 +44,13 @@ from rlsync.spaces.exchange import (
     SampleLimits,
     get_json,
     list_batches,
+    open_role_bucket,
     parse_tasks,
     put_json,
     read_samples,
     replica_of,
     score_key,
     task_key,
-    open_role_bucket,
     write_samples,
 )
 from rlsync.adapters import adapter_bucket

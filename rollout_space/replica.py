@@ -45,12 +45,12 @@ from rlsync.spaces.exchange import (
     check_id,
     get_json,
     list_batches,
+    open_role_bucket,
     parse_tasks,
     put_json,
     rollout_key,
     status_key,
     task_key,
-    open_role_bucket,
     write_samples,
 )
 from rlsync.hashing import state_hash
