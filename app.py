@@ -307,7 +307,7 @@ def _interrupt(signum: int, _frame: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    from rlsync.bucket import open_bucket
+    from rlsync.bucket import BucketSettings, open_bucket
     from rlsync.spaces import components
 
     # The roles and the panel share the token's Hub budget: each paces itself to its share.
@@ -325,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.port,
     )
     if args.fresh:
-        clear_run(open_bucket(args.bucket))
+        clear_run(open_bucket(args.bucket, settings=BucketSettings.from_env()))
     if args.autostart:
         stack.start_all()
     else:

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from benchmarks.hub_server import HubServer
     from env_space.simulator import EnvConfig, EnvSimulator
-    from rlsync.bucket import open_bucket
+    from rlsync.bucket import BucketSettings, open_bucket
     from rlsync.bucket.budget import RequestClass, Tier, scaled_limit
     from rlsync.bucket.watch import meter_of, watch
     from rlsync.protocol import FixedInterval, Publisher
@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = build_tiny_model(root / "tiny", seed=0)
     master = {n: t.float() for n, t in load_file(model / "model.safetensors").items()}
 
-    bucket = watch(open_bucket(url))
+    settings = BucketSettings.from_env("trainer")  # the HUB_* variables set above
+    bucket = watch(open_bucket(url, settings=settings), settings.watch)
     meter = meter_of(bucket)
     publisher = Publisher(bucket, policy=FixedInterval(10))
     env = EnvSimulator(EnvConfig(bucket=url, queue_depth=max(2, args.replicas // 2)))

@@ -29,7 +29,7 @@ import threading
 import time
 
 from rlsync.adapters import adapter_bucket
-from rlsync.bucket import Bucket, open_bucket
+from rlsync.bucket import Bucket
 from rlsync.bucket.watch import IDLE_WAIT_S, generation, meter_of, wait_for_change
 from rlsync.errors import BucketError, FormatError
 from rlsync.layout import (
@@ -53,10 +53,10 @@ from rlsync.spaces.exchange import (
     SampleLimits,
     get_json,
     list_batches,
+    open_role_bucket,
     parse_tasks,
     put_json,
     read_samples,
-    watch_role_bucket,
     write_samples,
 )
 
@@ -84,7 +84,7 @@ class EnvSimulator:
 
     def __init__(self, config: EnvConfig, bucket: Bucket | None = None) -> None:
         self.config = config
-        self.bucket = watch_role_bucket(bucket or open_bucket(config.bucket))
+        self.bucket = open_role_bucket("env", config.bucket, bucket)
         self._owns_watch = self.bucket is not bucket  # close() stops the watch this role made
         self.meter = meter_of(self.bucket)
         settings = source_settings(config.environment, config.source_settings)

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from env_space.environments import get_environment
-from rlsync.bucket import Bucket, open_bucket
+from rlsync.bucket import Bucket
 from rlsync.bucket.watch import IDLE_WAIT_S, generation, meter_of, wait_for_change
 from rlsync.errors import BucketError, SyncError
 from rlsync.hashing import state_hash
@@ -54,9 +54,9 @@ from rlsync.spaces.exchange import (
     Sample,
     get_json,
     list_batches,
+    open_role_bucket,
     parse_tasks,
     put_json,
-    watch_role_bucket,
     write_samples,
 )
 from rlsync.spaces.settings import resolve_device
@@ -84,7 +84,7 @@ class Replica:
         device = resolve_device(config.device)
         self.config = config = config.with_model_defaults(device)
         self.replica_id = check_id(config.replica_id or default_replica_id())
-        self.bucket = watch_role_bucket(bucket or open_bucket(config.bucket))
+        self.bucket = open_role_bucket("rollout", config.bucket, bucket)
         self._owns_watch = self.bucket is not bucket  # close() stops the watch this role made
         self.meter = meter_of(self.bucket)
         self._status_at = -float("inf")

@@ -63,11 +63,16 @@ def hub(hub_server, monkeypatch):
     """
     from huggingface_hub import constants
 
+    from rlsync.bucket import hf
+    from rlsync.bucket.budget import BudgetConfig, RequestMeter
     from rlsync.bucket.hf_transport import HfTransferConfig, install
 
     hub_server.reset()
     monkeypatch.setenv("HF_ENDPOINT", hub_server.url)
-    monkeypatch.setenv("HUB_PACING", "0")  # the stand-in limits nothing unless a test says so (HubServer.limit)
+    # The stand-in limits nothing unless a test says so (HubServer.limit): roles (entry points) read
+    # HUB_PACING, and a bucket opened without settings gets an unpaced meter.
+    monkeypatch.setenv("HUB_PACING", "0")
+    monkeypatch.setattr(hf, "RequestMeter", lambda: RequestMeter(BudgetConfig(enabled=False)))
     monkeypatch.setattr(constants, "ENDPOINT", hub_server.url)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     install(HfTransferConfig(connect_timeout=HUB_TIMEOUT_SECONDS, read_timeout=HUB_TIMEOUT_SECONDS))

@@ -162,17 +162,31 @@ def test_a_busy_role_borrows_what_the_token_has_to_spare_and_no_more():
 
 
 def test_budget_settings_come_from_the_environment(monkeypatch):
+    from rlsync.bucket import BucketSettings
+
     monkeypatch.setenv("HUB_TIER", "pro")
     monkeypatch.setenv("ROLLOUT_HUB_SHARE", "17")
-    config = BudgetConfig.from_env("rollout")
+    config = BucketSettings.from_env("rollout").budget
     assert config.tier is Tier.PRO and config.share == 17 and config.limit(RequestClass.API) == 2500
-    assert BudgetConfig.from_env("env").share == 4
+    assert BucketSettings.from_env("env").budget.share == 4
     monkeypatch.setenv("HUB_PACING", "0")  # the documented name (the field is `enabled`)
     monkeypatch.setenv("ROLLOUT_HUB_PACING", "1")
-    assert not BudgetConfig.from_env("env").enabled and BudgetConfig.from_env("rollout").enabled
+    assert not BucketSettings.from_env("env").budget.enabled and BucketSettings.from_env("rollout").budget.enabled
     monkeypatch.setenv("HUB_TIER", "platinum")
-    with pytest.raises(ValueError):
-        BudgetConfig.from_env()
+    with pytest.raises(ValueError, match="HUB_TIER"):
+        BucketSettings.from_env()
+
+
+def test_library_defaults_ignore_the_environment(server, monkeypatch):
+    """Only entry points read the environment: a bucket opened without settings has the defaults."""
+    monkeypatch.setenv("HUB_PACING", "0")
+    monkeypatch.setenv("HUB_FEED", "0")
+    assert RequestMeter().config == BudgetConfig() and RequestMeter().config.enabled
+    watched = WatchedBucket(hf())
+    try:
+        assert watched.config.feed
+    finally:
+        watched.close()
 
 
 def test_a_paced_bucket_stays_under_the_stand_in_limit(server):

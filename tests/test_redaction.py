@@ -100,7 +100,7 @@ def test_read_snapshot_of_an_invalid_pointer_naming_the_token_is_redacted(tmp_pa
 
 
 def test_bucket_view_that_cannot_open_its_bucket_shows_a_redacted_error(monkeypatch, tmp_path) -> None:
-    def refuse(url):
+    def refuse(url, **_options):
         raise BucketError(f"cannot reach {url} with token {TOKEN}")
 
     monkeypatch.setattr(snapshots, "open_bucket", refuse)

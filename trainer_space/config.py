@@ -11,6 +11,7 @@ import enum
 import os
 from typing import TYPE_CHECKING, Any
 
+from rlsync.defaults import DEFAULT_ANCHOR_INTERVAL, DEFAULT_CODEC, DEFAULT_MAX_CATCHUP_RATIO
 from rlsync.spaces.settings import default_model, from_env
 
 if TYPE_CHECKING:
@@ -52,10 +53,10 @@ class TrainerConfig:
     temperature: float = dataclasses.field(default=1.0, metadata={"help": "sampling temperature of the replicas (temperature)"})
     max_grad_norm: float = dataclasses.field(default=1.0, metadata={"help": "gradient clipping (max_grad_norm)"})
     anchor_policy: str = dataclasses.field(default="fixed", metadata={"help": "'fixed' or 'adaptive'"})
-    anchor_interval: int = dataclasses.field(default=10, metadata={"help": "publishes per anchor (fixed policy)"})
-    max_catchup_ratio: float = dataclasses.field(default=2.0, metadata={"help": "adaptive policy bound, in anchors"})
+    anchor_interval: int = dataclasses.field(default=DEFAULT_ANCHOR_INTERVAL, metadata={"help": "publishes per anchor (fixed policy)"})
+    max_catchup_ratio: float = dataclasses.field(default=DEFAULT_MAX_CATCHUP_RATIO, metadata={"help": "adaptive policy bound, in anchors"})
     keep_anchors: int = dataclasses.field(default=2, metadata={"help": "anchors retained in the bucket"})
-    codec: str = dataclasses.field(default="classrice", metadata={"help": "delta codec: 'classrice', 'classgap', 'gapzz', 'trl' or 'auto' (the default for the device)"})
+    codec: str = dataclasses.field(default=DEFAULT_CODEC, metadata={"help": "delta codec: 'classrice', 'classgap', 'gapzz', 'trl' or 'auto' (the default for the device)"})
     max_steps: int = dataclasses.field(default=0, metadata={"help": "stop after this many optimizer steps (0: never) (max_steps)"})
     checkpoint_every: int = dataclasses.field(default=50, metadata={"help": "optimizer steps per bucket checkpoint, also saved on stop (save_steps)"})
     keep_checkpoints: int = dataclasses.field(default=2, metadata={"help": "checkpoints retained in the bucket"})

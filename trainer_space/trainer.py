@@ -43,16 +43,17 @@ import torch
 from transformers import TrainerCallback
 
 from env_space.environments import get_environment
-from rlsync.bucket import Bucket, open_bucket
+from rlsync.bucket import Bucket
 from rlsync.bucket.watch import meter_of
 from rlsync.codecs import default_codec
+from rlsync.defaults import DEFAULT_ANCHOR_INTERVAL, DEFAULT_MAX_CATCHUP_RATIO
 from rlsync.errors import NonFiniteError, StopRequested
 from rlsync.lora import peft_config
 from rlsync.protocol import Adaptive, FixedInterval, Publisher, PublishRecord, read_manifest
 from rlsync.spaces.anchor_policy import ControlledPolicy, write_policy
 from rlsync.spaces.demand import Pacing
-from rlsync.spaces.exchange import MetricsLog, Refusals, SampleLimits, read_samples, watch_role_bucket
-from rlsync.spaces.settings import resolve_device
+from rlsync.spaces.exchange import MetricsLog, Refusals, SampleLimits, open_role_bucket, read_samples
+from rlsync.spaces.settings import resolve_device, space_owner
 from rlsync.spaces.tiny_model import model_or_default
 from rlsync.trl import (
     BucketAdapterSync,
@@ -116,7 +117,7 @@ class Trainer:
         from transformers import AutoTokenizer
         from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-        self.bucket = watch_role_bucket(bucket or open_bucket(config.bucket))
+        self.bucket = open_role_bucket("trainer", config.bucket, bucket)
         self._owns_watch = self.bucket is not bucket  # close() stops the watch this role made
         self.meter = meter_of(self.bucket)
         device = resolve_device(config.device)
@@ -127,7 +128,7 @@ class Trainer:
         self.trackio = TrackioSyncFigures() if ReportTo.TRACKIO.value in config.report_targets() else None
         self.control = ControlledPolicy(self.bucket, config.policy())  # the panels' anchor policy
         chain_settings = dict(
-            policy=self.control, keep_anchors=config.keep_anchors, codec=config.codec, owner=config.trainer_id or None,
+            policy=self.control, keep_anchors=config.keep_anchors, codec=config.codec, owner=config.trainer_id or space_owner(),
             new_run=config.new_run,
         )  # fmt: skip
         lora = config.lora()
@@ -258,7 +259,9 @@ class Trainer:
         }  # fmt: skip
         self.metrics.flush(force)
 
-    def set_anchor_policy(self, policy: str, interval: int = 10, max_catchup_ratio: float = 2.0) -> None:
+    def set_anchor_policy(
+        self, policy: str, interval: int = DEFAULT_ANCHOR_INTERVAL, max_catchup_ratio: float = DEFAULT_MAX_CATCHUP_RATIO
+    ) -> None:
         """Change the anchor policy for the next publish, through the bucket's control object
         (so it also reaches a trainer running in another Space)."""
         write_policy(self.bucket, Adaptive(max_catchup_ratio) if policy == "adaptive" else FixedInterval(int(interval)))

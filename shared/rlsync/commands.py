@@ -16,7 +16,7 @@ import safetensors.torch
 import torch
 import zstandard
 
-from .bucket import open_bucket
+from .bucket import Bucket, BucketSettings, open_bucket
 from .cli_views import anchor_folder_files, describe_json
 from .codecs import DEFAULT_CODEC
 from .codecs.checks import decompress_frame
@@ -260,10 +260,15 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print("\n".join(lines))
 
 
+def open_existing(url: str) -> Bucket:
+    """The bucket at ``url`` for reading, its Hub settings from the environment (a command is an entry point)."""
+    return open_bucket(url, create=False, settings=BucketSettings.from_env())
+
+
 def cmd_ls(args: argparse.Namespace) -> None:
     from .protocol import read_manifest
 
-    bucket = open_bucket(args.bucket, create=False)
+    bucket = open_existing(args.bucket)
     manifest = read_manifest(bucket)
     if manifest is None:
         raise SyncError(f"{printable(bucket.url)}: no pointer object (nothing published yet)")
@@ -289,7 +294,7 @@ def cmd_verify(args: argparse.Namespace) -> None:
             bar.total = total
             bar.update(done - bar.n)
 
-        report = verify_bucket(open_bucket(args.bucket, create=False), on_checked=checked)
+        report = verify_bucket(open_existing(args.bucket), on_checked=checked)
     if not report.ok:
         raise SyncError(f"verification failed with {len(report.errors)} error(s): " + "; ".join(report.errors))
     raced = f" (raced a concurrent publish {len(report.raced)} time(s): replayed the newer pointer)" if report.raced else ""

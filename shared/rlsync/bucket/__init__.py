@@ -2,6 +2,7 @@
 
 >>> bucket = open_bucket("./runs/demo")               # local folder
 >>> bucket = open_bucket("hf://buckets/me/rl-sync")   # Hugging Face Bucket
+>>> bucket = open_bucket(url, settings=BucketSettings.from_env("rollout"))  # at an entry point
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .retry import RetryingBucket
 __all__ = [
     "Bucket",
     "BucketError",
+    "BucketSettings",
     "BucketWrapper",
     "FaultyBucket",
     "HfBucket",
@@ -37,14 +39,20 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .hf import HfBucket
+    from .settings import BucketSettings
 
 
 def __getattr__(name: str):
-    # HfBucket is loaded on first use so that importing the package never imports huggingface_hub.
+    # HfBucket and BucketSettings are loaded on first use so that importing the package never imports
+    # huggingface_hub or its HTTP client.
     if name == "HfBucket":
         from .hf import HfBucket
 
         return HfBucket
+    if name == "BucketSettings":
+        from .settings import BucketSettings
+
+        return BucketSettings
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -53,7 +61,7 @@ _BACKENDS: dict[str, Callable[[str], Bucket]] = {}
 
 def register_backend(scheme: str, factory: Callable[[str], Bucket]) -> None:
     """Register ``factory(url)`` as the backend for URLs starting with ``scheme://`` (a factory with a
-    ``create`` parameter is also given :func:`open_bucket`'s ``create``)."""
+    ``create`` or ``settings`` parameter is also given :func:`open_bucket`'s)."""
     _BACKENDS[scheme] = factory
 
 
@@ -68,17 +76,19 @@ def _open_local(url: str, create: bool = True) -> Bucket:
     return LocalBucket(url, create=create)
 
 
-def _open_hf(url: str, create: bool = False) -> Bucket:
+def _open_hf(url: str, create: bool = False, settings: BucketSettings | None = None) -> Bucket:
     from .hf import HfBucket
 
-    return RetryingBucket(HfBucket.from_url(url, create=create))  # the Hub throttles (429) and has bad moments (5xx)
+    options = {} if settings is None else {"transfer": settings.transfer, "meter": settings.meter()}
+    hub = HfBucket.from_url(url, create=create, **options)
+    return RetryingBucket(hub)  # the Hub throttles (429) and has bad moments (5xx)
 
 
 register_backend("file", _open_local)
 register_backend("hf", _open_hf)
 
 
-def open_bucket(url: str, *, create: bool = True) -> Bucket:
+def open_bucket(url: str, *, create: bool = True, settings: BucketSettings | None = None) -> Bucket:
     """Open a bucket from a URL or path.
 
     Args:
@@ -86,6 +96,8 @@ def open_bucket(url: str, *, create: bool = True) -> Bucket:
         create: Create a bucket that does not exist yet (a local folder; a Hub bucket when the token
             can write to its namespace, else a :class:`BucketError` says how to create it); ``False``
             for read-only use (a mistyped path then fails instead of creating a folder).
+        settings: A Hub bucket's timeouts and request budget (default: ``BucketSettings()``, the
+            library defaults; entry points pass :meth:`BucketSettings.from_env`). Local folders have none.
 
     Returns:
         The bucket backend for that URL.
@@ -102,6 +114,6 @@ def open_bucket(url: str, *, create: bool = True) -> Bucket:
         raise BucketError(
             f"unsupported bucket URL {url!r}: use a local path, file://PATH or hf://buckets/OWNER/NAME"
         ) from None
-    if "create" in inspect.signature(factory).parameters:
-        return factory(url, create=create)
-    return factory(url)
+    accepted = inspect.signature(factory).parameters
+    options = {"create": create, "settings": settings}
+    return factory(url, **{name: value for name, value in options.items() if name in accepted})

@@ -28,7 +28,6 @@ import collections
 import dataclasses
 import enum
 import logging
-import os
 import re
 import threading
 import time
@@ -105,6 +104,9 @@ def scaled_limit(tier: Tier, cls: RequestClass, window_s: float) -> int:
 class BudgetConfig:
     """A role's share of the Hub's request budget.
 
+    Entry points read it from `HUB_<FIELD>` then `<ROLE>_HUB_<FIELD>` variables with
+    [`~rlsync.bucket.settings.BucketSettings.from_env`].
+
     Args:
         tier (`Tier`, *optional*, defaults to free): The account tier of the token (env `HUB_TIER`).
         share (`int`, *optional*, defaults to 4): Roles and replicas sharing the token; each paces
@@ -121,31 +123,12 @@ class BudgetConfig:
     share: int = 4
     target: float = 0.8
     window_s: float = WINDOW_S
-    enabled: bool = True
+    enabled: bool = dataclasses.field(default=True, metadata={"env": "pacing"})
 
     def __post_init__(self) -> None:
         self.tier = Tier(self.tier)
         if self.share < 1 or not 0 < self.target <= 1 or self.window_s <= 0:
             raise ValueError(f"invalid budget: share {self.share}, target {self.target}, window {self.window_s}s")
-
-    @classmethod
-    def from_env(cls, role: str = "", **overrides: Any) -> "BudgetConfig":
-        """The defaults, overridden by `HUB_<FIELD>` then `<ROLE>_HUB_<FIELD>`, then by `overrides`.
-
-        Raises:
-            `ValueError`: an unknown tier or an invalid value.
-        """
-        values: dict[str, Any] = {}
-        for field in dataclasses.fields(cls):
-            env = _ENV_NAMES.get(field.name, field.name.upper())
-            for name in (f"HUB_{env}", f"{role.upper()}_HUB_{env}" if role else ""):
-                raw = os.environ.get(name) if name else None
-                if raw not in (None, ""):
-                    values[field.name] = raw
-        kinds = {"share": int, "target": float, "window_s": float, "tier": Tier,
-                 "enabled": lambda v: str(v).lower() not in ("0", "false", "no", "off")}  # fmt: skip
-        parsed = {k: kinds[k](v) for k, v in values.items()}
-        return cls(**{**parsed, **overrides})
 
     def limit(self, cls: RequestClass) -> int:
         """The tier's limit for `cls` over :attr:`window_s`."""
@@ -154,10 +137,6 @@ class BudgetConfig:
     def allowance(self, cls: RequestClass) -> float:
         """This role's share of `cls` requests per window."""
         return self.limit(cls) * self.target / self.share
-
-
-#: Environment names of the :class:`BudgetConfig` fields not named after them (``HUB_<NAME>``).
-_ENV_NAMES = {"enabled": "PACING"}
 
 
 class _TokenBucket:
@@ -184,7 +163,7 @@ class RequestMeter:
     """Counts one role's Hub requests and paces them to its share of the budget (thread-safe).
 
     Args:
-        config ([`BudgetConfig`], *optional*): The budget; defaults to `BudgetConfig.from_env()`.
+        config ([`BudgetConfig`], *optional*): The budget; defaults to `BudgetConfig()`.
         role (`str`, *optional*): The role's name, for the panel and the logs.
         clock (`Callable[[], float]`, *optional*): Monotonic clock (tests pass a fake one).
         sleep (`Callable[[float], None]`, *optional*): Called with each wait.
@@ -203,7 +182,7 @@ class RequestMeter:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        self.config = config if config is not None else BudgetConfig.from_env(role)
+        self.config = config if config is not None else BudgetConfig()
         self.role = role
         self._clock = clock
         self._sleep = sleep

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import email.utils
 import logging
-import os
 import re
 import tempfile
 import time
@@ -116,8 +115,8 @@ class HfBucket(Bucket):
         prefix (`str`, *optional*):
             A folder inside the bucket. Keys are stored under `"{prefix}/{key}"` and listed relative to it.
         token (`str`, *optional*):
-            A Hugging Face access token. Defaults to the `HF_TOKEN` environment variable, then to
-            `huggingface_hub`'s own lookup (the locally saved token).
+            A Hugging Face access token. Defaults to `huggingface_hub`'s own lookup (`HF_TOKEN`, then
+            the locally saved token).
         api ([`~huggingface_hub.HfApi`], *optional*):
             The client to use. Defaults to a new `HfApi(token=token)`.
         create (`bool`, *optional*, defaults to `False`):
@@ -125,11 +124,11 @@ class HfBucket(Bucket):
             Hub has no such bucket, with the Hub's default visibility). A token that cannot create it
             gets a [`BucketError`] that says how to create it by hand.
         transfer ([`HfTransferConfig`], *optional*):
-            Request timeouts, process-wide (see `rlsync.bucket.hf_transport.install`). By default the
-            settings already installed are kept, else `HfTransferConfig.from_env()` is installed.
+            Request timeouts, process-wide (see `rlsync.bucket.hf_transport.install`): installed unless
+            settings are installed already (by default the defaults).
         meter ([`~rlsync.bucket.budget.RequestMeter`], *optional*):
             Counts this bucket's requests and paces them to the role's share of the Hub's limits.
-            Defaults to a meter with `BudgetConfig.from_env()`.
+            Defaults to a meter with `BudgetConfig()`.
 
     Raises:
         [`BucketError`]: `bucket_id` is not `"namespace/name"`, the prefix is not a valid key, or
@@ -147,7 +146,7 @@ class HfBucket(Bucket):
         transfer: HfTransferConfig | None = None,
         meter: RequestMeter | None = None,
     ) -> None:
-        install(transfer)
+        install(transfer, replace=False)
         self.meter = meter if meter is not None else RequestMeter()
         parts = bucket_id.split("/") if isinstance(bucket_id, str) else []
         if len(parts) != 2 or not all(parts):
@@ -158,7 +157,7 @@ class HfBucket(Bucket):
             validate_key(prefix)
         self.prefix = prefix
         self._path_prefix = f"{prefix}/" if prefix else ""
-        self._token = token if token is not None else (os.environ.get("HF_TOKEN") or None)
+        self._token = token
         self._api = api if api is not None else HfApi(token=self._token)
         self.url = f"hf://buckets/{bucket_id}" + (f"/{prefix}" if prefix else "")
         self._warned_skipped = False

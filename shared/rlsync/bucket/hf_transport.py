@@ -58,6 +58,8 @@ _installed: "HfTransferConfig | None" = None
 class HfTransferConfig:
     """Request timeouts for the Hub API and Xet storage, in seconds.
 
+    Entry points read it from the environment with [`~rlsync.bucket.settings.BucketSettings.from_env`].
+
     Args:
         connect_timeout (`float`, *optional*, defaults to 10):
             Longest wait to open a connection (env `HF_BUCKET_CONNECT_TIMEOUT`).
@@ -67,15 +69,6 @@ class HfTransferConfig:
 
     connect_timeout: float = 10.0
     read_timeout: float = 60.0
-
-    @classmethod
-    def from_env(cls) -> "HfTransferConfig":
-        """The defaults, overridden by `HF_BUCKET_CONNECT_TIMEOUT` / `HF_BUCKET_READ_TIMEOUT`."""
-        defaults = cls()
-        return cls(
-            connect_timeout=float(os.environ.get("HF_BUCKET_CONNECT_TIMEOUT", defaults.connect_timeout)),
-            read_timeout=float(os.environ.get("HF_BUCKET_READ_TIMEOUT", defaults.read_timeout)),
-        )
 
     def timeout(self) -> httpx2.Timeout:
         return httpx2.Timeout(self.read_timeout, connect=self.connect_timeout)
@@ -149,15 +142,17 @@ def metering(meter: "RequestMeter | None") -> Iterator[None]:
         _METER.reset(token)
 
 
-def install(config: HfTransferConfig | None = None) -> None:
+def install(config: HfTransferConfig | None = None, *, replace: bool = True) -> None:
     """Install the timeouts and the single-attempt transport for huggingface_hub and hf_xet.
 
     Args:
         config ([`HfTransferConfig`], *optional*):
-            The settings. `None` (what every `HfBucket` passes by default) installs
-            `HfTransferConfig.from_env()` unless settings are installed already; an explicit config
-            replaces the installed one (and the `HF_XET_CLIENT_*` settings), and drops an existing
-            hf_xet session so that the next transfer starts one with the new settings.
+            The settings. `None` installs the defaults unless settings are installed already.
+        replace (`bool`, *optional*, defaults to `True`):
+            An explicit `config` replaces the installed one (and the `HF_XET_CLIENT_*` settings), and
+            drops an existing hf_xet session so that the next transfer starts one with the new
+            settings. `False` (what every `HfBucket` passes) installs it only when nothing is
+            installed yet: the first bucket's settings hold for the process.
 
     An HTTP client factory the application installed itself is kept, with a warning: bucket requests
     then have that client's timeouts and the library's own retries.
@@ -167,10 +162,10 @@ def install(config: HfTransferConfig | None = None) -> None:
     from huggingface_hub.utils import _http, _xet
 
     with _INSTALL_LOCK:
-        if _installed is not None and config in (None, _installed):
+        if _installed is not None and (config in (None, _installed) or not replace):
             return
-        explicit = config is not None
-        config = config or HfTransferConfig.from_env()
+        explicit = config is not None and replace
+        config = config or HfTransferConfig()
         if _installed is None and _http._GLOBAL_CLIENT_FACTORY is not _http.default_client_factory:
             logger.warning("huggingface_hub has a custom HTTP client factory: bucket requests keep its timeouts")
             _installed = config

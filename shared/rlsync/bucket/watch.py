@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -73,18 +72,7 @@ class WatchConfig:
     feed: bool = True
     min_poll_s: float = 1.0
     max_poll_s: float = 60.0
-    quiet_prefixes: tuple[str, ...] = ()
-
-    @classmethod
-    def from_env(cls, quiet_prefixes: Iterable[str] = ()) -> "WatchConfig":
-        """The defaults, overridden by `HUB_FEED`, `HUB_MIN_POLL_S`, `HUB_MAX_POLL_S`."""
-        d = cls()
-        return cls(
-            feed=os.environ.get("HUB_FEED", "1").lower() not in ("0", "false", "no", "off"),
-            min_poll_s=float(os.environ.get("HUB_MIN_POLL_S", d.min_poll_s)),
-            max_poll_s=float(os.environ.get("HUB_MAX_POLL_S", d.max_poll_s)),
-            quiet_prefixes=tuple(quiet_prefixes),
-        )
+    quiet_prefixes: tuple[str, ...] = dataclasses.field(default=(), metadata={"env": None})
 
 
 def hub_backend(bucket: Bucket):
@@ -99,12 +87,12 @@ class WatchedBucket(BucketWrapper):
 
     Args:
         inner ([`Bucket`]): The bucket (usually a `RetryingBucket` around an `HfBucket`).
-        config ([`WatchConfig`], *optional*): Settings; defaults to `WatchConfig.from_env()`.
+        config ([`WatchConfig`], *optional*): Settings; defaults to `WatchConfig()`.
     """
 
     def __init__(self, inner: Bucket, config: WatchConfig | None = None) -> None:
         super().__init__(inner)
-        self.config = config if config is not None else WatchConfig.from_env()
+        self.config = config if config is not None else WatchConfig()
         self._hub = hub_backend(inner)
         self.meter = getattr(self._hub, "meter", None)
         self._cond = threading.Condition()

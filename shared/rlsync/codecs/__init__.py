@@ -2,15 +2,13 @@
 
 import torch
 
+from ..defaults import DEFAULT_CODEC
 from .base import Codec, EncodedTensor, get_codec, list_codecs, register_codec
 from .classgap import ClassGapCodec
 from .classrice import ClassRiceCodec
 from .gapzz import GapZigzagCodec
 from .trl import TrlCodec
 
-#: The default everywhere: the smallest files of every codec measured (docs/codecs.md), on CPU its
-#: compiled class pass and on an accelerator the class order on the device.
-DEFAULT_CODEC = ClassRiceCodec.name
 #: The codec for weights on an accelerator (the same: its ranks come from the class order built there).
 ACCELERATOR_CODEC = ClassRiceCodec.name
 

@@ -13,13 +13,12 @@ import json
 import math
 from typing import Any
 
+from ..defaults import DEFAULT_ANCHOR_INTERVAL, DEFAULT_MAX_CATCHUP_RATIO
 from ..errors import FormatError
 from ..jsonlimits import loads_bounded
 from ..limits import MAX_CONTROL_BYTES
 from .manifest import Manifest
 
-DEFAULT_INTERVAL = 10
-DEFAULT_MAX_CATCHUP_RATIO = 2.0
 # Bounds that keep the pointer and a new replica's catch-up within limits: the pointer lists
 # every retained delta (~300 bytes each, more for sharded parts) and must stay under its 16 MiB
 # (the publisher also anchors early when it passes its share, see Publisher); catching up costs
@@ -50,7 +49,7 @@ class FixedInterval(AnchorPolicy):
         interval: Publishes per anchor; 1 makes every publish an anchor.
     """
 
-    interval: int = DEFAULT_INTERVAL
+    interval: int = DEFAULT_ANCHOR_INTERVAL
     name = "fixed"
 
     def __post_init__(self) -> None:
@@ -103,7 +102,7 @@ def policy_from_settings(settings: dict[str, Any]) -> AnchorPolicy:
     try:
         kind = settings.get("policy", "fixed")
         if kind == FixedInterval.name:
-            return FixedInterval(settings.get("interval", DEFAULT_INTERVAL))
+            return FixedInterval(settings.get("interval", DEFAULT_ANCHOR_INTERVAL))
         if kind == Adaptive.name:
             return Adaptive(settings.get("max_catchup_ratio", DEFAULT_MAX_CATCHUP_RATIO))
     except (ValueError, TypeError, AttributeError) as exc:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import os
 import socket
 import tempfile
 import time
@@ -76,7 +75,8 @@ class Publisher:
             run starts; a resumed run keeps its own).
         owner: Stable id of this trainer for the run lock (a restart with the same
             id takes over at once; another id is refused while the lock is fresh).
-            Default: ``SPACE_ID`` or the host name. See :class:`~rlsync.protocol.ownership.RunOwnership`.
+            Default: the host name (a Space passes its ``SPACE_ID``, which survives restarts).
+            See :class:`~rlsync.protocol.ownership.RunOwnership`.
         lock_ttl_s: Age after which another owner's lock may be taken over.
         allow_non_finite: Publish states that turn finite values into NaN or Inf
             (refused with :class:`NonFiniteError` by default).
@@ -120,7 +120,7 @@ class Publisher:
         self.allow_non_finite = allow_non_finite
         self.refused: collections.Counter[str] = collections.Counter()  # invalid bucket objects ignored, by key
         self.ownership = RunOwnership(
-            bucket, owner=owner or os.environ.get("SPACE_ID") or socket.gethostname(), lock_ttl_s=lock_ttl_s,
+            bucket, owner=owner or socket.gethostname(), lock_ttl_s=lock_ttl_s,
             new_run=new_run, refused=self.refused,
         )  # fmt: skip
         self._pointer_bytes = 0  # size of the last pointer written

@@ -9,11 +9,11 @@ import logging
 from typing import Any
 
 from ..bucket import Bucket
+from ..defaults import DEFAULT_ANCHOR_INTERVAL, DEFAULT_MAX_CATCHUP_RATIO
 from ..errors import FormatError, ObjectNotFoundError, ObjectTooLargeError
 from ..layout import CONTROL_KEY
 from ..limits import MAX_CONTROL_BYTES
 from ..protocol import Adaptive, AnchorPolicy, FixedInterval, Manifest, policy_from_json, policy_to_json
-from ..protocol.policy import DEFAULT_INTERVAL, DEFAULT_MAX_CATCHUP_RATIO
 from .snapshots import Snapshot
 
 logger = logging.getLogger(__name__)
@@ -26,10 +26,10 @@ def current_policy(snap: Snapshot, default: AnchorPolicy | None = None) -> dict[
         ``{"policy", "interval", "max_catchup_ratio", "source"}``; ``source`` is
         ``"control object"`` or ``"default"`` (the trainer's own setting applies).
     """
-    policy = snap.policy or default or FixedInterval(DEFAULT_INTERVAL)
+    policy = snap.policy or default or FixedInterval(DEFAULT_ANCHOR_INTERVAL)
     return {
         "policy": policy.name,
-        "interval": getattr(policy, "interval", DEFAULT_INTERVAL),
+        "interval": getattr(policy, "interval", DEFAULT_ANCHOR_INTERVAL),
         "max_catchup_ratio": getattr(policy, "max_catchup_ratio", DEFAULT_MAX_CATCHUP_RATIO),
         "source": "control object" if snap.policy is not None else "default",
     }

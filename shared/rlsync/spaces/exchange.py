@@ -29,8 +29,8 @@ import threading
 import time
 from typing import Any
 
-from ..bucket import Bucket, validate_key
-from ..bucket.watch import WatchConfig, watch
+from ..bucket import Bucket, open_bucket, validate_key
+from ..bucket.watch import watch
 from ..errors import BucketError, FormatError, ObjectNotFoundError, ObjectTooLargeError
 from ..jsonlimits import loads_bounded
 from ..layout import (
@@ -44,10 +44,24 @@ from ..sampling import MIN_SAMPLED_LOGPROB
 
 logger = logging.getLogger(__name__)
 
-def watch_role_bucket(bucket: Bucket) -> Bucket:
+def open_role_bucket(role: str, url: str, bucket: Bucket | None = None) -> Bucket:
     """A role's bucket, watched on the Hub (:func:`~rlsync.bucket.watch.watch`); writing its own
-    status and metrics does not make it poll sooner."""
-    return watch(bucket, WatchConfig.from_env(quiet_prefixes=REPORT_PREFIXES))
+    status and metrics does not make it poll sooner.
+
+    Args:
+        role: The role (``"trainer"``, ``"rollout"``, ``"env"``): its settings are read from the
+            environment (:meth:`~rlsync.bucket.settings.BucketSettings.from_env`).
+        url: The bucket to open when ``bucket`` is ``None``.
+        bucket: An opened bucket (tests pass one), watched with the role's settings.
+
+    Raises:
+        ValueError: a bucket setting in the environment is invalid.
+    """
+    from ..bucket.settings import BucketSettings
+
+    settings = BucketSettings.from_env(role)
+    opened = bucket if bucket is not None else open_bucket(url, settings=settings)
+    return watch(opened, dataclasses.replace(settings.watch, quiet_prefixes=REPORT_PREFIXES))
 
 
 def put_json(bucket: Bucket, key: str, doc: Any) -> None:

@@ -145,7 +145,11 @@ class BucketView:
     @property
     def bucket(self) -> Bucket:
         if self._bucket is None:
-            self._bucket = watch(open_bucket(self.url))  # on the Hub: listings from the feed, reads only on change
+            from ..bucket.settings import BucketSettings
+
+            settings = BucketSettings.from_env()  # the panel is an entry point: HF_BUCKET_*, HUB_*
+            # on the Hub: listings from the feed, reads only on change
+            self._bucket = watch(open_bucket(self.url, settings=settings), settings.watch)
         return self._bucket
 
     def snapshot(self) -> Snapshot:

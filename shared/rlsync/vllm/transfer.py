@@ -33,6 +33,11 @@ then drive syncs with :class:`BucketSyncClient` (pause, update to the bucket's
 newest step, reset the prefix cache, resume). ``--weight-transfer-config`` accepts
 only ``backend`` (vLLM's config forbids extra keys), so the bucket URL comes from
 ``init_info`` (``{"bucket": URL}``) or, by default, ``$ROLLOUT_BUCKET``.
+
+Environment. :meth:`BucketWeightTransferEngine.init_transfer_engine` is this plug-in's entry point
+(vLLM builds the engine; nothing passes it settings): it is the one place of the library, with the
+``rlsync`` command, that reads the environment, ``$ROLLOUT_BUCKET`` and the bucket's settings
+(:meth:`~rlsync.bucket.settings.BucketSettings.from_env` for the ``rollout`` role).
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from rlsync.bucket import open_bucket
+from rlsync.bucket import BucketSettings, open_bucket
 from rlsync.protocol import Subscriber
 
 from .plugin import BACKEND_NAME, register
@@ -113,7 +118,8 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         url = init_info.bucket or os.environ.get(BUCKET_ENV, "")
         if not url:
             raise ValueError(f"bucket backend: pass init_info={{'bucket': URL}} or set ${BUCKET_ENV}")
-        self.subscriber = Subscriber(open_bucket(url), workdir=init_info.workdir)
+        bucket = open_bucket(url, settings=BucketSettings.from_env("rollout"))
+        self.subscriber = Subscriber(bucket, workdir=init_info.workdir)
         self._diverged = True  # the model holds the checkpoint it started from, not a bucket state
         logger.info("bucket weight transfer: following %s", url)
 
@@ -205,16 +211,24 @@ class BucketSyncClient:
         timeout_s: HTTP timeout per call.
         reset_attempts: Calls of ``/reset_prefix_cache`` before giving up (vLLM refuses
             while blocks are still held, and says callers may retry).
+        settings: The bucket's Hub settings (default: the library defaults).
     """
 
     def __init__(
-        self, base_url: str, bucket: str, *, verify: bool = True, timeout_s: float = 600.0, reset_attempts: int = 5
+        self,
+        base_url: str,
+        bucket: str,
+        *,
+        verify: bool = True,
+        timeout_s: float = 600.0,
+        reset_attempts: int = 5,
+        settings: BucketSettings | None = None,
     ) -> None:
         import httpx
 
         self.reset_attempts = max(1, reset_attempts)
         self.bucket_url = bucket
-        self.bucket = open_bucket(bucket)
+        self.bucket = open_bucket(bucket, settings=settings)
         self.verify = verify
         self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s)
         self.step: int | None = None

@@ -1,0 +1,75 @@
+"""A Hub bucket's settings in one object, and the one call that reads them from the environment.
+
+>>> settings = BucketSettings.from_env("rollout")   # at an entry point: HF_BUCKET_*, HUB_*, ROLLOUT_HUB_*
+>>> bucket = watch(open_bucket(url, settings=settings), settings.watch)
+
+Library code never reads the environment: without settings, a bucket has the defaults of
+[`HfTransferConfig`], [`BudgetConfig`] and [`WatchConfig`].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+from ..config import from_env
+from .budget import BudgetConfig, RequestMeter
+from .hf_transport import HfTransferConfig
+from .watch import WatchConfig
+
+__all__ = ["HUB_ENV_PREFIX", "TRANSFER_ENV_PREFIX", "BucketSettings"]
+
+#: The prefix of the timeout variables (``HF_BUCKET_CONNECT_TIMEOUT``, ``HF_BUCKET_READ_TIMEOUT``).
+TRANSFER_ENV_PREFIX = "HF_BUCKET"
+#: The prefix of the budget and watch variables (``HUB_SHARE``, ``HUB_FEED``); ``<ROLE>_HUB_<FIELD>``
+#: overrides ``HUB_<FIELD>`` for one role.
+HUB_ENV_PREFIX = "HUB"
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketSettings:
+    """How a role's Hub bucket makes requests: timeouts, request budget, and how it follows changes.
+
+    Args:
+        transfer ([`HfTransferConfig`], *optional*):
+            Request timeouts, process-wide: the first Hub bucket of the process installs them
+            (`rlsync.bucket.hf_transport.install` replaces them). `None`: the defaults.
+        budget ([`BudgetConfig`], *optional*):
+            The role's share of the Hub's request budget; defaults to `BudgetConfig()`.
+        watch ([`WatchConfig`], *optional*):
+            How [`~rlsync.bucket.watch.watch`] follows the bucket; defaults to `WatchConfig()`.
+        role (`str`, *optional*):
+            The role's name, for the request meter's logs and panel.
+    """
+
+    transfer: HfTransferConfig | None = None
+    budget: BudgetConfig = dataclasses.field(default_factory=BudgetConfig)
+    watch: WatchConfig = dataclasses.field(default_factory=WatchConfig)
+    role: str = ""
+
+    @classmethod
+    def from_env(cls, role: str = "", environ: Mapping[str, str] | None = None) -> "BucketSettings":
+        """The settings from `HF_BUCKET_<FIELD>` (timeouts) and `HUB_<FIELD>` then `<ROLE>_HUB_<FIELD>`
+        (budget and watch) variables; `HUB_PACING` sets `BudgetConfig.enabled`.
+
+        Args:
+            role (`str`, *optional*): The role (`"trainer"`, `"rollout"`, `"env"`); empty: no role overrides.
+            environ (`Mapping[str, str]`, *optional*): The variables (default: `os.environ`).
+
+        Returns:
+            [`BucketSettings`]: the settings.
+
+        Raises:
+            `ValueError`: a variable has an invalid value (the message names it), or the budget is invalid.
+        """
+        prefixes = (HUB_ENV_PREFIX, f"{role}_{HUB_ENV_PREFIX}") if role else (HUB_ENV_PREFIX,)
+        return cls(
+            transfer=from_env(HfTransferConfig, TRANSFER_ENV_PREFIX, environ),
+            budget=from_env(BudgetConfig, prefixes, environ),
+            watch=from_env(WatchConfig, prefixes, environ),
+            role=role,
+        )
+
+    def meter(self) -> RequestMeter:
+        """A new [`RequestMeter`] with this budget, for one bucket."""
+        return RequestMeter(self.budget, role=self.role)
