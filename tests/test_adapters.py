@@ -21,10 +21,11 @@ from rlsync.adapters import (
     adapter_publisher,
     adapter_subscriber,
 )
-from rlsync.bucket import FaultyBucket, InvalidKeyError, PrefixedBucket, TransientBucketError
+from rlsync.bucket import InvalidKeyError, PrefixedBucket, TransientBucketError
 from rlsync.errors import ChainError, FormatError, SyncError
 from rlsync.hashing import state_hash
 from rlsync.protocol import POINTER_KEY, FixedInterval, Manifest, Publisher, read_manifest
+from testing.faulty import FaultyBucket
 from tests.helpers import bf16, master_state
 
 LORA = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))

@@ -11,7 +11,6 @@ import pytest
 from rlsync.bucket import (
     Bucket,
     BucketError,
-    FaultyBucket,
     InvalidKeyError,
     LocalBucket,
     ObjectInfo,
@@ -19,6 +18,7 @@ from rlsync.bucket import (
     RetryingBucket,
     TransientBucketError,
 )
+from testing.faulty import FaultyBucket
 
 
 class Sleeps(list):

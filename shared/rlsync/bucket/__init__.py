@@ -20,7 +20,6 @@ from .base import (
     TransientBucketError,
     validate_key,
 )
-from .faulty import FaultyBucket
 from .local import LocalBucket
 from .prefixed import PrefixedBucket
 from .retry import RetryingBucket
@@ -29,7 +28,6 @@ __all__ = [
     "Bucket",
     "BucketError",
     "BucketWrapper",
-    "FaultyBucket",
     "HfBucket",
     "InvalidKeyError",
     "LocalBucket",

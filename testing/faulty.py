@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-from .base import Bucket, BucketWrapper, ObjectInfo, TransientBucketError, validate_key
+from rlsync.bucket import Bucket, BucketWrapper, ObjectInfo, TransientBucketError, validate_key
 
 __all__ = ["FaultyBucket"]
 
