@@ -38,7 +38,7 @@ Trial kinds (``--kinds``):
     keep their last good state, and reach the newest version after the next
     anchor.
 ``flaky_storage``
-    :class:`~rlsync.bucket.FaultyBucket` (latency, 503, 429 with retry-after,
+    :class:`~testing.faulty.FaultyBucket` (latency, 503, 429 with retry-after,
     uploads cut short, lagging listings) under a
     :class:`~rlsync.bucket.RetryingBucket`, beneath the publisher and three
     subscriber threads: everything converges bit-exactly and no cut-short
