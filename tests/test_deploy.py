@@ -258,6 +258,9 @@ def test_each_space_gets_its_role_folder_library_app_readme_and_requirements(hub
     card = SpaceCard(uploaded["README.md"].decode())
     assert card.data.sdk == "gradio"
     assert card.data.app_file == "app.py"
+    # run as a script at the Space's root, the role's app.py can only import absolutely (rlsync, <role>_space)
+    tree = ast.parse(uploaded["app.py"].decode())
+    assert not [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level], "relative import"
 
 
 def test_no_space_settings_without_gpu_hardware(hub):
