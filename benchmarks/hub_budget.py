@@ -2,7 +2,7 @@
 
     python -m benchmarks.hub_budget --replicas 16 --tier pro --seconds 300 [--no-governor]
 
-One process runs, on the stand-in (:mod:`benchmarks.hub_server`, the tier's real limits per token
+One process runs, on the stand-in (:mod:`testing.hub.server`, the tier's real limits per token
 in fixed 5-minute windows), all sharing one token as a deployment does:
 
 - a trainer stand-in that nudges the tiny model's fp32 weights and publishes them every
@@ -61,7 +61,6 @@ def main(argv: list[str] | None = None) -> dict:
     from huggingface_hub import constants
     from safetensors.torch import load_file
 
-    from benchmarks.hub_server import HubServer
     from env_space.simulator import EnvConfig, EnvSimulator
     from rlsync.bucket import BucketSettings, open_bucket
     from rlsync.bucket.budget import RequestClass, Tier, scaled_limit
@@ -69,6 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     from rlsync.protocol import FixedInterval, Publisher
     from rlsync.spaces.tiny_model import build_tiny_model
     from rollout_space.replica import Replica, ReplicaConfig
+    from testing.hub.server import HubServer
 
     root = Path(tempfile.mkdtemp(prefix="hub-budget-"))
     server = HubServer(root)

@@ -43,11 +43,11 @@ from typing import Any
 
 import torch
 
-from benchmarks.soak.processes import CHILD_TIMEOUT_S, Journal, mp_context, read_journal, wait_for
 from rlsync.bucket import LocalBucket
 from rlsync.hashing import state_hash
 from rlsync.layout import POINTER_KEY
 from rlsync.protocol import FixedInterval, Publisher, Subscriber
+from testing.soak.processes import CHILD_TIMEOUT_S, Journal, mp_context, read_journal, wait_for
 
 logger = logging.getLogger("benchmarks.load")
 warnings.filterwarnings("ignore", message=r"'benchmarks\.\w+' found in sys\.modules", category=RuntimeWarning)

@@ -1,4 +1,4 @@
-"""Gradio panel of the environment Space: ``python env_space/app.py``.
+"""Gradio panel of the environment Space: ``python -m env_space.app`` (on the Space: ``python app.py`` at its root).
 
 The settings form is prefilled from ``EnvConfig.from_env()`` (``ENV_<FIELD>``
 variables), with a selector of the registered environments and the external
@@ -20,15 +20,6 @@ Access and server: as every panel's (:mod:`rlsync.spaces.access`); ``PORT`` (def
 """
 
 from __future__ import annotations
-
-import os
-import sys
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:  # run as a script, from the repository or a Space root
-    sys.path.insert(0, _ROOT)
-if os.path.join(_ROOT, "shared") not in sys.path:  # the copy of rlsync a Space ships, where none is installed
-    sys.path.append(os.path.join(_ROOT, "shared"))
 
 import dataclasses
 import json

@@ -1,4 +1,4 @@
-"""Gradio panel of a rollout Space: ``python rollout_space/app.py``.
+"""Gradio panel of a rollout Space: ``python -m rollout_space.app`` (on the Space: ``python app.py`` at its root).
 
 The settings form is prefilled from ``ReplicaConfig.from_env()`` (``ROLLOUT_<FIELD>``
 variables); Start builds the replica(s) with the form's values and runs them in
@@ -12,23 +12,14 @@ Access and server: as every panel's (:mod:`rlsync.spaces.access`); ``PORT`` (def
 
 from __future__ import annotations
 
-import os
-import sys
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:  # run as a script, from the repository or a Space root
-    sys.path.insert(0, _ROOT)
-if os.path.join(_ROOT, "shared") not in sys.path:  # the copy of rlsync a Space ships, where none is installed
-    sys.path.append(os.path.join(_ROOT, "shared"))
-
 import dataclasses
 import logging
 from typing import Any
 
 import gradio as gr
 
-from rollout_space.replica import Replica, ReplicaConfig, default_replica_id
 from rlsync.spaces import components, forms, frames, role_control, snapshots
+from rollout_space.replica import Replica, ReplicaConfig, default_replica_id
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ export HYPOTHESIS_PROFILE=quick HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RLSYNC_T
 unset PYTHONPATH  # the tests must import the mutated copy, not this tree
 work=.mutation
 mkdir -p "$work/src"
-for part in tests benchmarks trainer_space rollout_space env_space app.py; do
+for part in tests benchmarks testing trainer_space rollout_space env_space app.py; do
     rm -rf "${work:?}/$part" && cp -a "$part" "$work/$part"  # -a keeps the times mutmut's cache compares
 done
 rm -rf "$work/src/rlsync" && cp -a shared/rlsync "$work/src/rlsync"

@@ -44,10 +44,10 @@ HUB_TIMEOUT_SECONDS = 2.0
 
 @pytest.fixture(scope="session")
 def hub_server(tmp_path_factory):
-    """The Hub stand-in server (benchmarks/hub_server.py), one per test session."""
+    """The Hub stand-in server (testing/hub/server.py), one per test session."""
     from huggingface_hub.utils import disable_progress_bars
 
-    from benchmarks.hub_server import HubServer
+    from testing.hub.server import HubServer
 
     disable_progress_bars()
     server = HubServer(tmp_path_factory.mktemp("hub"))

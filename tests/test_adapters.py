@@ -20,11 +20,12 @@ from rlsync.adapters import (
     adapter_publisher,
     adapter_subscriber,
 )
-from rlsync.bucket import FaultyBucket, PrefixedBucket
+from rlsync.bucket import PrefixedBucket
 from rlsync.errors import ChainError, FormatError, InvalidKeyError, SyncError, TransientBucketError
 from rlsync.hashing import state_hash
 from rlsync.layout import ADAPTER_PREFIX, POINTER_KEY
 from rlsync.protocol import FixedInterval, Manifest, Publisher, read_manifest
+from testing.faulty import FaultyBucket
 from tests.helpers import bf16, master_state
 
 LORA = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))

@@ -1,6 +1,6 @@
 """HfBucket with the real huggingface_hub + hf_xet client against the local Hub stand-in server.
 
-The ``hub`` fixture (conftest.py, benchmarks/hub_server.py) is a local HTTP server implementing the Hub's
+The ``hub`` fixture (conftest.py, testing/hub/server.py) is a local HTTP server implementing the Hub's
 bucket API and Xet token endpoint; Xet storage is xet-core's own file-backed CAS (``local://``), and
 injected storage faults are real HTTP answers from the server. So every request below goes through
 the real client code: ``HfApi`` bucket methods, ``http_backoff``, hf_xet's chunking, upload,
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.hub_server import Fault
 from rlsync.bucket import ObjectInfo, RetryingBucket, open_bucket
 from rlsync.bucket.hf import HfBucket
 from rlsync.errors import BucketError, InvalidKeyError, ObjectNotFoundError, TransientBucketError
+from testing.hub.server import Fault
 from tests.conftest import HUB_TIMEOUT_SECONDS
 
 TOKEN = "hf_TESTsecretTOKEN0123456789abcdefXYZ"
@@ -393,11 +393,11 @@ def dataclass_replace(fault: Fault, **changes) -> Fault:
 
 
 def test_soak_trial_on_a_faulty_hub_converges_bit_exactly(tmp_path):
-    """benchmarks.soak's hub_storage trial: publisher and subscribers through random Hub API, token and
+    """testing.soak's hub_storage trial: publisher and subscribers through random Hub API, token and
     storage faults; nothing lost, no invariant violated."""
     import random
 
-    from benchmarks.soak.kinds.hub_storage import trial_hub_storage
+    from testing.soak.kinds.hub_storage import trial_hub_storage
 
     result = trial_hub_storage(random.Random(5), tmp_path, final=4)
     assert not result.violations and result.lost == 0

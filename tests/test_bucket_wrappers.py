@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from rlsync.bucket import Bucket, FaultyBucket, LocalBucket, ObjectInfo, RetryingBucket
+from rlsync.bucket import Bucket, LocalBucket, ObjectInfo, RetryingBucket
 from rlsync.errors import BucketError, InvalidKeyError, ObjectNotFoundError, TransientBucketError
+from testing.faulty import FaultyBucket
 
 
 class Sleeps(list):

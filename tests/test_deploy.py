@@ -238,22 +238,29 @@ def test_deploy_makes_the_exact_calls(hub):
 
 
 @pytest.mark.parametrize("role", list(deploy.ROLES.values()), ids=list(deploy.ROLES))
-def test_each_space_gets_its_role_folder_shared_readme_and_requirements(hub, role):
+def test_each_space_gets_its_role_folder_library_app_readme_and_requirements(hub, role):
     rc, out = run()
     assert rc == 0, out
     [api] = hub.instances
     uploaded = api.files[f"{NS}/rl-sync-{role.name}"]
     assert uploaded["README.md"] == (ROOT / role.folder / "README.md").read_bytes()
     assert uploaded["requirements.txt"] == (ROOT / role.folder / "requirements.txt").read_bytes()
-    code = role_files(role.folder) | role_files("shared") | set(role.extra_files)
-    assert set(uploaded) == {"README.md", "requirements.txt"} | code
+    assert uploaded["app.py"] == (ROOT / role.folder / "app.py").read_bytes()  # the Space's entry, at its root
+    code = role_files(role.folder) | set(role.extra_files)
+    library = {path.removeprefix("shared/") for path in role_files("shared/rlsync")}  # rlsync/ at the Space's root
+    assert "rlsync/__init__.py" in library
+    assert set(uploaded) == {"README.md", "requirements.txt", "app.py"} | code | library
     for path in code:
         assert uploaded[path] == (ROOT / path).read_bytes(), path
+    for path in library:
+        assert uploaded[path] == (ROOT / "shared" / path).read_bytes(), path
 
     card = SpaceCard(uploaded["README.md"].decode())
     assert card.data.sdk == "gradio"
-    assert card.data.app_file == f"{role.folder}/app.py"
-    assert card.data.app_file in uploaded
+    assert card.data.app_file == "app.py"
+    # run as a script at the Space's root, the role's app.py can only import absolutely (rlsync, <role>_space)
+    tree = ast.parse(uploaded["app.py"].decode())
+    assert not [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level], "relative import"
 
 
 def test_no_space_settings_without_gpu_hardware(hub):
@@ -428,7 +435,7 @@ def _checkout(tmp_path: Path) -> Path:
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda t: t.replace("app_file: trainer_space/app.py", "app_file: trainer_space/missing.py"), "app_file"),
+        (lambda t: t.replace("app_file: app.py", "app_file: missing.py"), "app_file"),
         (lambda t: t.replace("sdk: gradio", "sdk: docker"), "sdk: gradio"),
     ],
 )
@@ -441,6 +448,9 @@ def test_inconsistent_space_files_are_refused(tmp_path, edit, message):
     (root / "env_space" / "requirements.txt").unlink()
     with pytest.raises(deploy.DeployError, match="requirements"):
         deploy.space_files(deploy.ROLES["env"], root)
+    (root / "rollout_space" / "app.py").unlink()
+    with pytest.raises(deploy.DeployError, match="rollout_space/app.py"):
+        deploy.space_files(deploy.ROLES["rollout"], root)
 
 
 # -- README and requirements checks ----------------------------------------------------------------
@@ -470,7 +480,7 @@ def test_readme_front_matter(role):
     card = SpaceCard.load(ROOT / role.folder / "README.md")
     data = card.data.to_dict()
     assert data["sdk"] == "gradio" and data["sdk_version"] == importlib.metadata.version("gradio")
-    assert data["app_file"] == f"{role.folder}/app.py"
+    assert data["app_file"] == "app.py"  # the role's app.py, uploaded to the Space's root
     assert data["python_version"] == f"{sys.version_info.major}.{sys.version_info.minor}"
     assert data["title"] and data["emoji"] and data["pinned"] is False
     assert data["colorFrom"] in COLORS and data["colorTo"] in COLORS

@@ -1,4 +1,4 @@
-"""rlsync.spaces.deploy with the real HfApi against the local Hub stand-in server (benchmarks/hub_server.py).
+"""rlsync.spaces.deploy with the real HfApi against the local Hub stand-in server (testing/hub/server.py).
 
 The recording stand-in in test_deploy.py checks every call of a full deployment; these tests check
 what only the real client shows: the type `create_bucket` really returns, and the messages for the
@@ -13,7 +13,7 @@ import pytest
 from huggingface_hub import HfApi
 
 from rlsync.spaces import deploy
-from benchmarks.hub_server import Fault
+from testing.hub.server import Fault
 
 TOKEN = "hf_DEPLOYsecretTOKEN0123456789abcdef"
 

@@ -1,7 +1,7 @@
 """The environment panel in a real browser: pick a reasoning-gym source and its settings before Start, then see
 rewards per task type, scoring failures and recent episodes.
 
-Starts ``python env_space/app.py`` (the env Space alone, no model) on a temporary bucket. The test plays the
+Starts ``python -m env_space.app`` (the env Space alone, no model) on a temporary bucket. The test plays the
 replicas: it answers the published tasks by writing rollouts objects (correct, wrong, malformed) into the bucket.
 Needs playwright and Debian's Chromium at ``/usr/bin/chromium``; skipped otherwise.
 """
@@ -47,7 +47,7 @@ def _wait(what: str, check, timeout: float, log: Path):
 
 @pytest.fixture
 def panel(tmp_path):
-    """``env_space/app.py`` on 127.0.0.1, the toy task preselected; yields (url, bucket path, log path)."""
+    """``python -m env_space.app`` on 127.0.0.1, the toy task preselected; yields (url, bucket path, log path)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -57,7 +57,7 @@ def panel(tmp_path):
                 "ENV_QUEUE_DEPTH": "1", "PORT": str(port), "GRADIO_SERVER_NAME": "127.0.0.1",
                 "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONPATH": os.pathsep.join([str(ROOT / "shared"), str(ROOT)])})  # fmt: skip
     with open(log, "wb") as out:
-        command = ["timeout", "300", sys.executable, "env_space/app.py"]  # stops by itself whatever happens
+        command = ["timeout", "300", sys.executable, "-m", "env_space.app"]  # stops by itself whatever happens
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
             url = f"http://127.0.0.1:{port}/"

@@ -1,4 +1,4 @@
-"""Nothing lost, nothing half-applied: a fast subset of ``benchmarks/soak/``, races of two
+"""Nothing lost, nothing half-applied: a fast subset of ``testing/soak/``, races of two
 trainers made deterministic, and hostile objects read from the bucket.
 
 The soak trials run here with fixed seeds and, where a trial kills a process, one test per kill
@@ -18,13 +18,6 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 
-from benchmarks.soak.invariants import TrialResult
-from benchmarks.soak.kinds.apply_interrupt import trial_apply_interrupt
-from benchmarks.soak.kinds.bucket_damage import DAMAGE, trial_bucket_damage
-from benchmarks.soak.kinds.flaky_storage import trial_flaky_storage
-from benchmarks.soak.kinds.publisher_kill import trial_publisher_kill
-from benchmarks.soak.kinds.subscriber_kill import trial_subscriber_kill
-from benchmarks.soak.kinds.two_trainers import trial_two_trainers
 from rlsync.bucket import LocalBucket
 from rlsync.errors import ChainError, FencedError, FormatError
 from rlsync.hashing import state_hash
@@ -33,6 +26,13 @@ from rlsync.protocol import FixedInterval, Publisher, Subscriber, read_manifest
 from rlsync.protocol.verify import verify_bucket
 from rlsync.spaces.anchor_policy import ControlledPolicy
 from rlsync.spaces.exchange import Sample, get_json, list_batches, read_samples, write_samples
+from testing.soak.invariants import TrialResult
+from testing.soak.kinds.apply_interrupt import trial_apply_interrupt
+from testing.soak.kinds.bucket_damage import DAMAGE, trial_bucket_damage
+from testing.soak.kinds.flaky_storage import trial_flaky_storage
+from testing.soak.kinds.publisher_kill import trial_publisher_kill
+from testing.soak.kinds.subscriber_kill import trial_subscriber_kill
+from testing.soak.kinds.two_trainers import trial_two_trainers
 from tests.helpers import bf16, files_under, master_state, rl_step
 
 

@@ -293,7 +293,7 @@ def test_soak_trials_of_the_new_hostile_classes_are_clean(tmp_path, kind):
     """One seeded trial of each soak class added for issue 26 (a few seconds each)."""
     import random
 
-    from benchmarks.soak.kinds import TRIALS
+    from testing.soak.kinds import TRIALS
 
     result = TRIALS[kind](random.Random(1), tmp_path)
     assert not result.violations and result.lost == 0, result.violations

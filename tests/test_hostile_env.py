@@ -289,7 +289,7 @@ def test_soak_trial_hostile_tasks(tmp_path):
     and a real replica; no code runs, nothing outside the bucket changes, nothing is lost, both roles live."""
     import random
 
-    from benchmarks.soak.kinds.hostile_tasks import trial_hostile_tasks
+    from testing.soak.kinds.hostile_tasks import trial_hostile_tasks
 
     result = trial_hostile_tasks(random.Random(5), tmp_path, trial_s=8.0)
     assert not result.violations and result.lost == 0

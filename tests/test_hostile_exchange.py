@@ -316,7 +316,7 @@ def test_soak_trial_hostile_replicas(tmp_path) -> None:
     0 states lost, 0 non-finite publishes, every role alive, refusals counted and shown."""
     import random
 
-    from benchmarks.soak.kinds.hostile_replicas import trial_hostile_replicas
+    from testing.soak.kinds.hostile_replicas import trial_hostile_replicas
 
     result = trial_hostile_replicas(random.Random(3), tmp_path)
     assert not result.violations and result.lost == 0, result.violations

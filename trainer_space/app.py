@@ -1,4 +1,4 @@
-"""Gradio panel of the trainer Space: ``python trainer_space/app.py``.
+"""Gradio panel of the trainer Space: ``python -m trainer_space.app`` (on the Space: ``python app.py`` at its root).
 
 The settings form is prefilled from ``TrainerConfig.from_env()`` (``TRAINER_<FIELD>``
 variables); Start builds a :class:`~trainer_space.trainer.Trainer` with the form's
@@ -14,15 +14,6 @@ Access and server: as every panel's (:mod:`rlsync.spaces.access`); ``PORT`` (def
 """
 
 from __future__ import annotations
-
-import os
-import sys
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:  # run as a script, from the repository or a Space root
-    sys.path.insert(0, _ROOT)
-if os.path.join(_ROOT, "shared") not in sys.path:  # the copy of rlsync a Space ships, where none is installed
-    sys.path.append(os.path.join(_ROOT, "shared"))
 
 import logging
 from typing import Any

@@ -121,7 +121,7 @@ REWARDS_ENV = "ENV_DATASET_REWARDS"
 #: The Space's repo: modules found here (outside the project's packages and any installed ones) are its own code.
 SPACE_REPO = Path(__file__).resolve().parents[2]
 PROJECT_PACKAGES = frozenset(
-    {"env_space", "rollout_space", "trainer_space", "rlsync", "app", "tests", "benchmarks", "scripts", "shared"}
+    {"env_space", "rollout_space", "trainer_space", "rlsync", "app", "tests", "benchmarks", "testing", "scripts", "shared"}
 )
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "NotRegularFileError",
     "FileTooLargeError",
     "CheckpointError",
+    "DeployError",
     "StopRequested",
 ]
 
@@ -171,6 +172,10 @@ class FileTooLargeError(RefusedObjectError, OSError):
 
 class CheckpointError(RefusedObjectError, ValueError):
     """A checkpoint in the bucket is incomplete, malformed, too large, or not this run's."""
+
+
+class DeployError(ConfigurationError):
+    """The deployment cannot be planned from this checkout (missing or inconsistent Space files)."""
 
 
 class StopRequested(StopRoleError, RuntimeError):

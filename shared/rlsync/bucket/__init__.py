@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Callable
 
 from ..errors import BucketError, InvalidKeyError, ObjectNotFoundError, ObjectTooLargeError, TransientBucketError
 from .base import Bucket, BucketWrapper, ObjectInfo, validate_key
-from .faulty import FaultyBucket
 from .local import LocalBucket
 from .prefixed import PrefixedBucket
 from .retry import RetryingBucket
@@ -22,7 +21,6 @@ __all__ = [
     "BucketError",
     "BucketSettings",
     "BucketWrapper",
-    "FaultyBucket",
     "HfBucket",
     "InvalidKeyError",
     "LocalBucket",

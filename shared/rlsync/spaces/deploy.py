@@ -24,10 +24,10 @@ folder: vLLM's worker reads the checkpoint's tensor names from it). ``--mount-bu
 the bucket read-only for inspection only: the roles keep using the ``hf://`` API, whose ``/batch``
 uploads make each object visible atomically, which a file-system mount does not promise.
 
-A Space's files are its role folder, ``shared/``, any other files its code imports
-(:attr:`SpaceRole.extra_files`), and at the root the role's ``README.md`` (whose front matter names
-``app_file: <role>_space/app.py``) and ``requirements.txt``. The commit adds and overwrites files;
-a file deleted from the checkout stays in the Space until deleted there.
+A Space's files: its role folder; ``rlsync/`` (``shared/rlsync``: the Hub installs ``requirements.txt`` before the
+files are there, so the library is a package at the root); files its code imports (:attr:`SpaceRole.extra_files`);
+at the root the role's ``README.md`` (``app_file: app.py``), ``requirements.txt``, ``app.py`` (``<role>_space/app.py``).
+The commit adds and overwrites files; a file deleted from the checkout stays in the Space until deleted there.
 
 The access token is read from ``HF_TOKEN`` only. It is sent as the Spaces' ``HF_TOKEN`` secret and
 never printed or logged; use a fine-grained token that can write to the namespace's repos and
@@ -59,14 +59,15 @@ from huggingface_hub import BucketUrl, CommitOperationAdd, HfApi, SpaceCard, Spa
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-from ..errors import ConfigurationError
+from ..errors import DeployError
 from ..layout import check_id
 from .access import AUTH_ENV, DEPLOY_REFUSAL
 
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[3]  # shared/rlsync/spaces/deploy.py in a checkout
-SHARED_FOLDER = "shared"
+SHARED_FOLDER = "shared"  # the library's distribution folder; a Space gets its package, rlsync/, at its root
+SPACE_APP = "app.py"  # a Space's entry at its root (its README's app_file): the role's <role>_space/app.py
 DEFAULT_PREFIX = "rl-sync"
 #: Owner of the template Spaces (``<TEMPLATE_NAMESPACE>/<prefix>-trainer`` ...) the Space READMEs link to.
 TEMPLATE_NAMESPACE = "rlsync"
@@ -87,10 +88,6 @@ _SKIPPED_DIRS = frozenset({"__pycache__", ".pytest_cache", ".hypothesis", ".ipyn
 _SKIPPED_SUFFIXES = (".pyc", ".pyo", ".safetensors")
 # ZeroGPU runs functions decorated with ``@spaces.GPU`` only; a resident vLLM engine or trainer cannot use it.
 HARDWARE_CHOICES = tuple(h.value for h in SpaceHardware if not h.value.startswith("zero-"))
-
-
-class DeployError(ConfigurationError):
-    """The deployment cannot be planned from this checkout (missing or inconsistent Space files)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,12 +210,13 @@ def _included(path: Path) -> bool:
     return not skipped and not path.name.endswith(_SKIPPED_SUFFIXES)
 
 
-def _folder_files(root: Path, folder: str) -> list[tuple[str, Path]]:
+def _folder_files(root: Path, folder: str, uploaded_from: str = "") -> list[tuple[str, Path]]:
+    """The files of ``root/folder``, named by their path below ``root/uploaded_from``."""
     base = root / folder
     if not base.is_dir():
         raise DeployError(f"missing folder {folder}/ in {root}")
     return [
-        (path.relative_to(root).as_posix(), path)
+        (path.relative_to(root / uploaded_from).as_posix(), path)
         for path in sorted(base.rglob("*"))
         if path.is_file() and _included(path.relative_to(root))
     ]
@@ -232,8 +230,8 @@ def space_files(role: SpaceRole, root: Path = REPO_ROOT) -> tuple[tuple[str, Pat
         root: Repository root.
 
     Returns:
-        ``README.md`` and ``requirements.txt`` (the role's, at the Space root), then every file of
-        the role folder and of ``shared/`` (caches, compiled files and weights left out), then the
+        ``README.md``, ``requirements.txt`` and ``app.py`` (the role's, at the Space root), then every file of the
+        role folder and of ``shared/rlsync/`` as ``rlsync/`` (caches, compiled files and weights left out), then the
         role's extra files.
 
     Raises:
@@ -242,11 +240,12 @@ def space_files(role: SpaceRole, root: Path = REPO_ROOT) -> tuple[tuple[str, Pat
     """
     readme = root / role.folder / "README.md"
     requirements = root / role.folder / "requirements.txt"
-    for path in (readme, requirements):
+    app = root / role.folder / SPACE_APP
+    for path in (readme, requirements, app):
         if not path.is_file():
             raise DeployError(f"missing {path.relative_to(root).as_posix()}")
-    files = [("README.md", readme), ("requirements.txt", requirements)]
-    files += _folder_files(root, role.folder) + _folder_files(root, SHARED_FOLDER)
+    files = [("README.md", readme), ("requirements.txt", requirements), (SPACE_APP, app)]
+    files += _folder_files(root, role.folder) + _folder_files(root, f"{SHARED_FOLDER}/rlsync", SHARED_FOLDER)
     for extra in role.extra_files:
         if not (root / extra).is_file():
             raise DeployError(f"missing {extra}")

@@ -3,9 +3,9 @@
 Every Space of a deployment plan (:class:`~rlsync.spaces.deploy.DeployPlan`) becomes ``DIR/<space name>/`` holding the
 files of its one commit (the same ``(path_in_repo, local_file)`` pairs), byte for byte, and nothing
 else; the Space variables deploy would set go to ``DIR/variables.env``, outside the Space folders.
-Run an exported Space as the Hub does (``pip install -r requirements.txt`` then
-``python <role>_space/app.py``), or headless from its folder with ``python -m <role>_space``: each role
-package puts the Space's ``shared/`` copy of ``rlsync`` on ``sys.path`` when none is installed.
+Run an exported Space as the Hub does (``pip install -r requirements.txt`` then ``python app.py``), or
+headless from its folder with ``python -m <role>_space``: the Space ships ``rlsync`` as a package at its root,
+beside the role folder, so both import it from there.
 """
 
 from __future__ import annotations

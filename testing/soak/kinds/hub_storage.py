@@ -14,7 +14,7 @@ from typing import Iterator
 from rlsync.bucket import RetryingBucket
 from rlsync.protocol import Subscriber
 
-from ...hub_server import HubServer
+from ...hub.server import HubServer
 from ..invariants import Ledger, TrialResult, check_verified
 from ..processes import CHILD_TIMEOUT_S
 from ..toy import PublisherThread, follow_until_converged

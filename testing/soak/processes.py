@@ -26,8 +26,8 @@ from rlsync.protocol import subscriber as subscriber_module
 from .hooks import HookBucket, die
 from .toy import SHARD_BYTES, as_master, toy_master, toy_step
 
-# forkserver children of ``python -m benchmarks.soak`` re-run the main module, which is preloaded
-warnings.filterwarnings("ignore", message=r"'benchmarks\.[\w.]+' found in sys\.modules", category=RuntimeWarning)
+# forkserver children of ``python -m testing.soak`` re-run the main module, which is preloaded
+warnings.filterwarnings("ignore", message=r"'testing\.[\w.]+' found in sys\.modules", category=RuntimeWarning)
 
 EXIT_REFUSED = 3  # RunLockedError
 EXIT_FENCED = 4  # FencedError
@@ -69,7 +69,7 @@ def run_child(target: Callable[[dict[str, Any]], None], cfg: dict[str, Any]) -> 
     except SystemExit:
         raise
     except BaseException:
-        logging.getLogger("benchmarks.soak.child").error("child failed:\n%s", traceback.format_exc())
+        logging.getLogger("testing.soak.child").error("child failed:\n%s", traceback.format_exc())
         os._exit(1)
 
 
@@ -178,7 +178,7 @@ def mp_context(preload: Iterable[str] = ()) -> multiprocessing.context.BaseConte
     if _CONTEXT is None:
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(
-            ["torch", "rlsync.protocol", "rlsync.protocol.verify", "benchmarks.soak.processes", *preload]
+            ["torch", "rlsync.protocol", "rlsync.protocol.verify", "testing.soak.processes", *preload]
         )
         _CONTEXT = ctx
     return _CONTEXT

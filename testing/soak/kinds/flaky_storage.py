@@ -6,9 +6,10 @@ import collections
 import random
 from pathlib import Path
 
-from rlsync.bucket import FaultyBucket, LocalBucket, RetryingBucket
+from rlsync.bucket import LocalBucket, RetryingBucket
 from rlsync.protocol import Subscriber
 
+from ...faulty import FaultyBucket
 from ..invariants import Ledger, TrialResult, check_verified
 from ..processes import CHILD_TIMEOUT_S
 from ..toy import PublisherThread, follow_until_converged

@@ -53,8 +53,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from benchmarks.hub_events import serve_events
 from rlsync.bucket.budget import WINDOW_S, RequestClass, Tier, scaled_limit
+from testing.hub.events import serve_events
 
 #: Longest a stall may hold a request, whatever the test asked (keeps a broken test bounded).
 MAX_STALL_SECONDS = 30.0

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-from ..errors import TransientBucketError
-from .base import Bucket, BucketWrapper, ObjectInfo, validate_key
+from rlsync.bucket import Bucket, BucketWrapper, ObjectInfo, validate_key
+from rlsync.errors import TransientBucketError
 
 __all__ = ["FaultyBucket"]
 

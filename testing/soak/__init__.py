@@ -38,7 +38,7 @@ Trial kinds (``--kinds``):
     keep their last good state, and reach the newest version after the next
     anchor.
 ``flaky_storage``
-    :class:`~rlsync.bucket.FaultyBucket` (latency, 503, 429 with retry-after,
+    :class:`~testing.faulty.FaultyBucket` (latency, 503, 429 with retry-after,
     uploads cut short, lagging listings) under a
     :class:`~rlsync.bucket.RetryingBucket`, beneath the publisher and three
     subscriber threads: everything converges bit-exactly and no cut-short
@@ -46,7 +46,7 @@ Trial kinds (``--kinds``):
 ``hub_storage``
     The real Hub client (huggingface_hub + hf_xet, :class:`~rlsync.bucket.hf.HfBucket` under a
     :class:`~rlsync.bucket.RetryingBucket`) against the Hub stand-in server
-    (:mod:`benchmarks.hub_server`), which fails a random share of Hub API requests, Xet token
+    (:mod:`testing.hub.server`), which fails a random share of Hub API requests, Xet token
     grants and Xet storage requests (429, 503, dropped connections), beneath the publisher and
     two subscriber threads: everything converges bit-exactly.
 ``two_trainers``
@@ -70,10 +70,10 @@ Trial kinds (``--kinds``):
 
 Usage::
 
-    python -m benchmarks.soak                      # default trial counts
-    python -m benchmarks.soak --trials 3           # 3 trials of every kind
-    python -m benchmarks.soak --kinds publisher_kill --trials 200 --seed 7
-    python -m benchmarks.soak --json soak.json
+    python -m testing.soak                      # default trial counts
+    python -m testing.soak --trials 3           # 3 trials of every kind
+    python -m testing.soak --kinds publisher_kill --trials 200 --seed 7
+    python -m testing.soak --json soak.json
 
 Exit status 1 if any state was lost or any invariant was violated.
 

@@ -1,8 +1,8 @@
-"""``python -m benchmarks.soak``: see :mod:`benchmarks.soak.runner`."""
+"""``python -m testing.soak``: see :mod:`testing.soak.runner`."""
 
 import sys
 
 if __name__ == "__main__":  # forkserver children re-run this module as ``__mp_main__``
-    from benchmarks.soak.runner import main
+    from testing.soak.runner import main
 
     sys.exit(main())

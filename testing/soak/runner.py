@@ -1,4 +1,4 @@
-"""Runs the soak: one trial per ``(kind, seed)`` in a fresh folder, then the summary (``python -m benchmarks.soak``)."""
+"""Runs the soak: one trial per ``(kind, seed)`` in a fresh folder, then the summary (``python -m testing.soak``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from .invariants import TrialResult
 from .kinds import DEFAULT_TRIALS, KINDS, TRIALS
 from .report import format_table, summarize
 
-logger = logging.getLogger("benchmarks.soak")
+logger = logging.getLogger("testing.soak")
 
 
 def run_trial(kind: str, seed: int, root: Path, **kwargs: Any) -> TrialResult:
@@ -40,7 +40,7 @@ def run_trial(kind: str, seed: int, root: Path, **kwargs: Any) -> TrialResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=SOAK_DOC.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m testing.soak", description=SOAK_DOC.split("\n\n")[0])
     parser.add_argument(
         "--trials",
         type=int,

@@ -1,4 +1,4 @@
-"""The events feed of the Hub stand-in (:mod:`benchmarks.hub_server`): ``GET /api/buckets/{id}/events``.
+"""The events feed of the Hub stand-in (:mod:`testing.hub.server`): ``GET /api/buckets/{id}/events``.
 
 It answers as ``huggingface_hub._bucket_live_follow`` expects: a ``text/event-stream`` that replays
 the changes after ``cursor`` (or since the instant ``since``; neither: none), sends ``ready`` with
@@ -16,7 +16,7 @@ import time
 
 
 def serve_events(handler, bucket_id: str, query: dict) -> None:
-    """Serve one live-follow session on `handler` (a :class:`benchmarks.hub_server._Handler`)."""
+    """Serve one live-follow session on `handler` (a :class:`testing.hub.server._Handler`)."""
     hub = handler.hub
     if not hub.feed_enabled:
         return handler._error(404, "live-follow is not enabled", {"X-Error-Code": "EntryNotFound"})

@@ -18,7 +18,7 @@ from rlsync.hashing import state_hash
 from rlsync.protocol import Manifest, Subscriber, read_manifest
 from rlsync.protocol.verify import verify_bucket
 
-logger = logging.getLogger("benchmarks.soak")
+logger = logging.getLogger("testing.soak")
 
 
 @dataclasses.dataclass

@@ -1,0 +1,1 @@
+"""The local Hub stand-in: :mod:`.server` (bucket API, Xet storage, rate limits) and :mod:`.events` (the events feed)."""
