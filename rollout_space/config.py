@@ -39,7 +39,7 @@ class ReplicaConfig:
     poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls (a Hub bucket is watched instead)"})
     status_every_s: float = dataclasses.field(default=30.0, metadata={"help": "seconds between status writes on a Hub bucket"})
     seed: int = dataclasses.field(default=0, metadata={"help": "sampling seed (mixed with batch and version)"})
-    verify_engine: bool = dataclasses.field(default=False, metadata={"help": "hash the engine's own weights after every apply (slow on big models)"})
+    rehash_every_s: float = dataclasses.field(default=300.0, metadata={"help": "seconds between background full re-hashes of the engine's weights (0: only after anchors)"})
     lora: bool = dataclasses.field(default=False, metadata={"help": "a LoRA run: serve the adapter chain (adapters/) on the base from the weights chain"})
     lora_window: int = dataclasses.field(default=3, metadata={"help": "adapter versions served at once (the trainer's max_staleness + 1)"})
     lora_max_rank: int = dataclasses.field(default=16, metadata={"help": "largest adapter rank the vLLM engine accepts (1, 8, 16, 32, 64...)"})

@@ -1,7 +1,9 @@
 """The rollout engine interface: what a replica needs from an inference engine.
 
-A replica's :class:`~rlsync.protocol.Subscriber` keeps the canonical, hash-checked
-weights; engines only ever receive updates that already verified. Engines live
+Engines only ever receive updates that already verified. An engine that exposes its own
+serving tensors (:meth:`Engine.weights`) has them written in place by the replica's
+:class:`~rlsync.protocol.Subscriber`; the others receive each verified update from the
+subscriber's own copy. Engines live
 in ``rollout_space/engines/``, one file per engine, and register by name.
 """
 
@@ -49,6 +51,20 @@ class Engine(abc.ABC):
 
     #: Registry name, e.g. ``"transformers"`` or ``"vllm"``.
     name: str
+
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        """The engine's own serving tensors by checkpoint name, for a subscriber to write in place.
+
+        Tied names map to the same storage. A replica then keeps no copy of the model: its
+        :class:`~rlsync.protocol.Subscriber` copies anchors into these tensors and scatters deltas
+        into them, and :meth:`load_state` and :meth:`apply_patches` are not called.
+
+        Returns:
+            Contiguous tensors that are the weights generation reads, or ``None`` when the engine
+            cannot expose them (it then receives every verified update through :meth:`load_state`
+            and :meth:`apply_patches`, from the subscriber's own copy).
+        """
+        return None
 
     @abc.abstractmethod
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:

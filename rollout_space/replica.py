@@ -1,10 +1,18 @@
 """One replica of the rollout fleet.
 
 A replica follows the bucket with the shared :class:`~rlsync.protocol.Subscriber`
-and generates completions for the environment's task batches. Downloading and
-validating the next update runs in a background thread while the engine keeps
-generating; only applying it pauses generation, and that pause is measured as
+and generates completions for the environment's task batches. Downloading, decoding
+and verifying the next update (its state hash updated from the changed elements)
+runs in a background thread while the engine keeps generating; only writing it
+pauses generation: for a delta, the scatter of the changed elements into the
+engine's own weights (an engine that exposes them, :meth:`~rollout_space.engine.Engine.weights`,
+is the subscriber's state: no second copy of the model). That pause is measured as
 "inference idle per sync".
+
+Another background thread re-hashes the engine's weights in full after every anchor
+and every ``rehash_every_s`` seconds (reading them a chunk at a time, so syncs go
+on); a mismatch (memory corruption, a write outside the protocol) is counted in the
+status (``rehash_mismatches``) and the replica re-bootstraps from the newest anchor.
 
 Sharing tasks between replicas: the trainer never knows how many replicas exist.
 Each replica takes the oldest task batch that no replica has answered yet, so a
@@ -36,7 +44,6 @@ from env_space.environments import get_environment
 from rlsync.bucket import Bucket
 from rlsync.bucket.watch import IDLE_WAIT_S, generation, meter_of, wait_for_change
 from rlsync.errors import BucketError, SyncError
-from rlsync.hashing import state_hash
 from rlsync.layout import (
     POINTER_KEY,
     ROLLOUTS_PREFIX,
@@ -102,7 +109,8 @@ class Replica:
             max_new_tokens=config.max_new_tokens, n=config.samples_per_task,
             max_batch_tokens=config.max_batch_tokens, chunk_tokens=config.chunk_tokens,
         )  # fmt: skip
-        self.subscriber = Subscriber(self.bucket)
+        self._engine_weights = self.engine.weights()  # None: the engine is fed from the subscriber's copy
+        self.subscriber = Subscriber(self.bucket, weights=self._engine_weights)
         self.adapters = (
             AdapterFollower(self.bucket, self.engine, lambda: self.subscriber.state_hash, window=config.lora_window, poll_s=config.poll_s)
             if config.lora else None
@@ -119,7 +127,7 @@ class Replica:
         self.skipped_stale = 0
         self.refusals = Refusals()
         self.newest_step: int | None = None
-        self.engine_state_hash: str | None = None
+        self._rehash_now = threading.Event()  # set after an anchor: re-hash the weights it wrote
 
     # -- weights ------------------------------------------------------------
 
@@ -157,23 +165,33 @@ class Replica:
         except SyncError as exc:
             logger.error("replica %s: refused %s %d: %s", self.replica_id, update.kind, update.step, exc)
             return False
-        t1 = time.perf_counter()
-        if update.kind == "anchor":
-            self.engine.load_state(self.subscriber.state)
-        else:
-            self.engine.apply_patches(update.patches or {}, self.subscriber.state)
+        if self._engine_weights is None:  # the engine keeps its own weights: hand it the verified update
+            if update.kind == "anchor":
+                self.engine.load_state(self.subscriber.state)
+            else:
+                self.engine.apply_patches(update.patches or {}, self.subscriber.state)
         idle = time.perf_counter() - t0
-        if self.config.verify_engine and hasattr(self.engine, "state_dict"):
-            self.engine_state_hash = state_hash(self.engine.state_dict())
-            if self.engine_state_hash != self.subscriber.state_hash:
-                logger.error("replica %s: engine weights differ from the verified state at %d", self.replica_id, update.step)
+        if update.kind == "anchor":
+            self._rehash_now.set()
         self.syncs.append({
             "step": update.step, "kind": update.kind, "nbytes": update.nbytes, "download_s": update.download_s,
-            "decode_s": update.decode_s, "verify_s": t1 - t0, "idle_s": idle, "time": time.time(),
+            "decode_s": update.decode_s, "idle_s": idle, "time": time.time(),
         })  # fmt: skip
         del self.syncs[:-500]
         logger.info("replica %s: applied %s %d, idle %.3fs", self.replica_id, update.kind, update.step, idle)
         return True
+
+    def rehash_loop(self) -> None:
+        """Background thread: re-hash the weights in full after every anchor and every ``rehash_every_s``
+        seconds (:meth:`~rlsync.protocol.Subscriber.verify_weights`; a mismatch re-bootstraps)."""
+        every = self.config.rehash_every_s
+        while not self._stop.is_set():
+            self._rehash_now.wait(every if every > 0 else None)
+            if self._stop.is_set():
+                return
+            self._rehash_now.clear()
+            if self.subscriber.verify_weights() is False:
+                logger.error("replica %s: %s", self.replica_id, self.subscriber.stats.last_error)
 
     # -- tasks --------------------------------------------------------------
 
@@ -274,7 +292,11 @@ class Replica:
             "skipped_stale": self.skipped_stale,
             "state_hash": self.subscriber.state_hash,
             **({"hub": self.meter.snapshot()} if self.meter is not None else {}),
-            "engine_state_hash": self.engine_state_hash,
+            "engine_state_hash": self.subscriber.stats.verified_hash or None,  # the weights' own, re-hashed
+            "engine_verified_step": self.subscriber.stats.verified_step,
+            "rehashes": self.subscriber.stats.rehashes,
+            "rehash_mismatches": self.subscriber.stats.rehash_mismatches,
+            "last_rehash_s": self.subscriber.stats.last_rehash_s,
             "recent_syncs": [
                 {k: s[k] for k in ("step", "kind", "nbytes", "download_s", "idle_s", "time")} for s in self.syncs[-50:]
             ],
@@ -314,9 +336,10 @@ class Replica:
 
     def run(self) -> None:
         """Run until :meth:`stop` (fetching in a background thread)."""
-        fetcher = threading.Thread(target=self.fetch_loop, name=f"fetch-{self.replica_id}", daemon=True)
-        fetcher.start()
-        self._threads.append(fetcher)
+        for loop, name in ((self.fetch_loop, "fetch"), (self.rehash_loop, "rehash")):
+            thread = threading.Thread(target=loop, name=f"{name}-{self.replica_id}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
         if self.adapters is not None:
             adapter_fetcher = threading.Thread(target=self.adapters.fetch_loop, args=(self._stop,), name=f"adapters-{self.replica_id}", daemon=True)
             adapter_fetcher.start()
@@ -356,6 +379,7 @@ class Replica:
     def stop(self) -> None:
         """Stop the loops; the engine stays loaded so :meth:`start` can resume (see :meth:`close`)."""
         self._stop.set()
+        self._rehash_now.set()
         self.slot.wake()
         if self.adapters is not None:
             self.adapters.wake()

@@ -315,12 +315,12 @@ def test_anchor_of_an_unknown_format_version_is_refused(bucket):
     tensors = safetensors.torch.load_file(path)
     with safetensors.safe_open(path, "pt") as f:
         metadata = dict(f.metadata())
-    safetensors.torch.save_file(tensors, path, metadata={**metadata, "format_version": "3"})
+    safetensors.torch.save_file(tensors, path, metadata={**metadata, "format_version": "2"})
     doc = json.loads(bucket.get(POINTER_KEY))
     doc["anchors"][0]["files"][0]["size"] = path.stat().st_size
     bucket.put(POINTER_KEY, json.dumps(doc).encode())
     sub = Subscriber(bucket)
-    with pytest.raises(FormatError, match="unsupported format version '3'"):
+    with pytest.raises(FormatError, match="unsupported rlsync file format version '2'"):
         sub.fetch()
     _assert_untouched(sub, None, None)
     assert not sub.state

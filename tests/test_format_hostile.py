@@ -306,9 +306,9 @@ def test_flipped_bytes_never_escape(state, codec: str, mask: int) -> None:
     [
         (lambda m: m.update(format="safetensors"), "not an rlsync file"),
         (lambda m: m.pop("format"), "not an rlsync file"),
-        (lambda m: m.update(format_version="3"), "unsupported format version '3'"),
-        (lambda m: m.update(format_version="1.0"), "unsupported format version"),
-        (lambda m: m.pop("format_version"), "unsupported format version None"),
+        (lambda m: m.update(format_version="2"), "unsupported rlsync file format version '2'.*re-publish an anchor"),
+        (lambda m: m.update(format_version="3.0"), "unsupported rlsync file format version '3.0'"),
+        (lambda m: m.pop("format_version"), "unsupported rlsync file format version 'None'"),
         (lambda m: m.update(kind="anchor"), "expected a delta, got kind='anchor'"),
         (lambda m: m.pop("kind"), "expected a delta"),
         (lambda m: m.update(codec="zstd-magic"), "unknown codec 'zstd-magic'"),
@@ -695,7 +695,7 @@ def test_file_kind_of_anchors_and_deltas() -> None:
         ({"kind": "checkpoint"}, r"^unknown file kind 'checkpoint'$"),
         ({"kind": None}, r"^unknown file kind None$"),
         ({"format": "other"}, r"^not an rlsync file \(format='other'\)$"),
-        ({"format_version": "99"}, r"^unsupported format version '99'; this reader knows"),
+        ({"format_version": "99"}, r"^unsupported rlsync file format version '99': this reader reads version\(s\) 3; re-publish"),
     ],
 )
 def test_file_kind_refuses_other_files(changes: dict, message: str) -> None:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 from rlsync.bucket import LocalBucket
@@ -107,8 +108,9 @@ def test_damaged_delta_is_refused_without_touching_state(bucket, damage):
     assert sub.step == 3 and sub.state_hash == state_hash(bf16(master))
 
 
-def test_hash_mismatch_after_apply_rolls_back(bucket):
-    """A well-formed delta whose values do not produce the promised state is undone."""
+def test_hash_mismatch_is_refused_before_apply(bucket):
+    """A well-formed delta whose values do not produce the promised state is refused by fetch, before
+    any write: the state hash updated with its changes (old bits from the state) differs."""
     master = master_state()
     pub, sub = Publisher(bucket, policy=FixedInterval(10)), Subscriber(bucket)
     run(pub, master, 1, sub=sub)
@@ -128,11 +130,10 @@ def test_hash_mismatch_after_apply_rolls_back(bucket):
     pointer["deltas"][0]["file"]["size"] = len(data)
     bucket.put(POINTER_KEY, json.dumps(pointer).encode())
     before = {n: t.clone() for n, t in sub.state.items()}
-    update = sub.fetch()
-    with pytest.raises(HashMismatchError, match="^state after delta 1 does not match its hash$"):
-        sub.apply(update)
+    with pytest.raises(HashMismatchError, match="^delta 1: the state it makes from step 0 does not match its hash"):
+        sub.fetch()
     assert state_hash(sub.state) == state_hash(before) == sub.state_hash and sub.step == 0
-    assert sub.needs_resync
+    assert sub.needs_resync and sub.stats.refused == 1
 
 
 def test_same_delta_twice_is_refused(bucket):
@@ -375,35 +376,32 @@ def test_trainer_taken_over_mid_upload_cannot_overwrite_the_new_trainers_files(b
     assert any("-e0001" in o.key for o in bucket.list("deltas/"))  # A's bytes landed under its own epoch
 
 
-def test_a_format_version_1_chain_is_read_with_its_own_hash_and_not_extended(bucket, tmp_path):
-    """Version-1 pointers name flat-SHA-256 state hashes; the subscriber hashes their states that way."""
-    from rlsync.detect import ChangeDetector
-    from rlsync.format import write_anchor
-    from rlsync.protocol import AnchorEntry, DeltaEntry, FileEntry, Manifest
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_format_chain_is_refused_clearly_and_a_new_run_replaces_it(bucket, tmp_path, version):
+    """Versions 1 and 2 hashed states with SHA-256 trees, which this reader cannot check: the
+    subscriber refuses the chain before any download, naming the version and what to do; the
+    publisher does not extend it; a new run replaces it."""
+    from rlsync.format import anchor_metadata
+    from rlsync.protocol import AnchorEntry, FileEntry, Manifest
 
     master = master_state()
-    old = bf16(master)
-    rl_step(master, 1)
-    new = bf16(master)
-    old_hash, new_hash = state_hash(old, version=1), state_hash(new, version=1)
-    (path,) = write_anchor(old, tmp_path, step=0, state_hash=old_hash)
-    bucket.put_file("anchors/000000000000/model.safetensors", path)
-    detector = ChangeDetector()
-    detector.reset(old)
-    data = encode_delta(detector.diff(new), step=1, base_step=0, base_hash=old_hash, state_hash=new_hash, total=1)
-    bucket.put("deltas/000000000001.safetensors", data)
-    anchor = AnchorEntry(0, old_hash, (FileEntry("anchors/000000000000/model.safetensors", path.stat().st_size),))
-    delta = DeltaEntry(1, 0, new_hash, FileEntry("deltas/000000000001.safetensors", len(data)))
-    for version in (2, 1):  # the same files under a version-2 pointer do not check out
-        bucket.put(POINTER_KEY, Manifest(1, new_hash, (anchor,), (delta,), format_version=version).to_json())
-        sub = Subscriber(bucket)
-        if version == 2:
-            with pytest.raises(HashMismatchError):
-                sub.sync()
-    assert [u.kind for u in sub.sync()] == ["anchor", "delta"] and sub.step == 1 and sub.state_hash == new_hash
-    assert state_hash(sub.state) == state_hash(new)
-    with pytest.raises(SyncError, match="format version 1"):
+    old_hash = "0" * 64
+    metadata = {**anchor_metadata(step=0, state_hash=old_hash, total=1), "format_version": str(version)}
+    safetensors.torch.save_file(bf16(master), tmp_path / "model.safetensors", metadata=metadata)
+    key = "anchors/000000000000/model.safetensors"
+    bucket.put_file(key, tmp_path / "model.safetensors")
+    anchor = AnchorEntry(0, old_hash, (FileEntry(key, (tmp_path / "model.safetensors").stat().st_size),))
+    bucket.put(POINTER_KEY, Manifest(0, old_hash, (anchor,), (), format_version=version).to_json())
+    sub = Subscriber(bucket)
+    with pytest.raises(FormatError, match=f"^unsupported rlsync chain format version '{version}': .*re-publish an anchor .*new run"):
+        sub.fetch()
+    assert sub.stats.refused == 1 and sub.step is None and sub.stats.bytes_downloaded == len(bucket.get(POINTER_KEY))
+    with pytest.raises(SyncError, match=f"format version {version}"):
         Publisher(bucket).resume()
+    Publisher(bucket, new_run=True).publish(1, master)
+    sub = Subscriber(bucket)
+    sub.sync()
+    assert sub.step == 1 and sub.state_hash == state_hash(bf16(master))
 
 
 # -- subscriber details (each found unchecked by mutation testing) ------------------------------
@@ -593,3 +591,39 @@ def test_refused_anchor_is_counted_logged_and_its_download_removed(bucket, tmp_p
     logged = [r.getMessage() for r in caplog.records if r.name == "rlsync.protocol.subscriber"]
     assert logged[-1] == f"refused anchor 0: {info.value}"
     assert sub.step is None and sub.state == {}
+
+
+def test_fifty_deltas_keep_the_maintained_hash_equal_to_a_full_rehash(bucket):
+    """The trainer's hash is updated from each delta's changes, the subscriber's from the same changes
+    read against its own state; after 50 deltas both equal a full re-hash of the actual tensors."""
+    master = master_state()
+    pub, sub = Publisher(bucket, policy=FixedInterval(1000)), Subscriber(bucket)
+    records = run(pub, master, 51, sub=sub)
+    assert [r.kind for r in records].count("delta") == 50
+    assert sub.state_hash == records[-1].state_hash == state_hash(sub.state) == state_hash(bf16(master))
+    assert sub.verify_weights() is True and sub.stats.rehash_mismatches == 0
+
+
+def test_a_rehash_pass_stays_exact_while_deltas_are_applied_between_its_chunks(bucket, monkeypatch):
+    """verify_weights reads the state a chunk at a time; a delta applied between two chunks of the
+    tensor being read is accounted for (its changes below the read position), so no false alarm."""
+    import rlsync.protocol.subscriber as subscriber_module
+
+    master = master_state()
+    pub, sub = Publisher(bucket, policy=FixedInterval(1000)), Subscriber(bucket)
+    run(pub, master, 1, sub=sub)
+    run(pub, master, 1, start=1)
+    update = sub.fetch()
+    name = max(update.patches, key=lambda n: update.patches[n].numel)
+    middle = int(update.patches[name].index[update.patches[name].numel // 2])
+    monkeypatch.setattr(subscriber_module, "CHUNK_ELEMENTS", max(1, middle))
+    real, applied = subscriber_module.slice_lanes, []
+
+    def apply_between_chunks(tensor_name, flat, start, numel):
+        if tensor_name == name and start > 0 and not applied:  # the first chunk of this tensor is in
+            applied.append(sub.apply(update))
+        return real(tensor_name, flat, start, numel)
+
+    monkeypatch.setattr(subscriber_module, "slice_lanes", apply_between_chunks)
+    assert sub.verify_weights() is True and applied and sub.step == 1
+    assert sub.stats.verified_step == 1 and sub.stats.verified_hash == state_hash(sub.state) == sub.state_hash

@@ -167,6 +167,9 @@ class StubEngine:
 
     name = "stub"
 
+    def weights(self) -> None:
+        return None  # fed from the subscriber's copy, as an engine that keeps its own weights
+
     def load_state(self, state) -> None:
         pass
 

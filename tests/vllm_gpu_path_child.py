@@ -58,7 +58,7 @@ def run_case(case: dict[str, Any], world_size: int) -> dict[str, Any]:
 
     from rlsync.vllm.worker import ModelWeights, pack_patches, plan_update, unpack_patches
     from rlsync.bucket import LocalBucket
-    from rlsync.hashing import combine_digests, state_hash
+    from rlsync.hashing import state_hash
     from rlsync.protocol import Subscriber
 
     model_config, vllm_config = _configs(case["model"], world_size)
@@ -80,7 +80,7 @@ def run_case(case: dict[str, Any], world_size: int) -> dict[str, Any]:
                 index_dtypes |= {str(p.index.dtype) for p in sparse.values()}
                 weights.apply(sparse, full)
                 last_patch = next(iter(sparse.items()))
-            served = combine_digests(weights.digests())
+            served = weights.lanes().hexdigest()
             expected = state_hash({n: sub.state[n] for n in weights.checkpoint_names})
             steps.append({"step": update.step, "kind": update.kind, "equal": served == expected})
 
@@ -97,7 +97,7 @@ def run_case(case: dict[str, Any], world_size: int) -> dict[str, Any]:
             "index_dtypes": sorted(index_dtypes),
             "names": len(weights.checkpoint_names),
             "equal_to_fresh_load": all(torch.equal(patched[n], loaded[n]) for n in patched),
-            "fresh_hash_equal": combine_digests(fresh_weights.digests()) == combine_digests(weights.digests()),
+            "fresh_hash_equal": fresh_weights.lanes().hexdigest() == weights.lanes().hexdigest(),
             "packed": sorted({path.rsplit(".", 1)[-1] for path in weights.layout().module_of.values()}
                              & {"qkv_proj", "gate_up_proj"}),
             "vocab": [embed.org_vocab_size, embed.num_embeddings_padded],

@@ -96,6 +96,14 @@ class TransformersEngine(Engine):
         """
         return {name: t.detach().cpu() for name, t in sorted(self._targets.items())}
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The model's own tensors under their checkpoint names and tied aliases (see :meth:`Engine.weights`).
+
+        Writing into them changes what :meth:`generate` computes with; no copy is kept anywhere.
+        """
+        own = {name: t.detach() for name, t in self._targets.items()}
+        return own | {alias: own[source] for alias, source in self._aliases.items()}
+
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Copy a full state (checkpoint names, serving dtype) into the model bit-exactly.
 

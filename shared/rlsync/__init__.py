@@ -5,8 +5,8 @@
 >>> publisher = Publisher(bucket, policy=FixedInterval(10))
 >>> publisher.publish(step, model.state_dict())         # an anchor or a sparse delta
 >>> subscriber = Subscriber(open_bucket("./runs/bucket"))
->>> update = subscriber.fetch()                         # validated, weights untouched
->>> subscriber.apply(update)                            # subscriber.state: bit-exact, or rolled back
+>>> update = subscriber.fetch()                         # validated and hash-checked, weights untouched
+>>> subscriber.apply(update)                            # the scatter into subscriber.state, nothing else
 
 The plug-ins live in submodules: :mod:`rlsync.trl` (TRL's ``AsyncGRPOTrainer``) and :mod:`rlsync.vllm`
 (vLLM's weight-transfer API, registered as the ``bucket`` backend by the ``vllm.general_plugins`` entry

@@ -42,8 +42,10 @@ from .workers import worker_pool
 _DECIMAL = re.compile(r"[0-9]{1,19}")
 MAX_METADATA_INT = 10**19 - 1  # what _DECIMAL accepts
 FORMAT_NAME = "rlsync"
-FORMAT_VERSION = 2  # 2: tree state hash (rlsync.hashing); 1: flat state hash, still readable
-READABLE_FORMAT_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # 3: additive state hash (rlsync.hashing), updated from the changes alone
+READABLE_FORMAT_VERSIONS = (3,)  # 1 and 2 hashed with SHA-256 trees that cost O(state) per sync: refused
+#: What a reader of an older chain must do (its hashes cannot be checked against this reader's).
+OLD_VERSION_ADVICE = "re-publish an anchor with this rlsync version, or start a new run (new bucket or prefix)"
 MAX_DIMS = 64
 # JSON objects in a header (its entries, plus any "{" inside metadata strings, such as a delta's
 # tensor table): a model of 100,000 tensors needs a few per tensor; more is a header built to cost
@@ -78,7 +80,13 @@ class Change:
 
 @dataclasses.dataclass
 class Delta:
-    """A decoded, validated delta."""
+    """A decoded, validated delta.
+
+    Attributes:
+        patches: The new values per changed tensor.
+        old_bits: The bits those elements had in the state it was decoded against (unsigned
+            ints, in patch order): what the state hash update and a rollback need.
+    """
 
     step: int
     base_step: int
@@ -88,6 +96,7 @@ class Delta:
     changed: int
     total: int
     patches: dict[str, TensorPatch]
+    old_bits: dict[str, np.ndarray]
     nbytes: int
 
 
@@ -226,12 +235,27 @@ def check_format(metadata: Mapping[str, str], kind: str) -> None:
     """
     if metadata.get("format") != FORMAT_NAME:
         raise FormatError(f"not an {FORMAT_NAME} file (format={metadata.get('format')!r})")
-    if metadata.get("format_version") not in {str(v) for v in READABLE_FORMAT_VERSIONS}:
-        raise FormatError(
-            f"unsupported format version {metadata.get('format_version')!r}; this reader knows {READABLE_FORMAT_VERSIONS}"
-        )
+    check_version(metadata.get("format_version"), "file")
     if metadata.get("kind") != kind:
         raise FormatError(f"expected a {kind}, got kind={metadata.get('kind')!r}")
+
+
+def check_version(version: Any, what: str) -> None:
+    """Refuse a format version this reader cannot read.
+
+    Args:
+        version: The version as found (a string in file metadata, an int in the pointer).
+        what: What carries it, for the message ("file", "pointer").
+
+    Raises:
+        FormatError: the version is not in :data:`READABLE_FORMAT_VERSIONS`; the message
+            names it and says what to do.
+    """
+    if type(version) not in (str, int) or str(version) not in {str(v) for v in READABLE_FORMAT_VERSIONS}:
+        raise FormatError(
+            f"unsupported {FORMAT_NAME} {what} format version {str(version)[:40]!r}: this reader reads version(s) "
+            f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))}; {OLD_VERSION_ADVICE}"
+        )
 
 
 def file_kind(metadata: Mapping[str, str]) -> str:
@@ -320,7 +344,7 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
         state: The current state (only read).
 
     Returns:
-        The decoded delta.
+        The decoded delta, with the old bits of the elements it changes.
 
     Raises:
         FormatError: malformed or hostile file, unknown codec or version, a
@@ -343,6 +367,7 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
     except Exception as exc:  # safetensors raises its own error types
         raise FormatError(f"unreadable safetensors data: {exc}") from None
     patches: dict[str, TensorPatch] = {}
+    old: dict[str, np.ndarray] = {}
     changed = 0
     for name, info in table.items():
         if name not in state:
@@ -372,11 +397,13 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
             old_bits_at=old_bits_at,
             base=target,
         )
-        if bool(np.any(new_bits == old_bits_at(index))):
+        old_bits = old_bits_at(index)
+        if bool(np.any(new_bits == old_bits)):
             raise FormatError(f"{name}: the delta lists elements that do not change (a zero difference is no change)")
         patches[name] = TensorPatch(
             index=torch.from_numpy(index), values=numpy_to_values(new_bits, target.dtype), shape=tuple(target.shape)
         )
+        old[name] = old_bits
         changed += count
     if changed != metadata_int(metadata, "changed"):
         raise FormatError(f"metadata says {metadata['changed']} changed elements, tensors hold {changed}")
@@ -389,6 +416,7 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
         changed=changed,
         total=metadata_int(metadata, "total"),
         patches=patches,
+        old_bits=old,
         nbytes=len(data),
     )
 

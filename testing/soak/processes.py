@@ -118,16 +118,16 @@ def subscriber_loop(cfg: dict[str, Any]) -> None:
     journal = Journal(cfg["journal"])
     kill = cfg.get("kill")
     bucket = HookBucket(cfg["root"], kill if kill and kill[0] == "mid-download" else None)
-    if kill and kill[0] == "mid-apply":  # die while the patched tensors are being hashed
-        real, calls = subscriber_module.tensor_digest, [0]
+    if kill and kill[0] == "mid-apply":  # die while the changed elements are being scattered
+        real, calls = subscriber_module.scatter_, [0]
 
-        def digest_then_die(tensor: torch.Tensor, **kwargs) -> bytes:
+        def scatter_then_die(*args) -> torch.Tensor:
             calls[0] += 1
             if calls[0] == kill[1]:
                 die()
-            return real(tensor, **kwargs)
+            return real(*args)
 
-        subscriber_module.tensor_digest = digest_then_die
+        subscriber_module.scatter_ = scatter_then_die
     sub = Subscriber(bucket, workdir=cfg["workdir"])
     journal.write(event="started")
     fetched = 0

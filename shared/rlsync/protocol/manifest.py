@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from ..bucket import validate_key
 from ..errors import FormatError, InvalidKeyError
-from ..format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, READABLE_FORMAT_VERSIONS, SINGLE_FILE, shard_names
+from ..format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, SINGLE_FILE, shard_names
 from ..jsonlimits import loads_bounded
 from ..layout import (
     ANCHOR_FILE,
@@ -23,6 +23,9 @@ from ..layout import (
 )
 from ..limits import MAX_POINTER_BYTES
 
+#: Pointer versions whose layout parses (the same in all): a reader then refuses a chain whose
+#: hashes it cannot check (:func:`rlsync.format.check_version`), and a new run can replace it.
+POINTER_FORMAT_VERSIONS = (1, 2, FORMAT_VERSION)
 MAX_METADATA_ENTRIES = 32
 MAX_METADATA_VALUE_CHARS = 4096
 
@@ -150,7 +153,7 @@ class Manifest:
             if doc.get("format") != FORMAT_NAME:
                 raise FormatError(f"pointer is not an {FORMAT_NAME} pointer")
             version = doc.get("format_version")
-            if type(version) is not int or version not in READABLE_FORMAT_VERSIONS:
+            if type(version) is not int or version not in POINTER_FORMAT_VERSIONS:
                 raise FormatError(f"unsupported pointer format version {doc.get('format_version')!r}")
             anchors = tuple(
                 AnchorEntry(

@@ -11,19 +11,21 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import socket
 import tempfile
 import time
 from typing import Iterable, Mapping
 
+import numpy as np
 import torch
 
 from ..bucket import Bucket
 from ..codecs import DEFAULT_CODEC, get_codec
-from ..detect import DEFAULT_CHUNK_ELEMENTS, ChangeDetector, PatchedState, cast_chunk, serving_copy
+from ..detect import DEFAULT_CHUNK_ELEMENTS, ChangeDetector, PatchedState, serving_copy
 from ..errors import BucketError, FormatError, SyncError
 from ..format import DEFAULT_MAX_SHARD_BYTES, Change, encode_delta, write_anchor
-from ..hashing import combine_digests, tensor_digest
+from ..hashing import StateLanes, changes_lanes
 from ..layout import ANCHOR_PREFIX, DELTA_PREFIX, POINTER_KEY, anchor_folder, delta_key
 from ..limits import MAX_POINTER_BYTES
 from .finite import check_finite_changes
@@ -116,7 +118,7 @@ class Publisher:
         self.run_id = run_id
         self.detector = ChangeDetector(dtype, chunk_elements)
         self.manifest: Manifest | None = None
-        self._digests: dict[str, bytes] = {}
+        self._lanes: StateLanes | None = None  # the published state's hash, per tensor
         self.allow_non_finite = allow_non_finite
         self.refused: collections.Counter[str] = collections.Counter()  # invalid bucket objects ignored, by key
         self.ownership = RunOwnership(
@@ -199,7 +201,7 @@ class Publisher:
             if manifest is None or sub.step != manifest.step:
                 raise SyncError("the bucket changed while resuming; is another trainer publishing?")
         self.detector.published = {n: t.clone() for n, t in sub.state.items()}
-        self._digests = {n: tensor_digest(t) for n, t in sub.state.items()}
+        self._lanes = sub.lanes
         self.manifest = manifest
         self._pointer_bytes = len(manifest.to_json())
         self.ownership.adopt(manifest)
@@ -310,21 +312,16 @@ class Publisher:
             return self._publish_anchor(step, {name: serving_copy(t, self.dtype) for name, t in tensors}, owned=True)
         t0 = time.perf_counter()
         changes: dict[str, Change] = {}
-        digests: dict[str, bytes] = {}
-        encode_s = 0.0
+        seen: set[str] = set()
         for name, tensor in tensors:
-            if name in digests:
+            if name in seen:
                 raise SyncError(f"{name!r} was sent twice in one publish")
-            t1 = time.perf_counter()
+            seen.add(name)
             change = self.detector.diff_tensor(name, tensor)
-            encode_s += time.perf_counter() - t1
             if change is not None:
                 changes[name] = change
-                digests[name] = self._digest(tensor)
-            else:  # same bits, same digest
-                digests[name] = self._digests[name]
             del tensor
-        missing = self.detector.published.keys() - digests.keys()
+        missing = self.detector.published.keys() - seen
         if missing:
             raise SyncError(
                 f"the publish of step {step} lacks {len(missing)} published tensor(s), e.g. {sorted(missing)[0]!r}"
@@ -333,20 +330,15 @@ class Publisher:
             check_finite_changes(changes)
         if wants_anchor:
             return self._publish_anchor(step, PatchedState(self.detector.published, changes), owned=True)
-        old_digests, self._digests = self._digests, digests
         total = sum(t.numel() for t in self.detector.published.values())
-        hash_s = time.perf_counter() - t0 - encode_s
-        result_hash = combine_digests(digests)
-        return self._write_delta(step, changes, result_hash, total, old_digests, encode_s=encode_s, hash_s=hash_s)
+        t1 = time.perf_counter()
+        lanes = self._updated_lanes(changes)
+        return self._write_delta(step, changes, lanes, total, encode_s=t1 - t0, hash_s=time.perf_counter() - t1)
 
-    def _digest(self, tensor: torch.Tensor) -> bytes:
-        """The digest of ``tensor`` in the serving dtype (cast without a defensive copy: only the bits are read)."""
-        return tensor_digest(cast_chunk(tensor.detach(), self.dtype))
-
-    def _hash(self, state: Mapping[str, torch.Tensor], names) -> str:
-        for name in names:
-            self._digests[name] = self._digest(state[name])
-        return combine_digests(self._digests)
+    def _updated_lanes(self, changes: Mapping[str, Change]) -> StateLanes:
+        """The hash of the published state with ``changes`` applied, from the changed elements alone."""
+        assert self._lanes is not None
+        return self._lanes.updated(lanes_of_changes(changes))
 
     def _publish_delta(self, step: int, state: Mapping[str, torch.Tensor]) -> PublishRecord:
         assert self.manifest is not None
@@ -355,18 +347,17 @@ class Publisher:
         if not self.allow_non_finite:
             check_finite_changes(changes)
         t1 = time.perf_counter()
-        old_digests = dict(self._digests)
-        result_hash = self._hash(state, changes)
+        lanes = self._updated_lanes(changes)
         t2 = time.perf_counter()
         total = sum(t.numel() for t in state.values())
-        return self._write_delta(step, changes, result_hash, total, old_digests, encode_s=t1 - t0, hash_s=t2 - t1)
+        return self._write_delta(step, changes, lanes, total, encode_s=t1 - t0, hash_s=t2 - t1)
 
     def _write_delta(
-        self, step: int, changes: dict[str, Change], result_hash: str, total: int, old_digests: dict[str, bytes],
-        *, encode_s: float, hash_s: float,
-    ) -> PublishRecord:  # fmt: skip
-        """Encode and upload a delta whose changes and result hash are known, then the pointer."""
+        self, step: int, changes: dict[str, Change], lanes: StateLanes, total: int, *, encode_s: float, hash_s: float
+    ) -> PublishRecord:
+        """Encode and upload a delta whose changes and resulting state hash are known, then the pointer."""
         assert self.manifest is not None
+        result_hash = lanes.hexdigest()
         t2 = time.perf_counter()
         data = encode_delta(
             changes,
@@ -382,12 +373,9 @@ class Publisher:
         changed = sum(c.index.size for c in changes.values())
         entry = DeltaEntry(step, self.manifest.step, result_hash, FileEntry(key, len(data)), changed, total)
         manifest = dataclasses.replace(self.manifest, step=step, state_hash=result_hash, deltas=self.manifest.deltas + (entry,))
-        try:
-            self.bucket.put(key, data)
-            self._commit(manifest)
-        except BaseException:
-            self._digests = old_digests
-            raise
+        self.bucket.put(key, data)
+        self._commit(manifest)
+        self._lanes = lanes
         self.detector.commit(changes)
         t4 = time.perf_counter()
         logger.info("published delta %d: %d bytes, %d/%d changed (%.3f%%)", step, len(data), changed, total, 100 * changed / max(total, 1))
@@ -409,8 +397,8 @@ class Publisher:
         changes = self.detector.diff(serving) if continues else {}
         if not self.allow_non_finite:
             check_finite_changes(changes)
-        self._digests = {}
-        result_hash = self._hash(serving, serving)
+        lanes = StateLanes.of(serving)
+        result_hash = lanes.hexdigest()
         t1 = time.perf_counter()
         total = sum(t.numel() for t in serving.values())
         companion: tuple[DeltaEntry, ...] = ()
@@ -448,6 +436,7 @@ class Publisher:
             )  # fmt: skip
         self._commit(manifest)
         t3 = time.perf_counter()
+        self._lanes = lanes
         self.detector.published = serving
         nbytes = sum(e.size for e in entries)
         logger.info("published anchor %d: %d bytes in %d file(s)", step, nbytes, len(entries))
@@ -473,3 +462,11 @@ class Publisher:
                 sweep_orphans(self.bucket, pruned)
         except BucketError as exc:  # the pointer no longer names them; the next sweep retries
             logger.warning("retention could not delete old objects: %s", exc)
+
+
+def lanes_of_changes(changes: Mapping[str, Change]) -> dict[str, np.ndarray]:
+    """What each tensor's changes add to its state-hash lanes (:func:`rlsync.hashing.change_lanes`).
+
+    The indices are each change's own (a whole tensor's, or a slice's mapped to the whole tensor by
+    the caller)."""
+    return changes_lanes({n: (c.new_bits.itemsize, math.prod(c.shape), c.index, c.old_bits, c.new_bits) for n, c in changes.items()})

@@ -10,12 +10,11 @@ in the same round, so no rank waits forever on a failed peer):
    pointer and decides anchor or delta;
 2. *detect*: each rank compares its slices with its own shadow (the last
    published bits of its slices only); rank 0 unites the changed tensors' names;
-3. *hash*: each rank sends the state-hash records of its slices of those tensors
-   (:func:`rlsync.hashing.slice_record`: a few digests and at most two partial
-   16 KiB leaves per tensor) to the tensor's owner rank (owners balanced by
-   bytes; one all-to-all), which merges them into the tensor's digest;
-   rank 0 combines the digests into the state hash, identical to a
-   single-process publisher's;
+3. *hash*: each rank sends rank 0 what its slices add to each tensor's state-hash
+   lanes (:mod:`rlsync.hashing`: 16 bytes per tensor): at a delta, what its changed
+   elements add (old and new bits); at an anchor, the sum over its slices. The lanes
+   are sums, so rank 0 adds the ranks' parts and gets the state hash, identical to a
+   single-process publisher's whatever the sharding;
 4. *write and commit*: each rank encodes and uploads its own delta part
    (positions in the full tensors' flat coordinates) and reports its key and
    size; once every part is confirmed, rank 0 writes the pointer naming all
@@ -40,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import pickle
 import tempfile
 import time
 from pathlib import Path
@@ -52,12 +50,12 @@ import torch.distributed as dist
 from ..detect import cast_chunk, serving_copy, serving_dtype_of
 from ..errors import FencedError, NonFiniteError, RunLockedError, ShardedPublishError
 from ..format import INDEX_FILE, Change, anchor_index, anchor_metadata, encode_delta, shard_names, write_anchor_shard
-from ..hashing import combine_digests, merge_records, raw_bytes, slice_record
+from ..hashing import StateLanes, add_lanes, slice_lanes, structure_digest
 from ..layout import anchor_folder, delta_part_key
 from ..shards import LocalSlice, assign_owners, local_slices, slice_placement
 from .finite import check_finite_changes
 from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest
-from .publisher import Publisher, PublishRecord
+from .publisher import Publisher, PublishRecord, lanes_of_changes
 from .run import check_writable, read_manifest
 from .subscriber import SCRATCH_PREFIX
 
@@ -89,6 +87,7 @@ class ShardedPublisher(Publisher):
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self._shadow_valid = False
+        self._next_lanes: StateLanes | None = None  # rank 0: the state hash of the publish in flight
 
     # -- collective rounds --------------------------------------------------
 
@@ -167,12 +166,7 @@ class ShardedPublisher(Publisher):
             As :meth:`Publisher.publish`, on every rank; :class:`ShardedPublishError`
             when another rank failed.
         """
-        digests = dict(self._digests)
-        try:
-            return self._publish_slices(step, state)
-        except BaseException:
-            self._digests = digests  # rank 0's per-tensor digests stay those of the published state
-            raise
+        return self._publish_slices(step, state)
 
     def _publish_slices(self, step: int, state: Mapping[str, torch.Tensor]) -> PublishRecord:
         # Every step that can fail runs inside a round, so a failing rank never leaves the others waiting.
@@ -197,8 +191,7 @@ class ShardedPublisher(Publisher):
 
         changed_names = self._round(detect, lambda names: set().union(*names))
         t1 = time.perf_counter()
-        hashed = set(shapes) if plan.kind == "anchor" else changed_names
-        result_hash = self._hash_slices(slices, sorted(hashed), plan.kind, state)
+        result_hash = self._hash_slices(slices, changes, plan.kind, state)
         owners: dict[str, int] = {}
         owned: dict[str, torch.Tensor] = {}
         if plan.kind == "anchor":
@@ -209,6 +202,7 @@ class ShardedPublisher(Publisher):
         manifest_json = self._round(write, commit)
         owned.clear()
         self.manifest = Manifest.from_json(manifest_json)
+        self._lanes, self._next_lanes = self._next_lanes, None  # rank 0's; None elsewhere
         if plan.kind == "anchor":
             self.detector.published = {n: serving_copy(s.data, self.dtype) for n, s in slices.items()}
             self._shadow_valid = True
@@ -230,61 +224,31 @@ class ShardedPublisher(Publisher):
         anchor = self._prepare(step) or not all_compatible
         return _Plan("anchor" if anchor else "delta", self.ownership.epoch, anchor and self.manifest is not None and all_compatible)
 
-    def _records(self, slices: Mapping[str, LocalSlice], names: set[str]) -> dict[str, Any]:
-        """This rank's state-hash records of ``names`` (serving dtype bits)."""
-        out = {}
-        for name in sorted(names):
-            s = slices[name]
-            bits = raw_bytes(cast_chunk(s.data, self.dtype))
-            itemsize = _itemsize(s.data, self.dtype)
-            out[name] = slice_record(bits, s.offset * itemsize, s.numel * itemsize)
-        return out
+    def _hash_slices(
+        self, slices: Mapping[str, LocalSlice], changes: Mapping[str, Change], kind: str, state: Mapping[str, torch.Tensor]
+    ) -> str:
+        """The new state hash, on every rank. Each rank sends rank 0 what its slices add to each
+        tensor's lanes (an anchor: all their elements; a delta: its changed elements' new minus old
+        bits); rank 0 adds the parts (to the published lanes, for a delta) and keeps the result for
+        after the commit."""
 
-    def _hash_slices(self, slices: Mapping[str, LocalSlice], names: list[str], kind: str, state: Mapping[str, torch.Tensor]) -> str:
-        """The new state hash: each tensor's records go to its owner rank (all-to-all), which merges
-        them into its digest; rank 0 combines the digests. No rank receives more than the records of
-        the tensors it owns."""
-        owner = assign_owners({n: state[n].numel() * _itemsize(state[n], self.dtype) for n in names}, self.world)
-        outgoing: list[dict[str, Any]] = [{} for _ in range(self.world)]
-
-        def records() -> None:
-            for name, record in self._records(slices, set(names) & slices.keys()).items():
-                outgoing[owner[name]][name] = record
-
-        self._round(records)
-        incoming = self._exchange(outgoing)
-
-        def merge() -> dict[str, bytes]:
-            out = {}
-            for name in (n for n in names if owner[n] == self.rank):
-                tensor = state[name]
-                dtype = tensor.dtype if self.dtype is None or not tensor.is_floating_point() else self.dtype
-                out[name] = merge_records([r[name] for r in incoming if name in r], dtype, tuple(tensor.shape))
-            return out
-
-        def combine(digests: list[dict[str, bytes]]) -> str:
+        def parts() -> dict[str, Any]:
             if kind == "anchor":
-                self._digests = {}
-            for part in digests:
-                self._digests.update(part)
-            return combine_digests(self._digests)
+                return {n: slice_lanes(n, cast_chunk(s.data, self.dtype), s.offset, s.numel) for n, s in slices.items()}
+            return lanes_of_changes({n: _to_global(c, slices[n]) for n, c in changes.items()})
 
-        return self._round(merge, combine)
+        def combine(ranks: list[dict[str, Any]]) -> str:
+            names = sorted({n for part in ranks for n in part})
+            summed = {n: add_lanes(part[n] for part in ranks if n in part) for n in names}
+            if kind == "anchor":
+                schema = {n: (serving_dtype_of(t, self.dtype), tuple(t.shape)) for n, t in state.items()}
+                self._next_lanes = StateLanes(structure_digest(schema), summed)
+            else:
+                assert self._lanes is not None
+                self._next_lanes = self._lanes.updated(summed)
+            return self._next_lanes.hexdigest()
 
-    def _exchange(self, outgoing: list[Any]) -> list[Any]:
-        """All-to-all of picklable objects: ``outgoing[r]`` goes to rank ``r``; returns what each rank sent here."""
-        payloads = [pickle.dumps(obj) for obj in outgoing]
-        send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64)
-        recv_sizes = torch.empty(self.world, dtype=torch.int64)
-        dist.all_to_all_single(recv_sizes, send_sizes, group=self.group)
-        send = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
-        recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
-        dist.all_to_all_single(recv, send, recv_sizes.tolist(), send_sizes.tolist(), group=self.group)
-        data, out, start = recv.numpy().tobytes(), [], 0
-        for size in recv_sizes.tolist():
-            out.append(pickle.loads(data[start : start + size]))  # from this trainer's own ranks, not the bucket
-            start += size
-        return out
+        return self._round(parts, combine)
 
     def _owned_tensors(
         self, slices: Mapping[str, LocalSlice], state: Mapping[str, torch.Tensor]

@@ -4,11 +4,24 @@ A subscriber bootstraps from the newest anchor, then applies the deltas after
 it in order. Work is split in two so that a replica can keep generating while
 an update downloads:
 
-* :meth:`Subscriber.fetch` downloads, decodes and validates the next update
-  (sizes, format, names, shapes, dtypes, indices, anchor hash) without touching
-  the state;
-* :meth:`Subscriber.apply` applies it (the only step that needs generation
-  paused), checks the base and result hashes, and rolls back on any mismatch.
+* :meth:`Subscriber.fetch` downloads, decodes and verifies the next update
+  without touching the state: sizes, format, names, shapes, dtypes, indices, and
+  the state hash. For a delta that is the current hash updated with the changed
+  elements (their old bits gathered from the state, their new bits from the delta:
+  O(changed), see :mod:`rlsync.hashing`), compared with the hash the trainer
+  published; for an anchor, the hash of its tensors in one pass;
+* :meth:`Subscriber.apply` writes it (the only step that needs generation
+  paused): a delta's scatter of the changed elements, an anchor's copy. Nothing
+  else runs in the pause; a scatter that fails half-way is undone from the old
+  values of the changed elements.
+
+The state is either the subscriber's own or, with ``weights``, an engine's own
+serving tensors, written in place: then a replica keeps no second copy of the
+model. Because a delta is checked against the hash the subscriber maintains, not
+against a re-hash of the weights, :meth:`Subscriber.verify_weights` re-hashes the
+actual weights in full, off the critical path (a replica runs it in the
+background); a mismatch (memory corruption, a writer outside the protocol) is
+counted, and the subscriber re-bootstraps from the newest anchor.
 
 A sharded trainer's update has one file per rank: the files download
 concurrently (at most ``max_parallel_downloads`` at a time) and are validated
@@ -32,18 +45,20 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, MutableMapping
 
+import numpy as np
 import torch
 
 from ..bucket import Bucket
+from ..dtypes import bits_to_numpy, int_view, numpy_to_values
 from ..errors import ChainError, FormatError, HashMismatchError, ObjectNotFoundError, ObjectTooLargeError, SyncError
 from ..files import age_out
-from ..format import FORMAT_VERSION, decode_delta, load_anchor
-from ..hashing import combine_digests, tensor_digest
+from ..format import check_version, decode_delta, load_anchor
+from ..hashing import CHUNK_ELEMENTS, StateLanes, change_lanes, changes_lanes, slice_lanes, zero_lanes
 from ..layout import POINTER_KEY
 from ..limits import MAX_HEADERS_BYTES, MAX_POINTER_BYTES
-from ..patch import TensorPatch, gather, scatter_
+from ..patch import TensorPatch, scatter_
 from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest
 
 DEFAULT_MAX_PARALLEL_DOWNLOADS = 8
@@ -65,13 +80,14 @@ class Update:
         base_hash: Hash of that version (``None`` for anchors).
         state_hash: Hash of the resulting state.
         nbytes: Bytes downloaded.
-        tensors: The full state (anchors).
-        patches: Changed elements per tensor (deltas).
+        tensors: The full state (anchors; read from the downloaded files, copied into the
+            state by :meth:`Subscriber.apply`).
+        patches: Changed elements per tensor (deltas), on the device of the tensor they patch.
+        old: The values those elements have before the delta (the rollback of a failed scatter).
+        lanes: The state hash after the update (verified against ``state_hash``).
         changed: Changed elements (deltas) or all elements (anchors).
         download_s: Seconds spent downloading.
-        decode_s: Seconds spent decoding and validating.
-        digests: Per-tensor digests of an anchor's tensors (already verified).
-        hash_version: The format version whose state hash the update's hashes are.
+        decode_s: Seconds spent decoding and verifying (hash included).
         run_id: The run the update belongs to (the pointer's ``run_id``).
     """
 
@@ -83,11 +99,11 @@ class Update:
     nbytes: int
     tensors: dict[str, torch.Tensor] | None = None
     patches: dict[str, TensorPatch] | None = None
+    old: dict[str, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
+    lanes: StateLanes | None = dataclasses.field(default=None, repr=False)
     changed: int = 0
     download_s: float = 0.0
     decode_s: float = 0.0
-    digests: dict[str, bytes] | None = dataclasses.field(default=None, repr=False)
-    hash_version: int = FORMAT_VERSION
     run_id: str = ""
 
 
@@ -102,6 +118,22 @@ class SubscriberStats:
     refused: int = 0
     last_error: str = ""
     last_apply_s: float = 0.0
+    rehashes: int = 0
+    rehash_mismatches: int = 0
+    last_rehash_s: float = 0.0
+    verified_step: int | None = None
+    verified_hash: str = ""
+
+
+@dataclasses.dataclass
+class _Cursor:
+    """Where a running :meth:`Subscriber.verify_weights` is: its tensor, the elements before
+    ``position`` hashed into ``lanes``. A delta applied meanwhile adds its changes below
+    ``position`` to ``lanes``, so the pass ends with the tensor's lanes as they are then."""
+
+    name: str
+    position: int
+    lanes: np.ndarray
 
 
 class Subscriber:
@@ -115,6 +147,10 @@ class Subscriber:
         max_parallel_downloads: Files of one update downloaded at once.
         expect_metadata: Pointer metadata entries the chain must carry (e.g. an adapter chain's
             base model hash); a chain whose metadata disagrees is refused before any download.
+        weights: Tensors to keep in sync in place, by name: an engine's own serving weights
+            (contiguous; tied names may share one storage). Anchors are copied into them and
+            deltas scattered into them, so no second copy of the model exists; every anchor
+            must name all of them. Default: the subscriber holds a state of its own on ``device``.
     """
 
     def __init__(
@@ -125,6 +161,7 @@ class Subscriber:
         workdir: str | Path | None = None,
         max_parallel_downloads: int = DEFAULT_MAX_PARALLEL_DOWNLOADS,
         expect_metadata: Mapping[str, str] | None = None,
+        weights: MutableMapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.bucket = bucket
         self.expect_metadata = dict(expect_metadata or {})
@@ -135,8 +172,11 @@ class Subscriber:
         self.state_hash: str | None = None
         self.run_id: str | None = None
         self.stats = SubscriberStats()
-        self._digests: dict[str, bytes] = {}
-        self._hash_version = FORMAT_VERSION
+        self._weights = weights
+        self._lanes: StateLanes | None = None  # the hash of the state, per tensor
+        self._generation = 0  # anchors applied: a re-hash pass ends when the state is replaced
+        self._cursor: _Cursor | None = None
+        self._rebootstrap = False  # the weights differ from the verified state: only an anchor helps
         self._downloads = concurrent.futures.ThreadPoolExecutor(max(1, max_parallel_downloads), thread_name_prefix="rlsync-get")
         self._resync = False
         self._announced_run: str | None = None
@@ -168,6 +208,11 @@ class Subscriber:
         return self.manifest
 
     @property
+    def lanes(self) -> StateLanes | None:
+        """The state's hash, per tensor, as the verified updates made it (``None`` before the first anchor)."""
+        return self._lanes
+
+    @property
     def needs_resync(self) -> bool:
         """True after a refused update, until a verified update (see the module docstring) is applied."""
         return self._resync
@@ -195,6 +240,12 @@ class Subscriber:
         wrong = {k: manifest.metadata.get(k) for k, v in self.expect_metadata.items() if manifest.metadata.get(k) != v}
         if wrong:
             raise self._refuse(ChainError(f"the chain's metadata {wrong} differs from this subscriber's {self.expect_metadata}"))
+        try:
+            check_version(manifest.format_version, "chain")
+        except FormatError as exc:
+            raise self._refuse(exc) from None
+        if self._rebootstrap:  # the weights are not the verified state: only an anchor can repair them
+            return self._fetch_anchor(manifest.anchors[-1])
         if manifest.step == self.step:
             if manifest.state_hash == self.state_hash:
                 self._resync = False  # the pointer names exactly this state again
@@ -230,9 +281,10 @@ class Subscriber:
         Raises:
             FormatError: the pointer promises more bytes than that.
         """
-        if not self.state:
+        model = self.state or self._weights
+        if not model:
             return
-        limit = 3 * sum(t.numel() * t.element_size() for t in self.state.values()) + MAX_HEADERS_BYTES
+        limit = 3 * sum(t.numel() * t.element_size() for t in model.values()) + MAX_HEADERS_BYTES
         if nbytes > limit:
             raise FormatError(f"{kind} {step}: the pointer promised {nbytes:,} bytes, more than the model's {limit:,} bound")
 
@@ -245,9 +297,9 @@ class Subscriber:
         logger.error("refused update: %s; keeping step %s until a pointer it can verify", error, self.step)
         return error
 
+
     def _fetch_delta(self, entry: DeltaEntry) -> Update:
         t0 = time.perf_counter()
-        version = self.manifest.format_version if self.manifest else FORMAT_VERSION
         try:
             self._check_size("delta", entry.step, entry.nbytes)
             blobs = list(self._downloads.map(lambda f: self._get(f.key, f.size), entry.files))
@@ -257,10 +309,9 @@ class Subscriber:
             raise self._refuse(exc) from None
         t1 = time.perf_counter()
         patches: dict[str, list[TensorPatch]] = {}
+        old_bits: dict[str, list[np.ndarray]] = {}
         changed = 0
         try:
-            if version != self._hash_version:
-                raise ChainError(f"delta {entry.step} is format version {version}, the state was hashed as {self._hash_version}")
             for file, data in zip(entry.files, blobs):
                 if len(data) != file.size:
                     raise FormatError(f"{file.key}: {len(data)} bytes, the pointer promised {file.size} (truncated?)")
@@ -271,18 +322,60 @@ class Subscriber:
                     raise HashMismatchError(f"delta {entry.step} is based on another state than step {self.step}")
                 for name, patch in delta.patches.items():
                     patches.setdefault(name, []).append(patch)
+                    old_bits.setdefault(name, []).append(delta.old_bits[name])
                 changed += delta.changed
             merged = {name: _merge_patches(name, parts) for name, parts in patches.items()}
+            old = {name: np.concatenate(parts) if len(parts) > 1 else parts[0] for name, parts in old_bits.items()}
+            self._check_tied(merged)
+            lanes = self._updated_lanes(merged, old)
+            if lanes.hexdigest() != entry.state_hash:
+                raise HashMismatchError(
+                    f"delta {entry.step}: the state it makes from step {self.step} does not match its hash "
+                    "(a changed value, position, missing element or another base); refused before applying"
+                )
         except SyncError as exc:
             raise self._refuse(exc) from None
+        staged = {name: _on_device(patch, self.state[name].device) for name, patch in merged.items()}
+        undo = {name: numpy_to_values(old[name], self.state[name].dtype).to(self.state[name].device) for name in merged}
         return Update(
             "delta", entry.step, entry.base_step, self.state_hash, entry.state_hash, sum(map(len, blobs)),
-            patches=merged, changed=changed, download_s=t1 - t0, decode_s=time.perf_counter() - t1, hash_version=version,
+            patches=staged, old=undo, lanes=lanes, changed=changed, download_s=t1 - t0, decode_s=time.perf_counter() - t1,
         )  # fmt: skip
+
+    def _updated_lanes(self, patches: Mapping[str, TensorPatch], old: Mapping[str, np.ndarray]) -> StateLanes:
+        """The state hash after ``patches``, from the current one and the changed elements alone."""
+        assert self._lanes is not None
+        return self._lanes.updated(changes_lanes({
+            name: (self.state[name].element_size(), self.state[name].numel(), patch.index.numpy(), old[name], _bits(patch.values))
+            for name, patch in patches.items()
+        }))  # fmt: skip
+
+    def _tied_groups(self) -> list[list[str]]:
+        """Names of the state that share one storage (tied weights), in groups of two or more."""
+        groups: dict[tuple[int, torch.device], list[str]] = {}
+        for name, tensor in self.state.items():
+            groups.setdefault((tensor.data_ptr(), tensor.device), []).append(name)
+        return [sorted(g) for g in groups.values() if len(g) > 1 and self.state[g[0]].numel()]
+
+    def _check_tied(self, patches: Mapping[str, TensorPatch]) -> None:
+        """Refuse a delta that changes tied names differently (the storage can hold only one of them).
+
+        Raises:
+            FormatError: it does.
+        """
+        for group in self._tied_groups():
+            parts = [patches.get(n) for n in group]
+            first = parts[0]
+            for name, part in zip(group[1:], parts[1:]):
+                same = (first is None and part is None) or (
+                    first is not None and part is not None and torch.equal(first.index, part.index)
+                    and _same_bits(first.values, part.values)
+                )  # fmt: skip
+                if not same:
+                    raise FormatError(f"{group[0]!r} and {name!r} share one tensor here, the delta changes them differently")
 
     def _fetch_anchor(self, entry: AnchorEntry) -> Update:
         t0 = time.perf_counter()
-        version = self.manifest.format_version if self.manifest else FORMAT_VERSION
         try:
             self._check_size("anchor", entry.step, entry.nbytes)
         except FormatError as exc:
@@ -293,14 +386,12 @@ class Subscriber:
         try:
             files = list(self._downloads.map(lambda f: self._get_anchor_file(entry, f, folder), entry.files))
             t1 = time.perf_counter()
-            tensors, metadata = load_anchor(files)
+            tensors, metadata = load_anchor(files)  # views of the files: apply copies them into the state
             if metadata.get("step") != str(entry.step) or metadata.get("state_hash") != entry.state_hash:
                 raise FormatError(f"anchor {entry.step}: metadata disagrees with the pointer")
-            if self.state and not _same_schema(self.state, tensors):
-                raise FormatError(f"anchor {entry.step}: tensor names, shapes or dtypes differ from the model")
-            tensors = {n: t.to(self.device) for n, t in tensors.items()}
-            digests = {n: tensor_digest(t, version=version) for n, t in tensors.items()}
-            if combine_digests(digests) != entry.state_hash:
+            self._check_anchor_schema(entry.step, tensors)
+            lanes = StateLanes.of(tensors)
+            if lanes.hexdigest() != entry.state_hash:
                 raise HashMismatchError(f"anchor {entry.step}: content does not match its hash")
         except SyncError as exc:
             self.stats.refused += 1
@@ -308,13 +399,39 @@ class Subscriber:
             logger.error("refused anchor %d: %s", entry.step, exc)
             raise
         finally:
-            shutil.rmtree(folder, ignore_errors=True)
-        update = Update(
-            "anchor", entry.step, None, None, entry.state_hash, entry.nbytes, tensors=tensors,
+            shutil.rmtree(folder, ignore_errors=True)  # the open views keep the data until apply has copied it
+        return Update(
+            "anchor", entry.step, None, None, entry.state_hash, entry.nbytes, tensors=tensors, lanes=lanes,
             changed=sum(t.numel() for t in tensors.values()), download_s=t1 - t0, decode_s=time.perf_counter() - t1,
-            digests=digests, hash_version=version, run_id=self.manifest.run_id if self.manifest else "",
+            run_id=self.manifest.run_id if self.manifest else "",
         )  # fmt: skip
-        return update
+
+    def _check_anchor_schema(self, step: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Refuse an anchor that cannot become the state.
+
+        Raises:
+            FormatError: its names, shapes or dtypes differ from the model's (the weights given, or
+                the state held); it leaves a tensor of the weights out; tied names differ in it.
+        """
+        if self._weights is None:
+            if self.state and not _same_schema(self.state, tensors):
+                raise FormatError(f"anchor {step}: tensor names, shapes or dtypes differ from the model")
+            return
+        unknown = [n for n in tensors if n not in self._weights]
+        wrong = [n for n in tensors if n in self._weights and not _same_schema({n: self._weights[n]}, {n: tensors[n]})]
+        covered = {(self._weights[n].data_ptr(), self._weights[n].device) for n in tensors if n in self._weights}
+        left_out = [n for n, t in self._weights.items() if (t.data_ptr(), t.device) not in covered]
+        if unknown or wrong or left_out:
+            raise FormatError(
+                f"anchor {step}: tensor names, shapes or dtypes differ from the model's weights "
+                f"(unknown {unknown[:3]}, other shape or dtype {wrong[:3]}, missing {left_out[:3]})"
+            )
+        by_storage: dict[tuple[int, torch.device], str] = {}
+        for name in sorted(tensors):
+            key = (self._weights[name].data_ptr(), self._weights[name].device)
+            first = by_storage.setdefault(key, name)
+            if first != name and self._weights[name].numel() and not _same_bits(tensors[first], tensors[name]):
+                raise FormatError(f"anchor {step}: {first!r} and {name!r} share one tensor here, the anchor gives them different values")
 
     def _get_anchor_file(self, entry: AnchorEntry, file: FileEntry, folder: Path) -> Path:
         path = folder / file.key.rsplit("/", 1)[-1]
@@ -334,15 +451,14 @@ class Subscriber:
     # -- applying -----------------------------------------------------------
 
     def apply(self, update: Update) -> None:
-        """Apply a fetched update to :attr:`state`.
+        """Write a fetched (already verified) update into :attr:`state`: the only step that needs
+        generation paused.
 
         Raises:
-            ChainError: the update does not follow the current state (replayed,
-                out of order); nothing changes. If it names the current step but
-                another base state, it is also counted as refused and the
+            ChainError: the update does not follow the current state (replayed, out of order,
+                or the state changed since it was fetched); nothing changes. If it names the
+                current step but another base state, it is also counted as refused and the
                 subscriber waits for the next anchor.
-            HashMismatchError: the result does not match its promised hash; the
-                state is rolled back and the subscriber waits for the next anchor.
         """
         with self._lock:
             self._apply(update)
@@ -350,46 +466,116 @@ class Subscriber:
     def _apply(self, update: Update) -> None:
         t0 = time.perf_counter()
         if update.kind == "anchor":
-            assert update.tensors is not None
-            self.state = update.tensors
-            assert update.digests is not None
-            self._digests = update.digests
-            self._hash_version = update.hash_version
-            self.run_id = update.run_id
-            self._resync = False
-            self.stats.anchors_applied += 1
+            self._apply_anchor(update)
         else:
             self._apply_delta(update)
             self._resync = False
             self.stats.deltas_applied += 1
         self.step = update.step
         self.state_hash = update.state_hash
+        self._lanes = update.lanes
         self.stats.last_apply_s = time.perf_counter() - t0
         logger.info("applied %s %d (%d bytes)", update.kind, update.step, update.nbytes)
 
+    def _apply_anchor(self, update: Update) -> None:
+        """Copy an anchor's tensors into the state: the weights given, the state held when it has
+        the same schema, else new tensors on ``device`` (never views of the downloaded files, whose
+        pages a later scatter would copy one by one)."""
+        assert update.tensors is not None
+        self._generation += 1
+        self._cursor = None
+        if self._weights is not None:
+            state = {n: self._weights[n] for n in update.tensors}
+        elif self.state and _same_schema(self.state, update.tensors):
+            state = self.state
+        else:
+            state = {n: torch.empty(t.shape, dtype=t.dtype, device=self.device) for n, t in update.tensors.items()}
+        self.step, self.state_hash, self._lanes = None, None, None  # until every tensor is in
+        self.state = state
+        with torch.no_grad():
+            for name, tensor in update.tensors.items():
+                state[name].copy_(tensor)
+        update.tensors = None  # drop the views of the files
+        self.run_id = update.run_id
+        self._resync = False
+        self._rebootstrap = False
+        self.stats.anchors_applied += 1
+
     def _apply_delta(self, update: Update) -> None:
-        assert update.patches is not None
+        assert update.patches is not None and update.old is not None
+        if self._rebootstrap:
+            raise ChainError(f"delta {update.step} not applied: the weights are being resynchronised from an anchor")
         if update.base_step != self.step:  # replayed or out of order: the state is still good
             raise ChainError(f"delta {update.base_step}->{update.step} does not apply to step {self.step}")
         if update.base_hash != self.state_hash:  # same step, another state: a fork, resync from the next anchor
             raise self._refuse(ChainError(f"delta {update.step} is based on another state than step {self.step}"))
-        undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        digests = dict(self._digests)
+        done: list[str] = []
         try:
             for name, patch in update.patches.items():
-                tensor = self.state[name]
-                undo.append((tensor, patch.index, gather(tensor, patch.index)))
-                patch.apply_(tensor)
-                digests[name] = tensor_digest(tensor, version=self._hash_version)
-            if combine_digests(digests) != update.state_hash:
-                raise HashMismatchError(f"state after delta {update.step} does not match its hash")
-        except BaseException as exc:
-            for tensor, index, old in reversed(undo):
-                scatter_(tensor, index, old)
-            if isinstance(exc, SyncError):
-                raise self._refuse(exc) from None
+                scatter_(self.state[name], patch.index, patch.values)
+                done.append(name)
+        except BaseException:
+            for name in reversed(done):
+                scatter_(self.state[name], update.patches[name].index, update.old[name])
             raise
-        self._digests = digests
+        cursor = self._cursor
+        if cursor is not None and cursor.name in update.patches:  # a re-hash pass is inside this tensor
+            patch, target = update.patches[cursor.name], self.state[cursor.name]
+            below = (patch.index < cursor.position).cpu()
+            old, new = (_bits(v[below.to(v.device)]) for v in (update.old[cursor.name], patch.values))
+            cursor.lanes += change_lanes(cursor.name, target.element_size(), target.numel(), patch.index.cpu()[below].numpy(), old, new)
+
+    # -- checking the weights -------------------------------------------------
+
+    def verify_weights(self) -> bool | None:
+        """Re-hash the state (the engine's actual weights) in full and compare it with the state
+        hash the updates were verified against. Meant for a background thread: the state is read a
+        chunk at a time, so updates are applied meanwhile (each waits for at most one chunk).
+
+        Returns:
+            ``True`` when every tensor matches, ``False`` on a mismatch (counted; the subscriber then
+            re-bootstraps from the newest anchor), ``None`` when there is no state yet or an anchor
+            replaced it during the pass.
+        """
+        t0 = time.perf_counter()
+        with self._lock:
+            if self._lanes is None:
+                return None
+            generation, names = self._generation, sorted(self.state)
+        for name in names:
+            cursor = _Cursor(name, 0, zero_lanes())
+            numel = self.state[name].numel()
+            while True:
+                with self._lock:
+                    if generation != self._generation:
+                        return None
+                    if cursor.position >= numel:
+                        break
+                    self._cursor = cursor
+                    flat = self.state[name].detach().reshape(-1)
+                    end = min(numel, cursor.position + CHUNK_ELEMENTS)
+                    cursor.lanes += slice_lanes(name, flat[cursor.position : end], cursor.position, numel)
+                    cursor.position = end
+            with self._lock:
+                self._cursor = None
+                if generation != self._generation:
+                    return None
+                assert self._lanes is not None
+                if not np.array_equal(cursor.lanes, self._lanes.tensors[name]):
+                    self._weights_differ(name)
+                    return False
+        with self._lock:
+            self.stats.rehashes += 1
+            self.stats.last_rehash_s = time.perf_counter() - t0
+            self.stats.verified_step, self.stats.verified_hash = self.step, self.state_hash or ""
+        return True
+
+    def _weights_differ(self, name: str) -> None:
+        self.stats.rehash_mismatches += 1
+        self.stats.refused += 1
+        self.stats.last_error = f"the weights differ from the verified state of step {self.step} (first in {name!r})"
+        self._rebootstrap = self._resync = True
+        logger.error("%s: re-bootstrapping from the newest anchor", self.stats.last_error)
 
     def sync(self, max_updates: int | None = None) -> list[Update]:
         """Fetch and apply updates until up to date.
@@ -421,5 +607,20 @@ def _merge_patches(name: str, parts: list[TensorPatch]) -> TensorPatch:
     return TensorPatch(torch.cat([p.index for p in parts]), torch.cat([p.values for p in parts]), parts[0].shape)
 
 
-def _same_schema(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+def _on_device(patch: TensorPatch, device: torch.device) -> TensorPatch:
+    """``patch`` with its positions and values already on ``device`` (so that the pause only scatters)."""
+    if device.type == "cpu":
+        return patch
+    return TensorPatch(patch.index.to(device), patch.values.to(device), patch.shape)
+
+
+def _bits(values: torch.Tensor) -> np.ndarray:
+    return bits_to_numpy(int_view(values))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(int_view(a.contiguous()), int_view(b.contiguous()).to(a.device)))
+
+
+def _same_schema(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(a[n].shape == b[n].shape and a[n].dtype == b[n].dtype for n in a)

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from transformers.trainer_pt_utils import safe_globals
 
 from ..errors import CheckpointError
-from ..hashing import combine_digests, tensor_digest
+from ..hashing import StateLanes
 
 WEIGHTS_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -80,12 +80,9 @@ class CheckpointExpectations:
 def weights_hash(path: Path, dtype: torch.dtype = torch.bfloat16) -> str:
     """The hash of a ``model.safetensors`` file's tensors cast to ``dtype`` (floating point ones),
     read one tensor at a time."""
-    digests = {}
     with safe_open(str(path), "pt") as f:
-        for name in f.keys():
-            tensor = f.get_tensor(name)
-            digests[name] = tensor_digest(tensor.to(dtype) if tensor.is_floating_point() else tensor)
-    return combine_digests(digests)
+        tensors = ((name, f.get_tensor(name)) for name in f.keys())
+        return StateLanes.of_items((n, t.to(dtype) if t.is_floating_point() else t) for n, t in tensors).hexdigest()
 
 
 def check_checkpoint(folder: Path, step: int, marker: Mapping[str, Any], expect: CheckpointExpectations) -> None:

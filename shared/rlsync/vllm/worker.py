@@ -72,6 +72,8 @@ from .tensor_parallel import gather_tensor_parallel, packed_part_sizes
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
 
+    from rlsync.hashing import StateLanes
+
 logger = logging.getLogger(__name__)
 
 #: Payloads up to this size travel inline through ``collective_rpc``; larger ones via a file.
@@ -452,16 +454,13 @@ class ModelWeights:
         if not torch.equal(served.cpu(), embed.weight.detach()[: embed.org_vocab_size].cpu()):
             raise RuntimeError("the tied lm_head kernel is stale: it no longer matches model.embed_tokens.weight")
 
-    def digests(self, names: Iterable[str] | None = None) -> dict[str, bytes]:
-        """Per-tensor digests (``rlsync.hashing.tensor_digest``) of :meth:`read`, for state hashes."""
-        from rlsync.hashing import tensor_digest
+    def lanes(self, names: Iterable[str] | None = None) -> StateLanes:
+        """The state hash (:class:`rlsync.hashing.StateLanes`) of :meth:`read`, 16 tensors read back at a time."""
+        from rlsync.hashing import StateLanes  # noqa: F811 - at run time only where hashing is needed
 
         names = self.checkpoint_names if names is None else list(names)
-        out = {}
-        for i in range(0, len(names), 16):  # bound the memory of read-back copies
-            for name, tensor in self.read(names[i : i + 16]).items():
-                out[name] = tensor_digest(tensor)
-        return out
+        batches = (self.read(names[i : i + 16]) for i in range(0, len(names), 16))  # bounds the read-back copies
+        return StateLanes.of_items(item for batch in batches for item in batch.items())
 
 
 def _tied(model: torch.nn.Module) -> bool:
@@ -580,9 +579,7 @@ class SyncWorkerExtension:
         JSON-friendly, so a ``vllm serve`` client can call it too
         (``POST /collective_rpc {"method": "sync_state_hash"}``, dev mode).
         """
-        from rlsync.hashing import combine_digests
-
-        return combine_digests(self._sync_weights().digests())
+        return self._sync_weights().lanes().hexdigest()
 
 
 def _register_bucket_backend() -> None:

@@ -51,33 +51,33 @@ def trial_apply_interrupt(rng: random.Random, workdir: Path) -> TrialResult:
         assert update is not None
         if update.kind == "delta" and rng.random() < 0.6:
             interrupts += 1
-            before = (sub.step, sub.state_hash, state_hash(sub.state), dict(sub._digests))
-            how = rng.choice(["digest raises", "patch iteration raises", "KeyboardInterrupt"])
+            before = (sub.step, sub.state_hash, state_hash(sub.state), sub.lanes)
+            how = rng.choice(["scatter raises", "patch iteration raises", "KeyboardInterrupt"])
             k = rng.randint(0, len(update.patches) - 1)
             exc: BaseException = KeyboardInterrupt() if how == "KeyboardInterrupt" else RuntimeError("injected")
             patches = update.patches
-            real, calls = subscriber_module.tensor_digest, [0]
+            real, calls = subscriber_module.scatter_, [0]
 
-            def digest_raises(tensor: torch.Tensor, calls=calls, k=k, exc=exc, real=real, **kwargs) -> bytes:
+            def scatter_raises(*args, calls=calls, k=k, exc=exc, real=real) -> torch.Tensor:
                 calls[0] += 1
-                if calls[0] > k:
+                if calls[0] == k + 1:  # once: the rollback scatters too
                     raise exc
-                return real(tensor, **kwargs)
+                return real(*args)
 
             if how == "patch iteration raises":
                 update.patches = _RaisingPatches(patches, k, exc)
             else:
-                subscriber_module.tensor_digest = digest_raises
+                subscriber_module.scatter_ = scatter_raises
             try:
                 sub.apply(update)
                 result.fail(f"apply did not raise the injected {how}")
             except (RuntimeError, KeyboardInterrupt):
                 pass
             finally:
-                subscriber_module.tensor_digest = real
+                subscriber_module.scatter_ = real
                 update.patches = patches
             result.faults[f"apply interrupted: {how}"] += 1
-            after = (sub.step, sub.state_hash, state_hash(sub.state), dict(sub._digests))
+            after = (sub.step, sub.state_hash, state_hash(sub.state), sub.lanes)
             result.check(
                 after == before, f"state after an interrupted apply of {update.step} is not the previous state"
             )
