@@ -60,6 +60,7 @@ from ..layout import POINTER_KEY
 from ..limits import MAX_HEADERS_BYTES, MAX_POINTER_BYTES
 from ..patch import TensorPatch, scatter_
 from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest
+from .targets import check_anchor, check_tied, same_schema
 
 DEFAULT_MAX_PARALLEL_DOWNLOADS = 8
 
@@ -326,7 +327,7 @@ class Subscriber:
                 changed += delta.changed
             merged = {name: _merge_patches(name, parts) for name, parts in patches.items()}
             old = {name: np.concatenate(parts) if len(parts) > 1 else parts[0] for name, parts in old_bits.items()}
-            self._check_tied(merged)
+            check_tied(self.state, merged)
             lanes = self._updated_lanes(merged, old)
             if lanes.hexdigest() != entry.state_hash:
                 raise HashMismatchError(
@@ -350,30 +351,6 @@ class Subscriber:
             for name, patch in patches.items()
         }))  # fmt: skip
 
-    def _tied_groups(self) -> list[list[str]]:
-        """Names of the state that share one storage (tied weights), in groups of two or more."""
-        groups: dict[tuple[int, torch.device], list[str]] = {}
-        for name, tensor in self.state.items():
-            groups.setdefault((tensor.data_ptr(), tensor.device), []).append(name)
-        return [sorted(g) for g in groups.values() if len(g) > 1 and self.state[g[0]].numel()]
-
-    def _check_tied(self, patches: Mapping[str, TensorPatch]) -> None:
-        """Refuse a delta that changes tied names differently (the storage can hold only one of them).
-
-        Raises:
-            FormatError: it does.
-        """
-        for group in self._tied_groups():
-            parts = [patches.get(n) for n in group]
-            first = parts[0]
-            for name, part in zip(group[1:], parts[1:]):
-                same = (first is None and part is None) or (
-                    first is not None and part is not None and torch.equal(first.index, part.index)
-                    and _same_bits(first.values, part.values)
-                )  # fmt: skip
-                if not same:
-                    raise FormatError(f"{group[0]!r} and {name!r} share one tensor here, the delta changes them differently")
-
     def _fetch_anchor(self, entry: AnchorEntry) -> Update:
         t0 = time.perf_counter()
         try:
@@ -389,7 +366,7 @@ class Subscriber:
             tensors, metadata = load_anchor(files)  # views of the files: apply copies them into the state
             if metadata.get("step") != str(entry.step) or metadata.get("state_hash") != entry.state_hash:
                 raise FormatError(f"anchor {entry.step}: metadata disagrees with the pointer")
-            self._check_anchor_schema(entry.step, tensors)
+            check_anchor(entry.step, tensors, self.state, self._weights)
             lanes = StateLanes.of(tensors)
             if lanes.hexdigest() != entry.state_hash:
                 raise HashMismatchError(f"anchor {entry.step}: content does not match its hash")
@@ -405,33 +382,6 @@ class Subscriber:
             changed=sum(t.numel() for t in tensors.values()), download_s=t1 - t0, decode_s=time.perf_counter() - t1,
             run_id=self.manifest.run_id if self.manifest else "",
         )  # fmt: skip
-
-    def _check_anchor_schema(self, step: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Refuse an anchor that cannot become the state.
-
-        Raises:
-            FormatError: its names, shapes or dtypes differ from the model's (the weights given, or
-                the state held); it leaves a tensor of the weights out; tied names differ in it.
-        """
-        if self._weights is None:
-            if self.state and not _same_schema(self.state, tensors):
-                raise FormatError(f"anchor {step}: tensor names, shapes or dtypes differ from the model")
-            return
-        unknown = [n for n in tensors if n not in self._weights]
-        wrong = [n for n in tensors if n in self._weights and not _same_schema({n: self._weights[n]}, {n: tensors[n]})]
-        covered = {(self._weights[n].data_ptr(), self._weights[n].device) for n in tensors if n in self._weights}
-        left_out = [n for n, t in self._weights.items() if (t.data_ptr(), t.device) not in covered]
-        if unknown or wrong or left_out:
-            raise FormatError(
-                f"anchor {step}: tensor names, shapes or dtypes differ from the model's weights "
-                f"(unknown {unknown[:3]}, other shape or dtype {wrong[:3]}, missing {left_out[:3]})"
-            )
-        by_storage: dict[tuple[int, torch.device], str] = {}
-        for name in sorted(tensors):
-            key = (self._weights[name].data_ptr(), self._weights[name].device)
-            first = by_storage.setdefault(key, name)
-            if first != name and self._weights[name].numel() and not _same_bits(tensors[first], tensors[name]):
-                raise FormatError(f"anchor {step}: {first!r} and {name!r} share one tensor here, the anchor gives them different values")
 
     def _get_anchor_file(self, entry: AnchorEntry, file: FileEntry, folder: Path) -> Path:
         path = folder / file.key.rsplit("/", 1)[-1]
@@ -486,7 +436,7 @@ class Subscriber:
         self._cursor = None
         if self._weights is not None:
             state = {n: self._weights[n] for n in update.tensors}
-        elif self.state and _same_schema(self.state, update.tensors):
+        elif self.state and same_schema(self.state, update.tensors):
             state = self.state
         else:
             state = {n: torch.empty(t.shape, dtype=t.dtype, device=self.device) for n, t in update.tensors.items()}
@@ -616,11 +566,3 @@ def _on_device(patch: TensorPatch, device: torch.device) -> TensorPatch:
 
 def _bits(values: torch.Tensor) -> np.ndarray:
     return bits_to_numpy(int_view(values))
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(int_view(a.contiguous()), int_view(b.contiguous()).to(a.device)))
-
-
-def _same_schema(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(a[n].shape == b[n].shape and a[n].dtype == b[n].dtype for n in a)
