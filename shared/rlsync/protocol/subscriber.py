@@ -138,7 +138,7 @@ class _Cursor:
 
 
 class Subscriber:
-    """Follows a bucket and keeps a bit-exact copy of the published state.
+    """Follows a bucket and keeps a state (its own, or an engine's weights) bit-exact to the published one.
 
     Args:
         bucket: The bucket to follow (read access is enough).
@@ -459,13 +459,13 @@ class Subscriber:
             raise ChainError(f"delta {update.base_step}->{update.step} does not apply to step {self.step}")
         if update.base_hash != self.state_hash:  # same step, another state: a fork, resync from the next anchor
             raise self._refuse(ChainError(f"delta {update.step} is based on another state than step {self.step}"))
-        done: list[str] = []
+        touched: list[str] = []  # restoring old values where the scatter did not happen yet is harmless
         try:
             for name, patch in update.patches.items():
+                touched.append(name)
                 scatter_(self.state[name], patch.index, patch.values)
-                done.append(name)
         except BaseException:
-            for name in reversed(done):
+            for name in reversed(touched):
                 scatter_(self.state[name], update.patches[name].index, update.old[name])
             raise
         cursor = self._cursor
