@@ -97,3 +97,16 @@ def test_swapping_two_tensors_contents_changes_the_hash():
 def test_slices_outside_the_tensor_are_refused():
     with pytest.raises(ValueError, match="outside a tensor of 10 elements"):
         slice_lanes("w", torch.zeros(4), 8, 10)
+
+
+def test_the_hash_of_a_fixed_state_is_pinned():
+    """The hash is part of format version 3: any change to f, the lanes or the structure digest
+    breaks every chain already written, so it needs a new format version, not a silent change.
+    Both key forms: 16- and 8-bit tensors pack index and bits, 32- and 64-bit ones mix the index."""
+    state = {
+        "w": torch.arange(-8, 8, dtype=torch.float32).to(torch.bfloat16).reshape(4, 4),
+        "b": torch.tensor([True, False]),
+        "i": torch.arange(3, dtype=torch.int64),
+        "f": torch.tensor([0.5, -0.0]),
+    }
+    assert state_hash(state) == "6605bf3cfff080d6e60f4aadcb42334d3e46d60eecf9fd6baae77304b73352fc"

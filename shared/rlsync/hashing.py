@@ -37,7 +37,6 @@ import torch
 from .dtypes import bits_to_numpy, dtype_name, int_view
 from .workers import worker_pool
 
-HASH_ALGORITHM = "lthash-2x64"
 LANES = 2
 #: Elements hashed per task (bounds the bits copied off a device at once, and splits work between threads).
 CHUNK_ELEMENTS = 1 << 22
