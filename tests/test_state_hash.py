@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from rlsync.dtypes import bits_to_numpy, int_view
 from rlsync.hashing import StateLanes, add_lanes, change_lanes, slice_lanes, state_hash, tensor_lanes
 
-# 16-bit dtypes key elements as index << 16 | bits, 64-bit ones through a mixed index (both forms)
+# up to 32 bits: elements keyed as index << width | bits; 64-bit dtypes: through a mixed index (both forms)
 DTYPES = [torch.bfloat16, torch.float32, torch.int64, torch.bool, torch.float64, torch.uint8]
 
 
@@ -102,7 +102,7 @@ def test_slices_outside_the_tensor_are_refused():
 def test_the_hash_of_a_fixed_state_is_pinned():
     """The hash is part of format version 3: any change to f, the lanes or the structure digest
     breaks every chain already written, so it needs a new format version, not a silent change.
-    Both key forms: 16- and 8-bit tensors pack index and bits, 32- and 64-bit ones mix the index."""
+    Both key forms: 8-, 16- and 32-bit tensors pack index and bits, the 64-bit one mixes the index."""
     state = {
         "w": torch.arange(-8, 8, dtype=torch.float32).to(torch.bfloat16).reshape(4, 4),
         "b": torch.tensor([True, False]),
