@@ -298,7 +298,6 @@ class Subscriber:
         logger.error("refused update: %s; keeping step %s until a pointer it can verify", error, self.step)
         return error
 
-
     def _fetch_delta(self, entry: DeltaEntry) -> Update:
         t0 = time.perf_counter()
         try:
