@@ -38,11 +38,14 @@ from rlsync.bucket.watch import IDLE_WAIT_S, generation, meter_of, wait_for_chan
 from rlsync.errors import BucketError, SyncError
 from rlsync.hashing import state_hash
 from rlsync.layout import (
+    CLAIMS_PREFIX,
     POINTER_KEY,
     ROLLOUTS_PREFIX,
     SCORES_PREFIX,
     TASKS_PREFIX,
     check_id,
+    claim_key,
+    replica_of,
     rollout_key,
     status_key,
     task_key,
@@ -59,6 +62,7 @@ from rlsync.spaces.exchange import (
     put_json,
     write_samples,
 )
+from rlsync.spaces.interval_log import IntervalLog
 from rlsync.spaces.settings import resolve_device
 from rlsync.spaces.tiny_model import model_or_default
 
@@ -69,6 +73,11 @@ from .token_budget import TokenBudget, context_length, plan_batch
 from .update_slot import UpdateSlot
 
 logger = logging.getLogger(__name__)
+
+#: Seconds after which another replica's claim on a batch it never answered is ignored (it stopped or died).
+CLAIM_TIMEOUT_S = 120.0
+
+
 class Replica:
     """Follows the bucket's weights and answers task batches.
 
@@ -112,6 +121,9 @@ class Replica:
         self._threads: list[threading.Thread] = []
         self.syncs: list[dict] = []
         self.done_batches: set[int] = set()
+        self.claimed: int | None = None  # the batch this replica claimed and has not answered yet
+        self.claims_lost = 0
+        self._claim_seen: dict[int, float] = {}  # batch -> when this replica first saw another's claim on it
         self.tokens = 0
         self.gen_s = 0.0
         self.completions = 0
@@ -120,6 +132,7 @@ class Replica:
         self.refusals = Refusals()
         self.newest_step: int | None = None
         self.engine_state_hash: str | None = None
+        self.summary = IntervalLog(logger, self._summary_line)
 
     # -- weights ------------------------------------------------------------
 
@@ -172,18 +185,56 @@ class Replica:
             "decode_s": update.decode_s, "verify_s": t1 - t0, "idle_s": idle, "time": time.time(),
         })  # fmt: skip
         del self.syncs[:-500]
-        logger.info("replica %s: applied %s %d, idle %.3fs", self.replica_id, update.kind, update.step, idle)
+        logger.debug("replica %s: applied %s %d, idle %.3fs", self.replica_id, update.kind, update.step, idle)
+        self.summary.add(applied=1, anchors=update.kind == "anchor", idle_s=idle)
+        self.summary.note(version=update.step)
         return True
 
     # -- tasks --------------------------------------------------------------
 
     def next_batch(self) -> int | None:
-        """The oldest task batch that nobody has answered and this replica has not done."""
+        """The oldest task batch that nobody has answered or claimed (a claim older than
+        :data:`CLAIM_TIMEOUT_S` without an answer does not count) and this replica has not done."""
         answered = set(list_batches(self.bucket, ROLLOUTS_PREFIX)) | set(list_batches(self.bucket, SCORES_PREFIX))
+        claimed = {b for b, keys in list_batches(self.bucket, CLAIMS_PREFIX).items()
+                   if any(replica_of(k) != self.replica_id for k in keys)}  # fmt: skip
+        now = time.monotonic()
+        self._claim_seen = {b: t for b, t in self._claim_seen.items() if b in claimed}
         for batch in sorted(list_batches(self.bucket, TASKS_PREFIX)):
-            if batch not in answered and batch not in self.done_batches:
-                return batch
+            if batch in answered or batch in self.done_batches:
+                continue
+            if batch in claimed and now - self._claim_seen.setdefault(batch, now) < CLAIM_TIMEOUT_S:
+                continue
+            return batch
         return None
+
+    def claim(self, batch: int) -> bool:
+        """Claim ``batch`` so that other replicas take the next one; ``False`` when another replica's claim
+        is already there (this replica's claim is then withdrawn).
+
+        Buckets have no compare-and-swap: two replicas that write their claims at the same moment both
+        withdraw, and take the batch again at their next turn; one that writes after the other's claim
+        is listed yields. Claims of answered batches are deleted with their batch (:meth:`EnvSimulator.prune`).
+        """
+        key = claim_key(batch, self.replica_id)
+        put_json(self.bucket, key, {"replica": self.replica_id, "batch": batch, "claimed_at": time.time()})
+        others = [k for k in list_batches(self.bucket, CLAIMS_PREFIX).get(batch, []) if k != key]
+        if others and batch not in self._claim_seen:
+            self.bucket.delete([key])
+            self.claims_lost += 1
+            self.summary.add(claims_lost=1)
+            return False
+        self.claimed = batch
+        return True
+
+    def release_claim(self) -> None:
+        """Withdraw the claim of a batch this replica will not answer (it stops)."""
+        if self.claimed is not None:
+            try:
+                self.bucket.delete([claim_key(self.claimed, self.replica_id)])
+            except BucketError as exc:
+                logger.warning("replica %s: could not withdraw its claim: %s", self.replica_id, exc)
+            self.claimed = None
 
     def answer(self, batch: int) -> int:
         """Generate G completions per task of ``batch`` and write them; returns samples written."""
@@ -217,6 +268,8 @@ class Replica:
         self.gen_s += elapsed
         self.batch_gen_s = elapsed if self.batch_gen_s is None else 0.7 * self.batch_gen_s + 0.3 * elapsed
         write_samples(self.bucket, rollout_key(batch, self.replica_id), samples, batch=batch, replica=self.replica_id, version=version)
+        self.claimed = None
+        self.summary.add(batches=1, samples=len(samples), tokens=sum(len(s.token_ids) for s in samples), gen_s=elapsed)
         self.completions += len(samples)
         return len(samples)
 
@@ -236,6 +289,7 @@ class Replica:
         if demand is None or version is None or not would_be_stale(demand, version, self.batch_gen_s or 0.0):
             return True
         self.skipped_stale += 1
+        self.summary.add(skipped_stale=1)
         return False
 
     @property
@@ -272,6 +326,7 @@ class Replica:
             "tokens_per_s": self.tokens / self.gen_s if self.gen_s else 0.0,
             "completions": self.completions,
             "skipped_stale": self.skipped_stale,
+            "claims_lost": self.claims_lost,
             "state_hash": self.subscriber.state_hash,
             **({"hub": self.meter.snapshot()} if self.meter is not None else {}),
             "engine_state_hash": self.engine_state_hash,
@@ -307,10 +362,26 @@ class Replica:
         if self.policy_version is not None:
             batch = self.next_batch()
             if batch is not None and self.fresh_enough():
-                self.answer(batch)
+                if self.claim(batch):
+                    self.answer(batch)
                 worked = True
         self.publish_status()
+        self.summary.flush()
         return worked
+
+    def _summary_line(self, counts, latest: dict, seconds: float) -> str:
+        """This replica's line per interval: versions applied and the pause, batches answered, skips."""
+        parts = []
+        if counts["applied"]:
+            n = int(counts["applied"])
+            parts.append(f"applied {n} versions up to {latest.get('version')} (anchors: {int(counts['anchors'])}), "
+                         f"mean pause {counts['idle_s'] / n * 1e3:.1f} ms")  # fmt: skip
+        if counts["batches"]:
+            parts.append(f"answered {int(counts['batches'])} batches ({int(counts['samples'])} samples, "
+                         f"{counts['tokens'] / max(counts['gen_s'], 1e-9):.0f} tokens/s)")  # fmt: skip
+        parts += [f"{int(counts[k])} {label}" for k, label in (("claims_lost", "claims lost to another replica"),
+                  ("skipped_stale", "batches skipped as stale")) if counts[k]]  # fmt: skip
+        return f"replica {self.replica_id} ({seconds:.0f}s): " + ", ".join(parts)
 
     def run(self) -> None:
         """Run until :meth:`stop` (fetching in a background thread)."""
@@ -329,6 +400,7 @@ class Replica:
                 worked = False
             if not worked:
                 self._idle()
+        self.release_claim()
         self.publish_status(force=True)
 
     @property

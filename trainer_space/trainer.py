@@ -68,7 +68,9 @@ from rlsync.trl import (
 )
 from rlsync.trl.checkpoint_checks import CheckpointExpectations
 from rlsync.trl.coalesce import PublishCoalescing
+from rlsync.trl.logs import AsyncGRPOTrainer, quiet_trl
 from rlsync.trl.metrics import trl_layout_bytes
+from rlsync.spaces.interval_log import IntervalLog
 from rlsync.trl.trackio_sync import TrackioSyncFigures
 
 from .config import ReportTo, TrainerConfig
@@ -95,7 +97,10 @@ class BucketFigures(TrainerCallback):
             dropped_stale=self.owner.worker.counts["dropped_stale"], step_s=logs.get("perf/step_s"),
             wait_s=logs.get("perf/rollout_wait_s"),
         )  # fmt: skip
+        self.owner.summary.add(steps=1, samples=logs.get("batch/samples_per_step") or 0, wait_s=logs.get("perf/rollout_wait_s") or 0)
+        self.owner.summary.note(version=self.owner.transfer.version, loss=logs.get("loss"), reward=logs.get("reward"))
         self.owner.flush()
+        self.owner.summary.flush()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.owner.opt_steps = state.global_step
@@ -115,7 +120,6 @@ class Trainer:
 
     def __init__(self, config: TrainerConfig, bucket: Bucket | None = None) -> None:
         from transformers import AutoTokenizer
-        from trl.experimental.async_grpo import AsyncGRPOTrainer
 
         self.bucket = open_role_bucket("trainer", config.bucket, bucket)
         self._owns_watch = self.bucket is not bucket  # close() stops the watch this role made
@@ -156,7 +160,10 @@ class Trainer:
             self.bucket, self._read_scores, vocab_size=len(tokenizer), poll_s=config.poll_s,
             queue_maxsize=max(4 * config.batch_size, 256), max_staleness=config.max_staleness,
             heartbeat=self.transfer.heartbeat, max_tokens=0, chain=self.publisher.bucket,  # _read_scores bounds tokens by the model's context
+            summary_s=None,  # the trainer's own summary line reports the worker's counts
         )  # fmt: skip
+        self.summary = IntervalLog(logger, self._summary_line)
+        self._flow_at_summary = dict(self.worker.counts)
         sdpa = apply_cpu_compat()
         from datasets import Dataset
 
@@ -165,6 +172,7 @@ class Trainer:
             train_dataset=Dataset.from_dict({"prompt": ["(prompts come from the bucket's tasks/)"]}),
             rollout_worker=self.worker, weight_transfer=self.transfer, peft_config=peft_config(lora) if lora else None,
         )  # fmt: skip
+        quiet_trl(self.trl)
         if self.adapter_sync is not None:
             self.adapter_sync.attach(self.trl)
         self.checkpoint_callback = CheckpointCallback(
@@ -243,7 +251,27 @@ class Trainer:
         )  # fmt: skip
         if self.trackio is not None:
             self.trackio.record(rec)
+        self.summary.add(**{rec.kind: 1, f"{rec.kind}_bytes": rec.nbytes, f"{rec.kind}_changed_pct": 100 * rec.changed_fraction})
         self.flush()
+
+    def _summary_line(self, counts, latest: dict, seconds: float) -> str | None:
+        """The trainer's line per interval: steps, versions, samples, waiting, loss and reward, publishes, drops."""
+        flow, last = self.worker.counts, self._flow_at_summary
+        self._flow_at_summary = dict(flow)
+        steps = int(counts["steps"])
+        parts = [f"{steps} steps in {seconds:.0f}s (version {latest.get('version')})", f"{int(counts['samples'])} samples trained"]
+        parts.append(f"waited {100 * counts['wait_s'] / max(seconds, 1e-9):.0f}%")
+        for key, label, digits in (("loss", "loss", 4), ("reward", "batch reward", 3)):
+            if isinstance(latest.get(key), (int, float)):
+                parts.append(f"{label} {latest[key]:.{digits}f}")
+        for kind in ("anchor", "delta"):
+            if counts[kind]:
+                n = int(counts[kind])
+                parts.append(f"{n} {kind}s published ({counts[f'{kind}_bytes'] / n / 1e3:.0f} KB, {counts[f'{kind}_changed_pct'] / n:.1f}% changed)"
+                             if kind == "delta" else f"{n} {kind}{'s' if n > 1 else ''} published ({counts[f'{kind}_bytes'] / n / 1e3:.0f} KB)")
+        drops = {k.replace("_", " "): flow[k] - last.get(k, 0) for k in ("dropped_stale", "expired_unread", "invalid", "dropped_degenerate")}
+        parts += [f"{v} {k}" for k, v in drops.items() if v]
+        return "trainer: " + ", ".join(parts)
 
     def flush(self, force: bool = False) -> None:
         """Write ``metrics/trainer.json`` (rows and the trainer's current state)."""
