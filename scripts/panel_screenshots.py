@@ -3,11 +3,11 @@
 Starts ``app.py`` with its default settings on a fresh temporary bucket and a free port, opens the
 panel in headless Chromium (:mod:`testing.panel_browser`) after ``--shots-after`` seconds, and saves
 a full-page screenshot of each of the four tabs to ``--out``. The app keeps running until
-``--seconds``; then it is stopped (SIGTERM) and the script prints:
+``--seconds``; then it is stopped (SIGTERM) and the script prints (the app's whole terminal output is
+saved to ``--log``):
 
 - the browser console's warnings and errors (the script fails if there are any);
-- the app's terminal output: its line count and its last lines (the whole log is saved beside the
-  screenshots as ``app.log``);
+- the app's terminal output: its line count and its last lines;
 - the flow figures of the run (``metrics/trainer.json`` -> ``flow``, ``metrics/env.json``): samples
   scored and trained, the share trained, expired and stale counts, the trainer's waiting, and the
   env's mean reward over its first and last minute.
@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shots-after", type=float, default=180.0, help="seconds of app.py before the screenshots")
     parser.add_argument("--seconds", type=float, default=270.0, help="seconds app.py runs in all")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "screenshots", help="folder of the screenshots and app.log")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "screenshots", help="folder of the screenshots")
+    parser.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / "rlsync-demo-app.log", help="app.py's output")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rlsync-shots-") as tmp:
         bucket = Path(tmp) / "bucket"
         env = {k: v for k, v in os.environ.items() if k not in ("SPACE_ID", "PANEL_AUTH", "PORT", "GRADIO_SERVER_PORT")}
-        log_path = args.out / "app.log"
+        log_path = args.log
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, "app.py", "--bucket", str(bucket), "--port", str(port)], cwd=ROOT, env=env,

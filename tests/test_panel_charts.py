@@ -41,6 +41,7 @@ def test_spec_is_for_the_bundled_vega_lite_5_and_a_bar_chart_starts_at_zero():
     # One view on a continuous x: a layered chart, or a discrete x, laid out while its tab is hidden warns "fit-x".
     assert "layer" not in spec and spec["mark"]["type"] == "bar"
     assert spec["encoding"]["x"]["type"] == "quantitative" and spec["encoding"]["x2"] == {"field": "_to"}
+    assert spec["encoding"]["x"]["scale"]["domain"] == [-0.5, 2.5] and spec["encoding"]["y2"] == {"datum": 0}
     assert spec["encoding"]["y"]["scale"] == {"type": "linear", "zero": True}
     assert spec["autosize"] == {"type": "fit", "contains": "padding"}
     assert [r["samples"] for r in spec["data"]["values"]] == [700, 1200, 1190]

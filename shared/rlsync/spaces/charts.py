@@ -145,8 +145,10 @@ class Chart:
         if self.mark is Mark.BAR:  # a bar from x - 0.4 to x + 0.4 on a continuous axis: a discrete axis in a
             # panel that is laid out while hidden (zero width) warns "Dropping fit-x because spec has discrete width"
             transform = [{"calculate": f"datum['{self.x}'] - 0.4", "as": "_from"}, {"calculate": f"datum['{self.x}'] + 0.4", "as": "_to"}]
-            encoding["x"] = {**x, "field": "_from", "scale": {"zero": False, "padding": 8}}
+            low, high = (float(rows[self.x].min()) - 0.5, float(rows[self.x].max()) + 0.5) if len(rows) else (-0.5, 0.5)
+            encoding["x"] = {**x, "field": "_from", "scale": {"domain": [low, high], "nice": False}}
             encoding["x2"] = {"field": "_to"}
+            encoding["y2"] = {"datum": 0}  # from the value down to zero
         if self.color:
             color: dict[str, Any] = {"field": self.color, "type": "nominal", "legend": {"orient": "bottom", "title": None}}
             if self.series:
