@@ -7,10 +7,11 @@ generating; only applying it pauses generation, and that pause is measured as
 "inference idle per sync".
 
 Sharing tasks between replicas: the trainer never knows how many replicas exist.
-Each replica takes the oldest task batch that no replica has answered yet, so a
-fleet spreads batches over its members without coordination. Two replicas can
-race for the same batch; then both answers are kept and the trainer simply gets
-more groups for those tasks (the env counts them). Every replica writes
+Each replica claims the oldest task batch that no replica has answered or claimed
+(``claims/<batch>/<replica>.json``), so a fleet spreads batches over its members
+without a coordinator and no batch is generated twice: two answers of one batch are
+twice its samples at one policy version, more than the trainer can take before they
+go stale (:meth:`Replica.claim`). Every replica writes
 ``status/<replica>.json`` so any panel can show the fleet.
 
 Demand (``control/demand.json``, :mod:`rlsync.spaces.demand`): before a batch the
