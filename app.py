@@ -318,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # The roles and the panel share the token's Hub budget: each paces itself to its share.
     os.environ.setdefault("HUB_SHARE", str(args.replicas + 3))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "rlsync.protocol.subscriber"):
+    for noisy in ("httpx", "httpx2", "rlsync.protocol.subscriber"):  # httpx2: huggingface_hub's client, a line per request
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from transformers.utils import logging as transformers_logging
 
