@@ -11,7 +11,7 @@ Each replica claims the oldest task batch that no replica has answered or claime
 (``claims/<batch>/<replica>.json``), so a fleet spreads batches over its members
 without a coordinator and no batch is generated twice: two answers of one batch are
 twice its samples at one policy version, more than the trainer can take before they
-go stale (:meth:`Replica.claim`). Every replica writes
+go stale (:mod:`rollout_space.claims`). Every replica writes
 ``status/<replica>.json`` so any panel can show the fleet.
 
 Demand (``control/demand.json``, :mod:`rlsync.spaces.demand`): before a batch the
@@ -39,14 +39,11 @@ from rlsync.bucket.watch import IDLE_WAIT_S, generation, meter_of, wait_for_chan
 from rlsync.errors import BucketError, SyncError
 from rlsync.hashing import state_hash
 from rlsync.layout import (
-    CLAIMS_PREFIX,
     POINTER_KEY,
     ROLLOUTS_PREFIX,
     SCORES_PREFIX,
     TASKS_PREFIX,
     check_id,
-    claim_key,
-    replica_of,
     rollout_key,
     status_key,
     task_key,
@@ -68,6 +65,7 @@ from rlsync.spaces.settings import resolve_device
 from rlsync.spaces.tiny_model import model_or_default
 
 from .adapters import AdapterFollower
+from .claims import BatchClaims
 from .config import ReplicaConfig, default_replica_id
 from .engine import Engine, SamplingSettings, create_engine
 from .token_budget import TokenBudget, context_length, plan_batch
@@ -75,8 +73,6 @@ from .update_slot import UpdateSlot
 
 logger = logging.getLogger(__name__)
 
-#: Seconds after which another replica's claim on a batch it never answered is ignored (it stopped or died).
-CLAIM_TIMEOUT_S = 120.0
 
 
 class Replica:
@@ -121,10 +117,7 @@ class Replica:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.syncs: list[dict] = []
-        self.done_batches: set[int] = set()
-        self.claimed: int | None = None  # the batch this replica claimed and has not answered yet
-        self.claims_lost = 0
-        self._claim_seen: dict[int, float] = {}  # batch -> when this replica first saw another's claim on it
+        self.batches = BatchClaims(self.bucket, self.replica_id)
         self.tokens = 0
         self.gen_s = 0.0
         self.completions = 0
@@ -193,54 +186,10 @@ class Replica:
 
     # -- tasks --------------------------------------------------------------
 
-    def next_batch(self) -> int | None:
-        """The oldest task batch that nobody has answered or claimed (a claim older than
-        :data:`CLAIM_TIMEOUT_S` without an answer does not count) and this replica has not done."""
-        answered = set(list_batches(self.bucket, ROLLOUTS_PREFIX)) | set(list_batches(self.bucket, SCORES_PREFIX))
-        claimed = {b for b, keys in list_batches(self.bucket, CLAIMS_PREFIX).items()
-                   if any(replica_of(k) != self.replica_id for k in keys)}  # fmt: skip
-        now = time.monotonic()
-        self._claim_seen = {b: t for b, t in self._claim_seen.items() if b in claimed}
-        for batch in sorted(list_batches(self.bucket, TASKS_PREFIX)):
-            if batch in answered or batch in self.done_batches:
-                continue
-            if batch in claimed and now - self._claim_seen.setdefault(batch, now) < CLAIM_TIMEOUT_S:
-                continue
-            return batch
-        return None
-
-    def claim(self, batch: int) -> bool:
-        """Claim ``batch`` so that other replicas take the next one; ``False`` when another replica's claim
-        is already there (this replica's claim is then withdrawn).
-
-        Buckets have no compare-and-swap: two replicas that write their claims at the same moment both
-        withdraw, and take the batch again at their next turn; one that writes after the other's claim
-        is listed yields. Claims of answered batches are deleted with their batch (:meth:`EnvSimulator.prune`).
-        """
-        key = claim_key(batch, self.replica_id)
-        put_json(self.bucket, key, {"replica": self.replica_id, "batch": batch, "claimed_at": time.time()})
-        others = [k for k in list_batches(self.bucket, CLAIMS_PREFIX).get(batch, []) if k != key]
-        if others and batch not in self._claim_seen:
-            self.bucket.delete([key])
-            self.claims_lost += 1
-            self.summary.add(claims_lost=1)
-            return False
-        self.claimed = batch
-        return True
-
-    def release_claim(self) -> None:
-        """Withdraw the claim of a batch this replica will not answer (it stops)."""
-        if self.claimed is not None:
-            try:
-                self.bucket.delete([claim_key(self.claimed, self.replica_id)])
-            except BucketError as exc:
-                logger.warning("replica %s: could not withdraw its claim: %s", self.replica_id, exc)
-            self.claimed = None
-
     def answer(self, batch: int) -> int:
         """Generate G completions per task of ``batch`` and write them; returns samples written."""
         doc = get_json(self.bucket, task_key(batch), self.refusals)
-        self.done_batches.add(batch)
+        self.batches.taken(batch)
         if doc is None:
             return 0
         try:
@@ -269,7 +218,7 @@ class Replica:
         self.gen_s += elapsed
         self.batch_gen_s = elapsed if self.batch_gen_s is None else 0.7 * self.batch_gen_s + 0.3 * elapsed
         write_samples(self.bucket, rollout_key(batch, self.replica_id), samples, batch=batch, replica=self.replica_id, version=version)
-        self.claimed = None
+        self.batches.answered()
         self.summary.add(batches=1, samples=len(samples), tokens=sum(len(s.token_ids) for s in samples), gen_s=elapsed)
         self.completions += len(samples)
         return len(samples)
@@ -327,7 +276,7 @@ class Replica:
             "tokens_per_s": self.tokens / self.gen_s if self.gen_s else 0.0,
             "completions": self.completions,
             "skipped_stale": self.skipped_stale,
-            "claims_lost": self.claims_lost,
+            "claims_lost": self.batches.lost,
             "state_hash": self.subscriber.state_hash,
             **({"hub": self.meter.snapshot()} if self.meter is not None else {}),
             "engine_state_hash": self.engine_state_hash,
@@ -361,10 +310,16 @@ class Replica:
         if self.adapters is not None:
             worked = self.adapters.apply_pending() or worked
         if self.policy_version is not None:
-            batch = self.next_batch()
+            batch = self.batches.next_batch()
             if batch is not None and self.fresh_enough():
-                if self.claim(batch):
-                    self.answer(batch)
+                if self.batches.claim(batch):
+                    try:
+                        self.answer(batch)
+                    except BucketError:
+                        self.batches.release()  # the others take it instead of waiting for the claim to time out
+                        raise
+                else:
+                    self.summary.add(claims_lost=1)
                 worked = True
         self.publish_status()
         self.summary.flush()
@@ -401,7 +356,7 @@ class Replica:
                 worked = False
             if not worked:
                 self._idle()
-        self.release_claim()
+        self.batches.release()
         self.publish_status(force=True)
 
     @property

@@ -132,7 +132,7 @@ def test_slower_replica_and_replica_stopping_mid_round_keep_counts_exact(bucket)
     write_demand(bucket, Demand(version=0, max_staleness=1, read_batch=-1, want_samples=2 * PER_BATCH, step_s=1.0))
     env.step()
     assert tasks_in(bucket) == [0, 1]
-    assert slow.next_batch() == 0  # the slow replica takes batch 0 and stops mid-round: it never answers
+    assert slow.batches.next_batch() == 0  # the slow replica takes batch 0 and stops mid-round: it never answers
     assert fast.step() and fast.step()  # the fast one answers both, the abandoned batch first
     assert {o.key for o in bucket.list("rollouts/")} == {rollout_key(0, "fast"), rollout_key(1, "fast")}
     env.step()
@@ -338,6 +338,9 @@ def test_trainer_keeps_training_through_logprob_lies_and_a_nan_step(tmp_path):
     bucket = LocalBucket(tmp_path / "bucket")
     trainer = Trainer(TrainerConfig(bucket=str(bucket.root), batch_size=4, max_steps=4, device="cpu", max_staleness=1, poll_s=0.05), bucket)
     trainer.trl.add_callback(PoisonWeights(trainer, at=2))
+    callbacks = [type(c).__name__ for c in trainer.trl.callback_handler.callbacks]  # issue 31: quiet, no class twice
+    assert callbacks.count("StepIntervalCallback") == 1 and "EveryStep" in callbacks, callbacks
+    assert "PrinterCallback" not in callbacks and "DebugLogs" in callbacks, callbacks
     lie = {"task_id": "t", "prompt": "p", "completion": "c", "prompt_ids": [1, 2], "token_ids": [5, 6], "logprobs": [-200.0, -200.0], "version": 0}
     for i in range(2):
         write_samples(bucket, score_key(0, f"lie{i}"), [Sample(**lie, reward=float(r)) for r in (0, 1, 0, 1)])
@@ -389,34 +392,40 @@ def test_replicas_claim_batches_so_that_each_batch_is_answered_once(bucket):
     write_demand(bucket, Demand(version=0, max_staleness=2, read_batch=-1, want_samples=2 * PER_BATCH, step_s=1.0))
     env.step()
     assert tasks_in(bucket) == [0, 1]
-    assert a.next_batch() == 0 and a.claim(0)
-    assert b.next_batch() == 1  # 0 is claimed: b takes the next one
+    assert a.batches.next_batch() == 0 and a.batches.claim(0)
+    assert b.batches.next_batch() == 1  # 0 is claimed: b takes the next one
     assert a.step() is True and b.step() is True  # a answers its claim... then b answers 1
     assert {o.key for o in bucket.list("rollouts/")} == {rollout_key(0, "a"), rollout_key(1, "b")}
-    assert a.claimed is None and b.claimed is None
+    assert a.batches.claimed is None and b.batches.claimed is None
 
     env.step()  # scores both; the demand is met, no batch is issued
     put_json(bucket, claim_key(2, "b"), {"replica": "b", "batch": 2})  # b wrote its claim on 2 at the same moment
-    assert not a.claim(2) and a.claims_lost == 1  # a sees another claim: it withdraws its own
+    assert not a.batches.claim(2) and a.batches.lost == 1  # a sees another claim: it withdraws its own
     assert [o.key for o in bucket.list("claims/") if o.key.startswith("claims/0000000002/")] == [claim_key(2, "b")]
 
-    b.claimed = 2
-    b.release_claim()  # b stops before answering: the batch is free again
+    b.batches.claimed = 2
+    b.batches.release()  # b stops before answering: the batch is free again
     assert bucket.list("claims/0000000002/") == []
 
 
-def test_a_claim_never_answered_is_ignored_after_the_timeout(bucket, monkeypatch):
-    import rollout_space.replica as replica_module
-
+def replica_with_a_batch(bucket) -> Replica:
+    """Replica ``a`` at version 0, and task batch 0 issued."""
     Publisher(bucket, policy=FixedInterval(10)).publish(0, master_state())
     a = replica(bucket, "a")
     sync(a)
     write_demand(bucket, Demand(version=0, max_staleness=2, read_batch=-1, want_samples=PER_BATCH, step_s=1.0))
     EnvSimulator(EnvConfig(tasks_per_batch=2), bucket).step()
+    return a
+
+
+def test_a_claim_never_answered_is_ignored_after_the_timeout(bucket, monkeypatch):
+    import rollout_space.claims as claims_module
+
+    a = replica_with_a_batch(bucket)
     put_json(bucket, claim_key(0, "dead"), {"replica": "dead", "batch": 0})  # a replica that died holding batch 0
-    assert a.next_batch() is None
-    monkeypatch.setattr(replica_module, "CLAIM_TIMEOUT_S", 0.0)
-    assert a.next_batch() == 0 and a.claim(0)  # its claim has outlived the timeout: a takes the batch
+    assert a.batches.next_batch() is None
+    monkeypatch.setattr(claims_module, "CLAIM_TIMEOUT_S", 0.0)
+    assert a.batches.next_batch() == 0 and a.batches.claim(0)  # its claim has outlived the timeout: a takes the batch
     assert a.step() and {o.key for o in bucket.list("rollouts/")} == {rollout_key(0, "a")}
 
 
@@ -428,3 +437,17 @@ def test_the_env_prunes_claims_with_their_batches(bucket):
         put_json(bucket, claim_key(b, "r"), {"replica": "r", "batch": b})
     env.prune()
     assert sorted(o.key for o in bucket.list("claims/")) == [claim_key(2, "r"), claim_key(3, "r")]
+
+
+def test_a_replica_whose_answer_fails_withdraws_its_claim(bucket, monkeypatch):
+    from rlsync.errors import BucketError
+
+    a = replica_with_a_batch(bucket)
+
+    def fail(batch: int) -> int:
+        raise BucketError("the rollouts write failed")
+
+    monkeypatch.setattr(a, "answer", fail)
+    with pytest.raises(BucketError):
+        a.step()
+    assert bucket.list("claims/") == [] and a.batches.claimed is None  # the others need not wait for a timeout

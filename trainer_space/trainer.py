@@ -33,11 +33,13 @@ TRL's logs feed ``metrics/trainer.json`` (kind ``train`` rows next to the
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import shutil
 import tempfile
 import threading
+from typing import Any
 
 import torch
 from transformers import TrainerCallback
@@ -66,11 +68,11 @@ from rlsync.trl import (
     VersionGuard,
     apply_cpu_compat,
 )
+from rlsync.spaces.interval_log import IntervalLog
 from rlsync.trl.checkpoint_checks import CheckpointExpectations
 from rlsync.trl.coalesce import PublishCoalescing
 from rlsync.trl.logs import AsyncGRPOTrainer, quiet_trl
 from rlsync.trl.metrics import trl_layout_bytes
-from rlsync.spaces.interval_log import IntervalLog
 from rlsync.trl.trackio_sync import TrackioSyncFigures
 
 from .config import ReportTo, TrainerConfig
@@ -254,23 +256,24 @@ class Trainer:
         self.summary.add(**{rec.kind: 1, f"{rec.kind}_bytes": rec.nbytes, f"{rec.kind}_changed_pct": 100 * rec.changed_fraction})
         self.flush()
 
-    def _summary_line(self, counts, latest: dict, seconds: float) -> str | None:
-        """The trainer's line per interval: steps, versions, samples, waiting, loss and reward, publishes, drops."""
-        flow, last = self.worker.counts, self._flow_at_summary
-        self._flow_at_summary = dict(flow)
-        steps = int(counts["steps"])
-        parts = [f"{steps} steps in {seconds:.0f}s (version {latest.get('version')})", f"{int(counts['samples'])} samples trained"]
-        parts.append(f"waited {100 * counts['wait_s'] / max(seconds, 1e-9):.0f}%")
+    def _summary_line(self, counts: collections.Counter, latest: dict[str, Any], seconds: float) -> str:
+        """The trainer's line per interval: steps, version, samples, waiting, loss and reward, publishes, drops."""
+        flow, last = dict(self.worker.counts), self._flow_at_summary
+        self._flow_at_summary = flow
+        parts = [
+            f"{int(counts['steps'])} steps in {seconds:.0f}s (version {latest.get('version')})",
+            f"{int(counts['samples'])} samples trained", f"waited {100 * counts['wait_s'] / max(seconds, 1e-9):.0f}%",
+        ]  # fmt: skip
         for key, label, digits in (("loss", "loss", 4), ("reward", "batch reward", 3)):
             if isinstance(latest.get(key), (int, float)):
                 parts.append(f"{label} {latest[key]:.{digits}f}")
         for kind in ("anchor", "delta"):
-            if counts[kind]:
-                n = int(counts[kind])
-                parts.append(f"{n} {kind}s published ({counts[f'{kind}_bytes'] / n / 1e3:.0f} KB, {counts[f'{kind}_changed_pct'] / n:.1f}% changed)"
-                             if kind == "delta" else f"{n} {kind}{'s' if n > 1 else ''} published ({counts[f'{kind}_bytes'] / n / 1e3:.0f} KB)")
-        drops = {k.replace("_", " "): flow[k] - last.get(k, 0) for k in ("dropped_stale", "expired_unread", "invalid", "dropped_degenerate")}
-        parts += [f"{v} {k}" for k, v in drops.items() if v]
+            if n := int(counts[kind]):
+                changed = f", {counts[f'{kind}_changed_pct'] / n:.1f}% changed" if kind == "delta" else ""
+                parts.append(f"{n} {kind}(s) published ({counts[f'{kind}_bytes'] / n / 1e3:.0f} KB{changed})")
+        for key in ("dropped_stale", "expired_unread", "invalid", "dropped_degenerate"):
+            if grown := flow[key] - last.get(key, 0):
+                parts.append(f"{grown} {key.replace('_', ' ')}")
         return "trainer: " + ", ".join(parts)
 
     def flush(self, force: bool = False) -> None:
