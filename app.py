@@ -93,6 +93,7 @@ def run_prefixes() -> tuple[str, ...]:
         ADAPTER_PREFIX,
         ANCHOR_PREFIX,
         CHECKPOINTS_PREFIX,
+        CLAIMS_PREFIX,
         CONTROL_PREFIX,
         DELTA_PREFIX,
         LOCK_KEY,
@@ -106,7 +107,7 @@ def run_prefixes() -> tuple[str, ...]:
 
     return (
         POINTER_KEY, LOCK_KEY, ANCHOR_PREFIX, DELTA_PREFIX, CONTROL_PREFIX, STATUS_PREFIX,
-        METRICS_PREFIX, TASKS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX, CHECKPOINTS_PREFIX, ADAPTER_PREFIX,
+        METRICS_PREFIX, TASKS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX, CLAIMS_PREFIX, CHECKPOINTS_PREFIX, ADAPTER_PREFIX,
     )  # fmt: skip
 
 
@@ -269,6 +270,7 @@ def build_app(stack: Stack) -> gr.Blocks:
                     components.summary_line(live, frames.trainer_summary, elem_id="overview-trainer-summary")
                     components.summary_line(live, frames.env_summary, elem_id="overview-env-summary")
                     components.summary_line(live, frames.flow_summary, elem_id="overview-flow-summary")
+                    components.summary_line(live, frames.adapter_summary, elem_id="overview-adapter-summary")
                     components.summary_line(live, frames.hub_requests_summary, elem_id="overview-hub-requests")
                     with gr.Row():
                         components.reward_plot(live, prefix="overview-")
@@ -276,6 +278,9 @@ def build_app(stack: Stack) -> gr.Blocks:
                     with gr.Row():
                         components.ratio_plot(live, prefix="overview-")
                         components.staleness_plot(live, prefix="overview-")
+                    with gr.Row():
+                        components.fleet_lag_plot(live, prefix="overview-")
+                        components.apply_plot(live, prefix="overview-")
                     components.fleet_table(live, prefix="overview-")
             with gr.Tab("Trainer", id="trainer", elem_id="tab-trainer") as trainer_tab:
                 trainer_app.build_panel(
@@ -313,8 +318,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     # The roles and the panel share the token's Hub budget: each paces itself to its share.
     os.environ.setdefault("HUB_SHARE", str(args.replicas + 3))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "rlsync.protocol.subscriber"):
+    for noisy in ("httpx", "httpx2", "rlsync.protocol.subscriber"):  # httpx2: huggingface_hub's client, a line per request
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # "Loading weights" bars, one per model load
     stack = Stack(args.bucket, args.replicas, environment=args.environment, max_steps=args.max_steps, lora=args.lora)
     demo = build_app(stack)
     options: dict[str, Any] = {**components.launch_options(args.host), "server_port": args.port}

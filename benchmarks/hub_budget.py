@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     env.config.queue_depth = 0  # nothing asked for while the trainer is stopped (no new task batches)
     trainer_api = meter.class_totals[RequestClass.API]
     replica_api = sum(r.meter.class_totals[RequestClass.API] for r in replicas)
-    batches = sum(len(r.done_batches) for r in replicas)
+    batches = sum(len(r.batches.done) for r in replicas)
     time.sleep(10)  # the last version reaches the replicas
     idle_from = time.time()
     time.sleep(args.idle_s)

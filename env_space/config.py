@@ -30,7 +30,7 @@ class EnvConfig:
     score_budget_s: float = dataclasses.field(default=60.0, metadata={"help": "time bound of scoring one rollouts object"})
     score_memory_mb: int = dataclasses.field(default=2048, metadata={"help": "memory a confined scoring child may add"})
     failure_reward: float = dataclasses.field(default=0.0, metadata={"help": "reward of a sample whose scoring failed"})
-    tasks_per_batch: int = dataclasses.field(default=8, metadata={"help": "tasks in one batch"})
+    tasks_per_batch: int = dataclasses.field(default=4, metadata={"help": "tasks in one batch"})
     queue_depth: int = dataclasses.field(default=2, metadata={"help": "batches kept waiting for replicas"})
     keep_batches: int = dataclasses.field(default=64, metadata={"help": "batches kept in the bucket"})
     poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls (a Hub bucket is watched instead)"})

@@ -33,6 +33,7 @@ from rlsync.bucket import Bucket
 from rlsync.bucket.watch import IDLE_WAIT_S, generation, meter_of, wait_for_change
 from rlsync.errors import BucketError, FormatError
 from rlsync.layout import (
+    CLAIMS_PREFIX,
     DEMAND_KEY,
     MAX_BATCH,
     ROLLOUTS_PREFIX,
@@ -45,6 +46,7 @@ from rlsync.layout import (
 from rlsync.limits import MAX_OBJECT_BYTES
 from rlsync.protocol import read_manifest
 from rlsync.spaces.demand import Demand, batches_to_issue, read_demand
+from rlsync.spaces.interval_log import IntervalLog
 from rlsync.spaces.exchange import (
     MAX_REWARD,
     MAX_TASKS,
@@ -103,6 +105,7 @@ class EnvSimulator:
         self._cancelled = 0
         self._t0 = time.time()
         self.refusals = Refusals()
+        self.summary = IntervalLog(logger, self._summary_line)
         self.demand: Demand | None = None
         self._batch_samples: collections.OrderedDict[int, int] = collections.OrderedDict()  # recent batch -> samples scored
         self._closed: set[int] = set()  # batches whose rollouts were cancelled or refused: nothing more in flight
@@ -178,7 +181,8 @@ class EnvSimulator:
         put_json(self.bucket, task_key(batch), doc)
         self._next_batch = batch + 1
         self._tasks_made += len(tasks)
-        logger.info("published task batch %d (%d %s tasks)", batch, len(tasks), self.environment.name)
+        logger.debug("published task batch %d (%d %s tasks)", batch, len(tasks), self.environment.name)
+        self.summary.add(batches=1)
         return batch
 
     def samples_per_batch(self) -> float:
@@ -255,6 +259,7 @@ class EnvSimulator:
                     self.failures.add("rollouts", "unknown task or changed prompt", len(samples) - len(kept))
                 fresh = [s for s in kept if self.demand is None or s.version >= self.demand.min_version]
                 self._cancelled += len(kept) - len(fresh)
+                self.summary.add(cancelled=len(kept) - len(fresh))
                 if not fresh:  # nothing the trainer would still take: cancelled, not scored
                     self._closed.add(batch)
                     self.bucket.delete([key])
@@ -335,6 +340,8 @@ class EnvSimulator:
         for v in versions:
             rewards = [s.reward for s in samples if s.version == v]
             self.metrics.add(version=v, mean_reward=sum(rewards) / len(rewards), count=len(rewards))
+        self.summary.add(scored=len(samples), reward=sum(s.reward for s in samples))
+        self.summary.note(version=versions[-1])
         for s in samples[:4]:
             self.episodes.append({
                 "version": s.version, "type": tasks[s.task_id].meta.get("type", source),
@@ -353,7 +360,7 @@ class EnvSimulator:
         newest = self._own_next()
         behind = sorted(b for b in list_batches(self.bucket, TASKS_PREFIX) if b < newest)
         cutoff = behind[-self.config.keep_batches] if len(behind) > self.config.keep_batches else -1
-        old = [k for prefix in (TASKS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX)
+        old = [k for prefix in (TASKS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX, CLAIMS_PREFIX)
                for b, keys in list_batches(self.bucket, prefix).items() if b < cutoff for k in keys]  # fmt: skip
         ahead = [k for b, keys in list_batches(self.bucket, TASKS_PREFIX).items() if b >= newest for k in keys]
         for key in ahead:
@@ -381,6 +388,17 @@ class EnvSimulator:
             **({"hub": self.meter.snapshot()} if self.meter is not None else {}),
         }
         self.metrics.flush()
+        self.summary.flush()
+
+    def _summary_line(self, counts, latest: dict, seconds: float) -> str:
+        """The env's line per interval: batches issued, samples scored and their mean reward, cancellations."""
+        parts = [f"issued {int(counts['batches'])} task batches"]
+        if counts["scored"]:
+            parts.append(f"scored {int(counts['scored'])} samples (mean reward {counts['reward'] / counts['scored']:.3f}, "
+                         f"newest version {latest.get('version')})")  # fmt: skip
+        if counts["cancelled"]:
+            parts.append(f"cancelled {int(counts['cancelled'])} stale")
+        return f"env {self.environment.name} ({seconds:.0f}s): " + ", ".join(parts)
 
     # -- lifecycle ----------------------------------------------------------
 

@@ -15,10 +15,11 @@ on); a mismatch (memory corruption, a write outside the protocol) is counted in 
 status (``rehash_mismatches``) and the replica re-bootstraps from the newest anchor.
 
 Sharing tasks between replicas: the trainer never knows how many replicas exist.
-Each replica takes the oldest task batch that no replica has answered yet, so a
-fleet spreads batches over its members without coordination. Two replicas can
-race for the same batch; then both answers are kept and the trainer simply gets
-more groups for those tasks (the env counts them). Every replica writes
+Each replica claims the oldest task batch that no replica has answered or claimed
+(``claims/<batch>/<replica>.json``), so a fleet spreads batches over its members
+without a coordinator and no batch is generated twice: two answers of one batch are
+twice its samples at one policy version, more than the trainer can take before they
+go stale (:mod:`rollout_space.claims`). Every replica writes
 ``status/<replica>.json`` so any panel can show the fleet.
 
 Demand (``control/demand.json``, :mod:`rlsync.spaces.demand`): before a batch the
@@ -66,16 +67,21 @@ from rlsync.spaces.exchange import (
     put_json,
     write_samples,
 )
+from rlsync.spaces.interval_log import IntervalLog
 from rlsync.spaces.settings import resolve_device
 from rlsync.spaces.tiny_model import model_or_default
 
 from .adapters import AdapterFollower
+from .claims import BatchClaims
 from .config import ReplicaConfig, default_replica_id
 from .engine import Engine, SamplingSettings, create_engine
 from .token_budget import TokenBudget, context_length, plan_batch
 from .update_slot import UpdateSlot
 
 logger = logging.getLogger(__name__)
+
+
+
 class Replica:
     """Follows the bucket's weights and answers task batches.
 
@@ -119,7 +125,7 @@ class Replica:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.syncs: list[dict] = []
-        self.done_batches: set[int] = set()
+        self.batches = BatchClaims(self.bucket, self.replica_id)
         self.tokens = 0
         self.gen_s = 0.0
         self.completions = 0
@@ -128,6 +134,7 @@ class Replica:
         self.refusals = Refusals()
         self.newest_step: int | None = None
         self._rehash_now = threading.Event()  # set after an anchor: re-hash the weights it wrote
+        self.summary = IntervalLog(logger, self._summary_line)
 
     # -- weights ------------------------------------------------------------
 
@@ -178,7 +185,9 @@ class Replica:
             "decode_s": update.decode_s, "idle_s": idle, "time": time.time(),
         })  # fmt: skip
         del self.syncs[:-500]
-        logger.info("replica %s: applied %s %d, idle %.3fs", self.replica_id, update.kind, update.step, idle)
+        logger.debug("replica %s: applied %s %d, idle %.3fs", self.replica_id, update.kind, update.step, idle)
+        self.summary.add(applied=1, anchors=update.kind == "anchor", idle_s=idle)
+        self.summary.note(version=update.step)
         return True
 
     def rehash_loop(self) -> None:
@@ -195,18 +204,10 @@ class Replica:
 
     # -- tasks --------------------------------------------------------------
 
-    def next_batch(self) -> int | None:
-        """The oldest task batch that nobody has answered and this replica has not done."""
-        answered = set(list_batches(self.bucket, ROLLOUTS_PREFIX)) | set(list_batches(self.bucket, SCORES_PREFIX))
-        for batch in sorted(list_batches(self.bucket, TASKS_PREFIX)):
-            if batch not in answered and batch not in self.done_batches:
-                return batch
-        return None
-
     def answer(self, batch: int) -> int:
         """Generate G completions per task of ``batch`` and write them; returns samples written."""
         doc = get_json(self.bucket, task_key(batch), self.refusals)
-        self.done_batches.add(batch)
+        self.batches.taken(batch)
         if doc is None:
             return 0
         try:
@@ -235,6 +236,8 @@ class Replica:
         self.gen_s += elapsed
         self.batch_gen_s = elapsed if self.batch_gen_s is None else 0.7 * self.batch_gen_s + 0.3 * elapsed
         write_samples(self.bucket, rollout_key(batch, self.replica_id), samples, batch=batch, replica=self.replica_id, version=version)
+        self.batches.answered()
+        self.summary.add(batches=1, samples=len(samples), tokens=sum(len(s.token_ids) for s in samples), gen_s=elapsed)
         self.completions += len(samples)
         return len(samples)
 
@@ -254,6 +257,7 @@ class Replica:
         if demand is None or version is None or not would_be_stale(demand, version, self.batch_gen_s or 0.0):
             return True
         self.skipped_stale += 1
+        self.summary.add(skipped_stale=1)
         return False
 
     @property
@@ -290,6 +294,7 @@ class Replica:
             "tokens_per_s": self.tokens / self.gen_s if self.gen_s else 0.0,
             "completions": self.completions,
             "skipped_stale": self.skipped_stale,
+            "claims_lost": self.batches.lost,
             "state_hash": self.subscriber.state_hash,
             **({"hub": self.meter.snapshot()} if self.meter is not None else {}),
             "engine_state_hash": self.subscriber.stats.verified_hash or None,  # the weights' own, re-hashed
@@ -327,12 +332,34 @@ class Replica:
         if self.adapters is not None:
             worked = self.adapters.apply_pending() or worked
         if self.policy_version is not None:
-            batch = self.next_batch()
+            batch = self.batches.next_batch()
             if batch is not None and self.fresh_enough():
-                self.answer(batch)
+                if self.batches.claim(batch):
+                    try:
+                        self.answer(batch)
+                    except BucketError:
+                        self.batches.release()  # the others take it instead of waiting for the claim to time out
+                        raise
+                else:
+                    self.summary.add(claims_lost=1)
                 worked = True
         self.publish_status()
+        self.summary.flush()
         return worked
+
+    def _summary_line(self, counts, latest: dict, seconds: float) -> str:
+        """This replica's line per interval: versions applied and the pause, batches answered, skips."""
+        parts = []
+        if counts["applied"]:
+            n = int(counts["applied"])
+            parts.append(f"applied {n} versions up to {latest.get('version')} (anchors: {int(counts['anchors'])}), "
+                         f"mean pause {counts['idle_s'] / n * 1e3:.1f} ms")  # fmt: skip
+        if counts["batches"]:
+            parts.append(f"answered {int(counts['batches'])} batches ({int(counts['samples'])} samples, "
+                         f"{counts['tokens'] / max(counts['gen_s'], 1e-9):.0f} tokens/s)")  # fmt: skip
+        parts += [f"{int(counts[k])} {label}" for k, label in (("claims_lost", "claims lost to another replica"),
+                  ("skipped_stale", "batches skipped as stale")) if counts[k]]  # fmt: skip
+        return f"replica {self.replica_id} ({seconds:.0f}s): " + ", ".join(parts)
 
     def run(self) -> None:
         """Run until :meth:`stop` (fetching in a background thread)."""
@@ -352,6 +379,7 @@ class Replica:
                 worked = False
             if not worked:
                 self._idle()
+        self.batches.release()
         self.publish_status(force=True)
 
     @property

@@ -5,10 +5,13 @@ Start in the page, waits until the recent-publishes table shows published
 versions, sets the anchor interval to 2 with the anchor controls, and checks,
 from the page and from the bucket's ``latest.json``, that the anchors published
 after the change come every 2 versions. Then the trainer tab's Stop and Start
-buttons stop the trainer and resume it from the bucket.
+buttons stop the trainer and resume it from the bucket. Every tab is shown with
+its plots drawn, and the browser console holds no warning and no error (issue 31:
+Gradio's native plots logged 24-28 Vega-Lite warnings per page load).
 
 Needs the ``playwright`` Python package and Debian's Chromium at
-``/usr/bin/chromium`` (no ``playwright install``); skipped otherwise.
+``/usr/bin/chromium`` (no ``playwright install``); skipped otherwise
+(:mod:`testing.panel_browser`).
 """
 
 from __future__ import annotations
@@ -28,17 +31,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 NEW_INTERVAL = 2
 SCREENSHOT = "/tmp/panel.png"
 # Small settings so that versions are published every fraction of a second on 2 CPU cores.
@@ -53,9 +45,9 @@ APP_ENV = {
     "ROLLOUT_MAX_NEW_TOKENS": "6",
 }
 
-sync_api = pytest.importorskip(
-    "playwright.sync_api", reason="the playwright package is not installed (pip install playwright)"
-)
+pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed (pip install playwright)")
+from testing.panel_browser import CHROMIUM, TABS, ConsoleLog, open_browser  # noqa: E402
+
 if not os.path.exists(CHROMIUM):
     pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium)", allow_module_level=True)
 
@@ -162,107 +154,113 @@ def publishes_from_page(page) -> list[tuple[int, str]]:
 
 def test_panel_start_and_anchor_interval(app: App) -> None:
     t0 = time.monotonic()
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(app.url)
-            page.locator("#start-all").wait_for(timeout=60_000)
-            assert "stopped" in page.locator("#overview-status").inner_text()
-            assert app.manifest() is None, "--no-autostart published weights before Start was pressed"
+    console = ConsoleLog()
+    with open_browser() as browser:
+        page = browser.new_page()
+        console.attach(page)
+        page.goto(app.url)
+        page.locator("#start-all").wait_for(timeout=60_000)
+        assert "stopped" in page.locator("#overview-status").inner_text()
+        assert app.manifest() is None, "--no-autostart published weights before Start was pressed"
 
-            # Start from the page; the trainer tab then shows the publishes.
-            page.locator("#start-all").click()
-            page.get_by_role("tab", name="Trainer").click()
-            rows = wait_for(
-                "publishes in the page's table",
-                lambda: len(publishes_from_page(page)) >= 3 and publishes_from_page(page),
-                150,
-                app,
-            )
-            assert "running" in page.locator("#trainer-status-trainer").inner_text()
-            print(f"first publishes visible after {time.monotonic() - t0:.0f}s: {rows[:5]}")
+        # Start from the page; the trainer tab then shows the publishes.
+        page.locator("#start-all").click()
+        page.get_by_role("tab", name="Trainer").click()
+        rows = wait_for(
+            "publishes in the page's table",
+            lambda: len(publishes_from_page(page)) >= 3 and publishes_from_page(page),
+            150,
+            app,
+        )
+        assert "running" in page.locator("#trainer-status-trainer").inner_text()
+        print(f"first publishes visible after {time.monotonic() - t0:.0f}s: {rows[:5]}")
 
-            # Change the anchor interval in the page.
-            page.locator("#trainer-anchor-policy label").filter(has_text="fixed").click()
-            page.locator("#trainer-anchor-interval input").fill(str(NEW_INTERVAL))
-            page.locator("#trainer-anchor-apply").click()
-            wait_for(
-                "the Apply confirmation",
-                lambda: f'"interval": {NEW_INTERVAL}' in page.locator("#trainer-anchor-result").inner_text(),
-                30,
-                app,
-            )
-            applied_at = app.manifest()["step"]
-            control = json.loads((app.bucket / "control" / "publisher.json").read_bytes())
-            assert control == {"policy": "fixed", "interval": NEW_INTERVAL}
-            wait_for(
-                "the policy line",
-                lambda: (
-                    f"every {NEW_INTERVAL} publishes" in page.locator("#trainer-anchor-policy-current").inner_text()
-                ),
-                30,
-                app,
-            )
+        # Change the anchor interval in the page.
+        page.locator("#trainer-anchor-policy label").filter(has_text="fixed").click()
+        page.locator("#trainer-anchor-interval input").fill(str(NEW_INTERVAL))
+        page.locator("#trainer-anchor-apply").click()
+        wait_for(
+            "the Apply confirmation",
+            lambda: f'"interval": {NEW_INTERVAL}' in page.locator("#trainer-anchor-result").inner_text(),
+            30,
+            app,
+        )
+        applied_at = app.manifest()["step"]
+        control = json.loads((app.bucket / "control" / "publisher.json").read_bytes())
+        assert control == {"policy": "fixed", "interval": NEW_INTERVAL}
+        wait_for(
+            "the policy line",
+            lambda: (
+                f"every {NEW_INTERVAL} publishes" in page.locator("#trainer-anchor-policy-current").inner_text()
+            ),
+            30,
+            app,
+        )
 
-            # A publish already under way when Apply landed may still use the old policy.
-            first_new = applied_at + 2
-            wait_for(
-                "six publishes after the change",
-                lambda: max((v for v, _ in publishes_from_page(page)), default=-1) >= first_new + 5,
-                120,
-                app,
-            )
-            rows = sorted(r for r in publishes_from_page(page) if r[0] >= first_new)
-            print(f"after Apply at version {applied_at}: {rows}")
-            versions = [v for v, _ in rows]
-            assert versions == list(range(versions[0], versions[-1] + 1)), f"the table skips versions: {rows}"
-            anchors = [v for v, k in rows if k == "anchor"]
-            assert len(anchors) >= 2, f"expected anchors every {NEW_INTERVAL} versions: {rows}"
-            assert all(b - a == NEW_INTERVAL for a, b in itertools.pairwise(anchors)), (
-                f"anchors not every {NEW_INTERVAL}: {rows}"
-            )
-            assert anchors[0] - versions[0] < NEW_INTERVAL and versions[-1] - anchors[-1] < NEW_INTERVAL, rows
+        # A publish already under way when Apply landed may still use the old policy.
+        first_new = applied_at + 2
+        wait_for(
+            "six publishes after the change",
+            lambda: max((v for v, _ in publishes_from_page(page)), default=-1) >= first_new + 5,
+            120,
+            app,
+        )
+        rows = sorted(r for r in publishes_from_page(page) if r[0] >= first_new)
+        print(f"after Apply at version {applied_at}: {rows}")
+        versions = [v for v, _ in rows]
+        assert versions == list(range(versions[0], versions[-1] + 1)), f"the table skips versions: {rows}"
+        anchors = [v for v, k in rows if k == "anchor"]
+        assert len(anchors) >= 2, f"expected anchors every {NEW_INTERVAL} versions: {rows}"
+        assert all(b - a == NEW_INTERVAL for a, b in itertools.pairwise(anchors)), (
+            f"anchors not every {NEW_INTERVAL}: {rows}"
+        )
+        assert anchors[0] - versions[0] < NEW_INTERVAL and versions[-1] - anchors[-1] < NEW_INTERVAL, rows
 
-            # Cross-check with the bucket's pointer: the retained anchors are NEW_INTERVAL apart,
-            # and the page reports the same kinds as the pointer for the versions both show.
-            manifest = app.manifest()
-            kept = [a["step"] for a in manifest["anchors"]]
-            new_kept = [s for s in kept if s >= first_new]
-            assert len(new_kept) >= 2 and all(b - a == NEW_INTERVAL for a, b in itertools.pairwise(new_kept)), manifest
-            bucket_kinds = {d["step"]: "delta" for d in manifest["deltas"]} | {
-                a["step"]: "anchor" for a in manifest["anchors"]  # an anchor step also has a companion delta
-            }
-            page_rows = dict(publishes_from_page(page))
-            common = set(page_rows) & set(bucket_kinds)
-            assert common and all(page_rows[v] == bucket_kinds[v] for v in common), (page_rows, bucket_kinds)
+        # Cross-check with the bucket's pointer: the retained anchors are NEW_INTERVAL apart,
+        # and the page reports the same kinds as the pointer for the versions both show.
+        manifest = app.manifest()
+        kept = [a["step"] for a in manifest["anchors"]]
+        new_kept = [s for s in kept if s >= first_new]
+        assert len(new_kept) >= 2 and all(b - a == NEW_INTERVAL for a, b in itertools.pairwise(new_kept)), manifest
+        bucket_kinds = {d["step"]: "delta" for d in manifest["deltas"]} | {
+            a["step"]: "anchor" for a in manifest["anchors"]  # an anchor step also has a companion delta
+        }
+        page_rows = dict(publishes_from_page(page))
+        common = set(page_rows) & set(bucket_kinds)
+        assert common and all(page_rows[v] == bucket_kinds[v] for v in common), (page_rows, bucket_kinds)
 
-            page.screenshot(path=SCREENSHOT, full_page=True)
+        page.screenshot(path=SCREENSHOT, full_page=True)
 
-            # The trainer tab's Stop stops publishing; its Start resumes from the bucket.
-            page.locator("#trainer-stop-trainer").click()
-            wait_for(
-                "the trainer to stop",
-                lambda: "stopped" in page.locator("#trainer-status-trainer").inner_text(),
-                90,
-                app,
-            )
-            stopped_at = app.manifest()["step"]
-            time.sleep(3)
-            assert app.manifest()["step"] == stopped_at, "the trainer kept publishing after Stop"
-            page.locator("#trainer-start-trainer").click()
-            wait_for(
-                "publishes after restarting the trainer", lambda: app.manifest()["step"] > stopped_at + 1, 120, app
-            )
-            wait_for(
-                "the restarted trainer in the page",
-                lambda: max((v for v, _ in publishes_from_page(page)), default=-1) > stopped_at,
-                60,
-                app,
-            )
+        # The trainer tab's Stop stops publishing; its Start resumes from the bucket.
+        page.locator("#trainer-stop-trainer").click()
+        wait_for(
+            "the trainer to stop",
+            lambda: "stopped" in page.locator("#trainer-status-trainer").inner_text(),
+            90,
+            app,
+        )
+        stopped_at = app.manifest()["step"]
+        time.sleep(3)
+        assert app.manifest()["step"] == stopped_at, "the trainer kept publishing after Stop"
+        page.locator("#trainer-start-trainer").click()
+        wait_for(
+            "publishes after restarting the trainer", lambda: app.manifest()["step"] > stopped_at + 1, 120, app
+        )
+        wait_for(
+            "the restarted trainer in the page",
+            lambda: max((v for v, _ in publishes_from_page(page)), default=-1) > stopped_at,
+            60,
+            app,
+        )
 
-            assert "running" in page.locator("#trainer-status-trainer").inner_text()
-            assert re.search(r"\breplica\b", page.locator("#trainer-fleet-table").inner_text())
-        finally:
-            browser.close()
+        assert "running" in page.locator("#trainer-status-trainer").inner_text()
+        assert re.search(r"\breplica\b", page.locator("#trainer-fleet-table").inner_text())
+
+        # Every tab with its plots drawn, and not one console warning or error on the way.
+        for label in TABS:
+            page.get_by_role("tab", name=label).click()
+            page.wait_for_timeout(4000)
+        drawn = page.locator("#overview-plot-staleness canvas, #overview-plot-staleness svg")
+        assert drawn.count() >= 1, "the overview's staleness plot was not drawn"
+        assert console.problems() == [], console.problems()
     print(f"browser test took {time.monotonic() - t0:.0f}s")

@@ -448,7 +448,7 @@ def test_replica_skips_hostile_task_names_and_refuses_malformed_task_batches(buc
         ReplicaConfig(bucket=str(bucket.root), replica_id="r", samples_per_task=1), bucket=bucket, engine=StubEngine()
     )
     replica.subscriber.sync()
-    assert replica.next_batch() == 4
+    assert replica.batches.next_batch() == 4
     assert replica.answer(4) == 0 and replica.refusals.total == 1  # one parser per object type: malformed is refused whole
-    assert replica.next_batch() == 5 and replica.answer(5) == 1
+    assert replica.batches.next_batch() == 5 and replica.answer(5) == 1
     assert [s.task_id for s in read_samples(bucket, rollout_key(5, "r"))[1]] == ["t"]

@@ -22,7 +22,7 @@ from transformers import TrainerCallback
 from env_space.environments import get_environment
 from env_space.simulator import EnvConfig, EnvSimulator
 from rlsync.errors import NonFiniteError
-from rlsync.layout import DEMAND_KEY, rollout_key, score_key
+from rlsync.layout import DEMAND_KEY, claim_key, rollout_key, score_key
 from rlsync.protocol import FixedInterval, Publisher
 from rlsync.sampling import MAX_GROUP_SIZE, MIN_SAMPLED_LOGPROB
 from rlsync.spaces.demand import (
@@ -34,7 +34,7 @@ from rlsync.spaces.demand import (
     would_be_stale,
     write_demand,
 )
-from rlsync.spaces.exchange import Refusals, Sample, SampleLimits, parse_samples, read_samples, write_samples
+from rlsync.spaces.exchange import Refusals, Sample, SampleLimits, parse_samples, put_json, read_samples, write_samples
 from rlsync.spaces.tiny_model import tiny_model_path
 from rlsync.trl import BucketRolloutWorker, BucketWeightTransfer, NonFiniteStepGuard, VersionGuard
 from rollout_space.replica import Replica, ReplicaConfig
@@ -132,7 +132,7 @@ def test_slower_replica_and_replica_stopping_mid_round_keep_counts_exact(bucket)
     write_demand(bucket, Demand(version=0, max_staleness=1, read_batch=-1, want_samples=2 * PER_BATCH, step_s=1.0))
     env.step()
     assert tasks_in(bucket) == [0, 1]
-    assert slow.next_batch() == 0  # the slow replica takes batch 0 and stops mid-round: it never answers
+    assert slow.batches.next_batch() == 0  # the slow replica takes batch 0 and stops mid-round: it never answers
     assert fast.step() and fast.step()  # the fast one answers both, the abandoned batch first
     assert {o.key for o in bucket.list("rollouts/")} == {rollout_key(0, "fast"), rollout_key(1, "fast")}
     env.step()
@@ -309,7 +309,7 @@ def test_overview_shows_share_trained_waiting_and_staleness_histogram():
     line = flow_summary(snap)
     assert "**90%** of 1000 scored samples trained on (900)" in line and "waited **12 s** (4% of its wall time)" in line
     assert "3 dropped stale" in line and "7 cancelled stale" in line and "expired" not in line
-    assert staleness_frame(snap).to_dict("list") == {"staleness": ["0", "1", "2"], "samples": [100, 700, 100]}
+    assert staleness_frame(snap).to_dict("list") == {"staleness": [0, 1, 2], "samples": [100, 700, 100]}
     hostile = Snapshot(trainer_extra={"flow": {"pacing": "<img src=x>", "trained": "many", "staleness": [1, 2]}})
     assert flow_summary(hostile) == "Flow: " and staleness_frame(hostile).empty
     assert flow_summary(Snapshot()) == "Flow: no figures yet."
@@ -338,6 +338,9 @@ def test_trainer_keeps_training_through_logprob_lies_and_a_nan_step(tmp_path):
     bucket = LocalBucket(tmp_path / "bucket")
     trainer = Trainer(TrainerConfig(bucket=str(bucket.root), batch_size=4, max_steps=4, device="cpu", max_staleness=1, poll_s=0.05), bucket)
     trainer.trl.add_callback(PoisonWeights(trainer, at=2))
+    callbacks = [type(c).__name__ for c in trainer.trl.callback_handler.callbacks]  # issue 31: quiet, no class twice
+    assert callbacks.count("StepIntervalCallback") == 1 and "EveryStep" in callbacks, callbacks
+    assert "PrinterCallback" not in callbacks and "DebugLogs" in callbacks, callbacks
     lie = {"task_id": "t", "prompt": "p", "completion": "c", "prompt_ids": [1, 2], "token_ids": [5, 6], "logprobs": [-200.0, -200.0], "version": 0}
     for i in range(2):
         write_samples(bucket, score_key(0, f"lie{i}"), [Sample(**lie, reward=float(r)) for r in (0, 1, 0, 1)])
@@ -374,3 +377,77 @@ def test_drops_are_logged_as_one_summary_line_per_interval(bucket, caplog):
         "rollouts in the last 0.3s: read 40, dropped stale 40, expired unread 0, dropped degenerate 0, invalid 0, unreadable 0"
     ]
     assert not any(m.startswith("dropping stale sample") for m in lines)
+
+
+# -- claims: one replica per batch ---------------------------------------------------------
+
+
+def test_replicas_claim_batches_so_that_each_batch_is_answered_once(bucket):
+    """Two replicas that both saw a batch unanswered used to both answer it: twice the samples at one version,
+    more than the trainer can take before they go stale (issue 31: a third of the scored samples expired)."""
+    Publisher(bucket, policy=FixedInterval(10)).publish(0, master_state())
+    a, b = replica(bucket, "a"), replica(bucket, "b")
+    sync(a), sync(b)
+    env = EnvSimulator(EnvConfig(tasks_per_batch=2), bucket)
+    write_demand(bucket, Demand(version=0, max_staleness=2, read_batch=-1, want_samples=2 * PER_BATCH, step_s=1.0))
+    env.step()
+    assert tasks_in(bucket) == [0, 1]
+    assert a.batches.next_batch() == 0 and a.batches.claim(0)
+    assert b.batches.next_batch() == 1  # 0 is claimed: b takes the next one
+    assert a.step() is True and b.step() is True  # a answers its claim... then b answers 1
+    assert {o.key for o in bucket.list("rollouts/")} == {rollout_key(0, "a"), rollout_key(1, "b")}
+    assert a.batches.claimed is None and b.batches.claimed is None
+
+    env.step()  # scores both; the demand is met, no batch is issued
+    put_json(bucket, claim_key(2, "b"), {"replica": "b", "batch": 2})  # b wrote its claim on 2 at the same moment
+    assert not a.batches.claim(2) and a.batches.lost == 1  # a sees another claim: it withdraws its own
+    assert [o.key for o in bucket.list("claims/") if o.key.startswith("claims/0000000002/")] == [claim_key(2, "b")]
+
+    b.batches.claimed = 2
+    b.batches.release()  # b stops before answering: the batch is free again
+    assert bucket.list("claims/0000000002/") == []
+
+
+def replica_with_a_batch(bucket) -> Replica:
+    """Replica ``a`` at version 0, and task batch 0 issued."""
+    Publisher(bucket, policy=FixedInterval(10)).publish(0, master_state())
+    a = replica(bucket, "a")
+    sync(a)
+    write_demand(bucket, Demand(version=0, max_staleness=2, read_batch=-1, want_samples=PER_BATCH, step_s=1.0))
+    EnvSimulator(EnvConfig(tasks_per_batch=2), bucket).step()
+    return a
+
+
+def test_a_claim_never_answered_is_ignored_after_the_timeout(bucket, monkeypatch):
+    import rollout_space.claims as claims_module
+
+    a = replica_with_a_batch(bucket)
+    put_json(bucket, claim_key(0, "dead"), {"replica": "dead", "batch": 0})  # a replica that died holding batch 0
+    assert a.batches.next_batch() is None
+    monkeypatch.setattr(claims_module, "CLAIM_TIMEOUT_S", 0.0)
+    assert a.batches.next_batch() == 0 and a.batches.claim(0)  # its claim has outlived the timeout: a takes the batch
+    assert a.step() and {o.key for o in bucket.list("rollouts/")} == {rollout_key(0, "a")}
+
+
+def test_the_env_prunes_claims_with_their_batches(bucket):
+    env = EnvSimulator(EnvConfig(tasks_per_batch=2, keep_batches=2), bucket)
+    for _ in range(4):
+        env.publish_tasks()
+    for b in range(4):
+        put_json(bucket, claim_key(b, "r"), {"replica": "r", "batch": b})
+    env.prune()
+    assert sorted(o.key for o in bucket.list("claims/")) == [claim_key(2, "r"), claim_key(3, "r")]
+
+
+def test_a_replica_whose_answer_fails_withdraws_its_claim(bucket, monkeypatch):
+    from rlsync.errors import BucketError
+
+    a = replica_with_a_batch(bucket)
+
+    def fail(batch: int) -> int:
+        raise BucketError("the rollouts write failed")
+
+    monkeypatch.setattr(a, "answer", fail)
+    with pytest.raises(BucketError):
+        a.step()
+    assert bucket.list("claims/") == [] and a.batches.claimed is None  # the others need not wait for a timeout

@@ -75,6 +75,7 @@ def build_panel(
             prefix=prefix,
         )
         summary = components.summary_line(live, frames.trainer_summary, elem_id=f"{prefix}trainer-summary")
+        components.summary_line(live, frames.adapter_summary, elem_id=f"{prefix}adapter-summary")
         components.summary_line(live, frames.hub_requests_summary, elem_id=f"{prefix}hub-requests")
         gr.Markdown("### Anchor policy")
         anchor = components.anchor_policy_controls(live, default=config.policy(), prefix=prefix)

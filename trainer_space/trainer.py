@@ -33,11 +33,13 @@ TRL's logs feed ``metrics/trainer.json`` (kind ``train`` rows next to the
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import shutil
 import tempfile
 import threading
+from typing import Any
 
 import torch
 from transformers import TrainerCallback
@@ -66,8 +68,10 @@ from rlsync.trl import (
     VersionGuard,
     apply_cpu_compat,
 )
+from rlsync.spaces.interval_log import IntervalLog
 from rlsync.trl.checkpoint_checks import CheckpointExpectations
 from rlsync.trl.coalesce import PublishCoalescing
+from rlsync.trl.logs import AsyncGRPOTrainer, quiet_trl
 from rlsync.trl.metrics import trl_layout_bytes
 from rlsync.trl.trackio_sync import TrackioSyncFigures
 
@@ -95,7 +99,10 @@ class BucketFigures(TrainerCallback):
             dropped_stale=self.owner.worker.counts["dropped_stale"], step_s=logs.get("perf/step_s"),
             wait_s=logs.get("perf/rollout_wait_s"),
         )  # fmt: skip
+        self.owner.summary.add(steps=1, samples=logs.get("batch/samples_per_step") or 0, wait_s=logs.get("perf/rollout_wait_s") or 0)
+        self.owner.summary.note(version=self.owner.transfer.version, loss=logs.get("loss"), reward=logs.get("reward"))
         self.owner.flush()
+        self.owner.summary.flush()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.owner.opt_steps = state.global_step
@@ -115,7 +122,6 @@ class Trainer:
 
     def __init__(self, config: TrainerConfig, bucket: Bucket | None = None) -> None:
         from transformers import AutoTokenizer
-        from trl.experimental.async_grpo import AsyncGRPOTrainer
 
         self.bucket = open_role_bucket("trainer", config.bucket, bucket)
         self._owns_watch = self.bucket is not bucket  # close() stops the watch this role made
@@ -156,7 +162,10 @@ class Trainer:
             self.bucket, self._read_scores, vocab_size=len(tokenizer), poll_s=config.poll_s,
             queue_maxsize=max(4 * config.batch_size, 256), max_staleness=config.max_staleness,
             heartbeat=self.transfer.heartbeat, max_tokens=0, chain=self.publisher.bucket,  # _read_scores bounds tokens by the model's context
+            summary_s=None,  # the trainer's own summary line reports the worker's counts
         )  # fmt: skip
+        self.summary = IntervalLog(logger, self._summary_line)
+        self._flow_at_summary = dict(self.worker.counts)
         sdpa = apply_cpu_compat()
         from datasets import Dataset
 
@@ -165,6 +174,7 @@ class Trainer:
             train_dataset=Dataset.from_dict({"prompt": ["(prompts come from the bucket's tasks/)"]}),
             rollout_worker=self.worker, weight_transfer=self.transfer, peft_config=peft_config(lora) if lora else None,
         )  # fmt: skip
+        quiet_trl(self.trl)
         if self.adapter_sync is not None:
             self.adapter_sync.attach(self.trl)
         self.checkpoint_callback = CheckpointCallback(
@@ -243,7 +253,28 @@ class Trainer:
         )  # fmt: skip
         if self.trackio is not None:
             self.trackio.record(rec)
+        self.summary.add(**{rec.kind: 1, f"{rec.kind}_bytes": rec.nbytes, f"{rec.kind}_changed_pct": 100 * rec.changed_fraction})
         self.flush()
+
+    def _summary_line(self, counts: collections.Counter, latest: dict[str, Any], seconds: float) -> str:
+        """The trainer's line per interval: steps, version, samples, waiting, loss and reward, publishes, drops."""
+        flow, last = dict(self.worker.counts), self._flow_at_summary
+        self._flow_at_summary = flow
+        parts = [
+            f"{int(counts['steps'])} steps in {seconds:.0f}s (version {latest.get('version')})",
+            f"{int(counts['samples'])} samples trained", f"waited {100 * counts['wait_s'] / max(seconds, 1e-9):.0f}%",
+        ]  # fmt: skip
+        for key, label, digits in (("loss", "loss", 4), ("reward", "batch reward", 3)):
+            if isinstance(latest.get(key), (int, float)):
+                parts.append(f"{label} {latest[key]:.{digits}f}")
+        for kind in ("anchor", "delta"):
+            if n := int(counts[kind]):
+                changed = f", {counts[f'{kind}_changed_pct'] / n:.1f}% changed" if kind == "delta" else ""
+                parts.append(f"{n} {kind}(s) published ({counts[f'{kind}_bytes'] / n / 1e3:.0f} KB{changed})")
+        for key in ("dropped_stale", "expired_unread", "invalid", "dropped_degenerate"):
+            if grown := flow[key] - last.get(key, 0):
+                parts.append(f"{grown} {key.replace('_', ' ')}")
+        return "trainer: " + ", ".join(parts)
 
     def flush(self, force: bool = False) -> None:
         """Write ``metrics/trainer.json`` (rows and the trainer's current state)."""

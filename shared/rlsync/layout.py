@@ -13,6 +13,7 @@ Layout of a bucket::
     tasks/0000000005.json                        a batch of tasks
     rollouts/0000000005/<replica>.json           a replica's answers to it
     scores/0000000005/<replica>.json             their scores
+    claims/0000000005/<replica>.json             a replica generating the batch (others take the next one)
     status/<replica>.json                        one status object per replica
     metrics/<role>.json                          one metrics object per role
 
@@ -31,9 +32,10 @@ import re
 __all__ = [
     "POINTER_KEY", "LOCK_KEY", "ANCHOR_PREFIX", "DELTA_PREFIX", "CHECKPOINTS_PREFIX", "CHECKPOINT_MARKER",
     "ADAPTER_PREFIX", "CONTROL_PREFIX", "CONTROL_KEY", "DEMAND_KEY", "TASKS_PREFIX", "ROLLOUTS_PREFIX",
-    "SCORES_PREFIX", "STATUS_PREFIX", "METRICS_PREFIX", "REPORT_PREFIXES", "MAX_BATCH", "ANCHOR_FILE", "DELTA_FILE",
+    "SCORES_PREFIX", "CLAIMS_PREFIX", "STATUS_PREFIX", "METRICS_PREFIX", "REPORT_PREFIXES", "MAX_BATCH",
+    "ANCHOR_FILE", "DELTA_FILE",
     "anchor_folder", "delta_key", "part_name", "delta_part_key", "checkpoint_folder", "check_id", "is_id", "task_key",
-    "rollout_key", "score_key", "status_key", "metrics_key", "batch_of", "replica_of",
+    "rollout_key", "score_key", "claim_key", "status_key", "metrics_key", "batch_of", "replica_of",
 ]  # fmt: skip
 
 # -- the weights chain (rlsync.protocol) -------------------------------------------------------------
@@ -56,6 +58,8 @@ DEMAND_KEY = f"{CONTROL_PREFIX}demand.json"
 TASKS_PREFIX = "tasks/"
 ROLLOUTS_PREFIX = "rollouts/"
 SCORES_PREFIX = "scores/"
+#: A replica's claim on a task batch it is generating (``claims/<batch>/<replica>.json``), so that others take the next one.
+CLAIMS_PREFIX = "claims/"
 STATUS_PREFIX = "status/"
 METRICS_PREFIX = "metrics/"
 #: A role's own reports: no other role answers them (see :attr:`~rlsync.bucket.watch.WatchConfig.quiet_prefixes`).
@@ -76,7 +80,7 @@ DELTA_FILE = re.compile(
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _BATCH_KEY = re.compile(
     rf"^(?:{re.escape(TASKS_PREFIX)}([0-9]{{10}})\.json"
-    rf"|(?:{re.escape(ROLLOUTS_PREFIX)}|{re.escape(SCORES_PREFIX)})([0-9]{{10}})/[^/]+)$"
+    rf"|(?:{re.escape(ROLLOUTS_PREFIX)}|{re.escape(SCORES_PREFIX)}|{re.escape(CLAIMS_PREFIX)})([0-9]{{10}})/[^/]+)$"
 )
 
 
@@ -140,6 +144,10 @@ def score_key(batch: int, replica: str) -> str:
     return f"{SCORES_PREFIX}{batch:010d}/{check_id(replica)}.json"
 
 
+def claim_key(batch: int, replica: str) -> str:
+    return f"{CLAIMS_PREFIX}{batch:010d}/{check_id(replica)}.json"
+
+
 def status_key(replica: str) -> str:
     return f"{STATUS_PREFIX}{check_id(replica)}.json"
 
@@ -149,7 +157,7 @@ def metrics_key(role: str) -> str:
 
 
 def batch_of(key: str) -> int | None:
-    """The batch number in a ``tasks/``, ``rollouts/`` or ``scores/`` key written as this module writes
+    """The batch number in a ``tasks/``, ``rollouts/``, ``scores/`` or ``claims/`` key written as this module writes
     them (ten digits; ``tasks/5.json`` or ``tasks/0000000005.x.json`` are not batch keys)."""
     found = _BATCH_KEY.fullmatch(key)
     return int(found.group(1) or found.group(2)) if found else None

@@ -378,7 +378,7 @@ class Publisher:
         self._lanes = lanes
         self.detector.commit(changes)
         t4 = time.perf_counter()
-        logger.info("published delta %d: %d bytes, %d/%d changed (%.3f%%)", step, len(data), changed, total, 100 * changed / max(total, 1))
+        logger.debug("published delta %d: %d bytes, %d/%d changed (%.3f%%)", step, len(data), changed, total, 100 * changed / max(total, 1))
         return PublishRecord(
             step, "delta", len(data), changed, total, result_hash,
             encode_s=encode_s + (t3 - t2), hash_s=hash_s, upload_s=t4 - t3,
@@ -439,7 +439,7 @@ class Publisher:
         self._lanes = lanes
         self.detector.published = serving
         nbytes = sum(e.size for e in entries)
-        logger.info("published anchor %d: %d bytes in %d file(s)", step, nbytes, len(entries))
+        logger.debug("published anchor %d: %d bytes in %d file(s)", step, nbytes, len(entries))
         return PublishRecord(
             step, "anchor", nbytes, total, total, result_hash,
             encode_s=t2 - t1, hash_s=t1 - t0, upload_s=t3 - t2,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -23,13 +22,14 @@ from ..errors import BucketError
 from ..protocol import AnchorPolicy
 from .access import Login, PanelAccess, guarded
 from .anchor_policy import current_policy, describe_policy, make_policy, write_policy
+from .charts import Chart, Labels, Mark, Scale
 from .frames import (
     RATIO_SERIES,
-    SYNC_SERIES,
     changed_frame,
     delta_ratio_frame,
     delta_size_frame,
     episodes_frame,
+    fleet_lag_frame,
     fleet_frame,
     recent_publishes_frame,
     reward_frame,
@@ -44,8 +44,6 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between panel refreshes.
 REFRESH_S = 1.5
-#: Colours of the publish kinds in the plots.
-KIND_COLORS = {"anchor": "#d62728", "delta": "#1f77b4"}
 
 
 class Live:
@@ -136,121 +134,123 @@ def _show(source: BucketSource | Live, outputs: Any, render: Callable[[BucketVie
         live.attach()
 
 
-# Gradio 6.31 plots fix their colour domain to the colour values of the first data they draw
-# and keep it on later updates, so a series that appears later (the first delta after the
-# first anchor, the trainer's rewards after the env's) is never drawn. Plots therefore start
-# as ``None`` and every update carries every series (:func:`with_series`).
-KINDS = ("anchor", "delta")
-REWARD_SOURCES = ("env", "trainer")
-STAGES = ("encode", "hash", "upload")
+#: Colours of the series of each plot (fixed, so that a series keeps its colour whichever appears first).
+KIND_COLORS = {"anchor": "#d62728", "delta": "#1f77b4"}
+SOURCE_COLORS = {"env": "#1f77b4", "trainer": "#ff7f0e"}
+RATIO_COLORS = dict(zip(RATIO_SERIES, ("#1f77b4", "#ff7f0e")))
+STAGE_COLORS = {"encode": "#1f77b4", "hash": "#2ca02c", "upload": "#9467bd"}
+
+REWARD_CHART = Chart(
+    "Mean reward per policy version", x="version", y="mean_reward", color="source", series=SOURCE_COLORS,
+    y_title="mean reward", y_domain=(0, 1), formats={"mean_reward": ".3f"}, height=280,
+)
+SIZE_CHART = Chart(
+    "Published size per version (log scale)", x="version", y="KB", mark=Mark.POINT, color="kind", series=KIND_COLORS,
+    y_scale=Scale.LOG, labels=Labels(text="version", where="kind", equals="anchor"), formats={"KB": ",.1f"},
+    subtitle="anchors (red, labelled with their version) and deltas (blue)",
+)
+RATIO_CHART = Chart(
+    "Delta size: % of the anchor and % of TRL's layout", x="version", y="percent", color="against",
+    series=RATIO_COLORS, y_title="% of", formats={"percent": ".2f"},
+)
+CHANGED_CHART = Chart(
+    "Parameters changed per delta", x="version", y="changed_pct", y_title="% changed", formats={"changed_pct": ".2f"},
+)
+TIMING_CHART = Chart(
+    "Publish: encode / hash / upload", x="version", y="seconds", color="stage", series=STAGE_COLORS,
+    formats={"seconds": ".3f"},
+)
+APPLY_CHART = Chart(
+    "Replica pause to apply each version", x="version", y="seconds", mark=Mark.POINT, color="replica",
+    tooltip=("kind",), formats={"seconds": ".4f"}, y_title="inference idle (s)",
+    subtitle="every version each replica applied (its last 50 syncs, from status objects)",
+)
+FLEET_LAG_CHART = Chart(
+    "Publish to the last replica applying it", x="version", y="seconds", mark=Mark.POINT, color="kind",
+    series=KIND_COLORS, formats={"seconds": ".2f"}, y_title="seconds",
+    subtitle="from the trainer's publish until every replica holds this version or a newer one",
+)
+STALENESS_CHART = Chart(
+    "Staleness of trained samples (versions behind)", x="staleness", y="samples", mark=Mark.BAR,
+    series={"samples": "#ff7f0e"},
+)
 
 
-def with_series(frame: pd.DataFrame, column: str, series: Sequence[str], y: str) -> pd.DataFrame | None:
-    """``frame`` plus one row with a missing ``y`` (not drawn) for each absent value of ``column``.
-
-    Returns:
-        ``None`` (an empty plot) while ``frame`` has no rows: the plot is laid out with its first data.
-    """
-    if not len(frame):
-        return None
-    missing = [name for name in series if name not in set(frame[column])]
-    if not missing:
-        return frame
-    version = int(frame["version"].min())
-    extra = pd.DataFrame({"version": [version] * len(missing), y: [float("nan")] * len(missing), column: missing})
-    return pd.concat([frame, extra.astype({column: "str"})], ignore_index=True).astype({"version": "int64"})
-
-
-def ratio_plot(source: BucketSource | Live, prefix: str = "") -> Any:
-    """Each delta's size against the anchor and against TRL's plain layout of the same changes (%).
+def chart_plot(
+    source: BucketSource | Live, chart: Chart, frame: Callable[[BucketView, Snapshot], pd.DataFrame], elem_id: str
+) -> Any:
+    """A ``gr.Plot`` of ``chart`` drawing ``frame(view, snapshot)`` at every refresh.
 
     Args:
         source: A bucket URL (or a function returning it), or a :class:`Live` to refresh with.
-        prefix: Prepended to the plot's ``elem_id``.
+        chart: What to draw (:mod:`.charts`).
+        frame: The plot's data from the bucket's view and snapshot (:mod:`.frames`).
+        elem_id: The plot's ``elem_id``.
     """
     import gradio as gr
 
-    plot = gr.LinePlot(
-        None, x="version", y="percent", color="against", y_lim=[0, None],
-        title="Delta size: % of the anchor and % of TRL's layout", y_title="% of", height=260,
-        elem_id=f"{prefix}plot-ratio",
-    )  # fmt: skip
-    _show(source, plot, lambda view, snap: with_series(delta_ratio_frame(snap), "against", RATIO_SERIES, "percent"))
+    plot = gr.Plot(None, show_label=False, elem_id=elem_id)
+    _show(source, plot, lambda view, snap: plot_data(chart, frame(view, snap)))
     return plot
+
+
+def plot_data(chart: Chart, frame: pd.DataFrame) -> Any:
+    """What a ``gr.Plot`` shows for ``chart`` and ``frame``: the spec, embedded by Gradio's Vega-Lite frontend
+    (``chart`` set, so the frontend fits it to the panel's width and theme); ``None`` (an empty plot) while
+    there is nothing to draw, as an empty chart's axes have no extent (a console warning)."""
+    from gradio.components.plot import AltairPlotData
+
+    if not len(chart.rows(frame)):
+        return None
+    return AltairPlotData.model_construct(type="altair", chart="vega-lite", plot=chart.to_json(frame))
+
+
+def reward_plot(source: BucketSource | Live, prefix: str = "") -> Any:
+    """Mean reward per policy version (env scores and trainer batches)."""
+    return chart_plot(source, REWARD_CHART, lambda view, snap: reward_frame(snap), f"{prefix}plot-reward")
 
 
 def size_plot(source: BucketSource | Live, prefix: str = "") -> Any:
-    """Published size per version, anchors and deltas in different colours.
+    """Published size per version on a log axis, anchors labelled."""
+    return chart_plot(source, SIZE_CHART, lambda view, snap: delta_size_frame(snap), f"{prefix}plot-size")
 
-    Args:
-        source: A bucket URL (or a function returning it), or a :class:`Live` to refresh with.
-        prefix: Prepended to the plot's ``elem_id``.
-    """
-    import gradio as gr
 
-    plot = gr.ScatterPlot(
-        None,
-        x="version",
-        y="KB",
-        color="kind",
-        color_map=KIND_COLORS,
-        y_lim=[0, None],
-        title="Published size per version (anchors red, deltas blue)",
-        y_title="KB",
-        height=260,
-        elem_id=f"{prefix}plot-size",
-    )
+def ratio_plot(source: BucketSource | Live, prefix: str = "") -> Any:
+    """Each delta's size against the anchor and against TRL's plain layout of the same changes (%)."""
+    return chart_plot(source, RATIO_CHART, lambda view, snap: delta_ratio_frame(snap), f"{prefix}plot-ratio")
 
-    def render(view: BucketView, snap: Snapshot) -> Any:
-        frame = with_series(delta_size_frame(snap), "kind", KINDS, "KB")
-        if frame is None:
-            return None
-        # Headroom above the anchors (else drawn on the top edge), rounded so it rarely changes.
-        top = float(frame["KB"].max()) * 1.1
-        step = 10 ** math.floor(math.log10(top)) / 2 if top > 0 else 1.0
-        return gr.update(value=frame, y_lim=[0, math.ceil(top / step) * step])
 
-    _show(source, plot, render)
-    return plot
+def staleness_plot(source: BucketSource | Live, prefix: str = "") -> Any:
+    """Histogram of the trained samples' staleness (versions behind the trainer when it took them)."""
+    return chart_plot(source, STALENESS_CHART, lambda view, snap: staleness_frame(snap), f"{prefix}plot-staleness")
 
 
 def apply_plot(
     source: BucketSource | Live, replicas: Callable[[], Iterable[str] | None] | None = None, prefix: str = ""
 ) -> Any:
-    """Replica apply time per version and mean inference idle per sync, from the status objects.
+    """Each replica's inference pause for every version it applied (its status object's recent syncs).
 
     Args:
         source: A bucket URL (or a function returning it), or a :class:`Live` to refresh with.
         replicas: Function returning the replica ids to plot (``None``: all).
         prefix: Prepended to the plot's ``elem_id``.
     """
-    import gradio as gr
+    return chart_plot(
+        source, APPLY_CHART, lambda view, snap: sync_time_frame(view, replicas() if replicas else None),
+        f"{prefix}plot-apply",
+    )  # fmt: skip
 
-    plot = gr.ScatterPlot(
-        None,
-        x="version",
-        y="seconds",
-        color="series",
-        tooltip="all",
-        title="Replica apply time and mean inference idle per sync",
-        height=260,
-        elem_id=f"{prefix}plot-apply",
-    )
-    _show(
-        source,
-        plot,
-        lambda view, snap: with_series(
-            sync_time_frame(view, replicas() if replicas else None), "series", SYNC_SERIES, "seconds"
-        ),
-    )
-    return plot
+
+def fleet_lag_plot(source: BucketSource | Live, prefix: str = "") -> Any:
+    """Seconds from each publish until every replica held that version (or a newer one)."""
+    return chart_plot(source, FLEET_LAG_CHART, lambda view, snap: fleet_lag_frame(view, snap), f"{prefix}plot-fleet-lag")
 
 
 def sync_plots(
     source: BucketSource | Live, replicas: Callable[[], Iterable[str] | None] | None = None, prefix: str = ""
 ) -> dict[str, Any]:
-    """Plots of the weight sync: size per version (anchors marked), % changed, publish
-    stage times, and replica apply time / inference idle per sync.
+    """Plots of the weight sync: size per version (anchors labelled), % changed, publish
+    stage times, each replica's pause per applied version and the fleet's publish-to-applied time.
 
     Args:
         source: A bucket URL (or a function returning it), or a :class:`Live` to refresh with.
@@ -258,85 +258,21 @@ def sync_plots(
         prefix: Prepended to the plots' ``elem_id``.
 
     Returns:
-        ``{"size", "changed", "timing", "apply"}`` components.
+        ``{"size", "changed", "timing", "apply", "fleet_lag"}`` components.
     """
     import gradio as gr
 
     live, own = _live(source)
     with gr.Row():
         size = size_plot(live, prefix=prefix)
-        changed = gr.LinePlot(
-            None,
-            x="version",
-            y="changed_pct",
-            title="Parameters changed per delta",
-            y_title="% changed",
-            height=260,
-            elem_id=f"{prefix}plot-changed",
-        )
+        changed = chart_plot(live, CHANGED_CHART, lambda view, snap: changed_frame(snap), f"{prefix}plot-changed")
     with gr.Row():
-        timing = gr.LinePlot(
-            None,
-            x="version",
-            y="seconds",
-            color="stage",
-            title="Publish: encode / hash / upload",
-            height=260,
-            elem_id=f"{prefix}plot-timing",
-        )
+        timing = chart_plot(live, TIMING_CHART, lambda view, snap: timing_frame(snap), f"{prefix}plot-timing")
         apply = apply_plot(live, replicas, prefix=prefix)
-    live.add(
-        [changed, timing],
-        lambda view, snap: (changed_frame(snap), with_series(timing_frame(snap), "stage", STAGES, "seconds")),
-    )
+    fleet_lag = fleet_lag_plot(live, prefix=prefix)
     if own:
         live.attach()
-    return {"size": size, "changed": changed, "timing": timing, "apply": apply}
-
-
-def reward_plot(source: BucketSource | Live, prefix: str = "") -> Any:
-    """Mean reward per policy version (env scores and trainer batches).
-
-    Args:
-        source: A bucket URL (or a function returning it), or a :class:`Live` to refresh with.
-        prefix: Prepended to the plot's ``elem_id``.
-    """
-    import gradio as gr
-
-    plot = gr.LinePlot(
-        None,
-        x="version",
-        y="mean_reward",
-        color="source",
-        title="Mean reward per policy version",
-        y_lim=[0, 1],
-        height=280,
-        elem_id=f"{prefix}plot-reward",
-    )
-    _show(source, plot, lambda view, snap: with_series(reward_frame(snap), "source", REWARD_SOURCES, "mean_reward"))
-    return plot
-
-
-def staleness_plot(source: BucketSource | Live, prefix: str = "") -> Any:
-    """Histogram of the trained samples' staleness (versions behind the trainer when it took them).
-
-    Args:
-        source: A bucket URL (or a function returning it), or a :class:`Live` to refresh with.
-        prefix: Prepended to the plot's ``elem_id``.
-    """
-    import gradio as gr
-
-    plot = gr.BarPlot(
-        None, x="staleness", y="samples", title="Staleness of trained samples (versions behind)", height=260,
-        elem_id=f"{prefix}plot-staleness",
-    )  # fmt: skip
-
-    def render(view: BucketView, snap: Snapshot) -> Any:
-        frame = staleness_frame(snap)
-        return frame if len(frame) else None
-
-    _show(source, plot, render)
-    return plot
+    return {"size": size, "changed": changed, "timing": timing, "apply": apply, "fleet_lag": fleet_lag}
 
 
 def publishes_table(source: BucketSource | Live, prefix: str = "") -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from .snapshots import BucketView, Snapshot, as_number
+from .snapshots import BucketView, Snapshot, as_number, recent_syncs
 
 #: Rows of the recent-publishes table.
 RECENT_PUBLISHES = 12
@@ -88,26 +88,56 @@ def timing_frame(snap: Snapshot) -> pd.DataFrame:
     return stages.dropna().sort_values(["version", "stage"], kind="stable").reset_index(drop=True)
 
 
-SYNC_SERIES = ("apply", "idle per sync")
-
-
 def sync_time_frame(view: BucketView, replicas: Iterable[str] | None = None) -> pd.DataFrame:
-    """Replica apply time per version, and each replica's mean inference idle per sync so far.
+    """Every version each replica applied (as far as its status objects' ``recent_syncs`` reached the view),
+    with the seconds inference paused to apply it.
 
     Returns:
-        Long format: version, seconds, series (one of :data:`SYNC_SERIES`), replica.
+        version, seconds, replica, kind.
     """
     wanted = set(replicas) if replicas is not None else None
-    rows = []
-    for (replica, step), (apply_s, idle_s) in sorted(view.sync_history.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        if wanted is not None and replica not in wanted:
-            continue
-        for series, seconds in zip(SYNC_SERIES, (apply_s, idle_s)):
-            if seconds is not None:
-                rows.append({"version": step, "seconds": seconds, "series": series, "replica": replica})
-    return pd.DataFrame(rows, columns=["version", "seconds", "series", "replica"]).astype(
-        {"version": "int64", "seconds": "float64", "series": "str", "replica": "str"}
+    rows = [
+        {"version": step, "seconds": sync.idle_s, "replica": replica, "kind": sync.kind}
+        for (replica, step), sync in sorted(view.sync_history.items(), key=lambda kv: (kv[0][1], kv[0][0]))
+        if wanted is None or replica in wanted
+    ]
+    return pd.DataFrame(rows, columns=["version", "seconds", "replica", "kind"]).astype(
+        {"version": "int64", "seconds": "float64", "replica": "str", "kind": "str"}
     )
+
+
+def fleet_lag_frame(view: BucketView, snap: Snapshot) -> pd.DataFrame:
+    """Seconds from each publish until every replica that was following then held that version or a newer one.
+
+    A replica counts for a version once its remembered syncs reach back to it (one that joined later is
+    not waited for); a version some replica has not reached yet is left out.
+
+    Returns:
+        version, seconds, kind.
+    """
+    applied: dict[str, list[tuple[int, float]]] = {}
+    for (replica, step), sync in view.sync_history.items():
+        applied.setdefault(replica, []).append((step, sync.time))
+    for syncs in applied.values():
+        syncs.sort()
+    rows = []
+    for r in snap.trainer_rows:
+        version, published = r.get("version"), as_number(r.get("time"))
+        if r.get("kind") not in ("anchor", "delta") or type(version) is not int or published is None:
+            continue
+        reached = []
+        for syncs in applied.values():
+            if syncs[0][0] > version:
+                continue  # joined after this version
+            later = [t for step, t in syncs if step >= version]
+            if not later:
+                break  # a replica that has not reached it yet
+            reached.append(min(later))
+        else:
+            if reached:
+                rows.append({"version": version, "seconds": max(max(reached) - published, 0.0), "kind": r["kind"]})
+    frame = pd.DataFrame(rows, columns=["version", "seconds", "kind"]).drop_duplicates("version", keep="last")
+    return frame.astype({"version": "int64", "seconds": "float64", "kind": "str"})
 
 
 def reward_frame(snap: Snapshot) -> pd.DataFrame:
@@ -145,6 +175,7 @@ FLEET_COLUMNS = [
     "version",
     "newest",
     "lag",
+    "catch-up",
     "apply s",
     "idle per sync s",
     "MB downloaded",
@@ -174,6 +205,7 @@ def fleet_frame(snap: Snapshot, replicas: Iterable[str] | None = None) -> pd.Dat
                 fmt(st.get("applied_step"), 0),
                 fmt(st.get("newest_step"), 0),
                 fmt(st.get("lag"), 0),
+                catch_up(st),
                 fmt(st.get("apply_s"), 4),
                 fmt(st.get("idle_per_sync_s"), 4),
                 fmt((as_number(st.get("bytes_downloaded")) or 0) / 1e6, 2),
@@ -182,6 +214,20 @@ def fleet_frame(snap: Snapshot, replicas: Iterable[str] | None = None) -> pd.Dat
             ]
         )
     return pd.DataFrame(rows, columns=FLEET_COLUMNS)
+
+
+def catch_up(status: dict[str, Any]) -> str:
+    """How far a replica has caught up with the newest version: ``loading`` before its first version,
+    ``caught up``, or the share of the versions since its first one that it holds, and how many it lags."""
+    applied, newest = status.get("applied_step"), status.get("newest_step")
+    if type(applied) is not int:
+        return "loading"
+    if type(newest) is not int or newest <= applied:
+        return "caught up"
+    syncs = recent_syncs(status)
+    start = syncs[0].step if syncs and syncs[0].kind == "anchor" and syncs[0].step <= applied else None
+    share = "" if start is None or newest == start else f"{100 * (applied - start) / (newest - start):.0f}%, "
+    return f"{share}{newest - applied} behind"
 
 
 def recent_publishes_frame(snap: Snapshot, n: int = RECENT_PUBLISHES) -> pd.DataFrame:
@@ -218,7 +264,8 @@ def task_type_frame(snap: Snapshot) -> pd.DataFrame:
     for key, value in by_type.items() if isinstance(by_type, dict) else ():
         if isinstance(key, str) and isinstance(value, dict) and _count(value.get("count")) is not None:
             source, _, kind = key.partition(" / ")
-            rows.append({"source": source, "task type": kind, "mean reward": as_number(value.get("mean_reward")),
+            mean = as_number(value.get("mean_reward"))
+            rows.append({"source": source, "task type": kind, "mean reward": "" if mean is None else f"{mean:.3f}",
                          "count": _count(value["count"])})  # fmt: skip
     frame = pd.DataFrame(rows, columns=["source", "task type", "mean reward", "count"])
     return frame.sort_values(["count", "source", "task type"], ascending=[False, True, True], kind="stable")
@@ -314,7 +361,7 @@ def staleness_frame(snap: Snapshot) -> pd.DataFrame:
     rows = [{"staleness": int(k), "samples": _count(v)} for k, v in (histogram.items() if isinstance(histogram, dict) else ())
             if isinstance(k, str) and k.isascii() and k.isdigit() and int(k) < MAX_STALENESS_BARS and _count(v) is not None]  # fmt: skip
     frame = pd.DataFrame(rows, columns=["staleness", "samples"]).sort_values("staleness")
-    return frame.astype({"staleness": "str"})
+    return frame.astype({"staleness": "int64", "samples": "int64"})
 
 
 def flow_summary(snap: Snapshot) -> str:
@@ -335,6 +382,24 @@ def flow_summary(snap: Snapshot) -> str:
               (flow.get("dropped_degenerate"), "in degenerate groups"), (snap.env_extra.get("cancelled_stale"), "cancelled stale")]  # fmt: skip
     parts += [f"{_count(n)} {label}" for n, label in counts if _count(n)]
     return "Flow: " + ", ".join(parts)
+
+
+def adapter_summary(snap: Snapshot) -> str:
+    """The LoRA adapter chain, when the run has one ('' otherwise): its version, what it retains and what a
+    joining replica downloads, and the adapter version each replica serves."""
+    chain = snap.adapters
+    if chain is None:
+        return ""
+    parts = [
+        f"LoRA adapter chain: version **{chain.step}**", f"{len(chain.anchors)} anchors and {len(chain.deltas)} deltas retained",
+        f"{chain.catchup_bytes() / 1e3:,.0f} KB to catch up",  # a valid pointer holds an anchor
+    ]  # fmt: skip
+    base = chain.metadata.get("base_hash")
+    if isinstance(base, str) and base:
+        parts.append(f"on base weights {plain(base[:12])}")
+    served = [f"{plain(st.get('replica_id', '?'))} serves {plain(st['adapter_step'])}" for st in snap.statuses
+              if type(st.get("adapter_step")) is int]  # fmt: skip
+    return ", ".join(parts) + ("; " + ", ".join(served) if served else "")
 
 
 def hub_requests_summary(snap: Snapshot) -> str:

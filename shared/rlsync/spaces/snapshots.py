@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from ..adapters import adapter_bucket
 from ..bucket import Bucket, open_bucket
 from ..bucket.watch import listing_error, watch
 from ..errors import BucketError, FormatError, ObjectNotFoundError
@@ -36,6 +38,8 @@ SNAPSHOT_TTL_S = 1.0
 #: The same for a remote bucket (``hf://``), where one snapshot costs several HTTP requests.
 REMOTE_SNAPSHOT_TTL_S = 3.0
 _REDACTED = "***"
+#: Syncs (replica, version) a view remembers.
+MAX_SYNC_HISTORY = 5000
 
 BucketSource = str | Callable[[], str]
 """A bucket URL, or a function returning the current one (a panel's form may change it)."""
@@ -61,6 +65,7 @@ class Snapshot:
         env_extra: The other fields of ``metrics/env.json`` (env, episodes, tasks_per_s, ...).
         statuses: The ``status/<replica>.json`` objects.
         manifest: The pointer object, or ``None`` (nothing published, or invalid).
+        adapters: The LoRA adapter chain's pointer object (:mod:`rlsync.adapters`), or ``None`` (no adapter chain).
         policy: The anchor policy of the control object, or ``None`` if there is none.
         read_at: ``time.time()`` of the read.
         error: A read problem to show (already redacted), or ``""``.
@@ -72,6 +77,7 @@ class Snapshot:
     env_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     statuses: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     manifest: Manifest | None = None
+    adapters: Manifest | None = None
     policy: AnchorPolicy | None = None
     read_at: float = 0.0
     error: str = ""
@@ -106,6 +112,10 @@ def read_snapshot(bucket: Bucket) -> Snapshot:
             snap.error = redact(f"invalid latest.json: {exc}")
             logger.warning("%s", snap.error)
         try:
+            snap.adapters = read_manifest(adapter_bucket(bucket))
+        except FormatError as exc:
+            logger.warning("invalid adapter chain pointer: %s", redact(str(exc)))
+        try:
             snap.policy = policy_from_json(bucket.get_limited(CONTROL_KEY, MAX_CONTROL_BYTES))
         except ObjectNotFoundError:
             pass
@@ -126,7 +136,7 @@ class BucketView:
     Snapshots are cached for ``ttl`` seconds so that several plots refreshing
     at once read the bucket once. The view also remembers, per replica, the
     apply time seen in its status at each applied version (the status object
-    holds only the latest), to plot apply time per sync.
+    holds only its last 50), to plot every version each replica applied.
 
     Args:
         url: Bucket URL or path.
@@ -139,8 +149,8 @@ class BucketView:
         self._bucket: Bucket | None = None
         self._snapshot: Snapshot | None = None
         self._lock = threading.Lock()
-        #: (replica, applied version) -> (apply seconds, idle per sync seconds)
-        self.sync_history: dict[tuple[str, int], tuple[float | None, float | None]] = {}
+        #: (replica, applied version) -> the sync, from the status objects' ``recent_syncs`` (kept across refreshes)
+        self.sync_history: dict[tuple[str, int], Sync] = {}
 
     @property
     def bucket(self) -> Bucket:
@@ -169,15 +179,37 @@ class BucketView:
 
     def _remember_syncs(self, snap: Snapshot) -> None:
         for st in snap.statuses:
-            replica, step = st.get("replica_id"), st.get("applied_step")
-            if isinstance(replica, str) and isinstance(step, int) and st.get("apply_s") is not None:
-                self.sync_history[(replica, step)] = (
-                    as_number(st.get("apply_s")),
-                    as_number(st.get("idle_per_sync_s")),
-                )
-        if len(self.sync_history) > 5000:
-            for key in sorted(self.sync_history, key=lambda k: k[1])[: len(self.sync_history) - 5000]:
+            replica = st.get("replica_id")
+            if not isinstance(replica, str):
+                continue
+            for sync in recent_syncs(st):
+                self.sync_history[(replica, sync.step)] = sync
+        if len(self.sync_history) > MAX_SYNC_HISTORY:
+            for key in sorted(self.sync_history, key=lambda k: k[1])[: len(self.sync_history) - MAX_SYNC_HISTORY]:
                 del self.sync_history[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sync:
+    """One version a replica applied (an entry of its status object's ``recent_syncs``)."""
+
+    step: int
+    kind: str
+    idle_s: float
+    time: float
+
+
+def recent_syncs(status: dict[str, Any]) -> list[Sync]:
+    """The well-formed entries of a status object's ``recent_syncs`` (others are skipped: bucket objects are untrusted)."""
+    entries = status.get("recent_syncs")
+    out = []
+    for e in entries if isinstance(entries, list) else ():
+        if not isinstance(e, dict) or type(e.get("step")) is not int or e.get("kind") not in ("anchor", "delta"):
+            continue
+        idle, when = as_number(e.get("idle_s")), as_number(e.get("time"))
+        if idle is not None and when is not None and math.isfinite(idle) and math.isfinite(when):
+            out.append(Sync(e["step"], e["kind"], idle, when))
+    return out
 
 
 _VIEWS: dict[str, BucketView] = {}

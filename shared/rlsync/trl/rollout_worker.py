@@ -54,6 +54,7 @@ from ..errors import BucketError, FormatError, StopRequested
 from ..layout import SCORES_PREFIX
 from ..protocol import read_manifest
 from ..sampling import MAX_GROUP_SIZE, degenerate_group, sampled_logprob_ok
+from .logs import quiet_trl_lines
 
 logger = logging.getLogger(__name__)
 
@@ -114,14 +115,6 @@ class _TakenQueue(queue.Queue):
         return item
 
 
-class _TrlSampleLines(logging.Filter):
-    """Drops TRL's per-sample "dropping stale sample" lines: the worker logs one summary per interval."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("dropping stale sample")
-
-
-_TRL_DATASET_LOGGER = "trl.experimental.async_grpo.async_grpo_trainer"
 _SUMMARY_COUNTS = ("read", "dropped_stale", "expired_unread", "dropped_degenerate", "invalid", "unreadable")
 
 
@@ -141,7 +134,8 @@ class BucketRolloutWorker:
             the run lock stays fresh while the trainer waits for data.
         heartbeat_s: Seconds between heartbeats.
         max_group_size: Largest group kept (larger ones are degenerate: see :mod:`rlsync.sampling`).
-        summary_s: Seconds between the summary log lines of reads and drops.
+        summary_s: Seconds between the summary log lines of reads and drops (``None``: no such line, the
+            caller reports :meth:`flow`).
         on_poll: Called after every poll of the bucket (e.g. to refresh a demand object while the
             trainer waits, when no step ends to do it).
         chain: The bucket whose pointer numbers the policy versions (default ``bucket``; the
@@ -162,7 +156,7 @@ class BucketRolloutWorker:
         heartbeat: Callable[[], None] | None = None,
         heartbeat_s: float = 60.0,
         max_group_size: int = MAX_GROUP_SIZE,
-        summary_s: float = 60.0,
+        summary_s: float | None = 60.0,
         on_poll: Callable[[], None] | None = None,
         chain: Bucket | None = None,
     ) -> None:
@@ -201,6 +195,7 @@ class BucketRolloutWorker:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._last_heartbeat = time.monotonic()
+        quiet_trl_lines()  # TRL's per-sample drop lines (this worker counts them) and its other per-step lines
 
     # -- RolloutWorkerProtocol ---------------------------------------------
 
@@ -209,9 +204,6 @@ class BucketRolloutWorker:
         if self._thread is not None and self._thread.is_alive():
             return
         self.align_versions()
-        trl_logger = logging.getLogger(_TRL_DATASET_LOGGER)
-        if not any(isinstance(f, _TrlSampleLines) for f in trl_logger.filters):
-            trl_logger.addFilter(_TrlSampleLines())
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="bucket-rollouts", daemon=True)
         self._thread.start()
@@ -366,7 +358,7 @@ class BucketRolloutWorker:
 
     def _log_summary(self, force: bool = False) -> None:
         """One line per ``summary_s`` with the samples read and dropped since the last one."""
-        if not force and time.monotonic() - self._summary_at < self.summary_s:
+        if self.summary_s is None or not force and time.monotonic() - self._summary_at < self.summary_s:
             return
         now = self.flow()
         grown = {k: now[k] - self._summary_counts[k] for k in _SUMMARY_COUNTS}
