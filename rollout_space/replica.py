@@ -61,7 +61,6 @@ from rlsync.spaces.exchange import (
     Refusals,
     Sample,
     get_json,
-    list_batches,
     open_role_bucket,
     parse_tasks,
     put_json,
