@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -115,6 +115,10 @@ class Subscriber:
         max_parallel_downloads: Files of one update downloaded at once.
         expect_metadata: Pointer metadata entries the chain must carry (e.g. an adapter chain's
             base model hash); a chain whose metadata disagrees is refused before any download.
+        check_values: Called with each tensor an anchor would load and the new values of each
+            patch a delta would write (name, 1-D values), after decoding and before anything is
+            applied; raising :class:`~rlsync.errors.FormatError` refuses the update (e.g. an FP8
+            chain's scales, :func:`rlsync.fp8.check_fp8_values`).
     """
 
     def __init__(
@@ -125,9 +129,11 @@ class Subscriber:
         workdir: str | Path | None = None,
         max_parallel_downloads: int = DEFAULT_MAX_PARALLEL_DOWNLOADS,
         expect_metadata: Mapping[str, str] | None = None,
+        check_values: Callable[[str, torch.Tensor], None] | None = None,
     ) -> None:
         self.bucket = bucket
         self.expect_metadata = dict(expect_metadata or {})
+        self.check_values = check_values
         self.device = torch.device(device)
         self.workdir = Path(workdir) if workdir else None
         self.state: dict[str, torch.Tensor] = {}
@@ -273,6 +279,9 @@ class Subscriber:
                     patches.setdefault(name, []).append(patch)
                 changed += delta.changed
             merged = {name: _merge_patches(name, parts) for name, parts in patches.items()}
+            if self.check_values is not None:
+                for name, patch in merged.items():
+                    self.check_values(name, patch.values)
         except SyncError as exc:
             raise self._refuse(exc) from None
         return Update(
@@ -298,6 +307,9 @@ class Subscriber:
                 raise FormatError(f"anchor {entry.step}: metadata disagrees with the pointer")
             if self.state and not _same_schema(self.state, tensors):
                 raise FormatError(f"anchor {entry.step}: tensor names, shapes or dtypes differ from the model")
+            if self.check_values is not None:
+                for name, tensor in tensors.items():
+                    self.check_values(name, tensor.reshape(-1))
             tensors = {n: t.to(self.device) for n, t in tensors.items()}
             digests = {n: tensor_digest(t, version=version) for n, t in tensors.items()}
             if combine_digests(digests) != entry.state_hash:
