@@ -114,3 +114,14 @@ def test_trl_run_publishes_the_moe_and_a_replica_follows_bit_exact(tmp_path):
     assert replica.state_hash == state_hash(trained) == state_hash(engine.state_dict())
     assert any(".mlp.experts." in n for n in patched)  # deltas reached the fused experts
     assert replica.state_hash != transfer.records[0].state_hash  # it trained
+
+
+def test_a_model_setting_of_tiny_moe_trains_and_serves_the_tiny_moe():
+    from rlsync.spaces.tiny_model import is_tiny_model, model_or_default
+    from trainer_space.config import TINY_MODEL_LR, TrainerConfig
+
+    path = model_or_default(TinyModel.MOE.value, "cuda", get_environment)  # named: even where a GPU default exists
+    assert path == str(tiny_model_path(kind=TinyModel.MOE, environments=get_environment))
+    assert is_tiny_model("tiny-moe", "cuda") and not is_tiny_model("Qwen/Qwen3-30B-A3B", "cpu")
+    assert TrainerConfig(model="tiny-moe").with_model_defaults("cuda").lr == TINY_MODEL_LR  # the tiny demo's settings
+    assert CheckpointLayout.from_pretrained(path).parts  # what the trainer Space gives its transfer

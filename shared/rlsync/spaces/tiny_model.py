@@ -428,6 +428,13 @@ def _supervised_batch(
     return input_ids, attention, labels
 
 
+def is_tiny_model(model: str, device: str) -> bool:
+    """Whether the model setting ``model`` trains or serves a tiny offline model on ``device`` (named, or the CPU default)."""
+    from .settings import default_model
+
+    return model in {k.value for k in TinyModel} or not (model or default_model(device))
+
+
 def model_or_default(model: str, device: str, environments: EnvironmentLookup | None = None) -> str:
     """``model`` if set (a :class:`TinyModel` name gives that tiny model's folder), else the device's default
     (:func:`rlsync.spaces.settings.default_model`: Qwen3-0.6B on a GPU), else this tiny offline model's folder
