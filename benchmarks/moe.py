@@ -21,21 +21,17 @@ import argparse
 import collections
 import json
 import os
-import re
 import statistics
 import tempfile
 from pathlib import Path
 
 import torch
 
-EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
-
-
 def main(argv: list[str] | None = None) -> None:
     from benchmarks.adapter_sparsity import policy_gradient_step
     from env_space.environments import get_environment
     from rlsync.bucket import LocalBucket
-    from rlsync.checkpoint_layout import CheckpointLayout
+    from rlsync.checkpoint_layout import CheckpointLayout, expert_of
     from rlsync.format import encode_delta
     from rlsync.protocol import FixedInterval, Publisher
     from rlsync.spaces.tiny_model import TinyModel, tiny_model_path
@@ -56,18 +52,20 @@ def main(argv: list[str] | None = None) -> None:
     layout = CheckpointLayout.of_model(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=1e-8, weight_decay=0.0)
     generator = torch.Generator().manual_seed(0)
-    tokens: collections.Counter[tuple[int, int]] = collections.Counter()
+    tokens: collections.Counter[str] = collections.Counter()
 
     def count(layer: int):
         def hook(_module, _inputs, output):
             if torch.is_grad_enabled():  # the training forward, not generation
                 for e in output[2].reshape(-1).tolist():
-                    tokens[(layer, e)] += 1
+                    tokens[f"{layer}.{e}"] += 1
         return hook
 
     for i, layer in enumerate(model.model.layers):
         layer.mlp.gate.register_forward_hook(count(i))
-    experts = sorted({(int(m[1]), int(m[2])) for n in layout.checkpoint_state(model.state_dict()) if (m := EXPERT.match(n))})
+    experts = sorted(
+        {e for n in layout.checkpoint_state(model.state_dict()) if (e := expert_of(n))}, key=lambda e: tuple(map(int, e.split(".")))
+    )
     rows = []
     with tempfile.TemporaryDirectory(prefix="rlsync-moe-bench-") as tmp:
         publisher = Publisher(LocalBucket(tmp), policy=FixedInterval(1000))
@@ -80,11 +78,10 @@ def main(argv: list[str] | None = None) -> None:
             changes = publisher.detector.diff(state)
             record = publisher.publish(step, state)
             per = {e: {"tokens": tokens[e], "changed": 0, "total": 0, "bytes": 0} for e in experts}
-            by_expert: dict[tuple[int, int], dict] = collections.defaultdict(dict)
+            by_expert: dict[str, dict] = collections.defaultdict(dict)
             for name, tensor in state.items():
-                m = EXPERT.match(name)
-                if m:
-                    e = (int(m[1]), int(m[2]))
+                e = expert_of(name)
+                if e:
                     per[e]["total"] += tensor.numel()
                     if name in changes:
                         per[e]["changed"] += changes[name].index.size
@@ -94,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
                 data = encode_delta(ch, step=step, base_step=step - 1, base_hash="0" * 64, state_hash="0" * 64, total=0)
                 per[e]["bytes"] = len(data) - empty
             rows.append({"step": step, "delta_bytes": record.nbytes, "changed": record.changed, "total": record.total,
-                         "experts": {f"{l}.{e}": v for (l, e), v in per.items()}})
+                         "experts": per})
             print(json.dumps({"step": step, "delta_bytes": record.nbytes, "untouched": sum(v["tokens"] == 0 for v in per.values())}), flush=True)
     cells = [v for r in rows for v in r["experts"].values()]
     untouched = [v for v in cells if v["tokens"] == 0]

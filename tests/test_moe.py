@@ -125,3 +125,25 @@ def test_a_model_setting_of_tiny_moe_trains_and_serves_the_tiny_moe():
     assert is_tiny_model("tiny-moe", "cuda") and not is_tiny_model("Qwen/Qwen3-30B-A3B", "cpu")
     assert TrainerConfig(model="tiny-moe").with_model_defaults("cuda").lr == TINY_MODEL_LR  # the tiny demo's settings
     assert CheckpointLayout.from_pretrained(path).parts  # what the trainer Space gives its transfer
+
+
+def test_per_expert_change_rates_reach_the_panel(moe_path, tmp_path):
+    from rlsync.checkpoint_layout import expert_changed_pct, expert_of
+    from rlsync.spaces.frames import expert_change_frame
+    from rlsync.spaces.snapshots import Snapshot
+
+    state = {n: t.float() for n, t in load_file(str(moe_path / "model.safetensors")).items()}
+    pub = Publisher(LocalBucket(tmp_path), policy=FixedInterval(100))
+    pub.publish(0, state)
+    touched = "model.layers.1.mlp.experts.3.up_proj.weight"
+    state[touched].view(-1)[:1638] += 1.0  # 10 % of one of expert 1.3's three tensors, nothing else
+    record = pub.publish(1, state)
+    assert record.changed_tensors == {touched: 1638}
+    assert expert_of(touched) == "1.3" and expert_of("model.layers.1.mlp.gate.weight") is None
+    rates = expert_changed_pct(record.changed_tensors, pub.detector.published)
+    assert len(rates) == 2 * TINY_MOE_CONFIG["num_experts"] and list(rates)[:2] == ["0.0", "0.1"]
+    assert rates["1.3"] == pytest.approx(100 * 1638 / (3 * 128 * 128)) and sum(rates.values()) == rates["1.3"]
+    rows = [{"kind": "anchor", "version": 0}, {"kind": "delta", "version": 1, "experts_changed_pct": rates}]
+    frame = expert_change_frame(Snapshot(trainer_rows=rows))
+    assert len(frame) == len(rates) and frame.set_index("expert").loc["1.3", "changed_pct"] == rates["1.3"]
+    assert expert_change_frame(Snapshot(trainer_rows=rows[:1])).empty  # a dense model: an empty plot

@@ -54,7 +54,7 @@ from rlsync.spaces.anchor_policy import ControlledPolicy, write_policy
 from rlsync.spaces.demand import Pacing
 from rlsync.spaces.exchange import MetricsLog, Refusals, SampleLimits, open_role_bucket, read_samples
 from rlsync.spaces.settings import resolve_device, space_owner
-from rlsync.checkpoint_layout import CheckpointLayout
+from rlsync.checkpoint_layout import CheckpointLayout, expert_changed_pct
 from rlsync.spaces.tiny_model import model_or_default
 from rlsync.trl import (
     BucketAdapterSync,
@@ -244,6 +244,8 @@ class Trainer:
             changed_pct=100 * rec.changed_fraction,
             trl_nbytes=trl_layout_bytes(rec.changed, len(self.publisher.detector.published or ())),
             encode_s=rec.encode_s, hash_s=rec.hash_s, upload_s=rec.upload_s, catchup_bytes=rec.catchup_bytes,
+            **({"experts_changed_pct": expert_changed_pct(rec.changed_tensors, self.publisher.detector.published or {})}
+               if self.transfer.layout is not None and rec.kind == "delta" else {}),
         )  # fmt: skip
         if self.trackio is not None:
             self.trackio.record(rec)

@@ -20,9 +20,36 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Iterable, Iterator, Mapping
 
 import torch
+
+
+#: A checkpoint tensor of one expert; groups: the experts' prefix, the expert, the projection.
+EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def expert_of(name: str) -> str | None:
+    """``"<layer>.<expert>"`` for a checkpoint tensor of one expert (``model.layers.3.mlp.experts.5.up_proj.weight``
+    -> ``"3.5"``), else ``None``."""
+    match = EXPERT_TENSOR.match(name)
+    layer = _LAYER.search(name) if match else None
+    return f"{layer[1]}.{match['expert']}" if match and layer else None
+
+
+def expert_changed_pct(changed: Mapping[str, int], state: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """Percentage of each expert's elements that changed (``"<layer>.<expert>"`` -> %), from changed elements per
+    tensor (:attr:`~rlsync.protocol.PublishRecord.changed_tensors`) and the state's tensors (for their sizes)."""
+    sizes: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    for name, tensor in state.items():
+        expert = expert_of(name)
+        if expert is not None:
+            sizes[expert] = sizes.get(expert, 0) + tensor.numel()
+            counts[expert] = counts.get(expert, 0) + changed.get(name, 0)
+    return {e: 100 * counts[e] / sizes[e] for e in sorted(sizes, key=lambda e: tuple(map(int, e.split("."))))}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,7 @@ from .frames import (
     delta_ratio_frame,
     delta_size_frame,
     episodes_frame,
+    expert_change_frame,
     fleet_frame,
     recent_publishes_frame,
     reward_frame,
@@ -292,6 +293,23 @@ def sync_plots(
     if own:
         live.attach()
     return {"size": size, "changed": changed, "timing": timing, "apply": apply}
+
+
+def expert_plot(source: BucketSource | Live, prefix: str = "") -> Any:
+    """A MoE run's changed percentage of each expert per delta (empty for a dense model; docs/moe.md).
+
+    Args:
+        source: A bucket URL (or a function returning it), or a :class:`Live` to refresh with.
+        prefix: Prepended to the plot's ``elem_id``.
+    """
+    import gradio as gr
+
+    plot = gr.LinePlot(
+        None, x="version", y="changed_pct", color="expert", title="MoE: % of each expert changed per delta (layer.expert)",
+        y_title="% changed", height=260, elem_id=f"{prefix}plot-experts",
+    )  # fmt: skip
+    _show(source, plot, lambda view, snap: expert_change_frame(snap))
+    return plot
 
 
 def reward_plot(source: BucketSource | Live, prefix: str = "") -> Any:

@@ -18,13 +18,12 @@ part is gathered over the TP group.
 from __future__ import annotations
 
 import functools
-import re
 from typing import Iterable
 
 import torch
 
-#: A checkpoint name of one expert's projection; groups: the experts' prefix, the expert, the projection.
-EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+from ..checkpoint_layout import EXPERT_TENSOR
+
 #: Where a projection lives in the fused parameters: (parameter, half of w13 or None).
 _SLOTS = {"gate_proj": ("w13_weight", 0), "up_proj": ("w13_weight", 1), "down_proj": ("w2_weight", None)}
 ROUTED = "routed_experts"
@@ -33,8 +32,8 @@ ROUTED = "routed_experts"
 def expert_location(model: torch.nn.Module, name: str) -> tuple[str, str, int | None, int] | None:
     """``(module path, parameter, half, expert)`` of an expert's checkpoint tensor, or ``None`` if
     ``name`` names no expert of a fused MoE layer of ``model``."""
-    match = EXPERT_NAME.match(name)
-    if match is None:
+    match = EXPERT_TENSOR.match(name)
+    if match is None or match["proj"] not in _SLOTS:
         return None
     path = f"{match['prefix']}.{ROUTED}"
     try:
