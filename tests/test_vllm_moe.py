@@ -20,9 +20,9 @@ from safetensors.torch import load_file  # noqa: E402
 
 from rlsync.bucket import LocalBucket  # noqa: E402
 from rlsync.hashing import state_hash  # noqa: E402
-from rlsync.protocol import FixedInterval, Publisher, Subscriber  # noqa: E402
+from rlsync.protocol import Subscriber  # noqa: E402
 from rlsync.spaces.tiny_model import TinyModel, build_tiny_model  # noqa: E402
-from tests.helpers import sparse_rl_step  # noqa: E402
+from tests.helpers import bucket_backend_update, publish_sparse_run  # noqa: E402
 
 DELTAS = 3
 ENGINE_KWARGS = dict(max_model_len=128, max_num_seqs=4, kv_cache_memory_bytes=32 << 20, block_size=32)
@@ -46,15 +46,7 @@ def cpu_env():
 @pytest.fixture(scope="module")
 def published(model_dir, tmp_path_factory):
     bucket = LocalBucket(tmp_path_factory.mktemp("bucket"))
-    pub = Publisher(bucket, policy=FixedInterval(100))
-    master = {n: t.float() for n, t in load_file(str(model_dir / "model.safetensors")).items()}
-    records = []
-    for step in range(DELTAS + 1):
-        if step:
-            sparse_rl_step(master, 300 + step)  # ~3% of every tensor: every expert, router and norm
-        records.append(pub.publish(step, master))
-    assert [r.kind for r in records] == ["anchor"] + ["delta"] * DELTAS
-    return bucket, records
+    return bucket, publish_sparse_run(model_dir, bucket, DELTAS, seed=300)  # ~3% of every expert, router, norm
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
@@ -82,10 +74,7 @@ def test_vllm_follows_moe_deltas_through_its_fused_experts_bit_exact(cpu_env, mo
         engine.load_state(checkpoint)  # back to the checkpoint, then the bucket backend to the newest version
         llm = engine.llm
         llm.init_weight_transfer_engine({"init_info": {"bucket": bucket.url}})
-        llm.start_weight_update()
-        llm.update_weights({"update_info": {"step": None}})
-        llm.finish_weight_update()
-        llm.reset_prefix_cache()
+        bucket_backend_update(llm, None)
         assert engine.state_hash() == records[-1].state_hash
     finally:
         engine.close()
