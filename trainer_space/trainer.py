@@ -55,6 +55,7 @@ from rlsync.spaces.demand import Pacing
 from rlsync.spaces.exchange import MetricsLog, Refusals, SampleLimits, open_role_bucket, read_samples
 from rlsync.spaces.settings import resolve_device, space_owner
 from rlsync.checkpoint_layout import CheckpointLayout, expert_changed_pct
+from rlsync.fp8 import fp8_publisher
 from rlsync.spaces.tiny_model import model_or_default
 from rlsync.trl import (
     BucketAdapterSync,
@@ -143,6 +144,8 @@ class Trainer:
             self.transfer = BucketWeightTransfer(
                 publisher=Publisher(self.bucket, **chain_settings), on_publish=self._record_publish,
                 on_non_finite=self._restore_published, layout=layout if layout and layout.parts else None,
+                fp8=fp8_publisher(self.bucket, policy=config.policy(), keep_anchors=config.keep_anchors, codec=config.codec,
+                                  owner=chain_settings["owner"]) if config.fp8 else None,
             )  # fmt: skip
         self.publisher = self.transfer.publisher
         self.checkpoints = BucketCheckpoints(self.bucket, keep=config.keep_checkpoints, chain=self.publisher)

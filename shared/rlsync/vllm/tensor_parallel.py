@@ -24,9 +24,10 @@ def gather_tensor_parallel(module: torch.nn.Module, param: torch.nn.Parameter, l
         return local
     if isinstance(module, VocabParallelEmbedding):
         return torch.cat(all_gather(local), dim=0) if local.dim() >= 1 else local
-    if isinstance(module, RowParallelLinear) and getattr(param, "input_dim", None) is not None:
-        return torch.cat(all_gather(local), dim=param.input_dim)
-    if isinstance(module, ColumnParallelLinear) and getattr(param, "output_dim", None) is not None:
+    input_dim, output_dim = _dims(param, local)
+    if isinstance(module, RowParallelLinear) and input_dim is not None:
+        return torch.cat(all_gather(local), dim=input_dim)
+    if isinstance(module, ColumnParallelLinear) and output_dim is not None:
         shards = all_gather(local)
         parts = list(getattr(module, "output_partition_sizes", [local.shape[0]]))
         replicas = [getattr(module, "num_kv_head_replicas", 1) if i > 0 and len(parts) == 3 else 1
@@ -37,6 +38,14 @@ def gather_tensor_parallel(module: torch.nn.Module, param: torch.nn.Parameter, l
             offset += size
         return torch.cat(out, dim=0)
     return local
+
+
+def _dims(param: torch.nn.Parameter, local: torch.Tensor) -> tuple[int | None, int | None]:
+    """``(input_dim, output_dim)`` of a parameter's shards. vLLM's CPU backend replaces a prepacked weight by an
+    empty parameter without its loader's attributes; read through its kernel, it is ``(out, in)``."""
+    if param.numel() == 0 and local.dim() == 2:
+        return 1, 0
+    return getattr(param, "input_dim", None), getattr(param, "output_dim", None)
 
 
 def all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
