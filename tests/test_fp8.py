@@ -119,8 +119,7 @@ def test_fp8_replica_of_a_bf16_trainer_is_bit_exact_with_its_quantization(tiny_s
         bf16_replica.sync()
         assert bf16_replica.state_hash == state_hash(bf16)  # the bf16 chain beside it is unchanged
     assert kinds == ["anchor"] + ["delta"] * DELTAS
-    fp8_changed = [r for r in transfer.fp8_records[1:]]
-    assert all(0 < r.changed < r.total for r in fp8_changed)  # deltas: changed FP8 bytes and scales only
+    assert all(0 < r.changed < r.total for r in transfer.fp8_records[1:])  # deltas: changed FP8 bytes and scales only
     assert {n for n in replica.state if n.endswith(SCALE_SUFFIX)} and read_metadata(bucket)[Fp8Metadata.SCHEME.value]
 
 

@@ -95,10 +95,10 @@ class CheckpointLayout:
         from transformers.core_model_loading import revert_weight_conversion
 
         parts: dict[str, tuple[Part, ...]] = {}
-        for name, tensor in model.state_dict().items():
-            shapes = revert_weight_conversion(model, {name: torch.empty(tensor.shape, device="meta")})
-            if list(shapes) == [name]:
-                continue
+        state = model.state_dict()
+        kept = revert_weight_conversion(model, {n: torch.empty(t.shape, device="meta") for n, t in state.items()})
+        for name in [n for n in state if n not in kept]:  # the converted ones (none for most dense models)
+            tensor = state[name]
             dtype = torch.int32 if tensor.numel() < 2**31 else torch.int64
             probe = torch.arange(tensor.numel(), dtype=dtype).view(tensor.shape)
             found = []
