@@ -55,7 +55,9 @@ def test_vllm_follows_moe_deltas_through_its_fused_experts_bit_exact(cpu_env, mo
 
     bucket, records = published
     checkpoint = load_file(str(model_dir / "model.safetensors"))
-    engine = VllmEngine(str(model_dir), tensor_parallel_size=tp, **ENGINE_KWARGS)
+    engine = VllmEngine(
+        str(model_dir), tensor_parallel_size=tp, weight_transfer_config={"backend": "bucket"}, **ENGINE_KWARGS
+    )
     try:
         read = engine.read_state()
         assert sorted(read) == sorted(checkpoint) and sum(".mlp.experts." in n for n in read) == 2 * 8 * 3
