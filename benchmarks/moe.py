@@ -2,8 +2,9 @@
 
 The tiny Qwen3-MoE (:data:`rlsync.spaces.tiny_model.TinyModel.MOE`) is trained with RL-like
 policy-gradient steps (AdamW, sampled completions, random group-normalised rewards, as
-``benchmarks.adapter_sparsity``, a new ``reverse`` task's prompt each step), and every step is published to a local bucket in checkpoint
-names (one tensor per expert and projection, :class:`rlsync.checkpoint_layout.CheckpointLayout`).
+``benchmarks.adapter_sparsity``, a new ``reverse`` task's prompt each step), and every step is
+published to a local bucket in checkpoint names (one tensor per expert and projection,
+:class:`rlsync.checkpoint_layout.CheckpointLayout`).
 A hook on every router counts the tokens each expert received in the step's training forward.
 
 Per step and expert: tokens routed, changed bf16 elements, and the delta bytes of that expert's
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
                 per[e]["bytes"] = len(data) - empty
             rows.append({"step": step, "delta_bytes": record.nbytes, "changed": record.changed, "total": record.total,
                          "experts": per})
-            print(json.dumps({"step": step, "delta_bytes": record.nbytes, "untouched": sum(v["tokens"] == 0 for v in per.values())}), flush=True)
+            untouched = sum(v["tokens"] == 0 for v in per.values())
+            print(json.dumps({"step": step, "delta_bytes": record.nbytes, "untouched": untouched}), flush=True)
     cells = [v for r in rows for v in r["experts"].values()]
     untouched = [v for v in cells if v["tokens"] == 0]
     touched = [v for v in cells if v["tokens"] > 0]

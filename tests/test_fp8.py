@@ -142,7 +142,9 @@ def hostile_chain(bucket, state: dict[str, torch.Tensor], name: str, value) -> d
 
 
 @pytest.mark.parametrize(
-    "value", [float("nan"), float("inf"), 0.0, -MIN_SCALE, MIN_SCALE / 2, MAX_SCALE * 4, 0x7F], ids=["nan", "inf", "zero", "negative", "below", "above", "nan-byte"]
+    "value",
+    [float("nan"), float("inf"), 0.0, -MIN_SCALE, MIN_SCALE / 2, MAX_SCALE * 4, 0x7F],
+    ids=["nan", "inf", "zero", "negative", "below", "above", "nan-byte"],
 )
 def test_a_hostile_fp8_delta_is_refused_before_it_is_applied(tiny_state, tmp_path, value):
     _, master = tiny_state

@@ -51,7 +51,8 @@ def expert_change_frame(snap: Snapshot) -> pd.DataFrame:
         if r.get("kind") == "delta" and isinstance(r.get("version"), int) and isinstance(r.get("experts_changed_pct"), dict)
         for expert, pct in r["experts_changed_pct"].items()
     ]
-    return pd.DataFrame(rows, columns=["version", "expert", "changed_pct"]).astype({"version": "int64", "expert": "str", "changed_pct": "float64"})
+    frame = pd.DataFrame(rows, columns=["version", "expert", "changed_pct"])
+    return frame.astype({"version": "int64", "expert": "str", "changed_pct": "float64"})
 
 
 def delta_size_frame(snap: Snapshot) -> pd.DataFrame:
