@@ -21,6 +21,8 @@ Flags::
     --max-steps N       stop the trainer after N optimizer steps (default: TRAINER_MAX_STEPS or never)
     --lora              train a LoRA adapter (rank TRAINER_LORA_RANK, default 8) and serve its versions
                         from the bucket's adapter chain (docs/lora.md)
+    --model NAME        the trainer's and replicas' model: a folder, a Hub id, or tiny-moe for the tiny
+                        offline MoE (docs/moe.md) (default: TRAINER_MODEL / ROLLOUT_MODEL or the tiny model)
 
 Every other setting comes from the roles' environment variables
 (``TRAINER_*``, ``ROLLOUT_*``, ``ENV_*``, see each Space's README). "Start all"
@@ -80,6 +82,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--environment", default=None, help="environment name (default from ENV_ENVIRONMENT)")
     parser.add_argument("--max-steps", type=int, default=None, help="trainer optimizer steps (0: never stop)")
     parser.add_argument("--lora", action="store_true", help="train and serve a LoRA adapter (docs/lora.md)")
+    parser.add_argument("--model", default=None, help="model of the trainer and the replicas (tiny-moe: the tiny MoE, docs/moe.md)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     if args.replicas < 1:
@@ -130,10 +133,12 @@ class Stack:
         environment: Environment name (``None``: from ``ENV_ENVIRONMENT``).
         max_steps: Trainer step limit (``None``: from ``TRAINER_MAX_STEPS``).
         lora: Train a LoRA adapter (``TRAINER_LORA_RANK``, default :data:`DEFAULT_LORA_RANK`) and serve its versions.
+        model: The trainer's and the replicas' model (``None``: from ``TRAINER_MODEL`` and ``ROLLOUT_MODEL``).
     """
 
     def __init__(
-        self, bucket: str, replicas: int, environment: str | None = None, max_steps: int | None = None, lora: bool = False
+        self, bucket: str, replicas: int, environment: str | None = None, max_steps: int | None = None, lora: bool = False,
+        model: str | None = None,
     ) -> None:
         from env_space import app as env_app
         from rollout_space import app as rollout_app
@@ -141,13 +146,13 @@ class Stack:
 
         self.bucket = bucket
         self.replicas = replicas
-        self.trainer_config = TrainerConfig.from_env(bucket=bucket, max_steps=max_steps)
+        self.trainer_config = TrainerConfig.from_env(bucket=bucket, max_steps=max_steps, model=model)
         if lora and not self.trainer_config.lora_rank:
             self.trainer_config = dataclasses.replace(self.trainer_config, lora_rank=DEFAULT_LORA_RANK)
         self.env_config = EnvConfig.from_env(bucket=bucket, environment=environment)
         self.replica_config = ReplicaConfig.from_env(
             bucket=bucket, replica_id=os.environ.get("ROLLOUT_REPLICA_ID") or "replica",
-            **({"lora": True} if lora else {}),
+            model=model, **({"lora": True} if lora else {}),
         )  # fmt: skip
         self.trainer = trainer_app.make_runner()
         self.env = env_app.make_runner()
@@ -323,7 +328,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # "Loading weights" bars, one per model load
-    stack = Stack(args.bucket, args.replicas, environment=args.environment, max_steps=args.max_steps, lora=args.lora)
+    stack = Stack(
+        args.bucket, args.replicas, environment=args.environment, max_steps=args.max_steps, lora=args.lora, model=args.model
+    )
     demo = build_app(stack)
     options: dict[str, Any] = {**components.launch_options(args.host), "server_port": args.port}
     demo.launch(prevent_thread_lock=True, **options)  # first, so a busy port stops us before any role runs

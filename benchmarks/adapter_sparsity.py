@@ -35,16 +35,18 @@ from rlsync.spaces.tiny_model import tiny_model_path
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def policy_gradient_step(model, tokenizer, optimizer, generator: torch.Generator, group: int = 8) -> None:
-    """One RL-like step: sample ``group`` completions of a prompt, reward them at random, normalise, and
+def policy_gradient_step(
+    model, tokenizer, optimizer, generator: torch.Generator, group: int = 8, prompt: str = "reverse 1234 ="
+) -> None:
+    """One RL-like step: sample ``group`` completions of ``prompt``, reward them at random, normalise, and
     follow ``-advantage * log p(completion)``."""
-    prompt = tokenizer("reverse 1234 =", return_tensors="pt")["input_ids"].repeat(group, 1)
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"].repeat(group, 1)
     with torch.no_grad():
-        out = model.generate(prompt, max_new_tokens=8, do_sample=True, pad_token_id=tokenizer.pad_token_id or 0)
+        out = model.generate(ids, max_new_tokens=8, do_sample=True, pad_token_id=tokenizer.pad_token_id or 0)
     rewards = torch.rand(group, generator=generator)
     advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
-    logits = model(out).logits[:, prompt.shape[1] - 1 : -1].float()
-    logp = torch.log_softmax(logits, -1).gather(-1, out[:, prompt.shape[1] :, None]).squeeze(-1).sum(-1)
+    logits = model(out).logits[:, ids.shape[1] - 1 : -1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, out[:, ids.shape[1] :, None]).squeeze(-1).sum(-1)
     loss = -(advantages * logp).mean()
     optimizer.zero_grad()
     loss.backward()

@@ -10,7 +10,8 @@ import dataclasses
 import os
 import socket
 
-from rlsync.spaces.settings import default_model, from_env
+from rlsync.spaces.settings import from_env
+from rlsync.spaces.tiny_model import is_tiny_model
 
 TINY_MODEL_MAX_NEW_TOKENS, REAL_MODEL_MAX_NEW_TOKENS = 8, 64  # the CPU demo's answers are short; a chat model's are not
 
@@ -51,5 +52,5 @@ class ReplicaConfig:
     def with_model_defaults(self, device: str) -> "ReplicaConfig":
         """``max_new_tokens`` left at 0 takes the default of the model that will run (the same for a Space made
         by the deploy command or duplicated by hand)."""
-        tiny = not (self.model or default_model(device))
+        tiny = is_tiny_model(self.model, device)
         return dataclasses.replace(self, max_new_tokens=self.max_new_tokens or (TINY_MODEL_MAX_NEW_TOKENS if tiny else REAL_MODEL_MAX_NEW_TOKENS))

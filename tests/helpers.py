@@ -39,6 +39,33 @@ def sparse_rl_step(master: dict[str, torch.Tensor], seed: int) -> None:
         flat[idx] += torch.randn(idx.numel(), generator=g) * 0.02
 
 
+def publish_sparse_run(model_dir: Path, bucket, deltas: int, seed: int) -> list:
+    """Publish a model folder's checkpoint to ``bucket`` as an anchor (version 0), then ``deltas`` deltas of
+    :func:`sparse_rl_step`; returns the publish records."""
+    from safetensors.torch import load_file
+
+    from rlsync.protocol import FixedInterval, Publisher
+
+    pub = Publisher(bucket, policy=FixedInterval(100))
+    master = {n: t.float() for n, t in load_file(str(model_dir / "model.safetensors")).items()}
+    records = []
+    for step in range(deltas + 1):
+        if step:
+            sparse_rl_step(master, seed + step)
+        records.append(pub.publish(step, master))
+    assert [r.kind for r in records] == ["anchor"] + ["delta"] * deltas
+    return records
+
+
+def bucket_backend_update(llm, step: int | None) -> None:
+    """One weight update of a vLLM ``LLM`` through its ``bucket`` weight-transfer backend (``None``: the newest
+    version), as ``vllm serve``'s update routes run it."""
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"step": step}})
+    llm.finish_weight_update()
+    llm.reset_prefix_cache()
+
+
 def snapshot_in_hub_cache(model_dir: Path, cache: Path, repo_id: str) -> Path:
     """Copy a model folder into a local Hub cache as the ``main`` snapshot of ``repo_id`` (the layout
     huggingface_hub writes: ``models--OWNER--NAME/{refs/main, snapshots/COMMIT/}``); returns the snapshot."""

@@ -25,9 +25,9 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from rollout_space.engine import SamplingSettings  # noqa: E402
 from rlsync.hashing import state_hash  # noqa: E402
-from rlsync.protocol import FixedInterval, Publisher, Subscriber  # noqa: E402
+from rlsync.protocol import Subscriber  # noqa: E402
 from rlsync.spaces.tiny_model import build_tiny_model  # noqa: E402
-from tests.helpers import snapshot_in_hub_cache, sparse_rl_step  # noqa: E402
+from tests.helpers import bucket_backend_update, publish_sparse_run, snapshot_in_hub_cache  # noqa: E402
 
 #: Longer than a KV block (32 tokens, the CPU attention's smallest), so prefix caching reuses blocks.
 PROMPTS = [
@@ -92,15 +92,7 @@ def published(model_dir, tmp_path_factory):
     from rlsync.bucket import LocalBucket
 
     bucket = LocalBucket(tmp_path_factory.mktemp("bucket"))
-    pub = Publisher(bucket, policy=FixedInterval(100))
-    master = {n: t.float() for n, t in load_file(str(model_dir / "model.safetensors")).items()}
-    records = []
-    for step in range(DELTAS + 1):
-        if step:
-            sparse_rl_step(master, 1000 + step)
-        records.append(pub.publish(step, master))
-    assert [r.kind for r in records] == ["anchor"] + ["delta"] * DELTAS
-    return bucket, records
+    return bucket, publish_sparse_run(model_dir, bucket, DELTAS, seed=1000)
 
 
 @pytest.fixture(scope="module")
@@ -167,10 +159,7 @@ def test_bucket_weight_transfer_backend(engine, followed, published, model_dir):
     llm = engine.llm
     llm.init_weight_transfer_engine({"init_info": {"bucket": bucket.url}})
     for step in (2, None):
-        llm.start_weight_update()
-        llm.update_weights({"update_info": {"step": step}})
-        llm.finish_weight_update()
-        llm.reset_prefix_cache()
+        bucket_backend_update(llm, step)
         assert engine.state_hash() == records[-1 if step is None else step].state_hash
     assert engine.generate(PROMPTS, GREEDY) == followed["after"]
 

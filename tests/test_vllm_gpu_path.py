@@ -81,7 +81,7 @@ def _run(cases: dict, world_size: int, out: Path) -> list[dict]:
         TORCHDYNAMO_DISABLE="1",
         VLLM_PLUGINS="",
         OMP_NUM_THREADS="1",
-        PYTHONPATH=str(ROOT),
+        PYTHONPATH=f"{ROOT / 'shared'}:{ROOT}",
     )
     proc = subprocess.run(
         [sys.executable, "-m", "tests.vllm_gpu_path_child", str(out / "spec.json")],

@@ -81,6 +81,7 @@ def build_panel(
         anchor = components.anchor_policy_controls(live, default=config.policy(), prefix=prefix)
         gr.Markdown("### Weight sync")
         plots = components.sync_plots(live, prefix=prefix)
+        experts = components.expert_plot(live, prefix=prefix)
         with gr.Row():
             with gr.Column(scale=3):
                 reward = components.reward_plot(live, prefix=prefix)
@@ -93,6 +94,7 @@ def build_panel(
         "summary": summary,
         "anchor": anchor,
         "plots": plots,
+        "experts": experts,
         "reward": reward,
         "publishes": publishes,
         "fleet": fleet,

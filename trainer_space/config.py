@@ -12,7 +12,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from rlsync.defaults import DEFAULT_ANCHOR_INTERVAL, DEFAULT_CODEC, DEFAULT_MAX_CATCHUP_RATIO
-from rlsync.spaces.settings import default_model, from_env
+from rlsync.spaces.settings import from_env
+from rlsync.spaces.tiny_model import is_tiny_model
 
 if TYPE_CHECKING:
     from rlsync.adapters import LoraSpec
@@ -68,6 +69,7 @@ class TrainerConfig:
     lora_rank: int = dataclasses.field(default=0, metadata={"help": "train a LoRA adapter of this rank and publish adapter versions under adapters/ (0: train all weights)"})
     lora_alpha: float = dataclasses.field(default=16.0, metadata={"help": "LoRA alpha (the update is scaled by alpha / rank)"})
     lora_target_modules: str = dataclasses.field(default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", metadata={"help": "comma-separated module names the adapter wraps"})
+    fp8: bool = dataclasses.field(default=False, metadata={"help": "also publish an FP8 serving chain under fp8/: 128x128-block e4m3 weights quantized from each bf16 version, for replicas serving FP8 (docs/fp8.md)"})
     report_to: str = dataclasses.field(default=ReportTo.AUTO.value, metadata={"help": "'trackio', 'none' or 'auto' (trackio on a Space, i.e. SPACE_ID set; none elsewhere); TRL's logs and the sync figures go there (report_to)"})
     trackio_project: str = dataclasses.field(default="rlsync", metadata={"help": "Trackio project (project)"})
     trackio_space_id: str = dataclasses.field(default="", metadata={"help": "Trackio Space to log to, e.g. 'user/trackio' (empty: local Trackio database only) (trackio_space_id)"})
@@ -81,7 +83,7 @@ class TrainerConfig:
         """``lr`` and ``adam_epsilon`` left at 0 take the defaults of the model that will train: the CPU
         demo's for the tiny offline model, conservative ones for a real model (e.g. Qwen3-0.6B on a GPU);
         a LoRA run (``lora_rank``) has its own."""
-        tiny = not (self.model or default_model(device))
+        tiny = is_tiny_model(self.model, device)
         lr, eps = (TINY_MODEL_LR, TINY_MODEL_ADAM_EPSILON) if tiny else (REAL_MODEL_LR, REAL_MODEL_ADAM_EPSILON)
         if self.lora_rank:
             lr, eps = (TINY_MODEL_LORA_LR if tiny else REAL_MODEL_LORA_LR), LORA_ADAM_EPSILON

@@ -56,6 +56,8 @@ from rlsync.spaces.anchor_policy import ControlledPolicy, write_policy
 from rlsync.spaces.demand import Pacing
 from rlsync.spaces.exchange import MetricsLog, Refusals, SampleLimits, open_role_bucket, read_samples
 from rlsync.spaces.settings import resolve_device, space_owner
+from rlsync.checkpoint_layout import CheckpointLayout, expert_changed_pct
+from rlsync.fp8 import fp8_publisher
 from rlsync.spaces.tiny_model import model_or_default
 from rlsync.trl import (
     BucketAdapterSync,
@@ -138,6 +140,8 @@ class Trainer:
             new_run=config.new_run,
         )  # fmt: skip
         lora = config.lora()
+        model = model_or_default(config.model, config.device, get_environment)
+        layout = CheckpointLayout.from_pretrained(model) if not lora else None  # a MoE's fused experts, per expert
         self.adapter_sync = BucketAdapterSync(self.bucket, **chain_settings) if lora else None
         if self.adapter_sync is not None:
             self.transfer = self.adapter_sync.transfer
@@ -145,7 +149,9 @@ class Trainer:
         else:
             self.transfer = BucketWeightTransfer(
                 publisher=Publisher(self.bucket, **chain_settings), on_publish=self._record_publish,
-                on_non_finite=self._restore_published,
+                on_non_finite=self._restore_published, layout=layout if layout and layout.parts else None,
+                fp8=fp8_publisher(self.bucket, policy=config.policy(), keep_anchors=config.keep_anchors, codec=config.codec,
+                                  owner=chain_settings["owner"]) if config.fp8 else None,
             )  # fmt: skip
         self.publisher = self.transfer.publisher
         self.checkpoints = BucketCheckpoints(self.bucket, keep=config.keep_checkpoints, chain=self.publisher)
@@ -155,7 +161,6 @@ class Trainer:
         self.stop_requested = False
         self.refusals = Refusals()
         self._thread: threading.Thread | None = None
-        model = model_or_default(config.model, config.device, get_environment)
         tokenizer = AutoTokenizer.from_pretrained(model)
         self.vocab_size = len(tokenizer)
         self.worker = BucketRolloutWorker(
@@ -237,6 +242,8 @@ class Trainer:
             self.adapter_sync.restore(published)
             return
         params = dict(self.trl.model.named_parameters())
+        if self.transfer.layout is not None:  # published in checkpoint names: views of the fused parameters
+            params = self.transfer.layout.checkpoint_state(params)
         with torch.no_grad():
             for name, tensor in published.items():
                 if name in params:
@@ -250,6 +257,8 @@ class Trainer:
             changed_pct=100 * rec.changed_fraction,
             trl_nbytes=trl_layout_bytes(rec.changed, len(self.publisher.detector.published or ())),
             encode_s=rec.encode_s, hash_s=rec.hash_s, upload_s=rec.upload_s, catchup_bytes=rec.catchup_bytes,
+            **({"experts_changed_pct": expert_changed_pct(rec.changed_tensors, self.publisher.detector.published or {})}
+               if self.transfer.layout is not None and rec.kind == "delta" else {}),
         )  # fmt: skip
         if self.trackio is not None:
             self.trackio.record(rec)

@@ -2,7 +2,9 @@
 
 Weights are addressed by their checkpoint names (the tensor names in the model
 folder's ``model.safetensors``), so a replica can hand this engine exactly what
-it received from the bucket. Tied parameters (e.g. ``lm_head.weight`` tied to
+it received from the bucket. Where transformers converts weights on load (a MoE
+model's fused experts), each checkpoint tensor is a view of the fused parameter
+(:class:`~rlsync.checkpoint_layout.CheckpointLayout`), written in place. Tied parameters (e.g. ``lm_head.weight`` tied to
 ``model.embed_tokens.weight``) are written once, through the name that the
 checkpoint stores.
 
@@ -31,6 +33,7 @@ import torch
 
 from rollout_space.engine import Completion, Engine, SamplingSettings, register_engine
 from rlsync.adapters import AdapterChain
+from rlsync.checkpoint_layout import CheckpointLayout
 from rlsync.hashing import state_hash
 from rlsync.lora import peft_config
 from rlsync.patch import TensorPatch
@@ -379,6 +382,8 @@ def _map_checkpoint_names(
             neither in the checkpoint nor tied to one that is.
     """
     own = model.state_dict(keep_vars=True)
+    if names is not None and not own.keys() >= set(names):  # converted on load (fused MoE experts): views of them
+        own = CheckpointLayout.of_model(model).checkpoint_state(own)
     if names is None:  # no safetensors file: keep the first name of each storage
         seen: set[int] = set()
         names = []

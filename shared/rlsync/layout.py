@@ -8,6 +8,7 @@ Layout of a bucket::
     deltas/000000000011-e0003.safetensors        changed elements only (or .../part-00001-of-00004.safetensors)
     checkpoints/0000000010/...                   the trainer's checkpoints, COMPLETE.json last
     adapters/...                                 a LoRA run's adapter chain: the same layout under this prefix
+    fp8/...                                      an FP8 serving chain of the bf16 weights: the same layout under this prefix
     control/publisher.json                       the anchor policy, set from any panel
     control/demand.json                          what the trainer asks the env for
     tasks/0000000005.json                        a batch of tasks
@@ -31,7 +32,7 @@ import re
 
 __all__ = [
     "POINTER_KEY", "LOCK_KEY", "ANCHOR_PREFIX", "DELTA_PREFIX", "CHECKPOINTS_PREFIX", "CHECKPOINT_MARKER",
-    "ADAPTER_PREFIX", "CONTROL_PREFIX", "CONTROL_KEY", "DEMAND_KEY", "TASKS_PREFIX", "ROLLOUTS_PREFIX",
+    "ADAPTER_PREFIX", "FP8_PREFIX", "CONTROL_PREFIX", "CONTROL_KEY", "DEMAND_KEY", "TASKS_PREFIX", "ROLLOUTS_PREFIX",
     "SCORES_PREFIX", "CLAIMS_PREFIX", "STATUS_PREFIX", "METRICS_PREFIX", "REPORT_PREFIXES", "MAX_BATCH",
     "ANCHOR_FILE", "DELTA_FILE",
     "anchor_folder", "delta_key", "part_name", "delta_part_key", "checkpoint_folder", "check_id", "is_id", "task_key",
@@ -48,6 +49,8 @@ CHECKPOINTS_PREFIX = "checkpoints/"
 CHECKPOINT_MARKER = "COMPLETE.json"
 #: A LoRA run's adapter chain: the weights chain's layout again, under this prefix.
 ADAPTER_PREFIX = "adapters/"
+#: The FP8 serving chain a trainer may publish beside the bf16 one (rlsync.fp8): the same layout under this prefix.
+FP8_PREFIX = "fp8/"
 
 # -- control objects --------------------------------------------------------------------------------
 CONTROL_PREFIX = "control/"

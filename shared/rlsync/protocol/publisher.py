@@ -55,6 +55,8 @@ class PublishRecord:
     upload_s: float
     catchup_bytes: int
     keys: list[str]
+    #: Changed elements per tensor name (deltas; empty for anchors).
+    changed_tensors: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def changed_fraction(self) -> float:
@@ -383,6 +385,7 @@ class Publisher:
             step, "delta", len(data), changed, total, result_hash,
             encode_s=encode_s + (t3 - t2), hash_s=hash_s, upload_s=t4 - t3,
             catchup_bytes=self.manifest.catchup_bytes(), keys=[key],
+            changed_tensors={name: int(c.index.size) for name, c in changes.items()},
         )  # fmt: skip
 
     def _publish_anchor(self, step: int, state: Mapping[str, torch.Tensor], owned: bool = False) -> PublishRecord:

@@ -45,7 +45,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Mapping, MutableMapping
+from typing import Callable, Mapping, MutableMapping
 
 import numpy as np
 import torch
@@ -152,6 +152,10 @@ class Subscriber:
             (contiguous; tied names may share one storage). Anchors are copied into them and
             deltas scattered into them, so no second copy of the model exists; every anchor
             must name all of them. Default: the subscriber holds a state of its own on ``device``.
+        check_values: Called with each tensor an anchor would load and the new values of each
+            patch a delta would write (name, 1-D values), after decoding and before anything is
+            applied; raising :class:`~rlsync.errors.FormatError` refuses the update (e.g. an FP8
+            chain's scales, :func:`rlsync.fp8.check_fp8_values`).
     """
 
     def __init__(
@@ -163,9 +167,11 @@ class Subscriber:
         max_parallel_downloads: int = DEFAULT_MAX_PARALLEL_DOWNLOADS,
         expect_metadata: Mapping[str, str] | None = None,
         weights: MutableMapping[str, torch.Tensor] | None = None,
+        check_values: Callable[[str, torch.Tensor], None] | None = None,
     ) -> None:
         self.bucket = bucket
         self.expect_metadata = dict(expect_metadata or {})
+        self.check_values = check_values
         self.device = torch.device(device)
         self.workdir = Path(workdir) if workdir else None
         self.state: dict[str, torch.Tensor] = {}
@@ -325,6 +331,9 @@ class Subscriber:
                     old_bits.setdefault(name, []).append(delta.old_bits[name])
                 changed += delta.changed
             merged = {name: _merge_patches(name, parts) for name, parts in patches.items()}
+            if self.check_values is not None:
+                for name, patch in merged.items():
+                    self.check_values(name, patch.values)
             old = {name: np.concatenate(parts) if len(parts) > 1 else parts[0] for name, parts in old_bits.items()}
             check_tied(self.state, merged)
             lanes = self._updated_lanes(merged, old)
@@ -366,6 +375,9 @@ class Subscriber:
             if metadata.get("step") != str(entry.step) or metadata.get("state_hash") != entry.state_hash:
                 raise FormatError(f"anchor {entry.step}: metadata disagrees with the pointer")
             check_anchor(entry.step, tensors, self.state, self._weights)
+            if self.check_values is not None:
+                for name, tensor in tensors.items():
+                    self.check_values(name, tensor.reshape(-1))
             lanes = StateLanes.of(tensors)
             if lanes.hexdigest() != entry.state_hash:
                 raise HashMismatchError(f"anchor {entry.step}: content does not match its hash")

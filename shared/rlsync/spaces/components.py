@@ -29,6 +29,7 @@ from .frames import (
     delta_ratio_frame,
     delta_size_frame,
     episodes_frame,
+    expert_change_frame,
     fleet_lag_frame,
     fleet_frame,
     recent_publishes_frame,
@@ -170,6 +171,10 @@ FLEET_LAG_CHART = Chart(
     series=KIND_COLORS, formats={"seconds": ".2f"}, y_title="seconds",
     subtitle="from the trainer's publish until every replica holds this version or a newer one",
 )
+EXPERT_CHART = Chart(
+    "MoE: % of each expert changed per delta (layer.expert)", x="version", y="changed_pct", color="expert",
+    y_title="% changed", formats={"changed_pct": ".2f"}, height=260,
+)
 STALENESS_CHART = Chart(
     "Staleness of trained samples (versions behind)", x="staleness", y="samples", mark=Mark.BAR,
     series={"samples": "#ff7f0e"},
@@ -273,6 +278,11 @@ def sync_plots(
     if own:
         live.attach()
     return {"size": size, "changed": changed, "timing": timing, "apply": apply, "fleet_lag": fleet_lag}
+
+
+def expert_plot(source: BucketSource | Live, prefix: str = "") -> Any:
+    """A MoE run's changed percentage of each expert per delta (empty for a dense model; docs/moe.md)."""
+    return chart_plot(source, EXPERT_CHART, lambda view, snap: expert_change_frame(snap), f"{prefix}plot-experts")
 
 
 def publishes_table(source: BucketSource | Live, prefix: str = "") -> Any:

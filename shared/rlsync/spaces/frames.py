@@ -43,6 +43,18 @@ def publish_frame(snap: Snapshot) -> pd.DataFrame:
     return frame.astype({"version": "int64", "kind": "str"}).astype({c: "float64" for c in PUBLISH_COLUMNS[2:]})
 
 
+def expert_change_frame(snap: Snapshot) -> pd.DataFrame:
+    """A MoE run's changed percentage of each expert (``"<layer>.<expert>"``) per delta."""
+    rows = [
+        {"version": r["version"], "expert": str(expert), "changed_pct": as_number(pct)}
+        for r in snap.trainer_rows
+        if r.get("kind") == "delta" and isinstance(r.get("version"), int) and isinstance(r.get("experts_changed_pct"), dict)
+        for expert, pct in r["experts_changed_pct"].items()
+    ]
+    frame = pd.DataFrame(rows, columns=["version", "expert", "changed_pct"])
+    return frame.astype({"version": "int64", "expert": "str", "changed_pct": "float64"})
+
+
 def delta_size_frame(snap: Snapshot) -> pd.DataFrame:
     """Size of each published version (KB), anchors and deltas told apart by ``kind``."""
     return publish_frame(snap)[["version", "KB", "kind"]]

@@ -1,5 +1,10 @@
 """A small, offline, deterministic Qwen3-architecture causal LM for tests and CPU demos.
 
+Two architectures (:class:`TinyModel`): the dense Qwen3 (the default), and a Qwen3-MoE with
+:data:`TINY_MOE_CONFIG`'s experts (8 per layer, 2 routed per token), the same tokenizer and
+warm-up. A model setting naming one (``TRAINER_MODEL=tiny-moe``, ``app.py --model tiny-moe``)
+builds it (:func:`model_or_default`).
+
 Nothing here downloads anything: the weights are initialised from a seed and the
 tokenizer is a character-level vocabulary built with the ``tokenizers`` library.
 The folder written by :func:`build_tiny_model` is a normal Hugging Face model
@@ -37,6 +42,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
 import logging
@@ -88,6 +94,32 @@ TINY_MODEL_CONFIG: dict[str, Any] = {
 }
 
 
+#: The MoE variant (``transformers.Qwen3MoeConfig`` keyword arguments): every layer's MLP is 8
+#: experts of :data:`TINY_MODEL_CONFIG`'s width, 2 routed per token; sizes vLLM's CPU MoE kernels
+#: and 128x128 FP8 blocks take (multiples of 128).
+TINY_MOE_CONFIG: dict[str, Any] = {
+    **TINY_MODEL_CONFIG,
+    "moe_intermediate_size": 128,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+}
+
+
+class TinyModel(str, enum.Enum):
+    """The built-in offline models, by the name a model setting gives them."""
+
+    DENSE = "tiny"
+    MOE = "tiny-moe"
+
+    @property
+    def base_config(self) -> dict[str, Any]:
+        """The architecture's config keyword arguments."""
+        return TINY_MOE_CONFIG if self is TinyModel.MOE else TINY_MODEL_CONFIG
+
+
 @dataclasses.dataclass(frozen=True)
 class WarmupSettings:
     """Settings of the seeded format warm-up done at build time.
@@ -119,26 +151,27 @@ def vocabulary() -> dict[str, int]:
     return {tok: i for i, tok in enumerate(tokens)}
 
 
-def tiny_model_config(**overrides: Any):
-    """Build the ``transformers.Qwen3Config`` of the tiny model.
+def tiny_model_config(kind: TinyModel = TinyModel.DENSE, **overrides: Any):
+    """Build the ``transformers`` config of the tiny model.
 
     Args:
-        **overrides: Keys of :data:`TINY_MODEL_CONFIG` to change.
+        kind: The architecture.
+        **overrides: Keys of its config (:data:`TINY_MODEL_CONFIG`, :data:`TINY_MOE_CONFIG`) to change.
 
     Returns:
-        A ``Qwen3Config`` whose vocabulary and special ids match the tiny tokenizer.
+        A ``Qwen3Config`` (``Qwen3MoeConfig``) whose vocabulary and special ids match the tiny tokenizer.
 
     Raises:
         KeyError: An override names an unknown key.
     """
-    from transformers import Qwen3Config
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
-    unknown = set(overrides) - set(TINY_MODEL_CONFIG)
+    unknown = set(overrides) - set(kind.base_config)
     if unknown:
         raise KeyError(f"unknown tiny-model config keys: {sorted(unknown)}")
     vocab = vocabulary()
-    kwargs = {**TINY_MODEL_CONFIG, **overrides}
-    return Qwen3Config(
+    kwargs = {**kind.base_config, **overrides}
+    return (Qwen3MoeConfig if kind is TinyModel.MOE else Qwen3Config)(
         vocab_size=len(vocab),
         pad_token_id=vocab[PAD_TOKEN],
         bos_token_id=vocab[BOS_TOKEN],
@@ -190,6 +223,7 @@ def build_tiny_model(
     warmup: WarmupSettings | None = None,
     config_overrides: dict[str, Any] | None = None,
     environments: EnvironmentLookup | None = None,
+    kind: TinyModel = TinyModel.DENSE,
 ) -> Path:
     """Build the tiny model and tokenizer into ``path`` (created if missing).
 
@@ -202,8 +236,9 @@ def build_tiny_model(
         seed: Seed of the weight initialisation (and of the warm-up data).
         warmup_steps: Shorthand for ``WarmupSettings(steps=warmup_steps)``.
         warmup: Full warm-up settings; overrides ``warmup_steps``.
-        config_overrides: Changes to :data:`TINY_MODEL_CONFIG`.
+        config_overrides: Changes to the architecture's config.
         environments: Source of the warm-up tasks; needed when the warm-up has steps.
+        kind: The architecture (dense or MoE).
 
     Returns:
         The output folder.
@@ -211,17 +246,17 @@ def build_tiny_model(
     Raises:
         ValueError: The warm-up has steps but no ``environments`` were given.
     """
-    from transformers import GenerationConfig, Qwen3ForCausalLM
+    from transformers import GenerationConfig, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     warmup = warmup or WarmupSettings(steps=warmup_steps)
-    config = tiny_model_config(**(config_overrides or {}))
+    config = tiny_model_config(kind, **(config_overrides or {}))
     tokenizer = build_tokenizer()
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config).to(torch.float32)
+        model = (Qwen3MoeForCausalLM if kind is TinyModel.MOE else Qwen3ForCausalLM)(config).to(torch.float32)
     if warmup.steps > 0:
         if environments is None:
             raise ValueError("the tiny model's warm-up needs environments (e.g. env_space.environments.get_environment)")
@@ -245,12 +280,13 @@ def build_tiny_model(
 
 
 def tiny_model_hash(
-    *, seed: int = 0, warmup: WarmupSettings | None = None, config_overrides: dict[str, Any] | None = None
+    *, seed: int = 0, warmup: WarmupSettings | None = None, config_overrides: dict[str, Any] | None = None,
+    kind: TinyModel = TinyModel.DENSE,
 ) -> str:
-    """Return a short hash identifying a build (config, vocabulary, seed, warm-up, build version)."""
+    """Return a short hash identifying a build (architecture and config, vocabulary, seed, warm-up, build version)."""
     desc = {
         "version": BUILD_VERSION,
-        "config": {**TINY_MODEL_CONFIG, **(config_overrides or {})},
+        "config": {**kind.base_config, **(config_overrides or {})},
         "vocab": list(vocabulary()),
         "seed": seed,
         "warmup": dataclasses.asdict(warmup or WarmupSettings()),
@@ -283,6 +319,7 @@ def tiny_model_path(
     warmup: WarmupSettings | None = DEFAULT_WARMUP,
     config_overrides: dict[str, Any] | None = None,
     environments: EnvironmentLookup | None = None,
+    kind: TinyModel = TinyModel.DENSE,
 ) -> Path:
     """Return the folder of a cached tiny model, building it on first use.
 
@@ -296,21 +333,22 @@ def tiny_model_path(
         seed: Initialisation seed.
         warmup: Warm-up settings (``None`` for no warm-up); by default
             :data:`DEFAULT_WARMUP`.
-        config_overrides: Changes to :data:`TINY_MODEL_CONFIG`.
+        config_overrides: Changes to the architecture's config.
         environments: Source of the warm-up tasks (see :func:`build_tiny_model`).
+        kind: The architecture (dense or MoE).
 
     Returns:
         The model folder.
     """
     warmup = warmup or WarmupSettings()
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = root / f"tiny-model-{tiny_model_hash(seed=seed, warmup=warmup, config_overrides=config_overrides)}"
+    final = root / f"tiny-model-{tiny_model_hash(seed=seed, warmup=warmup, config_overrides=config_overrides, kind=kind)}"
     if _is_complete(final):
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
-        build_tiny_model(tmp, seed=seed, warmup=warmup, config_overrides=config_overrides, environments=environments)
+        build_tiny_model(tmp, seed=seed, warmup=warmup, config_overrides=config_overrides, environments=environments, kind=kind)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -390,10 +428,19 @@ def _supervised_batch(
     return input_ids, attention, labels
 
 
-def model_or_default(model: str, device: str, environments: EnvironmentLookup | None = None) -> str:
-    """``model`` if set, else the device's default (:func:`rlsync.spaces.settings.default_model`: Qwen3-0.6B on a
-    GPU), else this tiny offline model's folder (built once, deterministically, without any download; its
-    warm-up draws tasks from ``environments``)."""
+def is_tiny_model(model: str, device: str) -> bool:
+    """Whether the model setting ``model`` trains or serves a tiny offline model on ``device`` (named, or the CPU default)."""
     from .settings import default_model
 
+    return model in {k.value for k in TinyModel} or not (model or default_model(device))
+
+
+def model_or_default(model: str, device: str, environments: EnvironmentLookup | None = None) -> str:
+    """``model`` if set (a :class:`TinyModel` name gives that tiny model's folder), else the device's default
+    (:func:`rlsync.spaces.settings.default_model`: Qwen3-0.6B on a GPU), else this tiny offline model's folder
+    (built once, deterministically, without any download; its warm-up draws tasks from ``environments``)."""
+    from .settings import default_model
+
+    if model in {k.value for k in TinyModel}:
+        return str(tiny_model_path(environments=environments, kind=TinyModel(model)))
     return model or default_model(device) or str(tiny_model_path(environments=environments))

@@ -22,7 +22,9 @@ from typing import Callable, Iterator
 import torch
 
 from ..bucket import Bucket
+from ..checkpoint_layout import CheckpointLayout
 from ..errors import NonFiniteError
+from ..fp8 import quantize_stream
 from ..protocol import Publisher, PublishRecord, read_manifest
 from ..protocol.run import run_exists_error
 
@@ -51,6 +53,13 @@ class BucketWeightTransfer:
             ``trainer.train(resume_from_checkpoint=...)``); set, the bucket's run is continued.
         new_run: On a bucket that holds a run and without ``resume_from_checkpoint``, start a
             new run (new run id, its first version an anchor) instead of refusing.
+        layout: Where the checkpoint tensors lie in the model's own (a MoE model's fused experts,
+            :class:`~rlsync.checkpoint_layout.CheckpointLayout`): the versions are published in
+            checkpoint names, one tensor per expert, as views of the tensors TRL streams.
+        fp8: The publisher of an FP8 serving chain (:func:`rlsync.fp8.fp8_publisher`): every version
+            is also quantized from its bf16 bits as each tensor streams past, and published to
+            that chain under the same version number. It continues or starts its run as the bf16
+            chain does.
 
     Runs: on an empty bucket the first send is version 0 of a new run. On a bucket that already
     holds a run, :meth:`init_weight_transfer` takes the run lock and, resuming from a checkpoint,
@@ -69,6 +78,8 @@ class BucketWeightTransfer:
         on_non_finite: Callable[[NonFiniteError], None] | None = None,
         resume_from_checkpoint: str | os.PathLike[str] | bool | None = None,
         new_run: bool = False,
+        layout: CheckpointLayout | None = None,
+        fp8: Publisher | None = None,
     ) -> None:
         if publisher is None:
             if bucket is None:
@@ -81,6 +92,9 @@ class BucketWeightTransfer:
         self.on_non_finite = on_non_finite
         self.non_finite_refused = 0
         self.records: list[PublishRecord] = []
+        self.layout = layout
+        self.fp8 = fp8
+        self.fp8_records: list[PublishRecord] = []
         self._initialised = False
 
     @property
@@ -113,6 +127,11 @@ class BucketWeightTransfer:
                 self.publisher.start_new_run()
             else:
                 self.publisher.resume()  # the run lock; the bucket is empty
+        if self.fp8 is not None:  # the FP8 chain follows the bf16 chain's decision
+            if self.resume_from_checkpoint or read_manifest(self.fp8.bucket) is None:
+                self.fp8.resume()
+            else:
+                self.fp8.start_new_run()
         self._initialised = True
         if state is not None:
             logger.info("continuing the bucket's run after version %d", self.publisher.step)
@@ -140,7 +159,21 @@ class BucketWeightTransfer:
             SyncError, RunLockedError, FencedError, BucketError: as :meth:`Publisher.publish_stream`.
         """
         self.continue_run()
-        self._publish(lambda step: self.publisher.publish_stream(step, iterator))
+        pairs = self.layout.stream(iterator) if self.layout is not None else iterator
+        if self.fp8 is None:
+            self._publish(lambda step: self.publisher.publish_stream(step, pairs))
+            return
+        quantized: list[tuple[str, torch.Tensor]] = []
+
+        def quantizing() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in pairs:
+                yield name, tensor
+                quantized.extend(quantize_stream([(name, tensor)], self.publisher.dtype or tensor.dtype))
+
+        record = self._publish(lambda step: self.publisher.publish_stream(step, quantizing()))
+        if record is not None:
+            self.fp8_records.append(self.fp8.publish_stream(record.step, quantized))
+            del self.fp8_records[:-100]
 
     def _publish(self, publish: Callable[[int], PublishRecord]) -> PublishRecord | None:
         """Run ``publish`` for the next version; keep its record, or hand a non-finite refusal to ``on_non_finite``."""

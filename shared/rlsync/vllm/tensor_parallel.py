@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gather_tensor_parallel", "packed_part_sizes"]
+__all__ = ["all_gather", "gather_tensor_parallel", "packed_part_sizes"]
 
 
 def gather_tensor_parallel(module: torch.nn.Module, param: torch.nn.Parameter, local: torch.Tensor) -> torch.Tensor:
@@ -23,11 +23,12 @@ def gather_tensor_parallel(module: torch.nn.Module, param: torch.nn.Parameter, l
     if tp == 1:
         return local
     if isinstance(module, VocabParallelEmbedding):
-        return torch.cat(_all_gather(local), dim=0) if local.dim() >= 1 else local
-    if isinstance(module, RowParallelLinear) and getattr(param, "input_dim", None) is not None:
-        return torch.cat(_all_gather(local), dim=param.input_dim)
-    if isinstance(module, ColumnParallelLinear) and getattr(param, "output_dim", None) is not None:
-        shards = _all_gather(local)
+        return torch.cat(all_gather(local), dim=0) if local.dim() >= 1 else local
+    input_dim, output_dim = _dims(param, local)
+    if isinstance(module, RowParallelLinear) and input_dim is not None:
+        return torch.cat(all_gather(local), dim=input_dim)
+    if isinstance(module, ColumnParallelLinear) and output_dim is not None:
+        shards = all_gather(local)
         parts = list(getattr(module, "output_partition_sizes", [local.shape[0]]))
         replicas = [getattr(module, "num_kv_head_replicas", 1) if i > 0 and len(parts) == 3 else 1
                     for i in range(len(parts))]  # QKV: k and v heads may be replicated over ranks
@@ -39,8 +40,17 @@ def gather_tensor_parallel(module: torch.nn.Module, param: torch.nn.Parameter, l
     return local
 
 
-def _all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Every TP rank's copy of `tensor`, in rank order, through the group's CPU (gloo) group.
+def _dims(param: torch.nn.Parameter, local: torch.Tensor) -> tuple[int | None, int | None]:
+    """``(input_dim, output_dim)`` of a parameter's shards. vLLM's CPU backend replaces a prepacked weight by an
+    empty parameter without its loader's attributes; read through its kernel, it is ``(out, in)``."""
+    if param.numel() == 0 and local.dim() == 2:
+        return 1, 0
+    return getattr(param, "input_dim", None), getattr(param, "output_dim", None)
+
+
+def all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every TP rank's copy of `tensor`, in rank order, through the group's CPU (gloo) group
+    (``[tensor]`` at TP 1). A collective at TP > 1.
 
     Moved through CPU as raw bytes: gloo does not reduce or gather every dtype (bf16, fp8).
     """
@@ -48,6 +58,8 @@ def _all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
     from vllm.distributed import get_tp_group
 
     group = get_tp_group()
+    if group.world_size == 1:
+        return [tensor]
     raw = tensor.detach().to("cpu").contiguous().view(torch.uint8)
     gathered = [torch.empty_like(raw) for _ in range(group.world_size)]
     dist.all_gather(gathered, raw, group=group.cpu_group)

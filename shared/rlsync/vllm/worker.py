@@ -1,11 +1,10 @@
 """Worker-side weight sync for vLLM: applying verified updates inside a vLLM worker.
 
-vLLM runs the model in worker processes; the driver reaches them with
-``LLM.collective_rpc``. :class:`SyncWorkerExtension` is mixed into the worker
-class (``LLM(worker_extension_cls="rlsync.vllm.worker.SyncWorkerExtension")``)
-and adds the ``sync_*`` methods the :class:`~rollout_space.engines.vllm_engine.VllmEngine`
-calls. The same :class:`ModelWeights` logic serves the ``bucket`` weight-transfer
-backend (``vllm_transfer.py``), which runs inside the worker too.
+vLLM runs the model in worker processes; the driver reaches them with ``LLM.collective_rpc``.
+:class:`SyncWorkerExtension` is mixed into the worker class
+(``LLM(worker_extension_cls="rlsync.vllm.worker.SyncWorkerExtension")``) and adds the ``sync_*``
+methods :class:`~rollout_space.engines.vllm_engine.VllmEngine` calls. The same :class:`ModelWeights`
+logic serves the ``bucket`` weight-transfer backend (``vllm_transfer.py``), inside the worker too.
 
 How an update reaches the weights depends on how a module keeps them:
 
@@ -26,7 +25,8 @@ How an update reaches the weights depends on how a module keeps them:
   module that owns the loaded weight.
 
 Reading back (:meth:`ModelWeights.read`) returns checkpoint names and layouts:
-packed parameters are split back into ``q/k/v`` and ``gate/up``, vocabulary
+packed parameters are split back into ``q/k/v`` and ``gate/up``, fused MoE experts
+into one tensor per expert and projection (:mod:`rlsync.vllm.experts`), vocabulary
 padding is cut off. A prepacked CPU weight cannot be read from memory, so it is
 read *through its kernel*: multiplying the identity by ``W^T`` with the very
 kernel that serves requests returns ``W`` exactly (one non-zero product per
@@ -35,19 +35,17 @@ cannot recover is the sign of a zero: ``-0.0`` reads back as ``+0.0`` (and a
 weight of ``+-inf`` would poison its column); a trainer state holding ``-0.0``
 therefore hashes differently when read back from the CPU backend.
 
-Tensor payloads between the driver and the workers are safetensors blobs (see
-:func:`pack_tensors`): inline bytes when small, a file in a spool folder when
-large, because ``collective_rpc`` arguments are msgpack-encoded control messages.
+Tensor payloads between the driver and the workers are safetensors blobs (:func:`pack_tensors`):
+inline bytes when small, a file in a spool folder when large (``collective_rpc`` arguments are msgpack).
 
 Tensor parallelism: patches and reloads are given in global checkpoint coordinates
 and the model's loader slices them per rank. Reading back gathers each sharded
 parameter over the tensor-parallel group (a collective: every rank must read the
 same names), so read-back and the state hash work at any TP size.
 
-Quantized modules (fp8 and other non-"unquantized" methods) and non-float tensors
-are never patched in place: a bf16 value written into an fp8 weight without its
-scale would be wrong, and vLLM's sparse loader refuses non-float tensors. Both go
-through the reload path.
+Quantized modules (fp8 and other non-"unquantized" methods, fused MoE experts) and non-float
+tensors are never patched in place (a bf16 value written into an fp8 weight without its scale
+would be wrong; vLLM's sparse loader refuses non-float tensors): they take the reload path.
 """
 
 from __future__ import annotations
@@ -67,6 +65,7 @@ import torch
 from rlsync.patch import TensorPatch
 
 from .checkpoint import checkpoint_names_of
+from .experts import expert_location, read_expert, repack_experts
 from .tensor_parallel import gather_tensor_parallel, packed_part_sizes
 
 if TYPE_CHECKING:
@@ -254,6 +253,7 @@ class ModelWeights:
         if checkpoint_names is None:
             checkpoint_names = checkpoint_names_of(model_config.model, getattr(model_config, "revision", None))
         names = list(checkpoint_names)
+        self._experts = {n: loc for n in names if (loc := expert_location(model, n))}  # fused MoE experts
         self._locations = {name: self._locate(name) for name in names}
         self._locations = {n: loc for n, loc in self._locations.items() if loc is not None}
         self._aliases = _parameter_aliases(model)
@@ -262,6 +262,8 @@ class ModelWeights:
 
     def _locate(self, name: str) -> tuple[str, str, int | None] | None:
         """``(module path, parameter name, shard index)`` for a checkpoint name, or ``None`` if vLLM skips it."""
+        if name in self._experts:
+            return self._experts[name][0], self._experts[name][1], None
         mapped = name
         mapper = getattr(self.model, "hf_to_vllm_mapper", None)
         if mapper is not None:
@@ -371,6 +373,7 @@ class ModelWeights:
             for module in modules:
                 finalize_layerwise_reload(module, self.model_config)
         self._reprocess_aliases(modules)
+        repack_experts(modules)
         if loaded is not None:
             self._check_loaded(tensors, set(loaded))
 
@@ -412,6 +415,9 @@ class ModelWeights:
             if name not in self._locations:
                 raise KeyError(f"not a checkpoint tensor of the model: {name!r}")
             path, param, shard = self._locations[name]
+            if name in self._experts:  # one expert of a fused MoE layer
+                out[name] = read_expert(self.model.get_submodule(path), *self._experts[name][1:])
+                continue
             key = (path, param)
             if key not in cache:
                 cache[key] = self._served_tensor(self.model.get_submodule(path), param)
@@ -446,9 +452,7 @@ class ModelWeights:
         """On CPU a tied ``lm_head`` has its own packed copy of the embedding: it must match."""
         head = getattr(self.model, "lm_head", None)
         embed = getattr(getattr(self.model, "model", None), "embed_tokens", None)
-        if head is None or embed is None or not _tied(self.model):
-            return
-        if not _is_prepacked(head):
+        if head is None or embed is None or not _tied(self.model) or not _is_prepacked(head):
             return
         served = _read_through_kernel(head)[: head.org_vocab_size]
         if not torch.equal(served.cpu(), embed.weight.detach()[: embed.org_vocab_size].cpu()):
@@ -486,8 +490,8 @@ def _is_prepacked(module: torch.nn.Module) -> bool:
 
 def _read_through_kernel(module: torch.nn.Module) -> torch.Tensor:
     """Recover ``W`` (``(out, in)``) from a prepacked CPU linear by multiplying the identity."""
-    if hasattr(module, "input_size_per_partition"):
-        k, n = module.input_size_per_partition, sum(module.output_partition_sizes)
+    if hasattr(module, "output_partition_sizes"):  # ReplicatedLinear (a MoE router) has no per-partition input size
+        k, n = getattr(module, "input_size_per_partition", module.input_size), sum(module.output_partition_sizes)
     else:  # ParallelLMHead
         k, n = module.embedding_dim, module.num_embeddings_per_partition
     eye = torch.eye(k, dtype=module.weight.dtype)
@@ -546,9 +550,8 @@ class SyncWorkerExtension:
         self._after_update()
 
     def sync_load_weights(self, payload: Mapping[str, Any]) -> None:
-        """Copy a full state in with the model's plain ``load_weights`` (the usual RL refit).
-
-        Only valid where no module is prepacked (GPU); used as the full-load baseline.
+        """Copy a full state in with the model's plain ``load_weights`` (the usual RL refit; the full-load
+        baseline), only where no module is prepacked (GPU).
 
         Raises:
             RuntimeError: Some module is prepacked (vLLM's CPU backend).
