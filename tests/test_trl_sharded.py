@@ -105,7 +105,8 @@ class _RunsCode:
         return (exec, (f"open({str(self.path)!r}, 'w').close()",))
 
 
-def _save_checkpoint(checkpoints, tmp_path, step, extra=None):
+def _save_checkpoint(checkpoints, tmp_path, step, extra=None, tamper=None):
+    """A DCP checkpoint of a small state saved and uploaded at ``step`` (``tamper`` edits the folder first)."""
     import torch.distributed.checkpoint as dcp
 
     folder = tmp_path / f"local-{step}"
@@ -114,49 +115,81 @@ def _save_checkpoint(checkpoints, tmp_path, step, extra=None):
         state["extra"] = extra
     dcp.save(state, checkpoint_id=str(folder / "optimizer_0"), no_dist=True)
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    if tamper is not None:
+        tamper(folder / "optimizer_0")
     ShardedCheckpointCallback(checkpoints).upload(folder, step)
     return state
 
 
-def test_a_dcp_checkpoint_that_would_run_code_on_load_is_skipped_for_the_next_older_one(tmp_path, bucket, caplog):
-    import pickle
+def _rank_local_fallback(ran):
+    """A global metadata DCP fails on (``storage_meta`` a string), so it falls back to ``__0.metadata``: code."""
 
+    def tamper(folder):
+        import pickle
+
+        metadata = pickle.loads((folder / ".metadata").read_bytes())
+        metadata.storage_meta = "a string"
+        (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+        (folder / "__0.metadata").write_bytes(pickle.dumps(_RunsCode(ran)))
+
+    return tamper
+
+
+def _rank_local_only(ran):
+    def tamper(folder):
+        import pickle
+
+        (folder / "__0.metadata").write_bytes(pickle.dumps(_RunsCode(ran)))
+
+    return tamper
+
+
+def test_a_sharded_checkpoint_that_is_planted_edited_or_would_run_code_is_skipped_counted_and_never_runs_it(tmp_path, bucket, caplog):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    from rlsync.protocol import Publisher
+
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        checkpoints = BucketCheckpoints(bucket, keep=5)
+        chain = Publisher(bucket)
+        chain.publish(0, {"w": torch.zeros(6, dtype=torch.bfloat16)})
+        checkpoints = BucketCheckpoints(bucket, keep=8, chain=chain)
+        ran = tmp_path / "ran"
         good = _save_checkpoint(checkpoints, tmp_path, 1)
-        marker = tmp_path / "ran"
-        _save_checkpoint(checkpoints, tmp_path, 2, extra=_RunsCode(marker))  # a non-tensor entry: torch.load(weights_only=False)
-        _save_checkpoint(checkpoints, tmp_path, 3)
-        key = "checkpoints/0000000003/optimizer_0...metadata"  # .metadata: pickle.load
-        bucket.put(key, pickle.dumps(_RunsCode(marker)))
-        info = json.loads(bucket.get("checkpoints/0000000003/COMPLETE.json"))
-        info["files"]["optimizer_0...metadata"] = len(bucket.get(key))
-        bucket.put("checkpoints/0000000003/COMPLETE.json", json.dumps(info).encode())
-        assert checkpoints.steps() == [1, 2, 3]
-        step, folder = restore_sharded(checkpoints, tmp_path / "restore")
-        assert step == 1 and not marker.exists()
+        # written (and so pinned) by the chain's own writer: the checks of what DCP unpickles still hold
+        _save_checkpoint(checkpoints, tmp_path, 2, tamper=_rank_local_fallback(ran))
+        _save_checkpoint(checkpoints, tmp_path, 3, extra=_RunsCode(ran))  # a non-tensor entry: torch.load(weights_only=False)
+        _save_checkpoint(checkpoints, tmp_path, 4, tamper=_rank_local_only(ran))
+        _save_checkpoint(checkpoints, tmp_path, 5)
+        key = "checkpoints/0000000005/optimizer_0..__0_0.distcp"  # edited after its pin, size unchanged
+        data = bytearray(bucket.get(key))
+        data[-1] ^= 1
+        bucket.put(key, bytes(data))
+        _save_checkpoint(BucketCheckpoints(bucket, keep=8), tmp_path, 9999999999, tamper=_rank_local_fallback(ran))  # planted
+        assert checkpoints.steps() == [1, 2, 3, 4, 5, 9999999999]
+        restored = BucketCheckpoints(bucket)
+        step, folder = restore_sharded(restored, tmp_path / "restore")
+        assert step == 1 and not ran.exists() and restored.skipped == 5
         skipped = [r.getMessage() for r in caplog.records if "skipping sharded checkpoint" in r.getMessage()]
-        assert len(skipped) == 2 and "3: " in skipped[0] and "not a DCP metadata class" in skipped[0]
-        assert "2: " in skipped[1] and "does not load with weights_only" in skipped[1]
+        assert len(skipped) == 5
+        assert "9999999999 is not pinned" in skipped[0] and not (tmp_path / "restore" / "checkpoint-9999999999").exists()
+        assert "do not hash to the hash pinned" in skipped[1]
+        assert "files the metadata does not name: ['__0.metadata']" in skipped[2]
+        assert "does not load with weights_only" in skipped[3]
+        assert "Metadata.storage_meta is str" in skipped[4]
         loaded = {"w": torch.zeros(6), "lr": 0.0}
         dcp.load(loaded, checkpoint_id=str(folder / "optimizer_0"), no_dist=True)  # DCP reads what passed
         assert torch.equal(loaded["w"], good["w"]) and loaded["lr"] == good["lr"]
         assert json.loads((folder / "trainer_state.json").read_text()) == {"global_step": 1}
     finally:
         dist.destroy_process_group()
-    with pytest.raises(CheckpointError, match="not a DCP metadata class"):
-        read_dcp_metadata_of(bucket, tmp_path)
-
-
-def read_dcp_metadata_of(bucket, tmp_path):
     path = tmp_path / "m" / ".metadata"
     path.parent.mkdir()
-    path.write_bytes(bucket.get("checkpoints/0000000003/optimizer_0...metadata"))
-    return read_dcp_metadata(path)
+    path.write_bytes(__import__("pickle").dumps(_RunsCode(ran)))
+    with pytest.raises(CheckpointError, match="not a DCP metadata class"):
+        read_dcp_metadata(path)
+    assert not ran.exists()
 
 
 def test_send_weights_leaves_the_gathering_iterator_unread_and_a_non_finite_sync_is_refused_on_every_rank(bucket):

@@ -55,6 +55,7 @@ from rlsync.spaces.demand import Pacing
 from rlsync.spaces.exchange import MetricsLog, Refusals, SampleLimits, open_role_bucket, read_samples
 from rlsync.spaces.settings import resolve_device, space_owner
 from rlsync.spaces.tiny_model import model_or_default
+from rlsync.supervised import SupervisedThread
 from rlsync.trl import (
     BucketAdapterSync,
     BucketCheckpoints,
@@ -332,7 +333,7 @@ class Trainer:
             return
         self.stop_requested = False
         folder = self.prepare()  # here, so that a refusal reaches the caller (the panel shows it)
-        self._thread = threading.Thread(target=self.run, args=(folder, True), name="trainer", daemon=True)
+        self._thread = SupervisedThread(self.run, args=(folder, True), name="trainer", restart=False)
         self._thread.start()
 
     def stop(self) -> None:

@@ -115,6 +115,9 @@ class Subscriber:
         max_parallel_downloads: Files of one update downloaded at once.
         expect_metadata: Pointer metadata entries the chain must carry (e.g. an adapter chain's
             base model hash); a chain whose metadata disagrees is refused before any download.
+        max_state_bytes: The largest state accepted before the first one (e.g. the serving
+            engine's model size); ``None``: no bound but the pointer's own until then. Updates
+            are bounded by the state's size from then on.
     """
 
     def __init__(
@@ -125,9 +128,11 @@ class Subscriber:
         workdir: str | Path | None = None,
         max_parallel_downloads: int = DEFAULT_MAX_PARALLEL_DOWNLOADS,
         expect_metadata: Mapping[str, str] | None = None,
+        max_state_bytes: int | None = None,
     ) -> None:
         self.bucket = bucket
         self.expect_metadata = dict(expect_metadata or {})
+        self.max_state_bytes = max_state_bytes
         self.device = torch.device(device)
         self.workdir = Path(workdir) if workdir else None
         self.state: dict[str, torch.Tensor] = {}
@@ -225,14 +230,16 @@ class Subscriber:
     def _check_size(self, kind: str, step: int, nbytes: int) -> None:
         """Refuse, before any download, an update larger than any the model can need: three times
         its bytes (a delta's positions and values, or an anchor) plus headers. A subscriber without
-        a state yet has only the pointer's own bounds.
+        a state yet takes ``max_state_bytes`` for the model's bytes (without it, only the pointer's
+        own bounds hold).
 
         Raises:
             FormatError: the pointer promises more bytes than that.
         """
-        if not self.state:
+        model = sum(t.numel() * t.element_size() for t in self.state.values()) if self.state else self.max_state_bytes
+        if model is None:
             return
-        limit = 3 * sum(t.numel() * t.element_size() for t in self.state.values()) + MAX_HEADERS_BYTES
+        limit = 3 * model + MAX_HEADERS_BYTES
         if nbytes > limit:
             raise FormatError(f"{kind} {step}: the pointer promised {nbytes:,} bytes, more than the model's {limit:,} bound")
 
