@@ -194,6 +194,7 @@ def test_a_sharded_publishers_process_group_is_destroyed_at_exit_before_the_inte
     """Issue 33: a rank of the sharded TRL test aborted under load ("terminate called without an active
     exception", SIGABRT): its gloo group was alive when the interpreter tore down. An exit handler
     registered before the publisher (so run after the publisher's) finds the group destroyed."""
+    import os
     import subprocess
     import sys
     import textwrap
@@ -209,7 +210,7 @@ def test_a_sharded_publishers_process_group_is_destroyed_at_exit_before_the_inte
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         ShardedPublisher(LocalBucket({str(tmp_path / "bucket")!r}))
     """)  # fmt: skip
-    env = {**__import__("os").environ, "PYTHONPATH": f"{root / 'shared'}:{root}"}
+    env = {**os.environ, "PYTHONPATH": f"{root / 'shared'}:{root}"}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "initialized at exit: False" in proc.stdout
