@@ -115,6 +115,7 @@ class AdapterFollower:
             logger.error("adapter %d as the engine holds it hashes %s, not %s: dropped", version, served[:12], (expected or "")[:12])
             return False
         self.served[version] = served
+        self._chain = (self.subscriber.manifest.run_id, chain)
         for old in [v for v in self.served if v <= version - self.window]:
             self.engine.drop_adapter(old)
             del self.served[old]
@@ -132,7 +133,6 @@ class AdapterFollower:
         chain.check_tensors(self.subscriber.state)
         if self._chain is not None and self._chain[0] == manifest.run_id and self._chain[1] != chain:
             raise FormatError(f"the pointer's adapter settings changed within run {manifest.run_id!r}: {chain.lora} after {self._chain[1].lora}")
-        self._chain = (manifest.run_id, chain)
         return chain
 
     def wake(self) -> None:
