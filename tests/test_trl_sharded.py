@@ -25,7 +25,8 @@ from rlsync.errors import CheckpointError
 from rlsync.protocol import Subscriber, read_manifest
 from rlsync.protocol.verify import verify_bucket
 from rlsync.trl import BucketCheckpoints
-from rlsync.trl.sharded_checkpoints import ShardedCheckpointCallback, read_dcp_metadata, restore_sharded
+from rlsync.trl.sharded_checkpoints import read_dcp_metadata, restore_sharded
+from testing.soak.kinds.sharded_checkpoints import RunsCode, fallback_to_rank_local, rank_local, save_sharded
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,56 +96,9 @@ def test_two_rank_fsdp2_trl_run_publishes_sharded_without_gathering_and_resumes_
 
 
 
-class _RunsCode:
-    """Pickles as a call that would create ``path`` on load."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __reduce__(self):
-        return (exec, (f"open({str(self.path)!r}, 'w').close()",))
-
-
-def _save_checkpoint(checkpoints, tmp_path, step, extra=None, tamper=None):
-    """A DCP checkpoint of a small state saved and uploaded at ``step`` (``tamper`` edits the folder first)."""
-    import torch.distributed.checkpoint as dcp
-
-    folder = tmp_path / f"local-{step}"
-    state = {"w": torch.arange(6, dtype=torch.float32) * step, "lr": 1e-3 * step}  # a float: a non-tensor entry
-    if extra is not None:
-        state["extra"] = extra
-    dcp.save(state, checkpoint_id=str(folder / "optimizer_0"), no_dist=True)
-    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-    if tamper is not None:
-        tamper(folder / "optimizer_0")
-    ShardedCheckpointCallback(checkpoints).upload(folder, step)
-    return state
-
-
-def _rank_local_fallback(ran):
-    """A global metadata DCP fails on (``storage_meta`` a string), so it falls back to ``__0.metadata``: code."""
-
-    def tamper(folder):
-        import pickle
-
-        metadata = pickle.loads((folder / ".metadata").read_bytes())
-        metadata.storage_meta = "a string"
-        (folder / ".metadata").write_bytes(pickle.dumps(metadata))
-        (folder / "__0.metadata").write_bytes(pickle.dumps(_RunsCode(ran)))
-
-    return tamper
-
-
-def _rank_local_only(ran):
-    def tamper(folder):
-        import pickle
-
-        (folder / "__0.metadata").write_bytes(pickle.dumps(_RunsCode(ran)))
-
-    return tamper
-
-
 def test_a_sharded_checkpoint_that_is_planted_edited_or_would_run_code_is_skipped_counted_and_never_runs_it(tmp_path, bucket, caplog):
+    import pickle
+
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -156,17 +110,17 @@ def test_a_sharded_checkpoint_that_is_planted_edited_or_would_run_code_is_skippe
         chain.publish(0, {"w": torch.zeros(6, dtype=torch.bfloat16)})
         checkpoints = BucketCheckpoints(bucket, keep=8, chain=chain)
         ran = tmp_path / "ran"
-        good = _save_checkpoint(checkpoints, tmp_path, 1)
+        good = save_sharded(checkpoints, tmp_path, 1)
         # written (and so pinned) by the chain's own writer: the checks of what DCP unpickles still hold
-        _save_checkpoint(checkpoints, tmp_path, 2, tamper=_rank_local_fallback(ran))
-        _save_checkpoint(checkpoints, tmp_path, 3, extra=_RunsCode(ran))  # a non-tensor entry: torch.load(weights_only=False)
-        _save_checkpoint(checkpoints, tmp_path, 4, tamper=_rank_local_only(ran))
-        _save_checkpoint(checkpoints, tmp_path, 5)
+        save_sharded(checkpoints, tmp_path, 2, tamper=fallback_to_rank_local(ran))
+        save_sharded(checkpoints, tmp_path, 3, extra=RunsCode(ran))  # a non-tensor entry: torch.load(weights_only=False)
+        save_sharded(checkpoints, tmp_path, 4, tamper=rank_local(ran))
+        save_sharded(checkpoints, tmp_path, 5)
         key = "checkpoints/0000000005/optimizer_0..__0_0.distcp"  # edited after its pin, size unchanged
         data = bytearray(bucket.get(key))
         data[-1] ^= 1
         bucket.put(key, bytes(data))
-        _save_checkpoint(BucketCheckpoints(bucket, keep=8), tmp_path, 9999999999, tamper=_rank_local_fallback(ran))  # planted
+        save_sharded(BucketCheckpoints(bucket, keep=8), tmp_path, 9999999999, tamper=fallback_to_rank_local(ran))  # planted
         assert checkpoints.steps() == [1, 2, 3, 4, 5, 9999999999]
         restored = BucketCheckpoints(bucket)
         step, folder = restore_sharded(restored, tmp_path / "restore")
@@ -186,7 +140,7 @@ def test_a_sharded_checkpoint_that_is_planted_edited_or_would_run_code_is_skippe
         dist.destroy_process_group()
     path = tmp_path / "m" / ".metadata"
     path.parent.mkdir()
-    path.write_bytes(__import__("pickle").dumps(_RunsCode(ran)))
+    path.write_bytes(pickle.dumps(RunsCode(ran)))
     with pytest.raises(CheckpointError, match="not a DCP metadata class"):
         read_dcp_metadata(path)
     assert not ran.exists()
@@ -242,7 +196,7 @@ def test_a_checkpoint_whose_upload_fails_on_a_rank_gets_no_marker(tmp_path):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with pytest.raises(BucketError, match="rank 0: injected failure"):
-            _save_checkpoint(BucketCheckpoints(bucket), tmp_path, 1)
+            save_sharded(BucketCheckpoints(bucket), tmp_path, 1)
         assert BucketCheckpoints(bucket).steps() == [] and restore_sharded(BucketCheckpoints(bucket), tmp_path / "r") is None
     finally:
         dist.destroy_process_group()
