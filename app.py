@@ -319,6 +319,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     from rlsync.bucket import BucketSettings, open_bucket
     from rlsync.spaces import components
+    from rlsync.supervised import SupervisedThread
 
     # The roles and the panel share the token's Hub budget: each paces itself to its share.
     os.environ.setdefault("HUB_SHARE", str(args.replicas + 3))
@@ -346,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         logger.info("not starting the roles: press 'Start all' (or a tab's Start) in the panel")
     stop = threading.Event()
-    threading.Thread(target=log_progress, args=(stack, stop), name="progress", daemon=True).start()
+    SupervisedThread(log_progress, args=(stack, stop), name="progress", stop=stop).start()
     signal.signal(signal.SIGTERM, _interrupt)  # stop the roles cleanly on SIGTERM as on Ctrl-C
     try:
         demo.block_thread()

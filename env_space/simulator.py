@@ -61,6 +61,7 @@ from rlsync.spaces.exchange import (
     read_samples,
     write_samples,
 )
+from rlsync.supervised import SupervisedThread
 
 from .bounded import BoundedResult, FailureCounts, ScoringFailure, finite_reward
 from .config import EnvConfig
@@ -432,7 +433,7 @@ class EnvSimulator:
             return
         self._stop.clear()
         self._t0 = time.time()
-        self._thread = threading.Thread(target=self.run, name="env", daemon=True)
+        self._thread = SupervisedThread(self.run, name="env", stop=self._stop, restart=False)
         self._thread.start()
 
     def stop(self) -> None:

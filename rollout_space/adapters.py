@@ -18,7 +18,7 @@ from typing import Callable
 from rlsync.adapters import AdapterChain, AdapterMetadata, adapter_subscriber
 from rlsync.bucket import Bucket
 from rlsync.errors import BucketError, FormatError, SyncError
-from rlsync.protocol import Update
+from rlsync.protocol import Manifest, Update
 
 from .engine import Engine
 from .update_slot import UpdateSlot
@@ -35,23 +35,26 @@ class AdapterFollower:
         base_hash: Returns the state hash of the base the engine serves (``None`` until it has one).
         window: Adapter versions served at once (the newest and ``window - 1`` before it).
         poll_s: Seconds between pointer reads when up to date.
+        max_state_bytes: The largest adapter accepted as the first version (e.g. the base model's size).
     """
 
     def __init__(
-        self, bucket: Bucket, engine: Engine, base_hash: Callable[[], str | None], *, window: int = 3, poll_s: float = 0.5
-    ) -> None:
+        self, bucket: Bucket, engine: Engine, base_hash: Callable[[], str | None], *, window: int = 3, poll_s: float = 0.5,
+        max_state_bytes: int | None = None,
+    ) -> None:  # fmt: skip
         if window < 1:
             raise ValueError(f"the adapter window must be at least 1, got {window}")
         self.engine = engine
         self.base_hash = base_hash
         self.window = window
         self.poll_s = poll_s
-        self.subscriber = adapter_subscriber(bucket, "")
+        self.subscriber = adapter_subscriber(bucket, "", max_state_bytes=max_state_bytes)
         self.served: dict[int, str] = {}  # version -> served hash
         self.refused = 0
         self.engine_hash: str | None = None
         self.slot = UpdateSlot()
         self._last_error = ""
+        self._chain: tuple[str, AdapterChain] | None = None  # (run, chain) of the versions served
 
     @property
     def step(self) -> int | None:
@@ -87,15 +90,21 @@ class AdapterFollower:
     def _serve(self, update: Update) -> bool:
         try:
             self.subscriber.apply(update)
+        except SyncError as exc:  # counted by the subscriber
+            logger.error("refused adapter %s %d: %s", update.kind, update.step, exc)
+            return False
+        try:
             assert self.subscriber.manifest is not None
-            chain = AdapterChain.from_manifest(self.subscriber.manifest)
-        except (SyncError, FormatError) as exc:
+            chain = self._chain_of(self.subscriber.manifest)
+        except FormatError as exc:
+            self.refused += 1
             logger.error("refused adapter %s %d: %s", update.kind, update.step, exc)
             return False
         version, expected = update.step, self.subscriber.state_hash
         try:
             served = self.engine.load_adapter(version, self.subscriber.state, chain)
         except (ValueError, RuntimeError) as exc:
+            self.engine.drop_adapter(version)  # whatever the engine loaded before it failed
             self.refused += 1
             logger.error("the engine refused adapter %d: %s", version, exc)
             return False
@@ -106,11 +115,25 @@ class AdapterFollower:
             logger.error("adapter %d as the engine holds it hashes %s, not %s: dropped", version, served[:12], (expected or "")[:12])
             return False
         self.served[version] = served
+        self._chain = (self.subscriber.manifest.run_id, chain)
         for old in [v for v in self.served if v <= version - self.window]:
             self.engine.drop_adapter(old)
             del self.served[old]
         logger.info("serving adapter %d (%s), %d version(s) loaded", version, update.kind, len(self.served))
         return True
+
+    def _chain_of(self, manifest: Manifest) -> AdapterChain:
+        """The chain the pointer describes, checked against the verified tensors and, within a run,
+        against the settings of the versions already served (set at the chain's first publish).
+
+        Raises:
+            FormatError: invalid settings, settings the tensors disagree with, or settings changed within the run.
+        """
+        chain = AdapterChain.from_manifest(manifest)
+        chain.check_tensors(self.subscriber.state)
+        if self._chain is not None and self._chain[0] == manifest.run_id and self._chain[1] != chain:
+            raise FormatError(f"the pointer's adapter settings changed within run {manifest.run_id!r}: {chain.lora} after {self._chain[1].lora}")
+        return chain
 
     def wake(self) -> None:
         """Wake a fetch loop waiting for its pending update to be served (on stop)."""

@@ -44,6 +44,7 @@ class ReplicaConfig:
     lora: bool = dataclasses.field(default=False, metadata={"help": "a LoRA run: serve the adapter chain (adapters/) on the base from the weights chain"})
     lora_window: int = dataclasses.field(default=3, metadata={"help": "adapter versions served at once (the trainer's max_staleness + 1)"})
     lora_max_rank: int = dataclasses.field(default=16, metadata={"help": "largest adapter rank the vLLM engine accepts (1, 8, 16, 32, 64...)"})
+    max_model_bytes: int = dataclasses.field(default=0, metadata={"help": "largest model the bucket's first anchor may hold, in bytes (0: the size of the model's weights files)"})
 
     @classmethod
     def from_env(cls, **overrides) -> "ReplicaConfig":

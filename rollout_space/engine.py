@@ -104,8 +104,8 @@ class Engine(abc.ABC):
         raise NotImplementedError(f"the {self.name} engine serves no LoRA adapters")
 
     def drop_adapter(self, version: int) -> None:
-        """Stop serving adapter version ``version`` and free it (unknown versions are ignored)."""
-        raise NotImplementedError(f"the {self.name} engine serves no LoRA adapters")
+        """Stop serving adapter version ``version`` and free it (unknown versions are ignored: an engine
+        that serves no adapters has none to drop)."""
 
     def close(self) -> None:
         """Release the engine's resources."""

@@ -69,6 +69,7 @@ from rlsync.spaces.exchange import (
 from rlsync.spaces.interval_log import IntervalLog
 from rlsync.spaces.settings import resolve_device
 from rlsync.spaces.tiny_model import model_or_default
+from rlsync.supervised import SupervisedThread, crashes
 
 from .adapters import AdapterFollower
 from .claims import BatchClaims
@@ -115,9 +116,11 @@ class Replica:
             max_batch_tokens=config.max_batch_tokens, chunk_tokens=config.chunk_tokens,
         )  # fmt: skip
         self._engine_weights = self.engine.weights()  # None: the engine is fed from the subscriber's copy
-        self.subscriber = Subscriber(self.bucket, weights=self._engine_weights)
+        max_state_bytes = config.max_model_bytes or weights_bytes(model)  # bounds the first anchor (or adapter)
+        self.subscriber = Subscriber(self.bucket, weights=self._engine_weights, max_state_bytes=max_state_bytes)
         self.adapters = (
-            AdapterFollower(self.bucket, self.engine, lambda: self.subscriber.state_hash, window=config.lora_window, poll_s=config.poll_s)
+            AdapterFollower(self.bucket, self.engine, lambda: self.subscriber.state_hash, window=config.lora_window,
+                            poll_s=config.poll_s, max_state_bytes=max_state_bytes)
             if config.lora else None
         )  # fmt: skip
         self.slot = UpdateSlot()
@@ -290,6 +293,7 @@ class Replica:
             "reads": self.subscriber.stats.reads,
             "refused": self.subscriber.stats.refused,
             "refused_objects": self.refusals.total,
+            "thread_crashes": crashes(self._threads),
             "tokens_per_s": self.tokens / self.gen_s if self.gen_s else 0.0,
             "completions": self.completions,
             "skipped_stale": self.skipped_stale,
@@ -363,11 +367,11 @@ class Replica:
     def run(self) -> None:
         """Run until :meth:`stop` (fetching in a background thread)."""
         for loop, name in ((self.fetch_loop, "fetch"), (self.rehash_loop, "rehash")):
-            thread = threading.Thread(target=loop, name=f"{name}-{self.replica_id}", daemon=True)
+            thread = SupervisedThread(loop, name=f"{name}-{self.replica_id}", stop=self._stop)
             thread.start()
             self._threads.append(thread)
         if self.adapters is not None:
-            adapter_fetcher = threading.Thread(target=self.adapters.fetch_loop, args=(self._stop,), name=f"adapters-{self.replica_id}", daemon=True)
+            adapter_fetcher = SupervisedThread(self.adapters.fetch_loop, args=(self._stop,), name=f"adapters-{self.replica_id}", stop=self._stop)
             adapter_fetcher.start()
             self._threads.append(adapter_fetcher)
         while not self._stop.is_set():
@@ -399,9 +403,9 @@ class Replica:
         if self.running:
             return
         self._stop.clear()
-        thread = threading.Thread(target=self.run, name=f"replica-{self.replica_id}", daemon=True)
+        thread = SupervisedThread(self.run, name=f"replica-{self.replica_id}", stop=self._stop, restart=False)
+        self._threads = [thread]  # before it starts: run() appends the fetch threads
         thread.start()
-        self._threads = [thread]
 
     def stop(self) -> None:
         """Stop the loops; the engine stays loaded so :meth:`start` can resume (see :meth:`close`)."""
@@ -430,6 +434,13 @@ def _auto_engine(device: str) -> str:
     import importlib.util
 
     return "vllm" if device.startswith("cuda") and importlib.util.find_spec("vllm") is not None else "transformers"
+
+
+def weights_bytes(model: str) -> int | None:
+    """The bytes of a model folder's weights files (``*.safetensors``): the size of the model the
+    engine serves, known before the bucket's first anchor; ``None`` when the folder has none."""
+    sizes = [p.stat().st_size for p in Path(model).glob("*.safetensors")]
+    return sum(sizes) if sizes else None
 
 
 def resolve_model(model: str) -> str:

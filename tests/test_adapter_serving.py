@@ -135,13 +135,18 @@ class BitFlippingEngine(TransformersEngine):
         return super().load_adapter(version, tensors, chain)
 
 
-def test_follower_serves_verified_versions_in_a_window_and_drops_a_mismatch(bucket, model_dir):
-    engine = BitFlippingEngine(model_dir)
+def following(bucket, engine, *, window: int, interval: int):
+    """``engine``'s base published and synced; its adapter follower and the adapter chain's publisher."""
     base = Subscriber(bucket)
     base_hash = Publisher(bucket).publish(0, engine.state_dict()).state_hash
     base.sync()
-    follower = AdapterFollower(bucket, engine, lambda: base.state_hash, window=2, poll_s=0.05)
-    pub = adapter_publisher(bucket, AdapterChain("tiny", base_hash, LORA), policy=FixedInterval(3))
+    follower = AdapterFollower(bucket, engine, lambda: base.state_hash, window=window, poll_s=0.05)
+    return follower, adapter_publisher(bucket, AdapterChain("tiny", base_hash, LORA), policy=FixedInterval(interval))
+
+
+def test_follower_serves_verified_versions_in_a_window_and_drops_a_mismatch(bucket, model_dir):
+    engine = BitFlippingEngine(model_dir)
+    follower, pub = following(bucket, engine, window=2, interval=3)
     published = publish_and_follow(follower, pub, {v: trained_adapter(model_dir, v) for v in range(5)})
     assert follower.refused == 1 and 2 not in follower.served  # never served with the wrong bits
     assert sorted(follower.served) == [3, 4] and sorted(engine._peft.peft_config) == ["v3", "v4"]
@@ -151,3 +156,30 @@ def test_follower_serves_verified_versions_in_a_window_and_drops_a_mismatch(buck
 
 def bf16_of(tensors):
     return {n: t.to(torch.bfloat16) for n, t in tensors.items()}
+
+
+def test_adapter_settings_the_tensors_or_the_run_disagree_with_are_refused_and_nothing_stays_loaded(bucket, model_dir):
+    """Issue 33 item 10: the adapter pointer's LoRA settings are writable; rank 1024 on every module left
+    every refused version loaded in the engine (5 refused versions, 6 adapters loaded with a window of 3)."""
+    import json
+
+    from rlsync.adapters import AdapterMetadata, adapter_bucket
+    from rlsync.layout import POINTER_KEY
+
+    engine = TransformersEngine(model_dir)
+    follower, pub = following(bucket, engine, window=3, interval=100)
+    everything = LoraSpec(rank=1024, alpha=16.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    hostile = {2: everything, 3: everything, 4: LoraSpec(8, 16.0, ("q_proj", "v_proj")), 5: LoraSpec(8, 1e6, LORA.target_modules),
+               6: everything}  # fmt: skip
+    follower.subscriber.expect_metadata = {AdapterMetadata.BASE_HASH.value: follower.base_hash()}  # as its fetch loop sets it
+    chain = adapter_bucket(bucket)
+    for version in range(8):
+        pub.publish(version, trained_adapter(model_dir, version))
+        if version in hostile:  # the settings in the pointer rewritten, the tensors left as they are
+            doc = json.loads(chain.get(POINTER_KEY))
+            doc["metadata"][AdapterMetadata.LORA.value] = hostile[version].to_json()
+            chain.put(POINTER_KEY, json.dumps(doc).encode())
+        follower.slot.put(follower.subscriber.fetch())  # the fetch loop's step, here in order
+        assert follower.apply_pending() is (version not in hostile)
+        assert sorted(engine._peft.peft_config) == [f"v{v}" for v in sorted(follower.served)]  # nothing refused stays loaded
+    assert follower.refused == len(hostile) and sorted(follower.served) == [7]

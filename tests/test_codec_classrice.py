@@ -403,3 +403,65 @@ def test_every_truncation_refused(state) -> None:
 def test_flipped_bytes_never_escape(state, mask: int) -> None:
     """test_format_hostile's check for classrice: any flipped byte is refused or yields in-range patches that miss the promised hash."""
     flipped_bytes_never_escape(state, "classrice", mask)
+
+
+def overflowing_delta(numel: int, quotient: int, remainder: int, k: int = 40) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """A delta of one change to a bf16 tensor of ``numel`` elements whose flat-order position is Rice-coded
+    as ``quotient << k | remainder``: past 2^63 for a quotient of 2^23 (int64 wraps to a negative position)."""
+    from testing.soak.kinds.hostile_positions import NAME, one_change_delta, rice_position_delta
+
+    base = torch.zeros(numel, dtype=torch.bfloat16)
+    return rice_position_delta(one_change_delta(base), quotient, remainder, k), {NAME: base}
+
+
+@pytest.mark.parametrize(
+    "numel,quotient,remainder",
+    [(1 << 23, 1 << 23, 5), (1 << 24, (1 << 24) - 1, (1 << 40) - 3)],
+    ids=["wraps_negative", "wraps_to_minus_3"],
+)
+def test_a_rice_quotient_that_overflows_int64_is_refused(numel: int, quotient: int, remainder: int) -> None:
+    """Issue 33 item 2: ``q << k`` wrapped past 2^63 on tensors of 2^23 elements or more: a plain IndexError
+    (a replica's fetch thread died), or a position of -3 accepted as a patch index."""
+    data, base = overflowing_delta(numel, quotient, remainder)
+    assert len(data) < 3 << 20
+    assert_refused(data, base, "Rice streams end early or code a rank beyond the tensor")
+
+
+def test_the_rice_kernel_refuses_a_quotient_above_the_bound_before_shifting() -> None:
+    from rlsync.codecs.classrice import _kernels
+
+    k, numel = 40, 1 << 24
+    unary, rem = np.zeros(numel // 8, np.uint8), np.zeros(5, np.uint8)
+    _kernels().rice_encode(np.array([(numel - 1) << k | ((1 << k) - 3)], np.uint64), k, unary, 0, rem, 0)
+    out = np.zeros(1, np.int64)
+    assert _kernels().rice_decode(unary, 0, rem, 0, k, 1, numel, out) == (-1, -1) and out[0] == 0
+
+
+def test_a_subscriber_refuses_an_overflowing_delta_and_syncs_to_the_next_anchor(bucket) -> None:
+    """Issue 33 item 2: one 2 MB delta stopped a replica's fetching for good (it stayed at step 0 after the
+    next anchor); refused as a FormatError, it is counted and the next anchor is applied."""
+    import json
+
+    from rlsync.layout import POINTER_KEY
+    from rlsync.protocol import FixedInterval, Publisher, Subscriber, read_manifest
+
+    numel = 1 << 24
+    pub = Publisher(bucket, policy=FixedInterval(2))
+    state = {"w": torch.zeros(numel, dtype=torch.bfloat16)}
+    pub.publish(0, state)
+    sub = Subscriber(bucket)
+    sub.sync()
+    state["w"][0] = 1.0
+    pub.publish(1, state)
+    hostile, _ = overflowing_delta(numel, numel - 1, (1 << 40) - 3)
+    doc = json.loads(bucket.get(POINTER_KEY))
+    bucket.put(doc["deltas"][-1]["file"]["key"], hostile)
+    doc["deltas"][-1]["file"]["size"] = len(hostile)
+    bucket.put(POINTER_KEY, json.dumps(doc).encode())
+    with pytest.raises(FormatError, match="beyond the tensor"):
+        sub.fetch()
+    assert sub.step == 0 and sub.stats.refused == 1
+    state["w"][1] = 2.0
+    assert pub.publish(2, state).kind == "anchor"
+    sub.sync()
+    assert sub.step == 2 and sub.state_hash == read_manifest(bucket).state_hash

@@ -848,3 +848,36 @@ def test_frame_lying_about_its_size_is_stopped_early() -> None:
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 8 << 20
+
+
+@pytest.mark.parametrize("codec", ["classrice", *CODECS])
+@pytest.mark.parametrize(
+    "hostile,match",
+    [("read_at_minus_3", "out of range"), ("minus_3", "out of range"), ("past_the_end", "out of range"),
+     ("duplicate", "not strictly increasing"), ("one_short", "the metadata declares"),
+     ("raises", "decoder failed on this delta: IndexError")],
+)  # fmt: skip
+def test_every_codecs_decoded_positions_are_checked_by_decode_delta(state, monkeypatch, codec: str, hostile: str, match: str) -> None:
+    """Issue 33 item 2: what a codec decodes (or reads the old bits at) is checked in one place for every
+    codec, so a decoder bug yields a FormatError, never an IndexError or a patch at position -3."""
+    from rlsync.codecs import get_codec
+
+    data = make_delta(state, codec)
+    coder = get_codec(codec)
+    decode = coder.decode
+
+    def lying(name, entries, params, *, old_bits_at, **kwargs):
+        index, new_bits = decode(name, entries, params, old_bits_at=old_bits_at, **kwargs)
+        if name != NAME:
+            return index, new_bits
+        if hostile == "read_at_minus_3":
+            old_bits_at(np.array([-3]))
+        if hostile == "raises":  # a decoder bug on a hostile file (as numpy's IndexError on a wrapped position was)
+            raise IndexError("index -9223372036854775803 is out of bounds")
+        edit = {"minus_3": lambda i: np.concatenate([[-3], i[1:]]), "past_the_end": lambda i: np.concatenate([i[:-1], [kwargs["numel"]]]),
+                "duplicate": lambda i: np.concatenate([i[:1], i[:-1]]), "one_short": lambda i: i[1:]}.get(hostile, lambda i: i)  # fmt: skip
+        index = edit(index)
+        return index, new_bits[: index.size]
+
+    monkeypatch.setattr(coder, "decode", lying)
+    assert_refused(data, state, match)

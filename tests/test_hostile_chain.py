@@ -288,7 +288,7 @@ def test_a_restart_validates_every_pointer_entry_not_only_the_chain_it_replays(b
         Publisher(bucket, owner="trainer").resume()
 
 
-@pytest.mark.parametrize("kind", ["lock_garbage", "pointer_entries", "checkpoints"])
+@pytest.mark.parametrize("kind", ["lock_garbage", "pointer_entries", "checkpoints", "hostile_positions", "sharded_checkpoints"])
 def test_soak_trials_of_the_new_hostile_classes_are_clean(tmp_path, kind):
     """One seeded trial of each soak class added for issue 26 (a few seconds each)."""
     import random
@@ -298,3 +298,28 @@ def test_soak_trials_of_the_new_hostile_classes_are_clean(tmp_path, kind):
     result = TRIALS[kind](random.Random(1), tmp_path)
     assert not result.violations and result.lost == 0, result.violations
     assert sum(result.faults.values()) >= 1 and result.checks > 0
+
+
+@pytest.mark.parametrize("chain", ["weights", "adapter"])
+def test_a_joining_subscriber_refuses_an_anchor_larger_than_its_model_before_any_download(bucket, chain):
+    """Issue 33 item 4: a subscriber with no state yet (joining, restarting, a LoRA follower's first version)
+    took an anchor of any size the pointer claimed (2.0 GiB of RSS for a 0.5 MB model before the hash
+    refused it); bounded by the model it serves, it refuses the claim from the pointer alone."""
+    from rlsync.adapters import AdapterChain, LoraSpec, adapter_bucket, adapter_publisher, adapter_subscriber
+
+    master = master_state()
+    model_bytes = sum(t.numel() * 2 for t in master.values())  # bf16
+    if chain == "weights":
+        target, pub = bucket, Publisher(bucket, owner="trainer", policy=FixedInterval(3))
+        sub = Subscriber(bucket, max_state_bytes=model_bytes)
+    else:
+        target = adapter_bucket(bucket)
+        pub = adapter_publisher(bucket, AdapterChain("tiny", "b" * 64, LoraSpec()), policy=FixedInterval(3))
+        sub = adapter_subscriber(bucket, "b" * 64, max_state_bytes=model_bytes)
+    pub.publish(0, master)
+    doc = json.loads(target.get(POINTER_KEY))
+    doc["anchors"][0]["files"][0]["size"] = 2 << 30
+    target.put(POINTER_KEY, json.dumps(doc).encode())
+    with pytest.raises(FormatError, match="more than the model"):
+        sub.fetch()
+    assert sub.stats.reads == 1 and sub.stats.bytes_downloaded == len(target.get(POINTER_KEY)) and sub.stats.refused == 1

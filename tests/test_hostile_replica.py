@@ -77,3 +77,32 @@ def test_plan_batch_chunks_keep_the_order_and_the_padded_bound():
     assert [i for chunk in plan.chunks for i in chunk] == [0, 2, 3, 4, 5]
     lengths = [5, 200, 40, 40, 90, 1]
     assert all(2 * len(c) * max(lengths[i] + 10 for i in c) <= 200 or len(c) == 1 for c in plan.chunks)
+
+
+@pytest.mark.parametrize("configured", [0, 3 << 20])
+def test_a_joining_replica_bounds_the_first_anchor_and_adapter_by_its_model(bucket, model_dir, configured):
+    """Issue 33 item 4: before its first anchor a replica bounds what it downloads by its engine's model (the
+    model's weights files) or the configured ``max_model_bytes``, for the weights and the adapter chain."""
+    import json
+
+    from rlsync.errors import FormatError
+    from rlsync.layout import POINTER_KEY
+
+    state = {n: t.float() for n, t in load_file(model_dir / "model.safetensors").items()}
+    Publisher(bucket, policy=FixedInterval(100)).publish(0, state)
+    doc = json.loads(bucket.get(POINTER_KEY))
+    doc["anchors"][0]["files"][0]["size"] = 2 << 30
+    bucket.put(POINTER_KEY, json.dumps(doc).encode())
+    replica = Replica(
+        ReplicaConfig(bucket=str(bucket.root), replica_id="r", engine="transformers", model=str(model_dir), device="cpu",
+                      lora=True, max_model_bytes=configured),
+        bucket=bucket,
+    )  # fmt: skip
+    try:
+        expected = configured or sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+        assert replica.subscriber.max_state_bytes == replica.adapters.subscriber.max_state_bytes == expected
+        with pytest.raises(FormatError, match="more than the model"):
+            replica.subscriber.fetch()
+        assert replica.subscriber.stats.reads == 1 and replica.subscriber.step is None
+    finally:
+        replica.close()

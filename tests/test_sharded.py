@@ -159,3 +159,29 @@ def test_delta_parts_that_overlap_are_refused(tmp_path):
         _merge_patches("w", [a, b])
     with pytest.raises(FormatError):
         _merge_patches("w", [c, a])
+
+
+def test_a_sharded_publishers_process_group_is_destroyed_at_exit_before_the_interpreter_tears_down(tmp_path):
+    """Issue 33: a rank of the sharded TRL test aborted under load ("terminate called without an active
+    exception", SIGABRT): its gloo group was alive when the interpreter tore down. An exit handler
+    registered before the publisher (so run after the publisher's) finds the group destroyed."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = textwrap.dedent(f"""
+        import atexit
+        import torch.distributed as dist
+        atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
+        from rlsync.bucket import LocalBucket
+        from rlsync.protocol.sharded import ShardedPublisher
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        ShardedPublisher(LocalBucket({str(tmp_path / "bucket")!r}))
+    """)  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{root / 'shared'}:{root}"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "initialized at exit: False" in proc.stdout

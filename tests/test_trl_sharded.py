@@ -25,7 +25,8 @@ from rlsync.errors import CheckpointError
 from rlsync.protocol import Subscriber, read_manifest
 from rlsync.protocol.verify import verify_bucket
 from rlsync.trl import BucketCheckpoints
-from rlsync.trl.sharded_checkpoints import ShardedCheckpointCallback, read_dcp_metadata, restore_sharded
+from rlsync.trl.sharded_checkpoints import read_dcp_metadata, restore_sharded
+from testing.soak.kinds.sharded_checkpoints import RunsCode, fallback_to_rank_local, rank_local, save_sharded
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,68 +96,54 @@ def test_two_rank_fsdp2_trl_run_publishes_sharded_without_gathering_and_resumes_
 
 
 
-class _RunsCode:
-    """Pickles as a call that would create ``path`` on load."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __reduce__(self):
-        return (exec, (f"open({str(self.path)!r}, 'w').close()",))
-
-
-def _save_checkpoint(checkpoints, tmp_path, step, extra=None):
-    import torch.distributed.checkpoint as dcp
-
-    folder = tmp_path / f"local-{step}"
-    state = {"w": torch.arange(6, dtype=torch.float32) * step, "lr": 1e-3 * step}  # a float: a non-tensor entry
-    if extra is not None:
-        state["extra"] = extra
-    dcp.save(state, checkpoint_id=str(folder / "optimizer_0"), no_dist=True)
-    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-    ShardedCheckpointCallback(checkpoints).upload(folder, step)
-    return state
-
-
-def test_a_dcp_checkpoint_that_would_run_code_on_load_is_skipped_for_the_next_older_one(tmp_path, bucket, caplog):
+def test_a_sharded_checkpoint_that_is_planted_edited_or_would_run_code_is_skipped_counted_and_never_runs_it(tmp_path, bucket, caplog):
     import pickle
 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    from rlsync.protocol import Publisher
+
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        checkpoints = BucketCheckpoints(bucket, keep=5)
-        good = _save_checkpoint(checkpoints, tmp_path, 1)
-        marker = tmp_path / "ran"
-        _save_checkpoint(checkpoints, tmp_path, 2, extra=_RunsCode(marker))  # a non-tensor entry: torch.load(weights_only=False)
-        _save_checkpoint(checkpoints, tmp_path, 3)
-        key = "checkpoints/0000000003/optimizer_0...metadata"  # .metadata: pickle.load
-        bucket.put(key, pickle.dumps(_RunsCode(marker)))
-        info = json.loads(bucket.get("checkpoints/0000000003/COMPLETE.json"))
-        info["files"]["optimizer_0...metadata"] = len(bucket.get(key))
-        bucket.put("checkpoints/0000000003/COMPLETE.json", json.dumps(info).encode())
-        assert checkpoints.steps() == [1, 2, 3]
-        step, folder = restore_sharded(checkpoints, tmp_path / "restore")
-        assert step == 1 and not marker.exists()
+        chain = Publisher(bucket)
+        chain.publish(0, {"w": torch.zeros(6, dtype=torch.bfloat16)})
+        checkpoints = BucketCheckpoints(bucket, keep=8, chain=chain)
+        ran = tmp_path / "ran"
+        good = save_sharded(checkpoints, tmp_path, 1)
+        # written (and so pinned) by the chain's own writer: the checks of what DCP unpickles still hold
+        save_sharded(checkpoints, tmp_path, 2, tamper=fallback_to_rank_local(ran))
+        save_sharded(checkpoints, tmp_path, 3, extra=RunsCode(ran))  # a non-tensor entry: torch.load(weights_only=False)
+        save_sharded(checkpoints, tmp_path, 4, tamper=rank_local(ran))
+        save_sharded(checkpoints, tmp_path, 5)
+        key = "checkpoints/0000000005/optimizer_0..__0_0.distcp"  # edited after its pin, size unchanged
+        data = bytearray(bucket.get(key))
+        data[-1] ^= 1
+        bucket.put(key, bytes(data))
+        save_sharded(BucketCheckpoints(bucket, keep=8), tmp_path, 9999999999, tamper=fallback_to_rank_local(ran))  # planted
+        assert checkpoints.steps() == [1, 2, 3, 4, 5, 9999999999]
+        restored = BucketCheckpoints(bucket)
+        step, folder = restore_sharded(restored, tmp_path / "restore")
+        assert step == 1 and not ran.exists() and restored.skipped == 5
         skipped = [r.getMessage() for r in caplog.records if "skipping sharded checkpoint" in r.getMessage()]
-        assert len(skipped) == 2 and "3: " in skipped[0] and "not a DCP metadata class" in skipped[0]
-        assert "2: " in skipped[1] and "does not load with weights_only" in skipped[1]
+        assert len(skipped) == 5
+        assert "9999999999 is not pinned" in skipped[0] and not (tmp_path / "restore" / "checkpoint-9999999999").exists()
+        assert "do not hash to the hash pinned" in skipped[1]
+        assert "files the metadata does not name: ['__0.metadata']" in skipped[2]
+        assert "does not load with weights_only" in skipped[3]
+        assert "Metadata.storage_meta is str" in skipped[4]
         loaded = {"w": torch.zeros(6), "lr": 0.0}
         dcp.load(loaded, checkpoint_id=str(folder / "optimizer_0"), no_dist=True)  # DCP reads what passed
         assert torch.equal(loaded["w"], good["w"]) and loaded["lr"] == good["lr"]
         assert json.loads((folder / "trainer_state.json").read_text()) == {"global_step": 1}
     finally:
         dist.destroy_process_group()
-    with pytest.raises(CheckpointError, match="not a DCP metadata class"):
-        read_dcp_metadata_of(bucket, tmp_path)
-
-
-def read_dcp_metadata_of(bucket, tmp_path):
     path = tmp_path / "m" / ".metadata"
     path.parent.mkdir()
-    path.write_bytes(bucket.get("checkpoints/0000000003/optimizer_0...metadata"))
-    return read_dcp_metadata(path)
+    path.write_bytes(pickle.dumps(RunsCode(ran)))
+    with pytest.raises(CheckpointError, match="not a DCP metadata class"):
+        read_dcp_metadata(path)
+    assert not ran.exists()
 
 
 def test_send_weights_leaves_the_gathering_iterator_unread_and_a_non_finite_sync_is_refused_on_every_rank(bucket):
@@ -209,7 +196,7 @@ def test_a_checkpoint_whose_upload_fails_on_a_rank_gets_no_marker(tmp_path):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with pytest.raises(BucketError, match="rank 0: injected failure"):
-            _save_checkpoint(BucketCheckpoints(bucket), tmp_path, 1)
+            save_sharded(BucketCheckpoints(bucket), tmp_path, 1)
         assert BucketCheckpoints(bucket).steps() == [] and restore_sharded(BucketCheckpoints(bucket), tmp_path / "r") is None
     finally:
         dist.destroy_process_group()

@@ -109,7 +109,7 @@ def main(options: dict) -> None:
     transfer.attach(trainer)
     trainer.add_callback(FinalWeightSync(trainer))
     trainer.add_callback(OptimizerProbe(report))
-    checkpoints = BucketCheckpoints(bucket)
+    checkpoints = BucketCheckpoints(bucket, chain=transfer.publisher)  # uploads pinned in its pointer
     trainer.add_callback(ShardedCheckpointCallback(checkpoints))
     resume_from = restore_sharded(checkpoints, options["out"]) if options.get("resume") else None
     rank = dist.get_rank()

@@ -59,6 +59,7 @@ from rlsync.spaces.settings import resolve_device, space_owner
 from rlsync.checkpoint_layout import CheckpointLayout, expert_changed_pct
 from rlsync.fp8 import fp8_publisher
 from rlsync.spaces.tiny_model import model_or_default
+from rlsync.supervised import SupervisedThread
 from rlsync.trl import (
     BucketAdapterSync,
     BucketCheckpoints,
@@ -372,7 +373,7 @@ class Trainer:
             return
         self.stop_requested = False
         folder = self.prepare()  # here, so that a refusal reaches the caller (the panel shows it)
-        self._thread = threading.Thread(target=self.run, args=(folder, True), name="trainer", daemon=True)
+        self._thread = SupervisedThread(self.run, args=(folder, True), name="trainer", restart=False)
         self._thread.start()
 
     def stop(self) -> None:

@@ -114,12 +114,14 @@ class RewardWorker:
         self._kill()
         self.restarts += 1
 
+        from rlsync.supervised import SupervisedThread  # here: the child imports this module, and little else
+
         def start() -> None:
             with self._lock:
                 if self._process is None:
                     self._start()
 
-        threading.Thread(target=start, name="reward-worker-start", daemon=True).start()
+        SupervisedThread(start, name="reward-worker-start", restart=False).start()
 
     def call(self, name: str, timeout_s: float, **kwargs: Any) -> BoundedResult:
         """Call the reward function ``name`` with ``kwargs`` in the child, waiting at most ``timeout_s``.

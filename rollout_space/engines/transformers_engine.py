@@ -167,6 +167,7 @@ class TransformersEngine(Engine):
 
         Raises:
             ValueError: the tensors are not exactly the adapter's (unknown or missing names); nothing stays loaded.
+            RuntimeError: a tensor's shape is not the settings' (peft's size mismatch); nothing stays loaded.
         """
         from peft import get_peft_model, set_peft_model_state_dict
 
@@ -176,11 +177,14 @@ class TransformersEngine(Engine):
             self._peft = get_peft_model(self.model, config, adapter_name=name, autocast_adapter_dtype=False)
         else:
             self._peft.add_adapter(name, config, autocast_adapter_dtype=False)
-        result = set_peft_model_state_dict(self._peft, dict(tensors), adapter_name=name)
-        served = self.adapter_state(version)
-        if result.unexpected_keys or served.keys() != tensors.keys():
-            self.drop_adapter(version)
-            raise ValueError(f"adapter {version}: tensor names do not match the LoRA settings (e.g. {result.unexpected_keys[:2]})")
+        try:
+            result = set_peft_model_state_dict(self._peft, dict(tensors), adapter_name=name)
+            served = self.adapter_state(version)
+            if result.unexpected_keys or served.keys() != tensors.keys():
+                raise ValueError(f"adapter {version}: tensor names do not match the LoRA settings (e.g. {result.unexpected_keys[:2]})")
+        except BaseException:
+            self.drop_adapter(version)  # nothing stays loaded: a size mismatch raises RuntimeError here
+            raise
         return state_hash(served)
 
     def adapter_state(self, version: int) -> dict[str, torch.Tensor]:

@@ -232,8 +232,13 @@ class VllmEngine(Engine):
         served = state_hash(load_file(folder / ADAPTER_WEIGHTS_FILE))
         request = LoRARequest(f"v{version}", version + 1, str(folder))
         with self._lock:
-            if not self.llm.llm_engine.add_lora(request):
-                shutil.rmtree(folder, ignore_errors=True)
+            added = False
+            try:
+                added = self.llm.llm_engine.add_lora(request)
+            finally:  # refused or raised: nothing of it stays
+                if not added:
+                    shutil.rmtree(folder, ignore_errors=True)
+            if not added:
                 raise RuntimeError(f"vLLM refused adapter {version}")
             self._adapters[version] = request
         return served

@@ -140,6 +140,28 @@ class AdapterChain:
         except KeyError as exc:
             raise FormatError(f"the pointer is not an adapter chain's: no {exc} metadata") from None
 
+    def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Check that an adapter's (verified) tensors are this chain's: its pointer's LoRA settings are
+        writable, the tensors are hashed. Every tensor is a ``lora_A`` or ``lora_B`` weight of a target
+        module, of rank :attr:`LoraSpec.rank`, and every target module has one.
+
+        Raises:
+            FormatError: a tensor of another module, kind or rank, or a target module without tensors.
+        """
+        found: set[str] = set()
+        for name, tensor in tensors.items():
+            path, _, kind = name.rpartition(".lora_")
+            target = next((t for t in self.lora.target_modules if path == t or path.endswith("." + t)), None)
+            rank_dim = {"A.weight": 0, "B.weight": 1}.get(kind)
+            if target is None or rank_dim is None or tensor.dim() != 2:
+                raise FormatError(f"adapter tensor {name!r} is not a LoRA weight of the chain's target modules")
+            if tensor.shape[rank_dim] != self.lora.rank:
+                raise FormatError(f"adapter tensor {name!r} has rank {tensor.shape[rank_dim]}, the chain's settings say {self.lora.rank}")
+            found.add(target)
+        missing = set(self.lora.target_modules) - found
+        if missing:
+            raise FormatError(f"the chain's settings name target modules the adapter has no tensors for: {sorted(missing)}")
+
     def adapter_config(self) -> dict[str, Any]:
         """peft's ``adapter_config.json`` for an adapter folder of this chain."""
         return {

@@ -31,6 +31,7 @@ import safetensors.torch
 import torch
 
 from .codecs import DEFAULT_CODEC, get_codec
+from .codecs.checks import check_decoded, check_index
 from .dtypes import bits_to_numpy, dtype_from_name, dtype_name, int_view, numpy_to_values
 from .errors import FormatError
 from .files import open_regular, read_regular
@@ -349,7 +350,7 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
     Raises:
         FormatError: malformed or hostile file, unknown codec or version, a
             tensor missing from the state, a dtype or shape that does not match,
-            indices out of range or duplicated.
+            indices out of range or duplicated, or any other failure of the codec's decoder.
     """
     header, metadata = parse_header(data)
     check_format(metadata, "delta")
@@ -384,19 +385,26 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
         if type(count) is not int or not 0 < count <= target.numel():
             raise FormatError(f"{name}: invalid changed count {count!r}")
 
-        def old_bits_at(idx: np.ndarray, target: torch.Tensor = target) -> np.ndarray:
+        def old_bits_at(idx: np.ndarray, target: torch.Tensor = target, name: str = name) -> np.ndarray:
+            check_index(name, idx, target.numel())  # every position a codec reads at, before it reads
             return bits_to_numpy(int_view(gather(target, torch.from_numpy(idx))))
 
-        index, new_bits = coder.decode(
-            name,
-            {k: entries[k] for k in coder.entry_names(name)},
-            info,
-            count=count,
-            numel=target.numel(),
-            itemsize=target.element_size(),
-            old_bits_at=old_bits_at,
-            base=target,
-        )
+        try:
+            index, new_bits = coder.decode(
+                name,
+                {k: entries[k] for k in coder.entry_names(name)},
+                info,
+                count=count,
+                numel=target.numel(),
+                itemsize=target.element_size(),
+                old_bits_at=old_bits_at,
+                base=target,
+            )
+        except FormatError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a decoder failing on a hostile file refuses the file, whatever it raised
+            raise FormatError(f"{name}: the {coder.name} decoder failed on this delta: {type(exc).__name__}: {exc}") from exc
+        check_decoded(name, index, new_bits, count=count, numel=target.numel())
         old_bits = old_bits_at(index)
         if bool(np.any(new_bits == old_bits)):
             raise FormatError(f"{name}: the delta lists elements that do not change (a zero difference is no change)")

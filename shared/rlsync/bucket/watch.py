@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..errors import BucketError, InvalidKeyError, ObjectNotFoundError
+from ..supervised import SupervisedThread
 from .base import Bucket, BucketWrapper, ObjectInfo, validate_key
 
 __all__ = [
@@ -107,7 +108,7 @@ class WatchedBucket(BucketWrapper):
         self.polls = 0
         #: Why the newest listing failed (the view is as of the last good one), or ``None``.
         self.listing_error: str | None = None
-        self._thread = threading.Thread(target=self._run, name=f"watch-{self.url}", daemon=True)
+        self._thread = SupervisedThread(self._run, name=f"watch-{self.url}", stop=self._stop)
         self._thread.start()
 
     # -- the view ------------------------------------------------------------------------------

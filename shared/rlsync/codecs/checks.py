@@ -33,6 +33,18 @@ def check_index(name: str, index: np.ndarray, numel: int) -> None:
         raise FormatError(f"{name}: indices are not strictly increasing (duplicates or unsorted)")
 
 
+def check_decoded(name: str, index: np.ndarray, new_bits: np.ndarray, *, count: int, numel: int) -> None:
+    """Check what a codec decoded, whatever the codec: ``count`` positions, strictly increasing and
+    inside ``[0, numel)`` (see :func:`check_index`), and one new value per position.
+
+    Raises:
+        FormatError: a count, a position or the values do not fit.
+    """
+    if index.ndim != 1 or index.size != count or new_bits.shape != index.shape:
+        raise FormatError(f"{name}: decoded {index.size} positions and {new_bits.size} values, the metadata declares {count}")
+    check_index(name, index, numel)
+
+
 def decompress_frame(blob: bytes, *, what: str, expected: int | None = None, max_size: int | None = None) -> bytes:
     """Decompress exactly one zstd frame with bounded output.
 

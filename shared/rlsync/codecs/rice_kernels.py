@@ -146,10 +146,12 @@ def rice_decode(unary, unary_bit, rem, rem_bit, k, count, bound, out):  # pragma
 
     Returns:
         ``(unary_bit, rem_bit)`` after the last gap, or ``(-1, -1)`` when the streams end early or
-        a rank reaches ``bound``.
+        a rank reaches ``bound``. A quotient above ``bound >> k`` is refused as it is read, so
+        ``q << k`` never overflows (``bound`` below 2^62).
     """
     n_unary = unary.size * 8
     n_rem = rem.size * 8
+    q_max = np.int64(bound) >> k
     last = np.int64(-1)
     for i in range(count):
         q = np.int64(0)
@@ -160,7 +162,7 @@ def rice_decode(unary, unary_bit, rem, rem_bit, k, count, bound, out):  # pragma
             if byte == 0 and (unary_bit & 7) == 0:  # a whole zero byte: 8 more quotient units
                 q += 8
                 unary_bit += 8
-                if q > bound:
+                if q > q_max:
                     return -1, -1
                 continue
             bit = (byte >> (7 - (unary_bit & 7))) & 1
@@ -168,7 +170,7 @@ def rice_decode(unary, unary_bit, rem, rem_bit, k, count, bound, out):  # pragma
             if bit:
                 break
             q += 1
-            if q > bound:
+            if q > q_max:
                 return -1, -1
         if rem_bit + k > n_rem:
             return -1, -1

@@ -28,6 +28,11 @@ the whole tensors it owns, and once every file is confirmed rank 0 uploads
 ``model.safetensors.index.json`` and the pointer. Replicas read it as any
 sharded anchor (:func:`rlsync.format.load_anchor`).
 
+A sharded trainer's process group is destroyed at interpreter exit, if its script has not done
+so (:func:`destroy_process_group_at_exit`): a gloo group still alive when the interpreter tears
+down aborts the process ("terminate called without an active exception", SIGABRT) when its
+worker threads release work holding Python objects.
+
 No rank ever holds more than its own slices and, during an anchor, the tensors
 it owns. A rank that dies mid-publish makes the others' collectives fail
 before the pointer is written, so the bucket stays at the previous version.
@@ -37,7 +42,9 @@ mid-upload cannot overwrite the new trainer's files.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import functools
 import logging
 import tempfile
 import time
@@ -83,6 +90,7 @@ class ShardedPublisher(Publisher):
 
     def __init__(self, bucket, *, group: dist.ProcessGroup | None = None, **kwargs: Any) -> None:
         super().__init__(bucket, **kwargs)
+        destroy_process_group_at_exit()
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -352,6 +360,23 @@ class ShardedPublisher(Publisher):
         self._commit(manifest)
         assert self.manifest is not None
         return self.manifest.to_json()
+
+
+@functools.lru_cache(maxsize=1)
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group at interpreter exit unless the script did (registered once).
+
+    ``atexit`` handlers run while the interpreter is whole (after non-daemon threads are joined,
+    before modules are torn down); a gloo group left alive until then aborts the process when its
+    worker threads free work that holds Python objects (pytorch/pytorch#190489), as a rank of a
+    sharded TRL run did under load. Destroying it there needs no other rank.
+    """
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _anchor_file_names(owners: Mapping[str, int]) -> dict[int, str]:

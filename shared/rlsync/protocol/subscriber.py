@@ -156,6 +156,9 @@ class Subscriber:
             patch a delta would write (name, 1-D values), after decoding and before anything is
             applied; raising :class:`~rlsync.errors.FormatError` refuses the update (e.g. an FP8
             chain's scales, :func:`rlsync.fp8.check_fp8_values`).
+        max_state_bytes: The largest state accepted before the first one (e.g. the serving
+            engine's model size); ``None``: no bound but the pointer's own until then. Updates
+            are bounded by the state's size from then on.
     """
 
     def __init__(
@@ -168,10 +171,12 @@ class Subscriber:
         expect_metadata: Mapping[str, str] | None = None,
         weights: MutableMapping[str, torch.Tensor] | None = None,
         check_values: Callable[[str, torch.Tensor], None] | None = None,
+        max_state_bytes: int | None = None,
     ) -> None:
         self.bucket = bucket
         self.expect_metadata = dict(expect_metadata or {})
         self.check_values = check_values
+        self.max_state_bytes = max_state_bytes
         self.device = torch.device(device)
         self.workdir = Path(workdir) if workdir else None
         self.state: dict[str, torch.Tensor] = {}
@@ -283,15 +288,17 @@ class Subscriber:
     def _check_size(self, kind: str, step: int, nbytes: int) -> None:
         """Refuse, before any download, an update larger than any the model can need: three times
         its bytes (a delta's positions and values, or an anchor) plus headers. A subscriber without
-        a state yet has only the pointer's own bounds.
+        a state yet takes ``max_state_bytes`` for the model's bytes (without it, only the pointer's
+        own bounds hold).
 
         Raises:
             FormatError: the pointer promises more bytes than that.
         """
         model = self.state or self._weights
-        if not model:
+        size = sum(t.numel() * t.element_size() for t in model.values()) if model else self.max_state_bytes
+        if size is None:
             return
-        limit = 3 * sum(t.numel() * t.element_size() for t in model.values()) + MAX_HEADERS_BYTES
+        limit = 3 * size + MAX_HEADERS_BYTES
         if nbytes > limit:
             raise FormatError(f"{kind} {step}: the pointer promised {nbytes:,} bytes, more than the model's {limit:,} bound")
 

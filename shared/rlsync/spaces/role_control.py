@@ -10,6 +10,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from ..supervised import SupervisedThread
 from .snapshots import redact
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ class RoleRunner:
             self._stopped = False
             self.error = ""
             self.config = config
-        thread = threading.Thread(target=self._start, args=(config,), name=f"start-{self.name}", daemon=True)
+        thread = SupervisedThread(self._start, args=(config,), name=f"start-{self.name}", restart=False)
         thread.start()
         if wait:
             thread.join()
@@ -124,7 +125,7 @@ class RoleRunner:
         if wait:
             stop_all()
         else:
-            self._stopper = threading.Thread(target=stop_all, name=f"stop-{self.name}", daemon=True)
+            self._stopper = SupervisedThread(stop_all, name=f"stop-{self.name}", restart=False)
             self._stopper.start()
         return self.status()
 

@@ -91,17 +91,27 @@ def check_checkpoint(folder: Path, step: int, marker: Mapping[str, Any], expect:
     Raises:
         CheckpointError: naming the first thing that does not match.
     """
-    version = marker.get("published_version")
-    if version is not None and (type(version) is not int or not 0 <= version <= expect.published_step):
-        raise CheckpointError(f"checkpoint {step}: saved at version {version!r}, the pointer is at {expect.published_step}")
-    if step not in expect.pins:
-        raise CheckpointError(f"checkpoint {step} is not pinned in the pointer (planted, or its pin was cut short)")
+    check_pinned(step, marker, expect.pins, expect.published_step)
     _check_weights(folder / WEIGHTS_FILE, step, expect)
-    _check_trainer_state(folder / TRAINER_STATE_FILE, step)
+    check_trainer_state(folder / TRAINER_STATE_FILE, step)
     if (folder / OPTIMIZER_FILE).exists():
         _check_optimizer(_load(folder / OPTIMIZER_FILE), step, expect)
     if (folder / SCHEDULER_FILE).exists():
         _check_scheduler(_load(folder / SCHEDULER_FILE), step, expect.lr)
+
+
+def check_pinned(step: int, marker: Mapping[str, Any], pins: Mapping[int, str], published_step: int) -> None:
+    """Check that a checkpoint belongs to the chain: its writer pinned it in the pointer, and the
+    version it was saved at (the marker's ``published_version``) is not ahead of the pointer.
+
+    Raises:
+        CheckpointError: it is not pinned, or was saved at a version the pointer has not reached.
+    """
+    version = marker.get("published_version")
+    if version is not None and (type(version) is not int or not 0 <= version <= published_step):
+        raise CheckpointError(f"checkpoint {step}: saved at version {version!r}, the pointer is at {published_step}")
+    if step not in pins:
+        raise CheckpointError(f"checkpoint {step} is not pinned in the pointer (planted, or its pin was cut short)")
 
 
 def _load(path: Path) -> Any:
@@ -127,7 +137,12 @@ def _check_weights(path: Path, step: int, expect: CheckpointExpectations) -> Non
         raise CheckpointError(f"checkpoint {step}: its weights do not hash to the hash pinned in the pointer")
 
 
-def _check_trainer_state(path: Path, step: int) -> None:
+def check_trainer_state(path: Path, step: int) -> None:
+    """Check that ``trainer_state.json`` parses and is at ``step``.
+
+    Raises:
+        CheckpointError: it does not.
+    """
     try:
         state = json.loads(path.read_text())
     except (OSError, ValueError) as exc:

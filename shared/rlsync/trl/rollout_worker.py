@@ -53,6 +53,7 @@ from ..bucket.watch import IDLE_WAIT_S, generation, wait_for_change
 from ..errors import BucketError, FormatError, StopRequested
 from ..layout import SCORES_PREFIX
 from ..protocol import read_manifest
+from ..supervised import SupervisedThread
 from ..sampling import MAX_GROUP_SIZE, degenerate_group, sampled_logprob_ok
 from .logs import quiet_trl_lines
 
@@ -192,8 +193,7 @@ class BucketRolloutWorker:
         self._next_group = 0
         self._stop = threading.Event()
         self._stop_training = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._thread: SupervisedThread | None = None
         self._last_heartbeat = time.monotonic()
         quiet_trl_lines()  # TRL's per-sample drop lines (this worker counts them) and its other per-step lines
 
@@ -205,7 +205,7 @@ class BucketRolloutWorker:
             return
         self.align_versions()
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="bucket-rollouts", daemon=True)
+        self._thread = SupervisedThread(self._run, name="bucket-rollouts", stop=self._stop, restart=False)
         self._thread.start()
 
     def stop(self) -> None:
@@ -236,8 +236,8 @@ class BucketRolloutWorker:
         """
         if self._stop_training.is_set():
             raise StopRequested("stop requested while waiting for rollouts")
-        if self._error is not None:
-            raise RuntimeError(f"bucket rollout worker failed: {self._error}") from self._error
+        if self._thread is not None and self._thread.error is not None:  # a bug, not a bad object: logged by the thread
+            raise RuntimeError(f"bucket rollout worker failed: {self._thread.error}")
         if self._thread is not None and not self._thread.is_alive() and not self._stop.is_set():
             raise RuntimeError("bucket rollout worker stopped")
         self._beat()
@@ -382,10 +382,6 @@ class BucketRolloutWorker:
                 self.poll()
             except BucketError as exc:
                 logger.warning("reading %s failed, retrying: %s", self.prefix, exc)
-            except Exception as exc:  # a bug, not a bad object: make check_health report it
-                logger.exception("bucket rollout worker failed")
-                self._error = exc
-                return
             grown = {k: float(self.counts[k] - before[k]) for k in ("invalid", "dropped_stale", "unreadable", "dropped_degenerate")}
             if any(grown.values()):
                 self.metrics_queue.put({f"rollout/{k}_total": v for k, v in grown.items()})
