@@ -28,6 +28,16 @@ def shipped_files() -> list[Path]:
     return [*files, ROOT / "app.py"]
 
 
+def parse(path: Path) -> ast.Module:
+    """The module at ``path``; the shipped ones were parsed at collection (:data:`TREES`), before any test
+    starts threads: CPython 3.11's ``ast`` keeps its recursion depth in global state, and a parse racing
+    another thread's parse fails with ``SystemError: AST constructor recursion depth mismatch``."""
+    return TREES[path] if path in TREES else ast.parse(path.read_text(), filename=str(path))
+
+
+TREES = {path: ast.parse(path.read_text(), filename=str(path)) for path in shipped_files()}
+
+
 def docstring_nodes(tree: ast.AST) -> set[int]:
     """ids of the string constants that are docstrings (modules, classes, functions)."""
     out = set()
@@ -47,7 +57,7 @@ def spells_key(text: str, key: str) -> bool:
 
 def key_spellings(path: Path) -> list[str]:
     """String constants in the module at ``path`` (docstrings aside) that spell a bucket key or prefix."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = parse(path)
     docs = docstring_nodes(tree)
     found = []
     for node in ast.walk(tree):
@@ -59,7 +69,7 @@ def key_spellings(path: Path) -> list[str]:
 
 def defined_exceptions(path: Path) -> list[tuple[str, list[str]]]:
     """``(class name, base names)`` of the classes in ``path`` whose names say they are errors."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = parse(path)
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
@@ -143,7 +153,7 @@ def test_byte_limits_are_defined_in_the_limits_module_only():
     for path in shipped_files():
         if path.name == "limits.py":
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse(path)):
             if isinstance(node, ast.Assign):
                 for target in node.targets:
                     if isinstance(target, ast.Name) and target.id.startswith("MAX_") and target.id.endswith("_BYTES"):
