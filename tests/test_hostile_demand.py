@@ -18,6 +18,13 @@ def bucket(tmp_path):
 
 def test_a_demand_for_a_million_samples_issues_no_more_batches_than_the_env_keeps(bucket):
     env = EnvSimulator(EnvConfig(tasks_per_batch=2, keep_batches=8), bucket)
+    publish = env.publish_tasks
+
+    def bounded_publish() -> int:  # fail at once instead of writing 65,000 objects
+        assert len(list_batches(bucket, TASKS_PREFIX)) < 100, "the env kept issuing"
+        return publish()
+
+    env.publish_tasks = bounded_publish
     write_demand(bucket, Demand(version=0, max_staleness=1, read_batch=-1, want_samples=1 << 20))
     assert env.issue_tasks() == 8
     assert env.issue_tasks() == 0  # the 8 are in flight

@@ -213,12 +213,15 @@ def test_an_absurd_retry_after_holds_a_role_no_longer_than_the_window(headers):
 
     assert retry_after_seconds(headers, window_s=300.0) <= 300.0
     clock = [0.0]
-    slept = []
-    meter = RequestMeter(BudgetConfig(window_s=30.0), clock=lambda: clock[0],
-                         sleep=lambda s: (slept.append(s), clock.__setitem__(0, clock[0] + s)))  # fmt: skip
+
+    def sleep(seconds: float) -> None:
+        clock[0] += seconds
+        assert clock[0] <= 30.0, "held past the window"
+
+    meter = RequestMeter(BudgetConfig(window_s=30.0), clock=lambda: clock[0], sleep=sleep)
     meter.record("GET", "/api/buckets/a/b/tree", 429, headers)
     meter.acquire(RequestClass.API)
-    assert sum(slept) <= 30.0
+    assert 0 < clock[0] <= 30.0
 
 
 def test_an_absurd_retry_after_from_the_stand_in_holds_the_role_for_one_window_at_most(server):
