@@ -12,45 +12,10 @@ import time
 
 import pytest
 
-from rlsync.errors import ObjectTooLargeError
-from rlsync.bucket.budget import BudgetConfig, RequestClass, RequestMeter, classify
-from rlsync.bucket.hf import HfBucket
+from rlsync.bucket.budget import BudgetConfig, RequestClass, RequestMeter
 from rlsync.bucket.watch import WatchConfig, WatchedBucket, WatchMode, watch
-
-TOKEN = "hf_round4_token"
-BUCKET = "me/round4"
-
-
-@pytest.fixture
-def server(hub):
-    hub.add_token(TOKEN)
-    hub.create_bucket(BUCKET)
-    return hub
-
-
-def hf(meter: RequestMeter | None = None) -> HfBucket:
-    return HfBucket(BUCKET, token=TOKEN, meter=meter or RequestMeter(BudgetConfig(enabled=False)))
-
-
-def api_kinds(server, since: float) -> list[str]:
-    return [classify(r.method, r.path)[1] for r in server.usage(RequestClass.API, TOKEN, since)]
-
-
-def wait_until(predicate, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
-def plant(server, paths: list[str], like: str) -> None:
-    """Add `paths` to the stand-in's bucket as copies of the object `like`, each announced on the feed."""
-    with server._lock:
-        objects = server.buckets[BUCKET]
-        meta = dict(objects[like])
-        for path in paths:
-            objects[path] = dict(meta)
-            server._record_change(BUCKET, {"path": path, "op": "add", "size": meta["size"], "xetHash": meta["xetHash"]})
+from rlsync.errors import ObjectTooLargeError
+from tests.test_hub_budget import BUCKET, api_kinds, hf, server, wait_until  # noqa: F401 - server is a fixture
 
 
 # -- item 3: size-limited reads refuse from the listed size ----------------------------------------------
@@ -92,13 +57,13 @@ def test_a_key_flood_does_not_keep_the_view_from_becoming_ready(server):
     writer = hf()
     writer.put("latest.json", b'{"v":1}')
     writer.put("tasks/0000000000.json", b"{}")
-    plant(server, [f"tasks/{i:010d}.x{j}.json" for i in range(1, 30) for j in range(100)], like="tasks/0000000000.json")
+    server.plant(BUCKET, [f"tasks/{i:010d}.x{j}.json" for i in range(1, 30) for j in range(100)], like="tasks/0000000000.json")
     flooding = threading.Event()
 
     def flood() -> None:  # about 300 keys a second while the role starts
         n = 0
         while not flooding.is_set():
-            plant(server, [f"tasks/9{n:09d}.f{j}.json" for j in range(30)], like="tasks/0000000000.json")
+            server.plant(BUCKET, [f"tasks/9{n:09d}.f{j}.json" for j in range(30)], like="tasks/0000000000.json")
             n += 1
             time.sleep(0.1)
 
@@ -247,9 +212,7 @@ def test_a_malformed_feed_event_is_skipped_and_counted(server):
     watched = watch(hf())
     try:
         wait_until(lambda: server.count("api", "/events$") >= 1)
-        with server._lock:
-            server._record_change(BUCKET, {"path": 12345, "op": "add", "size": 1})
-            server._record_change(BUCKET, {"path": ["x"], "op": "delete"})
+        server.announce(BUCKET, {"path": 12345, "op": "add", "size": 1}, {"path": ["x"], "op": "delete"})
         writer.delete(["latest.json"])
         wait_until(lambda: watched.list() == [])
         assert watched.malformed_events == 2
@@ -284,3 +247,17 @@ def test_a_feed_whose_sessions_keep_failing_falls_back_to_polling(server):
         wait_until(lambda: [o.key for o in watched.list()] == ["new.json"], timeout=10)
     finally:
         watched.close()
+
+
+# -- the soak trial ----------------------------------------------------------------------------------
+
+
+def test_soak_trial_hub_hostile(tmp_path):
+    import random
+
+    from testing.soak.kinds.hub_hostile import trial_hub_hostile
+
+    result = trial_hub_hostile(random.Random(33), tmp_path, final=6)
+    assert result.violations == [] and result.lost == 0
+    assert sum(result.faults.values()) >= 5 and result.faults["hostile: takeover while the feed failed (fenced)"] == 1
+    assert result.checks > 20

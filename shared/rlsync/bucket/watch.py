@@ -83,13 +83,13 @@ class WatchConfig:
             role reads: only these are listed and followed; other keys are asked of the bucket.
         max_listing_keys (`int`, *optional*, defaults to 20,000): Keys one listing of a prefix
             takes at most (a prefix flooded with keys costs a bounded number of pages; its keys
-            beyond the bound join the view when the feed announces them).
+            beyond the bound join the view when the feed announces them) (env `HUB_MAX_LISTING_KEYS`).
         cache_bytes (`int`, *optional*, defaults to 16 MiB): Bytes of small objects cached, the
-            least recently read dropped first.
+            least recently read dropped first (env `HUB_CACHE_BYTES`).
         max_changes (`int`, *optional*, defaults to 10,000): Changes the change log keeps for
-            :meth:`WatchedBucket.wait` (a wait from before the oldest one kept counts as changed).
+            :meth:`WatchedBucket.wait` (a wait from before the oldest one kept counts as changed) (env `HUB_MAX_CHANGES`).
         feed_failures (`int`, *optional*, defaults to 3): Feed sessions or change batches failing in
-            a row after which the watch polls instead.
+            a row after which the watch polls instead (env `HUB_FEED_FAILURES`).
     """
 
     feed: bool = True

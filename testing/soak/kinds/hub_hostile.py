@@ -25,9 +25,7 @@ view still answers, and every hostile object was refused and counted.
 from __future__ import annotations
 
 import collections
-import json
 import random
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -39,23 +37,13 @@ from ...hub.server import Fault, HubServer
 from ..invariants import Ledger, TrialResult, check_verified
 from ..processes import CHILD_TIMEOUT_S
 from ..toy import PublisherThread, follow_until_converged
-from .hub_storage import BUCKET, TOKEN, _bucket, _online
+from .hub_storage import BUCKET, TOKEN, _bucket, _online, _start
 
 DEFAULT_TRIALS = 2
 #: What a reader of a small object allows (the limit of the pointers and control objects).
 SMALL_LIMIT = 64 << 10
 #: Keys a watched view lists per prefix in this trial (small, so that the floods pass it).
 LISTING_KEYS = 200
-
-
-def _plant(server: HubServer, paths: list[str], like: str) -> None:
-    """Add `paths` as copies of the object `like`, each announced on the feed (one batch, like a flood)."""
-    with server._lock:
-        objects = server.buckets[BUCKET]
-        meta = dict(objects[like])
-        for path in paths:
-            objects[path] = dict(meta)
-            server._record_change(BUCKET, {"path": path, "op": "add", "size": meta["size"], "xetHash": meta["xetHash"]})
 
 
 def _watched(server: HubServer):
@@ -125,7 +113,7 @@ class _Hostile(threading.Thread):
 
     def flood(self) -> None:
         n = self.rng.randint(100, 600)
-        _plant(self.server, [f"tasks/9{self.flooded:05d}{i:04d}.flood.json" for i in range(n)], like="status/seed.json")
+        self.server.plant(BUCKET, [f"tasks/9{self.flooded:05d}{i:04d}.flood.json" for i in range(n)], like="status/seed.json")
         self.flooded += 1
         fresh = _watched(self.server)  # a role starting during the flood
         try:
@@ -146,9 +134,7 @@ class _Hostile(threading.Thread):
         bad = [{"path": 12345, "op": "add", "size": 1}, {"path": ["x"], "op": "delete"}, {"path": "latest.json", "op": "explode"},
                {"path": "status/x.json", "op": "add", "size": -5}, {"path": "status/y.json", "op": "add", "xetHash": {"a": 1}},
                {"path": "../escape", "op": "add", "size": 1}]  # fmt: skip
-        with self.server._lock:
-            for change in self.rng.sample(bad, self.rng.randint(1, len(bad))):
-                self.server._record_change(BUCKET, change)
+        self.server.announce(BUCKET, *self.rng.sample(bad, self.rng.randint(1, len(bad))))
 
 
 def _takeover_while_the_feed_fails(server: HubServer, result: TrialResult) -> None:
@@ -187,17 +173,9 @@ def trial_hub_hostile(rng: random.Random, workdir: Path, final: int | None = Non
         workdir: Scratch folder (the stand-in's Xet storage).
         final: Last version published (default: drawn from 6..10).
     """
-    from huggingface_hub.utils import disable_progress_bars
-
-    from rlsync.bucket.hf_transport import HfTransferConfig, install
-
-    disable_progress_bars()
     result = TrialResult("hub_hostile")
-    server = HubServer(Path(tempfile.mkdtemp(prefix="hub-", dir=workdir)))
-    server.add_token(TOKEN, "write")
-    server.create_bucket(BUCKET)
+    server = _start(workdir)
     server.feed(True, session_s=5.0, ping_s=0.5)
-    install(HfTransferConfig(connect_timeout=2.0, read_timeout=2.0))
     ledger = Ledger(result)
     final = final if final is not None else rng.randint(6, 10)
     watches = []
