@@ -322,6 +322,7 @@ class WatchedBucket(BucketWrapper):
 
     def _feed_failed(self, what: str) -> None:
         """Count a failed feed session or batch; after `config.feed_failures` in a row, stop following."""
+        what = self._hub._scrub(what) if self._hub is not None else what  # a server may echo the token
         self.feed_errors += 1
         self._feed_errors_in_row += 1
         logger.warning("watch %s: the events feed failed (%s, %d in a row)", self.url, what, self._feed_errors_in_row)
