@@ -28,10 +28,9 @@ import math
 import threading
 import time
 
-from rlsync.adapters import adapter_bucket
 from rlsync.bucket import Bucket
 from rlsync.bucket.watch import IDLE_WAIT_S, generation, meter_of, wait_for_change
-from rlsync.errors import BucketError, FormatError
+from rlsync.errors import BucketError
 from rlsync.layout import (
     CLAIMS_PREFIX,
     DEMAND_KEY,
@@ -44,8 +43,7 @@ from rlsync.layout import (
     task_key,
 )
 from rlsync.limits import MAX_OBJECT_BYTES
-from rlsync.protocol import read_manifest
-from rlsync.spaces.demand import Demand, batches_to_issue, read_demand
+from rlsync.spaces.demand import Demand, batches_to_issue, batches_wanted, newest_version, read_demand
 from rlsync.spaces.interval_log import IntervalLog
 from rlsync.spaces.exchange import (
     MAX_REWARD,
@@ -195,7 +193,7 @@ class EnvSimulator:
     def issue_tasks(self) -> int:
         """Top up the task batches: what the trainer's demand asks for, else ``queue_depth`` waiting;
         returns the number of batches issued."""
-        self.demand = read_demand(self.bucket, self.refusals)
+        self.demand = read_demand(self.bucket, self.refusals, newest_version=newest_version(self.bucket))
         if self.demand is None:  # at most queue_depth per step, whatever the bucket holds
             issued = max(0, self.config.queue_depth - len(self.waiting_batches()))
             for _ in range(issued):
@@ -204,7 +202,10 @@ class EnvSimulator:
         batches = list(list_batches(self.bucket, TASKS_PREFIX))
         self._closed &= set(batches)
         scored = set(list_batches(self.bucket, SCORES_PREFIX))
-        count = batches_to_issue(self.demand, batches, scored, self._closed, self.samples_per_batch())
+        per_batch = self.samples_per_batch()
+        if batches_wanted(self.demand, per_batch) > self.config.keep_batches:
+            self.refusals.add(DEMAND_KEY, f"want_samples asks for more than the {self.config.keep_batches} batches kept")
+        count = batches_to_issue(self.demand, batches, scored, self._closed, per_batch, self.config.keep_batches)
         for _ in range(count):
             self.publish_tasks()
         return count
@@ -220,13 +221,9 @@ class EnvSimulator:
     def sample_limits(self) -> SampleLimits:
         """What a rollout may hold: token ids below ``vocab_size`` (when set), versions no newer
         than the newest published one (the adapter chain's in a LoRA run; none published yet: only version 0)."""
-        try:
-            manifest = read_manifest(adapter_bucket(self.bucket)) or read_manifest(self.bucket)
-        except FormatError:
-            manifest = None
         return SampleLimits(
             vocab_size=self.config.vocab_size or None,
-            max_version=manifest.step if manifest is not None else 0,
+            max_version=newest_version(self.bucket),
             max_completion_tokens=self.config.max_completion_tokens,
         )
 

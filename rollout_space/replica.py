@@ -56,7 +56,7 @@ from rlsync.layout import (
     task_key,
 )
 from rlsync.protocol import Subscriber, Update
-from rlsync.spaces.demand import read_demand, would_be_stale
+from rlsync.spaces.demand import newest_version, read_demand, would_be_stale
 from rlsync.spaces.exchange import (
     Refusals,
     Sample,
@@ -254,7 +254,7 @@ class Replica:
     def fresh_enough(self) -> bool:
         """Whether a batch started now at this replica's version would still be trained (see
         :func:`~rlsync.spaces.demand.would_be_stale`); ``True`` without a demand object."""
-        demand = read_demand(self.bucket, self.refusals)
+        demand = read_demand(self.bucket, self.refusals, newest_version=newest_version(self.bucket))
         version = self.policy_version
         if demand is None or version is None or not would_be_stale(demand, version, self.batch_gen_s or 0.0):
             return True

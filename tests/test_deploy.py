@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Iterable
@@ -427,8 +428,11 @@ def test_bad_options_are_refused_before_any_call(kwargs, message):
 
 
 def _checkout(tmp_path: Path) -> Path:
+    """A git checkout of the Space folders (deploy ships the files git tracks)."""
     for folder in [r.folder for r in deploy.ROLES.values()] + ["shared"]:
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "add", "-A"], check=True)
     return tmp_path
 
 

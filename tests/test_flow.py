@@ -220,7 +220,7 @@ def test_a_restarted_trainer_that_reads_only_stale_scores_rewrites_its_demand(bu
     control = FlowControl(bucket, worker, types.SimpleNamespace(version=20), batch_size=2, max_staleness=2)
     control.publish_demand()  # on_train_begin
     assert read_demand(bucket).read_batch == -1
-    env_issues = lambda: batches_to_issue(read_demand(bucket), [0, 1, 2], {0, 1, 2}, set(), 2.0)  # noqa: E731
+    env_issues = lambda: batches_to_issue(read_demand(bucket), [0, 1, 2], {0, 1, 2}, set(), 2.0, 64)  # noqa: E731
     assert env_issues() == 0  # all three count as in flight
     assert worker.poll() == 0 and worker.flow()["dropped_stale"] == 6 and worker.newest_batch == 2
     control.refresh_if_starving()

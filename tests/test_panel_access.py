@@ -212,3 +212,42 @@ def test_planted_notice_shows_as_text_in_the_browser(tmp_path, clean_env):
             browser.close()
     finally:
         demo.close()
+
+
+#: Routes Gradio serves to anyone, login or not: the login page and the page shell, static assets,
+#: and answers that hold nothing (no user, no token, the app's id). Everything else needs the login.
+PUBLIC_ROUTES = frozenset({
+    "/", "/openapi.json", "/logout", "/favicon.ico", "/theme.css", "/robots.txt", "/manifest.json",
+    "/gradio_api/theme.css", "/gradio_api/user", "/gradio_api/user/", "/gradio_api/token", "/gradio_api/token/",
+    "/gradio_api/app_id", "/gradio_api/app_id/", "/gradio_api/startup-events",
+})  # fmt: skip
+
+
+def _routes(routes, base: str = ""):
+    for route in routes:
+        path = base + getattr(route, "path", "")
+        if hasattr(route, "routes") and not hasattr(route, "methods"):
+            yield from _routes(route.routes, path)
+        else:
+            yield path, set(getattr(route, "methods", None) or {"GET"}) - {"HEAD", "OPTIONS"}
+
+
+def test_with_a_login_every_route_gradio_mounts_refuses_anonymous_callers(panel, clean_env, monkeypatch):
+    clean_env.setenv("PANEL_AUTH", LOGIN[0] + ":" + LOGIN[1])
+    monkeypatch.setenv("HF_TOKEN", "hf_operatorTOKENthatMustNotBeUsed")
+    demo, url, _, _ = panel()
+    mounted = list(_routes(demo.server_app.routes))
+    assert any(path == "/gradio_api/queue/join" for path, _ in mounted)  # the walk reaches Gradio's API routes
+    assert not [path for path, _ in mounted if "run-history" in path]  # /gradio_api/runs stays, answering 404
+    for path in ("gradio_api/run-history/buckets", "gradio_api/run-history/records?bucket=me/b", "gradio_api/runs"):
+        assert httpx.get(url + path, timeout=10).status_code == 404
+    assert httpx.post(url + "gradio_api/run-history/connect", json={"bucket_id": "me/b"}, timeout=10).status_code == 404
+    answered = {}
+    for path, methods in mounted:
+        if "{" in path or path in PUBLIC_ROUTES:
+            continue
+        for method in methods:
+            status = httpx.request(method, url.rstrip("/") + path, json={} if method == "POST" else None, timeout=10).status_code
+            if status < 400 and not (method == "GET" and path.startswith(("/login", "/static", "/assets"))):
+                answered[f"{method} {path}"] = status
+    assert answered == {}

@@ -213,6 +213,22 @@ class HubServer:
             self.rates = dict(rates)
             self._rng = random.Random(seed)
 
+    def plant(self, bucket_id: str, paths: list[str], like: str) -> None:
+        """Add `paths` to `bucket_id` as copies of its object `like`, at once, each announced on the feed
+        (a key flood without uploading anything)."""
+        with self._lock:
+            objects = self.buckets[bucket_id]
+            meta = dict(objects[like])
+            for path in paths:
+                objects[path] = dict(meta)
+                self._record_change(bucket_id, {"path": path, "op": "add", "size": meta["size"], "xetHash": meta["xetHash"]})
+
+    def announce(self, bucket_id: str, *changes: dict) -> None:
+        """Send `changes` on the feed as they are (hostile ones included), changing no object."""
+        with self._lock:
+            for change in changes:
+                self._record_change(bucket_id, change)
+
     def inject(self, side: str, *faults: Fault) -> None:
         """Queue faults for `side` ("api", "token" or "storage")."""
         with self._lock:

@@ -49,6 +49,14 @@ Trial kinds (``--kinds``):
     (:mod:`testing.hub.server`), which fails a random share of Hub API requests, Xet token
     grants and Xet storage requests (429, 503, dropped connections), beneath the publisher and
     two subscriber threads: everything converges bit-exactly.
+``hub_hostile``
+    The hostile inputs of issue 33 at volume against the Hub stand-in, beneath a publisher and two
+    subscribers following the bucket through watched views: a hostile writer plants oversized
+    objects (refused from their listed size, never downloaded), demand objects asking for 2^20
+    samples or an unpublished version (bounded, refused), key floods under ``tasks/`` (a view
+    started meanwhile becomes ready within a bounded number of listing pages), failing feed
+    sessions and malformed feed changes (skipped, counted); then a trainer taken over while the
+    feed fails is fenced. Everything converges bit-exactly, every watch thread stays alive.
 ``two_trainers``
     A second trainer with another owner id is refused (``RunLockedError``);
     then one that takes the run over (same owner id, or a stale lock) makes the

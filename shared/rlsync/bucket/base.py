@@ -144,9 +144,32 @@ class Bucket(abc.ABC):
             Path(path).unlink(missing_ok=True)
             raise ObjectTooLargeError(f"{key}: {size:,} bytes, more than the {max_bytes:,} allowed")
 
+    def get_uncached(self, key: str, max_bytes: int) -> bytes:
+        """:meth:`get_limited` from the store itself, never from a cache or a view that may be stale:
+        what a check that must see the newest object reads (the run lock's fence, the pointer before a
+        publish). Only buckets that cache (:class:`~rlsync.bucket.watch.WatchedBucket`) and wrappers
+        that map keys override it; the default is :meth:`get_limited`.
+
+        Raises:
+            ObjectNotFoundError: no object has that key.
+            ObjectTooLargeError: the object holds more than ``max_bytes`` bytes.
+        """
+        return self.get_limited(key, max_bytes)
+
     @abc.abstractmethod
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """List objects whose key starts with ``prefix``, sorted by key."""
+
+    def list_limited(self, prefix: str, max_keys: int) -> tuple[list[ObjectInfo], bool]:
+        """:meth:`list`, stopping after ``max_keys`` objects, so that a prefix flooded with keys costs a
+        bounded number of listing requests; backends that list in pages (the Hub) stop fetching pages
+        there, the default lists everything and cuts.
+
+        Returns:
+            The first ``max_keys`` objects in key order, and whether that is all of them.
+        """
+        listing = self.list(prefix)
+        return listing[:max_keys], len(listing) <= max_keys
 
     @abc.abstractmethod
     def delete(self, keys: Iterable[str]) -> None:

@@ -14,9 +14,12 @@ one budget. :class:`RequestMeter` is one role's view of it:
   ``RateLimit`` header shows the token has budget to spare (other roles idle: more left than the
   pro-rata limit for the rest of the window), a busy role may also take up to ``1/share`` of that
   surplus per second, so together the roles never spend more than is left;
+- listing pages may take only :attr:`RequestMeter.LISTING_SHARE` of that pace, so a prefix flooded
+  with keys never leaves a role without requests to read and write;
 - it reads the Hub's ``RateLimit`` headers whenever they come: when the whole token's remaining
   budget is low (other processes share it too) it waits for the window to reset, and a 429 holds
-  every request of the role until the time the server gave.
+  every request of the role until the time the server gave, never longer than one window
+  (:func:`rlsync.retry.retry_after_seconds`: an absurd ``Retry-After`` holds no role forever).
 
 :attr:`RequestMeter.short` tells the roles that the budget is short (the trainer then publishes
 less often, replicas take larger batches); :attr:`RequestMeter.pacing` says why, for the panels.
@@ -33,7 +36,9 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-__all__ = ["BudgetConfig", "HUB_LIMITS", "RequestClass", "RequestMeter", "Tier", "WINDOW_S", "classify"]
+from ..retry import retry_after_seconds
+
+__all__ = ["BudgetConfig", "HUB_LIMITS", "LISTING_KIND", "RequestClass", "RequestMeter", "Tier", "WINDOW_S", "classify"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +79,10 @@ _KINDS = (
     (re.compile(r"/api/agent-harnesses"), "agent-registry"),
     (re.compile(r"/api/buckets/[^/]+/[^/]+$"), "bucket"),
 )
+
+
+#: The kind of a listing page (``GET /api/buckets/{id}/tree``), paced within :attr:`RequestMeter.LISTING_SHARE`.
+LISTING_KIND = "GET tree"
 
 
 def classify(method: str, path: str) -> tuple[RequestClass | None, str]:
@@ -173,6 +182,8 @@ class RequestMeter:
     MAX_WAIT_S = 60.0
     #: Share of a window a burst may use; the rest is paced evenly.
     BURST = 0.1
+    #: Share of a class's pace that listing pages may take (the rest stays for reads and writes).
+    LISTING_SHARE = 0.5
 
     def __init__(
         self,
@@ -196,6 +207,10 @@ class RequestMeter:
             )
             for cls in RequestClass
         }
+        self._listing = {
+            cls: _TokenBucket(bucket.rate * self.LISTING_SHARE, bucket.capacity * self.LISTING_SHARE, now)
+            for cls, bucket in self._buckets.items()
+        }
         self._log: collections.deque[tuple[float, RequestClass, str]] = collections.deque()
         self.totals: collections.Counter[str] = collections.Counter()  # by kind, since the start
         self.class_totals: collections.Counter[RequestClass] = collections.Counter()
@@ -208,8 +223,12 @@ class RequestMeter:
 
     # -- used by the transport -------------------------------------------------------------------
 
-    def acquire(self, cls: RequestClass | None) -> float:
+    def acquire(self, cls: RequestClass | None, *, listing: bool = False) -> float:
         """Wait until a request of class `cls` fits the budget; returns the seconds waited.
+
+        A listing page (`listing`) must also fit the listing share (:attr:`LISTING_SHARE` of the
+        class's), so that listing a flooded prefix never takes the role's whole share: reads and
+        writes always keep the rest.
 
         Does nothing when `cls` is `None` or pacing is off (beyond a 429's hold, always kept).
         """
@@ -229,12 +248,17 @@ class RequestMeter:
                         paced, borrowed = min(paced, borrow), borrow == 0
                     if paced > wait:
                         wait, why = paced, f"{cls.value} share ({self.config.allowance(cls):.0f} per {self.config.window_s:g}s) spent"
+                    listed = self._listing[cls].wait_s(now) if listing else 0.0
+                    if listed > wait:
+                        wait, why = listed, f"listing share ({self.LISTING_SHARE:.0%} of the {cls.value} share) spent"
                     server = self._server_wait(cls, now)
                     if server > wait:
                         wait, why = server, f"the token's {cls.value} budget is nearly spent (RateLimit header)"
                 if wait <= 0:
                     if self.config.enabled:
                         (self._spare[cls] if borrowed else self._buckets[cls]).level -= 1.0
+                        if listing:
+                            self._listing[cls].level -= 1.0
                     if waited:
                         self.waited_s += waited
                     return waited
@@ -266,7 +290,7 @@ class RequestMeter:
                 self._observe(headers, now)
             if status == 429:
                 self.throttled += 1
-                hold = _retry_after(headers) if headers is not None else None
+                hold = retry_after_seconds(headers, self.config.window_s) if headers is not None else None
                 self._held_until = max(self._held_until, now + (hold if hold is not None else 1.0))
         if status == 429:
             logger.warning("%s: the Hub answered 429 to %s; holding requests", self.role or "bucket", kind)
@@ -281,12 +305,13 @@ class RequestMeter:
             cls = RequestClass(info.resource_type)
         except ValueError:
             return
-        self._server[cls] = (info.remaining, info.limit, now + info.reset_in_seconds)
+        reset_in = min(float(info.reset_in_seconds), self.config.window_s)  # a server's answer never holds a role past a window
+        self._server[cls] = (info.remaining, info.limit, now + reset_in)
         # What the whole token has left beyond the pro-rata limit for the rest of the window (which the
         # roles' own shares may still spend), split between the roles sharing it: taking at most
         # 1/share of it per second each, the roles together never exceed what is left.
         limit = info.limit or self.config.limit(cls)
-        left_s = max(1.0, float(info.reset_in_seconds))
+        left_s = max(1.0, reset_in)
         margin = limit * min(1.0, left_s / self.config.window_s)
         rate = max(0.0, info.remaining - margin) / left_s / self.config.share
         spare = self._spare.get(cls)
@@ -349,13 +374,3 @@ class RequestMeter:
                 "short": short,
                 "pacing": recent_pacing,
             }
-
-
-def _retry_after(headers: Mapping[str, str]) -> float | None:
-    for name, value in headers.items():
-        if name.lower() == "retry-after":
-            try:
-                return max(0.0, float(value))
-            except ValueError:
-                return None
-    return None

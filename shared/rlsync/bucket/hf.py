@@ -13,7 +13,8 @@ Errors from ``huggingface_hub`` are mapped onto the bucket error types:
 - 404 without the Hub's ``X-Error-Code`` -> :class:`BucketError` (not a Hub answer: wrong endpoint or
   a proxy), never an empty listing;
 - 408, 429, 5xx and connection/timeouts -> :class:`TransientBucketError`, with ``retry_after`` taken
-  from the ``Retry-After`` header (seconds or HTTP date, or the Hub's ``RateLimit`` header);
+  from the ``Retry-After`` header (seconds or HTTP date, or the Hub's ``RateLimit`` header), bounded
+  by the rate-limit window (:func:`rlsync.retry.retry_after_seconds`);
 - 401/403 -> :class:`BucketError` saying the token lacks access (read or write);
 - errors from hf_xet (Xet token endpoint and Xet storage), which arrive as ``RuntimeError`` or
   ``ConnectionError`` carrying the HTTP status in their message, are classified by that status the
@@ -32,11 +33,9 @@ server echoed it.
 
 from __future__ import annotations
 
-import email.utils
 import logging
 import re
 import tempfile
-import time
 import traceback
 from pathlib import Path
 from typing import Callable, Iterable, TypeVar
@@ -51,9 +50,10 @@ from huggingface_hub.errors import (
     HfHubHTTPError,
     OfflineModeIsEnabled,
 )
-from huggingface_hub.utils import parse_hf_uri, parse_ratelimit_headers
+from huggingface_hub.utils import parse_hf_uri
 
 from ..errors import BucketError, ObjectNotFoundError, ObjectTooLargeError, RetryableHttpError, TransientBucketError
+from ..retry import retry_after_seconds
 from .base import Bucket, ObjectInfo, part_path, validate_key, validate_prefix
 from .budget import RequestMeter
 from .hf_transport import HfTransferConfig, install, metering, single_attempt
@@ -83,27 +83,6 @@ _REDACTED = "<redacted>"
 
 def _is_transient(status: int) -> bool:
     return status in _TRANSIENT_STATUSES or status >= 500
-
-
-def _retry_after_seconds(headers: httpx2.Headers) -> float | None:
-    """Seconds to wait according to ``Retry-After`` (delay or HTTP date) or the Hub's ``RateLimit`` header."""
-    value = headers.get("Retry-After")
-    if value:
-        value = value.strip()
-        try:
-            return max(0.0, float(value))
-        except ValueError:
-            pass
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
-            when = None
-        if when is not None and when.tzinfo is not None:
-            return max(0.0, when.timestamp() - time.time())
-    info = parse_ratelimit_headers(headers)
-    if info is not None and info.remaining == 0:
-        return float(info.reset_in_seconds)
-    return None
 
 
 class HfBucket(Bucket):
@@ -161,6 +140,8 @@ class HfBucket(Bucket):
         self._api = api if api is not None else HfApi(token=self._token)
         self.url = f"hf://buckets/{bucket_id}" + (f"/{prefix}" if prefix else "")
         self._warned_skipped = False
+        #: Reads refused because the object is larger than the reader allows.
+        self.refused_too_large = 0
         if create:
             self._create_if_missing()
 
@@ -304,7 +285,7 @@ class HfBucket(Bucket):
         if status == 404:
             return ObjectNotFoundError(self._scrub(f"{what} failed: no such object (HTTP 404){detail}{because}"))
         if _is_transient(status):
-            retry_after = _retry_after_seconds(headers) if headers is not None else None
+            retry_after = retry_after_seconds(headers) if headers is not None else None
             hint = f", retry after {retry_after:g}s" if retry_after is not None else ""
             return TransientBucketError(
                 self._scrub(f"{what} failed with HTTP {status}{hint}{detail}{because}"), retry_after=retry_after
@@ -366,18 +347,37 @@ class HfBucket(Bucket):
         self.meter.acquire(RequestClass.API)
         self.meter.record("GET", path, None, None)
 
-    def _fetch(self, remote: str, dest: Path) -> None:
+    def _fetch(self, source: str | BucketFile, dest: Path) -> None:
         self._xet_token("read")
-        self._api.download_bucket_files(self.bucket_id, [(remote, str(dest))], raise_on_missing_files=True, token=self._token)
+        self._api.download_bucket_files(self.bucket_id, [(source, str(dest))], raise_on_missing_files=True, token=self._token)
 
-    def _download(self, key: str, remote: str, dest: Path) -> None:
-        self._call(
-            "get",
-            key,
-            lambda: self._fetch(remote, dest),
-        )
+    def _download(self, key: str, source: str | BucketFile, dest: Path) -> None:
+        self._call("get", key, lambda: self._fetch(source, dest))
         if not dest.is_file():  # the client skipped it: treat as missing rather than return garbage
             raise ObjectNotFoundError(f"get {key!r} in {self.url} failed: no such object")
+
+    def _limited_source(self, key: str, max_bytes: int | None) -> str | BucketFile:
+        """What to download for `key`: its path, or, under a limit, the version `paths-info` lists (the
+        request the download would make anyway), refused from its listed size before any byte is read.
+
+        Raises:
+            [`ObjectTooLargeError`]: the listed size is over `max_bytes` (counted in :attr:`refused_too_large`).
+            [`ObjectNotFoundError`]: no object has that key.
+        """
+        remote = self._remote(key)
+        if max_bytes is None:
+            return remote
+        infos = self._call("get", key, lambda: list(self._api.get_bucket_paths_info(self.bucket_id, [remote], token=self._token)))
+        info = next((i for i in infos if isinstance(i, BucketFile) and i.path == remote), None)
+        if info is None:
+            raise ObjectNotFoundError(f"get {key!r} in {self.url} failed: no such object")
+        self._check_size(key, int(info.size), max_bytes)
+        return info
+
+    def _check_size(self, key: str, size: int, max_bytes: int | None) -> None:
+        if max_bytes is not None and size > max_bytes:
+            self.refused_too_large += 1
+            raise ObjectTooLargeError(f"{key}: {size:,} bytes, more than the {max_bytes:,} allowed")
 
     def get(self, key: str) -> bytes:
         """Download the object `key` (via a temporary file) and return its bytes.
@@ -389,7 +389,7 @@ class HfBucket(Bucket):
         return self._read(key, None)
 
     def get_limited(self, key: str, max_bytes: int) -> bytes:
-        """[`get`], refusing an object larger than `max_bytes` before its bytes are read into memory.
+        """[`get`], refusing an object larger than `max_bytes` from its listed size, before any byte is downloaded.
 
         Raises:
             [`ObjectTooLargeError`]: the object holds more than `max_bytes` bytes.
@@ -398,14 +398,12 @@ class HfBucket(Bucket):
         return self._read(key, max_bytes)
 
     def _read(self, key: str, max_bytes: int | None) -> bytes:
-        remote = self._remote(key)
-        logger.debug("get %s from %s", remote, self.bucket_id)
+        source = self._limited_source(key, max_bytes)
+        logger.debug("get %s from %s", key, self.url)
         with tempfile.TemporaryDirectory(prefix="hfbucket-") as tmp:
             dest = Path(tmp, "object")
-            self._download(key, remote, dest)
-            size = dest.stat().st_size
-            if max_bytes is not None and size > max_bytes:
-                raise ObjectTooLargeError(f"{key}: {size:,} bytes, more than the {max_bytes:,} allowed")
+            self._download(key, source, dest)
+            self._check_size(key, dest.stat().st_size, max_bytes)  # what came is what was listed, or refused
             return dest.read_bytes()
 
     def get_file(self, key: str, path: str | Path) -> None:
@@ -416,12 +414,25 @@ class HfBucket(Bucket):
             [`ObjectNotFoundError`]: no object has that key.
             [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
-        remote = self._remote(key)
+        self._read_file(key, path, None)
+
+    def get_file_limited(self, key: str, path: str | Path, max_bytes: int) -> None:
+        """[`get_file`], refusing an object larger than `max_bytes` from its listed size, before any byte is downloaded.
+
+        Raises:
+            [`ObjectTooLargeError`]: the object holds more than `max_bytes` bytes.
+            [`ObjectNotFoundError`], [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
+        """
+        self._read_file(key, path, max_bytes)
+
+    def _read_file(self, key: str, path: str | Path, max_bytes: int | None) -> None:
+        source = self._limited_source(key, max_bytes)
         target = Path(path)
         tmp = part_path(target)
-        logger.debug("get_file %s from %s -> %s", remote, self.bucket_id, path)
+        logger.debug("get_file %s from %s -> %s", key, self.url, path)
         try:
-            self._download(key, remote, tmp)
+            self._download(key, source, tmp)
+            self._check_size(key, tmp.stat().st_size, max_bytes)
             tmp.replace(target)
         finally:
             tmp.unlink(missing_ok=True)
@@ -435,18 +446,35 @@ class HfBucket(Bucket):
         Raises:
             [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
+        return self._list(prefix, None)[0]
+
+    def list_limited(self, prefix: str, max_keys: int) -> tuple[list[ObjectInfo], bool]:
+        """[`list`], fetching no page beyond the one that holds object `max_keys + 1`.
+
+        Raises:
+            [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
+        """
+        return self._list(prefix, max_keys)
+
+    def _list(self, prefix: str, max_keys: int | None) -> tuple[list[ObjectInfo], bool]:
         validate_prefix(prefix)
         full = self._path_prefix + prefix
 
-        def fetch() -> list[BucketFile]:
+        def fetch() -> tuple[list[BucketFile], bool]:
             # The server matches the prefix lexically; filter again below to be safe.
             tree = self._api.list_bucket_tree(self.bucket_id, prefix=full or None, recursive=True, token=self._token)
-            return [item for item in tree if isinstance(item, BucketFile)]
+            files = []
+            for item in tree:  # pages are fetched as the iteration reaches them
+                if isinstance(item, BucketFile):
+                    if max_keys is not None and len(files) == max_keys:
+                        return files, False
+                    files.append(item)
+            return files, True
 
         try:
-            files = self._call("list", prefix, fetch)
+            files, complete = self._call("list", prefix, fetch)
         except ObjectNotFoundError:  # the Hub's EntryNotFound 404 for a folder that does not exist: nothing there
-            return []
+            return [], True
         out = []
         skipped = 0
         for item in files:
@@ -463,7 +491,7 @@ class HfBucket(Bucket):
             log = logger.debug if self._warned_skipped else logger.warning
             self._warned_skipped = True
             log("list %s: skipped %d remote files whose names are not valid keys", self.url, skipped)
-        return sorted(out, key=lambda o: o.key)
+        return sorted(out, key=lambda o: o.key), complete
 
     def _existing(self, op: str, keys: list[str]) -> set[str]:
         remotes = [self._remote(key) for key in keys]

@@ -90,9 +90,10 @@ class _BucketTransport(httpx2.HTTPTransport):
         meter = _METER.get()
         if meter is None:
             return self._send(request)
-        from .budget import classify
+        from .budget import LISTING_KIND, classify
 
-        meter.acquire(classify(request.method, request.url.path)[0])
+        cls, kind = classify(request.method, request.url.path)
+        meter.acquire(cls, listing=kind == LISTING_KIND)
         try:
             response = self._send(request)
         except RetryableHttpError as err:

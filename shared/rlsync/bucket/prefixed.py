@@ -56,6 +56,9 @@ class PrefixedBucket(BucketWrapper):
     def get_file_limited(self, key: str, path: str | Path, max_bytes: int) -> None:
         self.inner.get_file_limited(self._key(key), path, max_bytes)
 
+    def get_uncached(self, key: str, max_bytes: int) -> bytes:
+        return self.inner.get_uncached(self._key(key), max_bytes)
+
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         validate_prefix(prefix)
         return [

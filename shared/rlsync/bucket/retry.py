@@ -4,36 +4,35 @@
 :class:`TransientBucketError` (5xx, 429, dropped connections). Every bucket operation is
 idempotent (whole-object put, delete of a set of keys), so retrying is always safe. An operation
 gives up after ``max_attempts`` attempts or once the next wait would take it past ``max_total``
-seconds, whichever comes first, so one call never costs unbounded time.
+seconds, whichever comes first, so one call never costs unbounded time (the policy is
+:mod:`rlsync.retry`'s, shared by every retrying caller).
 Permanent failures (:class:`ObjectNotFoundError`, :class:`InvalidKeyError`, any other
 :class:`BucketError`) are raised at once.
 """
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from pathlib import Path
 from typing import Callable, Iterable, TypeVar
 
 from ..errors import BucketError, TransientBucketError
+from ..retry import RetryPolicy, call_with_retries
 from .base import Bucket, BucketWrapper, ObjectInfo
 
 __all__ = ["RetryingBucket"]
-
-logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
 
 class RetryingBucket(BucketWrapper):
-    """A bucket that retries transient failures of the bucket it wraps.
+    """A bucket that retries transient failures of the bucket it wraps, as :class:`~rlsync.retry.RetryPolicy` says.
 
     The wait before retry `n` (1-based) is `min(max_delay, base_delay * 2**(n-1))` scaled by a random
     factor in `[0.5, 1.0]` (jitter, so many clients do not retry in lockstep). When the error carries
-    `retry_after` (the server said how long to wait), the wait is at least that long, even beyond
-    `max_delay`: retrying earlier would only be throttled again.
+    `retry_after` (the server said how long to wait, bounded by the rate-limit window), the wait is at
+    least that long, even beyond `max_delay`: retrying earlier would only be throttled again.
 
     Args:
         inner ([`Bucket`]):
@@ -67,56 +66,29 @@ class RetryingBucket(BucketWrapper):
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if max_attempts < 1:
-            raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
-        if base_delay < 0 or max_delay < 0 or max_total < 0:
-            raise ValueError("base_delay, max_delay and max_total must not be negative")
+        self.policy = RetryPolicy(max_attempts, base_delay, max_delay, max_total)
         super().__init__(inner)
         self.max_attempts = max_attempts
-        self.base_delay = base_delay
-        self.max_delay = max_delay
         self.max_total = max_total
         self._sleep = sleep
         self._clock = clock
         self._random = random.Random()
 
     def backoff(self, retry: int, retry_after: float | None = None) -> float:
-        """Seconds to wait before retry number `retry` (1-based).
-
-        Args:
-            retry (`int`): Which retry this is (1 for the first).
-            retry_after (`float`, *optional*): The server's requested wait, if any.
-
-        Returns:
-            `float`: the wait in seconds.
-        """
-        delay = min(self.max_delay, self.base_delay * 2 ** (retry - 1)) * self._random.uniform(0.5, 1.0)
-        if retry_after is not None:
-            delay = max(delay, retry_after)
-        return delay
+        """Seconds to wait before retry number `retry` (1-based); see :meth:`RetryPolicy.backoff`."""
+        return self.policy.backoff(retry, retry_after, self._random)
 
     def _run(self, op: str, what: str, fn: Callable[[], _T]) -> _T:
-        start = self._clock()
-        for attempt in range(1, self.max_attempts + 1):
-            try:
-                return fn()
-            except TransientBucketError as err:
-                delay = self.backoff(attempt, err.retry_after) if attempt < self.max_attempts else 0.0
-                elapsed = self._clock() - start
-                if attempt == self.max_attempts or elapsed + delay > self.max_total:
-                    why = "" if attempt == self.max_attempts else (
-                        f" (the next wait, {delay:.1f}s, would pass the {self.max_total:g}s limit)"
-                    )
-                    raise BucketError(
-                        f"{op} {what} on {self.url} failed after {attempt} attempt"
-                        f"{'s' if attempt > 1 else ''} in {elapsed:.1f}s{why}; last error: {err}"
-                    ) from err
-                logger.warning(
-                    "%s %s on %s failed (attempt %d/%d): %s; retrying in %.2fs",
-                    op, what, self.url, attempt, self.max_attempts, err, delay,
-                )
-                self._sleep(delay)
-        raise AssertionError("unreachable")  # pragma: no cover
+        def give_up(err: BaseException, attempts: int, elapsed: float, why: str) -> BucketError:
+            return BucketError(
+                f"{op} {what} on {self.url} failed after {attempts} attempt"
+                f"{'s' if attempts > 1 else ''} in {elapsed:.1f}s{why}; last error: {err}"
+            )
+
+        return call_with_retries(
+            fn, policy=self.policy, retryable=TransientBucketError, give_up=give_up,
+            describe=f"{op} {what} on {self.url}", sleep=self._sleep, clock=self._clock, rng=self._random,
+        )  # fmt: skip
 
     def put(self, key: str, data: bytes) -> None:
         self._run("put", repr(key), lambda: self.inner.put(key, data))
@@ -138,6 +110,9 @@ class RetryingBucket(BucketWrapper):
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         return self._run("list", f"prefix {prefix!r}", lambda: self.inner.list(prefix))
+
+    def list_limited(self, prefix: str, max_keys: int) -> tuple[list[ObjectInfo], bool]:
+        return self._run("list", f"prefix {prefix!r}", lambda: self.inner.list_limited(prefix, max_keys))
 
     def delete(self, keys: Iterable[str]) -> None:
         keys = list(keys)

@@ -14,25 +14,35 @@ something under the given prefixes changed (or a timeout), so an idle role makes
 
 Writes and deletes through the wrapper update the view at once (a role always sees its own
 writes). Small objects read with :meth:`~WatchedBucket.get_limited` are cached by the Xet hash the
-view holds for them, so ``latest.json`` and other pointers are downloaded only when they changed.
+view holds for them, so ``latest.json`` and other pointers are downloaded only when they changed;
+an object the view lists as larger than the reader allows is refused without a request. A check
+that must see the newest object (the run lock's fence, the pointer before a publish) reads with
+:meth:`~WatchedBucket.get_uncached`, never from the cache.
 
-Every bucket object stays untrusted: the view only holds keys, sizes and hashes the server listed
-or announced, and only what passes :func:`~rlsync.bucket.base.validate_key`.
+Every bucket object stays untrusted, and so does the feed: the view only holds keys, sizes and
+hashes the server listed or announced, and only what passes :func:`~rlsync.bucket.base.validate_key`;
+a malformed change is skipped and counted (:attr:`~WatchedBucket.malformed_events`). Everything is
+bounded: a listing stops after :attr:`WatchConfig.max_listing_keys` keys per prefix (a prefix flooded
+with keys is seen in part, its keys beyond the bound when they change), the cache holds at most
+:attr:`WatchConfig.cache_bytes` and forgets deleted keys, the change log keeps the newest
+:attr:`WatchConfig.max_changes` changes, and a feed whose sessions or batches keep failing
+(:attr:`WatchConfig.feed_failures` in a row) is left for polling.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import logging
 import threading
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
-from ..errors import BucketError, InvalidKeyError, ObjectNotFoundError
+from ..errors import BucketError, InvalidKeyError, ObjectNotFoundError, ObjectTooLargeError
 from ..supervised import SupervisedThread
-from .base import Bucket, BucketWrapper, ObjectInfo, validate_key
+from .base import Bucket, BucketWrapper, ObjectInfo, validate_key, validate_prefix
 
 __all__ = [
     "IDLE_WAIT_S", "WatchConfig", "WatchMode", "WatchedBucket", "generation", "hub_backend", "listing_error", "meter_of",
@@ -45,6 +55,8 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 30.0
 #: Objects up to this size read through :meth:`WatchedBucket.get_limited` are cached by hash.
 CACHE_MAX_BYTES = 1 << 20
+#: A feed change's operations (``BucketFileChange.op``).
+_FEED_OPS = frozenset({"add", "update", "delete"})
 
 
 class WatchMode(str, enum.Enum):
@@ -68,12 +80,34 @@ class WatchConfig:
             reports (status, metrics) that no role answers: writing one, or seeing another role's
             change, does not bring the polling interval back to `min_poll_s`, so an idle fleet's
             periodic reports cost no extra polls.
+        prefixes (`tuple[str, ...]`, *optional*, defaults to the whole bucket): The prefixes the
+            role reads: only these are listed and followed; other keys are asked of the bucket.
+        max_listing_keys (`int`, *optional*, defaults to 20,000): Keys one listing of a prefix
+            takes at most (a prefix flooded with keys costs a bounded number of pages; its keys
+            beyond the bound join the view when the feed announces them) (env `HUB_MAX_LISTING_KEYS`).
+        cache_bytes (`int`, *optional*, defaults to 16 MiB): Bytes of small objects cached, the
+            least recently read dropped first (env `HUB_CACHE_BYTES`).
+        max_changes (`int`, *optional*, defaults to 10,000): Changes the change log keeps for
+            :meth:`WatchedBucket.wait` (a wait from before the oldest one kept counts as changed) (env `HUB_MAX_CHANGES`).
+        feed_failures (`int`, *optional*, defaults to 3): Feed sessions or change batches failing in
+            a row after which the watch polls instead (env `HUB_FEED_FAILURES`).
     """
 
     feed: bool = True
     min_poll_s: float = 1.0
     max_poll_s: float = 60.0
     quiet_prefixes: tuple[str, ...] = dataclasses.field(default=(), metadata={"env": None})
+    prefixes: tuple[str, ...] = dataclasses.field(default=("",), metadata={"env": None})
+    max_listing_keys: int = 20_000
+    cache_bytes: int = 16 << 20
+    max_changes: int = 10_000
+    feed_failures: int = 3
+
+    def __post_init__(self) -> None:
+        for prefix in self.prefixes:
+            validate_prefix(prefix)
+        if not self.prefixes or min(self.max_listing_keys, self.max_changes, self.feed_failures) < 1 or self.cache_bytes < 0:
+            raise ValueError(f"invalid watch settings: {self}")
 
 
 def hub_backend(bucket: Bucket):
@@ -98,9 +132,12 @@ class WatchedBucket(BucketWrapper):
         self.meter = getattr(self._hub, "meter", None)
         self._cond = threading.Condition()
         self._view: dict[str, ObjectInfo] | None = None
-        self._changed_at: dict[str, int] = {}  # key -> generation of its last change
+        #: key -> generation of its last change, oldest first, at most `config.max_changes` of them.
+        self._changed_at: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._forgotten = 0  # the newest generation dropped from the change log
         self.generation = 0
-        self._cache: dict[str, tuple[str, bytes]] = {}
+        self._cache: collections.OrderedDict[str, tuple[str, bytes]] = collections.OrderedDict()  # least recent first
+        self.cache_bytes = 0
         self._stop = threading.Event()
         self._poke = threading.Event()
         use_feed = self.config.feed and self._hub is not None
@@ -108,10 +145,33 @@ class WatchedBucket(BucketWrapper):
         self.polls = 0
         #: Why the newest listing failed (the view is as of the last good one), or ``None``.
         self.listing_error: str | None = None
+        #: Listings cut at `config.max_listing_keys` (a prefix flooded with keys).
+        self.truncated_listings = 0
+        #: Feed changes skipped as malformed (a path that is not a string, an unknown operation, ...).
+        self.malformed_events = 0
+        #: Feed sessions or change batches that failed, and how many in a row now.
+        self.feed_errors = 0
+        self._feed_errors_in_row = 0
+        #: Reads refused because the view lists the object as larger than the reader allows.
+        self.refused_too_large = 0
+        self._follower: Any = None
         self._thread = SupervisedThread(self._run, name=f"watch-{self.url}", stop=self._stop)
         self._thread.start()
 
     # -- the view ------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """Whether the first listing is in (until then :meth:`list` asks the bucket)."""
+        return self._view is not None
+
+    @property
+    def changes_held(self) -> int:
+        """Entries in the change log (at most `config.max_changes`)."""
+        return len(self._changed_at)
+
+    def _covers(self, key: str) -> bool:
+        return key.startswith(self.config.prefixes)
 
     def _set(self, key: str, info: ObjectInfo | None) -> None:
         """Record one key's new state (the condition is held)."""
@@ -125,11 +185,31 @@ class WatchedBucket(BucketWrapper):
             self._view.pop(key, None)
         else:
             self._view[key] = info
+        cached = self._cache.get(key)
+        if cached is not None and (info is None or info.etag != cached[0]):
+            self._uncache(key)
         self.generation += 1
+        self._changed_at.pop(key, None)
         self._changed_at[key] = self.generation
+        while len(self._changed_at) > self.config.max_changes:
+            _, gen = self._changed_at.popitem(last=False)
+            self._forgotten = max(self._forgotten, gen)
 
-    def _replace(self, listing: list[ObjectInfo]) -> bool:
-        """Replace the view by a full listing; returns whether a key outside the quiet prefixes changed."""
+    def _changed_since(self, start: int, prefixes: tuple[str, ...]) -> bool:
+        """Whether a key under `prefixes` changed after generation `start` (the condition is held); a
+        change older than the log holds counts."""
+        if self._forgotten > start:
+            return True
+        for key, gen in reversed(self._changed_at.items()):
+            if gen <= start:
+                return False
+            if key.startswith(prefixes):
+                return True
+        return False
+
+    def _replace(self, listing: list[ObjectInfo], complete: bool) -> bool:
+        """Bring the view to a listing of the watched prefixes; returns whether a key outside the quiet
+        prefixes changed. Keys missing from a listing cut short are kept (the feed tells their deletes)."""
         fresh = {o.key: o for o in listing}
         with self._cond:
             if self._view is None:
@@ -138,42 +218,96 @@ class WatchedBucket(BucketWrapper):
                 self._cond.notify_all()
                 return True
             before = self.generation
-            for key in set(self._view) | set(fresh):
+            for key in (set(self._view) | set(fresh)) if complete else set(fresh):
                 self._set(key, fresh.get(key))
             self._cond.notify_all()
             quiet = self.config.quiet_prefixes
-            return any(g > before and not k.startswith(quiet) for k, g in self._changed_at.items())
+            for key, gen in reversed(self._changed_at.items()):
+                if gen <= before:
+                    return False
+                if not key.startswith(quiet):
+                    return True
+            return self._forgotten > before
+
+    def _uncache(self, key: str) -> None:
+        entry = self._cache.pop(key, None)
+        if entry is not None:
+            self.cache_bytes -= len(entry[1])
+
+    def _cache_put(self, key: str, etag: str, data: bytes) -> None:
+        if len(data) > min(CACHE_MAX_BYTES, self.config.cache_bytes):
+            return
+        with self._cond:
+            self._uncache(key)
+            self._cache[key] = (etag, data)
+            self.cache_bytes += len(data)
+            while self.cache_bytes > self.config.cache_bytes:
+                self._uncache(next(iter(self._cache)))
+
+    def _change_info(self, change: Any) -> tuple[str, ObjectInfo | None] | None:
+        """The key and new state a feed change announces; ``None`` for a change outside the watched
+        prefixes or not for this bucket. Raises ValueError for a malformed change."""
+        path, op = getattr(change, "path", None), getattr(change, "op", None)
+        if not isinstance(path, str) or op not in _FEED_OPS:
+            raise ValueError(f"a change with path {type(path).__name__} and operation {op!r}")
+        key = self._hub._local_key(path) if self._hub is not None else path
+        if key is None:
+            return None
+        try:
+            validate_key(key)
+        except InvalidKeyError:
+            raise ValueError("a change whose path is not a valid key") from None
+        if not self._covers(key):
+            return None
+        if op == "delete":
+            return key, None
+        size, etag = getattr(change, "size", None), getattr(change, "xet_hash", None)
+        if size is not None and (type(size) is not int or size < 0):
+            raise ValueError(f"a change with size {size!r}"[:100])
+        if etag is not None and not isinstance(etag, str):
+            raise ValueError(f"a change with hash of type {type(etag).__name__}")
+        old = (self._view or {}).get(key)
+        return key, ObjectInfo(key, size if size is not None else (old.size if old else 0), etag)
 
     def _apply_changes(self, changes) -> None:
-        """Apply a batch of the feed's changes (``BucketFileChange``)."""
-        hub = self._hub
+        """Apply a batch of the feed's changes (``BucketFileChange``); malformed ones are skipped and counted."""
+        skipped = 0
         with self._cond:
             for change in changes:
-                key = hub._local_key(change.path) if hub is not None else change.path
                 try:
-                    validate_key(key or "")
-                except InvalidKeyError:
+                    found = self._change_info(change)
+                except ValueError as exc:
+                    skipped += 1
+                    if self.malformed_events + skipped == 1:
+                        logger.warning("watch %s: skipped a malformed feed change: %s", self.url, exc)
                     continue
-                if change.op == "delete":
-                    self._set(key, None)
-                else:
-                    old = (self._view or {}).get(key)
-                    size = change.size if isinstance(change.size, int) else (old.size if old else 0)
-                    etag = change.xet_hash if isinstance(change.xet_hash, str) else None
-                    self._set(key, ObjectInfo(key, size, etag))
+                if found is not None:
+                    self._set(*found)
+            self.malformed_events += skipped
             self._cond.notify_all()
 
-    def _list_inner(self) -> list[ObjectInfo] | None:
+    def _list_inner(self) -> tuple[list[ObjectInfo], bool] | None:
+        """A listing of the watched prefixes, each cut at `config.max_listing_keys`, and whether it is whole."""
+        listing: list[ObjectInfo] = []
+        complete = True
         try:
-            listing = self.inner.list("")
+            for prefix in self.config.prefixes:
+                part, whole = self.inner.list_limited(prefix, self.config.max_listing_keys)
+                listing += part
+                complete = complete and whole
         except BucketError as exc:
             logger.warning("watch %s: listing failed: %s", self.url, exc)
             with self._cond:
                 self.listing_error = str(exc)
                 self._cond.notify_all()  # a first view waited for will not come from this listing
             return None
+        if not complete:
+            self.truncated_listings += 1
+            log = logger.warning if self.truncated_listings == 1 else logger.debug
+            log("watch %s: a listing was cut at %d keys per prefix (a flooded prefix is seen in part)",
+                self.url, self.config.max_listing_keys)  # fmt: skip
         self.listing_error = None
-        return listing
+        return listing, complete
 
     # -- background thread ---------------------------------------------------------------------
 
@@ -186,6 +320,15 @@ class WatchedBucket(BucketWrapper):
                            self.url, self.config.min_poll_s, self.config.max_poll_s)  # fmt: skip
             self.mode = WatchMode.POLL
         self._poll()
+
+    def _feed_failed(self, what: str) -> None:
+        """Count a failed feed session or batch; after `config.feed_failures` in a row, stop following."""
+        what = self._hub._scrub(what) if self._hub is not None else what  # a server may echo the token
+        self.feed_errors += 1
+        self._feed_errors_in_row += 1
+        logger.warning("watch %s: the events feed failed (%s, %d in a row)", self.url, what, self._feed_errors_in_row)
+        if self._feed_errors_in_row >= self.config.feed_failures and self._follower is not None:
+            self._follower.stop()
 
     def _follow(self) -> None:
         from huggingface_hub._bucket_live_follow import BucketFollower
@@ -200,23 +343,43 @@ class WatchedBucket(BucketWrapper):
                 with metering(hub.meter):
                     super().run()
 
-        def reconcile() -> None:
-            listing = watcher._list_inner()
-            if listing is not None:
-                watcher._replace(listing)
+            def _follow_once(self) -> bool:
+                try:
+                    healthy = super()._follow_once()
+                except Exception as exc:  # noqa: BLE001 - counted here, handled (retried or given up) by the follower
+                    watcher._feed_failed(f"{type(exc).__name__}: {exc}"[:300])
+                    raise
+                if healthy:
+                    watcher._feed_errors_in_row = 0
+                return healthy
 
-        follower = _Follower(
+            def _sleep(self, delay: float) -> None:  # back off no longer than polling would wait
+                super()._sleep(min(delay, watcher.config.max_poll_s))
+
+        def reconcile() -> None:
+            found = watcher._list_inner()
+            if found is not None:
+                watcher._replace(*found)
+
+        def on_changes(changes) -> None:
+            try:
+                watcher._apply_changes(changes)
+            except Exception as exc:  # noqa: BLE001 - the batch is replayed; in a row, the watch polls instead
+                watcher._feed_failed(f"a batch of changes could not be applied: {type(exc).__name__}: {exc}"[:300])
+                raise
+
+        self._follower = _Follower(
             endpoint=hub._api.endpoint, bucket_id=hub.bucket_id, token=hub._token or None,
-            on_changes=self._apply_changes, on_reconcile=reconcile, is_alive=lambda: not self._stop.is_set(),
+            on_changes=on_changes, on_reconcile=reconcile, is_alive=lambda: not self._stop.is_set(),
         )  # fmt: skip
-        follower.run()  # in this thread: it returns when the feed cannot be followed, or on close
+        self._follower.run()  # in this thread: it returns when the feed cannot be followed, or on close
 
     def _poll(self) -> None:
         interval = self.config.min_poll_s
         while not self._stop.is_set():
-            listing = self._list_inner()
+            found = self._list_inner()
             self.polls += 1
-            changed = listing is not None and self._replace(listing)
+            changed = found is not None and self._replace(*found)
             interval = self.config.min_poll_s if changed else min(self.config.max_poll_s, interval * 2)
             self._poke.wait(interval)
             if self._poke.is_set():
@@ -235,8 +398,9 @@ class WatchedBucket(BucketWrapper):
             return None if self._stop.is_set() else self._view
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        """Objects under `prefix`, from the view (a real listing until the first view is ready)."""
-        view = self._ready_view()
+        """Objects under `prefix`, from the view (a real listing until the first view is ready, or for a
+        prefix outside the watched ones)."""
+        view = self._ready_view() if self._covers(prefix) else None
         if view is None:
             return self.inner.list(prefix)
         with self._cond:
@@ -249,62 +413,71 @@ class WatchedBucket(BucketWrapper):
         deadline = time.monotonic() + timeout
         with self._cond:
             start = self.generation if since is None else since
-
-            def changed() -> bool:
-                return any(g > start and k.startswith(prefixes) for k, g in self._changed_at.items())
-
-            while not changed() and not stop.is_set():
+            while not self._changed_since(start, prefixes) and not stop.is_set():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._cond.wait(min(left, 0.5))
-            return changed()
+            return self._changed_since(start, prefixes)
 
     def get_limited(self, key: str, max_bytes: int) -> bytes:
-        """:meth:`Bucket.get_limited`, answered from the cache while the view holds the same hash, and
-        without a request for a key the view does not hold.
+        """:meth:`Bucket.get_limited`, answered from the cache while the view holds the same hash, refused
+        when the view lists it larger than `max_bytes`, and without a request for a key the view does
+        not hold (when it holds the key's whole prefix).
 
         Raises:
             [`ObjectNotFoundError`]: the view has no such key (or the backend has none).
+            [`ObjectTooLargeError`]: the object holds more than `max_bytes` bytes.
         """
-        view = self._ready_view(0.0)
-        if view is not None and key not in view:
+        view = self._ready_view(0.0) if self._covers(key) else None
+        if view is not None and key not in view and not self.truncated_listings:
             raise ObjectNotFoundError(f"get {key!r} in {self.url} failed: no such object")
         info = (view or {}).get(key)
-        cached = self._cache.get(key)
-        if info is not None and info.etag and cached is not None and cached[0] == info.etag:
-            if len(cached[1]) > max_bytes:
-                return self.inner.get_limited(key, max_bytes)  # let the backend refuse it as it does
-            return cached[1]
+        if info is not None and info.size > max_bytes:
+            self.refused_too_large += 1
+            raise ObjectTooLargeError(f"{key}: {info.size:,} bytes, more than the {max_bytes:,} allowed")
+        with self._cond:
+            cached = self._cache.get(key)
+            if info is not None and info.etag and cached is not None and cached[0] == info.etag:
+                self._cache.move_to_end(key)
+                return cached[1]
         data = self.inner.get_limited(key, max_bytes)
         after = (self._view or {}).get(key)
-        if info is not None and info.etag and after is not None and after.etag == info.etag and len(data) <= CACHE_MAX_BYTES:
-            self._cache[key] = (info.etag, data)
+        if info is not None and info.etag and after is not None and after.etag == info.etag:
+            self._cache_put(key, info.etag, data)
         return data
 
+    def get_uncached(self, key: str, max_bytes: int) -> bytes:
+        """:meth:`get_limited` from the bucket itself, whatever the view and the cache hold."""
+        return self.inner.get_limited(key, max_bytes)
+
     def exists(self, key: str) -> bool:
-        view = self._ready_view(0.0)
+        view = self._ready_view(0.0) if self._covers(key) else None
         if view is not None and key in view:
             return True
         return self.inner.exists(key)
 
     # -- writing (the view follows at once) ----------------------------------------------------
 
-    def _wrote(self, key: str, size: int) -> None:
+    def _wrote(self, key: str, size: int, since: int) -> None:
+        """Record a write through this wrapper made when the view was at generation `since`: unless
+        the feed announced the key meanwhile (then the view has its hash already, keep it)."""
         with self._cond:
-            self._set(key, ObjectInfo(key, size, None))
-            self._cache.pop(key, None)
+            if self._changed_at.get(key, 0) <= since or self._view is None or key not in self._view:
+                self._set(key, ObjectInfo(key, size, None))
             self._cond.notify_all()
         if self.mode is WatchMode.POLL and not key.startswith(self.config.quiet_prefixes):
             self._poke.set()  # other roles answer writes: look again soon
 
     def put(self, key: str, data: bytes) -> None:
+        since = self.generation
         self.inner.put(key, data)
-        self._wrote(key, len(data))
+        self._wrote(key, len(data), since)
 
     def put_file(self, key: str, path: str | Path) -> None:
+        since = self.generation
         self.inner.put_file(key, path)
-        self._wrote(key, Path(path).stat().st_size)
+        self._wrote(key, Path(path).stat().st_size, since)
 
     def delete(self, keys: Iterable[str]) -> None:
         keys = list(keys)
@@ -312,7 +485,7 @@ class WatchedBucket(BucketWrapper):
         with self._cond:
             for key in keys:
                 self._set(key, None)
-                self._cache.pop(key, None)
+                self._uncache(key)
             self._cond.notify_all()
 
     def close(self) -> None:

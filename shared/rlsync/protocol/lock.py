@@ -9,7 +9,9 @@ Object stores offer no compare-and-swap, so the lock is advisory plus fencing:
   takes over at once with the next epoch;
 * before every publish the publisher re-reads the lock and stops with
   :class:`FencedError` if the epoch moved on, so a trainer that was taken over
-  cannot write into the chain again.
+  cannot write into the chain again. Every lock read goes to the bucket itself
+  (:meth:`~rlsync.bucket.base.Bucket.get_uncached`), never to a watched
+  bucket's cache, which a failing events feed can leave stale.
 
 Two publishers that start within the same instant could both believe they hold
 the lock; fencing limits the damage to at most one publish.
@@ -75,7 +77,8 @@ def read_lock(bucket: Bucket) -> RunLock | None:
 
 
 def _read_lock_strict(bucket: Bucket) -> RunLock:
-    return parse_lock(bucket.get_limited(LOCK_KEY, MAX_LOCK_BYTES))
+    # From the bucket itself: a cached lock may be stale, and a trainer taken over would not see it.
+    return parse_lock(bucket.get_uncached(LOCK_KEY, MAX_LOCK_BYTES))
 
 
 def is_fresh(lock: RunLock, ttl_s: float, now: float) -> bool:

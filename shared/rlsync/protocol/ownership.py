@@ -175,7 +175,7 @@ class RunOwnership:
         if published is None:
             return
         try:
-            current = read_manifest(self.bucket)
+            current = read_manifest(self.bucket, uncached=True)  # a watched bucket's cached pointer may be stale
         except FormatError:
             return
         if current is None or (current.step, current.state_hash) in self.written:

@@ -39,14 +39,19 @@ def new_run_id() -> str:
     return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(4)}"
 
 
-def read_manifest(bucket: Bucket) -> Manifest | None:
+def read_manifest(bucket: Bucket, *, uncached: bool = False) -> Manifest | None:
     """The bucket's pointer object, or ``None`` before the first publish.
+
+    Args:
+        bucket: The bucket.
+        uncached: Read the bucket itself, never a watched bucket's cache (the check before a publish).
 
     Raises:
         FormatError: the pointer exists but is invalid.
     """
     try:
-        data = bucket.get_limited(POINTER_KEY, MAX_POINTER_BYTES)
+        read = bucket.get_uncached if uncached else bucket.get_limited
+        data = read(POINTER_KEY, MAX_POINTER_BYTES)
     except ObjectNotFoundError:
         return None
     except ObjectTooLargeError as exc:

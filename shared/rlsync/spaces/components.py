@@ -493,7 +493,8 @@ def launch_options(host: str | None = None) -> dict[str, Any]:
     The host is ``host``, else ``GRADIO_SERVER_NAME``, else ``127.0.0.1`` (``0.0.0.0`` on a Space);
     the port ``PORT`` / ``GRADIO_SERVER_PORT`` (default 7860). ``PANEL_AUTH="user:password"``, wherever
     it is set, makes the panel ask for that login. A panel reachable by others without a login keeps
-    its read-only views and refuses its controls; the launch log says so.
+    its read-only views and refuses its controls; the launch log says so. Gradio's run history is
+    off (its routes would answer anonymous callers with the operator's token).
 
     Raises:
         ValueError: ``PANEL_AUTH`` is not ``user:password``.
@@ -502,6 +503,9 @@ def launch_options(host: str | None = None) -> dict[str, Any]:
     options: dict[str, Any] = {
         "server_name": access.host,
         "server_port": int(os.environ.get("PORT") or os.environ.get("GRADIO_SERVER_PORT") or 7860),
+        # Gradio's run history mounts /gradio_api/run-history/* outside the login, acting with the
+        # operator's HF_TOKEN (creating and listing Hub buckets): a panel has no use for it.
+        "run_history": False,
     }
     if access.auth is not None:
         options["auth"] = access.auth

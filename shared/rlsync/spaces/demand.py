@@ -13,8 +13,9 @@ loss. With it, the trainer writes one small object per optimizer step::
   sized by :func:`target_in_flight` from its measured step time and the measured
   latency from issuing a batch to reading its scores.
 - The env issues a batch only while the batches in flight hold fewer samples than
-  ``want_samples`` (:func:`batches_to_issue`), and cancels rollouts that are already
-  stale for ``version`` instead of scoring them.
+  ``want_samples`` and are fewer than the batches it keeps (:func:`batches_to_issue`), and
+  cancels rollouts that are already stale for ``version`` instead of scoring them; a
+  ``version`` newer than the newest published one is refused (:func:`read_demand`).
 - A replica takes work for the newest version it holds and does not start a batch
   that would be stale by the time it is trained (:func:`would_be_stale`).
 
@@ -32,7 +33,7 @@ import time
 from typing import Any
 
 from ..bucket import Bucket
-from ..errors import BucketError
+from ..errors import BucketError, FormatError
 from ..layout import DEMAND_KEY
 from .exchange import Refusals, get_json, put_json
 
@@ -89,14 +90,20 @@ def target_in_flight(batch_size: int, max_staleness: int, step_s: float | None, 
     return min(max(steps, 1), most) * batch_size
 
 
+def batches_wanted(demand: Demand, samples_per_batch: float) -> int:
+    """The task batches in flight that ``want_samples`` asks for, at ``samples_per_batch`` each."""
+    return math.ceil(demand.want_samples / max(samples_per_batch, 1.0))
+
+
 def batches_to_issue(
-    demand: Demand, issued: list[int], scored: set[int], closed: set[int], samples_per_batch: float
+    demand: Demand, issued: list[int], scored: set[int], closed: set[int], samples_per_batch: float, max_in_flight: int
 ) -> int:
     """How many new task batches the env should issue now.
 
     A batch is in flight until its scores are written and the trainer has read past it. Unscored
     batches count whatever ``read_batch`` says, so a wrong ``read_batch`` cannot make the env issue
-    more than ``want_samples`` worth of unscored work.
+    more than ``want_samples`` worth of unscored work, and never more than ``max_in_flight`` batches
+    are in flight, whatever ``want_samples`` says.
 
     Args:
         demand: The trainer's demand.
@@ -104,9 +111,10 @@ def batches_to_issue(
         scored: Batches with scores written.
         closed: Batches that will yield nothing more (their rollouts were cancelled or refused).
         samples_per_batch: Measured scored samples per batch (all replicas together).
+        max_in_flight: The most batches in flight (the env's ``keep_batches``: more would be pruned unread).
     """
     in_flight = [b for b in issued if b not in closed and (b not in scored or b > demand.read_batch)]
-    need = math.ceil(demand.want_samples / max(samples_per_batch, 1.0))
+    need = min(batches_wanted(demand, samples_per_batch), max_in_flight)
     return max(0, need - len(in_flight))
 
 
@@ -153,8 +161,16 @@ def parse_demand(doc: Any) -> Demand:
     )  # fmt: skip
 
 
-def read_demand(bucket: Bucket, refusals: Refusals | None = None) -> Demand | None:
-    """The trainer's demand, or ``None`` if there is none or it is refused (logged, counted in ``refusals``)."""
+def read_demand(bucket: Bucket, refusals: Refusals | None = None, *, newest_version: int | None = None) -> Demand | None:
+    """The trainer's demand, or ``None`` if there is none or it is refused (logged, counted in ``refusals``).
+
+    Args:
+        bucket: The run's bucket.
+        refusals: Where refused demands are counted.
+        newest_version: The newest version published (read after the demand: the trainer writes its
+            demand after the pointer it names). A demand for a newer version is refused: it would make
+            the env cancel every honest rollout as stale.
+    """
     try:
         doc = get_json(bucket, DEMAND_KEY, refusals)
     except BucketError:
@@ -162,11 +178,27 @@ def read_demand(bucket: Bucket, refusals: Refusals | None = None) -> Demand | No
     if doc is None:
         return None
     try:
-        return parse_demand(doc)
+        demand = parse_demand(doc)
+        if newest_version is not None and demand.version > newest_version:
+            raise ValueError(f"version {demand.version} is newer than the newest published version {newest_version}"[:200])
+        return demand
     except ValueError as exc:
         if refusals is not None:
             refusals.add(DEMAND_KEY, str(exc))
         return None
+
+
+def newest_version(bucket: Bucket) -> int:
+    """The newest version published: the adapter chain's in a LoRA run, else the weights'; 0 before
+    the first publish or while the pointer is unreadable."""
+    from ..adapters import adapter_bucket
+    from ..protocol import read_manifest
+
+    try:
+        manifest = read_manifest(adapter_bucket(bucket)) or read_manifest(bucket)
+    except FormatError:
+        manifest = None
+    return manifest.step if manifest is not None else 0
 
 
 def write_demand(bucket: Bucket, demand: Demand) -> None:

@@ -27,6 +27,7 @@ uploads make each object visible atomically, which a file-system mount does not 
 A Space's files: its role folder; ``rlsync/`` (``shared/rlsync``: the Hub installs ``requirements.txt`` before the
 files are there, so the library is a package at the root); files its code imports (:attr:`SpaceRole.extra_files`);
 at the root the role's ``README.md`` (``app_file: app.py``), ``requirements.txt``, ``app.py`` (``<role>_space/app.py``).
+Only regular files git tracks ship (:mod:`.checkout`): never an untracked ``.env`` or run bucket, nor a link's target.
 The commit adds and overwrites files; a file deleted from the checkout stays in the Space until deleted there.
 
 The access token is read from ``HF_TOKEN`` only. It is sent as the Spaces' ``HF_TOKEN`` secret and
@@ -62,6 +63,7 @@ from huggingface_hub.utils import validate_repo_id
 from ..errors import DeployError
 from ..layout import check_id
 from .access import AUTH_ENV, DEPLOY_REFUSAL
+from .checkout import tracked_files
 
 logger = logging.getLogger(__name__)
 
@@ -211,14 +213,14 @@ def _included(path: Path) -> bool:
 
 
 def _folder_files(root: Path, folder: str, uploaded_from: str = "") -> list[tuple[str, Path]]:
-    """The files of ``root/folder``, named by their path below ``root/uploaded_from``."""
-    base = root / folder
-    if not base.is_dir():
+    """The files git tracks under ``root/folder`` (:func:`~.checkout.tracked_files`: regular files only),
+    named by their path below ``root/uploaded_from``; caches, compiled files and weights left out."""
+    if not (root / folder).is_dir():
         raise DeployError(f"missing folder {folder}/ in {root}")
     return [
         (path.relative_to(root / uploaded_from).as_posix(), path)
-        for path in sorted(base.rglob("*"))
-        if path.is_file() and _included(path.relative_to(root))
+        for path in tracked_files(root, folder)
+        if _included(path.relative_to(root))
     ]
 
 
@@ -247,8 +249,8 @@ def space_files(role: SpaceRole, root: Path = REPO_ROOT) -> tuple[tuple[str, Pat
     files = [("README.md", readme), ("requirements.txt", requirements), (SPACE_APP, app)]
     files += _folder_files(root, role.folder) + _folder_files(root, f"{SHARED_FOLDER}/rlsync", SHARED_FOLDER)
     for extra in role.extra_files:
-        if not (root / extra).is_file():
-            raise DeployError(f"missing {extra}")
+        if tracked_files(root, extra) != [root / extra]:
+            raise DeployError(f"missing {extra} (or not tracked by git)")
         files.append((extra, root / extra))
     card = SpaceCard.load(readme)
     if card.data.sdk != SPACE_SDK:

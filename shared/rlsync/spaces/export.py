@@ -1,8 +1,8 @@
 """``python -m rlsync.spaces.deploy --export DIR``: each Space's folder, exactly as deploy uploads it.
 
 Every Space of a deployment plan (:class:`~rlsync.spaces.deploy.DeployPlan`) becomes ``DIR/<space name>/`` holding the
-files of its one commit (the same ``(path_in_repo, local_file)`` pairs), byte for byte, and nothing
-else; the Space variables deploy would set go to ``DIR/variables.env``, outside the Space folders.
+files of its one commit (the same ``(path_in_repo, local_file)`` pairs: regular files git tracks), byte for
+byte, and nothing else; the Space variables deploy would set go to ``DIR/variables.env``, outside the Space folders.
 Run an exported Space as the Hub does (``pip install -r requirements.txt`` then ``python app.py``), or
 headless from its folder with ``python -m <role>_space``: the Space ships ``rlsync`` as a package at its root,
 beside the role folder, so both import it from there.
@@ -34,7 +34,8 @@ def export_spaces(
         The Space folders written, in the plan's order.
 
     Raises:
-        OSError: A file could not be read or written.
+        OSError: A file could not be read or written, or is not a regular file (a symbolic link is
+            refused, never followed).
     """
     dest.mkdir(parents=True, exist_ok=True)
     folders, variables = [], []
@@ -43,9 +44,11 @@ def export_spaces(
         if folder.exists():
             shutil.rmtree(folder)
         for path_in_repo, local in files:
+            if Path(local).is_symlink() or not Path(local).is_file():
+                raise OSError(f"{local} is not a regular file: a Space ships regular files only, never a link's target")
             target = folder / path_in_repo
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(local, target)
+            shutil.copyfile(local, target, follow_symlinks=False)
         folders.append(folder)
         variables.append(f"# {folder.name}")
         variables += [f"{key}={value}" for key, value in space_variables.items()]

@@ -48,6 +48,20 @@ def _bucket(server: HubServer, attempts: int) -> RetryingBucket:
     return RetryingBucket(inner, max_attempts=attempts, base_delay=0.001, max_delay=0.01, max_total=30.0)
 
 
+def _start(workdir: Path) -> HubServer:
+    """A Hub stand-in with this trial's token and bucket, and the Hub client's timeouts set for it."""
+    from huggingface_hub.utils import disable_progress_bars
+
+    from rlsync.bucket.hf_transport import HfTransferConfig, install
+
+    disable_progress_bars()
+    server = HubServer(Path(tempfile.mkdtemp(prefix="hub-", dir=workdir)))
+    server.add_token(TOKEN, "write")
+    server.create_bucket(BUCKET)
+    install(HfTransferConfig(connect_timeout=2.0, read_timeout=2.0))
+    return server
+
+
 def trial_hub_storage(rng: random.Random, workdir: Path, final: int | None = None) -> TrialResult:
     """Publisher and two subscribers on retrying Hub buckets through a faulty Hub stand-in.
 
@@ -56,17 +70,8 @@ def trial_hub_storage(rng: random.Random, workdir: Path, final: int | None = Non
         workdir: Scratch folder (the stand-in's Xet storage).
         final: Last version published (default: drawn from 6..10).
     """
-    from huggingface_hub.utils import disable_progress_bars
-
-    from rlsync.bucket.hf_transport import HfTransferConfig, install
-
-    disable_progress_bars()
-
     result = TrialResult("hub_storage")
-    server = HubServer(Path(tempfile.mkdtemp(prefix="hub-", dir=workdir)))
-    server.add_token(TOKEN, "write")
-    server.create_bucket(BUCKET)
-    install(HfTransferConfig(connect_timeout=2.0, read_timeout=2.0))
+    server = _start(workdir)
     ledger = Ledger(result)
     final = final if final is not None else rng.randint(6, 10)
     try:
