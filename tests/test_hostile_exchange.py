@@ -254,7 +254,7 @@ def test_panel_refuses_nan_ratio() -> None:
 
     for value in (float("nan"), float("inf"), 1e300):
         with pytest.raises(ValueError):
-            make_policy("adaptive", None, value)
+            make_policy("adaptive", {"max_catchup_ratio": value})
 
 
 @pytest.mark.parametrize(

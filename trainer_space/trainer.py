@@ -35,9 +35,8 @@ from env_space.environments import get_environment
 from rlsync.bucket import Bucket
 from rlsync.bucket.watch import meter_of
 from rlsync.codecs import default_codec
-from rlsync.defaults import DEFAULT_ANCHOR_INTERVAL, DEFAULT_MAX_CATCHUP_RATIO
-from rlsync.protocol import Adaptive, FixedInterval, PublishRecord
-from rlsync.spaces.anchor_policy import ControlledPolicy, write_policy
+from rlsync.protocol import PublishRecord
+from rlsync.spaces.anchor_policy import ControlledPolicy
 from rlsync.spaces.demand import Pacing
 from rlsync.spaces.exchange import MetricsLog, open_role_bucket
 from rlsync.spaces.settings import resolve_device, space_owner
@@ -173,13 +172,6 @@ class Trainer:
             "flow": self.flow.figures(),
         }  # fmt: skip
         self.metrics.flush(force)
-
-    def set_anchor_policy(
-        self, policy: str, interval: int = DEFAULT_ANCHOR_INTERVAL, max_catchup_ratio: float = DEFAULT_MAX_CATCHUP_RATIO
-    ) -> None:
-        """Change the anchor policy for the next publish, through the bucket's control object
-        (so it also reaches a trainer running in another Space)."""
-        write_policy(self.bucket, Adaptive(max_catchup_ratio) if policy == "adaptive" else FixedInterval(int(interval)))
 
     # -- resuming -------------------------------------------------------------
 
