@@ -7,22 +7,15 @@ replicas wrote (cancelling those already too stale for the trainer) (regeneratin
 tasks from its seed, so answers never leave the environment), writes the
 scored samples for the trainer, and mirrors its figures to ``metrics/env.json``.
 
-Scoring runs user code (reward functions, verifiers, remote environments) on untrusted
-completions: it runs confined (:class:`~env_space.environments.Scoring`), each sample
-bounded by ``score_timeout_s`` and each rollouts object by ``score_budget_s``, so one
-object cannot hold up the others' scores. An exception, a timeout, a non-finite reward
-or one beyond ``MAX_REWARD`` scores the sample ``failure_reward`` and counts the reason,
-and the simulator carries on.
-
-Batch numbers are the simulator's own: it resumes after the newest task object a
-simulator wrote, counts on from there in memory, and never takes a planted key as its
-next number; keys beyond its numbering are deleted as refused.
+Its parts, one job each: :class:`~env_space.batches.TaskIssuer` (numbering, issuing at the
+trainer's demand, pruning), :class:`~env_space.scoring.Scorer` (user code on untrusted completions,
+confined and bounded; a failure scores ``failure_reward`` and is counted) and
+:class:`~env_space.env_figures.EnvFigures` (what ``metrics/env.json`` shows). This class reads
+the rollouts, matches them to their tasks, cancels the stale ones and writes the scores.
 """
 
 from __future__ import annotations
 
-import collections
-import json
 import logging
 import math
 import threading
@@ -32,46 +25,30 @@ from rlsync.adapters import adapter_bucket
 from rlsync.bucket import Bucket
 from rlsync.bucket.watch import IDLE_WAIT_S, generation, meter_of, wait_for_change
 from rlsync.errors import BucketError, FormatError
-from rlsync.layout import (
-    DEMAND_KEY,
-    MAX_BATCH,
-    ROLLOUTS_PREFIX,
-    SCORES_PREFIX,
-    TASKS_PREFIX,
-    replica_of,
-    score_key,
-    task_key,
-)
-from rlsync.limits import MAX_OBJECT_BYTES
+from rlsync.layout import DEMAND_KEY, ROLLOUTS_PREFIX, replica_of, score_key, task_key
 from rlsync.protocol import read_manifest
-from rlsync.spaces.demand import Demand, batches_to_issue, read_demand
 from rlsync.spaces.exchange import (
-    MAX_REWARD,
-    MAX_TASKS,
     MetricsLog,
     Refusals,
     SampleLimits,
     get_json,
     list_batches,
     open_role_bucket,
-    parse_tasks,
-    put_json,
     read_samples,
     write_samples,
 )
 
-from .bounded import BoundedResult, FailureCounts, ScoringFailure, finite_reward
+from .batches import TaskIssuer
+from .bounded import FailureCounts
 from .config import EnvConfig
-from .environments import Environment, Scoring, Task
-from .isolation import Confinement, run_confined
+from .env_figures import EnvFigures
+from .environments import Environment, Task
+from .scoring import Scorer
 from .sources import open_environment
 from .sources.settings import source_settings
 
 logger = logging.getLogger(__name__)
-_EPISODE_CHARS = 400  # prompt tail / completion head kept per recent episode for the panel
 _MAX_BACKOFF_S = 60.0  # longest wait between steps after failures in a row
-_RESUME_BELOW = 10**9  # a restart resumes only below this (a batch a second for 31 years): headroom to MAX_BATCH
-_SAMPLES_PER_TASK = 4  # the replicas' default G, until the env has measured samples per batch
 
 
 class EnvSimulator:
@@ -92,123 +69,36 @@ class EnvSimulator:
             config.environment, chat_template=config.chat_template, settings=settings
         )
         self.failures = FailureCounts()
-        self.by_type: dict[str, list[float]] = {}  # "<source> / <task type>" -> [reward sum, count]
+        self.refusals = Refusals()
         self.metrics = MetricsLog(self.bucket, "env", every_s=config.metrics_every_s if self.meter is not None else 0.0)
-        self.episodes: list[dict] = []
+        self.issuer = TaskIssuer(self.bucket, self.environment, config, self.failures, self.refusals)
+        self.scorer = Scorer(self.environment, config, self.failures)
+        self.figures = EnvFigures(self.metrics, self.environment)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._tasks_made = 0
-        self._next_batch: int | None = None  # resumed from the bucket at the first publish
-        self._scored = 0
         self._cancelled = 0
-        self._t0 = time.time()
-        self.refusals = Refusals()
-        self.demand: Demand | None = None
-        self._batch_samples: collections.OrderedDict[int, int] = collections.OrderedDict()  # recent batch -> samples scored
-        self._closed: set[int] = set()  # batches whose rollouts were cancelled or refused: nothing more in flight
 
-    # -- tasks --------------------------------------------------------------
+    # -- the parts' work, by name -------------------------------------------
 
     def batch_tasks(self, batch: int, doc: dict) -> dict[str, Task]:
-        """The tasks of a batch, regenerated from its environment and seed.
-
-        Raises:
-            ValueError: ``doc`` is not a task object an environment wrote (unknown environment,
-                ``n`` or ``seed`` not integers, ``n`` not the number of tasks it lists).
-        """
-        try:
-            if doc.get("env") != self.environment.name:
-                raise ValueError(f"made by {doc.get('env')!r}, not by this simulator's {self.environment.name!r}")
-            env = self.environment
-            n, seed = doc["n"], doc["seed"]
-            if type(n) is not int or type(seed) is not int or not isinstance(doc.get("tasks"), list) or n != len(doc["tasks"]):
-                raise ValueError(f"n={n!r}, seed={seed!r} do not describe its task list")
-            if not 0 < n <= MAX_TASKS or abs(seed) >= 1 << 63:
-                raise ValueError(f"n={n!r} is not in [1, {MAX_TASKS}] or seed={seed!r} is not a 64-bit integer"[:200])
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"task batch {batch}: {exc}") from None
-        return {t.task_id: t for t in env.tasks(n, seed=seed)}
-
-    def _seed(self, batch: int) -> int:
-        return self.config.seed * 1_000_003 + batch
-
-    def _resume_batch(self) -> int:
-        """The number after the newest task object a simulator wrote (its ``batch`` is the key's and its seed
-        follows the numbering, whatever the environment and base seed; below ``_RESUME_BELOW``, so a
-        planted number cannot use the numbers up; at most ``keep_batches`` reads from the top), else 0."""
-        listed = sorted((b for b in list_batches(self.bucket, TASKS_PREFIX) if b < _RESUME_BELOW), reverse=True)
-        for batch in listed[: self.config.keep_batches]:
-            doc = get_json(self.bucket, task_key(batch))
-            if not isinstance(doc, dict) or doc.get("batch") != batch:
-                continue
-            seed = doc.get("seed")
-            if type(seed) is int and (seed - batch) % 1_000_003 == 0:
-                return batch + 1
-        return 0
-
-    def _own_next(self) -> int:
-        """The next batch number this simulator will publish."""
-        if self._next_batch is None:
-            self._next_batch = self._resume_batch()
-        return self._next_batch
+        """The tasks of a batch, regenerated from its seed (:meth:`TaskIssuer.batch_tasks`)."""
+        return self.issuer.batch_tasks(batch, doc)
 
     def publish_tasks(self) -> int:
-        """Publish one batch of tasks; returns its number.
+        """Publish one batch of tasks (:meth:`TaskIssuer.publish_tasks`); returns its number."""
+        return self.issuer.publish_tasks()
 
-        Raises:
-            RuntimeError: The batch numbers are used up (``MAX_BATCH``).
-        """
-        batch = self._own_next()
-        if batch > MAX_BATCH:
-            raise RuntimeError(f"task batch numbers are used up (the last is {MAX_BATCH})")
-        seed = self._seed(batch)
-        tasks = self.environment.tasks(self.config.tasks_per_batch, seed=seed)
-        doc = {
-            "batch": batch, "env": self.environment.name, "seed": seed, "n": len(tasks), "created_at": time.time(),
-            "tasks": [{"task_id": t.task_id, "prompt": t.prompt} for t in tasks],
-        }  # fmt: skip
-        try:
-            parse_tasks(doc)  # what replicas will check, and within what they read
-            if len(json.dumps(doc, separators=(",", ":"))) > MAX_OBJECT_BYTES:
-                raise ValueError(f"more than {MAX_OBJECT_BYTES} bytes")
-        except ValueError as exc:
-            self._next_batch = batch + 1  # this seed makes an object no replica reads: skip its number
-            self.failures.add("tasks", "unreadable batch skipped")
-            raise ValueError(f"task batch {batch} would be refused by replicas: {exc}") from None
-        put_json(self.bucket, task_key(batch), doc)
-        self._next_batch = batch + 1
-        self._tasks_made += len(tasks)
-        logger.info("published task batch %d (%d %s tasks)", batch, len(tasks), self.environment.name)
-        return batch
+    def prune(self) -> None:
+        """Delete old batches and planted ones (:meth:`TaskIssuer.prune`)."""
+        self.issuer.prune()
 
-    def samples_per_batch(self) -> float:
-        """Scored samples per task batch, over recent batches (all replicas' answers together)."""
-        if not self._batch_samples:
-            return float(self.config.tasks_per_batch * _SAMPLES_PER_TASK)
-        return sum(self._batch_samples.values()) / len(self._batch_samples)
+    def score_sample(self, task: Task, completion: str) -> float:
+        """Score one completion (:meth:`Scorer.score_sample`)."""
+        return self.scorer.score_sample(task, completion)
 
-    def issue_tasks(self) -> int:
-        """Top up the task batches: what the trainer's demand asks for, else ``queue_depth`` waiting;
-        returns the number of batches issued."""
-        self.demand = read_demand(self.bucket, self.refusals)
-        if self.demand is None:  # at most queue_depth per step, whatever the bucket holds
-            issued = max(0, self.config.queue_depth - len(self.waiting_batches()))
-            for _ in range(issued):
-                self.publish_tasks()
-            return issued
-        batches = list(list_batches(self.bucket, TASKS_PREFIX))
-        self._closed &= set(batches)
-        scored = set(list_batches(self.bucket, SCORES_PREFIX))
-        count = batches_to_issue(self.demand, batches, scored, self._closed, self.samples_per_batch())
-        for _ in range(count):
-            self.publish_tasks()
-        return count
-
-    def waiting_batches(self) -> list[int]:
-        """This simulator's batches that no replica has answered yet."""
-        answered = set(list_batches(self.bucket, ROLLOUTS_PREFIX)) | set(list_batches(self.bucket, SCORES_PREFIX))
-        newest = self._own_next()
-        return [b for b in list_batches(self.bucket, TASKS_PREFIX) if b not in answered and b < newest]
+    def score_samples(self, pairs: list[tuple[Task, str]]) -> list[float]:
+        """Score ``(task, completion)`` pairs within the bounds (:meth:`Scorer.score_samples`)."""
+        return self.scorer.score_samples(pairs)
 
     # -- scoring ------------------------------------------------------------
 
@@ -247,19 +137,20 @@ class EnvSimulator:
                 if tasks is None or read is None or replica is None:  # refused objects are already logged and counted
                     logger.info("dropping %s: refused, or its task batch is gone", key)
                     self.bucket.delete([key])
-                    self._closed.add(batch)
+                    self.issuer.closed.add(batch)
                     continue
                 header, samples = read
                 kept = [s for s in samples if s.task_id in tasks and s.prompt == tasks[s.task_id].prompt]
                 if len(kept) < len(samples):
                     self.failures.add("rollouts", "unknown task or changed prompt", len(samples) - len(kept))
-                fresh = [s for s in kept if self.demand is None or s.version >= self.demand.min_version]
+                demand = self.issuer.demand
+                fresh = [s for s in kept if demand is None or s.version >= demand.min_version]
                 self._cancelled += len(kept) - len(fresh)
                 if not fresh:  # nothing the trainer would still take: cancelled, not scored
-                    self._closed.add(batch)
+                    self.issuer.closed.add(batch)
                     self.bucket.delete([key])
                     continue
-                for s, reward in zip(fresh, self.score_samples([(tasks[s.task_id], s.completion) for s in fresh])):
+                for s, reward in zip(fresh, self.scorer.score_samples([(tasks[s.task_id], s.completion) for s in fresh])):
                     s.reward = reward
                 issued_at = doc.get("created_at")
                 write_samples(
@@ -267,119 +158,23 @@ class EnvSimulator:
                     **({"issued_at": issued_at} if type(issued_at) in (int, float) and math.isfinite(issued_at) else {}),
                 )  # fmt: skip
                 self.bucket.delete([key])
-                self._record(tasks, fresh)
-                self._count_batch(batch, len(fresh))
+                self.figures.record(tasks, fresh)
+                self.issuer.count_batch(batch, len(fresh))
                 scored += len(fresh)
         return scored
 
-    def _count_batch(self, batch: int, samples: int) -> None:
-        self._batch_samples[batch] = self._batch_samples.get(batch, 0) + samples
-        self._batch_samples.move_to_end(batch)
-        while len(self._batch_samples) > 16:
-            self._batch_samples.popitem(last=False)
-
-    def score_sample(self, task: Task, completion: str) -> float:
-        """Score one completion (see :meth:`score_samples`)."""
-        return self.score_samples([(task, completion)])[0]
-
-    def score_samples(self, pairs: list[tuple[Task, str]]) -> list[float]:
-        """Score ``(task, completion)`` pairs (one rollouts object), each bounded by ``score_timeout_s`` and
-        all by ``score_budget_s``; a failure scores ``failure_reward`` and is counted.
-
-        Returns:
-            One reward per pair.
-        """
-        config = self.config
-        if self.environment.scoring is Scoring.CONFINED:
-            confinement = Confinement(config.score_timeout_s, config.score_budget_s, config.score_memory_mb)
-            results = run_confined(lambda pair: self.environment.score(*pair), pairs, confinement)
-        else:
-            results = self._score_in_process(pairs)
-        return [self._reward(result) for result in results]
-
-    def _score_in_process(self, pairs: list[tuple[Task, str]]) -> list[BoundedResult]:
-        """For :attr:`Scoring.SELF_BOUNDED` environments: each call bounds itself; the budget is checked between calls."""
-        deadline = time.monotonic() + self.config.score_budget_s
-        results = []
-        for task, completion in pairs:
-            if time.monotonic() >= deadline:
-                results.append(BoundedResult(failure="budget"))
-                continue
-            try:
-                results.append(BoundedResult(self.environment.score(task, completion)))
-            except ScoringFailure as exc:
-                results.append(BoundedResult(failure=exc.reason))
-            except Exception as exc:  # noqa: BLE001 - user code or a remote server: anything it raises is a failure
-                results.append(BoundedResult(failure=f"error:{type(exc).__name__}"))
-        return results
-
-    def _reward(self, result: BoundedResult) -> float:
-        if result.ok:
-            result = finite_reward(result.value)
-        if result.ok and abs(result.value) > MAX_REWARD:
-            result = BoundedResult(failure="out_of_range")
-        if not result.ok:
-            self.failures.add("score", result.failure)
-            return self.config.failure_reward
-        return result.value
-
-    def _record(self, tasks: dict[str, Task], samples) -> None:
-        if not samples:
-            return
-        source = self.environment.name.partition(":")[0]
-        for s in samples:
-            total = self.by_type.setdefault(f"{source} / {tasks[s.task_id].meta.get('type', source)}", [0.0, 0])
-            total[0] += s.reward
-            total[1] += 1
-        versions = sorted({s.version for s in samples})
-        for v in versions:
-            rewards = [s.reward for s in samples if s.version == v]
-            self.metrics.add(version=v, mean_reward=sum(rewards) / len(rewards), count=len(rewards))
-        for s in samples[:4]:
-            self.episodes.append({
-                "version": s.version, "type": tasks[s.task_id].meta.get("type", source),
-                "prompt": s.prompt[-_EPISODE_CHARS:], "completion": s.completion[:_EPISODE_CHARS],
-                "reward": round(s.reward, 3),
-            })  # fmt: skip
-        del self.episodes[:-20]
-        self._scored += len(samples)
-
     # -- housekeeping -------------------------------------------------------
-
-    def prune(self) -> None:
-        """Delete tasks, rollouts and scores of batches older than the newest ``keep_batches`` task batches
-        (by rank, so a jump in numbering deletes nothing early), and task objects ahead of this simulator's
-        numbering (planted; counted as refused)."""
-        newest = self._own_next()
-        behind = sorted(b for b in list_batches(self.bucket, TASKS_PREFIX) if b < newest)
-        cutoff = behind[-self.config.keep_batches] if len(behind) > self.config.keep_batches else -1
-        old = [k for prefix in (TASKS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX)
-               for b, keys in list_batches(self.bucket, prefix).items() if b < cutoff for k in keys]  # fmt: skip
-        ahead = [k for b, keys in list_batches(self.bucket, TASKS_PREFIX).items() if b >= newest for k in keys]
-        for key in ahead:
-            self.refusals.add(key, "a task batch ahead of the environment's own numbering")
-        if old or ahead:
-            self.bucket.delete(old + ahead)
 
     def step(self) -> None:
         """One iteration: top up the task queue, score what arrived, publish figures."""
-        self.issue_tasks()
+        self.issuer.issue_tasks()
         self.score_rollouts()
-        self.prune()
-        elapsed = max(time.time() - self._t0, 1e-9)
-        self.metrics.extra = {
-            "env": self.environment.name,
-            "episodes": self.episodes,
-            "tasks_per_s": self._tasks_made / elapsed,
-            "scores_per_s": self._scored / elapsed,
-            "scored": self._scored,
-            "cancelled_stale": self._cancelled,
-            "pacing": "queue" if self.demand is None else "demand",
-            "refused": self.refusals.as_dict(),
-            "failures": self.failures.as_dict(),
-            "by_type": {k: {"mean_reward": s / n, "count": n} for k, (s, n) in self.by_type.items()},
-            **({"hub": self.meter.snapshot()} if self.meter is not None else {}),
-        }
+        self.issuer.prune()
+        self.metrics.extra = self.figures.extra(
+            tasks_made=self.issuer.tasks_made, cancelled_stale=self._cancelled,
+            pacing="queue" if self.issuer.demand is None else "demand", refused=self.refusals.as_dict(),
+            failures=self.failures.as_dict(), **({"hub": self.meter.snapshot()} if self.meter is not None else {}),
+        )  # fmt: skip
         self.metrics.flush()
 
     # -- lifecycle ----------------------------------------------------------
@@ -413,7 +208,7 @@ class EnvSimulator:
         if self.running:
             return
         self._stop.clear()
-        self._t0 = time.time()
+        self.figures.t0 = time.time()
         self._thread = threading.Thread(target=self.run, name="env", daemon=True)
         self._thread.start()
 

@@ -158,7 +158,7 @@ def test_slower_replica_and_replica_stopping_mid_round_keep_counts_exact(bucket)
     env.step()
     assert worker.poll() == 2 * PER_BATCH
     flow = worker.flow()
-    assert flow["read"] == env._scored == 4 * PER_BATCH and flow["dropped_stale"] == 0 and flow["queued"] == 4 * PER_BATCH
+    assert flow["read"] == env.figures.scored == 4 * PER_BATCH and flow["dropped_stale"] == 0 and flow["queued"] == 4 * PER_BATCH
     slow.publish_status()
     assert json.loads(bucket.get("status/slow.json"))["skipped_stale"] == 1
 

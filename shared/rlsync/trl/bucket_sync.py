@@ -41,7 +41,6 @@ from ..errors import NonFiniteError, StopRequested
 from ..lora import LoraSpec, peft_config
 from ..protocol import AnchorPolicy, FixedInterval, Publisher, PublishRecord, read_manifest
 from ..protocol.retention import DEFAULT_KEEP_ANCHORS
-from ..scores import Refusals, Sample, SampleLimits, read_samples
 from .adapter_sync import BucketAdapterSync
 from .checkpoint_checks import CheckpointExpectations
 from .checkpoints import BucketCheckpoints, CheckpointCallback
@@ -49,6 +48,7 @@ from .cpu_compat import apply_cpu_compat
 from .final_sync import FinalWeightSync
 from .guards import NonFiniteStepGuard, VersionGuard
 from .rollout_worker import BucketRolloutWorker
+from .scores_reader import TrainerScores
 from .weight_transfer import BucketWeightTransfer
 
 __all__ = ["BucketSync"]
@@ -86,6 +86,7 @@ class BucketSync:
         worker: The rollout worker (its ``counts`` are the flow figures).
         publisher: The publisher of the trained chain (the adapter chain's with ``lora``).
         checkpoints: The run's checkpoints in the bucket.
+        read_scores: The scores reader (:class:`~rlsync.trl.scores_reader.TrainerScores`).
         refusals: Scores objects refused by the parser, by prefix.
         checkpoint: The local checkpoint folder to resume from (``None``: a fresh or new run), set by
             :meth:`prepare`; ``checkpoint_step`` is its optimizer step.
@@ -133,16 +134,13 @@ class BucketSync:
             self.transfer = ShardedWeightTransfer(publisher=ShardedPublisher(self.bucket, **chain))
         else:
             self.transfer = BucketWeightTransfer(publisher=Publisher(self.bucket, **chain))
-        self.trackio = None
-        if trackio:
-            from .trackio_sync import TrackioSyncFigures
-
-            self.trackio = TrackioSyncFigures()
+        self.trackio = _trackio_figures() if trackio else None
         self._on_publish = on_publish
         self.transfer.on_publish, self.transfer.on_non_finite = self._published, self._restore_published
         self.publisher = self.transfer.publisher
         self.checkpoints = BucketCheckpoints(self.bucket, keep=keep_checkpoints, chain=self.publisher)
-        self.refusals = Refusals()
+        self.read_scores = TrainerScores(self._limits, lambda: self.publisher.replaced_step)
+        self.refusals = self.read_scores.refusals
         self.worker = BucketRolloutWorker(
             self.bucket, self.read_scores, vocab_size=0, max_tokens=0, poll_s=poll_s, queue_maxsize=queue_maxsize,
             max_staleness=max_staleness, heartbeat=self.transfer.heartbeat, chain=self.publisher.bucket,
@@ -152,11 +150,9 @@ class BucketSync:
         self.checkpoint_step: int | None = None
         self.notice = ""
         self.step_guard = NonFiniteStepGuard()
-        self.version_guard: VersionGuard | None = None
+        self.version_guard: VersionGuard | None = None  # the callbacks that need the trainer: made by attach()
         self.final_sync: FinalWeightSync | None = None
-        self.checkpoint_callback: Any = None
-        self.coalescing: Any = None
-        self.uses_sdpa: bool | None = None
+        self.checkpoint_callback = self.coalescing = self.uses_sdpa = None
 
     @property
     def version(self) -> int | None:
@@ -279,26 +275,9 @@ class BucketSync:
         """End a ``train()`` that waits for rollouts (:class:`~rlsync.errors.StopRequested`)."""
         self.worker.request_stop()
 
-    def read_scores(self, bucket: Bucket, key: str) -> tuple[dict[str, Any], list[Sample]] | None:
-        """Read one scores object within the trainer's limits, counting refusals in :attr:`refusals`.
-
-        In a new run, samples scored for the replaced run's versions are dropped (counted): another
-        run's policy sampled them.
-        """
+    def _limits(self) -> tuple[int, int | None, int | None]:
         config = getattr(getattr(self.trainer, "model", None), "config", None)
-        limits = SampleLimits(
-            vocab_size=self.worker.vocab_size, max_version=self.transfer.version,
-            max_total_tokens=getattr(config, "max_position_embeddings", None),
-        )  # fmt: skip
-        read = read_samples(bucket, key, limits=limits, refusals=self.refusals)
-        replaced = self.publisher.replaced_step
-        if read is None or replaced is None:
-            return read
-        header, samples = read
-        kept = [s for s in samples if s.version > replaced]
-        if len(kept) < len(samples):
-            self.refusals.add(key, f"{len(samples) - len(kept)} sample(s) of the replaced run (version <= {replaced})")
-        return (header, kept) if kept else None
+        return self.worker.vocab_size, self.transfer.version, getattr(config, "max_position_embeddings", None)
 
     def _checkpoint_info(self) -> dict[str, Any]:
         return {"published_version": self.transfer.version}
@@ -323,3 +302,9 @@ class BucketSync:
                         params[name].copy_(tensor.to(params[name].dtype))
         if self.trainer.optimizer is not None:
             self.trainer.optimizer.state.clear()
+
+
+def _trackio_figures() -> Any:
+    from .trackio_sync import TrackioSyncFigures
+
+    return TrackioSyncFigures()
