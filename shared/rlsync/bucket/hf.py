@@ -5,20 +5,7 @@ storage first, then one ``/batch`` call makes them visible, so readers see eithe
 new object), downloaded with :meth:`~huggingface_hub.HfApi.download_bucket_files`, and listed with
 :meth:`~huggingface_hub.HfApi.list_bucket_tree`.
 
-Errors from ``huggingface_hub`` are mapped onto the bucket error types:
-
-- 404 on an object -> :class:`ObjectNotFoundError`;
-- 404 on the bucket itself -> :class:`BucketError` (a missing bucket is a configuration error, not
-  an empty bucket);
-- 404 without the Hub's ``X-Error-Code`` -> :class:`BucketError` (not a Hub answer: wrong endpoint or
-  a proxy), never an empty listing;
-- 408, 429, 5xx and connection/timeouts -> :class:`TransientBucketError`, with ``retry_after`` taken
-  from the ``Retry-After`` header (seconds or HTTP date, or the Hub's ``RateLimit`` header);
-- 401/403 -> :class:`BucketError` saying the token lacks access (read or write);
-- errors from hf_xet (Xet token endpoint and Xet storage), which arrive as ``RuntimeError`` or
-  ``ConnectionError`` carrying the HTTP status in their message, are classified by that status the
-  same way (a storage 404 is a missing object, a 401/403 from the token endpoint a permission error);
-- anything else -> :class:`BucketError`.
+Errors from ``huggingface_hub`` are mapped onto the bucket error types by :class:`~rlsync.bucket.hf_errors.HfErrors`.
 
 Every request has a timeout and is made once; retries are :class:`RetryingBucket`'s alone (see
 :mod:`rlsync.bucket.hf_transport`).
@@ -32,30 +19,21 @@ server echoed it.
 
 from __future__ import annotations
 
-import email.utils
 import logging
 import re
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Callable, Iterable, TypeVar
 
-import httpx2
-from hf_xet import XetAuthenticationError, XetObjectNotFoundError
-from huggingface_hub import BucketFile, HfApi, get_token
-from huggingface_hub.errors import (
-    BucketBatchError,
-    BucketNotFoundError,
-    EntryNotFoundError,
-    HfHubHTTPError,
-    OfflineModeIsEnabled,
-)
-from huggingface_hub.utils import parse_hf_uri, parse_ratelimit_headers
+from huggingface_hub import BucketFile, HfApi
+from huggingface_hub.utils import parse_hf_uri
 
-from ..errors import BucketError, ObjectNotFoundError, ObjectTooLargeError, RetryableHttpError, TransientBucketError
+from ..errors import BucketError, ObjectNotFoundError, ObjectTooLargeError, TransientBucketError
 from .base import Bucket, ObjectInfo, part_path, validate_key, validate_prefix
 from .budget import RequestMeter
+from .hf_errors import HfErrors
+from .hf_paths import HfPaths, create_if_missing
 from .hf_transport import HfTransferConfig, install, metering, single_attempt
 
 __all__ = ["HfBucket"]
@@ -63,48 +41,6 @@ __all__ = ["HfBucket"]
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-#: HTTP statuses worth retrying: request timeout, rate limit, server errors.
-_TRANSIENT_STATUSES = frozenset({408, 429})
-#: Connection-level failures (no HTTP status) worth retrying.
-_TRANSIENT_EXCEPTIONS: tuple[type[BaseException], ...] = (
-    httpx2.TimeoutException,
-    httpx2.NetworkError,
-    httpx2.RemoteProtocolError,
-    ConnectionError,
-    TimeoutError,
-)
-#: The HTTP status hf_xet (reqwest) writes into its error messages, e.g. "(503 Service Unavailable)".
-_XET_STATUS = re.compile(r"HTTP status (?:client|server) error \((\d{3})\b")
-#: hf_xet's wording for a connection that failed, was dropped or timed out.
-_XET_CONNECTION = re.compile(r"error sending request|timed out|connection (?:reset|refused|closed)", re.IGNORECASE)
-_REDACTED = "<redacted>"
-
-
-def _is_transient(status: int) -> bool:
-    return status in _TRANSIENT_STATUSES or status >= 500
-
-
-def _retry_after_seconds(headers: httpx2.Headers) -> float | None:
-    """Seconds to wait according to ``Retry-After`` (delay or HTTP date) or the Hub's ``RateLimit`` header."""
-    value = headers.get("Retry-After")
-    if value:
-        value = value.strip()
-        try:
-            return max(0.0, float(value))
-        except ValueError:
-            pass
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
-            when = None
-        if when is not None and when.tzinfo is not None:
-            return max(0.0, when.timestamp() - time.time())
-    info = parse_ratelimit_headers(headers)
-    if info is not None and info.remaining == 0:
-        return float(info.reset_in_seconds)
-    return None
-
 
 class HfBucket(Bucket):
     """A bucket on the Hugging Face Hub, optionally restricted to a folder (prefix) inside it.
@@ -156,37 +92,13 @@ class HfBucket(Bucket):
         if prefix:
             validate_key(prefix)
         self.prefix = prefix
-        self._path_prefix = f"{prefix}/" if prefix else ""
+        self.paths = HfPaths(prefix)
         self._token = token
         self._api = api if api is not None else HfApi(token=self._token)
         self.url = f"hf://buckets/{bucket_id}" + (f"/{prefix}" if prefix else "")
-        self._warned_skipped = False
+        self._errors = HfErrors(bucket_id, self.url, lambda: (self._token, getattr(self._api, "token", None)))
         if create:
-            self._create_if_missing()
-
-    def _create_if_missing(self) -> None:
-        """Create the bucket when the Hub has none of this id (a read-only token never tries to write)."""
-
-        def exists() -> bool:
-            try:
-                self._api.bucket_info(self.bucket_id, token=self._token)
-                return True
-            except BucketNotFoundError:
-                return False
-
-        if self._call("bucket info", None, exists):
-            return
-        try:
-            self._call("create bucket", None, lambda: self._api.create_bucket(self.bucket_id, exist_ok=True, token=self._token))
-        except TransientBucketError:
-            raise
-        except BucketError as err:
-            raise BucketError(
-                f"bucket {self.bucket_id!r} does not exist and this token cannot create it ({err}). Create it "
-                f"with a token that can write to {self.bucket_id.split('/')[0]!r}: `hf buckets create {self.bucket_id}`, "
-                "or `python -m rlsync.spaces.deploy`, or on the Hub's website; then start again"
-            ) from None
-        logger.info("created bucket %s", self.bucket_id)
+            create_if_missing(self._api, bucket_id, self._token, self._call)
 
     @classmethod
     def from_url(cls, url: str, **kwargs) -> "HfBucket":
@@ -212,122 +124,10 @@ class HfBucket(Bucket):
             raise BucketError(f"invalid Hugging Face bucket URL {url!r}: expected hf://buckets/OWNER/NAME[/PREFIX]")
         return cls(parsed.id, prefix=parsed.path_in_repo or "", **kwargs)
 
-    # -- key mapping -------------------------------------------------------------------------------
-
-    def _remote(self, key: str) -> str:
-        return self._path_prefix + validate_key(key)
-
-    def _local_key(self, remote_path: str) -> str | None:
-        if not remote_path.startswith(self._path_prefix):
-            return None
-        return remote_path[len(self._path_prefix) :]
-
-    # -- error mapping -----------------------------------------------------------------------------
-
-    def _scrub(self, text: str) -> str:
-        for secret in self._secrets():
-            text = text.replace(secret, _REDACTED)
-        return text
-
-    def _secrets(self) -> list[str]:
-        """Every token the client may send: its own, the client's, and the one the library finds itself."""
-        try:
-            found = get_token()  # HF_TOKEN, else the saved login
-        except Exception:  # noqa: BLE001 - an unreadable token file must not hide the real error
-            found = None
-        candidates = (self._token, getattr(self._api, "token", None), found)
-        return [t for i, t in enumerate(candidates) if isinstance(t, str) and t and t not in candidates[:i]]
-
     def _call(self, op: str, key: str | None, fn: Callable[[], _T]) -> _T:
-        """Run one `huggingface_hub` call, mapping its errors onto the bucket error types."""
-        try:
-            with metering(self.meter), single_attempt():
-                return fn()
-        except BucketError:
-            raise
-        except Exception as err:
-            mapped = self._map_error(op, key, err)
-            # Keep the original exception (and its chain) for debugging unless its text carries a token.
-            text = "".join(traceback.format_exception(err))
-            if not any(secret in text for secret in self._secrets()):
-                raise mapped from err
-        raise mapped  # outside the except block: not even __context__ keeps the token-bearing original
-
-    def _map_error(self, op: str, key: str | None, err: Exception) -> BucketError:
-        what = f"{op} {key!r} in {self.url}" if key is not None else f"{op} {self.url}"
-        if isinstance(err, BucketNotFoundError):
-            return BucketError(
-                self._scrub(
-                    f"{what} failed: bucket {self.bucket_id!r} not found, or the token cannot access it "
-                    f"(create it first or pass create=True){self._detail(err)}"
-                )
-            )
-        if isinstance(err, BucketBatchError):
-            failures = "; ".join(f"{f.get('path')}: {f.get('error')}" for f in err.failures) or "unknown"
-            return BucketError(self._scrub(f"{what} failed: the server rejected the operation ({failures})"))
-        if (isinstance(err, EntryNotFoundError) and not isinstance(err, HfHubHTTPError)) or isinstance(
-            err, XetObjectNotFoundError
-        ):
-            return ObjectNotFoundError(self._scrub(f"{what} failed: no such object"))
-        if isinstance(err, RetryableHttpError):
-            return self._status_error(what, op, err.status, err.headers, "", str(err))
-        if isinstance(err, HfHubHTTPError) and getattr(err, "response", None) is not None:
-            status = err.response.status_code
-            detail = self._detail(err)
-            if status == 404 and not err.response.headers.get("X-Error-Code"):
-                return BucketError(
-                    self._scrub(
-                        f"{what} failed with HTTP 404 without a Hub error code: {err.response.url.host} does not "
-                        f"answer like the Hub (check HF_ENDPOINT and proxies){detail}"
-                    )
-                )
-            return self._status_error(what, op, status, err.response.headers, detail, "")
-        if isinstance(err, OfflineModeIsEnabled):
-            return BucketError(self._scrub(f"{what} failed: HF_HUB_OFFLINE is set, the Hub cannot be reached"))
-        if isinstance(err, XetAuthenticationError):
-            return self._status_error(what, op, 401, None, "", f"Xet: {err}")
-        if isinstance(err, (RuntimeError, OSError)) and (match := _XET_STATUS.search(str(err))):
-            # hf_xet: the Xet token endpoint or Xet storage answered with this status.
-            return self._status_error(what, op, int(match[1]), None, "", f"Xet: {err}")
-        xet_connection = isinstance(err, RuntimeError) and _XET_CONNECTION.search(str(err)) is not None
-        if isinstance(err, _TRANSIENT_EXCEPTIONS) or xet_connection:
-            return TransientBucketError(self._scrub(f"{what} failed: connection error ({type(err).__name__}: {err})"))
-        return BucketError(self._scrub(f"{what} failed: {type(err).__name__}: {err}"))
-
-    def _status_error(
-        self, what: str, op: str, status: int | None, headers: httpx2.Headers | None, detail: str, cause: str
-    ) -> BucketError:
-        """The bucket error for an HTTP status (None: the connection failed or timed out)."""
-        because = f" ({cause})" if cause else ""
-        if status is None:
-            return TransientBucketError(self._scrub(f"{what} failed: connection error{because}"))
-        if status == 404:
-            return ObjectNotFoundError(self._scrub(f"{what} failed: no such object (HTTP 404){detail}{because}"))
-        if _is_transient(status):
-            retry_after = _retry_after_seconds(headers) if headers is not None else None
-            hint = f", retry after {retry_after:g}s" if retry_after is not None else ""
-            return TransientBucketError(
-                self._scrub(f"{what} failed with HTTP {status}{hint}{detail}{because}"), retry_after=retry_after
-            )
-        if status in (401, 403):
-            access = "write" if op in ("put", "delete", "create bucket") else "read"
-            return BucketError(
-                self._scrub(
-                    f"{what} failed with HTTP {status}: permission denied; the token (token=, HF_TOKEN or the "
-                    f"saved login) needs {access} access to bucket {self.bucket_id!r} (a read-only or revoked "
-                    f"token fails like this){detail}{because}"
-                )
-            )
-        return BucketError(self._scrub(f"{what} failed with HTTP {status}{detail}{because}"))
-
-    @staticmethod
-    def _detail(err: HfHubHTTPError) -> str:
-        parts = []
-        if err.server_message:
-            parts.append(err.server_message.strip())
-        if err.request_id:
-            parts.append(f"request id {err.request_id}")
-        return (": " + "; ".join(parts)) if parts else ""
+        """Run one `huggingface_hub` call, metered, once, its errors mapped onto the bucket error types."""
+        with metering(self.meter), single_attempt():
+            return self._errors.call(op, key, fn)
 
     # -- Bucket API --------------------------------------------------------------------------------
 
@@ -337,7 +137,7 @@ class HfBucket(Bucket):
         Raises:
             [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
-        remote = self._remote(key)
+        remote = self.paths.remote(key)
         logger.debug("put %s (%d bytes) to %s", remote, len(data), self.bucket_id)
         payload = bytes(data)  # huggingface_hub tells raw content from a path by the `bytes` type
         self._call("put", key, lambda: self._upload(payload, remote))
@@ -348,7 +148,7 @@ class HfBucket(Bucket):
         Raises:
             [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
-        remote = self._remote(key)
+        remote = self.paths.remote(key)
         local = str(Path(path))
         logger.debug("put_file %s -> %s in %s", local, remote, self.bucket_id)
         self._call("put", key, lambda: self._upload(local, remote))
@@ -398,7 +198,7 @@ class HfBucket(Bucket):
         return self._read(key, max_bytes)
 
     def _read(self, key: str, max_bytes: int | None) -> bytes:
-        remote = self._remote(key)
+        remote = self.paths.remote(key)
         logger.debug("get %s from %s", remote, self.bucket_id)
         with tempfile.TemporaryDirectory(prefix="hfbucket-") as tmp:
             dest = Path(tmp, "object")
@@ -416,7 +216,7 @@ class HfBucket(Bucket):
             [`ObjectNotFoundError`]: no object has that key.
             [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
-        remote = self._remote(key)
+        remote = self.paths.remote(key)
         target = Path(path)
         tmp = part_path(target)
         logger.debug("get_file %s from %s -> %s", remote, self.bucket_id, path)
@@ -436,7 +236,7 @@ class HfBucket(Bucket):
             [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
         validate_prefix(prefix)
-        full = self._path_prefix + prefix
+        full = self.paths.remote_prefix(prefix)
 
         def fetch() -> list[BucketFile]:
             # The server matches the prefix lexically; filter again below to be safe.
@@ -447,31 +247,12 @@ class HfBucket(Bucket):
             files = self._call("list", prefix, fetch)
         except ObjectNotFoundError:  # the Hub's EntryNotFound 404 for a folder that does not exist: nothing there
             return []
-        out = []
-        skipped = 0
-        for item in files:
-            if not item.path.startswith(full):
-                continue
-            key = self._local_key(item.path)
-            try:
-                validate_key(key or "")
-            except BucketError:
-                skipped += 1
-                continue
-            out.append(ObjectInfo(key, int(item.size), item.xet_hash or None))
-        if skipped:
-            log = logger.debug if self._warned_skipped else logger.warning
-            self._warned_skipped = True
-            log("list %s: skipped %d remote files whose names are not valid keys", self.url, skipped)
-        return sorted(out, key=lambda o: o.key)
+        return self.paths.objects(files, full, self.url)
 
     def _existing(self, op: str, keys: list[str]) -> set[str]:
-        remotes = [self._remote(key) for key in keys]
-        infos = self._call(
-            op,
-            keys[0] if len(keys) == 1 else f"{len(keys)} keys",
-            lambda: list(self._api.get_bucket_paths_info(self.bucket_id, remotes, token=self._token)),
-        )
+        remotes = [self.paths.remote(key) for key in keys]
+        what = keys[0] if len(keys) == 1 else f"{len(keys)} keys"
+        infos = self._call(op, what, lambda: list(self._api.get_bucket_paths_info(self.bucket_id, remotes, token=self._token)))
         return {info.path for info in infos}
 
     def delete(self, keys: Iterable[str]) -> None:
@@ -487,22 +268,18 @@ class HfBucket(Bucket):
         if not keys:
             return
         existing = self._existing("delete", keys)
-        remotes = [self._remote(key) for key in keys if self._remote(key) in existing]
+        remotes = [self.paths.remote(key) for key in keys if self.paths.remote(key) in existing]
         if not remotes:
             return
         logger.debug("delete %d objects from %s", len(remotes), self.url)
         what = keys[0] if len(keys) == 1 else f"{len(keys)} keys"
         try:
-            self._call(
-                "delete",
-                what,
-                lambda: self._api.batch_bucket_files(self.bucket_id, delete=remotes, token=self._token),
-            )
+            self._call("delete", what, lambda: self._api.batch_bucket_files(self.bucket_id, delete=remotes, token=self._token))
         except BucketError as err:
             if isinstance(err, TransientBucketError):
                 raise
             # A concurrent delete may have removed some paths first: fine if none is left.
-            left = self._existing("delete", [self._local_key(r) or r for r in remotes])
+            left = self._existing("delete", [self.paths.local_key(r) or r for r in remotes])
             if left:
                 raise
 
@@ -512,4 +289,4 @@ class HfBucket(Bucket):
         Raises:
             [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
-        return self._remote(key) in self._existing("exists", [key])
+        return self.paths.remote(key) in self._existing("exists", [key])

@@ -148,7 +148,7 @@ class WatchedBucket(BucketWrapper):
         hub = self._hub
         with self._cond:
             for change in changes:
-                key = hub._local_key(change.path) if hub is not None else change.path
+                key = hub.paths.local_key(change.path) if hub is not None else change.path
                 try:
                     validate_key(key or "")
                 except InvalidKeyError:
