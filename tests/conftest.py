@@ -29,6 +29,31 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# The fast tier (`pytest -m "not slow"`, docs/testing.md): everything but these. A module here is slow as a
+# whole: it starts role processes, trains with TRL, runs vLLM, torchrun ranks, a browser, a fresh venv or a
+# soak; SLOW_TESTS names the slow tests of otherwise fast modules. The full suite (no -m) runs them all.
+SLOW_MODULES = frozenset({
+    "test_adapter_serving", "test_app_lora", "test_browser", "test_checkpoint_chain", "test_codec_classgap",
+    "test_e2e", "test_e2e_lora", "test_env_openenv", "test_env_panel", "test_hub_fleet", "test_sharded",
+    "test_trackio", "test_transformers_engine", "test_trl_adapter_sync", "test_trl_bucket_sync", "test_trl_example",
+    "test_trl_sharded", "test_trl_trainer", "test_vllm_engine", "test_vllm_gpu_path", "test_vllm_lora",
+    "test_vllm_serve",
+})  # fmt: skip
+SLOW_TESTS = frozenset({
+    "test_flow.py::test_trainer_keeps_training_through_logprob_lies_and_a_nan_step",
+    "test_hostile_exchange.py::test_trainer_validates_scores_again_and_keeps_training",
+    "test_hostile_exchange.py::test_trainer_restores_published_weights_instead_of_publishing_poison",
+    "test_new_run.py::test_trainer_space_restart_without_checkpoint_refuses_in_the_panel_then_new_run",
+})  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the slow tests (see SLOW_MODULES) with the ``slow`` marker registered in pyproject.toml."""
+    for item in items:
+        module = item.path.stem
+        if module in SLOW_MODULES or f"{item.path.name}::{item.name.split('[')[0]}" in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture
 def bucket(tmp_path):
