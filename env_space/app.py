@@ -74,7 +74,7 @@ def build_panel(
         form = forms.config_form(config, overrides={"environment": selector}, skip=skip, prefix=prefix)
         source_forms: dict[str, tuple[Any, dict[str, Any], Any]] = {}  # source -> (defaults, form, accordion)
         for source, entry in SOURCES.items():  # one form per registered source, from its settings
-            defaults = entry.settings.from_env()
+            defaults = entry.read()
             with gr.Accordion(f"{source} settings", visible=config.environment.startswith(f"{source}:")) as box:
                 fields = forms.config_form(defaults, prefix=f"{prefix}{source}-")
             source_forms[source] = (defaults, fields, box)

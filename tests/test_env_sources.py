@@ -405,18 +405,16 @@ def test_a_source_registers_once_its_name_module_package_example_and_settings(mo
 
     monkeypatch.setattr(registry, "SOURCES", dict(registry.SOURCES))
 
-    @registry.register_source("fake", module="no_such_module_xyz", package="fake-pkg", example="fake:1")
+    @registry.register_source("fake", module="no_such_module_xyz", package="fake-pkg", example="fake:1", env_prefix="ENV_FAKE")
     @dataclasses.dataclass
     class FakeConfig:
         size: int = 1
 
-        @classmethod
-        def from_env(cls, **overrides):
-            return cls(**overrides)
-
+    monkeypatch.setenv("ENV_FAKE_SIZE", "2")
+    assert registry.SOURCES["fake"].read() == FakeConfig(2)
     assert registry.source_settings("fake:1", '{"size": 3}') == FakeConfig(3)
     with pytest.raises(ImportError, match="pip install fake-pkg"):
         open_environment("fake:1", settings=FakeConfig())
     with pytest.raises(ValueError, match="registered already"):
-        registry.register_source("fake", module="m", package="p", example="fake:2")(type("Other", (), {}))
+        registry.register_source("fake", module="m", package="p", example="fake:2", env_prefix="E")(type("Other", (), {}))
     assert [s.name for s in registry.SOURCES.values()][:3] == ["reasoning_gym", "dataset", "openenv"]

@@ -28,7 +28,8 @@ class Source:
         module: Its module, imported only when selected; it defines ``from_spec(argument, *, chat_template, settings)``.
         package: What ``pip install`` gives it.
         example: A spec the panel offers.
-        settings: Its settings dataclass (a ``from_env(**overrides)`` classmethod; the fields are its form).
+        settings: Its settings dataclass (the fields are its form).
+        env_prefix: Its environment variables' prefix (``ENV_RG``: ``ENV_RG_<FIELD>``).
     """
 
     name: str
@@ -36,13 +37,22 @@ class Source:
     package: str
     example: str
     settings: type
+    env_prefix: str
+
+    def read(self, **overrides: Any) -> Any:
+        """The settings from the source's environment variables, then ``overrides``.
+
+        Raises:
+            ValueError: a variable does not parse, or an override is not a field.
+        """
+        return from_env(self.settings, self.env_prefix, **overrides)
 
 
 #: Source name -> :class:`Source`, in registration order.
 SOURCES: dict[str, Source] = {}
 
 
-def register_source(name: str, *, module: str, package: str, example: str) -> Any:
+def register_source(name: str, *, module: str, package: str, example: str, env_prefix: str) -> Any:
     """Class decorator on a source's settings dataclass: register the source.
 
     Raises:
@@ -52,7 +62,7 @@ def register_source(name: str, *, module: str, package: str, example: str) -> An
     def register(cls: type) -> type:
         if name in SOURCES and SOURCES[name].settings.__qualname__ != cls.__qualname__:
             raise ValueError(f"environment source {name!r} is registered already")
-        SOURCES[name] = Source(name, module, package, example, cls)
+        SOURCES[name] = Source(name, module, package, example, cls, env_prefix)
         return cls
 
     return register
@@ -60,7 +70,7 @@ def register_source(name: str, *, module: str, package: str, example: str) -> An
 
 @register_source(
     "reasoning_gym", module="env_space.sources.reasoning_gym", package="reasoning-gym",
-    example="reasoning_gym:leg_counting=2,basic_arithmetic",
+    example="reasoning_gym:leg_counting=2,basic_arithmetic", env_prefix="ENV_RG",
 )  # fmt: skip
 @dataclasses.dataclass
 class ReasoningGymConfig:
@@ -82,14 +92,11 @@ class ReasoningGymConfig:
         default="answer", metadata={"help": "tag holding the final answer: <answer>...</answer>"}
     )
 
-    @classmethod
-    def from_env(cls, **overrides: Any) -> ReasoningGymConfig:
-        return from_env(cls, "ENV_RG", **overrides)
-
 
 @register_source(
-    "dataset", module="env_space.sources.datasets_source", package="datasets math-verify", example="dataset:openai/gsm8k"
-)
+    "dataset", module="env_space.sources.datasets_source", package="datasets math-verify", example="dataset:openai/gsm8k",
+    env_prefix="ENV_DATASET",
+)  # fmt: skip
 @dataclasses.dataclass
 class DatasetSourceConfig:
     """Settings of the dataset source (environment variables ``ENV_DATASET_<FIELD>``)."""
@@ -120,14 +127,11 @@ class DatasetSourceConfig:
         default="process", metadata={"help": "process (one confined worker, killed when a call overstays) or thread (a confined fork per call)"}
     )
 
-    @classmethod
-    def from_env(cls, **overrides: Any) -> DatasetSourceConfig:
-        return from_env(cls, "ENV_DATASET", **overrides)
-
 
 @register_source(
-    "openenv", module="env_space.sources.openenv_client", package="openenv-core", example="openenv:http://127.0.0.1:8000"
-)
+    "openenv", module="env_space.sources.openenv_client", package="openenv-core", example="openenv:http://127.0.0.1:8000",
+    env_prefix="ENV_OPENENV",
+)  # fmt: skip
 @dataclasses.dataclass
 class OpenEnvConfig:
     """Settings of the OpenEnv source (environment variables ``ENV_OPENENV_<FIELD>``)."""
@@ -146,10 +150,6 @@ class OpenEnvConfig:
     max_message_mb: float = dataclasses.field(
         default=1.0, metadata={"help": "largest WebSocket message accepted from the server"}
     )
-
-    @classmethod
-    def from_env(cls, **overrides: Any) -> OpenEnvConfig:
-        return from_env(cls, "ENV_OPENENV", **overrides)
 
 
 def source_settings(spec: str, overrides: str = "") -> Any | None:
@@ -177,4 +177,4 @@ def source_settings(spec: str, overrides: str = "") -> Any | None:
     unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
         raise ValueError(f"unknown {spec.partition(':')[0]} settings {sorted(unknown)}")
-    return cls.from_env(**values)
+    return source.read(**values)
