@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from rlsync.errors import FormatError
-from rlsync.protocol import policy as registry
+from rlsync.protocol.policies import base as registry
 from rlsync.protocol.policy import AnchorPolicy, policy_from_json, policy_names, policy_to_json, register_policy
 from rlsync.spaces.anchor_policy import current_policy, describe_policy, make_policy, setting_fields
 from rlsync.spaces.snapshots import Snapshot

@@ -7,7 +7,7 @@ import math
 
 from ...defaults import DEFAULT_MAX_CATCHUP_RATIO
 from ..manifest import Manifest
-from ..policy import AnchorPolicy, register_policy
+from .base import AnchorPolicy, register_policy
 
 #: Largest bound: catching up costs the newest anchor plus every delta since, so at most this many anchors' worth.
 MAX_CATCHUP_RATIO = 100.0

@@ -6,7 +6,7 @@ import dataclasses
 
 from ...defaults import DEFAULT_ANCHOR_INTERVAL
 from ..manifest import Manifest
-from ..policy import AnchorPolicy, register_policy
+from .base import AnchorPolicy, register_policy
 
 #: Longest interval: the pointer lists every retained delta (~300 bytes each, more for sharded parts)
 #: and must stay under its 16 MiB (the publisher also anchors early when it passes its share).
