@@ -65,7 +65,7 @@ class EnvSimulator:
         self._owns_watch = self.bucket is not bucket  # close() stops the watch this role made
         self.meter = meter_of(self.bucket)
         settings = source_settings(config.environment, config.source_settings)
-        self.environment: Environment = open_environment(
+        self._environment: Environment = open_environment(
             config.environment, chat_template=config.chat_template, settings=settings
         )
         self.failures = FailureCounts()
@@ -77,6 +77,17 @@ class EnvSimulator:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._cancelled = 0
+
+    @property
+    def environment(self) -> Environment:
+        """The environment making and scoring the tasks (setting it sets it for every part)."""
+        return self._environment
+
+    @environment.setter
+    def environment(self, environment: Environment) -> None:
+        self._environment = environment
+        for part in (self.issuer, self.scorer, self.figures):
+            part.environment = environment
 
     # -- the parts' work, by name -------------------------------------------
 
