@@ -30,17 +30,10 @@ import gradio as gr
 
 from env_space.environments import list_environments
 from env_space.simulator import EnvConfig, EnvSimulator
-from env_space.sources.settings import SOURCE_SETTINGS
+from env_space.sources.settings import SOURCES
 from rlsync.spaces import components, forms, frames, role_control, snapshots
 
 logger = logging.getLogger(__name__)
-
-#: Examples offered next to the registered environments in the environment selector.
-SOURCE_EXAMPLES = (
-    "reasoning_gym:leg_counting=2,basic_arithmetic",
-    "dataset:openai/gsm8k",
-    "openenv:http://127.0.0.1:8000",
-)
 
 
 def make_runner() -> role_control.RoleRunner:
@@ -71,7 +64,7 @@ def build_panel(
     current = {"url": config.bucket}
     live = components.Live(bucket_url if bucket_url is not None else (lambda: current["url"]), timer)
     skip = ("bucket", "source_settings") if bucket_url is not None else ("source_settings",)
-    choices = [*list_environments(), *SOURCE_EXAMPLES]
+    choices = [*list_environments(), *(source.example for source in SOURCES.values())]
     choices += [config.environment] if config.environment not in choices else []
 
     def selector(**kw: Any) -> Any:
@@ -80,8 +73,8 @@ def build_panel(
     with gr.Accordion("Environment settings", open=bucket_url is None):
         form = forms.config_form(config, overrides={"environment": selector}, skip=skip, prefix=prefix)
         source_forms: dict[str, tuple[Any, dict[str, Any], Any]] = {}  # source -> (defaults, form, accordion)
-        for source, cls in SOURCE_SETTINGS.items():
-            defaults = cls.from_env()
+        for source, entry in SOURCES.items():  # one form per registered source, from its settings
+            defaults = entry.read()
             with gr.Accordion(f"{source} settings", visible=config.environment.startswith(f"{source}:")) as box:
                 fields = forms.config_form(defaults, prefix=f"{prefix}{source}-")
             source_forms[source] = (defaults, fields, box)

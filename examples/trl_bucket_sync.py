@@ -1,38 +1,19 @@
 """Your own TRL run, publishing every weight sync to a bucket that replicas anywhere follow bit-exactly.
 
-Install (one line), then run as is on a GPU or on CPU:
-
     pip install "rlsync[trl] @ git+https://github.com/OWNER/rl-weight-sync#subdirectory=shared"
     python trl_bucket_sync.py --bucket hf://buckets/me/rl-sync --model Qwen/Qwen3-0.6B
 
-TRL's ``AsyncGRPOTrainer`` takes its scored rollouts from the bucket's ``scores/`` (written by the env
-Space, or by anything that writes the same objects) and publishes each weight sync as an anchor or a
-sparse bf16 delta. Replicas: ``python -m rollout_space --bucket URL`` (a rollout Space), or
-``vllm serve`` with the ``bucket`` backend (README, "vLLM in the rollout fleet"). A ``hf://`` bucket needs
-``HF_TOKEN`` with write access to it. bf16 training only where the GPU supports it; CPU runs in fp32.
+Scored rollouts come from the bucket's scores/ (the env Space writes them); each sync is an anchor or a
+sparse bf16 delta. A bucket that holds a run is continued (--resume) or replaced (--new-run), else refused.
 """
-
-from __future__ import annotations
 
 import argparse
 
 import torch
 from datasets import Dataset
-from transformers import AutoTokenizer
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-from rlsync import FixedInterval, Publisher, open_bucket
-from rlsync.spaces.exchange import read_samples  # parser of the scores/ objects (pure Python)
-from rlsync.trl import (
-    BucketCheckpoints,
-    BucketRolloutWorker,
-    BucketWeightTransfer,
-    CheckpointCallback,
-    FinalWeightSync,
-    NonFiniteStepGuard,
-    VersionGuard,
-    apply_cpu_compat,
-)
+from rlsync.trl import BucketSync
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--bucket", default="./runs/bucket", help="hf://buckets/OWNER/NAME or a local folder")
@@ -45,30 +26,15 @@ parser.add_argument("--resume", action="store_true", help="continue the bucket's
 parser.add_argument("--new-run", action="store_true", help="start a new run, replacing the one in the bucket")
 args = parser.parse_args()
 
-bucket = open_bucket(args.bucket)
-tokenizer = AutoTokenizer.from_pretrained(args.model)
-# A bucket that holds a run is continued (--resume) or replaced (--new-run); anything else is refused.
-restored = BucketCheckpoints(bucket).restore(args.output_dir) if args.resume else None
-folder = restored[1] if restored else None
-transfer = BucketWeightTransfer(
-    publisher=Publisher(bucket, policy=FixedInterval(10)), resume_from_checkpoint=folder, new_run=args.new_run
-)
-worker = BucketRolloutWorker(bucket, read_samples, vocab_size=len(tokenizer), heartbeat=transfer.heartbeat)
-apply_cpu_compat()  # replaces TRL's two GPU-only pieces when there is no GPU; nothing on a GPU with the kernel
-on_gpu = torch.cuda.is_available()
+sync = BucketSync(args.bucket, anchor_every=10, resume=args.resume, new_run=args.new_run)
+gpu = torch.cuda.is_available()  # bf16 where the GPU supports it; CPU trains in fp32
 config = AsyncGRPOConfig(
-    output_dir=args.output_dir, learning_rate=args.lr, per_device_train_batch_size=args.batch_size,
-    token_budget=0, weight_sync_steps=1, max_staleness=2, max_steps=args.max_steps, save_steps=50,
-    bf16=on_gpu and torch.cuda.is_bf16_supported(), use_cpu=not on_gpu, report_to=[],
+    output_dir=args.output_dir, learning_rate=args.lr, per_device_train_batch_size=args.batch_size, token_budget=0,
+    max_steps=args.max_steps, save_steps=50, max_staleness=2, bf16=gpu and torch.cuda.is_bf16_supported(), use_cpu=not gpu,
 )  # fmt: skip
-trainer = AsyncGRPOTrainer(
-    model=args.model, args=config, processing_class=tokenizer, rollout_worker=worker, weight_transfer=transfer,
-    train_dataset=Dataset.from_dict({"prompt": ["(prompts come from the bucket's tasks/)"]}),
-)  # fmt: skip
-trainer.add_callback(FinalWeightSync(trainer))  # publish the last steps off the weight_sync_steps grid
-trainer.add_callback(CheckpointCallback(BucketCheckpoints(bucket)))  # Trainer checkpoints into checkpoints/
-trainer.add_callback(NonFiniteStepGuard())  # a NaN/Inf step never reaches the optimizer
-trainer.add_callback(VersionGuard(trainer, transfer, worker))  # TRL's version stays the bucket's after a refused publish
-trainer.train(resume_from_checkpoint=folder)
+prompts = Dataset.from_dict({"prompt": ["(prompts come from the bucket's tasks/)"]})
+trainer = AsyncGRPOTrainer(model=args.model, args=config, train_dataset=prompts, **sync.trainer_kwargs())
+sync.attach(trainer)  # guards, final sync, checkpoints into the bucket; continues or refuses an existing run
+trainer.train(resume_from_checkpoint=sync.checkpoint)
 trainer.save_model(args.output_dir)
-print(f"trained {trainer.state.global_step} steps; published version {transfer.version} to {bucket.url}")
+print(f"trained {trainer.state.global_step} steps; published version {sync.version} to {sync.bucket.url}")

@@ -29,6 +29,51 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# The fast tier (`pytest -m "not slow"`, docs/testing.md): everything but these. A module here is slow as a
+# whole: it starts role processes, trains with TRL, runs vLLM, torchrun ranks, a browser, a fresh venv or a
+# soak; SLOW_TESTS names the slow tests of otherwise fast modules. The full suite (no -m) runs them all.
+SLOW_MODULES = frozenset({
+    "test_adapter_serving", "test_app_lora", "test_browser", "test_checkpoint_chain", "test_codec_classgap", "test_hub_budget",
+    "test_space_export",
+    "test_e2e", "test_e2e_lora", "test_env_openenv", "test_env_panel", "test_hub_fleet", "test_sharded",
+    "test_trackio", "test_transformers_engine", "test_trl_adapter_sync", "test_trl_bucket_sync", "test_trl_example",
+    "test_trl_sharded", "test_trl_trainer", "test_vllm_engine", "test_vllm_gpu_path", "test_vllm_lora",
+    "test_vllm_serve",
+})  # fmt: skip
+SLOW_TESTS = frozenset({
+    "test_bucket_hf.py::test_soak_trial_on_a_faulty_hub_converges_bit_exactly",
+    "test_cli.py::test_ls_and_verify_bucket",
+    "test_cli.py::test_inspect_reports_kind_steps_and_sparsity",
+    "test_cli.py::test_diff_then_apply_reproduces_checkpoint_byte_for_byte",
+    "test_cli.py::test_apply_to_wrong_base_fails_without_output",
+    "test_cli.py::test_errors_are_clear_and_leave_no_partial_output",
+    "test_cli_ux.py::test_diff_of_anchors_takes_their_steps_and_apply_reproduces_the_newer",
+    "test_cli_ux.py::test_progress_bars_on_stderr_only_when_asked",
+    "test_cli_ux.py::test_inspect_latest_json_shows_the_pointer",
+    "test_cli_ux.py::test_inspect_takes_the_anchor_folder_key_that_ls_prints",
+    "test_faults.py::test_publisher_killed_at_random_moments_resumes_exactly",
+    "test_faults.py::test_publisher_killed_inside_publish_resumes_exactly",
+    "test_hostile_env.py::test_soak_trial_hostile_tasks",
+    "test_hostile_exchange.py::test_soak_trial_hostile_replicas",
+    "test_panel_access.py::test_planted_notice_shows_as_text_in_the_browser",
+    "test_secrets.py::test_three_roles_on_a_flaky_hub_never_show_the_token",
+    "test_cli_hostile.py::test_every_command_on_every_hostile_file",
+    "test_cli_hostile.py::test_read_only_commands_create_nothing",
+    "test_cli_hostile.py::test_ls_escapes_control_characters",
+    "test_flow.py::test_trainer_keeps_training_through_logprob_lies_and_a_nan_step",
+    "test_hostile_exchange.py::test_trainer_validates_scores_again_and_keeps_training",
+    "test_hostile_exchange.py::test_trainer_restores_published_weights_instead_of_publishing_poison",
+    "test_new_run.py::test_trainer_space_restart_without_checkpoint_refuses_in_the_panel_then_new_run",
+})  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the slow tests (see SLOW_MODULES) with the ``slow`` marker registered in pyproject.toml."""
+    for item in items:
+        module = item.path.stem
+        if module in SLOW_MODULES or f"{item.path.name}::{item.name.split('[')[0]}" in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture
 def bucket(tmp_path):

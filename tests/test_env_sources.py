@@ -394,3 +394,27 @@ def test_trl_reward_helper_by_dotted_path_scores_as_trl_does(tmp_path, monkeypat
             expected = trl_rewards.accuracy_reward([[{"role": "assistant", "content": completion}]], [task.answer])[0]
             assert env.score(task, completion) == expected
         assert env.score(task, f"so \\boxed{{{task.answer}}}") == 1.0
+
+
+def test_a_source_registers_once_its_name_module_package_example_and_settings(monkeypatch):
+    """One registry: the settings form, the spec's module and the install hint all come from the entry."""
+    import dataclasses
+
+    from env_space.sources import open_environment
+    from env_space.sources import settings as registry
+
+    monkeypatch.setattr(registry, "SOURCES", dict(registry.SOURCES))
+
+    @registry.register_source("fake", module="no_such_module_xyz", package="fake-pkg", example="fake:1", env_prefix="ENV_FAKE")
+    @dataclasses.dataclass
+    class FakeConfig:
+        size: int = 1
+
+    monkeypatch.setenv("ENV_FAKE_SIZE", "2")
+    assert registry.SOURCES["fake"].read() == FakeConfig(2)
+    assert registry.source_settings("fake:1", '{"size": 3}') == FakeConfig(3)
+    with pytest.raises(ImportError, match="pip install fake-pkg"):
+        open_environment("fake:1", settings=FakeConfig())
+    with pytest.raises(ValueError, match="registered already"):
+        registry.register_source("fake", module="m", package="p", example="fake:2", env_prefix="E")(type("Other", (), {}))
+    assert [s.name for s in registry.SOURCES.values()][:3] == ["reasoning_gym", "dataset", "openenv"]

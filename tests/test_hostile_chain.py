@@ -15,7 +15,7 @@ from rlsync.hashing import state_hash
 from rlsync.layout import CONTROL_KEY, LOCK_KEY, POINTER_KEY
 from rlsync.limits import MAX_POINTER_BYTES
 from rlsync.protocol import Adaptive, FixedInterval, Publisher, Subscriber, policy_from_json, read_lock, read_manifest
-from rlsync.protocol.policy import MAX_INTERVAL
+from rlsync.protocol.policies.fixed import MAX_INTERVAL
 from rlsync.protocol.verify import verify_bucket
 from rlsync.spaces.anchor_policy import ControlledPolicy
 from tests.helpers import bf16, master_state, rl_step

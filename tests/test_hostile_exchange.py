@@ -113,9 +113,9 @@ def test_malformed_json_objects_refused_and_counted(bucket, raw: bytes, match: s
 
 def test_oversized_object_refused_before_reading(bucket, monkeypatch) -> None:
     """Finding 6: the size is checked before the bytes are read (the local backend never reads them)."""
-    from rlsync.spaces import exchange
+    from rlsync import scores
 
-    monkeypatch.setattr(exchange, "MAX_OBJECT_BYTES", 1000)
+    monkeypatch.setattr(scores, "MAX_OBJECT_BYTES", 1000)
     key = rollout_key(0, "r1")
     bucket.put(key, json.dumps({"samples": [good_sample()] * 40}).encode())
     refusals = Refusals()
@@ -254,7 +254,7 @@ def test_panel_refuses_nan_ratio() -> None:
 
     for value in (float("nan"), float("inf"), 1e300):
         with pytest.raises(ValueError):
-            make_policy("adaptive", None, value)
+            make_policy("adaptive", {"max_catchup_ratio": value})
 
 
 @pytest.mark.parametrize(

@@ -80,7 +80,7 @@ def test_trl_restart_without_a_checkpoint_refuses_and_publishes_nothing(bucket):
         transfer.init_weight_transfer()  # TRL calls this at train begin
     message = str(info.value)
     assert "checkpoints/" in message and "resume_from_checkpoint=folder" in message
-    assert "new_run=True" in message and "TRAINER_NEW_RUN=1" in message
+    assert "new_run=True" in message and "TRAINER_NEW_RUN=1" in message and "BucketSync(bucket, resume=True)" in message
     with pytest.raises(RunExistsError):
         transfer.send_weights(iter(master_state().items()))
     assert bucket.get(POINTER_KEY) == before
@@ -136,6 +136,6 @@ def test_trainer_space_restart_without_checkpoint_refuses_in_the_panel_then_new_
     old_sample = Sample("t0", "p", "c", [1, 5, 6], [7, 8], [-0.5, -1.25], 0, reward=1.0)
     write_samples(bucket, score_key(0, "r0"), [old_sample])
     write_samples(bucket, score_key(1, "r0"), [old_sample, dataclasses.replace(old_sample, task_id="t1", version=1)])
-    assert again._read_scores(bucket, score_key(0, "r0")) is None
-    _, kept = again._read_scores(bucket, score_key(1, "r0"))
+    assert again.sync.read_scores(bucket, score_key(0, "r0")) is None
+    _, kept = again.sync.read_scores(bucket, score_key(1, "r0"))
     assert [s.version for s in kept] == [1] and again.refusals.total == 2

@@ -26,7 +26,7 @@ LORA = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "up_proj"
 def test_peft_run_publishes_adapter_versions_bit_exactly_and_never_merges(bucket, tmp_path):
     from peft.utils import get_peft_model_state_dict
 
-    from rlsync.spaces.exchange import read_samples
+    from rlsync.scores import read_samples
     from rlsync.trl import BucketAdapterSync, BucketRolloutWorker, FinalWeightSync, apply_cpu_compat
 
     apply_cpu_compat()

@@ -90,4 +90,16 @@ def test_the_readme_excerpt_is_lines_of_the_script():
     start = readme.index("```python\n", readme.index("Its core (lines of that file")) + len("```python\n")
     excerpt = readme[start : readme.index("```", start)].splitlines()
     script = SCRIPT.read_text().splitlines()
-    assert len(excerpt) > 5 and all(line in script for line in excerpt)
+    assert len(excerpt) >= 4 and all(line in script for line in excerpt)
+    assert "sync.attach(trainer)" in "\n".join(excerpt)
+
+
+def test_the_script_is_short_and_names_one_object_of_the_library():
+    """The integration is one object: at most 40 lines, at most 3 rlsync names, nothing from Space support."""
+    import ast
+
+    tree = ast.parse(SCRIPT.read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("rlsync") for a in n.names]
+    modules = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("rlsync")]
+    assert len(SCRIPT.read_text().splitlines()) <= 40 and 1 <= len(names) <= 3 and names == ["BucketSync"]
+    assert not any(m.startswith("rlsync.spaces") for m in modules)

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_final_weights_are_published_off_the_sync_grid(bucket, tmp_path):
-    from rlsync.spaces.exchange import read_samples
+    from rlsync.scores import read_samples
     from rlsync.protocol import Publisher
     from rlsync.trl import BucketRolloutWorker, BucketWeightTransfer, FinalWeightSync, apply_cpu_compat
 

@@ -45,8 +45,8 @@ CPU_COMMAND = f"{CPU_ENV} python -m rlsync.vllm.serve MODEL {CPU_FLAGS}"
 PROMPT = "reverse 1234567 ="
 
 
-def test_readme_gives_the_cpu_command_this_test_runs():
-    assert CPU_COMMAND in " ".join((ROOT / "README.md").read_text().replace("\\\n", " ").split())
+def test_the_vllm_page_gives_the_cpu_command_this_test_runs():
+    assert CPU_COMMAND in " ".join((ROOT / "docs" / "vllm.md").read_text().replace("\\\n", " ").split())
 
 
 def _free_port() -> int:

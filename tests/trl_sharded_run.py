@@ -73,7 +73,7 @@ def main(options: dict) -> None:
     from rlsync.hashing import state_hash
     from rlsync.protocol import FixedInterval, Publisher
     from rlsync.protocol.sharded import ShardedPublisher
-    from rlsync.spaces.exchange import read_samples
+    from rlsync.scores import read_samples
     from rlsync.spaces.tiny_model import tiny_model_path
     from rlsync.trl import BucketRolloutWorker, BucketWeightTransfer, FinalWeightSync, ShardedWeightTransfer
     from rlsync.trl import BucketCheckpoints, allow_cpu_fsdp, apply_cpu_compat

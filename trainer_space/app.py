@@ -20,6 +20,7 @@ from typing import Any
 
 import gradio as gr
 
+from rlsync.protocol.policy import policy_names
 from rlsync.spaces import components, forms, frames, role_control, snapshots
 from trainer_space.trainer import Trainer, TrainerConfig
 
@@ -57,7 +58,7 @@ def build_panel(
     with gr.Accordion("Trainer settings", open=False):
         form = forms.config_form(
             config,
-            overrides={"anchor_policy": lambda **kw: gr.Radio(["fixed", "adaptive"], **kw)},
+            overrides={"anchor_policy": lambda **kw: gr.Radio(policy_names(), **kw)},
             skip=skip,
             prefix=prefix,
         )

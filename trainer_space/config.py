@@ -53,9 +53,10 @@ class TrainerConfig:
     clip_eps: float = dataclasses.field(default=0.2, metadata={"help": "importance-ratio clip (epsilon)"})
     temperature: float = dataclasses.field(default=1.0, metadata={"help": "sampling temperature of the replicas (temperature)"})
     max_grad_norm: float = dataclasses.field(default=1.0, metadata={"help": "gradient clipping (max_grad_norm)"})
-    anchor_policy: str = dataclasses.field(default="fixed", metadata={"help": "'fixed' or 'adaptive'"})
+    anchor_policy: str = dataclasses.field(default="fixed", metadata={"help": "a registered anchor policy (rlsync/protocol/policies/: 'fixed', 'adaptive', ...)"})
     anchor_interval: int = dataclasses.field(default=DEFAULT_ANCHOR_INTERVAL, metadata={"help": "publishes per anchor (fixed policy)"})
     max_catchup_ratio: float = dataclasses.field(default=DEFAULT_MAX_CATCHUP_RATIO, metadata={"help": "adaptive policy bound, in anchors"})
+    anchor_settings: str = dataclasses.field(default="", metadata={"help": "the anchor policy's settings as a JSON object (any policy's; over the two above), e.g. {\"interval\": 5}"})
     keep_anchors: int = dataclasses.field(default=2, metadata={"help": "anchors retained in the bucket"})
     codec: str = dataclasses.field(default=DEFAULT_CODEC, metadata={"help": "delta codec: 'classrice', 'classgap', 'gapzz', 'trl' or 'auto' (the default for the device)"})
     max_steps: int = dataclasses.field(default=0, metadata={"help": "stop after this many optimizer steps (0: never) (max_steps)"})
@@ -106,12 +107,24 @@ class TrainerConfig:
         return [] if target is ReportTo.NONE else [target.value]
 
     def policy(self) -> AnchorPolicy:
-        """The anchor policy these settings name."""
-        from rlsync.protocol import Adaptive, FixedInterval
+        """The anchor policy these settings name (settings another policy has are ignored).
 
-        if self.anchor_policy == "adaptive":
-            return Adaptive(self.max_catchup_ratio)
-        return FixedInterval(self.anchor_interval)
+        Raises:
+            ValueError: an unknown policy, invalid settings, or ``anchor_settings`` not a JSON object.
+        """
+        from rlsync.errors import FormatError
+        from rlsync.jsonlimits import loads_bounded
+        from rlsync.limits import MAX_CONTROL_BYTES
+        from rlsync.protocol import policy_from_settings
+
+        try:
+            extra = loads_bounded(self.anchor_settings, what="anchor_settings", max_bytes=MAX_CONTROL_BYTES) if self.anchor_settings else {}
+            if not isinstance(extra, dict):
+                raise FormatError("anchor_settings is not a JSON object")
+            settings = {"interval": self.anchor_interval, "max_catchup_ratio": self.max_catchup_ratio, **extra}
+            return policy_from_settings({**settings, "policy": self.anchor_policy})
+        except FormatError as exc:
+            raise ValueError(str(exc)) from None
 
     def grpo_config(self, output_dir: str) -> Any:
         """These settings as TRL's ``AsyncGRPOConfig``."""

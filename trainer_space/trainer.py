@@ -1,28 +1,18 @@
 """The trainer role: TRL's ``AsyncGRPOTrainer`` learning from the bucket and publishing to it.
 
 The training loop, the GRPO loss (PPO-clip against the sampler's
-log-probabilities) and the optimizer are TRL's; this module only wires the
-sync library's TRL plug-ins (:mod:`rlsync.trl`) into it:
+log-probabilities) and the optimizer are TRL's; the bucket is joined to it by
+:class:`~rlsync.trl.BucketSync`, the same object a TRL user's script uses
+(``examples/trl_bucket_sync.py``): the rollout worker reading ``scores/``, the
+weight transfer publishing every ``sync_every`` optimizer steps (an anchor or a
+sparse bf16 delta), the guards, the final sync, checkpoints under ``checkpoints/``
+with resume and new-run handling, and with ``lora_rank`` set the adapter chain
+(``docs/lora.md``). This role adds what belongs to the Space:
 
-- :class:`~rlsync.trl.BucketRolloutWorker` feeds the trainer the scored samples
-  under ``scores/`` (group-normalised advantages, the sampler's log-probabilities,
-  each sample's policy version; TRL drops those more than ``max_staleness`` old);
-- :class:`~rlsync.trl.BucketWeightTransfer` publishes every ``sync_every``
-  optimizer steps through the :class:`~rlsync.protocol.Publisher` (an anchor or a
-  sparse bf16 delta, as the anchor policy decides; the policy follows the bucket's
-  control object, so any panel can change it while the run goes on); the final
-  weights are published at ``max_steps`` or on stop;
-- with ``lora_rank`` set, TRL trains a LoRA adapter (``peft_config``) and
-  :class:`~rlsync.trl.BucketAdapterSync` publishes the base once to the weights chain and
-  then adapter versions to the adapter chain under ``adapters/`` (see ``docs/lora.md``);
-- :class:`~rlsync.trl.BucketCheckpoints` keeps Trainer-format checkpoints (fp32
-  weights, optimizer, scheduler, RNG, step) under ``checkpoints/`` every
-  ``checkpoint_every`` steps and on stop; a restarted trainer resumes from the
-  newest complete one and continues the bucket's version numbers; without a checkpoint it
-  refuses to publish over the bucket's run unless ``new_run`` starts a new one.
-- :class:`~rlsync.trl.NonFiniteStepGuard` skips a step with non-finite gradients before
-  the optimizer, and :class:`~rlsync.trl.VersionGuard` keeps TRL's policy version at the
-  bucket's when a publish is refused;
+- the anchor policy follows the bucket's control object
+  (:class:`~rlsync.spaces.anchor_policy.ControlledPolicy`), so any panel can change it
+  while the run goes on; the trainer always resumes from the newest checkpoint that
+  verifies, and refuses to publish over the bucket's run without one unless ``new_run``;
 - :class:`~trainer_space.flow.FlowControl` writes ``control/demand.json`` once per step
   (pacing ``demand``: the env issues tasks at the rate the trainer consumes) and counts
   trained samples and the trainer's waiting time.
@@ -38,45 +28,26 @@ import dataclasses
 import logging
 import shutil
 import tempfile
-import threading
 from typing import Any
 
-import torch
 from transformers import TrainerCallback
 
 from env_space.environments import get_environment
 from rlsync.bucket import Bucket
 from rlsync.bucket.watch import meter_of
-from rlsync.codecs import default_codec
-from rlsync.defaults import DEFAULT_ANCHOR_INTERVAL, DEFAULT_MAX_CATCHUP_RATIO
-from rlsync.errors import NonFiniteError, StopRequested
-from rlsync.lora import peft_config
-from rlsync.protocol import Adaptive, FixedInterval, Publisher, PublishRecord, read_manifest
-from rlsync.spaces.anchor_policy import ControlledPolicy, write_policy
-from rlsync.spaces.demand import Pacing
-from rlsync.spaces.exchange import MetricsLog, Refusals, SampleLimits, open_role_bucket, read_samples
-from rlsync.spaces.settings import resolve_device, space_owner
 from rlsync.checkpoint_layout import CheckpointLayout, expert_changed_pct
-from rlsync.fp8 import fp8_publisher
+from rlsync.codecs import default_codec
+from rlsync.protocol import PublishRecord
+from rlsync.spaces.anchor_policy import ControlledPolicy
+from rlsync.spaces.demand import Pacing
+from rlsync.spaces.exchange import MetricsLog, open_role_bucket
+from rlsync.spaces.interval_log import IntervalLog
+from rlsync.spaces.settings import resolve_device, space_owner
 from rlsync.spaces.tiny_model import model_or_default
 from rlsync.supervised import SupervisedThread
-from rlsync.trl import (
-    BucketAdapterSync,
-    BucketCheckpoints,
-    BucketRolloutWorker,
-    BucketWeightTransfer,
-    CheckpointCallback,
-    FinalWeightSync,
-    NonFiniteStepGuard,
-    VersionGuard,
-    apply_cpu_compat,
-)
-from rlsync.spaces.interval_log import IntervalLog
-from rlsync.trl.checkpoint_checks import CheckpointExpectations
-from rlsync.trl.coalesce import PublishCoalescing
+from rlsync.trl import BucketSync
 from rlsync.trl.logs import AsyncGRPOTrainer, quiet_trl
 from rlsync.trl.metrics import trl_layout_bytes
-from rlsync.trl.trackio_sync import TrackioSyncFigures
 
 from .config import ReportTo, TrainerConfig
 from .flow import FlowControl
@@ -116,7 +87,7 @@ class BucketFigures(TrainerCallback):
 
 
 class Trainer:
-    """The trainer Space's role: ``AsyncGRPOTrainer`` with the bucket plug-ins, in a thread.
+    """The trainer Space's role: ``AsyncGRPOTrainer`` joined to the bucket by :class:`~rlsync.trl.BucketSync`, in a thread.
 
     Args:
         config: Settings.
@@ -124,6 +95,7 @@ class Trainer:
     """
 
     def __init__(self, config: TrainerConfig, bucket: Bucket | None = None) -> None:
+        from datasets import Dataset
         from transformers import AutoTokenizer
 
         self.bucket = open_role_bucket("trainer", config.bucket, bucket)
@@ -134,76 +106,48 @@ class Trainer:
         config = config.with_model_defaults(device)
         self.config = config
         self.metrics = MetricsLog(self.bucket, "trainer", every_s=config.metrics_every_s if self.meter is not None else 0.0)
-        self.trackio = TrackioSyncFigures() if ReportTo.TRACKIO.value in config.report_targets() else None
         self.control = ControlledPolicy(self.bucket, config.policy())  # the panels' anchor policy
-        chain_settings = dict(
-            policy=self.control, keep_anchors=config.keep_anchors, codec=config.codec, owner=config.trainer_id or space_owner(),
-            new_run=config.new_run,
-        )  # fmt: skip
         lora = config.lora()
         model = model_or_default(config.model, config.device, get_environment)
         layout = CheckpointLayout.from_pretrained(model) if not lora else None  # a MoE's fused experts, per expert
-        self.adapter_sync = BucketAdapterSync(self.bucket, **chain_settings) if lora else None
-        if self.adapter_sync is not None:
-            self.transfer = self.adapter_sync.transfer
-            self.transfer.on_publish, self.transfer.on_non_finite = self._record_publish, self._restore_published
-        else:
-            self.transfer = BucketWeightTransfer(
-                publisher=Publisher(self.bucket, **chain_settings), on_publish=self._record_publish,
-                on_non_finite=self._restore_published, layout=layout if layout and layout.parts else None,
-                fp8=fp8_publisher(self.bucket, policy=config.policy(), keep_anchors=config.keep_anchors, codec=config.codec,
-                                  owner=chain_settings["owner"]) if config.fp8 else None,
-            )  # fmt: skip
-        self.publisher = self.transfer.publisher
-        self.checkpoints = BucketCheckpoints(self.bucket, keep=config.keep_checkpoints, chain=self.publisher)
+        self.sync = BucketSync(
+            self.bucket, policy=self.control, keep_anchors=config.keep_anchors, codec=config.codec,
+            owner=config.trainer_id or space_owner(), resume=True, new_run=config.new_run, lora=lora,
+            keep_checkpoints=config.keep_checkpoints, poll_s=config.poll_s, queue_maxsize=max(4 * config.batch_size, 256),
+            max_staleness=config.max_staleness, on_publish=self._record_publish,
+            trackio=ReportTo.TRACKIO.value in config.report_targets(), layout=layout, fp8=config.fp8,
+            worker_summary_s=None,  # the trainer's own summary line reports the worker's counts
+        )  # fmt: skip
         self.scratch = tempfile.mkdtemp(prefix="rlsync-trainer-")
         self.opt_steps = 0
-        self.notice = ""
         self.stop_requested = False
-        self.refusals = Refusals()
-        self._thread: threading.Thread | None = None
-        tokenizer = AutoTokenizer.from_pretrained(model)
-        self.vocab_size = len(tokenizer)
-        self.worker = BucketRolloutWorker(
-            self.bucket, self._read_scores, vocab_size=len(tokenizer), poll_s=config.poll_s,
-            queue_maxsize=max(4 * config.batch_size, 256), max_staleness=config.max_staleness,
-            heartbeat=self.transfer.heartbeat, max_tokens=0, chain=self.publisher.bucket,  # _read_scores bounds tokens by the model's context
-            summary_s=None,  # the trainer's own summary line reports the worker's counts
-        )  # fmt: skip
-        self.summary = IntervalLog(logger, self._summary_line)
-        self._flow_at_summary = dict(self.worker.counts)
-        sdpa = apply_cpu_compat()
-        from datasets import Dataset
-
+        self._thread: SupervisedThread | None = None
         self.trl = AsyncGRPOTrainer(
-            model=model, args=config.grpo_config(self.scratch), processing_class=tokenizer,
+            model=model, args=config.grpo_config(self.scratch), processing_class=AutoTokenizer.from_pretrained(model),
             train_dataset=Dataset.from_dict({"prompt": ["(prompts come from the bucket's tasks/)"]}),
-            rollout_worker=self.worker, weight_transfer=self.transfer, peft_config=peft_config(lora) if lora else None,
+            **self.sync.trainer_kwargs(),
         )  # fmt: skip
         quiet_trl(self.trl)
-        if self.adapter_sync is not None:
-            self.adapter_sync.attach(self.trl)
-        self.checkpoint_callback = CheckpointCallback(
-            self.checkpoints, info=lambda: {"published_version": self.transfer.version}
+        self.sync.attach(self.trl, prepare=False)  # start() prepares, so that a refusal reaches the panel
+        # the parts, for the figures and the tests
+        self.transfer, self.worker, self.publisher = self.sync.transfer, self.sync.worker, self.sync.publisher
+        self.checkpoints, self.refusals, self.adapter_sync = self.sync.checkpoints, self.sync.refusals, self.sync.adapter_sync
+        self.step_guard, self.version_guard = self.sync.step_guard, self.sync.version_guard
+        self.checkpoint_callback, self.final_sync, self.coalescing = (
+            self.sync.checkpoint_callback, self.sync.final_sync, self.sync.coalescing
         )
-        self.final_sync = FinalWeightSync(self.trl)
-        self.step_guard = NonFiniteStepGuard()
-        self.version_guard = VersionGuard(self.trl, self.transfer, self.worker)
         self.flow = FlowControl(
             self.bucket, self.worker, self.transfer, batch_size=config.batch_size,
             max_staleness=config.max_staleness, pacing=Pacing(config.pacing),
         )  # fmt: skip
-        self.coalescing = PublishCoalescing(self.trl, self.meter) if self.meter is not None else None
-        callbacks = (self.step_guard, self.version_guard, self.flow, self.checkpoint_callback, self.final_sync, BucketFigures(self), self.coalescing)
-        for callback in callbacks:
-            if callback is not None:
-                self.trl.add_callback(callback)
-        if self.trackio is not None:
-            self.trackio.install(self.trl)
+        self.trl.add_callback(self.flow)
+        self.trl.add_callback(BucketFigures(self))
+        self.summary = IntervalLog(logger, self._summary_line)
+        self._flow_at_summary = dict(self.worker.counts)
         logger.info(
             "training %s%s through TRL AsyncGRPOTrainer on %s (%s attention), lr %g, %d samples per step, publish every %d step(s)",
             model, f" (LoRA rank {lora.rank} on {','.join(lora.target_modules)})" if lora else "", config.device,
-            "SDPA tree" if sdpa else "flash-attention-3 tree", config.lr, config.batch_size, config.sync_every,
+            "SDPA tree" if self.sync.uses_sdpa else "flash-attention-3 tree", config.lr, config.batch_size, config.sync_every,
         )  # fmt: skip
 
     @property
@@ -211,44 +155,10 @@ class Trainer:
         """The newest published version."""
         return self.transfer.version
 
-    # -- bucket objects -------------------------------------------------------
-
-    def _read_scores(self, bucket: Bucket, key: str):
-        """Read one scores object within the trainer's limits, counting refusals. In a new run, samples
-        scored for the replaced run's versions are dropped (counted): another run's policy sampled them."""
-        limits = SampleLimits(
-            vocab_size=self.vocab_size, max_version=self.transfer.version,
-            max_total_tokens=getattr(self.trl.model.config, "max_position_embeddings", None),
-        )  # fmt: skip
-        read = read_samples(bucket, key, limits=limits, refusals=self.refusals)
-        replaced = self.publisher.replaced_step
-        if read is None or replaced is None:
-            return read
-        header, samples = read
-        kept = [s for s in samples if s.version > replaced]
-        if len(kept) < len(samples):
-            self.refusals.add(key, f"{len(samples) - len(kept)} sample(s) of the replaced run (version <= {replaced})")
-        return (header, kept) if kept else None
-
-    def _restore_published(self, exc: NonFiniteError) -> None:
-        """Never train on from a poisoned model: back to the published weights, optimizer state reset."""
-        logger.error("%s; restoring the published weights and resetting the optimizer", exc)
-        self._load_published(self.publisher.detector.published or {})
-        if self.trl.optimizer is not None:
-            self.trl.optimizer.state.clear()
-
-    def _load_published(self, published: dict[str, torch.Tensor]) -> None:
-        """Load published tensors (weights, or the adapter in a LoRA run) into the trained model."""
-        if self.adapter_sync is not None:
-            self.adapter_sync.restore(published)
-            return
-        params = dict(self.trl.model.named_parameters())
-        if self.transfer.layout is not None:  # published in checkpoint names: views of the fused parameters
-            params = self.transfer.layout.checkpoint_state(params)
-        with torch.no_grad():
-            for name, tensor in published.items():
-                if name in params:
-                    params[name].copy_(tensor.to(params[name].dtype))
+    @property
+    def notice(self) -> str:
+        """What the last resume found worth telling ('' when nothing)."""
+        return self.sync.notice
 
     # -- figures ------------------------------------------------------------
 
@@ -261,8 +171,6 @@ class Trainer:
             **({"experts_changed_pct": expert_changed_pct(rec.changed_tensors, self.publisher.detector.published or {})}
                if self.transfer.layout is not None and rec.kind == "delta" else {}),
         )  # fmt: skip
-        if self.trackio is not None:
-            self.trackio.record(rec)
         self.summary.add(**{rec.kind: 1, f"{rec.kind}_bytes": rec.nbytes, f"{rec.kind}_changed_pct": 100 * rec.changed_fraction})
         self.flush()
 
@@ -300,17 +208,10 @@ class Trainer:
         }  # fmt: skip
         self.metrics.flush(force)
 
-    def set_anchor_policy(
-        self, policy: str, interval: int = DEFAULT_ANCHOR_INTERVAL, max_catchup_ratio: float = DEFAULT_MAX_CATCHUP_RATIO
-    ) -> None:
-        """Change the anchor policy for the next publish, through the bucket's control object
-        (so it also reaches a trainer running in another Space)."""
-        write_policy(self.bucket, Adaptive(max_catchup_ratio) if policy == "adaptive" else FixedInterval(int(interval)))
-
     # -- resuming -------------------------------------------------------------
 
     def prepare(self) -> str | None:
-        """Take the run lock and find where to continue.
+        """Take the run lock and find where to continue (:meth:`rlsync.trl.BucketSync.prepare`).
 
         A bucket that holds a run is continued from its newest checkpoint that verifies. Without
         one, the trainer refuses (:class:`~rlsync.protocol.RunExistsError`, naming both ways on)
@@ -323,47 +224,23 @@ class Trainer:
         Raises:
             RunExistsError: the bucket holds a run, no checkpoint verifies and ``new_run`` is off.
         """
-        manifest = read_manifest(self.publisher.bucket)  # checkpoints are checked against the chain it names
-        expect = CheckpointExpectations.for_model(
-            self.trl.model, pins={p.step: p.weights_hash for p in manifest.checkpoints} if manifest else {},
-            published_step=manifest.step if manifest else 0, lr=self.config.lr,
-        )  # fmt: skip
-        restored = self.checkpoints.restore(self.scratch, expect)
-        self.transfer.resume_from_checkpoint = restored[1] if restored else None
-        self.transfer.continue_run()
-        if restored is None:
-            return None
-        step, folder, marker = restored
-        saved = marker.get("published_version")
-        self.opt_steps = step
-        if isinstance(saved, int) and self.transfer.version is not None and self.transfer.version > saved:
-            self.notice = (
-                f"published version {self.transfer.version} is newer than checkpoint {step} (saved at version {saved}): "
-                f"resumed from the checkpoint; the next version is a delta from {self.transfer.version}"
-            )
-            logger.warning(self.notice)
-        logger.info("resuming from checkpoint %d", step)
-        return str(folder)
+        folder = self.sync.prepare()
+        if self.sync.checkpoint_step is not None:
+            self.opt_steps = self.sync.checkpoint_step
+        return folder
 
     # -- lifecycle ------------------------------------------------------------
 
-    def run(self, folder: str | None = None, prepared: bool = False) -> None:
+    def run(self, prepared: bool = False) -> None:
         """Train until :meth:`stop` or ``max_steps``; publishes and checkpoints the last step.
 
         Args:
-            folder: The checkpoint folder :meth:`prepare` returned, when ``prepared``.
             prepared: :meth:`prepare` was called already (by :meth:`start`).
         """
         if not prepared:
-            folder = self.prepare()
+            self.prepare()
         try:
-            self.trl.train(resume_from_checkpoint=folder)
-        except StopRequested:  # stopped while waiting for rollouts: save what the callbacks could not
-            step = self.trl.state.global_step
-            if step and self.checkpoint_callback.last_step != step:
-                self.trl._save_checkpoint(self.trl.model, trial=None)
-                self.checkpoint_callback.upload(self.scratch, step)
-            self.final_sync.sync(step)
+            self.sync.train()
         finally:
             self.flush(force=True)
         logger.info("trainer finished at step %d, version %s", self.trl.state.global_step, self.transfer.version)
@@ -372,14 +249,14 @@ class Trainer:
         if self.running:
             return
         self.stop_requested = False
-        folder = self.prepare()  # here, so that a refusal reaches the caller (the panel shows it)
-        self._thread = SupervisedThread(self.run, args=(folder, True), name="trainer", restart=False)
+        self.prepare()  # here, so that a refusal reaches the caller (the panel shows it)
+        self._thread = SupervisedThread(self.run, args=(True,), name="trainer", restart=False)
         self._thread.start()
 
     def stop(self) -> None:
         """Stop after the current step (or while waiting for rollouts), saving a checkpoint and publishing."""
         self.stop_requested = True
-        self.worker.request_stop()
+        self.sync.request_stop()
         if self._thread:
             self._thread.join(timeout=300)
 

@@ -10,8 +10,9 @@
 - ``openenv:http://host:8000``: an OpenEnv environment server, one step per episode
   (:mod:`env_space.sources.openenv_client`, ``ENV_OPENENV_*``).
 
-Each source module is imported only when selected, so the toy tasks need none of
-their packages; a missing package gives an error naming what to install.
+The sources are registered in :mod:`env_space.sources.settings` (name, module, package, example,
+settings and their form). Each source module is imported only when selected, so the toy tasks need
+none of their packages; a missing package gives an error naming what to install.
 """
 
 from __future__ import annotations
@@ -23,15 +24,7 @@ from env_space.environments import Environment, get_environment
 
 from .prompts import render_prompt
 
-__all__ = ["SOURCES", "open_environment", "parse_weighted"]
-
-#: Source prefix -> (module, the pip package it needs).
-SOURCES: dict[str, tuple[str, str]] = {
-    "reasoning_gym": ("env_space.sources.reasoning_gym", "reasoning-gym"),
-    "dataset": ("env_space.sources.datasets_source", "datasets math-verify"),
-    "openenv": ("env_space.sources.openenv_client", "openenv-core"),
-}
-
+__all__ = ["open_environment", "parse_weighted"]
 
 def parse_weighted(text: str) -> dict[str, float]:
     """Parse ``"a=2,b,c=0.5"`` into ``{"a": 2.0, "b": 1.0, "c": 0.5}`` (weight 1 when omitted).
@@ -72,11 +65,13 @@ def open_environment(spec: str, *, chat_template: str = "", settings: Any | None
         return get_environment(spec)
     if chat_template:  # fail at start, not at the first batch
         render_prompt([{"role": "user", "content": "check"}], chat_template)
+    from .settings import SOURCES  # the registry (light: settings only)
+
     if source not in SOURCES:
         raise KeyError(f"unknown environment source {source!r}; known: {sorted(SOURCES)}")
-    module_name, package = SOURCES[source]
+    entry = SOURCES[source]
     try:
-        module = importlib.import_module(module_name)
+        module = importlib.import_module(entry.module)
     except ImportError as exc:
-        raise ImportError(f"the {source!r} source needs `pip install {package}` ({exc})") from exc
+        raise ImportError(f"the {source!r} source needs `pip install {entry.package}` ({exc})") from exc
     return module.from_spec(argument, chat_template=chat_template, settings=settings)

@@ -33,7 +33,7 @@ from . import parse_weighted
 from .prompts import render_prompt
 from .reward_worker import RewardWorker
 from .rewards import RewardFunction, load_reward
-from .settings import DatasetSourceConfig
+from .settings import SOURCES, DatasetSourceConfig
 
 __all__ = ["DatasetEnvironment", "from_spec", "load_split"]
 
@@ -162,5 +162,5 @@ def from_spec(
     argument: str, *, chat_template: str = "", settings: DatasetSourceConfig | None = None
 ) -> DatasetEnvironment:
     """Build the source from ``ENV_ENVIRONMENT=dataset:<name or path>``."""
-    config = settings or DatasetSourceConfig.from_env()
+    config = settings or SOURCES["dataset"].read()
     return DatasetEnvironment(load_split(argument, config.subset, config.split), argument, config, chat_template)

@@ -34,7 +34,7 @@ from env_space.bounded import ScoringFailure
 from rlsync.spaces.exchange import DEFAULT_LIMITS
 from env_space.environments import Environment, Scoring, Task
 
-from .settings import OpenEnvConfig
+from .settings import SOURCES, OpenEnvConfig
 
 __all__ = ["OpenEnvEnvironment", "from_spec"]
 
@@ -138,4 +138,4 @@ class OpenEnvEnvironment(Environment):
 
 def from_spec(argument: str, *, chat_template: str = "", settings: OpenEnvConfig | None = None) -> OpenEnvEnvironment:
     """Build the source from ``ENV_ENVIRONMENT=openenv:<url>`` (the server formats its own prompts)."""
-    return OpenEnvEnvironment(argument, settings or OpenEnvConfig.from_env())
+    return OpenEnvEnvironment(argument, settings or SOURCES["openenv"].read())

@@ -28,7 +28,7 @@ from env_space.environments import Environment, Task
 from . import parse_weighted
 from .evaluators import guard_evaluators
 from .prompts import render_prompt
-from .settings import ReasoningGymConfig
+from .settings import SOURCES, ReasoningGymConfig
 
 guard_evaluators()
 
@@ -107,4 +107,4 @@ def from_spec(
     argument: str, *, chat_template: str = "", settings: ReasoningGymConfig | None = None
 ) -> ReasoningGymEnvironment:
     """Build the source from ``ENV_ENVIRONMENT=reasoning_gym:<argument>``."""
-    return ReasoningGymEnvironment(parse_weighted(argument), settings or ReasoningGymConfig.from_env(), chat_template)
+    return ReasoningGymEnvironment(parse_weighted(argument), settings or SOURCES["reasoning_gym"].read(), chat_template)

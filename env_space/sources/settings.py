@@ -1,6 +1,8 @@
-"""Settings of the environment sources, one dataclass per source (``ENV_RG_*``, ``ENV_DATASET_*``, ``ENV_OPENENV_*``).
+"""The registry of environment sources: each registers its name, its module, the package it needs, an
+example spec and its settings dataclass (whose fields are the panel's form), with :func:`register_source`
+on that dataclass (``ENV_RG_*``, ``ENV_DATASET_*``, ``ENV_OPENENV_*``).
 
-Kept apart from the sources so that the panel can show their forms without importing
+Kept apart from the sources' modules so that the panel can show their forms without importing
 reasoning-gym, datasets or openenv-core.
 """
 
@@ -12,9 +14,64 @@ from typing import Any
 
 from rlsync.spaces.settings import from_env
 
-__all__ = ["SOURCE_SETTINGS", "DatasetSourceConfig", "OpenEnvConfig", "ReasoningGymConfig", "source_settings"]
+__all__ = [
+    "SOURCES", "DatasetSourceConfig", "OpenEnvConfig", "ReasoningGymConfig", "Source", "register_source", "source_settings",
+]  # fmt: skip
 
 
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One environment source of ``ENV_ENVIRONMENT=<name>:<argument>``.
+
+    Args:
+        name: The prefix of its specs.
+        module: Its module, imported only when selected; it defines ``from_spec(argument, *, chat_template, settings)``.
+        package: What ``pip install`` gives it.
+        example: A spec the panel offers.
+        settings: Its settings dataclass (the fields are its form).
+        env_prefix: Its environment variables' prefix (``ENV_RG``: ``ENV_RG_<FIELD>``).
+    """
+
+    name: str
+    module: str
+    package: str
+    example: str
+    settings: type
+    env_prefix: str
+
+    def read(self, **overrides: Any) -> Any:
+        """The settings from the source's environment variables, then ``overrides``.
+
+        Raises:
+            ValueError: a variable does not parse, or an override is not a field.
+        """
+        return from_env(self.settings, self.env_prefix, **overrides)
+
+
+#: Source name -> :class:`Source`, in registration order.
+SOURCES: dict[str, Source] = {}
+
+
+def register_source(name: str, *, module: str, package: str, example: str, env_prefix: str) -> Any:
+    """Class decorator on a source's settings dataclass: register the source.
+
+    Raises:
+        ValueError: the name is taken.
+    """
+
+    def register(cls: type) -> type:
+        if name in SOURCES and SOURCES[name].settings.__qualname__ != cls.__qualname__:
+            raise ValueError(f"environment source {name!r} is registered already")
+        SOURCES[name] = Source(name, module, package, example, cls, env_prefix)
+        return cls
+
+    return register
+
+
+@register_source(
+    "reasoning_gym", module="env_space.sources.reasoning_gym", package="reasoning-gym",
+    example="reasoning_gym:leg_counting=2,basic_arithmetic", env_prefix="ENV_RG",
+)  # fmt: skip
 @dataclasses.dataclass
 class ReasoningGymConfig:
     """Settings of the reasoning-gym source (environment variables ``ENV_RG_<FIELD>``)."""
@@ -35,11 +92,11 @@ class ReasoningGymConfig:
         default="answer", metadata={"help": "tag holding the final answer: <answer>...</answer>"}
     )
 
-    @classmethod
-    def from_env(cls, **overrides: Any) -> ReasoningGymConfig:
-        return from_env(cls, "ENV_RG", **overrides)
 
-
+@register_source(
+    "dataset", module="env_space.sources.datasets_source", package="datasets math-verify", example="dataset:openai/gsm8k",
+    env_prefix="ENV_DATASET",
+)  # fmt: skip
 @dataclasses.dataclass
 class DatasetSourceConfig:
     """Settings of the dataset source (environment variables ``ENV_DATASET_<FIELD>``)."""
@@ -70,11 +127,11 @@ class DatasetSourceConfig:
         default="process", metadata={"help": "process (one confined worker, killed when a call overstays) or thread (a confined fork per call)"}
     )
 
-    @classmethod
-    def from_env(cls, **overrides: Any) -> DatasetSourceConfig:
-        return from_env(cls, "ENV_DATASET", **overrides)
 
-
+@register_source(
+    "openenv", module="env_space.sources.openenv_client", package="openenv-core", example="openenv:http://127.0.0.1:8000",
+    env_prefix="ENV_OPENENV",
+)  # fmt: skip
 @dataclasses.dataclass
 class OpenEnvConfig:
     """Settings of the OpenEnv source (environment variables ``ENV_OPENENV_<FIELD>``)."""
@@ -94,18 +151,6 @@ class OpenEnvConfig:
         default=1.0, metadata={"help": "largest WebSocket message accepted from the server"}
     )
 
-    @classmethod
-    def from_env(cls, **overrides: Any) -> OpenEnvConfig:
-        return from_env(cls, "ENV_OPENENV", **overrides)
-
-
-#: Source prefix of ``ENV_ENVIRONMENT`` -> its settings dataclass.
-SOURCE_SETTINGS: dict[str, type] = {
-    "reasoning_gym": ReasoningGymConfig,
-    "dataset": DatasetSourceConfig,
-    "openenv": OpenEnvConfig,
-}
-
 
 def source_settings(spec: str, overrides: str = "") -> Any | None:
     """The settings of the source ``spec`` selects: its ``ENV_<SOURCE>_*`` variables, then ``overrides``.
@@ -120,7 +165,8 @@ def source_settings(spec: str, overrides: str = "") -> Any | None:
     Raises:
         ValueError: ``overrides`` is not a JSON object of the source's fields, or a variable does not parse.
     """
-    cls = SOURCE_SETTINGS.get(spec.partition(":")[0]) if ":" in spec else None
+    source = SOURCES.get(spec.partition(":")[0]) if ":" in spec else None
+    cls = source.settings if source is not None else None
     values = json.loads(overrides) if overrides.strip() else {}
     if not isinstance(values, dict):
         raise ValueError(f"source settings must be a JSON object, got {overrides!r}")
@@ -131,4 +177,4 @@ def source_settings(spec: str, overrides: str = "") -> Any | None:
     unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
         raise ValueError(f"unknown {spec.partition(':')[0]} settings {sorted(unknown)}")
-    return cls.from_env(**values)
+    return source.read(**values)

@@ -4,7 +4,16 @@ from ..errors import FencedError, NonFiniteError, RunExistsError, RunLockedError
 from ..layout import CONTROL_KEY, LOCK_KEY, POINTER_KEY, anchor_folder, delta_key
 from .lock import read_lock
 from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest
-from .policy import Adaptive, AnchorPolicy, FixedInterval, policy_from_json, policy_from_settings, policy_to_json
+from .policy import (
+    Adaptive,
+    AnchorPolicy,
+    FixedInterval,
+    policy_from_json,
+    policy_from_settings,
+    policy_names,
+    policy_to_json,
+    register_policy,
+)
 from .publisher import Publisher, PublishRecord
 from .retention import prune, sweep_orphans
 from .run import read_manifest
@@ -35,7 +44,9 @@ __all__ = [
     "delta_key",
     "policy_from_json",
     "policy_from_settings",
+    "policy_names",
     "policy_to_json",
+    "register_policy",
     "prune",
     "read_manifest",
     "sweep_orphans",

@@ -1,113 +1,63 @@
-"""Anchor policies: when the publisher writes a full anchor instead of a delta.
+"""Anchor policies: when the publisher writes a full anchor instead of a delta, and their registry.
 
 Policies are plain objects whose settings may be changed while a run goes on
 (from the UI, or through the control object in the bucket); the publisher asks
 the policy at every publish, so a change takes effect at the next one.
+
+Every policy is a dataclass in its own module of :mod:`rlsync.protocol.policies`, registered under its
+``name`` with :func:`~rlsync.protocol.policies.base.register_policy` (the interface and the registry live in
+``policies/base.py``; this module is the policies' serialized form). Its dataclass fields are its settings, and their metadata
+(``label``, ``minimum``, ``step``, ``help``) is what a form shows for them: the control object's
+parser, the panels' form and the trainer's settings are built from the registry, so adding a policy
+is one new file in that package (discovered on first use of the registry).
 """
 
 from __future__ import annotations
 
-import abc
-import dataclasses
 import json
-import math
-from typing import Any
+from typing import Any, Mapping
 
-from ..defaults import DEFAULT_ANCHOR_INTERVAL, DEFAULT_MAX_CATCHUP_RATIO
 from ..errors import FormatError
 from ..jsonlimits import loads_bounded
 from ..limits import MAX_CONTROL_BYTES
-from .manifest import Manifest
+from .policies.adaptive import Adaptive
+from .policies.base import DEFAULT_POLICY, AnchorPolicy, policy_class, policy_names, register_policy
+from .policies.fixed import FixedInterval
 
-# Bounds that keep the pointer and a new replica's catch-up within limits: the pointer lists
-# every retained delta (~300 bytes each, more for sharded parts) and must stay under its 16 MiB
-# (the publisher also anchors early when it passes its share, see Publisher); catching up costs
-# the newest anchor plus every delta since, so at most MAX_CATCHUP_RATIO anchors' worth.
-MAX_INTERVAL = 1_000
-MAX_CATCHUP_RATIO = 100.0
-
-
-class AnchorPolicy(abc.ABC):
-    """Decides whether the next publish is an anchor."""
-
-    name: str
-
-    @abc.abstractmethod
-    def wants_anchor(self, manifest: Manifest) -> bool:
-        """Whether the publish after the version ``manifest`` describes should be an anchor."""
-
-    @abc.abstractmethod
-    def settings(self) -> dict[str, Any]:
-        """JSON-able settings, as stored in the control object."""
-
-
-@dataclasses.dataclass
-class FixedInterval(AnchorPolicy):
-    """An anchor every ``interval`` publishes (the others are deltas).
-
-    Args:
-        interval: Publishes per anchor; 1 makes every publish an anchor.
-    """
-
-    interval: int = DEFAULT_ANCHOR_INTERVAL
-    name = "fixed"
-
-    def __post_init__(self) -> None:
-        if type(self.interval) is not int or not 1 <= self.interval <= MAX_INTERVAL:
-            raise ValueError(f"anchor interval must be an integer in [1, {MAX_INTERVAL}], got {self.interval!r}")
-
-    def wants_anchor(self, manifest: Manifest) -> bool:
-        return len(manifest.deltas_since(manifest.newest_anchor.step)) + 1 >= self.interval
-
-    def settings(self) -> dict[str, Any]:
-        return {"policy": self.name, "interval": self.interval}
-
-
-@dataclasses.dataclass
-class Adaptive(AnchorPolicy):
-    """An anchor when catching up would cost a new replica too much.
-
-    A replica joining now downloads the newest anchor plus every delta after it.
-    When that, plus one more delta the size of the last one, would exceed
-    ``max_catchup_ratio`` anchors, the next publish is an anchor.
-
-    Args:
-        max_catchup_ratio: Bound on catch-up bytes relative to one anchor (> 1).
-    """
-
-    max_catchup_ratio: float = DEFAULT_MAX_CATCHUP_RATIO
-    name = "adaptive"
-
-    def __post_init__(self) -> None:
-        ratio = self.max_catchup_ratio
-        if type(ratio) not in (int, float) or not math.isfinite(ratio) or not 1.0 < ratio <= MAX_CATCHUP_RATIO:
-            raise ValueError(f"max_catchup_ratio must be a finite number in (1, {MAX_CATCHUP_RATIO:g}], got {ratio!r}")
-
-    def wants_anchor(self, manifest: Manifest) -> bool:
-        anchor = manifest.newest_anchor
-        since = manifest.deltas_since(anchor.step)
-        next_delta = since[-1].nbytes if since else 0
-        return manifest.catchup_bytes() + next_delta > self.max_catchup_ratio * anchor.nbytes
-
-    def settings(self) -> dict[str, Any]:
-        return {"policy": self.name, "max_catchup_ratio": self.max_catchup_ratio}
-
-
-def policy_from_settings(settings: dict[str, Any]) -> AnchorPolicy:
-    """Build a policy from its :meth:`AnchorPolicy.settings`.
+def policy_from_settings(settings: Mapping[str, Any]) -> AnchorPolicy:
+    """Build a policy from its :meth:`AnchorPolicy.settings` (missing settings take their defaults;
+    settings of other policies are ignored).
 
     Raises:
         FormatError: unknown policy or invalid values.
     """
+    cls = policy_class(settings.get("policy", DEFAULT_POLICY))
+    values = {f.name: settings[f.name] for f in cls.setting_fields() if f.name in settings}
     try:
-        kind = settings.get("policy", "fixed")
-        if kind == FixedInterval.name:
-            return FixedInterval(settings.get("interval", DEFAULT_ANCHOR_INTERVAL))
-        if kind == Adaptive.name:
-            return Adaptive(settings.get("max_catchup_ratio", DEFAULT_MAX_CATCHUP_RATIO))
+        return cls(**values)
     except (ValueError, TypeError, AttributeError) as exc:
         raise FormatError(f"invalid anchor policy settings: {exc}") from None
-    raise FormatError(f"unknown anchor policy {kind!r}; use 'fixed' or 'adaptive'")
+
+
+def policy_from_form(name: str, values: Mapping[str, Any]) -> AnchorPolicy:
+    """Build a policy from form values (numbers arrive as floats; an ``int`` setting must be whole).
+
+    Raises:
+        ValueError: unknown policy or invalid values.
+    """
+    settings: dict[str, Any] = {"policy": name}
+    for f in policy_class(name).setting_fields():
+        value = values.get(f.name)
+        if value is None:
+            continue
+        if f.type in (int, "int"):
+            if float(value) != int(value):
+                raise ValueError(f"{f.name} must be a whole number, got {value!r}")
+            value = int(value)
+        elif f.type in (float, "float"):
+            value = float(value)
+        settings[f.name] = value
+    return policy_from_settings(settings)
 
 
 def policy_to_json(policy: AnchorPolicy) -> bytes:
@@ -125,8 +75,14 @@ def policy_from_json(data: bytes) -> AnchorPolicy:
     settings = loads_bounded(data, what="control object", max_bytes=MAX_CONTROL_BYTES)
     if not isinstance(settings, dict):
         raise FormatError("control object is not a JSON object")
-    expected = {FixedInterval.name: {"policy", "interval"}, Adaptive.name: {"policy", "max_catchup_ratio"}}
-    keys = expected.get(settings.get("policy"))  # type: ignore[arg-type]
-    if keys is None or settings.keys() != keys:
+    name = settings.get("policy")
+    cls = policy_class(name) if isinstance(name, str) and name in policy_names() else None
+    if cls is None or settings.keys() != {"policy", *(f.name for f in cls.setting_fields())}:
         raise FormatError(f"control object is not an anchor policy's settings (keys {sorted(settings)[:8]})")
     return policy_from_settings(settings)
+
+
+__all__ = [
+    "DEFAULT_POLICY", "Adaptive", "AnchorPolicy", "FixedInterval", "policy_class", "policy_from_form", "policy_from_json",
+    "policy_from_settings", "policy_names", "policy_to_json", "register_policy",
+]  # fmt: skip

@@ -5,15 +5,16 @@ trainer's side, which follows that object at every publish."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from typing import Any
 
 from ..bucket import Bucket
-from ..defaults import DEFAULT_ANCHOR_INTERVAL, DEFAULT_MAX_CATCHUP_RATIO
 from ..errors import FormatError, ObjectNotFoundError, ObjectTooLargeError
 from ..layout import CONTROL_KEY
 from ..limits import MAX_CONTROL_BYTES
-from ..protocol import Adaptive, AnchorPolicy, FixedInterval, Manifest, policy_from_json, policy_to_json
+from ..protocol import AnchorPolicy, Manifest, policy_from_json, policy_to_json
+from ..protocol.policy import DEFAULT_POLICY, policy_class, policy_from_form, policy_names
 from .snapshots import Snapshot
 
 logger = logging.getLogger(__name__)
@@ -23,40 +24,43 @@ def current_policy(snap: Snapshot, default: AnchorPolicy | None = None) -> dict[
     """The anchor policy in force at the next publish.
 
     Returns:
-        ``{"policy", "interval", "max_catchup_ratio", "source"}``; ``source`` is
-        ``"control object"`` or ``"default"`` (the trainer's own setting applies).
+        ``{"policy", "description", "source", <setting>: value, ...}``: the value of every registered
+        policy's settings (the policy in force's own, the others' defaults), so a form shows them all;
+        ``source`` is ``"control object"`` or ``"default"`` (the trainer's own setting applies).
     """
-    policy = snap.policy or default or FixedInterval(DEFAULT_ANCHOR_INTERVAL)
+    policy = snap.policy or default or policy_class(DEFAULT_POLICY)()
+    values = {f.name: f.default for f in setting_fields()}
+    values.update({k: v for k, v in policy.settings().items() if k != "policy"})
     return {
-        "policy": policy.name,
-        "interval": getattr(policy, "interval", DEFAULT_ANCHOR_INTERVAL),
-        "max_catchup_ratio": getattr(policy, "max_catchup_ratio", DEFAULT_MAX_CATCHUP_RATIO),
-        "source": "control object" if snap.policy is not None else "default",
-    }
+        "policy": policy.name, "description": policy.describe(),
+        "source": "control object" if snap.policy is not None else "default", **values,
+    }  # fmt: skip
 
 
 def describe_policy(info: dict[str, Any]) -> str:
     """One line for :func:`current_policy`'s result."""
-    if info["policy"] == "adaptive":
-        what = f"adaptive, anchor when catch-up would exceed {info['max_catchup_ratio']:g} anchors"
-    else:
-        what = f"fixed, an anchor every {info['interval']} publishes"
-    return f"Anchor policy: **{what}** ({info['source']})"
+    return f"Anchor policy: **{info['description']}** ({info['source']})"
 
 
-def make_policy(policy: str, interval: float | None, max_catchup_ratio: float | None) -> AnchorPolicy:
-    """Build a policy from form values.
+def setting_fields() -> list[dataclasses.Field]:
+    """The settings of every registered policy, in registry order (a form shows one input each)."""
+    seen: dict[str, dataclasses.Field] = {}
+    for name in policy_names():
+        for field in policy_class(name).setting_fields():
+            seen.setdefault(field.name, field)
+    return list(seen.values())
+
+
+def make_policy(policy: str, values: dict[str, Any]) -> AnchorPolicy:
+    """Build a policy from form values (:func:`~rlsync.protocol.policy.policy_from_form`).
 
     Raises:
-        ValueError: invalid values (interval < 1, ratio <= 1, unknown policy).
+        ValueError: invalid values (e.g. interval < 1, ratio <= 1, unknown policy).
     """
-    if policy == "adaptive":
-        return Adaptive(float(max_catchup_ratio if max_catchup_ratio is not None else DEFAULT_MAX_CATCHUP_RATIO))
-    if policy != "fixed":
-        raise ValueError(f"unknown anchor policy {policy!r}")
-    if interval is None or float(interval) != int(interval):
-        raise ValueError(f"anchor interval must be a whole number, got {interval!r}")
-    return FixedInterval(int(interval))
+    try:
+        return policy_from_form(policy, values)
+    except FormatError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def write_policy(bucket: Bucket, policy: AnchorPolicy) -> None:
@@ -107,3 +111,6 @@ class ControlledPolicy(AnchorPolicy):
 
     def settings(self) -> dict[str, Any]:
         return self.policy.settings()
+
+    def describe(self) -> str:
+        return self.policy.describe()

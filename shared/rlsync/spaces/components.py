@@ -21,7 +21,8 @@ import pandas as pd
 from ..errors import BucketError
 from ..protocol import AnchorPolicy
 from .access import Login, PanelAccess, guarded
-from .anchor_policy import current_policy, describe_policy, make_policy, write_policy
+from ..protocol.policy import policy_names
+from .anchor_policy import current_policy, describe_policy, make_policy, setting_fields, write_policy
 from .charts import Chart, Labels, Mark, Scale
 from .frames import (
     RATIO_SERIES,
@@ -355,7 +356,8 @@ def episodes_table(source: BucketSource | Live, prefix: str = "") -> Any:
 def anchor_policy_controls(
     source: BucketSource | Live, default: AnchorPolicy | None = None, prefix: str = ""
 ) -> dict[str, Any]:
-    """Controls of the anchor policy: fixed/adaptive, interval, ratio, Apply.
+    """Controls of the anchor policy, built from the policy registry: the policy's name, one number
+    per setting of any registered policy (:func:`~rlsync.spaces.anchor_policy.setting_fields`), Apply.
 
     Apply writes the bucket's control object (:func:`~rlsync.protocol.policy_to_json`);
     the trainer, wherever it runs, uses it from its next publish. The inputs are
@@ -366,65 +368,59 @@ def anchor_policy_controls(
     Args:
         source: A bucket URL (or a function returning it), or a :class:`Live` to refresh with.
         default: The policy to show while the bucket has no control object.
-        prefix: Prepended to the components' ``elem_id`` (``<prefix>anchor-interval``, ...).
+        prefix: Prepended to the components' ``elem_id`` (``<prefix>anchor-policy``,
+            ``<prefix>anchor-<setting>``, ...).
 
     Returns:
-        ``{"current", "policy", "interval", "ratio", "apply", "result"}`` components.
+        ``{"current", "policy", "apply", "result", "settings"}`` components; ``settings`` maps each
+        setting's name to its input.
     """
     import gradio as gr
 
     live, own = _live(source)
     info = current_policy(Snapshot(), default)
+    fields = setting_fields()
     current = gr.Markdown(describe_policy(info), elem_id=f"{prefix}anchor-policy-current")
     with gr.Row():
-        policy = gr.Radio(
-            ["fixed", "adaptive"], value=info["policy"], label="Anchor policy", elem_id=f"{prefix}anchor-policy"
-        )
-        interval = gr.Number(
-            info["interval"],
-            precision=0,
-            minimum=1,
-            label="Anchor interval (publishes, fixed)",
-            elem_id=f"{prefix}anchor-interval",
-        )
-        ratio = gr.Number(
-            info["max_catchup_ratio"],
-            minimum=1.0,
-            step=0.5,
-            label="Max catch-up ratio (anchors, adaptive)",
-            elem_id=f"{prefix}anchor-ratio",
-        )
+        policy = gr.Radio(policy_names(), value=info["policy"], label="Anchor policy", elem_id=f"{prefix}anchor-policy")
+        inputs = {
+            f.name: gr.Number(
+                info[f.name], precision=0 if f.type in (int, "int") else None, minimum=f.metadata.get("minimum"),
+                step=f.metadata.get("step", 1), label=f.metadata.get("label", f.name),
+                elem_id=f"{prefix}anchor-{f.name.replace('_', '-')}",
+            )  # fmt: skip
+            for f in fields
+        }
         apply = gr.Button("Apply", variant="primary", elem_id=f"{prefix}anchor-apply")
     result = gr.Markdown("", elem_id=f"{prefix}anchor-result")
 
-    def on_apply(kind: str, every: float | None, bound: float | None) -> str:
+    def on_apply(kind: str, *values: float | None) -> str:
         try:
-            new = make_policy(kind, every, bound)
+            new = make_policy(kind, dict(zip(inputs, values)))
             write_policy(bucket_view(live.source).bucket, new)
         except (ValueError, BucketError) as exc:
             logger.warning("anchor policy not applied: %s", redact(str(exc)))
             return redact(f":x: not applied: {exc}")
         return f"Applied `{json.dumps(new.settings())}`: takes effect at the next publish."
 
-    def on_load() -> tuple[str, int, float]:
+    def on_load() -> tuple[Any, ...]:
         got = current_policy(bucket_view(live.source).snapshot(), default)
-        return got["policy"], got["interval"], got["max_catchup_ratio"]
+        return (got["policy"], *(got[name] for name in inputs))
 
     apply.click(
-        guarded(on_apply, lambda why: f":no_entry: not applied: {why}"), inputs=[policy, interval, ratio],
+        guarded(on_apply, lambda why: f":no_entry: not applied: {why}"), inputs=[policy, *inputs.values()],
         outputs=result, api_name=f"{prefix}apply_anchor_policy".replace("-", "_"),
     )  # fmt: skip
     live.add(current, lambda view, snap: describe_policy(current_policy(snap, default)))
     root = gr.context.Context.root_block
     if root is not None:
-        root.load(on_load, outputs=[policy, interval, ratio], show_progress="hidden")
+        root.load(on_load, outputs=[policy, *inputs.values()], show_progress="hidden")
     if own:
         live.attach()
     return {
         "current": current,
         "policy": policy,
-        "interval": interval,
-        "ratio": ratio,
+        "settings": inputs,
         "apply": apply,
         "result": result,
     }

@@ -10,7 +10,8 @@ Layout (next to ``latest.json``, ``anchors/`` and ``deltas/``)::
     metrics/<role>.json              trainer and env: recent figures for the panels
 
 Every object is small JSON written whole, and untrusted: replicas anywhere write
-``rollouts/`` and ``status/``. Each object type has one parser here that checks
+``rollouts/`` and ``status/``. The samples of ``rollouts/`` and ``scores/`` are the library's
+format (:mod:`rlsync.scores`, re-exported here); each other object type has one parser here that checks
 it strictly (bounded size and nesting, exact types, finite numbers, token ids in
 ``[0, vocab)``, non-empty and length-capped sequences, versions no newer than
 the newest published). Readers treat a refused object as absent, log it and
@@ -20,29 +21,39 @@ a role and never reaches the weights.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import json
 import logging
 import math
-import threading
 import time
 from typing import Any
 
-from ..bucket import Bucket, open_bucket, validate_key
+from ..bucket import Bucket, open_bucket
 from ..bucket.watch import watch
-from ..errors import BucketError, FormatError, ObjectNotFoundError, ObjectTooLargeError
-from ..jsonlimits import loads_bounded
+from ..errors import BucketError
 from ..layout import (
     REPORT_PREFIXES,
     batch_of,
     is_id,
     metrics_key,
 )
-from ..limits import MAX_OBJECT_BYTES
-from ..sampling import MIN_SAMPLED_LOGPROB
+from ..scores import (  # noqa: F401 - the scores format lives in the library; re-exported for the Spaces
+    DEFAULT_LIMITS,
+    MAX_REWARD,
+    Refusals,
+    Sample,
+    SampleLimits,
+    string_field,
+    get_json,
+    parse_samples,
+    put_json,
+    read_samples,
+    write_samples,
+)
 
 logger = logging.getLogger(__name__)
+
+MAX_TASKS = 1024
+
 
 def open_role_bucket(role: str, url: str, bucket: Bucket | None = None) -> Bucket:
     """A role's bucket, watched on the Hub (:func:`~rlsync.bucket.watch.watch`); writing its own
@@ -64,185 +75,6 @@ def open_role_bucket(role: str, url: str, bucket: Bucket | None = None) -> Bucke
     return watch(opened, dataclasses.replace(settings.watch, quiet_prefixes=REPORT_PREFIXES))
 
 
-def put_json(bucket: Bucket, key: str, doc: Any) -> None:
-    """Write ``doc`` as a JSON object."""
-    bucket.put(validate_key(key), json.dumps(doc, separators=(",", ":")).encode())
-
-
-def get_json(bucket: Bucket, key: str, refusals: "Refusals | None" = None) -> Any | None:
-    """Read a JSON object; ``None`` if missing, too large or malformed (logged, and counted in ``refusals``)."""
-    try:
-        return loads_bounded(bucket.get_limited(key, MAX_OBJECT_BYTES), what=key, max_bytes=MAX_OBJECT_BYTES)
-    except ObjectNotFoundError:
-        return None
-    except (ObjectTooLargeError, FormatError) as exc:
-        if refusals is not None:
-            refusals.add(key, str(exc))
-        else:
-            logger.warning("ignoring %s: %s", key, exc)
-        return None
-
-
-class Refusals:
-    """Counts refused exchange objects per top-level prefix (thread-safe); roles put
-    :meth:`as_dict` into their metrics, and the panels show it."""
-
-    def __init__(self) -> None:
-        self.counts: collections.Counter[str] = collections.Counter()
-        self.last = ""
-        self._lock = threading.Lock()
-
-    def add(self, key: str, reason: str) -> None:
-        """Count one refused object (logged as a warning)."""
-        kind = key.split("/", 1)[0]
-        with self._lock:
-            self.counts[kind] += 1
-            self.last = f"{key}: {reason}"[:300]
-        logger.warning("refused %s: %s", key, reason)
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    def as_dict(self) -> dict[str, Any]:
-        """``{"total", "by_kind", "last"}`` for a metrics object."""
-        with self._lock:
-            return {"total": sum(self.counts.values()), "by_kind": dict(self.counts), "last": self.last}
-
-
-@dataclasses.dataclass(frozen=True)
-class SampleLimits:
-    """What a rollouts or scores sample may hold.
-
-    Args:
-        vocab_size: Token ids must be below it (``None``: only non-negative is checked;
-            the trainer, which knows its vocabulary, checks again).
-        max_version: The newest published version (``None``: unchecked).
-        max_prompt_tokens: Longest prompt, in tokens.
-        max_completion_tokens: Longest completion, in tokens.
-        max_total_tokens: Longest prompt plus completion (the trainer passes its model's
-            context length; ``None``: unchecked).
-        max_samples: Most samples in one object.
-        max_chars: Longest ``task_id``, ``prompt`` or ``completion`` string.
-    """
-
-    vocab_size: int | None = None
-    max_version: int | None = None
-    max_prompt_tokens: int = 4096
-    max_completion_tokens: int = 4096
-    max_total_tokens: int | None = None
-    max_samples: int = 4096
-    max_chars: int = 1 << 16
-
-
-DEFAULT_LIMITS = SampleLimits()
-MAX_TASKS = 1024
-MAX_REWARD = 1e6
-
-
-def _str_field(doc: dict[str, Any], key: str, limit: int) -> str:
-    value = doc.get(key)
-    if not isinstance(value, str) or len(value) > limit:
-        raise ValueError(f"{key} must be a string of at most {limit} characters")
-    return value
-
-
-def _token_ids(doc: dict[str, Any], key: str, limit: int, vocab_size: int | None) -> list[int]:
-    ids = doc.get(key)
-    if not isinstance(ids, list) or not 0 < len(ids) <= limit:
-        raise ValueError(f"{key} must be a non-empty list of at most {limit} token ids")
-    bound = vocab_size if vocab_size is not None else 1 << 31
-    if not all(type(t) is int and 0 <= t < bound for t in ids):
-        raise ValueError(f"{key} holds something other than integer token ids in [0, {bound})")
-    return ids
-
-
-def _finite(value: Any, what: str, low: float, high: float) -> float:
-    if type(value) not in (int, float) or not math.isfinite(value) or not low <= value <= high:
-        raise ValueError(f"{what} must be a finite number in [{low:g}, {high:g}], got {value!r}"[:200])
-    return float(value)
-
-
-@dataclasses.dataclass
-class Sample:
-    """One completion of one task, as the trainer needs it."""
-
-    task_id: str
-    prompt: str
-    completion: str
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    version: int
-    reward: float | None = None
-
-    @classmethod
-    def from_dict(cls, doc: dict[str, Any], limits: SampleLimits = DEFAULT_LIMITS) -> "Sample":
-        """Parse and check one sample.
-
-        Raises:
-            ValueError: a field is missing, of the wrong type, out of range, empty,
-                too long, or not finite.
-        """
-        if not isinstance(doc, dict):
-            raise ValueError("a sample must be a JSON object")
-        token_ids = _token_ids(doc, "token_ids", limits.max_completion_tokens, limits.vocab_size)
-        logprobs = doc.get("logprobs")
-        if not isinstance(logprobs, list) or len(logprobs) != len(token_ids):
-            raise ValueError("logprobs and token_ids differ in length")
-        version = doc.get("version")
-        newest = limits.max_version if limits.max_version is not None else (1 << 62)
-        if type(version) is not int or not 0 <= version <= newest:
-            raise ValueError(f"version must be an integer in [0, {newest}] (the newest published), got {version!r}"[:200])
-        reward = doc.get("reward")
-        prompt_ids = _token_ids(doc, "prompt_ids", limits.max_prompt_tokens, limits.vocab_size)
-        if limits.max_total_tokens is not None and len(prompt_ids) + len(token_ids) > limits.max_total_tokens:
-            raise ValueError(f"prompt and completion hold more than {limits.max_total_tokens} tokens together")
-        return cls(
-            task_id=_str_field(doc, "task_id", 256),
-            prompt=_str_field(doc, "prompt", limits.max_chars),
-            completion=_str_field(doc, "completion", limits.max_chars),
-            prompt_ids=prompt_ids,
-            token_ids=token_ids,
-            logprobs=[_finite(x, "a logprob", MIN_SAMPLED_LOGPROB, 0.0) for x in logprobs],
-            version=version,
-            reward=None if reward is None else _finite(reward, "reward", -MAX_REWARD, MAX_REWARD),
-        )
-
-
-def parse_samples(doc: Any, limits: SampleLimits = DEFAULT_LIMITS) -> tuple[dict[str, Any], list[Sample]]:
-    """Check a rollouts or scores document: ``(header fields, samples)``.
-
-    Raises:
-        ValueError: not an object, too many samples, or any sample invalid (see :meth:`Sample.from_dict`).
-    """
-    if not isinstance(doc, dict) or not isinstance(doc.get("samples"), list):
-        raise ValueError("not an object with a samples list")
-    if len(doc["samples"]) > limits.max_samples:
-        raise ValueError(f"{len(doc['samples'])} samples, more than {limits.max_samples}")
-    samples = [Sample.from_dict(s, limits) for s in doc["samples"]]
-    header = {k: v for k, v in doc.items() if k != "samples" and isinstance(v, (str, int, float)) and not isinstance(v, bool)}
-    return header, samples
-
-
-def read_samples(
-    bucket: Bucket, key: str, *, limits: SampleLimits = DEFAULT_LIMITS, refusals: Refusals | None = None
-) -> tuple[dict[str, Any], list[Sample]] | None:
-    """Read a rollouts or scores object: ``(header fields, samples)``, or ``None`` if missing or
-    refused (see :func:`parse_samples`; refusals are logged and counted in ``refusals``)."""
-    doc = get_json(bucket, key, refusals)
-    if doc is None:
-        return None
-    try:
-        return parse_samples(doc, limits)
-    except ValueError as exc:
-        if refusals is not None:
-            refusals.add(key, str(exc))
-        else:
-            logger.warning("ignoring malformed %s: %s", key, exc)
-        return None
-
-
 def parse_tasks(doc: Any, *, max_chars: int = DEFAULT_LIMITS.max_chars) -> list[dict[str, str]]:
     """The ``{"task_id", "prompt"}`` entries of a task batch document.
 
@@ -256,7 +88,7 @@ def parse_tasks(doc: Any, *, max_chars: int = DEFAULT_LIMITS.max_chars) -> list[
     for t in doc["tasks"]:
         if not isinstance(t, dict):
             raise ValueError("a task must be a JSON object")
-        tasks.append({"task_id": _str_field(t, "task_id", 256), "prompt": _str_field(t, "prompt", max_chars)})
+        tasks.append({"task_id": string_field(t, "task_id", 256), "prompt": string_field(t, "prompt", max_chars)})
     return tasks
 
 
@@ -317,11 +149,6 @@ def parse_status(doc: Any) -> dict[str, Any]:
         if isinstance(s, dict)
     ]
     return out
-
-
-def write_samples(bucket: Bucket, key: str, samples: list[Sample], **header: Any) -> None:
-    """Write a rollouts or scores object."""
-    put_json(bucket, key, {**header, "written_at": time.time(), "samples": [dataclasses.asdict(s) for s in samples]})
 
 
 def list_batches(bucket: Bucket, prefix: str) -> dict[int, list[str]]:

@@ -1,6 +1,8 @@
 """Bucket sync for TRL's ``AsyncGRPOTrainer`` (``trl.experimental.async_grpo``).
 
-Plug-ins any TRL user can pass to the trainer, importable without the Spaces:
+:class:`BucketSync` is the integration as one object (``trainer_kwargs()``, ``attach(trainer)``,
+``checkpoint``); it is made of the plug-ins below, which any TRL user can also wire alone,
+importable without the Spaces:
 
 - :class:`BucketWeightTransfer`: ``weight_transfer=``; publishes every weight sync to
   the bucket as an anchor or a sparse bf16 delta (needs no TRL import itself).
@@ -41,6 +43,7 @@ for _message in KNOWN_WARNINGS:
 logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
 
 _EXPORTS = {
+    "BucketSync": "bucket_sync",
     "BucketAdapterSync": "adapter_sync",
     "BucketWeightTransfer": "weight_transfer",
     "BucketRolloutWorker": "rollout_worker",

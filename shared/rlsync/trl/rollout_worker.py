@@ -43,7 +43,7 @@ import math
 import queue
 import threading
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
@@ -55,6 +55,7 @@ from ..layout import SCORES_PREFIX
 from ..protocol import read_manifest
 from ..supervised import SupervisedThread
 from ..sampling import MAX_GROUP_SIZE, degenerate_group, sampled_logprob_ok
+from ..scores import Sample
 from .logs import quiet_trl_lines
 
 logger = logging.getLogger(__name__)
@@ -63,21 +64,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 4096
 
 
-class ScoredSample(Protocol):
-    """What the worker reads from a scored sample (e.g. ``rlsync.spaces.exchange.Sample``)."""
-
-    task_id: str
-    prompt: str
-    completion: str
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    version: int
-    reward: float | None
-
-
 #: Reads one scores object: ``(header, samples)``, or ``None`` when it is unusable.
-ScoresReader = Callable[[Bucket, str], "tuple[dict[str, Any], Sequence[ScoredSample]] | None"]
+ScoresReader = Callable[[Bucket, str], "tuple[dict[str, Any], Sequence[Sample]] | None"]
 
 
 def group_advantages(rewards: Sequence[float]) -> np.ndarray:
@@ -86,7 +74,7 @@ def group_advantages(rewards: Sequence[float]) -> np.ndarray:
     return (arr - arr.mean()) / (arr.std() + 1e-8)
 
 
-def to_rollout_sample(sample: ScoredSample, advantage: float, group_id: int, model_version: int) -> RolloutSample:
+def to_rollout_sample(sample: Sample, advantage: float, group_id: int, model_version: int) -> RolloutSample:
     """One scored sample as a TRL ``RolloutSample`` (see the module docstring for the alignment)."""
     prompt_len, completion_len = len(sample.prompt_ids), len(sample.token_ids)
     return RolloutSample(
@@ -124,7 +112,7 @@ class BucketRolloutWorker:
 
     Args:
         bucket: The run's bucket.
-        read_scores: Parser of one scores object (e.g. ``rlsync.spaces.exchange.read_samples``).
+        read_scores: Parser of one scores object (e.g. :func:`rlsync.scores.read_samples`).
         vocab_size: Token ids must be below this (a hostile id would crash the embedding).
         max_tokens: Longest prompt + completion accepted (pass the model's context; 0: no limit).
         prefix: Where scored objects are listed.
@@ -307,7 +295,7 @@ class BucketRolloutWorker:
                 "newest_batch": self.newest_batch, "latency_s": self.latency_s,
             }  # fmt: skip
 
-    def _usable(self, sample: ScoredSample) -> bool:
+    def _usable(self, sample: Sample) -> bool:
         ids = list(sample.prompt_ids) + list(sample.token_ids)
         return (
             type(sample.version) is int
@@ -322,8 +310,8 @@ class BucketRolloutWorker:
             and (not self.max_tokens or len(ids) <= self.max_tokens)
         )
 
-    def _queue_groups(self, samples: Sequence[ScoredSample]) -> int:
-        groups: dict[str, list[ScoredSample]] = {}
+    def _queue_groups(self, samples: Sequence[Sample]) -> int:
+        groups: dict[str, list[Sample]] = {}
         for s in samples:
             if not self._usable(s):
                 self.counts["invalid"] += 1

@@ -32,10 +32,11 @@ logger = logging.getLogger(__name__)
 
 #: How a TRL script goes on from a :class:`~rlsync.protocol.RunExistsError`.
 TRL_WAYS_ON = (
-    "resume from its checkpoints/ (folder = BucketCheckpoints(bucket).restore(output_dir)[1], then "
-    "BucketWeightTransfer(..., resume_from_checkpoint=folder) and trainer.train(resume_from_checkpoint=folder); "
-    "the trainer Space does this by itself), or start a new run explicitly "
-    "(BucketWeightTransfer(..., new_run=True); TRAINER_NEW_RUN=1 in the trainer Space)"
+    "resume from its checkpoints/ (BucketSync(bucket, resume=True), then "
+    "trainer.train(resume_from_checkpoint=sync.checkpoint); with the plug-ins alone, "
+    "folder = BucketCheckpoints(bucket).restore(output_dir)[1], BucketWeightTransfer(..., resume_from_checkpoint=folder) "
+    "and trainer.train(resume_from_checkpoint=folder); the trainer Space does this by itself), or start a new run "
+    "explicitly (BucketSync(bucket, new_run=True); TRAINER_NEW_RUN=1 in the trainer Space)"
 )
 
 
