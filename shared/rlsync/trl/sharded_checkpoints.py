@@ -49,7 +49,6 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from ..errors import BucketError, CheckpointError, FormatError, SyncError
-from ..hashing import combine_digests
 from ..layout import checkpoint_folder
 from ..protocol import read_manifest
 from .checkpoint_checks import TRAINER_STATE_FILE, check_pinned, check_trainer_state
@@ -277,7 +276,7 @@ class ShardedCheckpointCallback(TrainerCallback):
             files = {n: f for part, _ in parts for n, f in part.items()}
             marker = {"step": step, "files": {n: size for n, (size, _) in files.items()}, **(self.info() if self.info else {})}
             self.checkpoints.bucket.put(f"{target}/{MARKER}", json.dumps(marker).encode())  # last: the checkpoint is complete
-            self._pin(step, combine_digests({n: digest for n, (_, digest) in files.items()}))
+            self._pin(step, combine_file_digests({n: digest for n, (_, digest) in files.items()}))
             self.checkpoints._retain(step)
         dist.barrier()
         self.last_step = step
@@ -302,9 +301,20 @@ def file_digest(path: Path) -> bytes:
     return h.digest()
 
 
+def combine_file_digests(digests: Mapping[str, bytes]) -> str:
+    """Hex SHA-256 over ``(name, file digest)`` pairs in name order, each name length-prefixed."""
+    h = hashlib.sha256()
+    for name in sorted(digests):
+        encoded = name.encode()
+        h.update(len(encoded).to_bytes(8, "little"))
+        h.update(encoded)
+        h.update(digests[name])
+    return h.hexdigest()
+
+
 def files_hash(folder: Path) -> str:
     """The hash a sharded checkpoint is pinned by: its files (under their bucket names) and their bytes."""
-    return combine_digests({p.name: file_digest(p) for p in folder.iterdir() if p.is_file()})
+    return combine_file_digests({p.name: file_digest(p) for p in folder.iterdir() if p.is_file()})
 
 
 def _writer(relative: Path) -> int:
