@@ -342,9 +342,7 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
         entries = safetensors.torch.load(bytes(data))
     except Exception as exc:  # safetensors raises its own error types
         raise FormatError(f"unreadable safetensors data: {exc}") from None
-    patches: dict[str, TensorPatch] = {}
-    changed = 0
-    for name, info in table.items():
+    for name, info in table.items():  # the cheap checks first, before any tensor is decoded
         if name not in state:
             raise FormatError(f"delta patches {name!r}, which is not in the model")
         target = state[name]
@@ -359,25 +357,30 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
         if type(count) is not int or not 0 < count <= target.numel():
             raise FormatError(f"{name}: invalid changed count {count!r}")
 
-        def old_bits_at(idx: np.ndarray, target: torch.Tensor = target) -> np.ndarray:
+    def decode_tensor(name: str) -> TensorPatch:
+        target, info = state[name], table[name]
+
+        def old_bits_at(idx: np.ndarray) -> np.ndarray:
             return bits_to_numpy(int_view(gather(target, torch.from_numpy(idx))))
 
         index, new_bits = coder.decode(
             name,
             {k: entries[k] for k in coder.entry_names(name)},
             info,
-            count=count,
+            count=info["count"],
             numel=target.numel(),
             itemsize=target.element_size(),
             old_bits_at=old_bits_at,
             base=target,
         )
-        if bool(np.any(new_bits == old_bits_at(index))):
+        if not coder.changes_nonzero and bool(np.any(new_bits == old_bits_at(index))):
             raise FormatError(f"{name}: the delta lists elements that do not change (a zero difference is no change)")
-        patches[name] = TensorPatch(
-            index=torch.from_numpy(index), values=numpy_to_values(new_bits, target.dtype), shape=tuple(target.shape)
-        )
-        changed += count
+        return TensorPatch(index=torch.from_numpy(index), values=numpy_to_values(new_bits, target.dtype), shape=tuple(target.shape))
+
+    # tensors decode on the worker threads (the codecs' kernels, numpy and zstd release the GIL), largest first
+    names = sorted(table, key=lambda n: -state[n].numel())
+    patches = dict(zip(names, worker_pool().map(decode_tensor, names)))
+    changed = sum(table[n]["count"] for n in names)
     if changed != metadata_int(metadata, "changed"):
         raise FormatError(f"metadata says {metadata['changed']} changed elements, tensors hold {changed}")
     return Delta(
@@ -397,8 +400,8 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
 # anchors
 
 
-def anchor_metadata(*, step: int, state_hash: str, total: int) -> dict[str, str]:
-    """Metadata strings written into every shard of an anchor."""
+def anchor_metadata(*, step: int, state_hash: str, total: int, aliases: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Metadata strings written into every shard of an anchor (``aliases``: tied names, see :mod:`rlsync.aliases`)."""
     return {
         "format": FORMAT_NAME,
         "format_version": str(FORMAT_VERSION),
