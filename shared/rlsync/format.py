@@ -30,6 +30,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from .aliases import aliases_to_metadata
 from .codecs import DEFAULT_CODEC, get_codec
 from .dtypes import bits_to_numpy, dtype_from_name, dtype_name, int_view, numpy_to_values
 from .errors import FormatError
@@ -410,6 +411,7 @@ def anchor_metadata(*, step: int, state_hash: str, total: int, aliases: Mapping[
         "step": str(step),
         "state_hash": state_hash,
         "total": str(total),
+        **aliases_to_metadata(aliases or {}),
     }
 
 
@@ -452,8 +454,12 @@ def write_anchor(
     step: int,
     state_hash: str,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    aliases: Mapping[str, str] | None = None,
 ) -> list[Path]:
     """Write an anchor into ``folder`` (shards plus, if sharded, an index file).
+
+    Args:
+        aliases: Names tied to a tensor of ``state`` (recorded in the metadata, see :mod:`rlsync.aliases`).
 
     Returns:
         The written files, index file last.
@@ -461,7 +467,7 @@ def write_anchor(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     total = sum(t.numel() for t in state.values())
-    metadata = anchor_metadata(step=step, state_hash=state_hash, total=total)
+    metadata = anchor_metadata(step=step, state_hash=state_hash, total=total, aliases=aliases)
     groups = plan_shards(state, max_shard_bytes)
     files = []
     weight_map = {}

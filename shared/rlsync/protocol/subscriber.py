@@ -36,6 +36,7 @@ from typing import Mapping
 
 import torch
 
+from ..aliases import aliases_from_metadata, with_aliases
 from ..bucket import Bucket
 from ..errors import ChainError, FormatError, HashMismatchError, ObjectNotFoundError, ObjectTooLargeError, SyncError
 from ..files import age_out
@@ -89,6 +90,7 @@ class Update:
     digests: dict[str, bytes] | None = dataclasses.field(default=None, repr=False)
     hash_version: int = FORMAT_VERSION
     run_id: str = ""
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -130,7 +132,10 @@ class Subscriber:
         self.expect_metadata = dict(expect_metadata or {})
         self.device = torch.device(device)
         self.workdir = Path(workdir) if workdir else None
+        #: The published state: each tensor once, under the name the state hash covers.
         self.state: dict[str, torch.Tensor] = {}
+        #: Tied names of the state (alias -> name in :attr:`state`), from the last anchor.
+        self.aliases: dict[str, str] = {}
         self.step: int | None = None
         self.state_hash: str | None = None
         self.run_id: str | None = None
@@ -166,6 +171,12 @@ class Subscriber:
             return None
         self.manifest = Manifest.from_json(data)
         return self.manifest
+
+    @property
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """:attr:`state` with the tied names restored, each bound to the tensor it aliases (for
+        ``model.load_state_dict``, which wants every name of a tied model)."""
+        return with_aliases(self.state, self.aliases)
 
     @property
     def needs_resync(self) -> bool:
@@ -296,6 +307,7 @@ class Subscriber:
             tensors, metadata = load_anchor(files)
             if metadata.get("step") != str(entry.step) or metadata.get("state_hash") != entry.state_hash:
                 raise FormatError(f"anchor {entry.step}: metadata disagrees with the pointer")
+            aliases = aliases_from_metadata(metadata, tensors)
             if self.state and not _same_schema(self.state, tensors):
                 raise FormatError(f"anchor {entry.step}: tensor names, shapes or dtypes differ from the model")
             tensors = {n: t.to(self.device) for n, t in tensors.items()}
@@ -312,7 +324,7 @@ class Subscriber:
         update = Update(
             "anchor", entry.step, None, None, entry.state_hash, entry.nbytes, tensors=tensors,
             changed=sum(t.numel() for t in tensors.values()), download_s=t1 - t0, decode_s=time.perf_counter() - t1,
-            digests=digests, hash_version=version, run_id=self.manifest.run_id if self.manifest else "",
+            digests=digests, hash_version=version, run_id=self.manifest.run_id if self.manifest else "", aliases=aliases,
         )  # fmt: skip
         return update
 
@@ -352,6 +364,7 @@ class Subscriber:
         if update.kind == "anchor":
             assert update.tensors is not None
             self.state = update.tensors
+            self.aliases = update.aliases
             assert update.digests is not None
             self._digests = update.digests
             self._hash_version = update.hash_version

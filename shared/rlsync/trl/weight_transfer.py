@@ -11,6 +11,14 @@ policy decides), streamed tensor by tensor as TRL's iterator yields them.
 Replicas anywhere follow the bucket with a :class:`~rlsync.protocol.Subscriber`,
 so ``pause`` and ``resume`` do nothing here: a replica pauses its own engine
 only while applying a version.
+
+By default a send only casts the weights into a staging buffer and returns; a
+:class:`~rlsync.protocol.background.BackgroundPublisher` detects, encodes and
+uploads while the next step computes (at most one publish in flight; a send while
+the worker is behind coalesces into one delta against the last published version).
+:meth:`BucketWeightTransfer.flush` waits for it (``destroy`` at train end, and
+:class:`~rlsync.trl.FinalWeightSync`, call it), and a publish that failed in the
+background is raised by the next send or flush.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import torch
 from ..bucket import Bucket
 from ..errors import NonFiniteError
 from ..protocol import Publisher, PublishRecord, read_manifest
+from ..protocol.background import BackgroundPublisher
 from ..protocol.run import run_exists_error
 
 logger = logging.getLogger(__name__)
@@ -51,6 +60,8 @@ class BucketWeightTransfer:
             ``trainer.train(resume_from_checkpoint=...)``); set, the bucket's run is continued.
         new_run: On a bucket that holds a run and without ``resume_from_checkpoint``, start a
             new run (new run id, its first version an anchor) instead of refusing.
+        background: Publish on a worker thread (a send stalls only to cast the weights);
+            ``False`` publishes within the send, streaming tensor by tensor.
 
     Runs: on an empty bucket the first send is version 0 of a new run. On a bucket that already
     holds a run, :meth:`init_weight_transfer` takes the run lock and, resuming from a checkpoint,
@@ -69,6 +80,7 @@ class BucketWeightTransfer:
         on_non_finite: Callable[[NonFiniteError], None] | None = None,
         resume_from_checkpoint: str | os.PathLike[str] | bool | None = None,
         new_run: bool = False,
+        background: bool = True,
     ) -> None:
         if publisher is None:
             if bucket is None:
@@ -76,6 +88,7 @@ class BucketWeightTransfer:
             publisher = Publisher(bucket)
         publisher.ownership.new_run = publisher.ownership.new_run or new_run
         self.publisher = publisher
+        self.background = BackgroundPublisher(publisher) if background else None
         self.resume_from_checkpoint = resume_from_checkpoint
         self.on_publish = on_publish
         self.on_non_finite = on_non_finite
@@ -85,8 +98,9 @@ class BucketWeightTransfer:
 
     @property
     def version(self) -> int | None:
-        """The newest published version (``None`` before the first publish)."""
-        return self.publisher.step
+        """The newest version sent (``None`` before the first): published, or being published in
+        the background (TRL counts a version at its send; a failed one is taken back)."""
+        return self.background.version if self.background is not None else self.publisher.step
 
     def continue_run(self) -> dict[str, torch.Tensor] | None:
         """Take the run lock and continue the bucket's run or start a new one (idempotent).
@@ -140,28 +154,49 @@ class BucketWeightTransfer:
             SyncError, RunLockedError, FencedError, BucketError: as :meth:`Publisher.publish_stream`.
         """
         self.continue_run()
-        self._publish(lambda step: self.publisher.publish_stream(step, iterator))
+        if self.background is None:
+            self._publish(lambda step: [self.publisher.publish_stream(step, iterator)])
+        else:
+            background = self.background
+            self._publish(lambda step: background.stage(iterator)[1])
 
-    def _publish(self, publish: Callable[[int], PublishRecord]) -> PublishRecord | None:
-        """Run ``publish`` for the next version; keep its record, or hand a non-finite refusal to ``on_non_finite``."""
+    def flush(self) -> None:
+        """Wait for the background publish, if any (TRL's final sync, a trainer stopping).
+
+        Raises:
+            As :meth:`send_weights`: what a background publish raised.
+        """
+        if self.background is not None:
+            self._publish(lambda step: self.background.flush())
+
+    def _publish(self, publish: Callable[[int], list[PublishRecord]]) -> PublishRecord | None:
+        """Run ``publish`` for the next version; keep the records it returns (the last is returned),
+        or hand a non-finite refusal (of this publish or of a background one) to ``on_non_finite``."""
         step = self.publisher.next_step
         try:
-            record = publish(step)
+            records = publish(step)
         except NonFiniteError as exc:
             if self.on_non_finite is None:
                 raise
             self.non_finite_refused += 1
             self.on_non_finite(exc)
             return None
-        self.records.append(record)
-        del self.records[:-100]
-        if self.on_publish is not None:
-            self.on_publish(record)
-        return record
+        for record in records:
+            self.records.append(record)
+            del self.records[:-100]
+            if self.on_publish is not None:
+                self.on_publish(record)
+        return records[-1] if records else None
 
     def heartbeat(self) -> None:
         """Keep the run lock fresh while no version is published (e.g. while waiting for rollouts)."""
         self.publisher.heartbeat()
 
     def destroy(self) -> None:
-        """Nothing to release: the run lock stays with this owner, so a restart takes over at once."""
+        """Wait for the background publish (TRL calls this at train end; a failure is logged and
+        counted, as it may end a run that is already failing). The run lock stays with this owner,
+        so a restart takes over at once."""
+        try:
+            self.flush()
+        except Exception as exc:  # the background publisher logged and counted it
+            logger.error("the last background publish failed: %s", exc)
