@@ -44,8 +44,8 @@ _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
 def _serialized(method: _Method) -> _Method:
-    """Run ``method`` under the publisher's lock: a background publish, a checkpoint pin and a
-    heartbeat from other threads never interleave their reads and writes of the chain."""
+    """Run ``method`` under the publisher's lock: a background publish and a checkpoint pin from
+    another thread never interleave their reads and writes of the chain."""
 
     @functools.wraps(method)
     def locked(self: "Publisher", *args: Any, **kwargs: Any) -> Any:
@@ -247,9 +247,9 @@ class Publisher:
             if size is not None and size != f.size:
                 raise FormatError(f"the pointer gives {f.key} {f.size:,} bytes, the bucket holds {size:,}; refusing to take it over")
 
-    @_serialized
     def heartbeat(self) -> None:
-        """Refresh the run lock's heartbeat (call while training without publishing for long)."""
+        """Refresh the run lock's heartbeat (call while training without publishing for long; it
+        touches only the lock object, so it does not wait for a publish in flight)."""
         self.ownership.heartbeat()
 
     @_serialized
