@@ -112,7 +112,8 @@ def test_a_failed_background_publish_is_raised_by_the_next_stage_and_flush(gated
     assert bg.errors == 1 and bg.version == 0 and read_manifest(gated).step == 0
     bg.flush()  # raised once
     bg.stage(master.items())  # fails in the worker again
-    time.sleep(0.1)
+    while bg.busy:  # failed in the worker (a stage before would coalesce with it instead)
+        time.sleep(0.01)
     rl_step(master, 1)
     with pytest.raises(OSError, match="upload refused"):
         bg.stage(master.items())  # the next stage raises it, and stages nothing
