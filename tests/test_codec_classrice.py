@@ -275,6 +275,23 @@ def test_the_largest_rice_parameter_decodes(monkeypatch) -> None:
     np.testing.assert_array_equal(got_bits, new_all[index])
 
 
+def test_a_quotient_whose_shift_would_overflow_is_refused() -> None:
+    """A rank of quotient 2^23 with the largest parameter (40) is 2^63, past int64: the decoder refuses
+    a quotient above ``bound >> k`` before shifting it, even where the quotient alone is below the
+    tensor's size (2^23 + 1 elements here), so no wrapped, negative rank reaches the position pass."""
+    numel = (1 << 23) + 1
+    old = torch.ones(numel, dtype=torch.bfloat16)  # one class: every element's exponent is 127
+    table = np.zeros(1, TABLE)
+    table[0] = (127, 40, 1)
+    unary = np.zeros((1 << 20) + 1, np.uint8)  # 2^23 zero bits, then the terminating one
+    unary[-1] = 0x80
+    pos = np.concatenate([table.view(np.uint8), unary, np.zeros(5, np.uint8)])  # and a 40-bit remainder of 0
+    encoded = KERNEL.encode("w", np.array([0]), bits_of(old)[:1], bits_of(old)[:1] + 1, base=old)
+    params = {**encoded.params, "classes": 1, "unary_bytes": int(unary.size)}
+    with pytest.raises(FormatError, match="code a rank beyond the tensor"):
+        _decode(KERNEL, EncodedTensor({**encoded.entries, "w.pos": torch.from_numpy(pos)}, params), old, bits_of(old), np.array([0]))
+
+
 def _with_groups(encoded: EncodedTensor, groups) -> EncodedTensor:
     """``encoded`` with its class table and Rice streams rebuilt from ``groups`` (values unchanged)."""
     table, unary, rem = ClassRiceCodec._encode_classes(groups)
