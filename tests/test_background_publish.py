@@ -202,3 +202,24 @@ def test_a_trainer_killed_during_a_background_publish_leaves_the_previous_versio
     again.flush()
     sub.sync()
     assert sub.step == 2 and sub.state_hash == state_hash(bf16(master)) == read_manifest(bucket).state_hash
+
+
+def test_a_checkpoint_pin_during_a_background_publish_waits_and_both_reach_the_pointer(gated):
+    master = master_state()
+    pub = Publisher(gated, policy=FixedInterval(100))
+    bg = BackgroundPublisher(pub)
+    bg.stage(master.items())
+    bg.flush()
+    gated.gate.clear()
+    rl_step(master, 0)
+    bg.stage(master.items())
+    assert gated.waiting.wait(30)  # the delta's upload is held, its pointer not written yet
+    pin = threading.Thread(target=pub.pin_checkpoint, args=(7, "ab" * 32))  # the trainer's checkpoint callback
+    pin.start()
+    pin.join(0.5)
+    assert pin.is_alive()  # waits for the publish in flight instead of writing a pointer beside it
+    gated.gate.set()
+    pin.join(30)
+    bg.close()
+    manifest = read_manifest(gated)
+    assert manifest.step == 1 and [(p.step, p.weights_hash) for p in manifest.checkpoints] == [(7, "ab" * 32)]
