@@ -90,12 +90,14 @@ def test_trl_restart_resuming_a_checkpoint_continues_and_a_new_run_starts_over(b
     master = published_run(bucket)
     resumed = BucketWeightTransfer(publisher=Publisher(bucket, owner="t"), resume_from_checkpoint="out/checkpoint-2")
     resumed.send_weights(iter(master.items()))
+    resumed.flush()
     manifest = read_manifest(bucket)
     assert manifest.step == 3 and manifest.run_id == "first-run" and manifest.deltas[-1].base_step == 2
     fresh = master_state(seed=3)
     new = BucketWeightTransfer(bucket, new_run=True)
     new.publisher.ownership.owner = "t"  # the same trainer restarted: takes its lock over at once
     new.send_weights(iter(fresh.items()))
+    new.flush()
     manifest = read_manifest(bucket)
     assert manifest.step == 4 and manifest.run_id != "first-run" and [a.step for a in manifest.anchors] == [4]
     sub = Subscriber(bucket)
@@ -115,6 +117,7 @@ def test_trainer_space_restart_without_checkpoint_refuses_in_the_panel_then_new_
     first = Trainer(config, bucket)
     first.prepare()
     first.trl._sync_weight()  # TRL's first weight sync: version 0 of a new run
+    first.transfer.flush()
     old = read_manifest(bucket)
     assert old.step == 0 and old.run_id
     runner = RoleRunner("trainer", lambda cfg: [Trainer(cfg, bucket)])
@@ -130,6 +133,7 @@ def test_trainer_space_restart_without_checkpoint_refuses_in_the_panel_then_new_
     again = Trainer(TrainerConfig(**{**config.__dict__, "new_run": True}), bucket)
     assert again.prepare() is None
     again.trl._sync_weight()
+    again.transfer.flush()
     new = read_manifest(bucket)
     assert new.step == 1 and new.run_id != old.run_id and new.deltas == ()
     # samples scored for the old run's version 0 are another policy's: dropped and counted, the new run's kept

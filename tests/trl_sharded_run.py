@@ -115,7 +115,9 @@ def main(options: dict) -> None:
     rank = dist.get_rank()
     gathering_iter = AsyncGRPOTrainer._streaming_iter.__get__(trainer)  # TRL's own, gathering
     reference = (
-        BucketWeightTransfer(publisher=Publisher(LocalBucket(options["reference"]), policy=policy), resume_from_checkpoint=resume)
+        BucketWeightTransfer(
+            publisher=Publisher(LocalBucket(options["reference"]), policy=policy), resume_from_checkpoint=resume, background=False
+        )
         if options.get("reference") else None
     )  # fmt: skip
     original = AsyncGRPOTrainer._sync_weight_merged

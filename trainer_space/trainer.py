@@ -204,9 +204,17 @@ class Trainer:
             "refused": self.refusals.as_dict(), "non_finite_refused": self.transfer.non_finite_refused,
             "checkpoints_skipped": self.checkpoints.skipped, "bucket_refused": dict(self.publisher.refused + self.control.refused),
             "non_finite_steps_skipped": self.step_guard.skipped, "version_corrections": self.version_guard.corrected,
-            "flow": self.flow.figures(),
+            "flow": self.flow.figures(), "publish": self._publish_figures(),
         }  # fmt: skip
         self.metrics.flush(force)
+
+    def _publish_figures(self) -> dict:
+        """The background publisher's figures: the last send's stall (the cast into the staging
+        buffer), versions coalesced while it was behind, publishes that failed."""
+        background = self.transfer.background
+        if background is None:
+            return {}
+        return {"stall_s": background.stall_s, "coalesced": background.coalesced, "errors": background.errors}
 
     # -- resuming -------------------------------------------------------------
 

@@ -30,6 +30,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from .aliases import aliases_to_metadata
 from .codecs import DEFAULT_CODEC, get_codec
 from .codecs.checks import check_decoded, check_index
 from .dtypes import bits_to_numpy, dtype_from_name, dtype_name, int_view, numpy_to_values
@@ -367,10 +368,7 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
         entries = safetensors.torch.load(bytes(data))
     except Exception as exc:  # safetensors raises its own error types
         raise FormatError(f"unreadable safetensors data: {exc}") from None
-    patches: dict[str, TensorPatch] = {}
-    old: dict[str, np.ndarray] = {}
-    changed = 0
-    for name, info in table.items():
+    for name, info in table.items():  # the cheap checks first, before any tensor is decoded
         if name not in state:
             raise FormatError(f"delta patches {name!r}, which is not in the model")
         target = state[name]
@@ -385,7 +383,11 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
         if type(count) is not int or not 0 < count <= target.numel():
             raise FormatError(f"{name}: invalid changed count {count!r}")
 
-        def old_bits_at(idx: np.ndarray, target: torch.Tensor = target, name: str = name) -> np.ndarray:
+    def decode_tensor(name: str) -> tuple[TensorPatch, np.ndarray]:
+        """One tensor's patch and the old bits of the elements it changes."""
+        target, count = state[name], table[name]["count"]
+
+        def old_bits_at(idx: np.ndarray) -> np.ndarray:
             check_index(name, idx, target.numel())  # every position a codec reads at, before it reads
             return bits_to_numpy(int_view(gather(target, torch.from_numpy(idx))))
 
@@ -393,7 +395,7 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
             index, new_bits = coder.decode(
                 name,
                 {k: entries[k] for k in coder.entry_names(name)},
-                info,
+                table[name],
                 count=count,
                 numel=target.numel(),
                 itemsize=target.element_size(),
@@ -405,14 +407,18 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
         except Exception as exc:  # noqa: BLE001 - a decoder failing on a hostile file refuses the file, whatever it raised
             raise FormatError(f"{name}: the {coder.name} decoder failed on this delta: {type(exc).__name__}: {exc}") from exc
         check_decoded(name, index, new_bits, count=count, numel=target.numel())
-        old_bits = old_bits_at(index)
-        if bool(np.any(new_bits == old_bits)):
+        old_bits = old_bits_at(index)  # the state hash's update needs them (and they show a zero difference)
+        if not coder.changes_nonzero and bool(np.any(new_bits == old_bits)):
             raise FormatError(f"{name}: the delta lists elements that do not change (a zero difference is no change)")
-        patches[name] = TensorPatch(
-            index=torch.from_numpy(index), values=numpy_to_values(new_bits, target.dtype), shape=tuple(target.shape)
-        )
-        old[name] = old_bits
-        changed += count
+        patch = TensorPatch(index=torch.from_numpy(index), values=numpy_to_values(new_bits, target.dtype), shape=tuple(target.shape))
+        return patch, old_bits
+
+    # tensors decode on the worker threads (the codecs' kernels, numpy and zstd release the GIL), largest first
+    names = sorted(table, key=lambda n: -state[n].numel())
+    decoded = dict(zip(names, worker_pool().map(decode_tensor, names)))
+    patches = {name: patch for name, (patch, _) in decoded.items()}
+    old = {name: old_bits for name, (_, old_bits) in decoded.items()}
+    changed = sum(table[n]["count"] for n in names)
     if changed != metadata_int(metadata, "changed"):
         raise FormatError(f"metadata says {metadata['changed']} changed elements, tensors hold {changed}")
     return Delta(
@@ -433,8 +439,8 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
 # anchors
 
 
-def anchor_metadata(*, step: int, state_hash: str, total: int) -> dict[str, str]:
-    """Metadata strings written into every shard of an anchor."""
+def anchor_metadata(*, step: int, state_hash: str, total: int, aliases: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Metadata strings written into every shard of an anchor (``aliases``: tied names, see :mod:`rlsync.aliases`)."""
     return {
         "format": FORMAT_NAME,
         "format_version": str(FORMAT_VERSION),
@@ -443,6 +449,7 @@ def anchor_metadata(*, step: int, state_hash: str, total: int) -> dict[str, str]
         "step": str(step),
         "state_hash": state_hash,
         "total": str(total),
+        **aliases_to_metadata(aliases or {}),
     }
 
 
@@ -485,8 +492,12 @@ def write_anchor(
     step: int,
     state_hash: str,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    aliases: Mapping[str, str] | None = None,
 ) -> list[Path]:
     """Write an anchor into ``folder`` (shards plus, if sharded, an index file).
+
+    Args:
+        aliases: Names tied to a tensor of ``state`` (recorded in the metadata, see :mod:`rlsync.aliases`).
 
     Returns:
         The written files, index file last.
@@ -494,7 +505,7 @@ def write_anchor(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     total = sum(t.numel() for t in state.values())
-    metadata = anchor_metadata(step=step, state_hash=state_hash, total=total)
+    metadata = anchor_metadata(step=step, state_hash=state_hash, total=total, aliases=aliases)
     groups = plan_shards(state, max_shard_bytes)
     files = []
     weight_map = {}

@@ -36,6 +36,9 @@ class Codec(abc.ABC):
     name: str
     #: Version written into the metadata; decoders refuse other versions.
     version: int
+    #: Whether :meth:`decode` can only yield new bit patterns that differ from the old ones (the
+    #: encoding has no zero difference), so that readers need not gather the old bits to check.
+    changes_nonzero: bool = False
 
     @abc.abstractmethod
     def entry_names(self, name: str) -> list[str]:

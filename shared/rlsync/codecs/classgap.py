@@ -159,6 +159,7 @@ class ClassGapCodec(GapZigzagCodec):
 
     name = "classgap"
     version = 1
+    changes_nonzero = True  # a difference is stored as its magnitude minus one, below half the dtype's range
 
     def entry_names(self, name: str) -> list[str]:
         return [f"{name}.pos", f"{name}.val", f"{name}.sign"]

@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
-from ..dtypes import dtype_name, int_view
+from ..dtypes import dtype_name, int_view, uint_dtype
 from ..errors import FormatError
 from .base import EncodedTensor, register_codec
 from .checks import require_entry
@@ -164,8 +164,8 @@ class ClassRiceCodec(ClassGapCodec):
             if index.size != count:
                 raise FormatError(f"{name}: {index.size} positions, the metadata declares {count}")
             return index, old_bits_at(index) + diff
-        index, slots = self._positions(name, table, coded, starts, ends, field, count, numel, old_bits_at, base)
-        return index, old_bits_at(index) + diff[slots]
+        index, old, slots = self._positions(name, table, coded, starts, ends, field, count, numel, old_bits_at, base)
+        return index, old + diff[slots]
 
     @staticmethod
     def _decode_classes(
@@ -190,15 +190,12 @@ class ClassRiceCodec(ClassGapCodec):
         if int(counts.sum()) > min(numel, 8 * unary_bytes):  # every coded rank is distinct and ends a unary code
             raise FormatError(f"{name}: the class table codes more ranks than the tensor or the stream holds")
         coded = np.empty(int(counts.sum()), np.int64)
+        at_unary, at_rem = _kernels().rice_decode_classes(unary, rem, k.astype(np.int64), counts, numel, coded)
+        if at_unary < 0:
+            raise FormatError(f"{name}: the Rice streams end early or code a rank beyond the tensor")
         starts, ends = np.zeros(n_classes, np.int64), np.zeros(n_classes, np.int64)
-        at_unary = at_rem = 0
-        offset = 0
-        for c, kc, n in zip(cls.tolist(), k.tolist(), counts.tolist()):
-            at_unary, at_rem = _kernels().rice_decode(unary, at_unary, rem, at_rem, kc, n, numel, coded[offset : offset + n])
-            if at_unary < 0:
-                raise FormatError(f"{name}: the Rice streams end early or code a rank beyond the tensor")
-            starts[c], ends[c] = offset, offset + n
-            offset += n
+        ends[cls] = np.cumsum(counts)
+        starts[cls] = ends[cls] - counts
         if (at_unary + 7) // 8 != unary.size or (at_rem + 7) // 8 != rem.size:
             raise FormatError(f"{name}: bytes left after the Rice streams")
         for stream, used in ((unary, at_unary), (rem, at_rem)):
@@ -218,21 +215,25 @@ class ClassRiceCodec(ClassGapCodec):
         numel: int,
         old_bits_at: Callable[[np.ndarray], np.ndarray],
         base: torch.Tensor | None,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Flat positions (increasing) of the changed elements, and the slot of each one's value."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Flat positions (increasing) of the changed elements, their old bits, and the slot of each one's value."""
         shift, mask = field
         inverted = np.zeros(mask + 1, np.int8)
         inverted[table["cls"].astype(np.int64)] = (table["flags"] & INVERTED) != 0
         if base is not None and not self._use_kernel(base):
-            return self._positions_on_device(name, coded, starts, ends, inverted, field, count, base)
+            index, slots = self._positions_on_device(name, coded, starts, ends, inverted, field, count, base)
+            return index, old_bits_at(index), slots
         bits = int_view(base.detach()).numpy() if base is not None else _old_bits(old_bits_at, numel)
         positions, classes, ordinals = np.empty(count, np.int64), np.empty(count, np.int64), np.empty(count, np.int64)
+        olds = np.empty(count, bits.dtype)
         changed = np.zeros(mask + 1, np.int64)
-        written = _kernels().class_positions(bits, shift, mask, starts, ends, coded, inverted, positions, classes, ordinals, changed)
+        written = _kernels().class_positions(
+            bits, shift, mask, starts, ends, coded, inverted, positions, olds, classes, ordinals, changed
+        )
         if written != count:
             raise FormatError(f"{name}: the coded ranks do not fit the tensor's classes, or do not make {count} changes")
         # values are stored class by class: a class's first slot is the changed count of the classes before it
-        return positions, (np.cumsum(changed) - changed)[classes] + ordinals
+        return positions, olds.view(uint_dtype(olds.itemsize)), (np.cumsum(changed) - changed)[classes] + ordinals
 
     @staticmethod
     def _positions_on_device(

@@ -12,6 +12,8 @@ import numba
 import numpy as np
 
 _JIT = dict(cache=True, nogil=True, boundscheck=False)
+#: Bits of the window remainders are read from: a remainder of up to ``WINDOW_BITS - 8`` bits at any bit offset.
+WINDOW_BITS = 48
 
 
 @numba.njit(**_JIT)
@@ -54,8 +56,12 @@ def class_ranks(bits, shift, mask, index, ranks, classes, members):  # pragma: n
 
 
 @numba.njit(**_JIT)
-def class_positions(bits, shift, mask, starts, ends, coded, inverted, positions, classes, ordinals, changed):  # pragma: no cover
+def class_positions(bits, shift, mask, starts, ends, coded, inverted, positions, olds, classes, ordinals, changed):  # pragma: no cover
     """Inverse of :func:`class_ranks`: flat positions of the changed elements, in flat order.
+
+    One pass over the old bits; per element one countdown of its class (the members still to
+    pass before the class's next coded rank) and one branch that is rarely taken, so the pass
+    costs about as much as a histogram of the classes.
 
     Args:
         bits: The old bit patterns of the whole tensor (signed ints).
@@ -65,43 +71,58 @@ def class_positions(bits, shift, mask, starts, ends, coded, inverted, positions,
             ``inverted`` is set.
         inverted: Per class, 1 when ``coded`` lists the unchanged elements.
         positions: Out: flat positions, increasing.
+        olds: Out: the old bit pattern at each position.
         classes: Out: each position's class.
         ordinals: Out: each position's number of changed elements of its class before it.
         changed: Out, zeroed, one slot per class: its number of changed elements.
 
     Returns:
         The number of positions written, or -1 when the ranks do not fit the tensor (a rank
-        beyond its class, or more changed elements than ``positions`` holds).
+        beyond its class, ranks not increasing, or more changed elements than ``positions`` holds).
     """
     n_classes = starts.size
     never = np.int64(1) << 62
-    seen = np.zeros(n_classes, np.int64)
+    left = np.full(n_classes, never, np.int64)  # members to pass before the class's next event
+    seen = np.zeros(n_classes, np.int64)  # members seen, kept for inverted classes only
     nxt = starts.copy()
-    target = np.full(n_classes, never, np.int64)  # each class's next coded rank
-    flip = np.zeros(n_classes, np.bool_)
     for c in range(n_classes):
-        if starts[c] < ends[c]:
-            target[c] = coded[starts[c]]
-        flip[c] = inverted[c] != 0
+        if inverted[c] != 0:
+            left[c] = 0  # every member of an inverted class is an event
+        elif starts[c] < ends[c]:
+            left[c] = coded[starts[c]]
     k = 0
     limit = positions.size
     for i in range(bits.size):
         c = (bits[i] >> shift) & mask
-        r = seen[c]
-        seen[c] = r + 1
-        hit = r == target[c]
-        if hit:
+        countdown = left[c] - 1
+        if countdown >= 0:
+            left[c] = countdown
+            continue
+        if inverted[c] != 0:  # a coded rank is an unchanged member, any other member changed
+            r = seen[c]
+            seen[c] = r + 1
+            p = nxt[c]
+            if p < ends[c] and coded[p] == r:
+                nxt[c] = p + 1
+                continue
+        else:  # the class's next coded rank
             p = nxt[c] + 1
             nxt[c] = p
-            target[c] = coded[p] if p < ends[c] else never
-        if hit != flip[c]:
-            if k == limit:
-                return -1
-            positions[k] = i
-            classes[k] = c
-            ordinals[k] = changed[c]
-            changed[c] += 1
-            k += 1
+            if p < ends[c]:
+                gap = coded[p] - coded[p - 1] - 1
+                if gap < 0:
+                    return -1
+                left[c] = gap
+            else:
+                left[c] = never
+        if k == limit:
+            return -1
+        positions[k] = i
+        olds[k] = bits[i]
+        classes[k] = c
+        ordinals[k] = changed[c]
+        changed[c] += 1
+        k += 1
     for c in range(n_classes):
         if nxt[c] != ends[c]:
             return -1
@@ -144,42 +165,74 @@ def rice_encode(gaps, k, unary, unary_bit, rem, rem_bit):  # pragma: no cover - 
 def rice_decode(unary, unary_bit, rem, rem_bit, k, count, bound, out):  # pragma: no cover - compiled
     """Read ``count`` Rice-coded gaps (see :func:`rice_encode`) into ``out`` as increasing ranks.
 
+    Quotients are read a byte at a time (a zero byte is 8 units at once) and remainders from a
+    :data:`WINDOW_BITS` window. A quotient above ``bound >> k`` codes a rank beyond ``bound``
+    whatever its remainder, so it is refused before ``q << k`` is formed: with
+    ``k <= WINDOW_BITS - 8`` and ``bound < 2**62`` every value stays in range, and a hostile
+    stream costs time linear in its size.
+
     Returns:
-        ``(unary_bit, rem_bit)`` after the last gap, or ``(-1, -1)`` when the streams end early or
-        a rank reaches ``bound``. A quotient above ``bound >> k`` is refused as it is read, so
-        ``q << k`` never overflows (``bound`` below 2^62).
+        ``(unary_bit, rem_bit)`` after the last gap, or ``(-1, -1)`` when the streams end early,
+        ``k`` is outside ``0..WINDOW_BITS - 8`` or a rank reaches ``bound``.
     """
+    if k < 0 or k > WINDOW_BITS - 8:
+        return -1, -1
     n_unary = unary.size * 8
     n_rem = rem.size * 8
-    q_max = np.int64(bound) >> k
     last = np.int64(-1)
+    qmax = bound >> k
+    low = (np.int64(1) << k) - 1
     for i in range(count):
         q = np.int64(0)
         while True:
             if unary_bit >= n_unary:
                 return -1, -1
-            byte = unary[unary_bit >> 3]
-            if byte == 0 and (unary_bit & 7) == 0:  # a whole zero byte: 8 more quotient units
-                q += 8
-                unary_bit += 8
-                if q > q_max:
+            off = unary_bit & 7
+            byte = (np.int64(unary[unary_bit >> 3]) << off) & 0xFF
+            if byte == 0:  # the rest of this byte is zeros
+                q += 8 - off
+                unary_bit += 8 - off
+                if q > qmax:
                     return -1, -1
                 continue
-            bit = (byte >> (7 - (unary_bit & 7))) & 1
-            unary_bit += 1
-            if bit:
-                break
-            q += 1
-            if q > q_max:
-                return -1, -1
-        if rem_bit + k > n_rem:
+            while byte < 0x80:
+                byte <<= 1
+                q += 1
+                unary_bit += 1
+            unary_bit += 1  # the terminating one
+            break
+        if q > qmax or rem_bit + k > n_rem:
             return -1, -1
         r = np.int64(0)
-        for _ in range(k):
-            r = (r << 1) | ((rem[rem_bit >> 3] >> (7 - (rem_bit & 7))) & 1)
-            rem_bit += 1
+        if k:
+            at = rem_bit >> 3
+            window = np.int64(0)
+            for j in range(WINDOW_BITS // 8):  # the bit offset (<= 7) and k bits
+                window <<= 8
+                if at + j < rem.size:
+                    window |= np.int64(rem[at + j])
+            r = (window >> (WINDOW_BITS - (rem_bit & 7) - k)) & low
+            rem_bit += k
         last = last + 1 + ((q << k) | r)
         if last >= bound:
             return -1, -1
         out[i] = last
+    return unary_bit, rem_bit
+
+
+@numba.njit(**_JIT)
+def rice_decode_classes(unary, rem, ks, counts, bound, out):  # pragma: no cover - compiled
+    """:func:`rice_decode` of every class of a tensor in one call: class ``c``'s ``counts[c]`` ranks,
+    coded with parameter ``ks[c]``, follow the previous classes' in both streams and in ``out``.
+
+    Returns:
+        ``(unary_bit, rem_bit)`` after the last class, or ``(-1, -1)`` as :func:`rice_decode`.
+    """
+    unary_bit = rem_bit = np.int64(0)
+    offset = 0
+    for c in range(ks.size):
+        unary_bit, rem_bit = rice_decode(unary, unary_bit, rem, rem_bit, ks[c], counts[c], bound, out[offset : offset + counts[c]])
+        if unary_bit < 0:
+            return -1, -1
+        offset += counts[c]
     return unary_bit, rem_bit

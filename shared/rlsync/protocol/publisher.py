@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import math
 import socket
 import tempfile
+import threading
 import time
-from typing import Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import numpy as np
 import torch
 
+from ..aliases import split_aliases
 from ..bucket import Bucket
 from ..codecs import DEFAULT_CODEC, get_codec
 from ..detect import DEFAULT_CHUNK_ELEMENTS, ChangeDetector, PatchedState, serving_copy
@@ -38,6 +41,20 @@ from .run import check_writable, new_run_id, read_manifest
 from .subscriber import SCRATCH_PREFIX, Subscriber
 
 logger = logging.getLogger(__name__)
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _serialized(method: _Method) -> _Method:
+    """Run ``method`` under the publisher's lock: a background publish and a checkpoint pin from
+    another thread never interleave their reads and writes of the chain."""
+
+    @functools.wraps(method)
+    def locked(self: "Publisher", *args: Any, **kwargs: Any) -> Any:
+        with self._mutex:
+            return method(self, *args, **kwargs)
+
+    return locked  # type: ignore[return-value]
 
 
 @dataclasses.dataclass
@@ -128,6 +145,9 @@ class Publisher:
             new_run=new_run, refused=self.refused,
         )  # fmt: skip
         self._pointer_bytes = 0  # size of the last pointer written
+        self._mutex = threading.RLock()  # see _serialized
+        #: Tied names of the published state: alias -> published name (see :mod:`rlsync.aliases`).
+        self.aliases: dict[str, str] = {}
 
     @property
     def lock(self) -> RunLock | None:
@@ -157,6 +177,7 @@ class Publisher:
             return self.step + 1
         return 0 if self.ownership.floor is None else self.ownership.floor + 1
 
+    @_serialized
     def start_new_run(self) -> Manifest | None:
         """Take the run lock and start a new run, replacing the bucket's run (if any) at the next publish.
 
@@ -175,6 +196,7 @@ class Publisher:
         old, self.run_id = self.ownership.start_new_run(self.run_id)
         return old
 
+    @_serialized
     def resume(self) -> dict[str, torch.Tensor] | None:
         """Continue a run already in the bucket.
 
@@ -204,6 +226,7 @@ class Publisher:
                 raise SyncError("the bucket changed while resuming; is another trainer publishing?")
         self.detector.published = {n: t.clone() for n, t in sub.state.items()}
         self._lanes = sub.lanes
+        self.aliases = dict(sub.aliases)
         self.manifest = manifest
         self._pointer_bytes = len(manifest.to_json())
         self.ownership.adopt(manifest)
@@ -229,9 +252,11 @@ class Publisher:
                 raise FormatError(f"the pointer gives {f.key} {f.size:,} bytes, the bucket holds {size:,}; refusing to take it over")
 
     def heartbeat(self) -> None:
-        """Refresh the run lock's heartbeat (call while training without publishing for long)."""
+        """Refresh the run lock's heartbeat (call while training without publishing for long; it
+        touches only the lock object, so it does not wait for a publish in flight)."""
         self.ownership.heartbeat()
 
+    @_serialized
     def pin_checkpoint(self, step: int, weights_hash: str) -> None:
         """Record a training checkpoint's weights hash in the pointer (the newest
         ``MAX_CHECKPOINT_PINS`` are kept), so a restart can tell it from a planted one.
@@ -247,13 +272,23 @@ class Publisher:
         pins = tuple(p for p in self.manifest.checkpoints if p.step < step) + (CheckpointPin(step, weights_hash),)
         self._commit(dataclasses.replace(self.manifest, checkpoints=pins[-MAX_CHECKPOINT_PINS:]))
 
-    def publish(self, step: int, state: Mapping[str, torch.Tensor]) -> PublishRecord:
+    @_serialized
+    def publish(
+        self, step: int, state: Mapping[str, torch.Tensor], *, release: Callable[[bool], None] | None = None
+    ) -> PublishRecord:
         """Publish ``state`` as version ``step``.
 
         Args:
             step: The new version; must exceed the last published step.
             state: Tensors under Hugging Face names (any dtype; floating-point
-                tensors are cast to the serving dtype).
+                tensors are cast to the serving dtype). A tensor listed under two names
+                (tied weights) is published once, under its first name; anchors record
+                the other (see :mod:`rlsync.aliases`).
+            release: For a staging buffer (contiguous serving-dtype tensors, as
+                :class:`~rlsync.protocol.background.BackgroundPublisher` fills): called once the
+                publish no longer reads ``state``, with ``True`` when it keeps ``state`` as its
+                own (an anchor: the caller must not write those tensors again). A delta
+                releases it right after change detection.
 
         Returns:
             What was written and what it cost.
@@ -268,8 +303,13 @@ class Publisher:
             BucketError: the bucket failed; the previous version stays published
                 and the publish may be retried.
         """
-        anchor = self._prepare(step) or not self.detector.compatible(state)
-        return self._publish_anchor(step, state) if anchor else self._publish_delta(step, state)
+        state, aliases = split_aliases(state)
+        anchor = self._prepare(step) or not self.detector.compatible(state) or aliases != self.aliases
+        if anchor:
+            if release is not None:
+                release(True)
+            return self._publish_anchor(step, state, owned=release is not None, aliases=aliases)
+        return self._publish_delta(step, state, release)
 
     def _prepare(self, step: int) -> bool:
         """The checks before every publish (run, run lock, pointer, step).
@@ -294,6 +334,7 @@ class Publisher:
         pointer over its limit (an adaptive policy with tiny deltas would otherwise never anchor)."""
         return self._pointer_bytes > MAX_POINTER_BYTES // 4
 
+    @_serialized
     def publish_stream(self, step: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishRecord:
         """Publish version ``step`` from ``(name, tensor)`` pairs, comparing each as it arrives.
 
@@ -342,16 +383,20 @@ class Publisher:
         assert self._lanes is not None
         return self._lanes.updated(lanes_of_changes(changes))
 
-    def _publish_delta(self, step: int, state: Mapping[str, torch.Tensor]) -> PublishRecord:
+    def _publish_delta(
+        self, step: int, state: Mapping[str, torch.Tensor], release: Callable[[bool], None] | None = None
+    ) -> PublishRecord:
         assert self.manifest is not None
         t0 = time.perf_counter()
         changes = self.detector.diff(state)
+        total = sum(t.numel() for t in state.values())
         if not self.allow_non_finite:
             check_finite_changes(changes)
+        if release is not None:
+            release(False)
         t1 = time.perf_counter()
         lanes = self._updated_lanes(changes)
         t2 = time.perf_counter()
-        total = sum(t.numel() for t in state.values())
         return self._write_delta(step, changes, lanes, total, encode_s=t1 - t0, hash_s=t2 - t1)
 
     def _write_delta(
@@ -388,12 +433,16 @@ class Publisher:
             changed_tensors={name: int(c.index.size) for name, c in changes.items()},
         )  # fmt: skip
 
-    def _publish_anchor(self, step: int, state: Mapping[str, torch.Tensor], owned: bool = False) -> PublishRecord:
+    def _publish_anchor(
+        self, step: int, state: Mapping[str, torch.Tensor], owned: bool = False, aliases: Mapping[str, str] | None = None
+    ) -> PublishRecord:
         """Write a full anchor; when the state continues the published one, also a companion
         delta of the same step, so that replicas keeping up never need to download anchors, unless
         that delta is no smaller than the anchor (a dense update, e.g. of a LoRA adapter): then they
         download the anchor instead.
-        ``owned``: ``state`` holds contiguous serving-dtype tensors nobody else modifies, kept without a copy."""
+        ``owned``: ``state`` holds contiguous serving-dtype tensors nobody else modifies, kept without a copy.
+        ``aliases``: the tied names of ``state`` (``None``: those of the published state)."""
+        aliases = self.aliases if aliases is None else dict(aliases)
         t0 = time.perf_counter()
         serving = dict(state) if owned else {n: serving_copy(t, self.dtype) for n, t in state.items()}
         continues = self.manifest is not None and self.detector.compatible(serving)
@@ -417,7 +466,9 @@ class Publisher:
             companion = (DeltaEntry(step, self.manifest.step, result_hash, FileEntry(key, len(data)), changed, total),)
         folder = anchor_folder(step, self.ownership.epoch)
         with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX) as tmp:
-            files = write_anchor(serving, tmp, step=step, state_hash=result_hash, max_shard_bytes=self.max_shard_bytes)
+            files = write_anchor(
+                serving, tmp, step=step, state_hash=result_hash, max_shard_bytes=self.max_shard_bytes, aliases=aliases
+            )
             t2 = time.perf_counter()
             entries = tuple(FileEntry(f"{folder}/{p.name}", p.stat().st_size) for p in files)
             if companion and len(data) >= sum(e.size for e in entries):
@@ -441,6 +492,7 @@ class Publisher:
         t3 = time.perf_counter()
         self._lanes = lanes
         self.detector.published = serving
+        self.aliases = aliases
         nbytes = sum(e.size for e in entries)
         logger.debug("published anchor %d: %d bytes in %d file(s)", step, nbytes, len(entries))
         return PublishRecord(

@@ -50,6 +50,7 @@ from typing import Callable, Mapping, MutableMapping
 import numpy as np
 import torch
 
+from ..aliases import aliases_from_metadata, with_aliases
 from ..bucket import Bucket
 from ..dtypes import bits_to_numpy, int_view, numpy_to_values
 from ..errors import ChainError, FormatError, HashMismatchError, ObjectNotFoundError, ObjectTooLargeError, SyncError
@@ -106,6 +107,7 @@ class Update:
     download_s: float = 0.0
     decode_s: float = 0.0
     run_id: str = ""
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -179,7 +181,10 @@ class Subscriber:
         self.max_state_bytes = max_state_bytes
         self.device = torch.device(device)
         self.workdir = Path(workdir) if workdir else None
+        #: The published state: each tensor once, under the name the state hash covers.
         self.state: dict[str, torch.Tensor] = {}
+        #: Tied names of the state (alias -> name in :attr:`state`), from the last anchor.
+        self.aliases: dict[str, str] = {}
         self.step: int | None = None
         self.state_hash: str | None = None
         self.run_id: str | None = None
@@ -223,6 +228,12 @@ class Subscriber:
     def lanes(self) -> StateLanes | None:
         """The state's hash, per tensor, as the verified updates made it (``None`` before the first anchor)."""
         return self._lanes
+
+    @property
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """:attr:`state` with the tied names restored, each bound to the tensor it aliases (for
+        ``model.load_state_dict``, which wants every name of a tied model)."""
+        return with_aliases(self.state, self.aliases)
 
     @property
     def needs_resync(self) -> bool:
@@ -381,6 +392,7 @@ class Subscriber:
             tensors, metadata = load_anchor(files)  # views of the files: apply copies them into the state
             if metadata.get("step") != str(entry.step) or metadata.get("state_hash") != entry.state_hash:
                 raise FormatError(f"anchor {entry.step}: metadata disagrees with the pointer")
+            aliases = aliases_from_metadata(metadata, tensors)
             check_anchor(entry.step, tensors, self.state, self._weights)
             if self.check_values is not None:
                 for name, tensor in tensors.items():
@@ -398,7 +410,7 @@ class Subscriber:
         return Update(
             "anchor", entry.step, None, None, entry.state_hash, entry.nbytes, tensors=tensors, lanes=lanes,
             changed=sum(t.numel() for t in tensors.values()), download_s=t1 - t0, decode_s=time.perf_counter() - t1,
-            run_id=self.manifest.run_id if self.manifest else "",
+            run_id=self.manifest.run_id if self.manifest else "", aliases=aliases,
         )  # fmt: skip
 
     def _get_anchor_file(self, entry: AnchorEntry, file: FileEntry, folder: Path) -> Path:
@@ -435,6 +447,7 @@ class Subscriber:
         t0 = time.perf_counter()
         if update.kind == "anchor":
             self._apply_anchor(update)
+            self.aliases = update.aliases
         else:
             self._apply_delta(update)
             self._resync = False

@@ -34,9 +34,17 @@ class FinalWeightSync(TrainerCallback):
         self.sync(state.global_step)
 
     def sync(self, step: int) -> bool:
-        """Publish unless ``step`` was the last synced; returns whether it published."""
-        if self.synced_step == step:
-            return False
-        self.trainer._sync_weight()
-        self.synced_step = step
-        return True
+        """Publish unless ``step`` was the last synced, then wait for a background publish
+        (:meth:`~rlsync.trl.BucketWeightTransfer.flush`); returns whether it published.
+
+        Raises:
+            What the last background publish raised.
+        """
+        published = self.synced_step != step
+        if published:
+            self.trainer._sync_weight()
+            self.synced_step = step
+        flush = getattr(self.trainer.weight_transfer, "flush", None)  # TRL keeps the transfer on the main process
+        if flush is not None:
+            flush()
+        return published

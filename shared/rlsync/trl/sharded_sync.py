@@ -66,7 +66,7 @@ class ShardedWeightTransfer(BucketWeightTransfer):
     def __init__(self, bucket: Bucket | None = None, *, publisher: ShardedPublisher | None = None, **callbacks: Any) -> None:
         if publisher is None and bucket is not None:
             publisher = ShardedPublisher(bucket)
-        super().__init__(bucket, publisher=publisher, **callbacks)
+        super().__init__(bucket, publisher=publisher, background=False, **callbacks)
         self._trainer: Any = None
 
     def attach(self, trainer: Any) -> None:
@@ -112,4 +112,4 @@ class ShardedWeightTransfer(BucketWeightTransfer):
             The record, or ``None`` when the sync was refused as non-finite and ``on_non_finite`` handled it.
         """
         self.continue_run()
-        return self._publish(lambda step: self.publisher.publish(step, self.local_state()))
+        return self._publish(lambda step: [self.publisher.publish(step, self.local_state())])

@@ -11,6 +11,14 @@ policy decides), streamed tensor by tensor as TRL's iterator yields them.
 Replicas anywhere follow the bucket with a :class:`~rlsync.protocol.Subscriber`,
 so ``pause`` and ``resume`` do nothing here: a replica pauses its own engine
 only while applying a version.
+
+By default a send only casts the weights into a staging buffer and returns; a
+:class:`~rlsync.protocol.background.BackgroundPublisher` detects, encodes and
+uploads while the next step computes (at most one publish in flight; a send while
+the worker is behind coalesces into one delta against the last published version).
+:meth:`BucketWeightTransfer.flush` waits for it (``destroy`` at train end, and
+:class:`~rlsync.trl.FinalWeightSync`, call it), and a publish that failed in the
+background is raised by the next send or flush.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from ..checkpoint_layout import CheckpointLayout
 from ..errors import NonFiniteError
 from ..fp8 import quantize_stream
 from ..protocol import Publisher, PublishRecord, read_manifest
+from ..protocol.background import BackgroundPublisher
 from ..protocol.run import run_exists_error
 
 logger = logging.getLogger(__name__)
@@ -61,6 +70,9 @@ class BucketWeightTransfer:
             is also quantized from its bf16 bits as each tensor streams past, and published to
             that chain under the same version number. It continues or starts its run as the bf16
             chain does.
+        background: Publish on a worker thread (a send stalls only to cast the weights);
+            ``False`` publishes within the send, streaming tensor by tensor (so does a run
+            with an ``fp8`` chain, quantized as the tensors stream past).
 
     Runs: on an empty bucket the first send is version 0 of a new run. On a bucket that already
     holds a run, :meth:`init_weight_transfer` takes the run lock and, resuming from a checkpoint,
@@ -81,6 +93,7 @@ class BucketWeightTransfer:
         new_run: bool = False,
         layout: CheckpointLayout | None = None,
         fp8: Publisher | None = None,
+        background: bool = True,
     ) -> None:
         if publisher is None:
             if bucket is None:
@@ -88,6 +101,7 @@ class BucketWeightTransfer:
             publisher = Publisher(bucket)
         publisher.ownership.new_run = publisher.ownership.new_run or new_run
         self.publisher = publisher
+        self.background = BackgroundPublisher(publisher) if background and fp8 is None else None
         self.resume_from_checkpoint = resume_from_checkpoint
         self.on_publish = on_publish
         self.on_non_finite = on_non_finite
@@ -100,8 +114,9 @@ class BucketWeightTransfer:
 
     @property
     def version(self) -> int | None:
-        """The newest published version (``None`` before the first publish)."""
-        return self.publisher.step
+        """The newest version sent (``None`` before the first): published, or being published in
+        the background (TRL counts a version at its send; a failed one is taken back)."""
+        return self.background.version if self.background is not None else self.publisher.step
 
     def continue_run(self) -> dict[str, torch.Tensor] | None:
         """Take the run lock and continue the bucket's run or start a new one (idempotent).
@@ -161,9 +176,17 @@ class BucketWeightTransfer:
         """
         self.continue_run()
         pairs = self.layout.stream(iterator) if self.layout is not None else iterator
-        if self.fp8 is None:
-            self._publish(lambda step: self.publisher.publish_stream(step, pairs))
-            return
+        if self.fp8 is not None:
+            self._send_with_fp8(pairs)
+        elif self.background is None:
+            self._publish(lambda step: [self.publisher.publish_stream(step, pairs)])
+        else:
+            background = self.background
+            self._publish(lambda step: background.stage(pairs)[1])
+
+    def _send_with_fp8(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Publish the bf16 version within the send, quantizing each tensor for the FP8 chain as it streams
+        past, then the FP8 version under the same version number."""
         quantized: list[tuple[str, torch.Tensor]] = []
 
         def quantizing() -> Iterator[tuple[str, torch.Tensor]]:
@@ -171,31 +194,48 @@ class BucketWeightTransfer:
                 yield name, tensor
                 quantized.extend(quantize_stream([(name, tensor)], self.publisher.dtype or tensor.dtype))
 
-        record = self._publish(lambda step: self.publisher.publish_stream(step, quantizing()))
+        record = self._publish(lambda step: [self.publisher.publish_stream(step, quantizing())])
         if record is not None:
             self.fp8_records.append(self.fp8.publish_stream(record.step, quantized))
             del self.fp8_records[:-100]
 
-    def _publish(self, publish: Callable[[int], PublishRecord]) -> PublishRecord | None:
-        """Run ``publish`` for the next version; keep its record, or hand a non-finite refusal to ``on_non_finite``."""
+    def flush(self) -> None:
+        """Wait for the background publish, if any (TRL's final sync, a trainer stopping).
+
+        Raises:
+            As :meth:`send_weights`: what a background publish raised.
+        """
+        if self.background is not None:
+            self._publish(lambda step: self.background.flush())
+
+    def _publish(self, publish: Callable[[int], list[PublishRecord]]) -> PublishRecord | None:
+        """Run ``publish`` for the next version; keep the records it returns (the last is returned),
+        or hand a non-finite refusal (of this publish or of a background one) to ``on_non_finite``."""
         step = self.publisher.next_step
         try:
-            record = publish(step)
+            records = publish(step)
         except NonFiniteError as exc:
             if self.on_non_finite is None:
                 raise
             self.non_finite_refused += 1
             self.on_non_finite(exc)
             return None
-        self.records.append(record)
-        del self.records[:-100]
-        if self.on_publish is not None:
-            self.on_publish(record)
-        return record
+        for record in records:
+            self.records.append(record)
+            del self.records[:-100]
+            if self.on_publish is not None:
+                self.on_publish(record)
+        return records[-1] if records else None
 
     def heartbeat(self) -> None:
         """Keep the run lock fresh while no version is published (e.g. while waiting for rollouts)."""
         self.publisher.heartbeat()
 
     def destroy(self) -> None:
-        """Nothing to release: the run lock stays with this owner, so a restart takes over at once."""
+        """Wait for the background publish (TRL calls this at train end; a failure is logged and
+        counted, as it may end a run that is already failing). The run lock stays with this owner,
+        so a restart takes over at once."""
+        try:
+            self.flush()
+        except Exception as exc:  # the background publisher logged and counted it
+            logger.error("the last background publish failed: %s", exc)

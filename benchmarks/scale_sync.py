@@ -1,0 +1,282 @@
+"""Sync at a real model's size, through the trainer's and the replica's own paths.
+
+A Qwen3 model built offline from ``transformers.Qwen3Config`` (``--model qwen3-0.6b``: the real
+0.6B dimensions, tied embeddings, random init, deterministic; ``--params N``: a smaller one) takes
+AdamW-rule steps on N(0,1) gradients. Each step publishes through the trainer's real path
+(:class:`~rlsync.trl.BucketWeightTransfer` with its background publisher, fed ``model.state_dict()``
+as the README's snippet does, so the tied head is published once) to a local bucket. Then a replica
+(:class:`rollout_space.replica.Replica` with the transformers engine) follows the bucket. Trainer
+and replica run in their own processes, one after the other, so each peak RSS is its own.
+
+Per codec, in one run, it prints: bytes and bytes per changed element; the trainer's stall per step
+(the send: the cast into the staging buffer) against a bare bf16 cast of the same weights; the
+replica's decode (``Update.decode_s``, off the pause); the replica's pause (``idle_s`` of its own
+apply) against the engine's bare scatter of the same patch and a whole-state load and copy; peak RSS
+on both sides. The whole-snapshot row is what publishing every version as an anchor costs: its
+bytes, the anchor's load and copy as the pause.
+
+Memory: the AdamW moments are kept in bf16 (the update rule is AdamW's, computed in fp32 one chunk
+at a time), so a 0.6B trainer needs about 7 GB instead of 11.
+
+    python -m benchmarks.scale_sync --model qwen3-0.6b
+    python -m benchmarks.scale_sync --params 30e6 --codecs classrice --lrs 1e-6
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+MODELS = {
+    "qwen3-0.6b": dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+    ),  # fmt: skip
+}
+CHUNK = 1 << 22  # elements per AdamW chunk (fp32 temporaries of 16 MB)
+BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 0.0
+
+
+def model_config(model: str | None, params: float | None) -> dict:
+    """Qwen3Config arguments: a named model's, or a smaller Qwen3 of about ``params`` parameters."""
+    if model:
+        return dict(MODELS[model])
+    hidden = 1024 if params >= 300e6 else 512 if params >= 40e6 else 256
+    vocab = 32768
+    per_layer = 4 * hidden * hidden + 3 * hidden * 3 * hidden  # q, k, v, o (kv = q / 2 + ...) and the MLP, roughly
+    layers = max(1, round((params - vocab * hidden) / per_layer))
+    return dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+        num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128, head_dim=64, tie_word_embeddings=True,
+    )  # fmt: skip
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def build_model(config: dict) -> torch.nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = Qwen3ForCausalLM(Qwen3Config(**config))
+    return model.requires_grad_(False)
+
+
+def save_replica_model(model: torch.nn.Module, folder: Path) -> None:
+    """The replica's model folder: the same architecture in bf16, and the offline tokenizer."""
+    from rlsync.spaces.tiny_model import build_tokenizer
+
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(folder)  # the trained model keeps its fp32 bits
+    build_tokenizer().save_pretrained(folder)
+
+
+class AdamWRule:
+    """AdamW's update on N(0, 1) gradients, one chunk at a time, moments kept in bf16."""
+
+    def __init__(self, params: list[torch.Tensor], lr: float) -> None:
+        self.params, self.lr, self.t = params, lr, 0
+        self.m = [torch.zeros_like(p, dtype=torch.bfloat16) for p in params]
+        self.v = [torch.zeros_like(p, dtype=torch.bfloat16) for p in params]
+        self.gen = torch.Generator().manual_seed(1)
+
+    def step(self) -> None:
+        self.t += 1
+        (b1, b2), t = BETAS, self.t
+        for p, m, v in zip(self.params, self.m, self.v):
+            flat_p, flat_m, flat_v = p.view(-1), m.view(-1), v.view(-1)
+            for s in range(0, flat_p.numel(), CHUNK):
+                g = torch.randn(min(CHUNK, flat_p.numel() - s), generator=self.gen)
+                mc = flat_m[s : s + CHUNK].float().mul_(b1).add_(g, alpha=1 - b1)
+                vc = flat_v[s : s + CHUNK].float().mul_(b2).addcmul_(g, g, value=1 - b2)
+                flat_m[s : s + CHUNK], flat_v[s : s + CHUNK] = mc, vc
+                denom = vc.div_(1 - b2**t).sqrt_().add_(EPS)
+                pc = flat_p[s : s + CHUNK]
+                pc.mul_(1 - self.lr * WEIGHT_DECAY).addcdiv_(mc, denom, value=-self.lr / (1 - b1**t))
+
+
+def bare_cast_s(params: list[torch.Tensor], buffer: torch.Tensor) -> float:
+    """Seconds to cast every parameter to bf16 (one reused buffer: the cast, no allocation)."""
+    t0 = time.perf_counter()
+    for p in params:
+        buffer[: p.numel()].view(p.shape).copy_(p)
+    return time.perf_counter() - t0
+
+
+def trainer(cfg: dict) -> dict:
+    """Train ``cfg['steps']`` steps, publishing each; returns the figures."""
+    from rlsync.bucket import LocalBucket
+    from rlsync.protocol import FixedInterval, Publisher
+    from rlsync.trl import BucketWeightTransfer
+
+    model = build_model(cfg["config"])
+    folder = Path(cfg["model_dir"])
+    if not (folder / "config.json").exists():
+        save_replica_model(model, folder)
+    params = [p for _, p in model.named_parameters()]
+    rule = AdamWRule(params, cfg["lr"])
+    buffer = torch.empty(max(p.numel() for p in params), dtype=torch.bfloat16)
+    transfer = BucketWeightTransfer(publisher=Publisher(LocalBucket(cfg["bucket"]), codec=cfg["codec"], policy=FixedInterval(1000)))
+    transfer.init_weight_transfer()
+    steps = []
+    transfer.send_weights(iter(model.state_dict().items()))  # version 0: the anchor
+    for _ in range(cfg["steps"]):
+        t0 = time.perf_counter()
+        rule.step()
+        compute_s = time.perf_counter() - t0
+        cast_s = bare_cast_s(params, buffer)
+        t1 = time.perf_counter()
+        transfer.send_weights(iter(model.state_dict().items()))
+        stall_s = time.perf_counter() - t1
+        steps.append({"compute_s": compute_s, "cast_s": cast_s, "stall_s": stall_s, "wait_s": transfer.background.wait_s})
+    transfer.flush()
+    records = [
+        {"step": r.step, "kind": r.kind, "nbytes": r.nbytes, "changed": r.changed, "total": r.total,
+         "encode_s": r.encode_s, "hash_s": r.hash_s, "upload_s": r.upload_s} for r in transfer.records
+    ]  # fmt: skip
+    return {"steps": steps, "records": records, "coalesced": transfer.background.coalesced, "peak_rss": peak_rss()}
+
+
+def replica(cfg: dict) -> dict:
+    """Follow the bucket with a transformers replica; returns the figures of every update."""
+    import safetensors.torch
+
+    from rlsync.bucket import LocalBucket
+    from rollout_space.config import ReplicaConfig
+    from rollout_space.engines.transformers_engine import TransformersEngine
+    from rollout_space.replica import Replica
+
+    bucket = LocalBucket(cfg["bucket"])
+    engine = TransformersEngine(cfg["model_dir"], device="cpu")
+    rep = Replica(ReplicaConfig(bucket=cfg["bucket"], model=cfg["model_dir"], engine="transformers", device="cpu"), bucket, engine)
+    updates = []
+    while True:
+        cpu = time.process_time()
+        update = rep.subscriber.fetch()  # download, decode and validate: CPU time of all threads, as the machine is shared
+        cpu = time.process_time() - cpu
+        if update is None:
+            break
+        rep.slot.put(update)
+        assert rep.apply_pending(), f"update {update.step} refused"
+        row = {"step": update.step, "kind": update.kind, "nbytes": update.nbytes, "decode_s": update.decode_s,
+               "fetch_cpu_s": cpu, "pause_s": rep.syncs[-1]["idle_s"]}  # fmt: skip
+        if update.kind == "delta":  # the engine's bare scatter of the same patch (the values are already there)
+            t0 = time.perf_counter()
+            engine.apply_patches(update.patches or {})
+            row["scatter_s"] = time.perf_counter() - t0
+        updates.append(row)
+    from rlsync.hashing import state_hash
+
+    engine_bit_exact = state_hash(engine.state_dict()) == rep.subscriber.state_hash  # each tensor once, as hashed
+    anchor = rep.subscriber.manifest.anchors[-1]
+    t0 = time.perf_counter()  # a whole-state load and copy: the anchor's files into the engine
+    state = {}
+    for f in anchor.files:
+        state.update(safetensors.torch.load_file(bucket.root / f.key))
+    engine.load_state(state)
+    load_copy_s = time.perf_counter() - t0
+    return {"updates": updates, "load_copy_s": load_copy_s, "engine_bit_exact": engine_bit_exact, "peak_rss": peak_rss()}
+
+
+def run_role(role: str, cfg: dict) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.scale_sync", "--role", role, "--cfg", json.dumps(cfg)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if out.returncode:
+        raise RuntimeError(f"{role} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def summarize(codec: str, lr: float, measured: int, trained: dict, followed: dict) -> dict:
+    deltas = [r for r in trained["records"] if r["kind"] == "delta"][-measured:]
+    steps = trained["steps"][-measured:]
+    applied = {u["step"]: u for u in followed["updates"]}
+    mine = [applied[r["step"]] for r in deltas if r["step"] in applied]
+    changed = statistics.mean(r["changed"] for r in deltas)
+    return {
+        "lr": lr, "codec": codec, "changed_pct": 100 * changed / deltas[0]["total"],
+        "nbytes": statistics.mean(r["nbytes"] for r in deltas), "bytes_per_changed": statistics.mean(r["nbytes"] / r["changed"] for r in deltas),
+        "stall_s": min(s["stall_s"] for s in steps), "cast_s": min(s["cast_s"] for s in steps),
+        "publish_s": min(r["encode_s"] + r["hash_s"] + r["upload_s"] for r in deltas),
+        "decode_s": min(u["decode_s"] for u in mine), "fetch_cpu_s": min(u["fetch_cpu_s"] for u in mine),
+        "pause_s": min(u["pause_s"] for u in mine),
+        "scatter_s": min(u["scatter_s"] for u in mine), "load_copy_s": followed["load_copy_s"],
+        "anchor_bytes": trained["records"][0]["nbytes"], "trainer_rss": trained["peak_rss"], "replica_rss": followed["peak_rss"],
+        "coalesced": trained["coalesced"], "params": deltas[0]["total"], "bit_exact": followed["engine_bit_exact"],
+    }  # fmt: skip
+
+
+def print_table(rows: list[dict]) -> None:
+    gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
+    print("| lr (changed) | codec | bytes | B/changed | trainer stall / bf16 cast | decode (CPU of all threads) | replica pause / bare scatter / load+copy | peak RSS trainer / replica |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['lr']:g} ({r['changed_pct']:.2f}%) | {r['codec']} | {r['nbytes'] / 1e6:.1f} MB | {r['bytes_per_changed']:.2f} "
+            f"| {r['stall_s']:.2f} s / {r['cast_s']:.2f} s ({r['stall_s'] / r['cast_s']:.2f}x) | {r['decode_s']:.2f} s ({r['fetch_cpu_s']:.2f} s) "
+            f"| {r['pause_s']:.2f} s / {r['scatter_s']:.2f} s ({r['pause_s'] / r['scatter_s']:.1f}x) / {r['load_copy_s']:.2f} s "
+            f"| {gb(r['trainer_rss'])} / {gb(r['replica_rss'])} |"
+        )
+    for r in rows[:1]:
+        changed = r["nbytes"] / r["bytes_per_changed"]
+        print(
+            f"| every version an anchor | snapshot | {r['anchor_bytes'] / 1e6:.1f} MB | {r['anchor_bytes'] / changed:.1f} "
+            f"| as above | (a load) | {r['load_copy_s']:.2f} s (load + copy) | |"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--model", choices=sorted(MODELS), help="a real model's dimensions")
+    size.add_argument("--params", type=float, help="a smaller Qwen3 of about this many parameters")
+    parser.add_argument("--codecs", default="classrice,gapzz,trl")
+    parser.add_argument("--lrs", default="1e-6,3e-6", help="learning rates; codecs other than the first run at the first only")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps, each published")
+    parser.add_argument("--measure", type=int, default=3, help="last steps measured (best of)")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--role", choices=["trainer", "replica"], help=argparse.SUPPRESS)
+    parser.add_argument("--cfg", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.role:
+        print(json.dumps((trainer if args.role == "trainer" else replica)(json.loads(args.cfg))))
+        return
+    config = model_config(args.model, args.params or (None if args.model else 30e6))
+    codecs, lrs = args.codecs.split(","), [float(x) for x in args.lrs.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="rlsync-scale-sync-"))
+    rows = []
+    try:
+        for lr in lrs:
+            for codec in codecs if lr == lrs[0] else codecs[:1]:
+                cfg = {"config": config, "model_dir": str(work / "model"), "bucket": str(work / f"{codec}-{lr:g}"),
+                       "codec": codec, "lr": lr, "steps": args.steps}  # fmt: skip
+                trained = run_role("trainer", cfg)
+                followed = run_role("replica", cfg)
+                shutil.rmtree(cfg["bucket"], ignore_errors=True)
+                rows.append(summarize(codec, lr, args.measure, trained, followed))
+                if not rows[-1]["bit_exact"]:
+                    raise SystemExit(f"{codec}: the replica's engine weights differ from the published state")
+                print(json.dumps(rows[-1]), file=sys.stderr)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"model: Qwen3 ({rows[0]['params'] / 1e6:.0f}M parameters) {json.dumps(config)}")
+    print_table(rows)
+    if args.json:
+        args.json.write_text(json.dumps({"config": config, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
