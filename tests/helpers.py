@@ -86,3 +86,18 @@ def bf16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def files_under(root: Path) -> dict[str, bytes]:
     """Every file below ``root`` with its bytes: compare before and after to show nothing was written."""
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def parse_module(path) -> "ast.Module":
+    """``ast.parse`` of the file at ``path``, tried again on CPython 3.11's ``SystemError: AST constructor
+    recursion depth mismatch`` (its ``ast`` keeps the recursion depth in global state: a parse racing
+    another thread's parse, e.g. of a role a previous test left running, fails spuriously)."""
+    import ast
+
+    for attempt in range(5):
+        try:
+            return ast.parse(path.read_text(), filename=str(path))
+        except SystemError:
+            if attempt == 4:
+                raise
+    raise AssertionError("unreachable")

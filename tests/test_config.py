@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from rlsync.config import from_env, settings_table
+from tests.helpers import parse_module
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = ROOT / "shared" / "rlsync"
@@ -29,7 +30,7 @@ ENTRY_POINTS = {
 
 def environment_reads(path: Path) -> list[str]:
     """``file:line`` of every read of the environment in ``path`` (writing a variable is not a read)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = parse_module(path)
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     found: list[tuple[int, str]] = []
     for node in ast.walk(tree):

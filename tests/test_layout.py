@@ -12,6 +12,8 @@ import ast
 import os
 from pathlib import Path
 
+from tests.helpers import parse_module
+
 ROOT = Path(__file__).resolve().parent.parent
 #: Top-level packages of the project (tests/ is checked for cycles too, but may import anything).
 PACKAGES = ("shared/rlsync", "env_space", "rollout_space", "trainer_space", "benchmarks", "testing", "tests")
@@ -46,7 +48,7 @@ def imported_names(path: Path, name: str) -> set[str]:
     """
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(parse_module(path)):
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
