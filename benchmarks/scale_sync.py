@@ -128,7 +128,7 @@ def trainer(cfg: dict) -> dict:
     params = [p for _, p in model.named_parameters()]
     rule = AdamWRule(params, cfg["lr"])
     buffer = torch.empty(max(p.numel() for p in params), dtype=torch.bfloat16)
-    transfer = BucketWeightTransfer(publisher=Publisher(LocalBucket(cfg["bucket"]), codec=cfg["codec"], policy=FixedInterval(1000)))
+    transfer = BucketWeightTransfer(publisher=Publisher(LocalBucket(cfg["bucket"]), codec=cfg["codec"], policy=FixedInterval(1000)), background=True)
     transfer.init_weight_transfer()
     steps = []
     transfer.send_weights(iter(model.state_dict().items()))  # version 0: the anchor

@@ -11,7 +11,6 @@ import os
 import socket
 
 from rlsync.spaces.settings import from_env
-from rlsync.spaces.tiny_model import is_tiny_model
 
 TINY_MODEL_MAX_NEW_TOKENS, REAL_MODEL_MAX_NEW_TOKENS = 8, 64  # the CPU demo's answers are short; a chat model's are not
 
@@ -53,5 +52,7 @@ class ReplicaConfig:
     def with_model_defaults(self, device: str) -> "ReplicaConfig":
         """``max_new_tokens`` left at 0 takes the default of the model that will run (the same for a Space made
         by the deploy command or duplicated by hand)."""
+        from rlsync.spaces.tiny_model import is_tiny_model  # torch: not at import (--help stays light)
+
         tiny = is_tiny_model(self.model, device)
         return dataclasses.replace(self, max_new_tokens=self.max_new_tokens or (TINY_MODEL_MAX_NEW_TOKENS if tiny else REAL_MODEL_MAX_NEW_TOKENS))

@@ -129,7 +129,7 @@ def test_a_failed_background_publish_is_raised_by_the_next_stage_and_flush(gated
 def test_a_non_finite_background_publish_reaches_on_non_finite_at_the_next_send(gated):
     master = master_state()
     refused = []
-    transfer = BucketWeightTransfer(publisher=Publisher(gated, policy=FixedInterval(100)), on_non_finite=refused.append)
+    transfer = BucketWeightTransfer(publisher=Publisher(gated, policy=FixedInterval(100)), on_non_finite=refused.append, background=True)
     transfer.send_weights(iter(master.items()))
     transfer.flush()
     master["model.norm.weight"][3] = float("nan")
@@ -163,7 +163,7 @@ KILLED_TRAINER = textwrap.dedent('''
             self.inner.put(key, data)
 
     master = master_state()
-    transfer = BucketWeightTransfer(publisher=Publisher(Slow(LocalBucket(sys.argv[1])), owner="t", policy=FixedInterval(100)))
+    transfer = BucketWeightTransfer(publisher=Publisher(Slow(LocalBucket(sys.argv[1])), owner="t", policy=FixedInterval(100)), background=True)
     transfer.send_weights(iter(master.items()))
     rl_step(master, 0)
     transfer.send_weights(iter(master.items()))
@@ -195,7 +195,7 @@ def test_a_trainer_killed_during_a_background_publish_leaves_the_previous_versio
     master = master_state()  # the restarted trainer (from its checkpoint) continues the chain
     rl_step(master, 0)
     rl_step(master, 1)
-    again = BucketWeightTransfer(publisher=Publisher(bucket, owner="t", policy=FixedInterval(100)), resume_from_checkpoint="ckpt")
+    again = BucketWeightTransfer(publisher=Publisher(bucket, owner="t", policy=FixedInterval(100)), resume_from_checkpoint="ckpt", background=True)
     again.init_weight_transfer()
     assert again.version == 1
     again.send_weights(iter(master.items()))

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 from rlsync.defaults import DEFAULT_ANCHOR_INTERVAL, DEFAULT_CODEC, DEFAULT_MAX_CATCHUP_RATIO
 from rlsync.spaces.settings import from_env
-from rlsync.spaces.tiny_model import is_tiny_model
 
 if TYPE_CHECKING:
     from rlsync.adapters import LoraSpec
@@ -84,6 +83,8 @@ class TrainerConfig:
         """``lr`` and ``adam_epsilon`` left at 0 take the defaults of the model that will train: the CPU
         demo's for the tiny offline model, conservative ones for a real model (e.g. Qwen3-0.6B on a GPU);
         a LoRA run (``lora_rank``) has its own."""
+        from rlsync.spaces.tiny_model import is_tiny_model  # torch: not at import (--help stays light)
+
         tiny = is_tiny_model(self.model, device)
         lr, eps = (TINY_MODEL_LR, TINY_MODEL_ADAM_EPSILON) if tiny else (REAL_MODEL_LR, REAL_MODEL_ADAM_EPSILON)
         if self.lora_rank:

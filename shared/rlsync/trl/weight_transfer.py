@@ -70,8 +70,8 @@ class BucketWeightTransfer:
             is also quantized from its bf16 bits as each tensor streams past, and published to
             that chain under the same version number. It continues or starts its run as the bf16
             chain does.
-        background: Publish on a worker thread (a send stalls only to cast the weights);
-            ``False`` publishes within the send, streaming tensor by tensor (so does a run
+        background: Publish on a worker thread (a send stalls only to cast the weights; opt-in:
+            the trainer Space and ``BucketSync`` still publish within the send). ``False`` publishes within the send, streaming tensor by tensor (so does a run
             with an ``fp8`` chain, quantized as the tensors stream past).
 
     Runs: on an empty bucket the first send is version 0 of a new run. On a bucket that already
@@ -93,7 +93,7 @@ class BucketWeightTransfer:
         new_run: bool = False,
         layout: CheckpointLayout | None = None,
         fp8: Publisher | None = None,
-        background: bool = True,
+        background: bool = False,
     ) -> None:
         if publisher is None:
             if bucket is None:
