@@ -90,10 +90,8 @@ class FlowControl(TrainerCallback):
             self.compute_s = compute if self.compute_s is None else 0.7 * self.compute_s + 0.3 * compute
 
     def demand(self) -> Demand | None:
-        """The demand now (``None`` before the first publish). Its version is the newest *published* one:
-        a version sent to the background publisher is not in the bucket yet, and the env and replicas
-        refuse a demand naming a version newer than the pointer's."""
-        version = self.transfer.publisher.step
+        """The demand now (``None`` before the first publish)."""
+        version = self.transfer.version
         if version is None:
             return None
         target = target_in_flight(self.batch_size, self.max_staleness, self.compute_s, self.worker.latency_s)
