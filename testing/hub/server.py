@@ -121,7 +121,7 @@ class HubServer:
 
     def __init__(self, root: Path, page_size: int = 100) -> None:
         self.root = Path(root)
-        self.page_size = page_size
+        self._default_page_size = page_size
         self._lock = threading.Lock()
         self._release = threading.Event()
         self._changed = threading.Condition(self._lock)
@@ -136,9 +136,11 @@ class HubServer:
     # -- test controls ---------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Forget buckets, faults, tokens and recorded requests; release stalled requests."""
+        """Forget buckets, faults, tokens, recorded requests and test settings (the page size); release
+        stalled requests."""
         self._release.set()
         with self._lock:
+            self.page_size = self._default_page_size
             self.buckets: dict[str, dict[str, dict]] = {}
             self.faults: dict[str, list[Fault]] = {"api": [], "token": [], "storage": []}
             self.requests: list[Request] = []
