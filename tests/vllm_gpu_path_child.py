@@ -1,4 +1,4 @@
-"""The vLLM GPU code path, run on CPU in child processes for tests/test_vllm_gpu_path.py.
+"""The vLLM GPU code path, run on CPU in child processes for tests/library/vllm/test_vllm_gpu_path.py.
 
 ``python -m tests.vllm_gpu_path_child SPEC.json`` starts ``world_size`` ranks (gloo, tensor
 parallel). Each rank builds vLLM's model class directly (``initialize_model`` + ``load_weights``,
