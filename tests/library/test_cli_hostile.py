@@ -21,7 +21,7 @@ from tests.hostile_files import INSPECTABLE, make_buckets, make_patches
 ROOT = Path(__file__).resolve().parents[2]
 ADDRESS_SPACE_LIMIT = 3 << 30  # the child dies with MemoryError rather than taking the machine
 PEAK_RSS_CEILING = 1 << 30  # bytes above the imported libraries, over all calls together
-CALL_SECONDS_CEILING = 20.0  # any single call; the quadratic cases took 25 s to hours
+CALL_SECONDS_CEILING = 20.0  # CPU seconds of any single call (not wall time: a loaded machine is not a hostile file); the quadratic cases took 25 s to hours
 CHILD_TIMEOUT_S = 300
 
 DRIVER = textwrap.dedent(
@@ -35,14 +35,14 @@ DRIVER = textwrap.dedent(
     for argv in json.loads(sys.stdin.read()):
         out, err = io.StringIO(), io.StringIO()
         logging.getLogger().handlers.clear()  # main() configures logging to this call's stderr
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 rc = main(argv)
             except SystemExit as exc:
                 rc = exc.code
         results.append({{"argv": argv, "rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue(),
-                         "seconds": time.perf_counter() - t0}})
+                         "seconds": time.process_time() - t0}})
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({{"results": results, "peak_rss": peak, "imported_rss": imported}}))
     """
