@@ -44,7 +44,8 @@ class TrackioSyncFigures(TrainerCallback):
     """Logs each publish's :func:`sync_figures` to the current Trackio run.
 
     Pass :meth:`record` as :class:`~rlsync.trl.BucketWeightTransfer`'s ``on_publish`` and
-    :meth:`sent` as its ``on_send`` (or call them from yours) and add the callback to a trainer created with ``report_to="trackio"``.
+    :meth:`sent` as its ``on_send`` (or call them from yours) and add the callback to a trainer created
+    with ``report_to="trackio"``.
     Publishes made before the run starts (the initial anchor) are kept and logged once it
     does; the callback must come before transformers' ``TrackioCallback`` so that the final
     publish (:class:`~rlsync.trl.FinalWeightSync`, at train end) is logged before the run is
