@@ -106,7 +106,25 @@ def run_case(case: dict[str, Any], world_size: int) -> dict[str, Any]:
         }
         if case.get("check_skip"):
             result["skip_caught"] = _skipped_tensor_is_caught(model, weights, *last_patch)
+    if world_size == 1:
+        result["views"] = _follow_in_views(case, weights)
     return result
+
+
+def _follow_in_views(case: dict[str, Any], weights) -> dict[str, Any]:
+    """The ``bucket`` backend's GPU path: a Subscriber writing the model's own tensors (``ModelWeights.views``),
+    following the bucket again from its anchor; after each update the weights read back must hash equal to
+    the subscriber's verified state, which then is the model's (no copy)."""
+    from rlsync.bucket import LocalBucket
+    from rlsync.protocol import Subscriber
+
+    views = weights.views()
+    sub = Subscriber(LocalBucket(case["bucket"]), weights=views)
+    equal = []
+    while (update := sub.fetch()) is not None:
+        sub.apply(update)
+        equal.append(weights.lanes().hexdigest() == sub.state_hash)
+    return {"all_viewed": sorted(views) == weights.checkpoint_names, "equal": equal}
 
 
 def run_rank(rank: int, spec: dict[str, Any]) -> None:

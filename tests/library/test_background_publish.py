@@ -18,34 +18,13 @@ import pytest
 import torch
 
 from rlsync.bucket import LocalBucket
-from rlsync.bucket.base import BucketWrapper
 from rlsync.hashing import state_hash
 from rlsync.protocol import FixedInterval, Publisher, Subscriber, read_manifest
 from rlsync.protocol.background import BackgroundPublisher
-from rlsync.layout import DELTA_PREFIX
 from rlsync.trl import BucketWeightTransfer
-from tests.helpers import bf16, master_state, rl_step
+from tests.helpers import GatedBucket, bf16, master_state, rl_step
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class GatedBucket(BucketWrapper):
-    """Delta uploads wait until :attr:`gate` is set (a slow upload); ``fail`` makes them raise."""
-
-    def __init__(self, inner) -> None:
-        super().__init__(inner)
-        self.gate = threading.Event()
-        self.gate.set()
-        self.waiting = threading.Event()
-        self.fail: Exception | None = None
-
-    def put(self, key: str, data: bytes) -> None:
-        if key.startswith(DELTA_PREFIX):
-            self.waiting.set()
-            self.gate.wait(60)
-            if self.fail is not None:
-                raise self.fail
-        self.inner.put(key, data)
 
 
 @pytest.fixture

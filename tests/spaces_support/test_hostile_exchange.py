@@ -346,13 +346,16 @@ def test_trainer_restores_published_weights_instead_of_publishing_poison(tmp_pat
     trainer = Trainer(TrainerConfig(bucket=str(tmp_path / "bucket"), device="cpu"), bucket)
     trainer.prepare()
     trainer.trl._sync_weight()  # TRL's weight sync: version 0
+    trainer.transfer.flush()  # published in the background
     params = dict(trainer.trl.model.named_parameters())
     names = trainer.publisher.detector.published.keys()
     published = state_hash({n: params[n].detach().to(torch.bfloat16) for n in names})
     with torch.no_grad():
         params[next(iter(names))].view(-1)[:10] = float("nan")
-    trainer.trl._sync_weight()  # refused: nothing published
-    assert trainer.transfer.non_finite_refused == 1 and trainer.version == 0
+    trainer.trl._sync_weight()  # refused in the background: nothing published
+    trainer.transfer.flush()  # the refusal reaches on_non_finite here (or at the next send)
+    assert trainer.transfer.non_finite_refused == 1 and trainer.version == 0 == trainer.transfer.version
     assert state_hash({n: params[n].detach().to(torch.bfloat16) for n in names}) == published
     trainer.trl._sync_weight()  # still alive: publishes the restored weights
+    trainer.transfer.flush()
     assert trainer.version == 1

@@ -162,6 +162,10 @@ def test_bucket_weight_transfer_backend(engine, followed, published, model_dir):
         bucket_backend_update(llm, step)
         assert engine.state_hash() == records[-1 if step is None else step].state_hash
     assert engine.generate(PROMPTS, GREEDY) == followed["after"]
+    # the model's weights are the backend's state: on CPU only the prepacked modules keep a copy
+    memory = llm.collective_rpc("sync_transfer_memory")[0]
+    model_bytes = sum(t.numel() * t.element_size() for t in load_file(str(model_dir / "model.safetensors")).values())
+    assert memory["in_place"] > 0 and 0 < memory["copied_bytes"] < model_bytes, memory
 
 
 def test_plan_update_splits_in_place_patches_from_whole_module_reloads():
