@@ -75,6 +75,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture(scope="module")
+def vllm_cpu_env():
+    """The environment of an offline ``vllm.LLM`` on vLLM's CPU build in this process: no thread binding, no
+    TorchDynamo, no general plugins, no Hub."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        mp.setenv("TORCHDYNAMO_DISABLE", "1")
+        mp.setenv("VLLM_PLUGINS", "")
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        yield
+
+
 @pytest.fixture
 def bucket(tmp_path):
     """An empty local bucket."""

@@ -35,17 +35,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-@pytest.fixture(scope="module")
-def cpu_env():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        mp.setenv("TORCHDYNAMO_DISABLE", "1")
-        mp.setenv("VLLM_PLUGINS", "")
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        yield
-
-
-def test_a_vllm_replica_follows_the_fp8_chain_bit_exact_and_refuses_a_hostile_scale(cpu_env, tmp_path):
+def test_a_vllm_replica_follows_the_fp8_chain_bit_exact_and_refuses_a_hostile_scale(vllm_cpu_env, tmp_path):
     from rlsync.trl import BucketWeightTransfer
     from rollout_space.engine import SamplingSettings
     from rollout_space.engines.vllm_engine import VllmEngine
