@@ -19,7 +19,7 @@ from rlsync.spaces.exchange import get_json
 from rlsync.spaces.tiny_model import TinyModel, tiny_model_path
 from tests.helpers import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
 
 
