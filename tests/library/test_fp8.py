@@ -22,7 +22,7 @@ from rlsync.errors import ChainError, FormatError
 from rlsync.hashing import state_hash
 from rlsync.protocol import FixedInterval, Publisher, Subscriber
 from rlsync.spaces.tiny_model import build_tiny_model
-from tests.helpers import sparse_rl_step
+from tests.helpers import hostile_fp8_chain, sparse_rl_step
 
 DELTAS = 4
 
@@ -129,18 +129,6 @@ def read_metadata(bucket) -> dict:
     return dict(read_manifest(fp8_bucket(bucket)).metadata)
 
 
-def hostile_chain(bucket, state: dict[str, torch.Tensor], name: str, value) -> dict[str, torch.Tensor]:
-    """A publisher that writes whatever it is given (as an attacker with write access would): version 0 the
-    trainer's quantization, version 1 the same with ``value`` at one element of ``name``; its hashes consistent."""
-    pub = Publisher(fp8_bucket(bucket), dtype=None, metadata=chain_metadata(), policy=FixedInterval(100), allow_non_finite=True)
-    pub.publish(0, state)
-    bad = {n: t.clone() for n, t in state.items()}
-    flat = bad[name].reshape(-1)
-    flat[1] = value if not isinstance(value, int) else torch.tensor([value], dtype=torch.uint8).view(FP8_DTYPE)[0]
-    pub.publish(1, bad)
-    return bad
-
-
 @pytest.mark.parametrize(
     "value",
     [float("nan"), float("inf"), 0.0, -MIN_SCALE, MIN_SCALE / 2, MAX_SCALE * 4, 0x7F],
@@ -152,7 +140,7 @@ def test_a_hostile_fp8_delta_is_refused_before_it_is_applied(tiny_state, tmp_pat
     weight = "model.layers.0.mlp.down_proj.weight"
     name = weight if isinstance(value, int) else weight[: -len("weight")] + SCALE_SUFFIX
     bucket = LocalBucket(tmp_path)
-    hostile_chain(bucket, state, name, value)
+    hostile_fp8_chain(bucket, state, name, value)
     replica = fp8_subscriber(bucket)
     replica.apply(replica.fetch())  # version 0 is good
     before = {n: t.clone() for n, t in replica.state.items()}

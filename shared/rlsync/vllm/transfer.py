@@ -43,9 +43,14 @@ newest step, reset the prefix cache, resume). ``--weight-transfer-config`` accep
 only ``backend`` (vLLM's config forbids extra keys), so the bucket URL comes from
 ``init_info`` (``{"bucket": URL}``) or, by default, ``$ROLLOUT_BUCKET``.
 
+FP8 serving: a server started from a block-FP8 checkpoint (:func:`rlsync.fp8.write_fp8_checkpoint` of the
+bf16 model) follows the trainer's FP8 chain (``fp8/``) with ``init_info`` ``{"chain": "fp8"}`` (default
+``$ROLLOUT_CHAIN``; :class:`BucketSyncClient` ``chain=Chain.FP8``): its e4m3 weights and block scales are
+the trainer's, bit for bit, and every value is checked before it is applied (:func:`rlsync.fp8.fp8_subscriber`).
+
 Environment. :meth:`BucketWeightTransferEngine.init_transfer_engine` is this plug-in's entry point
 (vLLM builds the engine; nothing passes it settings): it is the one place of the library, with the
-``rlsync`` command, that reads the environment, ``$ROLLOUT_BUCKET`` and the bucket's settings
+``rlsync`` command, that reads the environment, ``$ROLLOUT_BUCKET``, ``$ROLLOUT_CHAIN`` and the bucket's settings
 (:meth:`~rlsync.bucket.settings.BucketSettings.from_env` for the ``rollout`` role).
 """
 
@@ -65,6 +70,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rlsync.bucket import Bucket, BucketSettings, open_bucket
+from rlsync.fp8 import Chain
 from rlsync.protocol import Subscriber
 
 from .plugin import BACKEND_NAME, register
@@ -79,6 +85,8 @@ WORKER_EXTENSION = f"{SyncWorkerExtension.__module__}.{SyncWorkerExtension.__qua
 
 #: Environment variable holding the default bucket URL.
 BUCKET_ENV = "ROLLOUT_BUCKET"
+#: Environment variable holding the default chain (``bf16`` or ``fp8``, :class:`~rlsync.fp8.Chain`).
+CHAIN_ENV = "ROLLOUT_CHAIN"
 
 
 @dataclasses.dataclass
@@ -88,10 +96,14 @@ class BucketInitInfo(WeightTransferInitInfo):
     Attributes:
         bucket: Bucket URL or path (default ``$ROLLOUT_BUCKET``).
         workdir: Scratch folder for anchor downloads.
+        chain: The chain to follow, a :class:`~rlsync.fp8.Chain` value (default ``$ROLLOUT_CHAIN``, else
+            ``bf16``); ``fp8`` needs a server started from a block-FP8 checkpoint
+            (:func:`~rlsync.fp8.write_fp8_checkpoint`).
     """
 
     bucket: str = ""
     workdir: str | None = None
+    chain: str = ""
 
 
 @dataclasses.dataclass
@@ -116,6 +128,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         super().__init__(config, vllm_config, device, model)
         self.subscriber: Subscriber | None = None
         self._bucket: Bucket | None = None
+        self._chain = Chain.BF16
         self._workdir: str | None = None
         self._weights: ModelWeights | None = None
         self._views: dict[str, torch.Tensor] = {}  # the model's own tensors the subscriber writes
@@ -125,16 +138,18 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         """Open the bucket (the subscriber starts at the first update, on the model's weights).
 
         Raises:
-            ValueError: No bucket URL given and ``$ROLLOUT_BUCKET`` is unset.
+            ValueError: No bucket URL given and ``$ROLLOUT_BUCKET`` is unset, or an unknown chain.
         """
         url = init_info.bucket or os.environ.get(BUCKET_ENV, "")
         if not url:
             raise ValueError(f"bucket backend: pass init_info={{'bucket': URL}} or set ${BUCKET_ENV}")
+        chain = Chain(init_info.chain or os.environ.get(CHAIN_ENV) or Chain.BF16.value)
+        self._chain = chain
         self._bucket = open_bucket(url, settings=BucketSettings.from_env("rollout"))
         self._workdir = init_info.workdir
         self.subscriber = None
         self._diverged = True  # the model holds the checkpoint it started from, not a bucket state
-        logger.info("bucket weight transfer: following %s", url)
+        logger.info("bucket weight transfer: following the %s chain of %s", chain.value, url)
 
     def _subscriber(self, weights: ModelWeights) -> Subscriber:
         """The subscriber, writing into the model's own tensors where they are views of checkpoint
@@ -150,7 +165,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
             logger.warning("bucket weight transfer: the model's tensors were replaced: starting again from an anchor")
         assert self._bucket is not None
         copies = weights.read([n for n in weights.checkpoint_names if n not in views])  # prepacked, sharded, quantized
-        self.subscriber = Subscriber(self._bucket, workdir=self._workdir, weights={**views, **copies})
+        self.subscriber = self._chain.subscriber(self._bucket, workdir=self._workdir, weights={**views, **copies})
         self._views = views
         self._diverged = True
         logger.info("bucket weight transfer: %d tensors written in place, %d kept as a copy", len(views), len(copies))
@@ -255,6 +270,7 @@ class BucketSyncClient:
         reset_attempts: Calls of ``/reset_prefix_cache`` before giving up (vLLM refuses
             while blocks are still held, and says callers may retry).
         settings: The bucket's Hub settings (default: the library defaults).
+        chain: The chain the server follows (``fp8``: a server started from a block-FP8 checkpoint).
     """
 
     def __init__(
@@ -266,12 +282,14 @@ class BucketSyncClient:
         timeout_s: float = 600.0,
         reset_attempts: int = 5,
         settings: BucketSettings | None = None,
+        chain: Chain = Chain.BF16,
     ) -> None:
         import httpx
 
         self.reset_attempts = max(1, reset_attempts)
         self.bucket_url = bucket
-        self.bucket = open_bucket(bucket, settings=settings)
+        self.chain = Chain(chain)
+        self.bucket = self.chain.bucket(open_bucket(bucket, settings=settings))
         self.verify = verify
         self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s)
         self.step: int | None = None
@@ -328,7 +346,7 @@ class BucketSyncClient:
         if manifest is None or manifest.step == self.step:
             return self.step
         if not self._initialized:
-            self._post("/init_weight_transfer_engine", json={"init_info": {"bucket": self.bucket_url}})
+            self._post("/init_weight_transfer_engine", json={"init_info": {"bucket": self.bucket_url, "chain": self.chain.value}})
             self._initialized = True
         self._post("/pause", params={"mode": "wait"})
         try:

@@ -46,6 +46,10 @@ same names), so read-back and the state hash work at any TP size.
 Quantized modules (fp8 and other non-"unquantized" methods, fused MoE experts) and non-float
 tensors are never patched in place (a bf16 value written into an fp8 weight without its scale
 would be wrong; vLLM's sparse loader refuses non-float tensors): they take the reload path.
+A model loaded from a block-FP8 checkpoint (the FP8 chain, :mod:`rlsync.fp8`) is updated that way:
+a delta's changed e4m3 bytes and block scales reload their modules' whole weights and scales
+(``*.weight_scale_inv``, checkpoint names like the weights), and reading back returns both as
+loaded: the e4m3 weight out of the CPU kernel's VNNI order (:mod:`.packing`), the scales as they are.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ from rlsync.patch import TensorPatch
 
 from .checkpoint import checkpoint_names_of
 from .experts import expert_location, read_expert, repack_experts
+from .packing import Packing, unpack
 from .tensor_parallel import gather_tensor_parallel, packed_part_sizes
 
 if TYPE_CHECKING:
@@ -461,6 +466,8 @@ class ModelWeights:
             module = self.model.get_submodule(path)
             if shard is not None:
                 sizes = packed_part_sizes(module)
+                if param != "weight" and (block := _block_shape(module)) is not None:  # block scales of a packed FP8 layer
+                    sizes = [-(-size // block[0]) for size in sizes]
                 start = sum(sizes[:shard])
                 full = full[start : start + sizes[shard]]
             out[name] = full.contiguous().clone()
@@ -475,6 +482,8 @@ class ModelWeights:
         lookup = isinstance(base, VocabParallelEmbedding) and not isinstance(base, ParallelLMHead)
         if param == "weight" and _is_prepacked(module) and not lookup:
             tensor = _read_through_kernel(module)
+        elif param == "weight" and _is_fp8_prepacked(module):
+            tensor = unpack(module.weight, Packing.FP8_LINEAR)
         else:
             tensor = getattr(module, param).detach()
         tensor = gather_tensor_parallel(module, getattr(module, param), tensor)
@@ -541,6 +550,23 @@ def _patchable_in_place(module: torch.nn.Module) -> bool:
 def _is_prepacked(module: torch.nn.Module) -> bool:
     """Whether vLLM's CPU backend serves this module from a prepacked kernel copy."""
     return callable(getattr(module, "cpu_linear", None))
+
+
+def _is_fp8_prepacked(module: torch.nn.Module) -> bool:
+    """Whether vLLM's CPU block-FP8 kernel (``CPUFp8BlockScaledMMKernel``) keeps this module's e4m3 weight in
+    its VNNI order (``convert_weight_packed``; the block scales stay as loaded)."""
+    kernel = getattr(getattr(module, "quant_method", None), "fp8_linear", None)
+    return (
+        type(kernel).__name__ == "CPUFp8BlockScaledMMKernel"
+        and not getattr(module, "_cpu_skip_gemm_dispatch", False)
+        and module.weight.dtype == torch.float8_e4m3fn
+    )
+
+
+def _block_shape(module: torch.nn.Module) -> tuple[int, int] | None:
+    """The ``(rows, columns)`` of a block-quantized module's scale blocks, ``None`` for other modules."""
+    block = getattr(getattr(module, "quant_method", None), "weight_block_size", None)
+    return (int(block[0]), int(block[1])) if block else None
 
 
 def _read_through_kernel(module: torch.nn.Module) -> torch.Tensor:

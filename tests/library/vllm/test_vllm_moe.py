@@ -34,23 +34,13 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cpu_env():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        mp.setenv("TORCHDYNAMO_DISABLE", "1")
-        mp.setenv("VLLM_PLUGINS", "")
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        yield
-
-
-@pytest.fixture(scope="module")
 def published(model_dir, tmp_path_factory):
     bucket = LocalBucket(tmp_path_factory.mktemp("bucket"))
     return bucket, publish_sparse_run(model_dir, bucket, DELTAS, seed=300)  # ~3% of every expert, router, norm
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
-def test_vllm_follows_moe_deltas_through_its_fused_experts_bit_exact(cpu_env, model_dir, published, tp):
+def test_vllm_follows_moe_deltas_through_its_fused_experts_bit_exact(vllm_cpu_env, model_dir, published, tp):
     from rollout_space.engines.vllm_engine import VllmEngine
 
     bucket, records = published

@@ -9,13 +9,7 @@ About 45 s on 2 cores (the server's start).
 
 from __future__ import annotations
 
-import os
 import shlex
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +24,7 @@ from rlsync.bucket import LocalBucket  # noqa: E402
 from rlsync.protocol import FixedInterval, Publisher  # noqa: E402
 from rlsync.spaces.tiny_model import tiny_model_path  # noqa: E402
 from rlsync.vllm.transfer import BucketSyncClient  # noqa: E402
-from tests.helpers import sparse_rl_step  # noqa: E402
+from tests.helpers import free_port, sparse_rl_step, vllm_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -49,56 +43,18 @@ def test_the_vllm_page_gives_the_cpu_command_this_test_runs():
     assert CPU_COMMAND in " ".join((ROOT / "docs" / "vllm.md").read_text().replace("\\\n", " ").split())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(server: subprocess.Popen, url: str, log: Path, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"vllm serve exited with {server.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    pytest.fail(f"vllm serve not ready after {timeout_s} s:\n{log.read_text()[-4000:]}")
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """A ``vllm serve`` process on 127.0.0.1 started with the README's CPU command; yields (url, model, bucket)."""
     root = tmp_path_factory.mktemp("serve")
     model = str(tiny_model_path(warmup=None))
     bucket = root / "bucket"
-    port = _free_port()
-    flags = shlex.split(CPU_FLAGS.replace("--port 8000", f"--port {port}"))
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", VLLM_SERVER_DEV_MODE="1", ROLLOUT_BUCKET=str(bucket))
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "shared"), env.get("PYTHONPATH", "")])
+    flags = shlex.split(CPU_FLAGS.replace("--port 8000", f"--port {free_port()}"))
     # a small KV cache and context: the tiny model needs no more, and 2 cores start it faster
     flags[flags.index("268435456")] = str(32 << 20)
     flags += ["--max-model-len", "128"]
-    log = root / "serve.log"
-    with log.open("wb") as out:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "rlsync.vllm.serve", model, *flags],
-            cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(server, url, log)
+    with vllm_server(model, bucket, root, flags) as url:
         yield url, model, bucket
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
 
 
 def _greedy(url: str, model: str) -> str:
