@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import tempfile
 from pathlib import Path
-from typing import Callable
 
 from huggingface_hub import BucketFile
 

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-from ..errors import BucketError, ObjectNotFoundError, ObjectTooLargeError
+from ..errors import ObjectNotFoundError, ObjectTooLargeError
 from ..supervised import SupervisedThread
 from .base import Bucket, BucketWrapper, ObjectInfo, validate_prefix
 from .watch_feed import ViewUpdater, change_info
