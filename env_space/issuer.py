@@ -60,12 +60,8 @@ class TaskIssuer:
         refusals: Refusals,
         summary: IntervalLog,
     ) -> None:
-        self.config = config
-        self.bucket = bucket
-        self.environment = environment
-        self.failures = failures
-        self.refusals = refusals
-        self.summary = summary
+        self.config, self.bucket, self.environment = config, bucket, environment
+        self.failures, self.refusals, self.summary = failures, refusals, summary  # shared with the simulator
         self.demand: Demand | None = None
         self.tasks_made = 0
         self.next_batch: int | None = None  # resumed from the bucket at the first publish
