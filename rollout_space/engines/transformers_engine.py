@@ -236,12 +236,9 @@ class TransformersEngine(Engine):
             KeyError: ``sampling.adapter`` names an adapter version that is not loaded.
         """
         with self._adapter(sampling.adapter):
-            return self._generate(prompts, sampling)
-
-    def _generate(self, prompts: list[str], sampling: SamplingSettings) -> list[list[Completion]]:
-        return generate_completions(
-            self.model, self.tokenizer, prompts, sampling, eos_ids=self._eos_ids, pad_id=self._pad_id, device=self.device
-        )
+            return generate_completions(
+                self.model, self.tokenizer, prompts, sampling, eos_ids=self._eos_ids, pad_id=self._pad_id, device=self.device
+            )
 
     def close(self) -> None:
         """Drop the model and tokenizer."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tests.helpers import parse_module
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MAX_CLASS_LINES = 250
 #: ``(path, class) -> lines it may have at most``: the classes over the bound, left to the sync issue
 #: (``Publisher``'s encode-and-commit vs run lock and epochs; ``Subscriber``, ``ShardedPublisher``; the

@@ -1,6 +1,6 @@
 """Every retrying caller uses the one policy of :mod:`rlsync.retry`: a local bucket's write that lost its folder
-to a concurrent delete, a verify replay that lost its files to retention (``tests/test_local_bucket_hostile.py``)
-and a refused prefix-cache reset of a vLLM server (``tests/test_vllm_sync_client.py``)."""
+to a concurrent delete, a verify replay that lost its files to retention (``tests/library/test_local_bucket_hostile.py``)
+and a refused prefix-cache reset of a vLLM server (``tests/library/vllm/test_vllm_sync_client.py``)."""
 
 from __future__ import annotations
 
