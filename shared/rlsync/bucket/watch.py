@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import logging
 import threading
 import time
@@ -43,7 +42,7 @@ from typing import Iterable
 from ..errors import ObjectNotFoundError, ObjectTooLargeError
 from ..supervised import SupervisedThread
 from .base import Bucket, BucketWrapper, ObjectInfo, validate_prefix
-from .watch_feed import ViewUpdater, change_info
+from .watch_feed import ViewUpdater, WatchMode, change_info
 
 __all__ = [
     "IDLE_WAIT_S", "WatchConfig", "WatchMode", "WatchedBucket", "generation", "hub_backend", "listing_error", "meter_of",
@@ -56,13 +55,6 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 30.0
 #: Objects up to this size read through :meth:`WatchedBucket.get_limited` are cached by hash.
 CACHE_MAX_BYTES = 1 << 20
-
-
-class WatchMode(str, enum.Enum):
-    """How a :class:`WatchedBucket` learns about changes."""
-
-    FEED = "feed"
-    POLL = "poll"
 
 
 @dataclasses.dataclass

@@ -4,21 +4,26 @@ Hub's events feed, else adaptive polling; and reading one untrusted feed change 
 
 from __future__ import annotations
 
+import enum
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..errors import BucketError, InvalidKeyError
 from .base import ObjectInfo, validate_key
 
-if TYPE_CHECKING:
-    from .watch import WatchedBucket
-
-__all__ = ["ViewUpdater", "change_info"]
+__all__ = ["ViewUpdater", "WatchMode", "change_info"]
 
 logger = logging.getLogger(__name__)
 
 #: A feed change's operations (``BucketFileChange.op``).
 _FEED_OPS = frozenset({"add", "update", "delete"})
+
+
+class WatchMode(str, enum.Enum):
+    """How a :class:`~rlsync.bucket.watch.WatchedBucket` learns about changes."""
+
+    FEED = "feed"
+    POLL = "poll"
 
 
 def change_info(
@@ -67,18 +72,16 @@ class ViewUpdater:
     then poll; its figures (``mode``, ``polls``, ``feed_errors``) are the watched bucket's.
 
     Args:
-        watched: The bucket whose view it keeps fresh.
+        watched: The :class:`~rlsync.bucket.watch.WatchedBucket` whose view it keeps fresh.
     """
 
-    def __init__(self, watched: WatchedBucket) -> None:
+    def __init__(self, watched: Any) -> None:
         self.watched = watched
         self.errors_in_row = 0
         self.follower: Any = None
 
     def run(self) -> None:
         """Follow, then poll, until the watch is closed."""
-        from .watch import WatchMode
-
         watched = self.watched
         if watched.mode is WatchMode.FEED:
             self.follow()
