@@ -13,7 +13,6 @@ import subprocess
 import threading
 from pathlib import Path
 
-import pytest
 from safetensors.torch import load_file
 
 from rlsync.bucket import LocalBucket

@@ -4,7 +4,6 @@ mid-publish leaves the bucket at the previous version."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from rlsync.bucket import LocalBucket
 from rlsync.hashing import state_hash

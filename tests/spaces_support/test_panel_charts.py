@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 
 import app
-from rlsync.spaces import charts, components, frames
+from rlsync.spaces import components, frames
 from rlsync.spaces.snapshots import BucketView, Snapshot
 
 

@@ -197,7 +197,7 @@ class ShardedPublisher(Publisher):
                 check_finite_changes(changes)  # inside the round: every rank refuses together
             return sorted(changes)
 
-        changed_names = self._round(detect, lambda names: set().union(*names))
+        self._round(detect, lambda names: set().union(*names))  # every rank detects (and refuses) together
         t1 = time.perf_counter()
         result_hash = self._hash_slices(slices, changes, plan.kind, state)
         owners: dict[str, int] = {}

