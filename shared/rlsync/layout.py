@@ -71,15 +71,19 @@ REPORT_PREFIXES = (STATUS_PREFIX, METRICS_PREFIX)
 MAX_BATCH = 10**10 - 1
 
 # -- what each role reads: its watched view lists and follows only these (rlsync.bucket.watch) ------
-#: A follower's chains: the pointer and the files it names, for the weights, a LoRA run's adapters, the FP8 chain.
-_CHAINS = (POINTER_KEY, ANCHOR_PREFIX, DELTA_PREFIX, ADAPTER_PREFIX, FP8_PREFIX)
-#: The trainer: its chains and their lock, its checkpoints, the panels' control objects, the scored samples.
-TRAINER_READS = (*_CHAINS, LOCK_KEY, CHECKPOINTS_PREFIX, CONTROL_PREFIX, SCORES_PREFIX)
-#: A rollout replica: the chains it serves, the demand, the task batches and who answered or claimed them.
-ROLLOUT_READS = (*_CHAINS, CONTROL_PREFIX, TASKS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX, CLAIMS_PREFIX)
+#: The pointers of the chains a follower serves (weights, a LoRA run's adapters, the FP8 chain): it reads
+#: the files they name by key, never listing them.
+_POINTERS = (POINTER_KEY, ADAPTER_PREFIX + POINTER_KEY, FP8_PREFIX + POINTER_KEY)
+#: The trainer: the chains it publishes (whose files it lists to retain and clean up) and their lock, its
+#: checkpoints, the panels' control objects, the scored samples.
+TRAINER_READS = (POINTER_KEY, LOCK_KEY, ANCHOR_PREFIX, DELTA_PREFIX, ADAPTER_PREFIX, FP8_PREFIX, CHECKPOINTS_PREFIX,
+                 CONTROL_PREFIX, SCORES_PREFIX)  # fmt: skip
+#: A rollout replica: the chains' pointers, the demand, the task batches and who answered or claimed them.
+ROLLOUT_READS = (*_POINTERS, CONTROL_PREFIX, TASKS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX, CLAIMS_PREFIX)
 #: The env: the newest published version (the adapter chain's pointer first), the demand, its batches and
 #: their answers, scores and claims.
-ENV_READS = (POINTER_KEY, ADAPTER_PREFIX + POINTER_KEY, CONTROL_PREFIX, TASKS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX, CLAIMS_PREFIX)
+ENV_READS = (POINTER_KEY, ADAPTER_PREFIX + POINTER_KEY, CONTROL_PREFIX, TASKS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX,
+             CLAIMS_PREFIX)  # fmt: skip
 #: Each role's reads by its name (as ``BucketSettings.from_env`` takes it). Keys outside them (another
 #: role's reports, a flood under a prefix the role does not read) cost the role no listing page; a read
 #: of one asks the bucket.
