@@ -126,7 +126,8 @@ def _role_figures(server, replicas: int) -> dict:
     budget_wait = {"trainer": (trainer.get("hub") or {}).get("waited_s")}
     budget_wait["env"] = ((get_json(bucket, metrics_key("env")) or {}).get("hub") or {}).get("waited_s")
     for i in range(replicas):
-        budget_wait[f"replica-{i}"] = ((get_json(bucket, status_key(f"replica-{i}")) or {}).get("hub") or {}).get("waited_s")
+        status = get_json(bucket, status_key(f"replica-{i}")) or {}
+        budget_wait[f"replica-{i}"] = (status.get("hub") or {}).get("waited_s")
     return {
         "trainer_steps": flow.get("steps"), "trainer_wall_s": flow.get("wall_s"),
         "trainer_wait_for_samples_s": flow.get("wait_s_total"), "trainer_step_compute_s": flow.get("step_compute_s"),

@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from rlsync.bucket.budget import BudgetConfig, RequestClass, RequestMeter, classify
-from rlsync.bucket.hf import HfBucket
+from rlsync.bucket.budget import RequestClass, classify
 from rlsync.bucket.watch import WatchedBucket
 from rlsync.errors import ObjectTooLargeError
 from rlsync.layout import CONTROL_KEY
+from tests.helpers import hub_buckets
 
 BUCKET = "me/refusals"
 TOKEN = "hf_refusal_token"
@@ -24,22 +24,18 @@ LIMIT = 64 << 10
 
 
 @pytest.fixture
-def server(hub):
-    hub.add_token(TOKEN)
-    hub.create_bucket(BUCKET)
-    return hub
+def hf(hub):
+    """Opens an unpaced HfBucket on the test's bucket of the Hub stand-in."""
+    return hub_buckets(hub, BUCKET, TOKEN)
 
 
-def hf() -> HfBucket:
-    return HfBucket(BUCKET, token=TOKEN, meter=RequestMeter(BudgetConfig(enabled=False)))
-
-
-def requests_since(server, since: float) -> list[str]:
+def requests_since(hub, since: float) -> list[str]:
     """Every request of the token since `since`, API and resolver (Xet downloads go through the resolver)."""
-    return [f"{cls.value} {classify(r.method, r.path)[1]}" for cls in RequestClass for r in server.usage(cls, TOKEN, since)]
+    return [f"{cls.value} {classify(r.method, r.path)[1]}"
+            for cls in RequestClass for r in hub.usage(cls, TOKEN, since)]  # fmt: skip
 
 
-def test_hub_bucket_refuses_each_repeated_read_of_an_oversized_version_from_its_size_alone(server, tmp_path):
+def test_hub_bucket_refuses_each_repeated_read_of_an_oversized_version_from_its_size_alone(hub, hf, tmp_path):
     writer = hf()
     writer.put(CONTROL_KEY, b"\0" * (4 * LIMIT))
     reader = hf()
@@ -49,13 +45,13 @@ def test_hub_bucket_refuses_each_repeated_read_of_an_oversized_version_from_its_
             reader.get_limited(CONTROL_KEY, LIMIT)
         with pytest.raises(ObjectTooLargeError):
             reader.get_file_limited(CONTROL_KEY, tmp_path / "out", LIMIT)
-    assert requests_since(server, since) == ["api POST paths-info"] * 10  # no Xet token, no byte of the object
+    assert requests_since(hub, since) == ["api POST paths-info"] * 10  # no Xet token, no byte of the object
     assert reader.refused_too_large == 10 and list(tmp_path.iterdir()) == []
     writer.put(CONTROL_KEY, b'{"policy": "fixed"}')  # a new version of the key, within the limit: read
     assert reader.get_limited(CONTROL_KEY, LIMIT) == b'{"policy": "fixed"}'
 
 
-def test_watched_bucket_remembers_the_refused_version_and_reads_the_next_one(server):
+def test_watched_bucket_remembers_the_refused_version_and_reads_the_next_one(hub, hf):
     writer = hf()
     writer.put(CONTROL_KEY, b"\0" * (4 * LIMIT))
     watched = WatchedBucket(hf())
@@ -69,7 +65,7 @@ def test_watched_bucket_remembers_the_refused_version_and_reads_the_next_one(ser
         for _ in range(5):
             with pytest.raises(ObjectTooLargeError):
                 watched.get_limited(CONTROL_KEY, LIMIT)
-        assert [r for r in requests_since(server, since) if "events" not in r] == []  # remembered: not even a paths-info
+        assert [r for r in requests_since(hub, since) if "events" not in r] == []  # remembered: not even a paths-info
         writer.put(CONTROL_KEY, b'{"policy": "fixed"}')
         while watched.list(CONTROL_KEY)[0].etag in (refused, None):  # the feed announces the new version
             assert time.monotonic() < deadline + 30

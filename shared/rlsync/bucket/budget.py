@@ -309,13 +309,15 @@ class RequestMeter:
         reset_in = min(float(info.reset_in_seconds), self.config.window_s)  # a server's answer never holds a role past a window
         self._server[cls] = (info.remaining, info.limit, now + reset_in)
         # What the fleet's pace allowed the whole token so far in this window (the target share of the
-        # limit, pro rata over the elapsed part) and nobody spent: the idle roles' unspent shares. A busy
-        # role may take its 1/share of it at once (each response sets it again from the token's own
-        # count), so the token never spends ahead of that line; the roles' own shares keep the rest of
-        # the window, so a window ends within the target plus the bursts.
+        # limit, shaped as the roles' own shares: a burst, then pro rata over the elapsed part) and nobody
+        # spent: the idle roles' unspent shares. A busy role may take its 1/share of it at once (each
+        # response sets it again from the token's own count), so the token never spends ahead of that
+        # line; the roles' own shares keep the rest of the window, so a window ends within the target
+        # plus the bursts.
         limit = info.limit or self.config.limit(cls)
         elapsed = max(0.0, self.config.window_s - reset_in)
-        surplus = self.config.target * limit * elapsed / self.config.window_s - max(0, limit - info.remaining)
+        line = self.BURST + (1 - self.BURST) * elapsed / self.config.window_s
+        surplus = self.config.target * limit * line - max(0, limit - info.remaining)
         self._surplus[cls] = surplus
         part = surplus / self.config.share
         if part < 1.0:
