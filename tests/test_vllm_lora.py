@@ -93,8 +93,9 @@ def test_refused_adapter_versions_never_stay_loaded_in_vllm(engine, model_dir, b
     pub = adapter_publisher(bucket, AdapterChain("tiny", base_hash, LORA))
     hostile = {1: LoraSpec(1024, 16.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
                2: LoraSpec(8, 16.0, ("q_proj", "v_proj"))}  # fmt: skip
+    published = {v: trained_adapter(model_dir, v) for v in range(4)}  # lora_A is peft's random init: made once
     for version in range(4):
-        pub.publish(version, trained_adapter(model_dir, version))
+        pub.publish(version, published[version])
         if version in hostile:  # the settings in the pointer rewritten, the tensors left as they are
             doc = json.loads(adapter_bucket(bucket).get(POINTER_KEY))
             doc["metadata"][AdapterMetadata.LORA.value] = hostile[version].to_json()
@@ -106,6 +107,7 @@ def test_refused_adapter_versions_never_stay_loaded_in_vllm(engine, model_dir, b
     assert follower.refused == 2 and sorted(follower.served) == [3]  # 0 out of the window of 2
     # rank 16 over the engine's max_lora_rank 8: vLLM refuses it, nothing of it stays (no LoRA, no folder)
     served = tokens(engine, greedy(3))
+    assert served == peft_reference(model_dir, published[3])  # the published bits, served after two refusals
     wide = {n: torch.cat([t, t], dim=0 if "lora_A" in n else 1) for n, t in trained_adapter(model_dir, 9).items()}
     with pytest.raises(RuntimeError, match="vLLM refused adapter 9"):  # the follower catches it (vLLM: bare Exception)
         engine.load_adapter(9, wide, AdapterChain("tiny", base_hash, LoraSpec(16, 16.0, LORA.target_modules)))
