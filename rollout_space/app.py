@@ -18,6 +18,7 @@ from typing import Any
 
 import gradio as gr
 
+from rlsync.fp8 import Chain
 from rlsync.spaces import components, forms, frames, role_control, snapshots
 from rollout_space.replica import Replica, ReplicaConfig, default_replica_id
 
@@ -79,7 +80,10 @@ def build_panel(
         )
         form = forms.config_form(
             config,
-            overrides={"engine": lambda **kw: gr.Dropdown(["auto", "transformers", "vllm"], **kw)},
+            overrides={
+                "engine": lambda **kw: gr.Dropdown(["auto", "transformers", "vllm"], **kw),
+                "chain": lambda **kw: gr.Dropdown([c.value for c in Chain], **kw),
+            },
             skip=skip,
             prefix=prefix,
         )

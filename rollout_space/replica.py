@@ -28,6 +28,10 @@ samples would be too stale by the time the trainer gets them (its version too fa
 behind the trainer's, given its own measured generation time); it waits for newer
 weights instead and counts the skip.
 
+The chain (``chain``, :class:`~rlsync.fp8.Chain`): a replica follows the trainer's bf16 weights, or
+its FP8 serving chain (``fp8/``, :mod:`rlsync.fp8`), served by the vLLM engine started from the model
+quantized to block FP8; the subscriber then checks every FP8 value before it is applied.
+
 In a LoRA run (``lora``) the weights chain holds the base and an
 :class:`~rollout_space.adapters.AdapterFollower` serves the adapter chain's versions;
 samples then carry the adapter version as their policy version.
@@ -37,6 +41,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -45,8 +51,8 @@ from env_space.environments import get_environment
 from rlsync.bucket import Bucket
 from rlsync.bucket.watch import IDLE_WAIT_S, generation, meter_of, wait_for_change
 from rlsync.errors import BucketError, SyncError
+from rlsync.fp8 import Chain, write_fp8_checkpoint
 from rlsync.layout import (
-    POINTER_KEY,
     ROLLOUTS_PREFIX,
     SCORES_PREFIX,
     TASKS_PREFIX,
@@ -55,7 +61,7 @@ from rlsync.layout import (
     status_key,
     task_key,
 )
-from rlsync.protocol import Subscriber, Update
+from rlsync.protocol import Update
 from rlsync.spaces.demand import newest_version, read_demand, would_be_stale
 from rlsync.spaces.exchange import (
     Refusals,
@@ -89,6 +95,9 @@ class Replica:
         config: Settings.
         bucket: Bucket to use (default: opened from ``config.bucket``).
         engine: Inference engine (default: created from ``config.engine`` and ``config.model``).
+
+    Raises:
+        ValueError: An unknown ``config.chain``, or the FP8 chain with an engine other than vLLM or with LoRA.
     """
 
     def __init__(self, config: ReplicaConfig, bucket: Bucket | None = None, engine: Engine | None = None) -> None:
@@ -96,6 +105,10 @@ class Replica:
 
         device = resolve_device(config.device)
         self.config = config = config.with_model_defaults(device)
+        self.chain = Chain(config.chain)
+        kind = config.engine if config.engine != "auto" else "vllm" if self.chain is Chain.FP8 else _auto_engine(device)
+        if self.chain is Chain.FP8 and ((engine.name if engine is not None else kind) != "vllm" or config.lora):
+            raise ValueError(f"the fp8 chain is served by the vllm engine without LoRA (engine {kind!r}, lora {config.lora})")
         self.replica_id = check_id(config.replica_id or default_replica_id())
         self.bucket = open_role_bucket("rollout", config.bucket, bucket)
         self._owns_watch = self.bucket is not bucket  # close() stops the watch this role made
@@ -104,7 +117,9 @@ class Replica:
         self._status_progress: tuple | None = None
         self._since: int | None = None
         model = resolve_model(model_or_default(config.model, device, get_environment))
-        kind = config.engine if config.engine != "auto" else _auto_engine(device)
+        self._fp8_dir: Path | None = None
+        if self.chain is Chain.FP8:
+            model = self._fp8_checkpoint(model)
         engine_kwargs = {"device": device} if kind == "transformers" else {}
         if config.lora and kind == "vllm":
             engine_kwargs.update(max_loras=config.lora_window + 1, max_lora_rank=config.lora_max_rank)
@@ -117,7 +132,7 @@ class Replica:
         )  # fmt: skip
         self._engine_weights = self.engine.weights()  # None: the engine is fed from the subscriber's copy
         max_state_bytes = config.max_model_bytes or weights_bytes(model)  # bounds the first anchor (or adapter)
-        self.subscriber = Subscriber(self.bucket, weights=self._engine_weights, max_state_bytes=max_state_bytes)
+        self.subscriber = self.chain.subscriber(self.bucket, weights=self._engine_weights, max_state_bytes=max_state_bytes)
         self.adapters = (
             AdapterFollower(self.bucket, self.engine, lambda: self.subscriber.state_hash, window=config.lora_window,
                             poll_s=config.poll_s, max_state_bytes=max_state_bytes)
@@ -140,6 +155,12 @@ class Replica:
 
     # -- weights ------------------------------------------------------------
 
+    def _fp8_checkpoint(self, model: str) -> str:
+        """The block-FP8 checkpoint of ``model`` the engine starts from when the replica follows the FP8 chain
+        (its first anchor replaces every weight and scale; the folder goes with :meth:`close`)."""
+        self._fp8_dir = Path(tempfile.mkdtemp(prefix="rlsync-fp8-"))
+        return str(write_fp8_checkpoint(model, self._fp8_dir))
+
     def fetch_loop(self) -> None:
         """Background thread: download and validate the next update while generation goes on."""
         while not self._stop.is_set():
@@ -155,7 +176,7 @@ class Replica:
             if self.subscriber.manifest is not None:
                 self.newest_step = self.subscriber.manifest.step
             if update is None:
-                wait_for_change(self.bucket, self._stop, self._idle_s, (POINTER_KEY,), since)
+                wait_for_change(self.bucket, self._stop, self._idle_s, (self.chain.pointer_key,), since)
                 continue
             self.slot.put(update)
 
@@ -421,6 +442,8 @@ class Replica:
         """Stop, release the engine (GPU memory with vLLM) and stop watching the bucket."""
         self.stop()
         self.engine.close()
+        if self._fp8_dir is not None:
+            shutil.rmtree(self._fp8_dir, ignore_errors=True)
         if self._owns_watch:
             self.bucket.close()
 

@@ -38,7 +38,7 @@ SLOW_MODULES = frozenset({
     "test_e2e", "test_e2e_lora", "test_env_openenv", "test_env_panel", "test_hub_fleet", "test_sharded",
     "test_trackio", "test_transformers_engine", "test_trl_adapter_sync", "test_trl_bucket_sync", "test_trl_example",
     "test_trl_sharded", "test_trl_trainer", "test_vllm_engine", "test_vllm_gpu_path", "test_vllm_lora",
-    "test_vllm_serve",
+    "test_vllm_serve", "test_vllm_fp8", "test_vllm_serve_moe", "test_e2e_moe",
 })  # fmt: skip
 SLOW_TESTS = frozenset({
     "test_bucket_hf.py::test_soak_trial_on_a_faulty_hub_converges_bit_exactly",
@@ -73,6 +73,18 @@ def pytest_collection_modifyitems(config, items):
         module = item.path.stem
         if module in SLOW_MODULES or f"{item.path.name}::{item.name.split('[')[0]}" in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="module")
+def vllm_cpu_env():
+    """The environment of an offline ``vllm.LLM`` on vLLM's CPU build in this process: no thread binding, no
+    TorchDynamo, no general plugins, no Hub."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        mp.setenv("TORCHDYNAMO_DISABLE", "1")
+        mp.setenv("VLLM_PLUGINS", "")
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        yield
 
 
 @pytest.fixture

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import threading
 from pathlib import Path
+from typing import Iterator
 
 import torch
+
+from rlsync.bucket.base import BucketWrapper
+from rlsync.layout import DELTA_PREFIX
 
 
 def master_state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -101,6 +107,96 @@ def parse_module(path) -> "ast.Module":
             if attempt == 4:
                 raise
     raise AssertionError("unreachable")
+
+
+class GatedBucket(BucketWrapper):
+    """Delta uploads wait until :attr:`gate` is set (a slow upload); ``fail`` makes them raise."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.waiting = threading.Event()
+        self.fail: Exception | None = None
+
+    def put(self, key: str, data: bytes) -> None:
+        if key.startswith(DELTA_PREFIX):
+            self.waiting.set()
+            self.gate.wait(60)
+            if self.fail is not None:
+                raise self.fail
+        self.inner.put(key, data)
+
+
+def hostile_fp8_chain(bucket, state: dict[str, torch.Tensor], name: str, value) -> dict[str, torch.Tensor]:
+    """An FP8 chain (``rlsync.fp8``) by a publisher that writes whatever it is given (as an attacker with write
+    access would): version 0 ``state`` (the trainer's quantization), version 1 the same with ``value`` at one
+    element of ``name`` (an ``int``: that e4m3 bit pattern); its hashes consistent. Returns version 1."""
+    from rlsync.fp8 import FP8_DTYPE, chain_metadata, fp8_bucket
+    from rlsync.protocol import FixedInterval, Publisher
+
+    pub = Publisher(fp8_bucket(bucket), dtype=None, metadata=chain_metadata(), policy=FixedInterval(100), allow_non_finite=True)
+    pub.publish(0, state)
+    bad = {n: t.clone() for n, t in state.items()}
+    flat = bad[name].reshape(-1)
+    flat[1] = value if not isinstance(value, int) else torch.tensor([value], dtype=torch.uint8).view(FP8_DTYPE)[0]
+    pub.publish(1, bad)
+    return bad
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def vllm_server(model: str, bucket: Path, root: Path, flags: list[str], timeout_s: float = 300.0) -> Iterator[str]:
+    """A ``python -m rlsync.vllm.serve MODEL FLAGS`` process (``vllm serve``, CPU settings) following ``bucket``;
+    yields its URL once it answers ``/health``, and stops it (its whole process group) after. ``flags`` must
+    bind 127.0.0.1 on a free port; the server's log is ``root/serve.log``."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    import pytest
+
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", VLLM_SERVER_DEV_MODE="1", ROLLOUT_BUCKET=str(bucket))
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1] / "shared"), env.get("PYTHONPATH", "")])
+    log = root / "serve.log"
+    with log.open("wb") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "rlsync.vllm.serve", model, *flags],
+            cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{flags[flags.index('--port') + 1]}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"vllm serve exited with {server.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve not ready after {timeout_s} s:\n{log.read_text()[-4000:]}")
+            time.sleep(1.0)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
 
 
 def hub_buckets(hub, bucket_id: str, token: str):

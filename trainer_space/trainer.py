@@ -66,7 +66,7 @@ class BucketFigures(TrainerCallback):
         if "loss" not in logs:
             return
         self.owner.metrics.add(
-            kind="train", opt_step=state.global_step, version=self.owner.transfer.version, loss=logs.get("loss"),
+            kind="train", opt_step=state.global_step, version=self.owner.version, loss=logs.get("loss"),
             mean_reward=logs.get("reward"), samples=logs.get("batch/samples_per_step"),
             groups=logs.get("batch/groups_per_step"), clipped=logs.get("clip_ratio/region_mean"), ratio=logs.get("ratio"),
             kl=logs.get("kl"), entropy=logs.get("entropy"), staleness=logs.get("sample/staleness_mean"),
@@ -74,7 +74,7 @@ class BucketFigures(TrainerCallback):
             wait_s=logs.get("perf/rollout_wait_s"),
         )  # fmt: skip
         self.owner.summary.add(steps=1, samples=logs.get("batch/samples_per_step") or 0, wait_s=logs.get("perf/rollout_wait_s") or 0)
-        self.owner.summary.note(version=self.owner.transfer.version, loss=logs.get("loss"), reward=logs.get("reward"))
+        self.owner.summary.note(version=self.owner.version, loss=logs.get("loss"), reward=logs.get("reward"))
         self.owner.flush()
         self.owner.summary.flush()
 
@@ -152,8 +152,9 @@ class Trainer:
 
     @property
     def version(self) -> int | None:
-        """The newest published version."""
-        return self.transfer.version
+        """The newest published version: the bucket's, what replicas can hold (TRL's counter,
+        ``transfer.version``, is ahead of it while a version is published in the background)."""
+        return self.transfer.published_version
 
     @property
     def notice(self) -> str:
@@ -199,7 +200,7 @@ class Trainer:
         budget = {"hub": self.meter.snapshot(), "coalescing": self.coalescing.notice} if self.meter is not None else {}
         self.metrics.extra = {
             **budget,
-            "version": self.transfer.version, "opt_steps": self.opt_steps, "queued_samples": self.worker.rollout_buffer.qsize(),
+            "version": self.version, "opt_steps": self.opt_steps, "queued_samples": self.worker.rollout_buffer.qsize(),
             "checkpoint_step": self.checkpoint_callback.last_step, "notice": self.notice,
             "refused": self.refusals.as_dict(), "non_finite_refused": self.transfer.non_finite_refused,
             "checkpoints_skipped": self.checkpoints.skipped, "bucket_refused": dict(self.publisher.refused + self.control.refused),
@@ -251,7 +252,7 @@ class Trainer:
             self.sync.train()
         finally:
             self.flush(force=True)
-        logger.info("trainer finished at step %d, version %s", self.trl.state.global_step, self.transfer.version)
+        logger.info("trainer finished at step %d, version %s", self.trl.state.global_step, self.version)
 
     def start(self) -> None:
         if self.running:

@@ -38,13 +38,16 @@ from __future__ import annotations
 
 import enum
 import json
+import os
+import shutil
+from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
 from .bucket import Bucket, PrefixedBucket
 from .errors import FormatError
-from .layout import FP8_PREFIX
+from .layout import FP8_PREFIX, POINTER_KEY
 from .protocol import Publisher, Subscriber
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -199,6 +202,31 @@ def check_fp8_values(name: str, values: torch.Tensor) -> None:
             raise FormatError(f"{name}: {nan} FP8 value(s) encode NaN; refused before applying")
 
 
+class Chain(str, enum.Enum):
+    """The weight chain a replica follows: the trainer's bf16 weights, or their FP8 serving chain."""
+
+    BF16 = "bf16"
+    FP8 = "fp8"
+
+    @property
+    def pointer_key(self) -> str:
+        """The chain's pointer key in the run's bucket (what a replica watches for new versions)."""
+        return POINTER_KEY if self is Chain.BF16 else FP8_PREFIX + POINTER_KEY
+
+    def bucket(self, bucket: Bucket) -> Bucket:
+        """The view of the run's ``bucket`` the chain is read from."""
+        return bucket if self is Chain.BF16 else fp8_bucket(bucket)
+
+    def subscriber(self, bucket: Bucket, **kwargs: Any) -> Subscriber:
+        """A :class:`~rlsync.protocol.Subscriber` of the chain (:func:`fp8_subscriber` for FP8).
+
+        Args:
+            bucket: The run's bucket.
+            **kwargs: Further :class:`~rlsync.protocol.Subscriber` arguments.
+        """
+        return Subscriber(bucket, **kwargs) if self is Chain.BF16 else fp8_subscriber(bucket, **kwargs)
+
+
 def fp8_bucket(bucket: Bucket) -> PrefixedBucket:
     """The view of ``bucket`` the FP8 chain is published in and read from."""
     return PrefixedBucket(bucket, FP8_PREFIX)
@@ -220,3 +248,42 @@ def fp8_subscriber(bucket: Bucket, **kwargs: Any) -> Subscriber:
     refused before any download, and every value is checked (:func:`check_fp8_values`) before it is applied."""
     expect = {Fp8Metadata.SCHEME.value: SCHEME}
     return Subscriber(fp8_bucket(bucket), expect_metadata=expect, check_values=check_fp8_values, **kwargs)
+
+
+def write_fp8_checkpoint(source: str | os.PathLike, target: str | os.PathLike) -> Path:
+    """The FP8 checkpoint an engine serving the FP8 chain starts from: ``source``'s bf16 checkpoint quantized
+    (:func:`quantize_state`), ``config.json`` with its :func:`quantization_config`, the other files copied.
+
+    vLLM builds a model's FP8 modules from the checkpoint it starts with; the chain's first anchor then
+    replaces every weight and scale, so the folder only gives vLLM the layout (the trainer's quantization of
+    the same bf16 weights, should they be the run's base).
+
+    Args:
+        source: A model folder with ``config.json`` and ``*.safetensors`` (bf16).
+        target: The folder to write (created; existing files are overwritten).
+
+    Returns:
+        ``target`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        FileNotFoundError: ``source`` has no safetensors weights.
+    """
+    from safetensors.torch import load_file, save_file
+
+    source, target = Path(source), Path(target)
+    files = sorted(source.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {source}")
+    target.mkdir(parents=True, exist_ok=True)
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    quantized = quantize_state(state)
+    for entry in source.iterdir():
+        if entry.is_file() and entry.suffix != ".safetensors" and entry.name != "model.safetensors.index.json":
+            shutil.copyfile(entry, target / entry.name)
+    save_file(quantized, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = quantization_config(quantized)
+    (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return target

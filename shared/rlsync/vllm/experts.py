@@ -9,20 +9,19 @@ for reading (:func:`expert_location`, :func:`read_expert`).
 
 On vLLM's CPU backend the fused experts are prepacked for its grouped-GEMM kernels
 (``cpu_prepack_moe_weight``): the parameter holds the same elements in another order. That order is
-found, not assumed (:func:`_packing_order`): the kernel's own prepack is run on a probe whose
-elements are their own positions, so reading back inverts exactly what the served kernel reads
+found, not assumed (:mod:`.packing`), so reading back inverts exactly what the served kernel reads
 (every bit, ``-0.0`` included). Tensor parallelism splits the intermediate dimension: each rank's
 part is gathered over the TP group.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Iterable
 
 import torch
 
 from ..checkpoint_layout import EXPERT_TENSOR
+from .packing import Packing, unpack
 
 #: Where a projection lives in the fused parameters: (parameter, half of w13 or None).
 _SLOTS = {"gate_proj": ("w13_weight", 0), "up_proj": ("w13_weight", 1), "down_proj": ("w2_weight", None)}
@@ -67,34 +66,13 @@ def _isa(module: torch.nn.Module) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=16)
-def _packing_order(shape: tuple[int, ...], isa: str) -> torch.Tensor:
-    """For each element of a prepacked tensor of ``shape``, its position in the unpacked tensor.
-
-    The probe's elements are their own positions, 15 bits at a time (bf16 bit patterns moved as they are).
-    """
-    from vllm._custom_ops import cpu_prepack_moe_weight
-
-    count = 1
-    for d in shape:
-        count *= d
-    positions = torch.arange(count, dtype=torch.int64)
-    order = torch.zeros(count, dtype=torch.int64)
-    for shift in range(0, max(1, count.bit_length()), 15):
-        digit = ((positions >> shift) & 0x7FFF).to(torch.int16).view(torch.bfloat16).view(shape)
-        order |= cpu_prepack_moe_weight(digit, isa).reshape(-1).view(torch.int16).to(torch.int64) << shift
-    return order
-
-
 def _unpacked(module: torch.nn.Module, param: str) -> torch.Tensor:
     """The fused parameter in vLLM's plain layout (experts x rows x columns), on CPU."""
     tensor = getattr(module, param).detach().to("cpu")
     isa = _isa(module)
     if isa is None or tensor.dtype != torch.bfloat16:
         return tensor
-    out = torch.empty_like(tensor)
-    out.view(-1)[_packing_order(tuple(tensor.shape), isa)] = tensor.reshape(-1)
-    return out
+    return unpack(tensor, Packing.MOE_BF16, isa)
 
 
 def read_expert(module: torch.nn.Module, param: str, half: int | None, expert: int) -> torch.Tensor:

@@ -46,6 +46,10 @@ same names), so read-back and the state hash work at any TP size.
 Quantized modules (fp8 and other non-"unquantized" methods, fused MoE experts) and non-float
 tensors are never patched in place (a bf16 value written into an fp8 weight without its scale
 would be wrong; vLLM's sparse loader refuses non-float tensors): they take the reload path.
+A model loaded from a block-FP8 checkpoint (the FP8 chain, :mod:`rlsync.fp8`) is updated that way:
+a delta's changed e4m3 bytes and block scales reload their modules' whole weights and scales
+(``*.weight_scale_inv``, checkpoint names like the weights), and reading back returns both as
+loaded: the e4m3 weight out of the CPU kernel's VNNI order (:mod:`.packing`), the scales as they are.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ from rlsync.patch import TensorPatch
 
 from .checkpoint import checkpoint_names_of
 from .experts import expert_location, read_expert, repack_experts
+from .packing import Packing, unpack
 from .tensor_parallel import gather_tensor_parallel, packed_part_sizes
 
 if TYPE_CHECKING:
@@ -298,6 +303,42 @@ class ModelWeights:
         in_place = {m for m in module_of.values() if _patchable_in_place(self.model.get_submodule(m))}
         return WeightLayout(module_of, frozenset(in_place), ("lm_head.",) if _tied(self.model) else ())
 
+    def views(self) -> dict[str, torch.Tensor]:
+        """The model's own tensors as checkpoint tensors, where a plain view is one: what the ``bucket``
+        backend's subscriber writes in place, so no copy of them is kept (see :mod:`rlsync.vllm.transfer`).
+
+        A module's names are all viewed or none. Not viewed: prepacked CPU modules and modules sharing
+        a parameter with one (the kernel keeps its own copy), quantized modules, fused MoE experts,
+        LoRA-wrapped modules, non-float parameters, and every module at tensor parallelism above 1 (a
+        rank holds a shard of each tensor).
+
+        Returns:
+            Checkpoint name -> a contiguous view of the served parameter (as :meth:`read` reads it).
+        """
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        if get_tensor_model_parallel_world_size() != 1:
+            return {}
+        owners: dict[int, list[torch.nn.Module]] = {}
+        for module in self._aliases:
+            for p in module.parameters(recurse=False):
+                owners.setdefault(id(p), []).append(module)
+        tied_to_kernel = {id(m) for mods in owners.values() if any(map(_is_prepacked, mods)) for m in mods}
+        by_module: dict[str, dict[str, torch.Tensor]] = {}
+        refused: set[str] = set()
+        for name, (path, param, shard) in self._locations.items():
+            if path in refused:
+                continue
+            module = self.model.get_submodule(path)
+            viewable = name not in self._experts and id(module) not in tied_to_kernel
+            view = _checkpoint_view(module, param, shard) if viewable else None
+            if view is None:
+                refused.add(path)
+                by_module.pop(path, None)
+                continue
+            by_module.setdefault(path, {})[name] = view
+        return {name: view for views in by_module.values() for name, view in views.items()}
+
     # -- writing ------------------------------------------------------------------
 
     @torch.no_grad()
@@ -425,6 +466,8 @@ class ModelWeights:
             module = self.model.get_submodule(path)
             if shard is not None:
                 sizes = packed_part_sizes(module)
+                if param != "weight" and (block := _block_shape(module)) is not None:  # block scales of a packed FP8 layer
+                    sizes = [-(-size // block[0]) for size in sizes]
                 start = sum(sizes[:shard])
                 full = full[start : start + sizes[shard]]
             out[name] = full.contiguous().clone()
@@ -439,6 +482,8 @@ class ModelWeights:
         lookup = isinstance(base, VocabParallelEmbedding) and not isinstance(base, ParallelLMHead)
         if param == "weight" and _is_prepacked(module) and not lookup:
             tensor = _read_through_kernel(module)
+        elif param == "weight" and _is_fp8_prepacked(module):
+            tensor = unpack(module.weight, Packing.FP8_LINEAR)
         else:
             tensor = getattr(module, param).detach()
         tensor = gather_tensor_parallel(module, getattr(module, param), tensor)
@@ -467,6 +512,25 @@ class ModelWeights:
         return StateLanes.of_items(item for batch in batches for item in batch.items())
 
 
+def _checkpoint_view(module: torch.nn.Module, param: str, shard: int | None) -> torch.Tensor | None:
+    """A parameter of an in-place module (tensor parallel 1) as its checkpoint tensor, without a copy:
+    vocabulary padding cut off, one part of a packed layer; ``None`` when no contiguous view is one."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    if getattr(module, "base_layer", module) is not module or not _patchable_in_place(module):
+        return None
+    tensor = getattr(module, param).detach()
+    if not tensor.is_floating_point():
+        return None
+    if isinstance(module, VocabParallelEmbedding) and param == "weight":
+        tensor = tensor[: module.org_vocab_size]
+    if shard is not None:
+        sizes = packed_part_sizes(module)
+        start = sum(sizes[:shard])
+        tensor = tensor[start : start + sizes[shard]]
+    return tensor if tensor.is_contiguous() else None
+
+
 def _tied(model: torch.nn.Module) -> bool:
     return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
 
@@ -486,6 +550,23 @@ def _patchable_in_place(module: torch.nn.Module) -> bool:
 def _is_prepacked(module: torch.nn.Module) -> bool:
     """Whether vLLM's CPU backend serves this module from a prepacked kernel copy."""
     return callable(getattr(module, "cpu_linear", None))
+
+
+def _is_fp8_prepacked(module: torch.nn.Module) -> bool:
+    """Whether vLLM's CPU block-FP8 kernel (``CPUFp8BlockScaledMMKernel``) keeps this module's e4m3 weight in
+    its VNNI order (``convert_weight_packed``; the block scales stay as loaded)."""
+    kernel = getattr(getattr(module, "quant_method", None), "fp8_linear", None)
+    return (
+        type(kernel).__name__ == "CPUFp8BlockScaledMMKernel"
+        and not getattr(module, "_cpu_skip_gemm_dispatch", False)
+        and module.weight.dtype == torch.float8_e4m3fn
+    )
+
+
+def _block_shape(module: torch.nn.Module) -> tuple[int, int] | None:
+    """The ``(rows, columns)`` of a block-quantized module's scale blocks, ``None`` for other modules."""
+    block = getattr(getattr(module, "quant_method", None), "weight_block_size", None)
+    return (int(block[0]), int(block[1])) if block else None
 
 
 def _read_through_kernel(module: torch.nn.Module) -> torch.Tensor:
@@ -575,6 +656,12 @@ class SyncWorkerExtension:
     def sync_read(self, names: list[str] | None = None, spool_dir: str | None = None) -> dict[str, Any]:
         """Weights in checkpoint names and layout, as a payload."""
         return pack_tensors(self._sync_weights().read(names), spool_dir=spool_dir)
+
+    def sync_transfer_memory(self) -> dict[str, int]:
+        """What the ``bucket`` weight-transfer backend keeps besides the model
+        (:meth:`~rlsync.vllm.transfer.BucketWeightTransferEngine.memory`; empty for another backend)."""
+        memory = getattr(getattr(self, "weight_transfer_engine", None), "memory", None)
+        return memory() if callable(memory) else {}
 
     def sync_state_hash(self) -> str:
         """``rlsync.hashing.state_hash`` of the served weights, in checkpoint names and layout.
