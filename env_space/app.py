@@ -61,8 +61,7 @@ def build_panel(
     Returns:
         The main components by name.
     """
-    current = {"url": config.bucket}
-    live = components.Live(bucket_url if bucket_url is not None else (lambda: current["url"]), timer)
+    live, follow = components.panel_live(config.bucket, bucket_url, timer)
     skip = ("bucket", "source_settings") if bucket_url is not None else ("source_settings",)
     choices = [*list_environments(), *(source.example for source in SOURCES.values())]
     choices += [config.environment] if config.environment not in choices else []
@@ -102,27 +101,24 @@ def build_panel(
             make_config,
             [*form.values(), *source_inputs],
             live,
-            on_started=lambda c: current.update(url=c.bucket),
+            on_started=lambda c: follow(c.bucket),
             prefix=prefix,
         )
         summary = components.summary_line(live, frames.env_summary, elem_id=f"{prefix}env-summary")
         components.summary_line(live, frames.hub_requests_summary, elem_id=f"{prefix}hub-requests")
         reward = components.reward_plot(live, prefix=prefix)
         with gr.Row():
-            by_type = _table(live, frames.task_type_frame, "Reward per source and task type", f"{prefix}env-by-type")
-            failures = _table(live, frames.failures_frame, "Scoring failures by reason", f"{prefix}env-failures")
+            by_type = components.frame_table(
+                live, frames.task_type_frame, "Reward per source and task type", f"{prefix}env-by-type", wrap=True
+            )
+            failures = components.frame_table(
+                live, frames.failures_frame, "Scoring failures by reason", f"{prefix}env-failures", wrap=True
+            )
         episodes = components.episodes_table(live, prefix=prefix)
     return {
         **controls, "form": form, "source_forms": {s: f for s, (_, f, _) in source_forms.items()}, "summary": summary,
         "reward": reward, "by_type": by_type, "failures": failures, "episodes": episodes, "live": live,
     }  # fmt: skip
-
-
-def _table(live: components.Live, frame: Any, label: str, elem_id: str) -> Any:
-    """A read-only table refreshed with ``frame(snapshot)``."""
-    table = gr.Dataframe(frame(snapshots.Snapshot()), label=label, interactive=False, wrap=True, elem_id=elem_id)
-    live.add(table, lambda view, snap: frame(snap))
-    return table
 
 
 def build_app(config: EnvConfig | None = None, runner: role_control.RoleRunner | None = None) -> gr.Blocks:
@@ -134,17 +130,13 @@ def build_app(config: EnvConfig | None = None, runner: role_control.RoleRunner |
     """
     config = config or EnvConfig.from_env()
     runner = runner or make_runner()
-    with gr.Blocks(title="RL Sync: environment") as demo:
-        gr.Markdown("# RL Sync: environment\nPublishes task batches and scores the replicas' completions.")
-        components.login_button()
-        build_panel(runner, config)
-    return demo
+    description = "Publishes task batches and scores the replicas' completions."
+    return components.space_page("environment", description, lambda: build_panel(runner, config))
 
 
 def main() -> None:
     """Launch the environment panel (``GRADIO_SERVER_NAME``, ``PORT``, ``PANEL_AUTH``)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    build_app().launch(**components.launch_options())
+    components.serve(build_app)
 
 
 if __name__ == "__main__":

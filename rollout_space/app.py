@@ -71,8 +71,7 @@ def build_panel(
     Returns:
         The main components by name.
     """
-    current = {"url": config.bucket}
-    live = components.Live(bucket_url if bucket_url is not None else (lambda: current["url"]), timer)
+    live, follow = components.panel_live(config.bucket, bucket_url, timer)
     skip = ("bucket",) if bucket_url is not None else ()
     with gr.Accordion("Replica settings", open=False):
         replicas = gr.Number(
@@ -99,7 +98,7 @@ def build_panel(
             make_config,
             [replicas, *form.values()],
             live,
-            on_started=lambda c: current.update(url=c[0].bucket),
+            on_started=lambda c: follow(c[0].bucket),
             prefix=prefix,
         )
         gr.Markdown("### This Space's replicas")
@@ -123,19 +122,13 @@ def build_app(config: ReplicaConfig | None = None, runner: role_control.RoleRunn
     """
     config = config or ReplicaConfig.from_env()
     runner = runner or make_runner()
-    with gr.Blocks(title="RL Sync: rollout") as demo:
-        gr.Markdown(
-            "# RL Sync: rollout\nReplicas following the trainer's weights bit-exactly and answering task batches."
-        )
-        components.login_button()
-        build_panel(runner, config, count)
-    return demo
+    description = "Replicas following the trainer's weights bit-exactly and answering task batches."
+    return components.space_page("rollout", description, lambda: build_panel(runner, config, count))
 
 
 def main() -> None:
     """Launch the rollout panel (``GRADIO_SERVER_NAME``, ``PORT``, ``PANEL_AUTH``)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    build_app().launch(**components.launch_options())
+    components.serve(build_app)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ SLOW_MODULES = frozenset({
     "test_vllm_serve", "test_vllm_fp8", "test_vllm_serve_moe", "test_e2e_moe",
 })  # fmt: skip
 SLOW_TESTS = frozenset({
+    "test_env_source_registry.py::test_the_panel_offers_the_new_source_and_its_form",
     "test_bucket_hf.py::test_soak_trial_on_a_faulty_hub_converges_bit_exactly",
     "test_cli.py::test_ls_and_verify_bucket",
     "test_cli.py::test_inspect_reports_kind_steps_and_sparsity",

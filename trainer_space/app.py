@@ -52,8 +52,7 @@ def build_panel(
     Returns:
         The main components by name (``"start"``, ``"stop"``, ``"status"``, ``"anchor"``, ...).
     """
-    current = {"url": config.bucket}
-    live = components.Live(bucket_url if bucket_url is not None else (lambda: current["url"]), timer)
+    live, follow = components.panel_live(config.bucket, bucket_url, timer)
     skip = ("bucket",) if bucket_url is not None else ()
     with gr.Accordion("Trainer settings", open=False):
         form = forms.config_form(
@@ -72,7 +71,7 @@ def build_panel(
             make_config,
             list(form.values()),
             live,
-            on_started=lambda c: current.update(url=c.bucket),
+            on_started=lambda c: follow(c.bucket),
             prefix=prefix,
         )
         summary = components.summary_line(live, frames.trainer_summary, elem_id=f"{prefix}trainer-summary")
@@ -112,17 +111,13 @@ def build_app(config: TrainerConfig | None = None, runner: role_control.RoleRunn
     """
     config = config or TrainerConfig.from_env()
     runner = runner or make_runner()
-    with gr.Blocks(title="RL Sync: trainer") as demo:
-        gr.Markdown("# RL Sync: trainer\nAsync GRPO trainer publishing bf16 anchors and sparse deltas to the bucket.")
-        components.login_button()
-        build_panel(runner, config)
-    return demo
+    description = "Async GRPO trainer publishing bf16 anchors and sparse deltas to the bucket."
+    return components.space_page("trainer", description, lambda: build_panel(runner, config))
 
 
 def main() -> None:
     """Launch the trainer panel (``GRADIO_SERVER_NAME``, ``PORT``, ``PANEL_AUTH``)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    build_app().launch(**components.launch_options())
+    components.serve(build_app)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,17 @@
 - ``openenv:http://host:8000``: an OpenEnv environment server, one step per episode
   (:mod:`env_space.sources.openenv_client`, ``ENV_OPENENV_*``).
 
-The sources are registered in :mod:`env_space.sources.settings` (name, module, package, example,
-settings and their form). Each source module is imported only when selected, so the toy tasks need
-none of their packages; a missing package gives an error naming what to install.
+Each source is one module of this package that registers itself with
+:func:`~env_space.sources.settings.register_source` (name, package, example, settings and their form);
+the registry (:mod:`env_space.sources.settings`) finds it. A source imports its packages only when
+selected, so the toy tasks and the panel's forms need none of them; a missing package gives an error
+naming what to install.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 from env_space.environments import Environment, get_environment
@@ -71,6 +74,9 @@ def open_environment(spec: str, *, chat_template: str = "", settings: Any | None
         raise KeyError(f"unknown environment source {source!r}; known: {sorted(SOURCES)}")
     entry = SOURCES[source]
     try:
+        missing = [name for name in entry.requires if importlib.util.find_spec(name) is None]
+        if missing:
+            raise ImportError(f"no module named {missing[0]!r}")
         module = importlib.import_module(entry.module)
     except ImportError as exc:
         raise ImportError(f"the {source!r} source needs `pip install {entry.package}` ({exc})") from exc

@@ -19,11 +19,10 @@ and the simulator scores it ``failure_reward``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
-from typing import Any
-
-import datasets
+from typing import TYPE_CHECKING, Any
 
 from env_space.bounded import ScoringFailure, finite_reward
 from env_space.isolation import call_bounded
@@ -32,12 +31,51 @@ from env_space.environments import Environment, Scoring, Task
 from . import parse_weighted
 from .prompts import render_prompt
 from .reward_worker import RewardWorker
-from .rewards import RewardFunction, load_reward
-from .settings import SOURCES, DatasetSourceConfig
+from .settings import SOURCES, register_source
 
-__all__ = ["DatasetEnvironment", "from_spec", "load_split"]
+if TYPE_CHECKING:  # imported when used: the registry imports this module for its settings only
+    import datasets
+
+    from .rewards import RewardFunction
+
+__all__ = ["DatasetEnvironment", "DatasetSourceConfig", "from_spec", "load_split"]
 
 _NOT_COLUMNS = ("prompt", "completion", "completion_ids", "prompts", "completions")  # as TRL: not passed by name
+
+
+@register_source(
+    "dataset", package="datasets math-verify", requires=("datasets", "math_verify"), example="dataset:openai/gsm8k",
+    env_prefix="ENV_DATASET",
+)  # fmt: skip
+@dataclasses.dataclass
+class DatasetSourceConfig:
+    """Settings of the dataset source (environment variables ``ENV_DATASET_<FIELD>``)."""
+
+    subset: str = dataclasses.field(default="", metadata={"help": "dataset configuration name, e.g. main for gsm8k"})
+    split: str = dataclasses.field(default="train", metadata={"help": "split to draw prompts from"})
+    prompt_column: str = dataclasses.field(
+        default="prompt", metadata={"help": "column with the prompt (text or chat messages)"}
+    )
+    answer_column: str = dataclasses.field(default="answer", metadata={"help": "column with the reference answer"})
+    type_column: str = dataclasses.field(
+        default="", metadata={"help": "column naming the task type for the panel ('' = none)"}
+    )
+    rewards: str = dataclasses.field(
+        default="math_verify",
+        metadata={"help": "reward functions with weights: NAME[=W],... (built-in or module.function)"},
+    )
+    system_prompt: str = dataclasses.field(
+        default="", metadata={"help": "system message put before string prompts ('' = none)"}
+    )
+    answer_tag: str = dataclasses.field(
+        default="answer", metadata={"help": "tag of the final answer for exact_match and format"}
+    )
+    reward_timeout_s: float = dataclasses.field(
+        default=5.0, metadata={"help": "time bound of one reward function call"}
+    )
+    reward_isolation: str = dataclasses.field(
+        default="process", metadata={"help": "process (one confined worker, killed when a call overstays) or thread (a confined fork per call)"}
+    )
 
 
 def load_split(name: str, subset: str, split: str) -> datasets.Dataset:
@@ -46,6 +84,8 @@ def load_split(name: str, subset: str, split: str) -> datasets.Dataset:
     Raises:
         ValueError: The split is missing.
     """
+    import datasets
+
     if os.path.isdir(name):
         loaded = datasets.load_from_disk(name)
         if isinstance(loaded, datasets.DatasetDict):
@@ -74,6 +114,8 @@ class DatasetEnvironment(Environment):
     def __init__(
         self, dataset: datasets.Dataset, name: str, config: DatasetSourceConfig | None = None, chat_template: str = ""
     ) -> None:
+        from .rewards import load_reward
+
         self.config = config or DatasetSourceConfig()
         self.dataset = dataset
         self.name = f"dataset:{name}"

@@ -23,22 +23,45 @@ that module's docstring for how they would fit.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
-from openenv.core.generic_client import GenericEnvClient
-
 from env_space.bounded import ScoringFailure
 from rlsync.spaces.exchange import DEFAULT_LIMITS
 from env_space.environments import Environment, Scoring, Task
 
-from .settings import SOURCES, OpenEnvConfig
+from .settings import SOURCES, register_source
 
-__all__ = ["OpenEnvEnvironment", "from_spec"]
+__all__ = ["OpenEnvConfig", "OpenEnvEnvironment", "from_spec"]
 
 _MAX_BACKOFF_S = 60.0
+
+
+@register_source(
+    "openenv", package="openenv-core", requires=("openenv",), example="openenv:http://127.0.0.1:8000",
+    env_prefix="ENV_OPENENV",
+)  # fmt: skip
+@dataclasses.dataclass
+class OpenEnvConfig:
+    """Settings of the OpenEnv source (environment variables ``ENV_OPENENV_<FIELD>``)."""
+
+    prompt_field: str = dataclasses.field(default="prompt", metadata={"help": "observation field holding the prompt"})
+    action_field: str = dataclasses.field(
+        default="message", metadata={"help": "action field the completion is sent in"}
+    )
+    type_field: str = dataclasses.field(
+        default="task_type", metadata={"help": "observation field naming the task type ('' = none)"}
+    )
+    timeout_s: float = dataclasses.field(default=30.0, metadata={"help": "connect and message timeout"})
+    batch_timeout_s: float = dataclasses.field(
+        default=120.0, metadata={"help": "time bound of making one task batch (plus at most one call's timeout)"}
+    )
+    max_message_mb: float = dataclasses.field(
+        default=1.0, metadata={"help": "largest WebSocket message accepted from the server"}
+    )
 
 
 class OpenEnvEnvironment(Environment):
@@ -70,6 +93,8 @@ class OpenEnvEnvironment(Environment):
         try:
             if client is None:
                 timeout = self.config.timeout_s
+                from openenv.core.generic_client import GenericEnvClient  # imported when used: see the registry
+
                 client = GenericEnvClient(
                     base_url=self.url, connect_timeout_s=timeout, message_timeout_s=timeout,
                     max_message_size_mb=self.config.max_message_mb,

@@ -7,8 +7,9 @@ the policy's chat template when ``ENV_CHAT_TEMPLATE`` is set); the system prompt
 for the final answer inside ``<answer>...</answer>``. Scoring extracts the last such
 tag with ``reasoning_gym.utils.extract_answer`` and calls the generator's own
 ``score_answer(answer, entry)``, exactly as reasoning-gym's evaluation does; a
-completion without the tag scores what the verifier gives ``None`` (0). Importing this
-module puts :func:`~env_space.sources.evaluators.guard_evaluators` in front of the
+completion without the tag scores what the verifier gives ``None`` (0). Loading reasoning-gym
+(when the first environment is made: the registry imports this module for its settings only)
+puts :func:`~env_space.sources.evaluators.guard_evaluators` in front of the
 evaluators some verifiers call on the answer (sympy's ``parse_expr``, ``eval``), and the
 simulator scores in a confined child (:attr:`~env_space.environments.Scoring.CONFINED`).
 """
@@ -16,26 +17,59 @@ simulator scores in a confined child (:attr:`~env_space.environments.Scoring.CON
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any
-
-import reasoning_gym
-from reasoning_gym.composite import DatasetSpec
-from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
 
 from env_space.environments import Environment, Task
 
 from . import parse_weighted
-from .evaluators import guard_evaluators
 from .prompts import render_prompt
-from .settings import SOURCES, ReasoningGymConfig
+from .settings import SOURCES, register_source
 
-guard_evaluators()
+__all__ = ["ReasoningGymConfig", "ReasoningGymEnvironment", "from_spec"]
 
-__all__ = ["ReasoningGymEnvironment", "from_spec"]
+
+@register_source(
+    "reasoning_gym", package="reasoning-gym", requires=("reasoning_gym", "sympy"),
+    example="reasoning_gym:leg_counting=2,basic_arithmetic", env_prefix="ENV_RG",
+)  # fmt: skip
+@dataclasses.dataclass
+class ReasoningGymConfig:
+    """Settings of the reasoning-gym source (environment variables ``ENV_RG_<FIELD>``)."""
+
+    level: int = dataclasses.field(
+        default=-1,
+        metadata={
+            "help": "difficulty: curriculum level of every generator (0 = easiest); -1 = the generators' defaults"
+        },
+    )
+    overrides: str = dataclasses.field(
+        default="", metadata={"help": 'JSON: generator config fields, e.g. {"leg_counting": {"max_animals": 4}}'}
+    )
+    system_prompt: str = dataclasses.field(
+        default="default", metadata={"help": "a key of reasoning_gym.utils.SYSTEM_PROMPTS, or the text itself"}
+    )
+    answer_tag: str = dataclasses.field(
+        default="answer", metadata={"help": "tag holding the final answer: <answer>...</answer>"}
+    )
+
+
+@functools.cache
+def _library() -> Any:
+    """reasoning-gym, imported when first used, with the guards in front of its evaluators."""
+    import reasoning_gym
+    import reasoning_gym.composite
+    import reasoning_gym.utils
+
+    from .evaluators import guard_evaluators
+
+    guard_evaluators()
+    return reasoning_gym
 
 
 def _generator_config(name: str, level: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    reasoning_gym = _library()
     config: dict[str, Any] = {}
     if level >= 0 and name in reasoning_gym.factory.CURRICULA:
         curriculum = reasoning_gym.factory.create_curriculum(name)
@@ -60,6 +94,7 @@ class ReasoningGymEnvironment(Environment):
     def __init__(
         self, generators: dict[str, float], config: ReasoningGymConfig | None = None, chat_template: str = ""
     ) -> None:
+        reasoning_gym = _library()
         self.config = config or ReasoningGymConfig()
         self.chat_template = chat_template
         self.name = "reasoning_gym:" + ",".join(f"{g}={w:g}" for g, w in generators.items())
@@ -72,15 +107,15 @@ class ReasoningGymEnvironment(Environment):
         if set(overrides) - set(generators):
             raise ValueError(f"overrides name generators not selected: {sorted(set(overrides) - set(generators))}")
         self.specs = [
-            DatasetSpec(g, w, _generator_config(g, self.config.level, overrides.get(g, {})))
+            reasoning_gym.composite.DatasetSpec(g, w, _generator_config(g, self.config.level, overrides.get(g, {})))
             for g, w in generators.items()
         ]
-        self.system_prompt = SYSTEM_PROMPTS.get(self.config.system_prompt, self.config.system_prompt)
+        self.system_prompt = reasoning_gym.utils.SYSTEM_PROMPTS.get(self.config.system_prompt, self.config.system_prompt)
         self.verifiers = self._composite(1, seed=0).datasets  # name -> generator, for score_answer
 
     def _composite(self, n: int, *, seed: int) -> Any:
         try:
-            return reasoning_gym.create_dataset("composite", size=max(n, 1), seed=seed, datasets=self.specs)
+            return _library().create_dataset("composite", size=max(n, 1), seed=seed, datasets=self.specs)
         except (AssertionError, TypeError) as exc:  # the library validates configs with assert
             raise ValueError(f"invalid reasoning-gym settings: {exc}") from exc
 
@@ -99,7 +134,7 @@ class ReasoningGymEnvironment(Environment):
 
     def score(self, task: Task, completion: str) -> float:
         entry = task.meta["entry"]
-        answer = extract_answer(completion, tag_name=self.config.answer_tag)
+        answer = _library().utils.extract_answer(completion, tag_name=self.config.answer_tag)
         return float(self.verifiers[entry["metadata"]["source_dataset"]].score_answer(answer=answer, entry=entry))
 
 

@@ -1,22 +1,24 @@
-"""The registry of environment sources: each registers its name, its module, the package it needs, an
-example spec and its settings dataclass (whose fields are the panel's form), with :func:`register_source`
-on that dataclass (``ENV_RG_*``, ``ENV_DATASET_*``, ``ENV_OPENENV_*``).
+"""The registry of environment sources: each source module of this package registers its name, the package
+it needs, an example spec and its settings dataclass (whose fields are the panel's form), with
+:func:`register_source` on that dataclass, in its own file; adding a source is one new file.
 
-Kept apart from the sources' modules so that the panel can show their forms without importing
-reasoning-gym, datasets or openenv-core.
+A source module imports its packages (reasoning-gym, datasets, openenv-core) only when an environment is made,
+so that the panel shows every source's form without them: the registry imports every module of this package
+that registers a source (:func:`discover`, on first import of the registry) and nothing else.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
+import pkgutil
+from pathlib import Path
 from typing import Any
 
 from rlsync.spaces.settings import from_env
 
-__all__ = [
-    "SOURCES", "DatasetSourceConfig", "OpenEnvConfig", "ReasoningGymConfig", "Source", "register_source", "source_settings",
-]  # fmt: skip
+__all__ = ["SOURCES", "Source", "discover", "register_source", "source_settings"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,11 +27,12 @@ class Source:
 
     Args:
         name: The prefix of its specs.
-        module: Its module, imported only when selected; it defines ``from_spec(argument, *, chat_template, settings)``.
+        module: Its module; it defines ``from_spec(argument, *, chat_template, settings)``.
         package: What ``pip install`` gives it.
         example: A spec the panel offers.
         settings: Its settings dataclass (the fields are its form).
         env_prefix: Its environment variables' prefix (``ENV_RG``: ``ENV_RG_<FIELD>``).
+        requires: The modules it imports when used (checked, not imported, before it is opened).
     """
 
     name: str
@@ -38,6 +41,7 @@ class Source:
     example: str
     settings: type
     env_prefix: str
+    requires: tuple[str, ...] = ()
 
     def read(self, **overrides: Any) -> Any:
         """The settings from the source's environment variables, then ``overrides``.
@@ -52,8 +56,18 @@ class Source:
 SOURCES: dict[str, Source] = {}
 
 
-def register_source(name: str, *, module: str, package: str, example: str, env_prefix: str) -> Any:
+def register_source(
+    name: str, *, package: str, example: str, env_prefix: str, requires: tuple[str, ...] = (), module: str | None = None
+) -> Any:
     """Class decorator on a source's settings dataclass: register the source.
+
+    Args:
+        name: The prefix of its specs (``<name>:<argument>``).
+        package: What ``pip install`` gives it.
+        example: A spec the panel offers.
+        env_prefix: Its environment variables' prefix.
+        requires: The modules it imports when used.
+        module: The module defining ``from_spec`` (default: the settings class's own).
 
     Raises:
         ValueError: the name is taken.
@@ -62,94 +76,32 @@ def register_source(name: str, *, module: str, package: str, example: str, env_p
     def register(cls: type) -> type:
         if name in SOURCES and SOURCES[name].settings.__qualname__ != cls.__qualname__:
             raise ValueError(f"environment source {name!r} is registered already")
-        SOURCES[name] = Source(name, module, package, example, cls, env_prefix)
+        SOURCES[name] = Source(name, module or cls.__module__, package, example, cls, env_prefix, tuple(requires))
         return cls
 
     return register
 
 
-@register_source(
-    "reasoning_gym", module="env_space.sources.reasoning_gym", package="reasoning-gym",
-    example="reasoning_gym:leg_counting=2,basic_arithmetic", env_prefix="ENV_RG",
-)  # fmt: skip
-@dataclasses.dataclass
-class ReasoningGymConfig:
-    """Settings of the reasoning-gym source (environment variables ``ENV_RG_<FIELD>``)."""
+def discover(folder: Path = Path(__file__).parent, package: str = __package__) -> None:
+    """Import every module of a package that registers a source (each is read first: the others, e.g. the
+    evaluators and the OpenEnv server, import their packages at once).
 
-    level: int = dataclasses.field(
-        default=-1,
-        metadata={
-            "help": "difficulty: curriculum level of every generator (0 = easiest); -1 = the generators' defaults"
-        },
-    )
-    overrides: str = dataclasses.field(
-        default="", metadata={"help": 'JSON: generator config fields, e.g. {"leg_counting": {"max_animals": 4}}'}
-    )
-    system_prompt: str = dataclasses.field(
-        default="default", metadata={"help": "a key of reasoning_gym.utils.SYSTEM_PROMPTS, or the text itself"}
-    )
-    answer_tag: str = dataclasses.field(
-        default="answer", metadata={"help": "tag holding the final answer: <answer>...</answer>"}
-    )
+    Args:
+        folder: The package's folder (default: this one, run on first import of the registry).
+        package: Its import name.
+    """
+    for found in pkgutil.iter_modules([str(folder)]):
+        path = folder / f"{found.name}.py"
+        if path != Path(__file__) and path.is_file() and "@register_source(" in path.read_text(encoding="utf-8"):
+            importlib.import_module(f"{package}.{found.name}")
 
 
-@register_source(
-    "dataset", module="env_space.sources.datasets_source", package="datasets math-verify", example="dataset:openai/gsm8k",
-    env_prefix="ENV_DATASET",
-)  # fmt: skip
-@dataclasses.dataclass
-class DatasetSourceConfig:
-    """Settings of the dataset source (environment variables ``ENV_DATASET_<FIELD>``)."""
-
-    subset: str = dataclasses.field(default="", metadata={"help": "dataset configuration name, e.g. main for gsm8k"})
-    split: str = dataclasses.field(default="train", metadata={"help": "split to draw prompts from"})
-    prompt_column: str = dataclasses.field(
-        default="prompt", metadata={"help": "column with the prompt (text or chat messages)"}
-    )
-    answer_column: str = dataclasses.field(default="answer", metadata={"help": "column with the reference answer"})
-    type_column: str = dataclasses.field(
-        default="", metadata={"help": "column naming the task type for the panel ('' = none)"}
-    )
-    rewards: str = dataclasses.field(
-        default="math_verify",
-        metadata={"help": "reward functions with weights: NAME[=W],... (built-in or module.function)"},
-    )
-    system_prompt: str = dataclasses.field(
-        default="", metadata={"help": "system message put before string prompts ('' = none)"}
-    )
-    answer_tag: str = dataclasses.field(
-        default="answer", metadata={"help": "tag of the final answer for exact_match and format"}
-    )
-    reward_timeout_s: float = dataclasses.field(
-        default=5.0, metadata={"help": "time bound of one reward function call"}
-    )
-    reward_isolation: str = dataclasses.field(
-        default="process", metadata={"help": "process (one confined worker, killed when a call overstays) or thread (a confined fork per call)"}
-    )
-
-
-@register_source(
-    "openenv", module="env_space.sources.openenv_client", package="openenv-core", example="openenv:http://127.0.0.1:8000",
-    env_prefix="ENV_OPENENV",
-)  # fmt: skip
-@dataclasses.dataclass
-class OpenEnvConfig:
-    """Settings of the OpenEnv source (environment variables ``ENV_OPENENV_<FIELD>``)."""
-
-    prompt_field: str = dataclasses.field(default="prompt", metadata={"help": "observation field holding the prompt"})
-    action_field: str = dataclasses.field(
-        default="message", metadata={"help": "action field the completion is sent in"}
-    )
-    type_field: str = dataclasses.field(
-        default="task_type", metadata={"help": "observation field naming the task type ('' = none)"}
-    )
-    timeout_s: float = dataclasses.field(default=30.0, metadata={"help": "connect and message timeout"})
-    batch_timeout_s: float = dataclasses.field(
-        default=120.0, metadata={"help": "time bound of making one task batch (plus at most one call's timeout)"}
-    )
-    max_message_mb: float = dataclasses.field(
-        default=1.0, metadata={"help": "largest WebSocket message accepted from the server"}
-    )
+def __getattr__(name: str) -> type:
+    """A registered source's settings class by its name (``settings.DatasetSourceConfig``)."""
+    for source in list(SOURCES.values()):
+        if source.settings.__name__ == name:
+            return source.settings
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def source_settings(spec: str, overrides: str = "") -> Any | None:
@@ -178,3 +130,6 @@ def source_settings(spec: str, overrides: str = "") -> Any | None:
     if unknown:
         raise ValueError(f"unknown {spec.partition(':')[0]} settings {sorted(unknown)}")
     return source.read(**values)
+
+
+discover()

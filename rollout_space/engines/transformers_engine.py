@@ -8,7 +8,7 @@ model's fused experts), each checkpoint tensor is a view of the fused parameter
 ``model.embed_tokens.weight``) are written once, through the name that the
 checkpoint stores.
 
-Sampling is done here, token by token with a KV cache, so the reported
+Sampling is done here (:mod:`rollout_space.engines.sampling`), token by token with a KV cache, so the reported
 log-probabilities are those of the distribution actually sampled from:
 ``log_softmax(logits.float() / temperature)``, renormalised over the top-p
 nucleus when ``top_p < 1``. ``temperature <= GREEDY_TEMPERATURE`` means greedy
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from rollout_space.engine import Completion, Engine, SamplingSettings, register_engine
+from rollout_space.engines.sampling import generate_completions
 from rlsync.adapters import AdapterChain
 from rlsync.checkpoint_layout import CheckpointLayout
 from rlsync.hashing import state_hash
@@ -39,9 +40,6 @@ from rlsync.lora import peft_config
 from rlsync.patch import TensorPatch
 
 logger = logging.getLogger(__name__)
-
-#: Temperatures at or below this decode greedily.
-GREEDY_TEMPERATURE = 1e-5
 
 
 class TransformersEngine(Engine):
@@ -238,70 +236,9 @@ class TransformersEngine(Engine):
             KeyError: ``sampling.adapter`` names an adapter version that is not loaded.
         """
         with self._adapter(sampling.adapter):
-            return self._generate(prompts, sampling)
-
-    def _generate(self, prompts: list[str], sampling: SamplingSettings) -> list[list[Completion]]:
-        if sampling.n < 1 or sampling.max_new_tokens < 1:
-            raise ValueError("sampling.n and sampling.max_new_tokens must be >= 1")
-        if not 0.0 < sampling.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p}")
-        if not prompts:
-            return []
-        encoded = [self.tokenizer(p)["input_ids"] for p in prompts]
-        rows = [ids for ids in encoded for _ in range(sampling.n)]
-        input_ids, attention = _left_pad(rows, self._pad_id, self.device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-
-        generator = torch.Generator(device=self.device)
-        if sampling.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(sampling.seed)
-
-        batch = len(rows)
-        eos = torch.tensor(sorted(self._eos_ids), device=self.device)
-        finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        tokens: list[list[int]] = [[] for _ in range(batch)]
-        logprobs: list[list[float]] = [[] for _ in range(batch)]
-
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        for step in range(sampling.max_new_tokens):
-            next_ids, next_lp = sample_tokens(out.logits[:, -1, :], sampling, generator)
-            active = (~finished).tolist()
-            for i, (tok, lp) in enumerate(zip(next_ids.tolist(), next_lp.tolist())):
-                if active[i]:
-                    tokens[i].append(tok)
-                    logprobs[i].append(lp)
-            finished |= torch.isin(next_ids, eos)
-            if bool(finished.all()) or step == sampling.max_new_tokens - 1:
-                break
-            next_ids = torch.where(finished, torch.full_like(next_ids, self._pad_id), next_ids)
-            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-            positions = positions[:, -1:] + 1
-            out = self.model(
-                input_ids=next_ids[:, None],
-                attention_mask=attention,
-                position_ids=positions,
-                past_key_values=out.past_key_values,
-                use_cache=True,
+            return generate_completions(
+                self.model, self.tokenizer, prompts, sampling, eos_ids=self._eos_ids, pad_id=self._pad_id, device=self.device
             )
-
-        completions = [
-            Completion(
-                text=self.tokenizer.decode(ids, skip_special_tokens=True),
-                token_ids=ids,
-                logprobs=lps,
-            )
-            for ids, lps in zip(tokens, logprobs)
-        ]
-        n = sampling.n
-        return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def close(self) -> None:
         """Drop the model and tokenizer."""
@@ -313,53 +250,6 @@ class TransformersEngine(Engine):
 
 def _adapter_name(version: int) -> str:
     return f"v{version}"
-
-
-def sample_tokens(
-    logits: torch.Tensor, sampling: SamplingSettings, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row and return it with its log-probability.
-
-    Args:
-        logits: ``(batch, vocab)`` next-token logits, any float dtype.
-        sampling: Temperature and top-p.
-        generator: Random generator on the logits' device.
-
-    Returns:
-        ``(token_ids, logprobs)``, both ``(batch,)``; log-probabilities are float32
-        and taken from the distribution that was sampled from.
-    """
-    logits = logits.float()
-    if sampling.temperature <= GREEDY_TEMPERATURE:
-        logp = torch.log_softmax(logits, dim=-1)
-        ids = logits.argmax(dim=-1)
-    else:
-        scaled = logits / sampling.temperature
-        if sampling.top_p < 1.0:
-            scaled = _top_p_mask(scaled, sampling.top_p)
-        logp = torch.log_softmax(scaled, dim=-1)
-        ids = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-    return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
-
-
-def _top_p_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Set logits outside the smallest set whose probability reaches ``top_p`` to ``-inf``."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-    drop_sorted = before >= top_p
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
-
-
-def _left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r) :] = 1
-    return ids.to(device), mask.to(device)
 
 
 def _checkpoint_names(model_path: Path) -> list[str] | None:

@@ -193,6 +193,8 @@ class VllmEngine(Engine):
             self._after_weight_change()
 
     def _after_weight_change(self) -> None:
+        # Not retried (unlike BucketSyncClient's reset of a server): this engine generates in-process under
+        # self._lock, which the caller holds, so no request holds cache blocks now; a refusal is a fault.
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight change")
 

@@ -4,7 +4,9 @@ One place for both, used by every retrying caller:
 
 - :class:`RetryPolicy` and :func:`call_with_retries`: exponential backoff with jitter, bounded in
   attempts and in total time (:class:`~rlsync.bucket.retry.RetryingBucket` retries every bucket
-  operation with it);
+  operation with it, :class:`~rlsync.vllm.transfer.BucketSyncClient` a refused prefix-cache reset);
+  :meth:`RetryPolicy.at_once` retries a race lost to a concurrent writer without waiting (a local
+  bucket's write whose folder a delete removed, a verify replay whose files retention removed);
 - :func:`retry_after_seconds`: the wait a server asked for, from ``Retry-After`` (seconds or an
   HTTP date) or the Hub's ``RateLimit`` header (``t=`` seconds to the reset once ``r=0``), read
   for the bucket's errors (:mod:`rlsync.bucket.hf`) and for the request meter's holds
@@ -107,6 +109,16 @@ class RetryPolicy:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
         if self.base_delay < 0 or self.max_delay < 0 or self.max_total < 0:
             raise ValueError("base_delay, max_delay and max_total must not be negative")
+
+    @classmethod
+    def at_once(cls, max_attempts: int) -> "RetryPolicy":
+        """Retries with no wait and no time bound: for a race lost to a concurrent writer (the next attempt
+        sees what it did), not for a server that needs sparing.
+
+        Raises:
+            ValueError: ``max_attempts`` is below 1.
+        """
+        return cls(max_attempts=max_attempts, base_delay=0.0, max_delay=0.0, max_total=math.inf)
 
     def backoff(self, retry: int, retry_after: float | None = None, rng: random.Random | None = None) -> float:
         """Seconds to wait before retry number ``retry`` (1-based), at least ``retry_after`` when given."""

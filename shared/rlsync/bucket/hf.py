@@ -22,7 +22,9 @@ Errors from ``huggingface_hub`` are mapped onto the bucket error types:
 - anything else -> :class:`BucketError`.
 
 Every request has a timeout and is made once; retries are :class:`RetryingBucket`'s alone (see
-:mod:`rlsync.bucket.hf_transport`).
+:mod:`rlsync.bucket.hf_transport`). The jobs live in parts: :class:`~rlsync.bucket.hf_errors.HubCalls`
+(one metered call and its error mapping), :class:`~rlsync.bucket.hf_reads.HubReader` (downloads and
+listings); :class:`HfBucket` joins them and writes.
 
 The access token comes from the ``token`` argument, else the ``HF_TOKEN`` environment variable,
 else ``huggingface_hub``'s own lookup (the saved login). None of these tokens ever appears in an
@@ -34,55 +36,23 @@ server echoed it.
 from __future__ import annotations
 
 import logging
-import re
-import tempfile
-import traceback
 from pathlib import Path
-from typing import Callable, Iterable, TypeVar
+from typing import Iterable
 
-import httpx2
-from hf_xet import XetAuthenticationError, XetObjectNotFoundError
-from huggingface_hub import BucketFile, HfApi, get_token
-from huggingface_hub.errors import (
-    BucketBatchError,
-    BucketNotFoundError,
-    EntryNotFoundError,
-    HfHubHTTPError,
-    OfflineModeIsEnabled,
-)
+from huggingface_hub import HfApi
+from huggingface_hub.errors import BucketNotFoundError
 from huggingface_hub.utils import parse_hf_uri
 
-from ..errors import BucketError, ObjectNotFoundError, ObjectTooLargeError, RetryableHttpError, TransientBucketError
-from ..retry import retry_after_seconds
-from .base import Bucket, ObjectInfo, part_path, validate_key, validate_prefix
+from ..errors import BucketError, TransientBucketError
+from .base import Bucket, ObjectInfo, validate_key
 from .budget import RequestMeter
-from .hf_transport import HfTransferConfig, install, metering, single_attempt
+from .hf_errors import HubCalls
+from .hf_reads import HubReader
+from .hf_transport import HfTransferConfig, install
 
 __all__ = ["HfBucket"]
 
 logger = logging.getLogger(__name__)
-
-_T = TypeVar("_T")
-
-#: HTTP statuses worth retrying: request timeout, rate limit, server errors.
-_TRANSIENT_STATUSES = frozenset({408, 429})
-#: Connection-level failures (no HTTP status) worth retrying.
-_TRANSIENT_EXCEPTIONS: tuple[type[BaseException], ...] = (
-    httpx2.TimeoutException,
-    httpx2.NetworkError,
-    httpx2.RemoteProtocolError,
-    ConnectionError,
-    TimeoutError,
-)
-#: The HTTP status hf_xet (reqwest) writes into its error messages, e.g. "(503 Service Unavailable)".
-_XET_STATUS = re.compile(r"HTTP status (?:client|server) error \((\d{3})\b")
-#: hf_xet's wording for a connection that failed, was dropped or timed out.
-_XET_CONNECTION = re.compile(r"error sending request|timed out|connection (?:reset|refused|closed)", re.IGNORECASE)
-_REDACTED = "<redacted>"
-
-
-def _is_transient(status: int) -> bool:
-    return status in _TRANSIENT_STATUSES or status >= 500
 
 
 class HfBucket(Bucket):
@@ -139,9 +109,8 @@ class HfBucket(Bucket):
         self._token = token
         self._api = api if api is not None else HfApi(token=self._token)
         self.url = f"hf://buckets/{bucket_id}" + (f"/{prefix}" if prefix else "")
-        self._warned_skipped = False
-        #: Reads refused because the object is larger than the reader allows.
-        self.refused_too_large = 0
+        self._hub = HubCalls(api=self._api, token=token, bucket_id=bucket_id, url=self.url, meter=self.meter)
+        self._reader = HubReader(self._hub, self._path_prefix)
         if create:
             self._create_if_missing()
 
@@ -155,10 +124,10 @@ class HfBucket(Bucket):
             except BucketNotFoundError:
                 return False
 
-        if self._call("bucket info", None, exists):
+        if self._hub.call("bucket info", None, exists):
             return
         try:
-            self._call("create bucket", None, lambda: self._api.create_bucket(self.bucket_id, exist_ok=True, token=self._token))
+            self._hub.call("create bucket", None, lambda: self._api.create_bucket(self.bucket_id, exist_ok=True, token=self._token))
         except TransientBucketError:
             raise
         except BucketError as err:
@@ -193,122 +162,18 @@ class HfBucket(Bucket):
             raise BucketError(f"invalid Hugging Face bucket URL {url!r}: expected hf://buckets/OWNER/NAME[/PREFIX]")
         return cls(parsed.id, prefix=parsed.path_in_repo or "", **kwargs)
 
-    # -- key mapping -------------------------------------------------------------------------------
+    @property
+    def refused_too_large(self) -> int:
+        """Reads refused because the object is larger than the reader allows."""
+        return self._reader.refused_too_large
 
-    def _remote(self, key: str) -> str:
-        return self._path_prefix + validate_key(key)
+    def local_key(self, remote_path: str) -> str | None:
+        """The key of a path in the bucket (``None``: outside this bucket's prefix)."""
+        return self._reader.local_key(remote_path)
 
-    def _local_key(self, remote_path: str) -> str | None:
-        if not remote_path.startswith(self._path_prefix):
-            return None
-        return remote_path[len(self._path_prefix) :]
-
-    # -- error mapping -----------------------------------------------------------------------------
-
-    def _scrub(self, text: str) -> str:
-        for secret in self._secrets():
-            text = text.replace(secret, _REDACTED)
-        return text
-
-    def _secrets(self) -> list[str]:
-        """Every token the client may send: its own, the client's, and the one the library finds itself."""
-        try:
-            found = get_token()  # HF_TOKEN, else the saved login
-        except Exception:  # noqa: BLE001 - an unreadable token file must not hide the real error
-            found = None
-        candidates = (self._token, getattr(self._api, "token", None), found)
-        return [t for i, t in enumerate(candidates) if isinstance(t, str) and t and t not in candidates[:i]]
-
-    def _call(self, op: str, key: str | None, fn: Callable[[], _T]) -> _T:
-        """Run one `huggingface_hub` call, mapping its errors onto the bucket error types."""
-        try:
-            with metering(self.meter), single_attempt():
-                return fn()
-        except BucketError:
-            raise
-        except Exception as err:
-            mapped = self._map_error(op, key, err)
-            # Keep the original exception (and its chain) for debugging unless its text carries a token.
-            text = "".join(traceback.format_exception(err))
-            if not any(secret in text for secret in self._secrets()):
-                raise mapped from err
-        raise mapped  # outside the except block: not even __context__ keeps the token-bearing original
-
-    def _map_error(self, op: str, key: str | None, err: Exception) -> BucketError:
-        what = f"{op} {key!r} in {self.url}" if key is not None else f"{op} {self.url}"
-        if isinstance(err, BucketNotFoundError):
-            return BucketError(
-                self._scrub(
-                    f"{what} failed: bucket {self.bucket_id!r} not found, or the token cannot access it "
-                    f"(create it first or pass create=True){self._detail(err)}"
-                )
-            )
-        if isinstance(err, BucketBatchError):
-            failures = "; ".join(f"{f.get('path')}: {f.get('error')}" for f in err.failures) or "unknown"
-            return BucketError(self._scrub(f"{what} failed: the server rejected the operation ({failures})"))
-        if (isinstance(err, EntryNotFoundError) and not isinstance(err, HfHubHTTPError)) or isinstance(
-            err, XetObjectNotFoundError
-        ):
-            return ObjectNotFoundError(self._scrub(f"{what} failed: no such object"))
-        if isinstance(err, RetryableHttpError):
-            return self._status_error(what, op, err.status, err.headers, "", str(err))
-        if isinstance(err, HfHubHTTPError) and getattr(err, "response", None) is not None:
-            status = err.response.status_code
-            detail = self._detail(err)
-            if status == 404 and not err.response.headers.get("X-Error-Code"):
-                return BucketError(
-                    self._scrub(
-                        f"{what} failed with HTTP 404 without a Hub error code: {err.response.url.host} does not "
-                        f"answer like the Hub (check HF_ENDPOINT and proxies){detail}"
-                    )
-                )
-            return self._status_error(what, op, status, err.response.headers, detail, "")
-        if isinstance(err, OfflineModeIsEnabled):
-            return BucketError(self._scrub(f"{what} failed: HF_HUB_OFFLINE is set, the Hub cannot be reached"))
-        if isinstance(err, XetAuthenticationError):
-            return self._status_error(what, op, 401, None, "", f"Xet: {err}")
-        if isinstance(err, (RuntimeError, OSError)) and (match := _XET_STATUS.search(str(err))):
-            # hf_xet: the Xet token endpoint or Xet storage answered with this status.
-            return self._status_error(what, op, int(match[1]), None, "", f"Xet: {err}")
-        xet_connection = isinstance(err, RuntimeError) and _XET_CONNECTION.search(str(err)) is not None
-        if isinstance(err, _TRANSIENT_EXCEPTIONS) or xet_connection:
-            return TransientBucketError(self._scrub(f"{what} failed: connection error ({type(err).__name__}: {err})"))
-        return BucketError(self._scrub(f"{what} failed: {type(err).__name__}: {err}"))
-
-    def _status_error(
-        self, what: str, op: str, status: int | None, headers: httpx2.Headers | None, detail: str, cause: str
-    ) -> BucketError:
-        """The bucket error for an HTTP status (None: the connection failed or timed out)."""
-        because = f" ({cause})" if cause else ""
-        if status is None:
-            return TransientBucketError(self._scrub(f"{what} failed: connection error{because}"))
-        if status == 404:
-            return ObjectNotFoundError(self._scrub(f"{what} failed: no such object (HTTP 404){detail}{because}"))
-        if _is_transient(status):
-            retry_after = retry_after_seconds(headers) if headers is not None else None
-            hint = f", retry after {retry_after:g}s" if retry_after is not None else ""
-            return TransientBucketError(
-                self._scrub(f"{what} failed with HTTP {status}{hint}{detail}{because}"), retry_after=retry_after
-            )
-        if status in (401, 403):
-            access = "write" if op in ("put", "delete", "create bucket") else "read"
-            return BucketError(
-                self._scrub(
-                    f"{what} failed with HTTP {status}: permission denied; the token (token=, HF_TOKEN or the "
-                    f"saved login) needs {access} access to bucket {self.bucket_id!r} (a read-only or revoked "
-                    f"token fails like this){detail}{because}"
-                )
-            )
-        return BucketError(self._scrub(f"{what} failed with HTTP {status}{detail}{because}"))
-
-    @staticmethod
-    def _detail(err: HfHubHTTPError) -> str:
-        parts = []
-        if err.server_message:
-            parts.append(err.server_message.strip())
-        if err.request_id:
-            parts.append(f"request id {err.request_id}")
-        return (": " + "; ".join(parts)) if parts else ""
+    def scrub(self, text: str) -> str:
+        """``text`` with every token this bucket's client may send replaced (for messages about it)."""
+        return self._hub.scrub(text)
 
     # -- Bucket API --------------------------------------------------------------------------------
 
@@ -318,10 +183,10 @@ class HfBucket(Bucket):
         Raises:
             [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
-        remote = self._remote(key)
+        remote = self._reader.remote(key)
         logger.debug("put %s (%d bytes) to %s", remote, len(data), self.bucket_id)
         payload = bytes(data)  # huggingface_hub tells raw content from a path by the `bytes` type
-        self._call("put", key, lambda: self._upload(payload, remote))
+        self._hub.call("put", key, lambda: self._upload(payload, remote))
 
     def put_file(self, key: str, path: str | Path) -> None:
         """Upload the local file `path` under `key` without reading it into memory.
@@ -329,55 +194,14 @@ class HfBucket(Bucket):
         Raises:
             [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
-        remote = self._remote(key)
+        remote = self._reader.remote(key)
         local = str(Path(path))
         logger.debug("put_file %s -> %s in %s", local, remote, self.bucket_id)
-        self._call("put", key, lambda: self._upload(local, remote))
+        self._hub.call("put", key, lambda: self._upload(local, remote))
 
     def _upload(self, source: bytes | str, remote: str) -> None:
-        self._xet_token("write")
+        self._hub.xet_token("write")
         self._api.batch_bucket_files(self.bucket_id, add=[(source, remote)], token=self._token)
-
-    def _xet_token(self, kind: str) -> None:
-        """Count and pace the Xet token request hf_xet makes itself (outside the Hub client) for one
-        transfer: one API request per upload commit or download group."""
-        from .budget import RequestClass
-
-        path = f"/api/buckets/{self.bucket_id}/xet-{kind}-token"
-        self.meter.acquire(RequestClass.API)
-        self.meter.record("GET", path, None, None)
-
-    def _fetch(self, source: str | BucketFile, dest: Path) -> None:
-        self._xet_token("read")
-        self._api.download_bucket_files(self.bucket_id, [(source, str(dest))], raise_on_missing_files=True, token=self._token)
-
-    def _download(self, key: str, source: str | BucketFile, dest: Path) -> None:
-        self._call("get", key, lambda: self._fetch(source, dest))
-        if not dest.is_file():  # the client skipped it: treat as missing rather than return garbage
-            raise ObjectNotFoundError(f"get {key!r} in {self.url} failed: no such object")
-
-    def _limited_source(self, key: str, max_bytes: int | None) -> str | BucketFile:
-        """What to download for `key`: its path, or, under a limit, the version `paths-info` lists (the
-        request the download would make anyway), refused from its listed size before any byte is read.
-
-        Raises:
-            [`ObjectTooLargeError`]: the listed size is over `max_bytes` (counted in :attr:`refused_too_large`).
-            [`ObjectNotFoundError`]: no object has that key.
-        """
-        remote = self._remote(key)
-        if max_bytes is None:
-            return remote
-        infos = self._call("get", key, lambda: list(self._api.get_bucket_paths_info(self.bucket_id, [remote], token=self._token)))
-        info = next((i for i in infos if isinstance(i, BucketFile) and i.path == remote), None)
-        if info is None:
-            raise ObjectNotFoundError(f"get {key!r} in {self.url} failed: no such object")
-        self._check_size(key, int(info.size), max_bytes)
-        return info
-
-    def _check_size(self, key: str, size: int, max_bytes: int | None) -> None:
-        if max_bytes is not None and size > max_bytes:
-            self.refused_too_large += 1
-            raise ObjectTooLargeError(f"{key}: {size:,} bytes, more than the {max_bytes:,} allowed")
 
     def get(self, key: str) -> bytes:
         """Download the object `key` (via a temporary file) and return its bytes.
@@ -386,7 +210,7 @@ class HfBucket(Bucket):
             [`ObjectNotFoundError`]: no object has that key.
             [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
-        return self._read(key, None)
+        return self._reader.read(key, None)
 
     def get_limited(self, key: str, max_bytes: int) -> bytes:
         """[`get`], refusing an object larger than `max_bytes` from its listed size, before any byte is downloaded.
@@ -395,16 +219,7 @@ class HfBucket(Bucket):
             [`ObjectTooLargeError`]: the object holds more than `max_bytes` bytes.
             [`ObjectNotFoundError`], [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
-        return self._read(key, max_bytes)
-
-    def _read(self, key: str, max_bytes: int | None) -> bytes:
-        source = self._limited_source(key, max_bytes)
-        logger.debug("get %s from %s", key, self.url)
-        with tempfile.TemporaryDirectory(prefix="hfbucket-") as tmp:
-            dest = Path(tmp, "object")
-            self._download(key, source, dest)
-            self._check_size(key, dest.stat().st_size, max_bytes)  # what came is what was listed, or refused
-            return dest.read_bytes()
+        return self._reader.read(key, max_bytes)
 
     def get_file(self, key: str, path: str | Path) -> None:
         """Download the object `key` into `path`, streamed to disk by hf_xet through a `.part` file of
@@ -414,7 +229,7 @@ class HfBucket(Bucket):
             [`ObjectNotFoundError`]: no object has that key.
             [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
-        self._read_file(key, path, None)
+        self._reader.read_file(key, path, None)
 
     def get_file_limited(self, key: str, path: str | Path, max_bytes: int) -> None:
         """[`get_file`], refusing an object larger than `max_bytes` from its listed size, before any byte is downloaded.
@@ -423,19 +238,7 @@ class HfBucket(Bucket):
             [`ObjectTooLargeError`]: the object holds more than `max_bytes` bytes.
             [`ObjectNotFoundError`], [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
-        self._read_file(key, path, max_bytes)
-
-    def _read_file(self, key: str, path: str | Path, max_bytes: int | None) -> None:
-        source = self._limited_source(key, max_bytes)
-        target = Path(path)
-        tmp = part_path(target)
-        logger.debug("get_file %s from %s -> %s", key, self.url, path)
-        try:
-            self._download(key, source, tmp)
-            self._check_size(key, tmp.stat().st_size, max_bytes)
-            tmp.replace(target)
-        finally:
-            tmp.unlink(missing_ok=True)
+        self._reader.read_file(key, path, max_bytes)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """List objects whose key starts with `prefix` (`list_bucket_tree(..., recursive=True)`).
@@ -446,7 +249,7 @@ class HfBucket(Bucket):
         Raises:
             [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
-        return self._list(prefix, None)[0]
+        return self._reader.list(prefix, None)[0]
 
     def list_limited(self, prefix: str, max_keys: int) -> tuple[list[ObjectInfo], bool]:
         """[`list`], fetching no page beyond the one that holds object `max_keys + 1`.
@@ -454,53 +257,7 @@ class HfBucket(Bucket):
         Raises:
             [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
-        return self._list(prefix, max_keys)
-
-    def _list(self, prefix: str, max_keys: int | None) -> tuple[list[ObjectInfo], bool]:
-        validate_prefix(prefix)
-        full = self._path_prefix + prefix
-
-        def fetch() -> tuple[list[BucketFile], bool]:
-            # The server matches the prefix lexically; filter again below to be safe.
-            tree = self._api.list_bucket_tree(self.bucket_id, prefix=full or None, recursive=True, token=self._token)
-            files = []
-            for item in tree:  # pages are fetched as the iteration reaches them
-                if isinstance(item, BucketFile):
-                    if max_keys is not None and len(files) == max_keys:
-                        return files, False
-                    files.append(item)
-            return files, True
-
-        try:
-            files, complete = self._call("list", prefix, fetch)
-        except ObjectNotFoundError:  # the Hub's EntryNotFound 404 for a folder that does not exist: nothing there
-            return [], True
-        out = []
-        skipped = 0
-        for item in files:
-            if not item.path.startswith(full):
-                continue
-            key = self._local_key(item.path)
-            try:
-                validate_key(key or "")
-            except BucketError:
-                skipped += 1
-                continue
-            out.append(ObjectInfo(key, int(item.size), item.xet_hash or None))
-        if skipped:
-            log = logger.debug if self._warned_skipped else logger.warning
-            self._warned_skipped = True
-            log("list %s: skipped %d remote files whose names are not valid keys", self.url, skipped)
-        return sorted(out, key=lambda o: o.key), complete
-
-    def _existing(self, op: str, keys: list[str]) -> set[str]:
-        remotes = [self._remote(key) for key in keys]
-        infos = self._call(
-            op,
-            keys[0] if len(keys) == 1 else f"{len(keys)} keys",
-            lambda: list(self._api.get_bucket_paths_info(self.bucket_id, remotes, token=self._token)),
-        )
-        return {info.path for info in infos}
+        return self._reader.list(prefix, max_keys)
 
     def delete(self, keys: Iterable[str]) -> None:
         """Delete the given objects; keys that do not exist are ignored.
@@ -514,14 +271,14 @@ class HfBucket(Bucket):
         keys = [validate_key(key) for key in keys]
         if not keys:
             return
-        existing = self._existing("delete", keys)
-        remotes = [self._remote(key) for key in keys if self._remote(key) in existing]
+        existing = self._reader.existing("delete", keys)
+        remotes = [self._reader.remote(key) for key in keys if self._reader.remote(key) in existing]
         if not remotes:
             return
         logger.debug("delete %d objects from %s", len(remotes), self.url)
         what = keys[0] if len(keys) == 1 else f"{len(keys)} keys"
         try:
-            self._call(
+            self._hub.call(
                 "delete",
                 what,
                 lambda: self._api.batch_bucket_files(self.bucket_id, delete=remotes, token=self._token),
@@ -530,7 +287,7 @@ class HfBucket(Bucket):
             if isinstance(err, TransientBucketError):
                 raise
             # A concurrent delete may have removed some paths first: fine if none is left.
-            left = self._existing("delete", [self._local_key(r) or r for r in remotes])
+            left = self._reader.existing("delete", [self._reader.local_key(r) or r for r in remotes])
             if left:
                 raise
 
@@ -540,4 +297,4 @@ class HfBucket(Bucket):
         Raises:
             [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
-        return self._remote(key) in self._existing("exists", [key])
+        return self._reader.remote(key) in self._reader.existing("exists", [key])

@@ -30,9 +30,11 @@ from ..errors import (
     ObjectTooLargeError,
 )
 from ..files import TMP_MARK, TMP_TOKEN_CHARS, copy_regular, create_new, open_regular
+from ..retry import RetryPolicy, call_with_retries
 from .base import Bucket, ObjectInfo, part_path, validate_key, validate_prefix
 
-_WRITE_ATTEMPTS = 5
+#: A write whose folder a concurrent delete removed (once it was empty) is tried again at once, this often.
+_WRITE_RETRIES = RetryPolicy.at_once(5)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -111,12 +113,14 @@ class LocalBucket(Bucket):
     # -- the interface ---------------------------------------------------------
 
     def _write_atomic(self, key: str, write) -> None:
-        for attempt in range(_WRITE_ATTEMPTS):
-            try:
-                return self._write_once(key, write)
-            except FileNotFoundError:  # a concurrent delete removed a folder on the path once it was empty
-                if attempt == _WRITE_ATTEMPTS - 1:
-                    raise
+        def give_up(err: BaseException, attempts: int, _elapsed: float, _why: str) -> FileNotFoundError:
+            assert isinstance(err, FileNotFoundError)
+            return FileNotFoundError(err.errno, f"{err.strerror} (writing {key!r}, {attempts} attempts)", err.filename)
+
+        call_with_retries(
+            lambda: self._write_once(key, write), policy=_WRITE_RETRIES, retryable=FileNotFoundError, give_up=give_up,
+            describe=f"put {key!r} in {self.url} (a concurrent delete removed its folder)",
+        )  # fmt: skip
 
     def _write_once(self, key: str, write) -> None:
         with self._folder(key, create=True) as (dir_fd, name):

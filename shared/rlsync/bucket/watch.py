@@ -33,16 +33,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
-from ..errors import BucketError, InvalidKeyError, ObjectNotFoundError, ObjectTooLargeError
+from ..errors import ObjectNotFoundError, ObjectTooLargeError
 from ..supervised import SupervisedThread
-from .base import Bucket, BucketWrapper, ObjectInfo, validate_key, validate_prefix
+from .base import Bucket, BucketWrapper, ObjectInfo, validate_prefix
+from .watch_feed import ViewUpdater, WatchMode, change_info
 
 __all__ = [
     "IDLE_WAIT_S", "WatchConfig", "WatchMode", "WatchedBucket", "generation", "hub_backend", "listing_error", "meter_of",
@@ -55,15 +55,6 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 30.0
 #: Objects up to this size read through :meth:`WatchedBucket.get_limited` are cached by hash.
 CACHE_MAX_BYTES = 1 << 20
-#: A feed change's operations (``BucketFileChange.op``).
-_FEED_OPS = frozenset({"add", "update", "delete"})
-
-
-class WatchMode(str, enum.Enum):
-    """How a :class:`WatchedBucket` learns about changes."""
-
-    FEED = "feed"
-    POLL = "poll"
 
 
 @dataclasses.dataclass
@@ -110,6 +101,44 @@ class WatchConfig:
             raise ValueError(f"invalid watch settings: {self}")
 
 
+class _HashCache:
+    """Small objects by key, each with the Xet hash it was read at; the least recently read dropped first.
+
+    Args:
+        max_bytes: Bytes held at most (an object over ``min(CACHE_MAX_BYTES, max_bytes)`` is not kept).
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: collections.OrderedDict[str, tuple[str, bytes]] = collections.OrderedDict()  # least recent first
+
+    def get(self, key: str, etag: str) -> bytes | None:
+        """The bytes of ``key`` read at hash ``etag``, or ``None``."""
+        cached = self._entries.get(key)
+        if cached is None or cached[0] != etag:
+            return None
+        self._entries.move_to_end(key)
+        return cached[1]
+
+    def put(self, key: str, etag: str, data: bytes) -> None:
+        """Keep ``data`` as ``key`` at hash ``etag`` (unless it is too large)."""
+        if len(data) > min(CACHE_MAX_BYTES, self.max_bytes):
+            return
+        self.drop(key)
+        self._entries[key] = (etag, data)
+        self.bytes += len(data)
+        while self.bytes > self.max_bytes:
+            self.drop(next(iter(self._entries)))
+
+    def drop(self, key: str, unless: str | None = None) -> None:
+        """Forget ``key``, unless it is held at hash ``unless``."""
+        entry = self._entries.get(key)
+        if entry is not None and (unless is None or entry[0] != unless):
+            del self._entries[key]
+            self.bytes -= len(entry[1])
+
+
 def hub_backend(bucket: Bucket):
     """The :class:`~rlsync.bucket.hf.HfBucket` under `bucket` (through retry/watch wrappers), or `None`."""
     while isinstance(bucket, BucketWrapper):
@@ -136,8 +165,7 @@ class WatchedBucket(BucketWrapper):
         self._changed_at: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._forgotten = 0  # the newest generation dropped from the change log
         self.generation = 0
-        self._cache: collections.OrderedDict[str, tuple[str, bytes]] = collections.OrderedDict()  # least recent first
-        self.cache_bytes = 0
+        self._cache = _HashCache(self.config.cache_bytes)
         self._stop = threading.Event()
         self._poke = threading.Event()
         use_feed = self.config.feed and self._hub is not None
@@ -149,13 +177,12 @@ class WatchedBucket(BucketWrapper):
         self.truncated_listings = 0
         #: Feed changes skipped as malformed (a path that is not a string, an unknown operation, ...).
         self.malformed_events = 0
-        #: Feed sessions or change batches that failed, and how many in a row now.
+        #: Feed sessions or change batches that failed.
         self.feed_errors = 0
-        self._feed_errors_in_row = 0
         #: Reads refused because the view lists the object as larger than the reader allows.
         self.refused_too_large = 0
-        self._follower: Any = None
-        self._thread = SupervisedThread(self._run, name=f"watch-{self.url}", stop=self._stop)
+        self._updater = ViewUpdater(self)  # follows the feed, else polls (mode, polls and feed_errors are ours)
+        self._thread = SupervisedThread(self._updater.run, name=f"watch-{self.url}", stop=self._stop)
         self._thread.start()
 
     # -- the view ------------------------------------------------------------------------------
@@ -164,6 +191,11 @@ class WatchedBucket(BucketWrapper):
     def ready(self) -> bool:
         """Whether the first listing is in (until then :meth:`list` asks the bucket)."""
         return self._view is not None
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of small objects cached (at most `config.cache_bytes`)."""
+        return self._cache.bytes
 
     @property
     def changes_held(self) -> int:
@@ -185,9 +217,7 @@ class WatchedBucket(BucketWrapper):
             self._view.pop(key, None)
         else:
             self._view[key] = info
-        cached = self._cache.get(key)
-        if cached is not None and (info is None or info.etag != cached[0]):
-            self._uncache(key)
+        self._cache.drop(key, unless=info.etag if info is not None else None)
         self.generation += 1
         self._changed_at.pop(key, None)
         self._changed_at[key] = self.generation
@@ -229,53 +259,18 @@ class WatchedBucket(BucketWrapper):
                     return True
             return self._forgotten > before
 
-    def _uncache(self, key: str) -> None:
-        entry = self._cache.pop(key, None)
-        if entry is not None:
-            self.cache_bytes -= len(entry[1])
-
     def _cache_put(self, key: str, etag: str, data: bytes) -> None:
-        if len(data) > min(CACHE_MAX_BYTES, self.config.cache_bytes):
-            return
         with self._cond:
-            self._uncache(key)
-            self._cache[key] = (etag, data)
-            self.cache_bytes += len(data)
-            while self.cache_bytes > self.config.cache_bytes:
-                self._uncache(next(iter(self._cache)))
-
-    def _change_info(self, change: Any) -> tuple[str, ObjectInfo | None] | None:
-        """The key and new state a feed change announces; ``None`` for a change outside the watched
-        prefixes or not for this bucket. Raises ValueError for a malformed change."""
-        path, op = getattr(change, "path", None), getattr(change, "op", None)
-        if not isinstance(path, str) or op not in _FEED_OPS:
-            raise ValueError(f"a change with path {type(path).__name__} and operation {op!r}")
-        key = self._hub._local_key(path) if self._hub is not None else path
-        if key is None:
-            return None
-        try:
-            validate_key(key)
-        except InvalidKeyError:
-            raise ValueError("a change whose path is not a valid key") from None
-        if not self._covers(key):
-            return None
-        if op == "delete":
-            return key, None
-        size, etag = getattr(change, "size", None), getattr(change, "xet_hash", None)
-        if size is not None and (type(size) is not int or size < 0):
-            raise ValueError(f"a change with size {size!r}"[:100])
-        if etag is not None and not isinstance(etag, str):
-            raise ValueError(f"a change with hash of type {type(etag).__name__}")
-        old = (self._view or {}).get(key)
-        return key, ObjectInfo(key, size if size is not None else (old.size if old else 0), etag)
+            self._cache.put(key, etag, data)
 
     def _apply_changes(self, changes) -> None:
         """Apply a batch of the feed's changes (``BucketFileChange``); malformed ones are skipped and counted."""
         skipped = 0
+        local_key = self._hub.local_key if self._hub is not None else (lambda path: path)
         with self._cond:
             for change in changes:
                 try:
-                    found = self._change_info(change)
+                    found = change_info(change, local_key=local_key, covers=self._covers, view=self._view)
                 except ValueError as exc:
                     skipped += 1
                     if self.malformed_events + skipped == 1:
@@ -285,106 +280,6 @@ class WatchedBucket(BucketWrapper):
                     self._set(*found)
             self.malformed_events += skipped
             self._cond.notify_all()
-
-    def _list_inner(self) -> tuple[list[ObjectInfo], bool] | None:
-        """A listing of the watched prefixes, each cut at `config.max_listing_keys`, and whether it is whole."""
-        listing: list[ObjectInfo] = []
-        complete = True
-        try:
-            for prefix in self.config.prefixes:
-                part, whole = self.inner.list_limited(prefix, self.config.max_listing_keys)
-                listing += part
-                complete = complete and whole
-        except BucketError as exc:
-            logger.warning("watch %s: listing failed: %s", self.url, exc)
-            with self._cond:
-                self.listing_error = str(exc)
-                self._cond.notify_all()  # a first view waited for will not come from this listing
-            return None
-        if not complete:
-            self.truncated_listings += 1
-            log = logger.warning if self.truncated_listings == 1 else logger.debug
-            log("watch %s: a listing was cut at %d keys per prefix (a flooded prefix is seen in part)",
-                self.url, self.config.max_listing_keys)  # fmt: skip
-        self.listing_error = None
-        return listing, complete
-
-    # -- background thread ---------------------------------------------------------------------
-
-    def _run(self) -> None:
-        if self.mode is WatchMode.FEED:
-            self._follow()
-            if self._stop.is_set():
-                return
-            logger.warning("watch %s: the events feed is unavailable; polling every %g-%gs instead",
-                           self.url, self.config.min_poll_s, self.config.max_poll_s)  # fmt: skip
-            self.mode = WatchMode.POLL
-        self._poll()
-
-    def _feed_failed(self, what: str) -> None:
-        """Count a failed feed session or batch; after `config.feed_failures` in a row, stop following."""
-        what = self._hub._scrub(what) if self._hub is not None else what  # a server may echo the token
-        self.feed_errors += 1
-        self._feed_errors_in_row += 1
-        logger.warning("watch %s: the events feed failed (%s, %d in a row)", self.url, what, self._feed_errors_in_row)
-        if self._feed_errors_in_row >= self.config.feed_failures and self._follower is not None:
-            self._follower.stop()
-
-    def _follow(self) -> None:
-        from huggingface_hub._bucket_live_follow import BucketFollower
-
-        from .hf_transport import metering
-
-        hub = self._hub
-        watcher = self
-
-        class _Follower(BucketFollower):
-            def run(self) -> None:  # counted and paced as the role's requests
-                with metering(hub.meter):
-                    super().run()
-
-            def _follow_once(self) -> bool:
-                try:
-                    healthy = super()._follow_once()
-                except Exception as exc:  # noqa: BLE001 - counted here, handled (retried or given up) by the follower
-                    watcher._feed_failed(f"{type(exc).__name__}: {exc}"[:300])
-                    raise
-                if healthy:
-                    watcher._feed_errors_in_row = 0
-                return healthy
-
-            def _sleep(self, delay: float) -> None:  # back off no longer than polling would wait
-                super()._sleep(min(delay, watcher.config.max_poll_s))
-
-        def reconcile() -> None:
-            found = watcher._list_inner()
-            if found is not None:
-                watcher._replace(*found)
-
-        def on_changes(changes) -> None:
-            try:
-                watcher._apply_changes(changes)
-            except Exception as exc:  # noqa: BLE001 - the batch is replayed; in a row, the watch polls instead
-                watcher._feed_failed(f"a batch of changes could not be applied: {type(exc).__name__}: {exc}"[:300])
-                raise
-
-        self._follower = _Follower(
-            endpoint=hub._api.endpoint, bucket_id=hub.bucket_id, token=hub._token or None,
-            on_changes=on_changes, on_reconcile=reconcile, is_alive=lambda: not self._stop.is_set(),
-        )  # fmt: skip
-        self._follower.run()  # in this thread: it returns when the feed cannot be followed, or on close
-
-    def _poll(self) -> None:
-        interval = self.config.min_poll_s
-        while not self._stop.is_set():
-            found = self._list_inner()
-            self.polls += 1
-            changed = found is not None and self._replace(*found)
-            interval = self.config.min_poll_s if changed else min(self.config.max_poll_s, interval * 2)
-            self._poke.wait(interval)
-            if self._poke.is_set():
-                self._poke.clear()
-                interval = self.config.min_poll_s
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -437,10 +332,9 @@ class WatchedBucket(BucketWrapper):
             self.refused_too_large += 1
             raise ObjectTooLargeError(f"{key}: {info.size:,} bytes, more than the {max_bytes:,} allowed")
         with self._cond:
-            cached = self._cache.get(key)
-            if info is not None and info.etag and cached is not None and cached[0] == info.etag:
-                self._cache.move_to_end(key)
-                return cached[1]
+            cached = self._cache.get(key, info.etag) if info is not None and info.etag else None
+            if cached is not None:
+                return cached
         data = self.inner.get_limited(key, max_bytes)
         after = (self._view or {}).get(key)
         if info is not None and info.etag and after is not None and after.etag == info.etag:
@@ -486,7 +380,7 @@ class WatchedBucket(BucketWrapper):
         with self._cond:
             for key in keys:
                 self._set(key, None)
-                self._uncache(key)
+                self._cache.drop(key)
             self._cond.notify_all()
 
     def close(self) -> None:

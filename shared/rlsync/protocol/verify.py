@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Callable
 
 from ..bucket import Bucket
 from ..errors import SyncError
+from ..retry import RetryPolicy, call_with_retries
 from .manifest import AnchorEntry, Manifest
 from .run import read_manifest
 from .subscriber import Subscriber
-
-logger = logging.getLogger(__name__)
-
 
 @dataclasses.dataclass
 class VerifyReport:
@@ -58,9 +55,13 @@ def verify_bucket(
     Returns:
         A report; ``report.errors`` lists every problem found, ``report.raced`` the replays
         restarted because a concurrent publish deleted files.
+
+    Raises:
+        ValueError: ``attempts`` is below 1.
     """
     raced: list[str] = []
-    for attempt in range(1, attempts + 1):
+
+    def replay() -> VerifyReport:
         manifest = read_manifest(bucket)
         if manifest is None:
             return VerifyReport(errors=[f"{bucket.url}: no pointer object; nothing published"], raced=raced)
@@ -68,10 +69,17 @@ def verify_bucket(
             return dataclasses.replace(_replay(bucket, manifest, on_checked), raced=raced)
         except _Vanished as exc:
             raced.append(str(exc))
-            logger.warning("verify raced a concurrent publish (attempt %d: %s); replaying the newer pointer", attempt, exc)
-    return VerifyReport(
-        errors=[f"the bucket changed under every one of {attempts} replays (retention kept deleting files)"], raced=raced
-    )
+            raise
+
+    try:  # a replay that lost a race to retention starts over at once from the newer pointer
+        return call_with_retries(
+            replay, policy=RetryPolicy.at_once(attempts), retryable=_Vanished, give_up=lambda err, *_: _Vanished(str(err)),
+            describe=f"verify {bucket.url} (raced a concurrent publish; replaying the newer pointer)",
+        )  # fmt: skip
+    except _Vanished:
+        return VerifyReport(
+            errors=[f"the bucket changed under every one of {attempts} replays (retention kept deleting files)"], raced=raced
+        )
 
 
 def _still_named(bucket: Bucket, keys: list[str]) -> bool:

@@ -122,6 +122,22 @@ class Live:
             self.attach()
 
 
+def panel_live(default_url: str, fixed: BucketSource | None, timer: Any | None = None) -> tuple[Live, Callable[[str], None]]:
+    """A Space panel's :class:`Live`, and the function that tells it the bucket a Start used.
+
+    Args:
+        default_url: The bucket read until a Start names one (the settings form's default).
+        fixed: The bucket the panel always reads (the combined app's), or ``None`` to follow Start.
+        timer: The ``gr.Timer`` to refresh on (default: a new one).
+
+    Returns:
+        ``(live, follow)``: ``follow(url)`` makes the panel read ``url`` (when it is not fixed).
+    """
+    current = {"url": default_url}
+    live = Live(fixed if fixed is not None else (lambda: current["url"]), timer)
+    return live, lambda url: current.update(url=url)
+
+
 def _live(source: BucketSource | Live) -> tuple[Live, bool]:
     """``(live, own)``: the given :class:`Live`, or a new one the builder attaches itself."""
     return (source, False) if isinstance(source, Live) else (Live(source), True)
@@ -286,6 +302,23 @@ def expert_plot(source: BucketSource | Live, prefix: str = "") -> Any:
     return chart_plot(source, EXPERT_CHART, lambda view, snap: expert_change_frame(snap), f"{prefix}plot-experts")
 
 
+def frame_table(source: BucketSource | Live, frame: Callable[[Snapshot], Any], label: str, elem_id: str, **options: Any) -> Any:
+    """A read-only table of ``frame(snapshot)``, refreshed from ``source``.
+
+    Args:
+        source: A bucket URL (or a function returning it), or a :class:`Live` to refresh with.
+        frame: The table from the bucket's snapshot (e.g. :func:`~rlsync.spaces.frames.episodes_frame`).
+        label: Table label.
+        elem_id: The table's ``elem_id``.
+        **options: More ``gr.Dataframe`` options (``wrap``, ``max_height``).
+    """
+    import gradio as gr
+
+    table = gr.Dataframe(frame(Snapshot()), label=label, interactive=False, elem_id=elem_id, **options)
+    _show(source, table, lambda view, snap: frame(snap))
+    return table
+
+
 def publishes_table(source: BucketSource | Live, prefix: str = "") -> Any:
     """The recent publishes (version, kind, bytes, % changed), newest first.
 
@@ -293,17 +326,7 @@ def publishes_table(source: BucketSource | Live, prefix: str = "") -> Any:
         source: A bucket URL (or a function returning it), or a :class:`Live` to refresh with.
         prefix: Prepended to the table's ``elem_id`` (``<prefix>recent-publishes``).
     """
-    import gradio as gr
-
-    table = gr.Dataframe(
-        recent_publishes_frame(Snapshot()),
-        label="Recent publishes",
-        interactive=False,
-        max_height=420,
-        elem_id=f"{prefix}recent-publishes",
-    )
-    _show(source, table, lambda view, snap: recent_publishes_frame(snap))
-    return table
+    return frame_table(source, recent_publishes_frame, "Recent publishes", f"{prefix}recent-publishes", max_height=420)
 
 
 def fleet_table(
@@ -339,18 +362,7 @@ def summary_line(source: BucketSource | Live, render: Callable[[Snapshot], str],
 
 def episodes_table(source: BucketSource | Live, prefix: str = "") -> Any:
     """The environment's recent scored episodes (version, prompt, completion, reward)."""
-    import gradio as gr
-
-    table = gr.Dataframe(
-        episodes_frame(Snapshot()),
-        label="Recent episodes",
-        interactive=False,
-        wrap=True,
-        max_height=420,
-        elem_id=f"{prefix}episodes",
-    )
-    _show(source, table, lambda view, snap: episodes_frame(snap))
-    return table
+    return frame_table(source, episodes_frame, "Recent episodes", f"{prefix}episodes", wrap=True, max_height=420)
 
 
 def anchor_policy_controls(
@@ -481,6 +493,29 @@ def login_button() -> Any | None:
     import gradio as gr
 
     return gr.LoginButton() if PanelAccess.from_env().oauth else None
+
+
+def space_page(title: str, description: str, build: Callable[[], Any]) -> Any:
+    """A Space's page as a ``gr.Blocks`` (not launched): its heading, the login button, then what ``build`` adds.
+
+    Args:
+        title: The role, e.g. ``"trainer"`` (the page is titled ``RL Sync: <title>``).
+        description: One line under the heading.
+        build: Adds the panel's components (called inside the ``gr.Blocks``).
+    """
+    import gradio as gr
+
+    with gr.Blocks(title=f"RL Sync: {title}") as demo:
+        gr.Markdown(f"# RL Sync: {title}\n{description}")
+        login_button()
+        build()
+    return demo
+
+
+def serve(build_app: Callable[[], Any]) -> None:
+    """Launch a Space's page (``GRADIO_SERVER_NAME``, ``PORT``, ``PANEL_AUTH``: :func:`launch_options`), logging at INFO."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    build_app().launch(**launch_options())
 
 
 def launch_options(host: str | None = None) -> dict[str, Any]:

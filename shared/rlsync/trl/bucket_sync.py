@@ -32,8 +32,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-import torch
-
 from ..bucket import Bucket, open_bucket
 from ..bucket.watch import meter_of
 from ..checkpoint_layout import CheckpointLayout
@@ -41,14 +39,14 @@ from ..defaults import DEFAULT_ANCHOR_INTERVAL, DEFAULT_CODEC
 from ..errors import NonFiniteError, StopRequested
 from ..fp8 import fp8_publisher
 from ..lora import LoraSpec, peft_config
-from ..protocol import AnchorPolicy, FixedInterval, Publisher, PublishRecord, read_manifest
+from ..protocol import AnchorPolicy, FixedInterval, Publisher, PublishRecord
 from ..protocol.retention import DEFAULT_KEEP_ANCHORS
 from .adapter_sync import BucketAdapterSync
-from .checkpoint_checks import CheckpointExpectations
 from .checkpoints import BucketCheckpoints, CheckpointCallback
 from .cpu_compat import apply_cpu_compat
 from .final_sync import FinalWeightSync
-from .guards import NonFiniteStepGuard, VersionGuard
+from .guards import NonFiniteStepGuard, VersionGuard, restore_weights
+from .resume import resume_point
 from .rollout_worker import BucketRolloutWorker
 from .scores_reader import TrainerScores
 from .weight_transfer import BucketWeightTransfer
@@ -251,35 +249,10 @@ class BucketSync:
         """
         if self.trainer is None:
             raise RuntimeError("call BucketSync.attach(trainer) first")
-        dest = self.trainer.args.output_dir
-        if self.sharded:
-            from .sharded_checkpoints import restore_sharded
-
-            restored = restore_sharded(self.checkpoints, dest) if self.resume else None
-            self.transfer.resume_from_checkpoint = restored[1] if restored else None  # continued at the first sync
-            self.checkpoint_step, self.checkpoint = (restored[0], str(restored[1])) if restored else (None, None)
-            return self.checkpoint
-        manifest = read_manifest(self.publisher.bucket)  # checkpoints are checked against the chain it names
-        expect = CheckpointExpectations.for_model(
-            self.trainer.model, pins={p.step: p.weights_hash for p in manifest.checkpoints} if manifest else {},
-            published_step=manifest.step if manifest else 0, lr=self.trainer.args.learning_rate,
-        )  # fmt: skip
-        restored = self.checkpoints.restore(dest, expect) if self.resume else None
-        self.transfer.resume_from_checkpoint = restored[1] if restored else None
-        self.transfer.continue_run()
-        self.checkpoint = self.checkpoint_step = None
-        if restored is None:
-            return None
-        step, folder, marker = restored
-        saved = marker.get("published_version")
-        if isinstance(saved, int) and self.transfer.version is not None and self.transfer.version > saved:
-            self.notice = (
-                f"published version {self.transfer.version} is newer than checkpoint {step} (saved at version {saved}): "
-                f"resumed from the checkpoint; the next version is a delta from {self.transfer.version}"
-            )
-            logger.warning(self.notice)
-        logger.info("resuming from checkpoint %d", step)
-        self.checkpoint, self.checkpoint_step = str(folder), step
+        point = resume_point(self.trainer, self.checkpoints, self.transfer, resume=self.resume, sharded=self.sharded)
+        self.checkpoint, self.checkpoint_step = point.folder, point.step
+        if point.notice:
+            self.notice = point.notice
         return self.checkpoint
 
     def train(self) -> None:
@@ -319,13 +292,7 @@ class BucketSync:
         if self.adapter_sync is not None:
             self.adapter_sync.restore(published)
         else:
-            params = dict(self.trainer.model.named_parameters())
-            if self.transfer.layout is not None:  # published in checkpoint names: views of the fused parameters
-                params = self.transfer.layout.checkpoint_state(params)
-            with torch.no_grad():
-                for name, tensor in published.items():
-                    if name in params:
-                        params[name].copy_(tensor.to(params[name].dtype))
+            restore_weights(self.trainer.model, published, self.transfer.layout)
         if self.trainer.optimizer is not None:
             self.trainer.optimizer.state.clear()
 

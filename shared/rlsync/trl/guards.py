@@ -11,15 +11,19 @@
 
 Add both after constructing the trainer (``trainer.add_callback(...)``): TRL's
 own weight-sync callback must run first.
+
+- :func:`restore_weights`: a publish refused as non-finite puts the published weights back into the model.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from transformers import TrainerCallback
+
+from ..checkpoint_layout import CheckpointLayout
 
 logger = logging.getLogger(__name__)
 
@@ -70,3 +74,20 @@ class VersionGuard(TrainerCallback):
                            self.trainer.model_version, version)  # fmt: skip
             self.trainer.model_version = version
             self.worker.update_model_version(version)
+
+
+def restore_weights(model: torch.nn.Module, published: Mapping[str, torch.Tensor], layout: CheckpointLayout | None) -> None:
+    """Copy the published weights back into ``model`` (never train on from a poisoned model).
+
+    Args:
+        model: The trained model.
+        published: The published weights by name (names the model lacks are skipped).
+        layout: The checkpoint layout the weights were published in (a MoE's fused experts), or ``None``.
+    """
+    params = dict(model.named_parameters())
+    if layout is not None:  # published in checkpoint names: views of the fused parameters
+        params = layout.checkpoint_state(params)
+    with torch.no_grad():
+        for name, tensor in published.items():
+            if name in params:
+                params[name].copy_(tensor.to(params[name].dtype))

@@ -32,12 +32,12 @@ Flow figures (:meth:`BucketRolloutWorker.flow`): cumulative counts of samples re
 dropped stale when read, expired unread (queued, then too stale when TRL took them),
 the staleness histogram of the samples TRL took in time, the newest task batch read
 and the measured latency from a task batch's issue to its scores being read. Drops
-are logged as one summary line per ``summary_s``, not one line per sample.
+are logged as one summary line per ``summary_s``, not one line per sample (the figures:
+:class:`~rlsync.trl.rollout_flow.RolloutFlow`).
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import queue
@@ -57,6 +57,7 @@ from ..supervised import SupervisedThread
 from ..sampling import MAX_GROUP_SIZE, degenerate_group, sampled_logprob_ok
 from ..scores import Sample
 from .logs import quiet_trl_lines
+from .rollout_flow import RolloutFlow
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,22 @@ class _TakenQueue(queue.Queue):
         return item
 
 
-_SUMMARY_COUNTS = ("read", "dropped_stale", "expired_unread", "dropped_degenerate", "invalid", "unreadable")
+def usable_sample(sample: Sample, *, newest_version: int, vocab_size: int, max_tokens: int) -> bool:
+    """Whether a scored sample may be trained on: a published version, a finite reward, prompt and completion
+    ids in the vocabulary and within ``max_tokens`` (0: no limit), one sampled log-probability per token."""
+    ids = list(sample.prompt_ids) + list(sample.token_ids)
+    return (
+        type(sample.version) is int
+        and 0 <= sample.version <= newest_version
+        and sample.reward is not None
+        and math.isfinite(sample.reward)
+        and len(sample.token_ids) > 0
+        and len(sample.prompt_ids) > 0
+        and len(sample.logprobs) == len(sample.token_ids)
+        and all(0 <= t < vocab_size for t in ids)
+        and all(sampled_logprob_ok(x) for x in sample.logprobs)
+        and (not max_tokens or len(ids) <= max_tokens)
+    )
 
 
 class BucketRolloutWorker:
@@ -166,16 +182,8 @@ class BucketRolloutWorker:
         self.metrics_queue: queue.Queue = queue.Queue()
         self.model_version = 0
         self.version_offset: int | None = None
-        self.counts = {
-            "read": 0, "queued": 0, "invalid": 0, "dropped_stale": 0, "unreadable": 0,
-            "dropped_degenerate": 0, "degenerate_groups": 0, "expired_unread": 0,
-        }  # fmt: skip
-        self.staleness: collections.Counter[int] = collections.Counter()
-        self.newest_batch: int | None = None
-        self.latency_s: float | None = None
-        self._counts_lock = threading.Lock()
-        self._summary_at = time.monotonic()
-        self._summary_counts = dict(self.counts)
+        self.figures = RolloutFlow(summary_s)  # the flow figures (see :meth:`flow`)
+        self.counts = self.figures.counts
         self._newest_version = 0  # newest published bucket version, read at each poll that finds new objects
         self._consumed: set[str] = set()
         self._next_group = 0
@@ -257,7 +265,7 @@ class BucketRolloutWorker:
             if read is None:
                 self.counts["unreadable"] += 1
                 continue
-            self._note_header(read[0])
+            self.figures.note_header(read[0])
             queued += self._queue_groups(read[1])
         return queued
 
@@ -269,51 +277,28 @@ class BucketRolloutWorker:
             return
         self._newest_version = manifest.step if manifest is not None else 0
 
-    def _note_header(self, header: dict[str, Any]) -> None:
-        """Track the newest task batch read and the issue-to-read latency (headers are untrusted: sanity-checked)."""
-        batch, issued = header.get("batch"), header.get("issued_at")
-        if type(batch) is int and 0 <= batch < 1 << 40:
-            self.newest_batch = batch if self.newest_batch is None else max(self.newest_batch, batch)
-        if type(issued) in (int, float) and math.isfinite(issued):
-            latency = min(max(time.time() - issued, 0.0), 3600.0)
-            self.latency_s = latency if self.latency_s is None else 0.8 * self.latency_s + 0.2 * latency
+    @property
+    def newest_batch(self) -> int | None:
+        """The newest task batch read."""
+        return self.figures.newest_batch
+
+    @property
+    def latency_s(self) -> float | None:
+        """The measured latency from a task batch's issue to its scores being read."""
+        return self.figures.latency_s
 
     def _taken(self, sample: RolloutSample) -> None:
-        """TRL took ``sample`` from the buffer: it trains on it, or drops it as stale (expired unread)."""
-        staleness = self.model_version - int(sample.model_version)
-        with self._counts_lock:
-            if self.max_staleness is not None and staleness > self.max_staleness:
-                self.counts["expired_unread"] += 1
-            else:
-                self.staleness[staleness] += 1
+        """TRL took ``sample`` from the buffer (counted in the flow figures)."""
+        self.figures.taken(self.model_version - int(sample.model_version), self.max_staleness)
 
     def flow(self) -> dict[str, Any]:
         """Cumulative counts, the staleness histogram of samples taken in time, newest batch read, latency."""
-        with self._counts_lock:
-            return {
-                **self.counts, "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
-                "newest_batch": self.newest_batch, "latency_s": self.latency_s,
-            }  # fmt: skip
-
-    def _usable(self, sample: Sample) -> bool:
-        ids = list(sample.prompt_ids) + list(sample.token_ids)
-        return (
-            type(sample.version) is int
-            and 0 <= sample.version <= self._newest_version
-            and sample.reward is not None
-            and math.isfinite(sample.reward)
-            and len(sample.token_ids) > 0
-            and len(sample.prompt_ids) > 0
-            and len(sample.logprobs) == len(sample.token_ids)
-            and all(0 <= t < self.vocab_size for t in ids)
-            and all(sampled_logprob_ok(x) for x in sample.logprobs)
-            and (not self.max_tokens or len(ids) <= self.max_tokens)
-        )
+        return self.figures.snapshot()
 
     def _queue_groups(self, samples: Sequence[Sample]) -> int:
         groups: dict[str, list[Sample]] = {}
         for s in samples:
-            if not self._usable(s):
+            if not usable_sample(s, newest_version=self._newest_version, vocab_size=self.vocab_size, max_tokens=self.max_tokens):
                 self.counts["invalid"] += 1
                 continue
             version = self.trainer_version(s.version)
@@ -344,16 +329,6 @@ class BucketRolloutWorker:
             except queue.Full:
                 self._beat()
 
-    def _log_summary(self, force: bool = False) -> None:
-        """One line per ``summary_s`` with the samples read and dropped since the last one."""
-        if self.summary_s is None or not force and time.monotonic() - self._summary_at < self.summary_s:
-            return
-        now = self.flow()
-        grown = {k: now[k] - self._summary_counts[k] for k in _SUMMARY_COUNTS}
-        self._summary_at, self._summary_counts = time.monotonic(), {k: now[k] for k in _SUMMARY_COUNTS}
-        if any(grown.values()):
-            logger.info("rollouts in the last %gs: %s", self.summary_s, ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in grown.items()))
-
     def _beat(self) -> None:
         if self.heartbeat is not None and time.monotonic() - self._last_heartbeat >= self.heartbeat_s:
             self._last_heartbeat = time.monotonic()
@@ -373,7 +348,7 @@ class BucketRolloutWorker:
             grown = {k: float(self.counts[k] - before[k]) for k in ("invalid", "dropped_stale", "unreadable", "dropped_degenerate")}
             if any(grown.values()):
                 self.metrics_queue.put({f"rollout/{k}_total": v for k, v in grown.items()})
-            self._log_summary()
+            self.figures.log_summary()
             if self.on_poll is not None:
                 self.on_poll()
             self._beat()

@@ -70,8 +70,10 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rlsync.bucket import Bucket, BucketSettings, open_bucket
+from rlsync.errors import RetryableError
 from rlsync.fp8 import Chain
 from rlsync.protocol import Subscriber
+from rlsync.retry import RetryPolicy, call_with_retries
 
 from .plugin import BACKEND_NAME, register
 from .worker import ModelWeights, SyncWorkerExtension, plan_update
@@ -319,12 +321,15 @@ class BucketSyncClient:
             ) from exc
 
     def _reset_prefix_cache(self) -> None:
-        for attempt in range(1, self.reset_attempts + 1):
-            if (self._post("/reset_prefix_cache") or {}).get("success"):
-                return
-            logger.warning("vLLM refused to reset its prefix cache (attempt %d/%d)", attempt, self.reset_attempts)
-            time.sleep(0.1 * attempt)
-        raise RuntimeError("vLLM refused to reset its prefix cache after a weight update: stale KV would be served")
+        def reset() -> None:
+            if not (self._post("/reset_prefix_cache") or {}).get("success"):
+                raise RetryableError("vLLM refused to reset its prefix cache (blocks are still held)")
+
+        call_with_retries(
+            reset, policy=RetryPolicy(max_attempts=self.reset_attempts, base_delay=0.1, max_delay=1.0, max_total=30.0),
+            retryable=RetryableError, describe="resetting vLLM's prefix cache",
+            give_up=lambda *_: RuntimeError("vLLM refused to reset its prefix cache after a weight update: stale KV would be served"),
+        )  # fmt: skip
 
     def sync(self) -> int | None:
         """Bring the server to the bucket's newest step if it is behind.

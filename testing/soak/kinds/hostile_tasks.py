@@ -86,7 +86,7 @@ class Planter(threading.Thread):
         self.result.faults[fault] += 1
 
     def _round(self) -> None:
-        own = self.env._next_batch
+        own = self.env.issuer.next_batch
         genuine = [b for b in list_batches(self.bucket, "tasks/") if own is not None and b < own]
         choice = self.rng.random()
         doc = get_json(self.bucket, task_key(genuine[-1])) if genuine else None
@@ -155,7 +155,7 @@ def trial_hostile_tasks(rng: random.Random, workdir: Path, trial_s: float = TRIA
     env.stop()
     env.score_rollouts()  # what was written last
     env.prune()  # the planter's last round may follow the env's last step: a task key wakes no one
-    own = env._next_batch or 0
+    own = env.issuer.next_batch or 0
     result.check(own < 1000, f"the env numbered {own} batches in {trial_s:g}s (followed a planted key or looped)")
     tasks = set(list_batches(bucket, "tasks/"))
     result.check(set(range(own)) <= tasks, f"genuine batches missing: {sorted(set(range(own)) - tasks)[:10]}")
