@@ -6,9 +6,10 @@ Starts the Hub stand-in (:mod:`testing.hub.server`) with the tier's real limits 
 5-minute windows, runs ``python app.py --bucket hf://buckets/...`` (the TRL trainer, the env and
 ``--replicas`` replicas, every role on one token, each pacing itself: :mod:`rlsync.bucket.budget`)
 for ``--seconds`` from its start, then stops it (SIGTERM). Prints one JSON object: the versions
-published while it ran (from the stand-in's own metadata: reading the bucket while the app holds the
-stand-in's storage is not possible), the requests per class and their highest share of the limit in
-any window, and the 429 answers.
+published while it ran (from the stand-in's own metadata, looked at every second: reading the bucket
+while the app holds the stand-in's storage is not possible), the seconds from the start to the first
+publish and the steady rate from then on (start-up excluded), the requests per class and their highest
+share of the limit in any window, and the 429 answers.
 """
 
 from __future__ import annotations
@@ -63,10 +64,15 @@ def main(argv: list[str] | None = None) -> dict:
         [sys.executable, "app.py", "--bucket", url, "--replicas", str(args.replicas), "--port", str(port)],
         cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
     )  # fmt: skip
+    first_seen: dict[int, float] = {}  # version -> seconds from the start to its first file in the bucket
     try:
-        time.sleep(args.seconds)
-        with server._lock:
-            keys = list(server.buckets.get(BUCKET, {}))
+        while (now := time.time()) < started + args.seconds:
+            time.sleep(min(1.0, started + args.seconds - now))
+            with server._lock:
+                keys = list(server.buckets.get(BUCKET, {}))
+            for k in keys:
+                if (m := ANCHOR_FILE.match(k) or DELTA_FILE.match(k)) is not None:
+                    first_seen.setdefault(int(m.group(1)), round(time.time() - started, 1))
     finally:
         app.send_signal(signal.SIGTERM)
         try:
@@ -74,7 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
         except subprocess.TimeoutExpired:
             app.kill()
             app.wait()
-    versions = {int(m.group(1)) for k in keys if (m := ANCHOR_FILE.match(k) or DELTA_FILE.match(k))}
+    versions = set(first_seen)
+    first = min(first_seen.values(), default=None)
     usage = {}
     for cls in RequestClass:
         times = [r.time for r in server.usage(cls, TOKEN) if r.time <= started + args.seconds]
@@ -85,14 +92,47 @@ def main(argv: list[str] | None = None) -> dict:
             "requests": len(times), "max_share_of_limit": round(max(per_window.values(), default=0)
                                                                 / scaled_limit(Tier(args.tier), cls, WINDOW_S), 3),
         }  # fmt: skip
+    figures = _role_figures(server, args.replicas)
     result = {
         "tier": args.tier, "replicas": args.replicas, "seconds": args.seconds, "versions": len(versions),
-        "seconds_per_version": round(args.seconds / max(1, len(versions)), 1), "requests": usage,
-        "throttled_429": server.throttled(TOKEN), "app_log": str(log),
+        "seconds_per_version": round(args.seconds / max(1, len(versions)), 1),
+        # from the first publish on (start-up, imports and the first anchor, excluded): the steady rate
+        "first_publish_s": first, "versions_after_first": max(0, len(versions) - 1),
+        "steady_seconds_per_version": None if first is None or len(versions) < 2
+        else round((args.seconds - first) / (len(versions) - 1), 1),
+        "requests": usage,
+        "throttled_429": server.throttled(TOKEN), **figures, "app_log": str(log),
     }  # fmt: skip
     server.close()
     print(json.dumps(result))
     return result
+
+
+def _role_figures(server, replicas: int) -> dict:
+    """What gated the version rate, from the roles' own reports left in the bucket (read after the app
+    stopped, so not counted above): the trainer's steps, its time waiting for samples and computing,
+    and each role's time waiting for its request budget."""
+    from huggingface_hub import constants
+
+    from rlsync.bucket.budget import BudgetConfig, RequestMeter
+    from rlsync.bucket.hf import HfBucket
+    from rlsync.layout import metrics_key, status_key
+    from rlsync.spaces.exchange import get_json
+
+    constants.ENDPOINT, constants.HF_HUB_OFFLINE = server.url, False
+    bucket = HfBucket(BUCKET, token=TOKEN, meter=RequestMeter(BudgetConfig(enabled=False)))
+    trainer = get_json(bucket, metrics_key("trainer")) or {}
+    flow = trainer.get("flow") or {}
+    budget_wait = {"trainer": (trainer.get("hub") or {}).get("waited_s")}
+    budget_wait["env"] = ((get_json(bucket, metrics_key("env")) or {}).get("hub") or {}).get("waited_s")
+    for i in range(replicas):
+        status = get_json(bucket, status_key(f"replica-{i}")) or {}
+        budget_wait[f"replica-{i}"] = (status.get("hub") or {}).get("waited_s")
+    return {
+        "trainer_steps": flow.get("steps"), "trainer_wall_s": flow.get("wall_s"),
+        "trainer_wait_for_samples_s": flow.get("wait_s_total"), "trainer_step_compute_s": flow.get("step_compute_s"),
+        "coalescing": trainer.get("coalescing"), "budget_wait_s": budget_wait,
+    }  # fmt: skip
 
 
 if __name__ == "__main__":

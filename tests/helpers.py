@@ -197,3 +197,15 @@ def vllm_server(model: str, bucket: Path, root: Path, flags: list[str], timeout_
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+
+
+def hub_buckets(hub, bucket_id: str, token: str):
+    """Create `bucket_id` on the Hub stand-in `hub` (the conftest fixture) with `token` allowed to write it;
+    returns ``open(meter=None)``, which opens an :class:`~rlsync.bucket.hf.HfBucket` on it (unpaced unless
+    given a meter)."""
+    from rlsync.bucket.budget import BudgetConfig, RequestMeter
+    from rlsync.bucket.hf import HfBucket
+
+    hub.add_token(token)
+    hub.create_bucket(bucket_id)
+    return lambda meter=None: HfBucket(bucket_id, token=token, meter=meter or RequestMeter(BudgetConfig(enabled=False)))

@@ -237,6 +237,8 @@ class VllmEngine(Engine):
             added = False
             try:
                 added = self.llm.llm_engine.add_lora(request)
+            except Exception as exc:  # noqa: BLE001 - vLLM's engine core reports a worker's refusal as a bare Exception
+                raise RuntimeError(f"vLLM refused adapter {version}: {exc}") from exc
             finally:  # refused or raised: nothing of it stays
                 if not added:
                     shutil.rmtree(folder, ignore_errors=True)

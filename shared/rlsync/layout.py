@@ -34,7 +34,7 @@ __all__ = [
     "POINTER_KEY", "LOCK_KEY", "ANCHOR_PREFIX", "DELTA_PREFIX", "CHECKPOINTS_PREFIX", "CHECKPOINT_MARKER",
     "ADAPTER_PREFIX", "FP8_PREFIX", "CONTROL_PREFIX", "CONTROL_KEY", "DEMAND_KEY", "TASKS_PREFIX", "ROLLOUTS_PREFIX",
     "SCORES_PREFIX", "CLAIMS_PREFIX", "STATUS_PREFIX", "METRICS_PREFIX", "REPORT_PREFIXES", "MAX_BATCH",
-    "ANCHOR_FILE", "DELTA_FILE",
+    "ANCHOR_FILE", "DELTA_FILE", "TRAINER_READS", "ROLLOUT_READS", "ENV_READS", "ROLE_READS",
     "anchor_folder", "delta_key", "part_name", "delta_part_key", "checkpoint_folder", "check_id", "is_id", "task_key",
     "rollout_key", "score_key", "claim_key", "status_key", "metrics_key", "batch_of", "replica_of",
 ]  # fmt: skip
@@ -69,6 +69,25 @@ METRICS_PREFIX = "metrics/"
 REPORT_PREFIXES = (STATUS_PREFIX, METRICS_PREFIX)
 #: The largest batch number (keys hold ten digits).
 MAX_BATCH = 10**10 - 1
+
+# -- what each role reads: its watched view lists and follows only these (rlsync.bucket.watch) ------
+#: The pointers of the chains a follower serves (weights, a LoRA run's adapters, the FP8 chain): it reads
+#: the files they name by key, never listing them.
+_POINTERS = (POINTER_KEY, ADAPTER_PREFIX + POINTER_KEY, FP8_PREFIX + POINTER_KEY)
+#: The trainer: the chains it publishes (whose files it lists to retain and clean up) and their lock, its
+#: checkpoints, the panels' control objects, the scored samples.
+TRAINER_READS = (POINTER_KEY, LOCK_KEY, ANCHOR_PREFIX, DELTA_PREFIX, ADAPTER_PREFIX, FP8_PREFIX, CHECKPOINTS_PREFIX,
+                 CONTROL_PREFIX, SCORES_PREFIX)  # fmt: skip
+#: A rollout replica: the chains' pointers, the demand, the task batches and who answered or claimed them.
+ROLLOUT_READS = (*_POINTERS, CONTROL_PREFIX, TASKS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX, CLAIMS_PREFIX)
+#: The env: the newest published version (the adapter chain's pointer first), the demand, its batches and
+#: their answers, scores and claims.
+ENV_READS = (POINTER_KEY, ADAPTER_PREFIX + POINTER_KEY, CONTROL_PREFIX, TASKS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX,
+             CLAIMS_PREFIX)  # fmt: skip
+#: Each role's reads by its name (as ``BucketSettings.from_env`` takes it). Keys outside them (another
+#: role's reports, a flood under a prefix the role does not read) cost the role no listing page; a read
+#: of one asks the bucket.
+ROLE_READS = {"trainer": TRAINER_READS, "rollout": ROLLOUT_READS, "env": ENV_READS}
 
 _STEP = r"(\d{12,20})"
 _EPOCH = r"(?:-e(\d{4,16}))?"  # format version 1 had no epoch

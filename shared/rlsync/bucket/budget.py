@@ -11,9 +11,9 @@ one budget. :class:`RequestMeter` is one role's view of it:
 - it paces the role to its share of the tier's limits (:class:`BudgetConfig`: tier, roles sharing
   the token, target fraction) with a token bucket per class, so a role slows down evenly instead of
   spending its share in a burst and then stalling for the rest of the window; when the Hub's
-  ``RateLimit`` header shows the token has budget to spare (other roles idle: more left than the
-  pro-rata limit for the rest of the window), a busy role may also take up to ``1/share`` of that
-  surplus per second, so together the roles never spend more than is left;
+  ``RateLimit`` header shows the token has budget to spare (other roles idle: the token has spent
+  less than the fleet's target pace allowed so far in the window), a busy role may also take up to
+  ``1/share`` of that surplus at once, so together the roles never spend ahead of the target pace;
 - listing pages may take only :attr:`RequestMeter.LISTING_SHARE` of that pace, so a prefix flooded
   with keys never leaves a role without requests to read and write;
 - it reads the Hub's ``RateLimit`` headers whenever they come: when the whole token's remaining
@@ -218,7 +218,8 @@ class RequestMeter:
         self.waited_s = 0.0
         self._held_until = 0.0
         self._server: dict[RequestClass, tuple[int, int | None, float]] = {}  # remaining, limit, reset at
-        self._spare: dict[RequestClass, _TokenBucket] = {}  # this role's share of what the token has left
+        self._spare: dict[RequestClass, _TokenBucket] = {}  # this role's part of what the token has to spare
+        self._surplus: dict[RequestClass, float] = {}  # what the token had to spare at its last answer
         self.pacing = ""
 
     # -- used by the transport -------------------------------------------------------------------
@@ -307,21 +308,23 @@ class RequestMeter:
             return
         reset_in = min(float(info.reset_in_seconds), self.config.window_s)  # a server's answer never holds a role past a window
         self._server[cls] = (info.remaining, info.limit, now + reset_in)
-        # What the whole token has left beyond the pro-rata limit for the rest of the window (which the
-        # roles' own shares may still spend), split between the roles sharing it: taking at most
-        # 1/share of it per second each, the roles together never exceed what is left.
+        # What the fleet's pace allowed the whole token so far in this window (the target share of the
+        # limit, shaped as the roles' own shares: a burst, then pro rata over the elapsed part) and nobody
+        # spent: the idle roles' unspent shares. A busy role may take its 1/share of it at once (each
+        # response sets it again from the token's own count), so the token never spends ahead of that
+        # line; the roles' own shares keep the rest of the window, so a window ends within the target
+        # plus the bursts.
         limit = info.limit or self.config.limit(cls)
-        left_s = max(1.0, reset_in)
-        margin = limit * min(1.0, left_s / self.config.window_s)
-        rate = max(0.0, info.remaining - margin) / left_s / self.config.share
-        spare = self._spare.get(cls)
-        if rate <= 0:
+        elapsed = max(0.0, self.config.window_s - reset_in)
+        line = self.BURST + (1 - self.BURST) * elapsed / self.config.window_s
+        surplus = self.config.target * limit * line - max(0, limit - info.remaining)
+        self._surplus[cls] = surplus
+        part = surplus / self.config.share
+        if part < 1.0:
             self._spare.pop(cls, None)
-        elif spare is None:
-            self._spare[cls] = _TokenBucket(rate, 1.0, now)
         else:
-            spare.refill(now)
-            spare.rate = rate
+            spare = _TokenBucket(self.config.target * limit / self.config.window_s / self.config.share, part, now)
+            self._spare[cls] = spare
 
     def _trim(self, now: float) -> None:
         while self._log and self._log[0][0] < now - self.config.window_s:
@@ -337,8 +340,9 @@ class RequestMeter:
 
     @property
     def short(self) -> bool:
-        """Whether the budget is short: the role has used more than half its share of the last window,
-        is being held after a 429, or the token's remaining budget is low."""
+        """Whether the budget is short: the role has used more than half its share of the last window
+        while the token has nothing to spare (others use their shares), is being held after a 429, or
+        the token's remaining budget is low."""
         with self._lock:
             now = self._clock()
             if self._held_until > now:
@@ -346,7 +350,8 @@ class RequestMeter:
             self._trim(now)
             for cls in RequestClass:
                 used = sum(1 for _, c, _ in self._log if c is cls)
-                if used > self.config.allowance(cls) / 2 or self._server_wait(cls, now) > 0:
+                spare = self._surplus.get(cls, 0.0) >= self.config.share  # at least one request per sharing role
+                if used > self.config.allowance(cls) / 2 and not spare or self._server_wait(cls, now) > 0:
                     return True
                 seen = self._server.get(cls)
                 if seen is not None and seen[2] > now and seen[0] < (seen[1] or self.config.limit(cls)) // 5:

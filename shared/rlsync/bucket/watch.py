@@ -356,8 +356,9 @@ class WatchedBucket(BucketWrapper):
     def _wrote(self, key: str, size: int, since: int) -> None:
         """Record a write through this wrapper made when the view was at generation `since`: unless
         the feed announced the key meanwhile (then the view has its hash already, keep it)."""
-        with self._cond:
-            if self._changed_at.get(key, 0) <= since or self._view is None or key not in self._view:
+        with self._cond:  # a key outside the watched prefixes (the role's own reports) stays out of the view
+            announced = self._view is not None and key in self._view and self._changed_at.get(key, 0) > since
+            if self._covers(key) and not announced:
                 self._set(key, ObjectInfo(key, size, None))
             self._cond.notify_all()
         if self.mode is WatchMode.POLL and not key.startswith(self.config.quiet_prefixes):

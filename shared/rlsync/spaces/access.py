@@ -213,3 +213,66 @@ def guarded(fn: Callable[..., Any], refused: Callable[[str], Any]) -> Callable[.
     handler.__annotations__ = {"request": gr.Request}
     handler.__name__ = handler.__qualname__ = getattr(fn, "__name__", "control")
     return handler
+
+
+class LoginGate:
+    """ASGI middleware for a panel launched with a ``PANEL_AUTH`` login: an anonymous request to any route
+    but the login page and what the page shell loads is refused with 401 before Gradio routes it.
+
+    Gradio checks the login inside each route, after FastAPI has validated the request, and some routes
+    (the stream, reset, cancel and vibe-editor endpoints, icons, custom components) check nothing: an
+    anonymous call answered 422 with the fields they expect, or held a heartbeat stream open. The gate
+    runs first, so every such call gets the same 401 whatever its body.
+
+    Args:
+        app: The ASGI app it wraps (Gradio's ``App`` gives itself as ``scope["app"]``, whose login
+            tokens and cookie name the gate reads).
+    """
+
+    #: Paths anyone may fetch: the page (the login form without a login), the login itself, and answers
+    #: that hold nothing (no user, no token, the app's id, the theme, icons).
+    PUBLIC_PATHS = frozenset({
+        "/", "/login", "/login/", "/logout", "/favicon.ico", "/theme.css", "/robots.txt", "/manifest.json",
+        "/gradio_api/theme.css", "/gradio_api/user", "/gradio_api/user/", "/gradio_api/token", "/gradio_api/token/",
+        "/gradio_api/app_id", "/gradio_api/app_id/", "/gradio_api/startup-events", "/openapi.json",
+    })  # fmt: skip
+    #: Folders of the page's static files (scripts, styles, fonts), fetched before the login.
+    PUBLIC_FOLDERS = ("/assets/", "/static/", "/svelte/")
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    @classmethod
+    def public(cls, path: str) -> bool:
+        """Whether `path` is served without a login."""
+        return path in cls.PUBLIC_PATHS or path.startswith(cls.PUBLIC_FOLDERS)
+
+    @staticmethod
+    def logged_in(scope: dict) -> bool:
+        """Whether the request in `scope` carries the session cookie of a login of the Gradio app it reaches
+        (or that app has no ``auth`` login to check)."""
+        from starlette.requests import HTTPConnection
+
+        served = scope.get("app")
+        if getattr(served, "auth", None) is None:
+            return True
+        cookies = HTTPConnection(scope).cookies
+        cookie_id = getattr(served, "cookie_id", "")
+        token = cookies.get(f"access-token-{cookie_id}") or cookies.get(f"access-token-unsecure-{cookie_id}")
+        return token is not None and token in getattr(served, "tokens", {})
+
+    async def __call__(self, scope: dict, receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):] or "/"
+        if self.public(path) or self.logged_in(scope):
+            return await self.app(scope, receive, send)
+        REFUSED["anonymous request with a login set"] = REFUSED.get("anonymous request with a login set", 0) + 1
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008})
+        from starlette.responses import JSONResponse
+
+        await JSONResponse({"detail": {"error": "Not authenticated"}}, status_code=401)(scope, receive, send)

@@ -20,7 +20,7 @@ import pandas as pd
 
 from ..errors import BucketError
 from ..protocol import AnchorPolicy
-from .access import Login, PanelAccess, guarded
+from .access import Login, LoginGate, PanelAccess, guarded
 from ..protocol.policy import policy_names
 from .anchor_policy import current_policy, describe_policy, make_policy, setting_fields, write_policy
 from .charts import Chart, Labels, Mark, Scale
@@ -524,7 +524,9 @@ def launch_options(host: str | None = None) -> dict[str, Any]:
     The host is ``host``, else ``GRADIO_SERVER_NAME``, else ``127.0.0.1`` (``0.0.0.0`` on a Space);
     the port ``PORT`` / ``GRADIO_SERVER_PORT`` (default 7860). ``PANEL_AUTH="user:password"``, wherever
     it is set, makes the panel ask for that login. A panel reachable by others without a login keeps
-    its read-only views and refuses its controls; the launch log says so. Gradio's run history is
+    its read-only views and refuses its controls; the launch log says so. With a login, every route
+    but the login page and its static files refuses an anonymous call with 401 (:class:`LoginGate`),
+    before Gradio validates the request. Gradio's run history is
     off (its routes would answer anonymous callers with the operator's token).
 
     Raises:
@@ -539,6 +541,10 @@ def launch_options(host: str | None = None) -> dict[str, Any]:
         "run_history": False,
     }
     if access.auth is not None:
+        from starlette.middleware import Middleware
+
         options["auth"] = access.auth
+        # Gradio checks the login inside each route, after validating the request: the gate refuses first.
+        options["app_kwargs"] = {"middleware": [Middleware(LoginGate)]}
     logger.log(logging.WARNING if access.exposed and access.login is Login.NONE else logging.INFO, "%s", access.describe())
     return options

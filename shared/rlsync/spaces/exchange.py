@@ -32,6 +32,7 @@ from ..bucket.watch import watch
 from ..errors import BucketError
 from ..layout import (
     REPORT_PREFIXES,
+    ROLE_READS,
     batch_of,
     is_id,
     metrics_key,
@@ -56,23 +57,27 @@ MAX_TASKS = 1024
 
 
 def open_role_bucket(role: str, url: str, bucket: Bucket | None = None) -> Bucket:
-    """A role's bucket, watched on the Hub (:func:`~rlsync.bucket.watch.watch`); writing its own
-    status and metrics does not make it poll sooner.
+    """A role's bucket, watched on the Hub (:func:`~rlsync.bucket.watch.watch`) under the prefixes the
+    role reads only (:data:`rlsync.layout.ROLE_READS`); writing its own status and metrics does not make
+    it poll sooner.
 
     Args:
         role: The role (``"trainer"``, ``"rollout"``, ``"env"``): its settings are read from the
-            environment (:meth:`~rlsync.bucket.settings.BucketSettings.from_env`).
+            environment (:meth:`~rlsync.bucket.settings.BucketSettings.from_env`), its watched
+            prefixes from :data:`rlsync.layout.ROLE_READS`.
         url: The bucket to open when ``bucket`` is ``None``.
         bucket: An opened bucket (tests pass one), watched with the role's settings.
 
     Raises:
         ValueError: a bucket setting in the environment is invalid.
+        KeyError: not a role of :data:`rlsync.layout.ROLE_READS`.
     """
     from ..bucket.settings import BucketSettings
 
+    reads = ROLE_READS[role]
     settings = BucketSettings.from_env(role)
     opened = bucket if bucket is not None else open_bucket(url, settings=settings)
-    return watch(opened, dataclasses.replace(settings.watch, quiet_prefixes=REPORT_PREFIXES))
+    return watch(opened, dataclasses.replace(settings.watch, prefixes=reads, quiet_prefixes=REPORT_PREFIXES))
 
 
 def parse_tasks(doc: Any, *, max_chars: int = DEFAULT_LIMITS.max_chars) -> list[dict[str, str]]:

@@ -75,3 +75,42 @@ def test_a_chain_for_another_base_is_refused(engine, bucket):
     with pytest.raises(ChainError):
         sub.fetch()
     assert sub.step is None and sub.stats.refused == 1
+
+
+def test_refused_adapter_versions_never_stay_loaded_in_vllm(engine, model_dir, bucket):
+    """Issue 33 item 10 on vLLM: rewritten LoRA settings in the pointer are refused, and an adapter vLLM
+    itself refuses (a rank over ``max_lora_rank``) leaves nothing loaded: vLLM's adapters are the served ones."""
+    import json
+
+    from rlsync.adapters import AdapterMetadata, LoraSpec, adapter_bucket
+    from rlsync.layout import POINTER_KEY
+
+    for version in list(engine._adapters):  # from the earlier tests of this module's engine
+        engine.drop_adapter(version)
+    base_hash = Publisher(bucket).publish(0, load_file(model_dir / "model.safetensors")).state_hash
+    follower = AdapterFollower(bucket, engine, engine.state_hash, window=2, poll_s=0.05)
+    follower.subscriber.expect_metadata = {AdapterMetadata.BASE_HASH.value: base_hash}  # as its fetch loop sets it
+    pub = adapter_publisher(bucket, AdapterChain("tiny", base_hash, LORA))
+    hostile = {1: LoraSpec(1024, 16.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+               2: LoraSpec(8, 16.0, ("q_proj", "v_proj"))}  # fmt: skip
+    published = {v: trained_adapter(model_dir, v) for v in range(4)}  # lora_A is peft's random init: made once
+    for version in range(4):
+        pub.publish(version, published[version])
+        if version in hostile:  # the settings in the pointer rewritten, the tensors left as they are
+            doc = json.loads(adapter_bucket(bucket).get(POINTER_KEY))
+            doc["metadata"][AdapterMetadata.LORA.value] = hostile[version].to_json()
+            adapter_bucket(bucket).put(POINTER_KEY, json.dumps(doc).encode())
+        follower.slot.put(follower.subscriber.fetch())
+        assert follower.apply_pending() is (version not in hostile)
+        assert set(engine.llm.llm_engine.list_loras()) == {v + 1 for v in follower.served}
+        assert set(engine._adapters) == set(follower.served)
+    assert follower.refused == 2 and sorted(follower.served) == [3]  # 0 out of the window of 2
+    # rank 16 over the engine's max_lora_rank 8: vLLM refuses it, nothing of it stays (no LoRA, no folder)
+    served = tokens(engine, greedy(3))
+    assert served == peft_reference(model_dir, published[3])  # the published bits, served after two refusals
+    wide = {n: torch.cat([t, t], dim=0 if "lora_A" in n else 1) for n, t in trained_adapter(model_dir, 9).items()}
+    with pytest.raises(RuntimeError, match="vLLM refused adapter 9"):  # the follower catches it (vLLM: bare Exception)
+        engine.load_adapter(9, wide, AdapterChain("tiny", base_hash, LoraSpec(16, 16.0, LORA.target_modules)))
+    engine.drop_adapter(9)  # as the follower does after a refusal
+    assert set(engine.llm.llm_engine.list_loras()) == {4} and not (engine._adapter_dir / "v9").exists()
+    assert tokens(engine, greedy(3)) == served  # the served version is untouched by the refused one
