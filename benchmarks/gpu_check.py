@@ -67,10 +67,11 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check needs a CUDA GPU")
 
-    from rollout_space.engines.vllm_engine import VllmEngine
-    from rlsync.vllm.worker import pack_tensors
     from rlsync.bucket import LocalBucket
     from rlsync.protocol import FixedInterval, Publisher, Subscriber
+    from rlsync.vllm.payload import pack_tensors
+
+    from rollout_space.engines.vllm_engine import VllmEngine
 
     t_start = time.perf_counter()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="gpu-check-"))

@@ -54,12 +54,12 @@ def _skipped_tensor_is_caught(model: torch.nn.Module, weights, patch_name: str, 
 
 
 def run_case(case: dict[str, Any], world_size: int) -> dict[str, Any]:
-    from vllm.config import set_current_vllm_config
-
-    from rlsync.vllm.worker import ModelWeights, pack_patches, plan_update, unpack_patches
     from rlsync.bucket import LocalBucket
     from rlsync.hashing import state_hash
     from rlsync.protocol import Subscriber
+    from rlsync.vllm.payload import pack_patches, unpack_patches
+    from rlsync.vllm.worker import ModelWeights, plan_update
+    from vllm.config import set_current_vllm_config
 
     model_config, vllm_config = _configs(case["model"], world_size)
     with set_current_vllm_config(vllm_config):

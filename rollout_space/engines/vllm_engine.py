@@ -45,13 +45,13 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import torch
-
-from rollout_space.engine import Completion, Engine, SamplingSettings, register_engine
 from rlsync.adapters import ADAPTER_WEIGHTS_FILE, AdapterChain, write_adapter_folder
 from rlsync.hashing import state_hash
 from rlsync.patch import TensorPatch
+from rlsync.vllm.payload import pack_patches, pack_tensors, unpack_tensors
+from rlsync.vllm.worker import WeightLayout, plan_update
 
-from rlsync.vllm.worker import WeightLayout, pack_patches, pack_tensors, plan_update, unpack_tensors
+from rollout_space.engine import Completion, Engine, SamplingSettings, register_engine
 
 logger = logging.getLogger(__name__)
 

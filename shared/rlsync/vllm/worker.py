@@ -35,17 +35,15 @@ cannot recover is the sign of a zero: ``-0.0`` reads back as ``+0.0`` (and a
 weight of ``+-inf`` would poison its column); a trainer state holding ``-0.0``
 therefore hashes differently when read back from the CPU backend.
 
-Tensor payloads between the driver and the workers are safetensors blobs (:func:`pack_tensors`):
-inline bytes when small, a file in a spool folder when large (``collective_rpc`` arguments are msgpack).
+Tensor payloads between the driver and the workers are safetensors blobs (:mod:`.payload`).
 
 Tensor parallelism: patches and reloads are given in global checkpoint coordinates
 and the model's loader slices them per rank. Reading back gathers each sharded
 parameter over the tensor-parallel group (a collective: every rank must read the
 same names), so read-back and the state hash work at any TP size.
 
-Quantized modules (fp8 and other non-"unquantized" methods, fused MoE experts) and non-float
-tensors are never patched in place (a bf16 value written into an fp8 weight without its scale
-would be wrong; vLLM's sparse loader refuses non-float tensors): they take the reload path.
+Quantized modules (fp8 and other non-"unquantized" methods, fused MoE experts) and non-float tensors are never
+patched in place (an fp8 weight needs its scale; vLLM's sparse loader refuses non-float tensors): they reload.
 A model loaded from a block-FP8 checkpoint (the FP8 chain, :mod:`rlsync.fp8`) is updated that way:
 a delta's changed e4m3 bytes and block scales reload their modules' whole weights and scales
 (``*.weight_scale_inv``, checkpoint names like the weights), and reading back returns both as
@@ -55,13 +53,7 @@ loaded: the e4m3 weight out of the CPU kernel's VNNI order (:mod:`.packing`), th
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import math
-import os
-import tempfile
-import uuid
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch
@@ -71,6 +63,7 @@ from rlsync.patch import TensorPatch
 from .checkpoint import checkpoint_names_of
 from .experts import expert_location, read_expert, repack_experts
 from .packing import Packing, unpack
+from .payload import pack_tensors, unpack_patches, unpack_tensors
 from .tensor_parallel import gather_tensor_parallel, packed_part_sizes
 
 if TYPE_CHECKING:
@@ -79,83 +72,6 @@ if TYPE_CHECKING:
     from rlsync.hashing import StateLanes
 
 logger = logging.getLogger(__name__)
-
-#: Payloads up to this size travel inline through ``collective_rpc``; larger ones via a file.
-INLINE_PAYLOAD_BYTES = 64 << 20
-
-_INDEX = "\x00index"
-_VALUES = "\x00values"
-
-
-# -- payloads ---------------------------------------------------------------------------
-
-
-def pack_tensors(
-    tensors: Mapping[str, torch.Tensor],
-    *,
-    meta: Mapping[str, Any] | None = None,
-    spool_dir: str | os.PathLike | None = None,
-) -> dict[str, Any]:
-    """Serialize tensors for a ``collective_rpc`` call (safetensors format).
-
-    Args:
-        tensors: Tensors to send (moved to CPU, made contiguous).
-        meta: JSON-serializable metadata carried along.
-        spool_dir: Folder for payloads above :data:`INLINE_PAYLOAD_BYTES`
-            (default: the system temporary folder). Must be visible to the workers.
-
-    Returns:
-        ``{"data": bytes, "meta": ...}`` or ``{"path": str, "meta": ...}``.
-    """
-    from safetensors.torch import save, save_file
-
-    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-    nbytes = sum(t.numel() * t.element_size() for t in cpu.values())
-    info = {"meta": json.dumps(dict(meta or {}))}
-    if nbytes <= INLINE_PAYLOAD_BYTES:
-        return {"data": save(cpu, metadata=info), "meta": info["meta"]}
-    folder = Path(spool_dir or tempfile.gettempdir())
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"vllm-sync-{uuid.uuid4().hex}.safetensors"
-    save_file(cpu, str(path), metadata=info)
-    return {"path": str(path), "meta": info["meta"]}
-
-
-def unpack_tensors(payload: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict]:
-    """Inverse of :func:`pack_tensors`. A spooled file is left for its sender to remove.
-
-    Args:
-        payload: What :func:`pack_tensors` returned.
-
-    Returns:
-        ``(tensors, meta)``.
-    """
-    from safetensors.torch import load, load_file
-
-    tensors = load(bytes(payload["data"])) if "data" in payload else load_file(payload["path"])
-    return tensors, json.loads(payload.get("meta") or "{}")
-
-
-def pack_patches(patches: Mapping[str, TensorPatch], **kwargs: Any) -> dict[str, Any]:
-    """Serialize sparse patches (see :func:`pack_tensors`)."""
-    tensors: dict[str, torch.Tensor] = {}
-    shapes: dict[str, list[int]] = {}
-    for name, patch in patches.items():
-        small = math.prod(patch.shape) < 2**31
-        tensors[name + _INDEX] = patch.index.to(torch.int32) if small else patch.index  # halves index bytes
-        tensors[name + _VALUES] = patch.values
-        shapes[name] = list(patch.shape)
-    return pack_tensors(tensors, meta={"shapes": shapes}, **kwargs)
-
-
-def unpack_patches(payload: Mapping[str, Any]) -> dict[str, TensorPatch]:
-    """Inverse of :func:`pack_patches`. Indices stay ``int32`` where they were sent so: vLLM's
-    sparse loader takes them as they are (no widening copy)."""
-    tensors, meta = unpack_tensors(payload)
-    return {
-        name: TensorPatch(tensors[name + _INDEX], tensors[name + _VALUES], tuple(shape))
-        for name, shape in meta["shapes"].items()
-    }
 
 
 # -- planning (driver side and worker side) ---------------------------------------------
