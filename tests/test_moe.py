@@ -144,6 +144,6 @@ def test_per_expert_change_rates_reach_the_panel(moe_path, tmp_path):
     assert len(rates) == 2 * TINY_MOE_CONFIG["num_experts"] and list(rates)[:2] == ["0.0", "0.1"]
     assert rates["1.3"] == pytest.approx(100 * 1638 / (3 * 128 * 128)) and sum(rates.values()) == rates["1.3"]
     rows = [{"kind": "anchor", "version": 0}, {"kind": "delta", "version": 1, "experts_changed_pct": rates}]
-    frame = expert_change_frame(Snapshot(trainer_rows=rows))
+    frame = expert_change_frame(Snapshot(trainer=TrainerMetrics.from_json({"rows": rows})))
     assert len(frame) == len(rates) and frame.set_index("expert").loc["1.3", "changed_pct"] == rates["1.3"]
-    assert expert_change_frame(Snapshot(trainer_rows=rows[:1])).empty  # a dense model: an empty plot
+    assert expert_change_frame(Snapshot(trainer=TrainerMetrics.from_json({"rows": rows[:1]}))).empty  # a dense model: an empty plot
