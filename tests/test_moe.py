@@ -130,6 +130,7 @@ def test_a_model_setting_of_tiny_moe_trains_and_serves_the_tiny_moe():
 def test_per_expert_change_rates_reach_the_panel(moe_path, tmp_path):
     from rlsync.checkpoint_layout import expert_changed_pct, expert_of
     from rlsync.spaces.frames import expert_change_frame
+    from rlsync.spaces.metrics import TrainerMetrics
     from rlsync.spaces.snapshots import Snapshot
 
     state = {n: t.float() for n, t in load_file(str(moe_path / "model.safetensors")).items()}

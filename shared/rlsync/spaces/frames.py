@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from .metrics import EnvMetrics, RefusalCounts, ReplicaStatus
+from .metrics import EnvMetrics, RefusalCounts, ReplicaStatus, TrainRow
 from .snapshots import BucketView, Snapshot
 
 #: Rows of the recent-publishes table.
@@ -77,6 +77,18 @@ def delta_ratio_frame(snap: Snapshot) -> pd.DataFrame:
                     rows.append({"version": r.version, "percent": 100 * r.nbytes / base, "against": against})
     frame = pd.DataFrame(rows, columns=["version", "percent", "against"])
     return frame.astype({"version": "int64", "percent": "float64", "against": "str"})
+
+
+#: The figures of a :class:`~.metrics.TrainRow` that :func:`train_frame` holds (each a float column).
+TRAIN_FIGURES = tuple(f.name for f in dataclasses.fields(TrainRow) if f.name not in ("kind", "opt_step"))
+
+
+def train_frame(snap: Snapshot) -> pd.DataFrame:
+    """One row per optimizer step: ``opt_step`` and every figure of a :class:`~.metrics.TrainRow`
+    (:data:`TRAIN_FIGURES`, ``NaN`` where the step logged none); what :data:`~.components.TRAINING_CHARTS` draw."""
+    rows = [dataclasses.asdict(r) for r in snap.trainer.steps if r.opt_step is not None]
+    frame = pd.DataFrame(rows, columns=["opt_step", *TRAIN_FIGURES])
+    return frame.astype({"opt_step": "int64", **dict.fromkeys(TRAIN_FIGURES, "float64")})
 
 
 def timing_frame(snap: Snapshot) -> pd.DataFrame:
