@@ -299,7 +299,8 @@ def training_plots(source: BucketSource | Live, prefix: str = "") -> list[Any]:
     for start in range(0, len(TRAINING_CHARTS), 2):
         with gr.Row():
             for chart in TRAINING_CHARTS[start : start + 2]:
-                plots.append(chart_plot(source, chart, lambda view, snap: train_frame(snap), f"{prefix}plot-train-{chart.y}"))
+                elem_id = f"{prefix}plot-train-{chart.y}"
+                plots.append(chart_plot(source, chart, lambda view, snap: train_frame(snap), elem_id))
     return plots
 
 

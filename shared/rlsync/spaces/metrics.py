@@ -1,14 +1,10 @@
 """The metrics and status objects the roles write for the panels, one :class:`~.records.Record` type each.
 
-=======================  ======================  ================================================
-object                   type                    written by
-=======================  ======================  ================================================
-``metrics/trainer.json``  :class:`TrainerMetrics`  the trainer: a row per publish (:class:`PublishRow`)
-                                                   and per optimizer step (:class:`TrainRow`), its state
-``metrics/env.json``      :class:`EnvMetrics`      the env: a row per scored version (:class:`RewardRow`),
-                                                   recent episodes, rates, failures
-``status/<replica>.json`` :class:`ReplicaStatus`   each replica: versions, apply times, throughput
-=======================  ======================  ================================================
+- ``metrics/trainer.json``, :class:`TrainerMetrics`: the trainer's rows, one per publish (:class:`PublishRow`)
+  and per optimizer step (:class:`TrainRow`), and its state now (versions, flow, refusals, Hub requests);
+- ``metrics/env.json``, :class:`EnvMetrics`: the env's rows, one per policy version scored in a step
+  (:class:`RewardRow`), recent episodes, rates, scoring failures;
+- ``status/<replica>.json``, :class:`ReplicaStatus`: a replica's versions, recent syncs, throughput, hashes.
 
 The role builds the dataclass and writes :meth:`~.records.Record.to_json`; the panels read the object
 back through the same type (:func:`read_metrics`, :func:`read_status`), so a figure is declared once,
@@ -17,8 +13,8 @@ an object, a required field missing or invalid, or one too large or malformed
 (:func:`~rlsync.scores.get_json`); a bad optional figure falls back to its default. The scored samples
 are the library's format (:mod:`rlsync.scores`).
 
-A new figure on a panel: add the field here (a :class:`TrainRow` field names the TRL log it is
-copied from, ``log=``), and declare its plot (:data:`~.components.TRAINING_CHARTS`).
+A new plot of a figure TRL logs: a :class:`TrainRow` field naming its log entry (``_log("grad_norm")``:
+the trainer copies it, :meth:`TrainRow.from_logs`), and its chart in :data:`~.components.TRAINING_CHARTS`.
 """
 
 from __future__ import annotations
@@ -32,8 +28,8 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 from ..bucket import Bucket
 from ..bucket.budget import Tier
-from ..layout import is_id, metrics_key
 from ..errors import BucketError
+from ..layout import is_id, metrics_key
 from ..scores import Refusals, get_json, put_json
 from .demand import Pacing
 from .records import Record, limits
@@ -48,8 +44,9 @@ EPISODES = 20
 #: Most experts in a MoE delta's per-expert figures.
 MAX_EXPERTS = 100_000
 _COUNT = limits(minimum=0)
-logger = logging.getLogger(__name__)
 _HASH = limits(max_chars=128)
+
+logger = logging.getLogger(__name__)
 
 PublishKind = Literal["anchor", "delta"]
 
@@ -92,7 +89,8 @@ class RefusalCounts(Record):
 
     @property
     def consistent(self) -> bool:
-        """Whether some objects were refused and ``total`` is the sum of ``by_kind`` (a planted object may claim anything)."""
+        """Whether some objects were refused and ``total`` is the sum of ``by_kind`` (a planted object may
+        claim anything)."""
         return 0 < self.total == sum(self.by_kind.values())
 
 
@@ -109,13 +107,16 @@ class PublishRow(Record):
     changed: int | None = None
     total: int | None = None
     changed_pct: float | None = None
-    trl_nbytes: int | None = None  #: the same changes in TRL's plain layout (:func:`~rlsync.trl.metrics.trl_layout_bytes`)
+    #: the same changes in TRL's plain layout (:func:`~rlsync.trl.metrics.trl_layout_bytes`)
+    trl_nbytes: int | None = None
     encode_s: float | None = None
     hash_s: float | None = None
     upload_s: float | None = None
     catchup_bytes: int = dataclasses.field(default=0, metadata=_COUNT)
     #: a MoE delta's changed percentage per expert (``"<layer>.<expert>"``)
-    experts_changed_pct: dict[str, float] = dataclasses.field(default_factory=dict, metadata=limits(max_items=MAX_EXPERTS))
+    experts_changed_pct: dict[str, float] = dataclasses.field(
+        default_factory=dict, metadata=limits(max_items=MAX_EXPERTS)
+    )
     time: float | None = None
 
 
@@ -392,7 +393,8 @@ class MetricsLog(Generic[M]):
         self.keep = keep
         self.state: M = kind()
         previous = read_metrics(bucket, kind) if bucket is not None else None
-        self.rows: list[Any] = list(previous.rows[-keep:]) if previous is not None else []  # a restarted role keeps its history
+        # a restarted role keeps its history
+        self.rows: list[Any] = list(previous.rows[-keep:]) if previous is not None else []
 
     def add(self, row: PublishRow | TrainRow | RewardRow) -> None:
         """Append a row, stamped with the time now unless it has one."""

@@ -24,6 +24,7 @@ import functools
 import math
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, ClassVar, Self
 
 #: Longest string field unless its ``max_chars`` says otherwise.
@@ -54,7 +55,8 @@ class Record:
     def to_json(self) -> dict[str, Any]:
         """The JSON object (non-finite floats as ``null``: readers refuse ``NaN``/``Infinity``)."""
         out: dict[str, Any] = {} if self.FORMAT_VERSION is None else {"format_version": self.FORMAT_VERSION}
-        out.update({f.name: _encode(getattr(self, f.name)) for f in dataclasses.fields(self)})  # type: ignore[arg-type]
+        for name, _, _ in _plan(type(self)):
+            out[name] = _encode(getattr(self, name))
         return out
 
     @classmethod
@@ -69,34 +71,45 @@ class Record:
         if cls.FORMAT_VERSION is not None and doc.get("format_version", 1) != cls.FORMAT_VERSION:
             raise ValueError(f"{cls.__name__}: format_version {str(doc.get('format_version'))[:20]!r}, "
                              f"not {cls.FORMAT_VERSION}")  # fmt: skip
-        hints = _hints(cls)
         values: dict[str, Any] = {}
-        for field in dataclasses.fields(cls):  # type: ignore[arg-type]
-            required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
-            if field.name in doc:
+        for name, required, decode in _plan(cls):
+            if name in doc:
                 try:
-                    values[field.name] = _decode(hints[field.name], doc[field.name], field.metadata)
+                    values[name] = decode(doc[name])
                     continue
                 except ValueError as exc:
                     if required:
-                        raise ValueError(f"{cls.__name__}.{field.name}: {exc}") from None
+                        raise ValueError(f"{cls.__name__}.{name}: {exc}") from None
             elif required:
-                raise ValueError(f"{cls.__name__}: no {field.name}")
+                raise ValueError(f"{cls.__name__}: no {name}")
         return cls(**values)
 
 
+Decode = Callable[[Any], Any]
+
+
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def _plan(cls: type) -> tuple[tuple[str, bool, Decode], ...]:
+    """Per field of ``cls``: its name, whether it is required, and its reader (built once per class)."""
+    hints = typing.get_type_hints(cls)
+    return tuple(
+        (f.name, f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, _reader(hints[f.name], f.metadata))
+        for f in dataclasses.fields(cls)
+    )  # fmt: skip
+
+
+_PLAIN = (int, str, bool, type(None))
 
 
 def _encode(value: Any) -> Any:
+    if type(value) in _PLAIN:
+        return value
     if isinstance(value, Record):
         return value.to_json()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
     if isinstance(value, enum.Enum):
         return value.value
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
     if isinstance(value, (list, tuple)):
         return [_encode(v) for v in value]
     if isinstance(value, dict):
@@ -104,67 +117,109 @@ def _encode(value: Any) -> Any:
     return value
 
 
-def _decode(tp: Any, value: Any, meta: Any) -> Any:
-    """``value`` read as ``tp``. Raises ValueError when it is not one."""
+def _reader(tp: Any, meta: Any) -> Decode:
+    """The function reading a value of type ``tp`` (narrowed by the field's ``meta``); it raises
+    :class:`ValueError` for a value that is not one."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _decode(arg, value, meta)
-            except ValueError:
-                pass
-        raise ValueError(f"not any of {tp}")
+        optional = type(None) in args
+        readers = [_reader(a, meta) for a in args if a is not type(None)]
+
+        def union(value: Any) -> Any:
+            if value is None and optional:
+                return None
+            for read in readers:
+                try:
+                    return read(value)
+                except ValueError:
+                    pass
+            raise ValueError(f"not any of {tp}")
+
+        return union
     if origin is typing.Literal:
-        if value in args and type(value) in {type(a) for a in args}:
-            return value
-        raise ValueError(f"not one of {args}")
+        allowed = {(type(a), a) for a in args}
+
+        def literal(value: Any) -> Any:
+            if (type(value), value) in allowed:
+                return value
+            raise ValueError(f"not one of {args}")
+
+        return literal
     if origin is list:
+        return _list_reader(_reader(args[0], {}), meta.get("max_items", MAX_ITEMS))
+    if origin is dict:
+        return _dict_reader(_reader(args[1], {k: v for k, v in meta.items() if k == "minimum"}), meta)
+    if isinstance(tp, type) and issubclass(tp, Record):
+        return tp.from_json
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return _enum_reader(tp)
+    return _scalar_reader(tp, meta)
+
+
+def _list_reader(read: Decode, most: int) -> Decode:
+    def items(value: Any) -> list[Any]:
         if not isinstance(value, list):
             raise ValueError("not a list")
         out = []
-        for item in value[-meta.get("max_items", MAX_ITEMS):]:
+        for item in value[-most:]:  # the newest
             try:
-                out.append(_decode(args[0], item, {}))
+                out.append(read(item))
             except ValueError:
                 pass
         return out
-    if origin is dict:
-        if not isinstance(value, dict) or len(value) > meta.get("max_items", MAX_ITEMS):
-            raise ValueError(f"not an object of at most {meta.get('max_items', MAX_ITEMS)} entries")
-        entries = {}
+
+    return items
+
+
+def _dict_reader(read: Decode, meta: Any) -> Decode:
+    most, key_chars = meta.get("max_items", MAX_ITEMS), meta.get("max_key_chars", MAX_KEY_CHARS)
+
+    def entries(value: Any) -> dict[str, Any]:
+        if not isinstance(value, dict) or len(value) > most:
+            raise ValueError(f"not an object of at most {most} entries")
+        out = {}
         for key, item in value.items():
             try:
-                if len(key) <= meta.get("max_key_chars", MAX_KEY_CHARS):
-                    entries[key] = _decode(args[1], item, {k: v for k, v in meta.items() if k in ("minimum",)})
+                if len(key) <= key_chars:
+                    out[key] = read(item)
             except ValueError:
                 pass
-        return entries
-    if isinstance(tp, type) and issubclass(tp, Record):
-        return tp.from_json(value)
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return out
+
+    return entries
+
+
+def _enum_reader(tp: type[enum.Enum]) -> Decode:
+    def member(value: Any) -> Any:
         try:
             return tp(value)
         except (ValueError, TypeError):
             raise ValueError(f"not a {tp.__name__}") from None
-    return _check(_scalar(tp, value, meta), meta)
+
+    return member
 
 
-def _scalar(tp: Any, value: Any, meta: Any) -> Any:
-    if tp is bool and type(value) is bool:
+def _scalar_reader(tp: Any, meta: Any) -> Decode:
+    minimum, check, chars = meta.get("minimum"), meta.get("check"), meta.get("max_chars", MAX_CHARS)
+    if tp is bool:
+        accept: Callable[[Any], bool] = lambda v: type(v) is bool  # noqa: E731
+    elif tp is int:
+        accept = lambda v: type(v) is int and abs(v) < 1 << 63  # noqa: E731
+    elif tp is float:
+        accept = lambda v: type(v) in (int, float) and math.isfinite(v) and abs(v) < _MAX_NUMBER  # noqa: E731
+    elif tp is str:
+        accept = lambda v: isinstance(v, str) and len(v) <= chars  # noqa: E731
+    else:
+        raise TypeError(f"a Record field of type {tp} cannot be read")
+    convert = float if tp is float else None
+
+    def scalar(value: Any) -> Any:
+        if not accept(value):
+            raise ValueError(f"not a {tp.__name__}")
+        if convert is not None:
+            value = convert(value)
+        if minimum is not None and value < minimum or check is not None and not check(value):
+            raise ValueError(f"{str(value)[:40]!r} is out of range")
         return value
-    if tp is int and type(value) is int and abs(value) < 1 << 63:
-        return value
-    if tp is float and type(value) in (int, float) and math.isfinite(value) and abs(value) < _MAX_NUMBER:
-        return float(value)
-    if tp is str and isinstance(value, str) and len(value) <= meta.get("max_chars", MAX_CHARS):
-        return value
-    raise ValueError(f"not a {getattr(tp, '__name__', tp)}")
 
-
-def _check(value: Any, meta: Any) -> Any:
-    minimum, check = meta.get("minimum"), meta.get("check")
-    if minimum is not None and value < minimum or check is not None and not check(value):
-        raise ValueError(f"{str(value)[:40]!r} is out of range")
-    return value
+    return scalar
