@@ -12,7 +12,7 @@ import pytest
 
 from env_space.simulator import EnvConfig, EnvSimulator
 from rlsync.bucket.budget import Tier
-from rlsync.layout import metrics_key, status_key
+from rlsync.layout import metrics_key, score_key, status_key
 from rlsync.limits import MAX_OBJECT_BYTES
 from rlsync.protocol import FixedInterval, Publisher
 from rlsync.scores import Refusals
@@ -168,3 +168,16 @@ def test_the_env_writes_its_metrics_as_the_typed_object(bucket):
     assert doc["format_version"] == EnvMetrics.FORMAT_VERSION
     metrics = read_snapshot(bucket).env
     assert metrics.env == env.environment.name and metrics.pacing is Pacing.QUEUE and metrics.tasks_per_s is not None
+
+
+def test_the_scores_format_is_versioned_too(bucket):
+    from rlsync.scores import SAMPLES_FORMAT_VERSION, Sample, parse_samples, read_samples, write_samples
+
+    sample = Sample("t", "p", "c", [1], [2], [-1.0], 0, reward=1.0)
+    write_samples(bucket, score_key(0, "r"), [sample], batch=0)
+    doc = json.loads(bucket.get(score_key(0, "r")))
+    assert doc["format_version"] == SAMPLES_FORMAT_VERSION and read_samples(bucket, score_key(0, "r"))[1] == [sample]
+    refusals = Refusals()
+    bucket.put(score_key(1, "r"), json.dumps({**doc, "format_version": 2}).encode())
+    assert read_samples(bucket, score_key(1, "r"), refusals=refusals) is None and refusals.total == 1
+    assert parse_samples({k: v for k, v in doc.items() if k != "format_version"})[1] == [sample]  # written before it existed
