@@ -13,7 +13,11 @@ Per codec, in one run, it prints: bytes and bytes per changed element; the train
 replica's decode (``Update.decode_s``, off the pause); the replica's pause (``idle_s`` of its own
 apply) against the engine's bare scatter of the same patch and a whole-state load and copy; peak RSS
 on both sides. The whole-snapshot row is what publishing every version as an anchor costs: its
-bytes, the anchor's load and copy as the pause.
+bytes, the anchor's load and copy as the pause. Last, one line per issue 29 target and row, met or
+missed: pause <= 1.5x the bare scatter, stall <= 1.5x the bf16 cast, replica peak RSS <= the model alone
+(the engine's peak RSS once loaded) + 2x the decoded delta + 200 MB, and the default codec's decode of
+the first learning rate's delta (about 1% changed at 1e-6) <= 0.5 s. The default learning rates give the
+3e-6 row too (default codec), so one invocation covers them all.
 
 Memory: the AdamW moments are kept in bf16 (the update rule is AdamW's, computed in fp32 one chunk
 at a time), so a 0.6B trainer needs about 7 GB instead of 11.
@@ -44,6 +48,12 @@ MODELS = {
         num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
     ),  # fmt: skip
 }
+#: A decoded delta's bytes per changed element: its int64 position and bf16 value, and the bf16 old
+#: value kept for the rollback.
+DECODED_BYTES_PER_CHANGED = 8 + 2 + 2
+#: The issue's targets (issue 29): pause / bare scatter, stall / bf16 cast, the replica's RSS above the
+#: model alone (MB, besides twice the decoded delta), and the decode of a 1% delta (s).
+MAX_PAUSE_RATIO, MAX_STALL_RATIO, RSS_SLACK_MB, MAX_DECODE_S = 1.5, 1.5, 200, 0.5
 CHUNK = 1 << 22  # elements per AdamW chunk (fp32 temporaries of 16 MB)
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 0.0
 
@@ -128,7 +138,8 @@ def trainer(cfg: dict) -> dict:
     params = [p for _, p in model.named_parameters()]
     rule = AdamWRule(params, cfg["lr"])
     buffer = torch.empty(max(p.numel() for p in params), dtype=torch.bfloat16)
-    transfer = BucketWeightTransfer(publisher=Publisher(LocalBucket(cfg["bucket"]), codec=cfg["codec"], policy=FixedInterval(1000)), background=True)
+    publisher = Publisher(LocalBucket(cfg["bucket"]), codec=cfg["codec"], policy=FixedInterval(1000))
+    transfer = BucketWeightTransfer(publisher=publisher)  # publishes in the background
     transfer.init_weight_transfer()
     steps = []
     transfer.send_weights(iter(model.state_dict().items()))  # version 0: the anchor
@@ -160,6 +171,7 @@ def replica(cfg: dict) -> dict:
 
     bucket = LocalBucket(cfg["bucket"])
     engine = TransformersEngine(cfg["model_dir"], device="cpu")
+    model_rss = peak_rss()  # the model alone, loaded by the engine (the RSS target's base)
     rep = Replica(ReplicaConfig(bucket=cfg["bucket"], model=cfg["model_dir"], engine="transformers", device="cpu"), bucket, engine)
     updates = []
     while True:
@@ -180,6 +192,7 @@ def replica(cfg: dict) -> dict:
     from rlsync.hashing import state_hash
 
     engine_bit_exact = state_hash(engine.state_dict()) == rep.subscriber.state_hash  # each tensor once, as hashed
+    follow_rss = peak_rss()  # before the whole-state load below, which is the baseline's, not the replica's
     anchor = rep.subscriber.manifest.anchors[-1]
     t0 = time.perf_counter()  # a whole-state load and copy: the anchor's files into the engine
     state = {}
@@ -187,7 +200,10 @@ def replica(cfg: dict) -> dict:
         state.update(safetensors.torch.load_file(bucket.root / f.key))
     engine.load_state(state)
     load_copy_s = time.perf_counter() - t0
-    return {"updates": updates, "load_copy_s": load_copy_s, "engine_bit_exact": engine_bit_exact, "peak_rss": peak_rss()}
+    return {
+        "updates": updates, "load_copy_s": load_copy_s, "engine_bit_exact": engine_bit_exact, "peak_rss": follow_rss,
+        "model_rss": model_rss,
+    }  # fmt: skip
 
 
 def run_role(role: str, cfg: dict) -> dict:
@@ -216,6 +232,7 @@ def summarize(codec: str, lr: float, measured: int, trained: dict, followed: dic
         "scatter_s": min(u["scatter_s"] for u in mine), "load_copy_s": followed["load_copy_s"],
         "anchor_bytes": trained["records"][0]["nbytes"], "trainer_rss": trained["peak_rss"], "replica_rss": followed["peak_rss"],
         "coalesced": trained["coalesced"], "params": deltas[0]["total"], "bit_exact": followed["engine_bit_exact"],
+        "model_rss": followed["model_rss"], "decoded_bytes": changed * DECODED_BYTES_PER_CHANGED,
     }  # fmt: skip
 
 
@@ -236,6 +253,25 @@ def print_table(rows: list[dict]) -> None:
             f"| every version an anchor | snapshot | {r['anchor_bytes'] / 1e6:.1f} MB | {r['anchor_bytes'] / changed:.1f} "
             f"| as above | (a load) | {r['load_copy_s']:.2f} s (load + copy) | |"
         )
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """One line per row and target of issue 29: the measured figure against its bound, met or missed.
+    The decode target is for the default codec (the first) at the first learning rate (about 1% changed)."""
+    lines = []
+    for r in rows:
+        rss_bound = r["model_rss"] + 2 * r["decoded_bytes"] + RSS_SLACK_MB * 1e6
+        checks = [
+            ("pause <= 1.5x bare scatter", r["pause_s"] / r["scatter_s"], MAX_PAUSE_RATIO, "x"),
+            ("stall <= 1.5x bf16 cast", r["stall_s"] / r["cast_s"], MAX_STALL_RATIO, "x"),
+            ("replica RSS <= model + 2x decoded delta + 200 MB", r["replica_rss"] / 1e9, rss_bound / 1e9, " GB"),
+        ]  # fmt: skip
+        if r is rows[0]:
+            checks.append((f"decode of a {r['changed_pct']:.2f}% delta <= 0.5 s", r["decode_s"], MAX_DECODE_S, " s"))
+        for name, value, bound, unit in checks:
+            verdict = "met" if value <= bound else "MISSED"
+            lines.append(f"{r['codec']} lr {r['lr']:g}: {name}: {value:.2f}{unit} (bound {bound:.2f}{unit}) {verdict}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -274,6 +310,7 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(work, ignore_errors=True)
     print(f"model: Qwen3 ({rows[0]['params'] / 1e6:.0f}M parameters) {json.dumps(config)}")
     print_table(rows)
+    print("\n".join(["", "targets (issue 29):", *targets(rows)]))
     if args.json:
         args.json.write_text(json.dumps({"config": config, "rows": rows}, indent=1))
 

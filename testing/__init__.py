@@ -6,5 +6,5 @@
 - :mod:`testing.soak`: the soak harness (``python -m testing.soak``).
 
 The sync library (``shared/rlsync``) and the Space folders never import this package
-(``tests/test_layout.py``); it lives at the repository root, outside the ``rlsync`` distribution.
+(``tests/library/test_layout.py``); it lives at the repository root, outside the ``rlsync`` distribution.
 """

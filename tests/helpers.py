@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 
 import torch
+
+from rlsync.bucket.base import BucketWrapper
+from rlsync.layout import DELTA_PREFIX
 
 
 def master_state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -101,3 +105,22 @@ def parse_module(path) -> "ast.Module":
             if attempt == 4:
                 raise
     raise AssertionError("unreachable")
+
+
+class GatedBucket(BucketWrapper):
+    """Delta uploads wait until :attr:`gate` is set (a slow upload); ``fail`` makes them raise."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.waiting = threading.Event()
+        self.fail: Exception | None = None
+
+    def put(self, key: str, data: bytes) -> None:
+        if key.startswith(DELTA_PREFIX):
+            self.waiting.set()
+            self.gate.wait(60)
+            if self.fail is not None:
+                raise self.fail
+        self.inner.put(key, data)

@@ -1,4 +1,4 @@
-"""A tiny FSDP2 trainer on gloo (CPU) that publishes sharded, for tests/test_sharded.py.
+"""A tiny FSDP2 trainer on gloo (CPU) that publishes sharded, for tests/library/test_sharded.py.
 
 Runs in processes started by ``torch.multiprocessing.spawn``; rank 0 writes a JSON
 report (per step: kind, hash, the single-process reference's hash; per rank:

@@ -1,4 +1,4 @@
-"""One rank of a TRL ``AsyncGRPOTrainer`` run with FSDP2 on gloo (CPU), for tests/test_trl_sharded.py.
+"""One rank of a TRL ``AsyncGRPOTrainer`` run with FSDP2 on gloo (CPU), for tests/library/trl/test_trl_sharded.py.
 
 Launched by ``torchrun --nproc-per-node N tests/trl_sharded_run.py OPTIONS_JSON``. FSDP2 comes
 from accelerate (``fsdp_config={"version": 2}``, :func:`rlsync.trl.allow_cpu_fsdp`), the weight

@@ -1,4 +1,4 @@
-"""The vLLM GPU code path, run on CPU in child processes for tests/test_vllm_gpu_path.py.
+"""The vLLM GPU code path, run on CPU in child processes for tests/library/vllm/test_vllm_gpu_path.py.
 
 ``python -m tests.vllm_gpu_path_child SPEC.json`` starts ``world_size`` ranks (gloo, tensor
 parallel). Each rank builds vLLM's model class directly (``initialize_model`` + ``load_weights``,
@@ -106,7 +106,25 @@ def run_case(case: dict[str, Any], world_size: int) -> dict[str, Any]:
         }
         if case.get("check_skip"):
             result["skip_caught"] = _skipped_tensor_is_caught(model, weights, *last_patch)
+    if world_size == 1:
+        result["views"] = _follow_in_views(case, weights)
     return result
+
+
+def _follow_in_views(case: dict[str, Any], weights) -> dict[str, Any]:
+    """The ``bucket`` backend's GPU path: a Subscriber writing the model's own tensors (``ModelWeights.views``),
+    following the bucket again from its anchor; after each update the weights read back must hash equal to
+    the subscriber's verified state, which then is the model's (no copy)."""
+    from rlsync.bucket import LocalBucket
+    from rlsync.protocol import Subscriber
+
+    views = weights.views()
+    sub = Subscriber(LocalBucket(case["bucket"]), weights=views)
+    equal = []
+    while (update := sub.fetch()) is not None:
+        sub.apply(update)
+        equal.append(weights.lanes().hexdigest() == sub.state_hash)
+    return {"all_viewed": sorted(views) == weights.checkpoint_names, "equal": equal}
 
 
 def run_rank(rank: int, spec: dict[str, Any]) -> None:

@@ -4,7 +4,7 @@
 
 - adds up what the step reports: samples trained, seconds the trainer waited for
   rollouts (``perf/rollout_wait_s``) and the step's compute time (the step minus that wait);
-- writes ``control/demand.json`` (pacing ``demand``): the newest version, the newest task
+- writes ``control/demand.json`` (pacing ``demand``; also at train end): the newest published version, the newest task
   batch read, and how many more samples to keep in flight, sized from the measured step
   time and issue-to-read latency (:func:`~rlsync.spaces.demand.target_in_flight`).
 
@@ -37,7 +37,7 @@ class FlowControl(TrainerCallback):
     Args:
         bucket: The run's bucket.
         worker: The rollout worker (its counts, buffer, newest batch read and latency).
-        transfer: The weight transfer (the newest published version).
+        transfer: The weight transfer (its newest published version).
         batch_size: Samples per optimizer step.
         max_staleness: Versions a sample may lag when trained.
         pacing: ``demand`` writes the demand object; ``queue`` removes a stale one and writes none.
@@ -70,6 +70,12 @@ class FlowControl(TrainerCallback):
         self.publish_demand()
         return control
 
+    def on_train_end(self, args, state, control, **kwargs: Any):
+        """Once more after the final publish (the weight sync's callbacks flush it first): the last
+        demand names the version the run ended at."""
+        self.publish_demand()
+        return control
+
     def on_log(self, args, state, control, logs: dict[str, Any] | None = None, **kwargs: Any):
         logs = logs or {}
         if "loss" not in logs:
@@ -91,8 +97,10 @@ class FlowControl(TrainerCallback):
             self.compute_s = compute if self.compute_s is None else 0.7 * self.compute_s + 0.3 * compute
 
     def demand(self) -> Demand | None:
-        """The demand now (``None`` before the first publish)."""
-        version = self.transfer.version
+        """The demand now (``None`` before the first publish). Its version is the newest *published*
+        one: a version sent to the background publisher is not in the bucket yet, and the env and
+        replicas refuse a demand newer than the pointer (:func:`~rlsync.spaces.demand.read_demand`)."""
+        version = self.transfer.published_version
         if version is None:
             return None
         target = target_in_flight(self.batch_size, self.max_staleness, self.compute_s, self.worker.latency_s)

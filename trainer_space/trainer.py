@@ -41,6 +41,7 @@ from rlsync.protocol import PublishRecord
 from rlsync.spaces.anchor_policy import ControlledPolicy
 from rlsync.spaces.demand import Pacing
 from rlsync.spaces.exchange import open_role_bucket
+from rlsync.spaces.interval_log import IntervalLog
 from rlsync.spaces.metrics import (
     BackgroundPublishFigures,
     HubCounts,
@@ -50,7 +51,6 @@ from rlsync.spaces.metrics import (
     TrainerMetrics,
     TrainRow,
 )
-from rlsync.spaces.interval_log import IntervalLog
 from rlsync.spaces.settings import resolve_device, space_owner
 from rlsync.spaces.tiny_model import model_or_default
 from rlsync.supervised import SupervisedThread
@@ -75,11 +75,11 @@ class BucketFigures(TrainerCallback):
         if "loss" not in logs:
             return
         self.owner.metrics.add(TrainRow.from_logs(
-            logs, opt_step=state.global_step, version=self.owner.transfer.version,
+            logs, opt_step=state.global_step, version=self.owner.version,
             dropped_stale=self.owner.worker.counts["dropped_stale"],
         ))  # fmt: skip
         self.owner.summary.add(steps=1, samples=logs.get("batch/samples_per_step") or 0, wait_s=logs.get("perf/rollout_wait_s") or 0)
-        self.owner.summary.note(version=self.owner.transfer.version, loss=logs.get("loss"), reward=logs.get("reward"))
+        self.owner.summary.note(version=self.owner.version, loss=logs.get("loss"), reward=logs.get("reward"))
         self.owner.flush()
         self.owner.summary.flush()
 
@@ -157,8 +157,9 @@ class Trainer:
 
     @property
     def version(self) -> int | None:
-        """The newest published version."""
-        return self.transfer.version
+        """The newest published version: the bucket's, what replicas can hold (TRL's counter,
+        ``transfer.version``, is ahead of it while a version is published in the background)."""
+        return self.transfer.published_version
 
     @property
     def notice(self) -> str:
@@ -204,7 +205,7 @@ class Trainer:
         budget = {"hub": HubCounts(**self.meter.snapshot()), "coalescing": self.coalescing.notice} if self.meter is not None else {}
         self.metrics.state = TrainerMetrics(
             **budget,
-            version=self.transfer.version, opt_steps=self.opt_steps, queued_samples=self.worker.rollout_buffer.qsize(),
+            version=self.version, opt_steps=self.opt_steps, queued_samples=self.worker.rollout_buffer.qsize(),
             checkpoint_step=self.checkpoint_callback.last_step, notice=self.notice,
             refused=RefusalCounts.of(self.refusals), non_finite_refused=self.transfer.non_finite_refused,
             checkpoints_skipped=self.checkpoints.skipped, bucket_refused=dict(self.publisher.refused + self.control.refused),
@@ -256,7 +257,7 @@ class Trainer:
             self.sync.train()
         finally:
             self.flush(force=True)
-        logger.info("trainer finished at step %d, version %s", self.trl.state.global_step, self.transfer.version)
+        logger.info("trainer finished at step %d, version %s", self.trl.state.global_step, self.version)
 
     def start(self) -> None:
         if self.running:

@@ -89,7 +89,9 @@ class BucketSync:
             reports its counts).
 
     Attributes:
-        transfer: The weight transfer (its ``version`` is the newest published version).
+        transfer: The weight transfer (its ``version`` is the newest version sent, TRL's counter;
+            ``published_version`` the newest in the bucket: they differ while the weight transfer
+            publishes in the background, its default).
         worker: The rollout worker (its ``counts`` are the flow figures).
         publisher: The publisher of the trained chain (the adapter chain's with ``lora``).
         checkpoints: The run's checkpoints in the bucket.
@@ -150,6 +152,8 @@ class BucketSync:
         self.trackio = _trackio_figures() if trackio else None
         self._on_publish = on_publish
         self.transfer.on_publish, self.transfer.on_non_finite = self._published, self._restore_published
+        if self.trackio is not None:
+            self.transfer.on_send = self.trackio.sent
         self.publisher = self.transfer.publisher
         self.checkpoints = BucketCheckpoints(self.bucket, keep=keep_checkpoints, chain=self.publisher)
         self.read_scores = TrainerScores(self._limits, lambda: self.publisher.replaced_step)
@@ -170,8 +174,14 @@ class BucketSync:
 
     @property
     def version(self) -> int | None:
-        """The newest published version (``None`` before the first publish)."""
+        """The newest version sent (``None`` before the first): TRL's counter, in the bucket once its
+        background publish is done (:attr:`published_version` is what the bucket holds now)."""
         return self.transfer.version
+
+    @property
+    def published_version(self) -> int | None:
+        """The newest version in the bucket (``None`` before the first publish)."""
+        return self.transfer.published_version
 
     def trainer_kwargs(self) -> dict[str, Any]:
         """What to pass to ``AsyncGRPOTrainer(...)``: ``rollout_worker``, ``weight_transfer`` and, with

@@ -18,7 +18,7 @@ version bumps and the rollout worker's model version stay TRL's own, and
 :class:`~rlsync.trl.FinalWeightSync` (which calls ``_sync_weight``) publishes the last
 steps the same way.
 
-TRL internals relied on (checked by tests/test_trl_sharded.py on the pinned TRL):
+TRL internals relied on (checked by tests/library/trl/test_trl_sharded.py on the pinned TRL):
 ``_sync_weight_merged`` calling ``self._streaming_iter()`` on every rank and handing
 it to ``send_weights`` on the main process only; ``_iter_vllm_named_params`` (the
 published names: the same as the gathered path's); ``accelerator.unwrap_model``.

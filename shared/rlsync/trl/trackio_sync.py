@@ -3,7 +3,8 @@
 TRL's own logs (loss, reward, KL, ...) reach Trackio through transformers'
 ``TrackioCallback``; :class:`TrackioSyncFigures` adds what the bucket sync did at each
 publish (kind, bytes, % changed, publish time, catch-up bytes) to the same run, as
-``sync/*`` metrics at the optimizer step the publish followed (the step axis of TRL's rows).
+``sync/*`` metrics at the optimizer step the version was sent at (the step axis of TRL's rows),
+also when it is published in the background and its record arrives a step later.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ def sync_figures(rec: PublishRecord) -> dict[str, float]:
 class TrackioSyncFigures(TrainerCallback):
     """Logs each publish's :func:`sync_figures` to the current Trackio run.
 
-    Pass :meth:`record` as :class:`~rlsync.trl.BucketWeightTransfer`'s ``on_publish`` (or call
-    it from yours) and add the callback to a trainer created with ``report_to="trackio"``.
+    Pass :meth:`record` as :class:`~rlsync.trl.BucketWeightTransfer`'s ``on_publish`` and
+    :meth:`sent` as its ``on_send`` (or call them from yours) and add the callback to a trainer created
+    with ``report_to="trackio"``.
     Publishes made before the run starts (the initial anchor) are kept and logged once it
     does; the callback must come before transformers' ``TrackioCallback`` so that the final
     publish (:class:`~rlsync.trl.FinalWeightSync`, at train end) is logged before the run is
@@ -52,6 +54,7 @@ class TrackioSyncFigures(TrainerCallback):
 
     def __init__(self) -> None:
         self._pending: list[tuple[int, dict[str, float]]] = []
+        self._sent_at: dict[int, int] = {}  # version -> the optimizer step it was sent at, until its record
         self._run: Any = None
         self._lock = threading.Lock()
         self.logged = 0
@@ -75,11 +78,22 @@ class TrackioSyncFigures(TrainerCallback):
             trainer.add_callback(tracker)
         return self
 
-    def record(self, rec: PublishRecord) -> None:
-        """Queue one publish's figures and log what can be logged."""
+    def sent(self, version: int) -> None:
+        """Note the optimizer step ``version`` is sent at (its figures are logged at that step)."""
         with self._lock:
-            self._pending.append((self._state.global_step if self._state is not None else 0, sync_figures(rec)))
+            self._sent_at[version] = self._step()
+            while len(self._sent_at) > 8:  # the oldest were coalesced or refused: never recorded
+                del self._sent_at[next(iter(self._sent_at))]
+
+    def record(self, rec: PublishRecord) -> None:
+        """Queue one publish's figures (at the step its version was sent at) and log what can be logged."""
+        with self._lock:
+            step = self._sent_at.pop(rec.step, None)
+            self._pending.append((self._step() if step is None else step, sync_figures(rec)))
         self._drain()
+
+    def _step(self) -> int:
+        return self._state.global_step if self._state is not None else 0
 
     def _drain(self) -> None:
         with self._lock:

@@ -70,9 +70,11 @@ class BucketWeightTransfer:
             is also quantized from its bf16 bits as each tensor streams past, and published to
             that chain under the same version number. It continues or starts its run as the bf16
             chain does.
-        background: Publish on a worker thread (a send stalls only to cast the weights; opt-in:
-            the trainer Space and ``BucketSync`` still publish within the send). ``False`` publishes within the send, streaming tensor by tensor (so does a run
-            with an ``fp8`` chain, quantized as the tensors stream past).
+        background: Publish on a worker thread (the default: a send stalls only to cast the weights).
+            ``False`` publishes within the send, streaming tensor by tensor (so does a run with an
+            ``fp8`` chain, quantized as the tensors stream past).
+        on_send: Called with the version number of every send, as it is sent (a background publish
+            reaches ``on_publish`` later, at the next send or flush).
 
     Runs: on an empty bucket the first send is version 0 of a new run. On a bucket that already
     holds a run, :meth:`init_weight_transfer` takes the run lock and, resuming from a checkpoint,
@@ -93,7 +95,8 @@ class BucketWeightTransfer:
         new_run: bool = False,
         layout: CheckpointLayout | None = None,
         fp8: Publisher | None = None,
-        background: bool = False,
+        background: bool = True,
+        on_send: Callable[[int], None] | None = None,
     ) -> None:
         if publisher is None:
             if bucket is None:
@@ -104,6 +107,7 @@ class BucketWeightTransfer:
         self.background = BackgroundPublisher(publisher) if background and fp8 is None else None
         self.resume_from_checkpoint = resume_from_checkpoint
         self.on_publish = on_publish
+        self.on_send = on_send
         self.on_non_finite = on_non_finite
         self.non_finite_refused = 0
         self.records: list[PublishRecord] = []
@@ -117,6 +121,12 @@ class BucketWeightTransfer:
         """The newest version sent (``None`` before the first): published, or being published in
         the background (TRL counts a version at its send; a failed one is taken back)."""
         return self.background.version if self.background is not None else self.publisher.step
+
+    @property
+    def published_version(self) -> int | None:
+        """The newest version in the bucket (``None`` before the first publish): what replicas can
+        hold now. It trails :attr:`version` while a background publish is in flight."""
+        return self.publisher.step
 
     def continue_run(self) -> dict[str, torch.Tensor] | None:
         """Take the run lock and continue the bucket's run or start a new one (idempotent).
@@ -206,11 +216,12 @@ class BucketWeightTransfer:
             As :meth:`send_weights`: what a background publish raised.
         """
         if self.background is not None:
-            self._publish(lambda step: self.background.flush())
+            self._publish(lambda step: self.background.flush(), send=False)
 
-    def _publish(self, publish: Callable[[int], list[PublishRecord]]) -> PublishRecord | None:
+    def _publish(self, publish: Callable[[int], list[PublishRecord]], *, send: bool = True) -> PublishRecord | None:
         """Run ``publish`` for the next version; keep the records it returns (the last is returned),
-        or hand a non-finite refusal (of this publish or of a background one) to ``on_non_finite``."""
+        or hand a non-finite refusal (of this publish or of a background one) to ``on_non_finite``.
+        A ``send`` tells ``on_send`` the version it gave the weights (before any record of it)."""
         step = self.publisher.next_step
         try:
             records = publish(step)
@@ -220,6 +231,8 @@ class BucketWeightTransfer:
             self.non_finite_refused += 1
             self.on_non_finite(exc)
             return None
+        if send and self.on_send is not None and self.version is not None:
+            self.on_send(self.version)
         for record in records:
             self.records.append(record)
             del self.records[:-100]

@@ -10,6 +10,15 @@ each vLLM worker it runs a :class:`~rlsync.protocol.Subscriber` on the bucket, s
 the requested step, through the same code as the offline engine
 (:class:`~rlsync.vllm.worker.ModelWeights`). No tensor crosses HTTP.
 
+The model's weights are the subscriber's state. Where a checkpoint tensor is a plain view of a
+served parameter (:meth:`~rlsync.vllm.worker.ModelWeights.views`: every module on a GPU at tensor
+parallelism 1), the subscriber copies anchors and scatters deltas straight into it, and updates the
+state hash from the changed elements alone; no second copy exists. The other modules keep the
+smallest copy that works, their checkpoint tensors only, reloaded through vLLM after each update:
+prepacked CPU kernels (vLLM's CPU backend cannot be written element-wise, and reads its weights back
+only through the kernel), quantized modules, fused MoE experts, and shards at tensor parallelism
+above 1. An anchor must name exactly the tensors the model loads.
+
 Registration. vLLM builds the backend inside its worker processes, so the name must
 be registered there. Two ways:
 
@@ -55,7 +64,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from rlsync.bucket import BucketSettings, open_bucket
+from rlsync.bucket import Bucket, BucketSettings, open_bucket
 from rlsync.protocol import Subscriber
 
 from .plugin import BACKEND_NAME, register
@@ -106,11 +115,14 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.subscriber: Subscriber | None = None
+        self._bucket: Bucket | None = None
+        self._workdir: str | None = None
         self._weights: ModelWeights | None = None
+        self._views: dict[str, torch.Tensor] = {}  # the model's own tensors the subscriber writes
         self._diverged = False
 
     def init_transfer_engine(self, init_info: BucketInitInfo) -> None:
-        """Open the bucket and start a subscriber (state empty until the first update).
+        """Open the bucket (the subscriber starts at the first update, on the model's weights).
 
         Raises:
             ValueError: No bucket URL given and ``$ROLLOUT_BUCKET`` is unset.
@@ -118,10 +130,31 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         url = init_info.bucket or os.environ.get(BUCKET_ENV, "")
         if not url:
             raise ValueError(f"bucket backend: pass init_info={{'bucket': URL}} or set ${BUCKET_ENV}")
-        bucket = open_bucket(url, settings=BucketSettings.from_env("rollout"))
-        self.subscriber = Subscriber(bucket, workdir=init_info.workdir)
+        self._bucket = open_bucket(url, settings=BucketSettings.from_env("rollout"))
+        self._workdir = init_info.workdir
+        self.subscriber = None
         self._diverged = True  # the model holds the checkpoint it started from, not a bucket state
         logger.info("bucket weight transfer: following %s", url)
+
+    def _subscriber(self, weights: ModelWeights) -> Subscriber:
+        """The subscriber, writing into the model's own tensors where they are views of checkpoint
+        tensors (:meth:`ModelWeights.views`) and into a copy only for the other modules. A model whose
+        tensors were replaced since (another loader ran) gets a new subscriber, which starts from an anchor."""
+        views = weights.views()
+        sub = self.subscriber
+        if sub is not None and views.keys() == self._views.keys() and all(
+            views[n].data_ptr() == self._views[n].data_ptr() for n in views
+        ):  # fmt: skip
+            return sub
+        if sub is not None:
+            logger.warning("bucket weight transfer: the model's tensors were replaced: starting again from an anchor")
+        assert self._bucket is not None
+        copies = weights.read([n for n in weights.checkpoint_names if n not in views])  # prepacked, sharded, quantized
+        self.subscriber = Subscriber(self._bucket, workdir=self._workdir, weights={**views, **copies})
+        self._views = views
+        self._diverged = True
+        logger.info("bucket weight transfer: %d tensors written in place, %d kept as a copy", len(views), len(copies))
+        return self.subscriber
 
     def start_weight_update(self) -> None:
         """No-op: updates are applied in place or per module, not via layerwise reload of the whole model."""
@@ -143,29 +176,29 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
                 model keeps the last verified state.
             RuntimeError: The requested step is not reachable from the bucket.
         """
-        if self.subscriber is None:
+        if self._bucket is None:
             self.init_transfer_engine(BucketInitInfo())
-        sub = self.subscriber
-        assert sub is not None
         weights = self._model_weights()
+        sub = self._subscriber(weights)
         target = update_info.step
         t0 = time.perf_counter()
         applied = 0
         while target is None or sub.step is None or sub.step < target:
-            update = sub.fetch()
+            update = sub.fetch()  # downloads and verifies; nothing is written yet
             if update is None:
                 break
-            sub.apply(update)  # verifies; the model is touched only after this succeeded
+            sub.apply(update)  # the pause: writes the viewed tensors (the model's own) and the copies
             self._diverged = True
             if update.kind == "anchor":
-                weights.reload(_loadable(weights, sub.state))
+                weights.apply({}, self._copied(weights, sub.state))
             else:
-                sparse, full = plan_update(weights.layout(), update.patches or {}, sub.state)
+                copied = {n: p for n, p in (update.patches or {}).items() if n not in self._views}
+                sparse, full = plan_update(weights.layout(), copied, sub.state)
                 weights.apply(sparse, full)
             self._diverged = False
             applied += 1
         if self._diverged and sub.step is not None:  # a previous apply failed half-way, or a fresh start
-            weights.reload(_loadable(weights, sub.state))
+            weights.apply({}, self._copied(weights, sub.state))
             self._diverged = False
         if target is not None and sub.step != target:
             raise RuntimeError(f"bucket backend: asked for step {target}, reached {sub.step}")
@@ -176,19 +209,29 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
             self._weights = ModelWeights(self.model, self.model_config)
         return self._weights
 
+    def memory(self) -> dict[str, int]:
+        """What the subscriber writes: tensors that are the model's own (``in_place``), and those kept
+        as a copy (``copied``, ``copied_bytes``); all 0 before the first update."""
+        sub = self.subscriber
+        copies = [t for n, t in (sub.state if sub is not None else {}).items() if n not in self._views]
+        return {
+            "in_place": len(self._views) if sub is not None else 0, "copied": len(copies),
+            "copied_bytes": sum(t.numel() * t.element_size() for t in copies),
+        }  # fmt: skip
+
+    def _copied(self, weights: ModelWeights, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The state's copies (the tensors that are not the model's own), to load into the model."""
+        names = set(weights.checkpoint_names)
+        missing = names - set(state)
+        if missing:
+            raise KeyError(f"bucket state lacks {len(missing)} tensors the model loads, e.g. {sorted(missing)[:3]}")
+        return {n: state[n] for n in names if n not in self._views}
+
     def shutdown(self) -> None:
-        """Drop the subscriber and its state."""
+        """Drop the subscriber and its copies."""
         self.subscriber = None
         self._weights = None
-
-
-def _loadable(weights: ModelWeights, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The state tensors the model loads (e.g. without a tied ``lm_head.weight``)."""
-    names = set(weights.checkpoint_names)
-    missing = names - set(state)
-    if missing:
-        raise KeyError(f"bucket state lacks {len(missing)} tensors the model loads, e.g. {sorted(missing)[:3]}")
-    return {n: state[n] for n in names}
+        self._views = {}
 
 
 class BucketSyncClient:

@@ -298,6 +298,42 @@ class ModelWeights:
         in_place = {m for m in module_of.values() if _patchable_in_place(self.model.get_submodule(m))}
         return WeightLayout(module_of, frozenset(in_place), ("lm_head.",) if _tied(self.model) else ())
 
+    def views(self) -> dict[str, torch.Tensor]:
+        """The model's own tensors as checkpoint tensors, where a plain view is one: what the ``bucket``
+        backend's subscriber writes in place, so no copy of them is kept (see :mod:`rlsync.vllm.transfer`).
+
+        A module's names are all viewed or none. Not viewed: prepacked CPU modules and modules sharing
+        a parameter with one (the kernel keeps its own copy), quantized modules, fused MoE experts,
+        LoRA-wrapped modules, non-float parameters, and every module at tensor parallelism above 1 (a
+        rank holds a shard of each tensor).
+
+        Returns:
+            Checkpoint name -> a contiguous view of the served parameter (as :meth:`read` reads it).
+        """
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        if get_tensor_model_parallel_world_size() != 1:
+            return {}
+        owners: dict[int, list[torch.nn.Module]] = {}
+        for module in self._aliases:
+            for p in module.parameters(recurse=False):
+                owners.setdefault(id(p), []).append(module)
+        tied_to_kernel = {id(m) for mods in owners.values() if any(map(_is_prepacked, mods)) for m in mods}
+        by_module: dict[str, dict[str, torch.Tensor]] = {}
+        refused: set[str] = set()
+        for name, (path, param, shard) in self._locations.items():
+            if path in refused:
+                continue
+            module = self.model.get_submodule(path)
+            viewable = name not in self._experts and id(module) not in tied_to_kernel
+            view = _checkpoint_view(module, param, shard) if viewable else None
+            if view is None:
+                refused.add(path)
+                by_module.pop(path, None)
+                continue
+            by_module.setdefault(path, {})[name] = view
+        return {name: view for views in by_module.values() for name, view in views.items()}
+
     # -- writing ------------------------------------------------------------------
 
     @torch.no_grad()
@@ -467,6 +503,25 @@ class ModelWeights:
         return StateLanes.of_items(item for batch in batches for item in batch.items())
 
 
+def _checkpoint_view(module: torch.nn.Module, param: str, shard: int | None) -> torch.Tensor | None:
+    """A parameter of an in-place module (tensor parallel 1) as its checkpoint tensor, without a copy:
+    vocabulary padding cut off, one part of a packed layer; ``None`` when no contiguous view is one."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    if getattr(module, "base_layer", module) is not module or not _patchable_in_place(module):
+        return None
+    tensor = getattr(module, param).detach()
+    if not tensor.is_floating_point():
+        return None
+    if isinstance(module, VocabParallelEmbedding) and param == "weight":
+        tensor = tensor[: module.org_vocab_size]
+    if shard is not None:
+        sizes = packed_part_sizes(module)
+        start = sum(sizes[:shard])
+        tensor = tensor[start : start + sizes[shard]]
+    return tensor if tensor.is_contiguous() else None
+
+
 def _tied(model: torch.nn.Module) -> bool:
     return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
 
@@ -575,6 +630,12 @@ class SyncWorkerExtension:
     def sync_read(self, names: list[str] | None = None, spool_dir: str | None = None) -> dict[str, Any]:
         """Weights in checkpoint names and layout, as a payload."""
         return pack_tensors(self._sync_weights().read(names), spool_dir=spool_dir)
+
+    def sync_transfer_memory(self) -> dict[str, int]:
+        """What the ``bucket`` weight-transfer backend keeps besides the model
+        (:meth:`~rlsync.vllm.transfer.BucketWeightTransferEngine.memory`; empty for another backend)."""
+        memory = getattr(getattr(self, "weight_transfer_engine", None), "memory", None)
+        return memory() if callable(memory) else {}
 
     def sync_state_hash(self) -> str:
         """``rlsync.hashing.state_hash`` of the served weights, in checkpoint names and layout.

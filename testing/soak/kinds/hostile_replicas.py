@@ -171,16 +171,19 @@ def trial_hostile_replicas(rng: random.Random, workdir: Path) -> TrialResult:
         bucket=str(bucket.root), device="cpu", batch_size=4, max_steps=TRAINER_STEPS, poll_s=0.05,
         anchor_interval=4, keep_anchors=2, seed=rng.randrange(1000), trainer_id="soak-trainer", max_staleness=8,
     ), bucket)  # fmt: skip
-    publish = trainer.publisher.publish_stream
+    def recorded(publish):
+        def recorded_publish(step: int, tensors, **kwargs):
+            """Record every version, and observe the bucket between publishes (retention may run within one)."""
+            rec = publish(step, tensors, **kwargs)
+            ledger.record(rec.step, rec.state_hash, "trainer")
+            ledger.observe(bucket)
+            return rec
 
-    def recorded_publish(step: int, tensors):
-        """Record every version, and observe the bucket between publishes (retention may run within one)."""
-        rec = publish(step, tensors)
-        ledger.record(rec.step, rec.state_hash, "trainer")
-        ledger.observe(bucket)
-        return rec
+        return recorded_publish
 
-    trainer.publisher.publish_stream = recorded_publish  # type: ignore[method-assign]
+    # the background publisher (the default) publishes a staged state; a publish within the send streams
+    trainer.publisher.publish = recorded(trainer.publisher.publish)  # type: ignore[method-assign]
+    trainer.publisher.publish_stream = recorded(trainer.publisher.publish_stream)  # type: ignore[method-assign]
     vocab = trainer.trl.model.get_input_embeddings().num_embeddings
     env = EnvSimulator(EnvConfig(bucket=str(bucket.root), tasks_per_batch=2, queue_depth=2, poll_s=0.05, vocab_size=vocab), bucket)
     fleet = Fleet(bucket, rng, vocab, result)

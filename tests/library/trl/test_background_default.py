@@ -1,0 +1,77 @@
+"""Background publishing is the default of BucketSync and the trainer Space: what the roles read while
+a version is sent but not yet in the bucket (the demand's version, the trackio step axis)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from rlsync.bucket import LocalBucket
+from rlsync.protocol import FixedInterval, Publisher, read_manifest
+from rlsync.scores import read_samples
+from rlsync.spaces.demand import read_demand
+from rlsync.spaces.exchange import Refusals
+from rlsync.trl import BucketRolloutWorker, BucketSync, BucketWeightTransfer
+from rlsync.trl.trackio_sync import TrackioSyncFigures
+from tests.helpers import GatedBucket, master_state, rl_step
+
+
+@pytest.fixture
+def gated(tmp_path) -> GatedBucket:
+    return GatedBucket(LocalBucket(tmp_path / "bucket"))
+
+
+def test_bucket_sync_publishes_in_the_background_and_background_false_within_the_send(tmp_path):
+    assert BucketSync(LocalBucket(tmp_path / "a")).transfer.background is not None
+    assert BucketWeightTransfer(LocalBucket(tmp_path / "b"), background=False).background is None
+
+
+def test_the_demand_names_the_published_version_while_the_next_one_is_in_flight(gated):
+    """The env and replicas refuse a demand newer than the pointer: the trainer's demand must name
+    the newest version in the bucket, not the one still being published."""
+    from trainer_space.flow import FlowControl
+
+    master = master_state()
+    transfer = BucketWeightTransfer(publisher=Publisher(gated, policy=FixedInterval(100)))
+    transfer.send_weights(iter(master.items()))
+    transfer.flush()
+    worker = BucketRolloutWorker(gated, read_samples, vocab_size=32, max_staleness=2)
+    flow = FlowControl(gated, worker, transfer, batch_size=2, max_staleness=2)
+    gated.gate.clear()
+    rl_step(master, 1)
+    transfer.send_weights(iter(master.items()))  # version 1: its upload is held
+    assert gated.waiting.wait(30)
+    try:
+        assert transfer.version == 1 and transfer.published_version == 0 == read_manifest(gated).step
+        flow.publish_demand()
+        refusals = Refusals()
+        demand = read_demand(gated, refusals, newest_version=read_manifest(gated).step)
+        assert demand is not None and demand.version == 0 and refusals.total == 0
+    finally:
+        gated.gate.set()
+    transfer.flush()
+    flow.publish_demand()
+    assert read_demand(gated, newest_version=read_manifest(gated).step).version == 1
+
+
+def test_trackio_logs_a_background_publish_at_the_step_its_version_was_sent(gated):
+    """A background publish's record arrives at the next send, a step later: its figures still go to
+    the optimizer step the version was sent at."""
+    figures = TrackioSyncFigures()
+    state = types.SimpleNamespace(global_step=0)
+    figures.on_train_begin(None, state, None)
+    logged: list[tuple[int, dict]] = []
+    figures._run = types.SimpleNamespace(log=lambda row, step: logged.append((step, row)))  # the trackio run
+    master = master_state()
+    transfer = BucketWeightTransfer(
+        publisher=Publisher(gated, policy=FixedInterval(100)), on_publish=figures.record, on_send=figures.sent
+    )
+    for step in range(3):
+        state.global_step = step
+        if step:
+            rl_step(master, step)
+        transfer.send_weights(iter(master.items()))  # the record of the version before arrives here
+    transfer.flush()
+    by_version = {row["sync/version"]: step for step, row in logged}  # a coalesced version 1 is never logged
+    assert {0, 2} <= by_version.keys() and all(step == version for version, step in by_version.items())
