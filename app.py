@@ -207,7 +207,7 @@ def progress_line(snap: snapshots.Snapshot) -> str:
             f" -> {tail['mean_reward'].mean():.3f} (v{tail['version'].min()}-{tail['version'].max()})"
         )
     for st in snap.statuses:
-        parts.append(f"{st.get('replica_id')} at v{st.get('applied_step')} (lag {st.get('lag')})")
+        parts.append(f"{st.replica_id} at v{st.applied_step} (lag {st.lag})")
     return "; ".join(parts)
 
 

@@ -38,9 +38,8 @@ from typing import Any
 from env_space.environments import get_environment
 from rlsync.adapters import adapter_bucket
 from rlsync.bucket import LocalBucket
-from rlsync.layout import metrics_key
 from rlsync.protocol import read_manifest
-from rlsync.spaces.exchange import get_json
+from rlsync.spaces.metrics import EnvMetrics, FlowFigures, TrainerMetrics, read_metrics
 from rlsync.spaces.tiny_model import tiny_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,44 +66,44 @@ def run(minutes: float, overrides: dict[str, str], warmup: int) -> dict:
             for p in procs:
                 p.wait(120)
         bucket = LocalBucket(bucket_dir)
-        trainer_doc = get_json(bucket, metrics_key("trainer")) or {}
-        env_doc = get_json(bucket, metrics_key("env")) or {}
-        trainer, env_rows = trainer_doc.get("rows", []), env_doc.get("rows", [])
+        trainer = read_metrics(bucket, TrainerMetrics) or TrainerMetrics()
+        env = read_metrics(bucket, EnvMetrics) or EnvMetrics()
         manifest = read_manifest(adapter_bucket(bucket)) or read_manifest(bucket)
-    deltas = [r for r in trainer if r.get("kind") == "delta" and r["version"] > warmup]
-    anchor = next((r["nbytes"] for r in trainer if r.get("kind") == "anchor"), None)
-    t0 = min((r["time"] for r in env_rows), default=start)
-    t1 = max((r["time"] for r in env_rows), default=start)
+    deltas = [r for r in trainer.publishes if r.kind == "delta" and r.version > warmup]
+    anchor = next((r.nbytes for r in trainer.publishes if r.kind == "anchor"), None)
+    env_rows = [r for r in env.rows if r.time is not None]
+    t0 = min((r.time for r in env_rows), default=start)
+    t1 = max((r.time for r in env_rows), default=start)
 
     def reward(lo: float, hi: float) -> float | None:
-        rows = [r for r in env_rows if lo <= r["time"] <= hi]
-        n = sum(r["count"] for r in rows)
-        return sum(r["mean_reward"] * r["count"] for r in rows) / n if n else None
+        rows = [r for r in env_rows if lo <= r.time <= hi]
+        n = sum(r.count for r in rows)
+        return sum(r.mean_reward * r.count for r in rows) / n if n else None
 
     first, last = reward(t0, t0 + 60), reward(t1 - 60, t1)
     return {
         "settings": overrides, "minutes": minutes, "load_avg": os.getloadavg()[0],
-        **flow_figures(trainer_doc.get("flow") or {}, env_doc), "reward_rise": None if first is None or last is None else last - first,
+        **flow_figures(trainer.flow or FlowFigures(), env), "reward_rise": None if first is None or last is None else last - first,
         "versions": manifest.step if manifest else None,
-        "median_changed_pct_after_warmup": statistics.median(r["changed_pct"] for r in deltas) if deltas else None,
-        "median_delta_vs_anchor": statistics.median(r["nbytes"] / anchor for r in deltas) if deltas and anchor else None,
-        "median_delta_vs_trl_layout": statistics.median(r["nbytes"] / r["trl_nbytes"] for r in deltas) if deltas else None,
-        "median_bytes_per_changed_element": statistics.median(r["nbytes"] / r["changed"] for r in deltas if r["changed"]) if deltas else None,
+        "median_changed_pct_after_warmup": statistics.median(r.changed_pct or 0.0 for r in deltas) if deltas else None,
+        "median_delta_vs_anchor": statistics.median(r.nbytes / anchor for r in deltas) if deltas and anchor else None,
+        "median_delta_vs_trl_layout": statistics.median(r.nbytes / r.trl_nbytes for r in deltas if r.trl_nbytes) if deltas else None,
+        "median_bytes_per_changed_element": statistics.median(r.nbytes / r.changed for r in deltas if r.changed) if deltas else None,
         "anchor_bytes": anchor,
         "reward_first_minute": reward(t0, t0 + 60), "reward_last_minute": reward(t1 - 60, t1),
     }
 
 
-def flow_figures(flow: dict[str, Any], env_doc: dict[str, Any]) -> dict[str, Any]:
+def flow_figures(flow: FlowFigures, env: EnvMetrics) -> dict[str, Any]:
     """Scored, trained and dropped samples, their rates and the trainer's waiting, from the metrics objects."""
-    scored, trained, wall = env_doc.get("scored") or 0, flow.get("trained") or 0, flow.get("wall_s") or 0.0
+    scored, trained, wall = env.scored or 0, flow.trained or 0, flow.wall_s or 0.0
     return {
         "scored": scored, "trained": trained, "trained_share": trained / scored if scored else None,
         "trained_per_min": 60 * trained / wall if wall else None, "trainer_wall_s": wall,
-        "wait_share": flow.get("wait_share"), "wait_share_after_first_step": flow.get("wait_share_after_first_step"),
-        "dropped_stale": flow.get("dropped_stale"),
-        "expired_unread": flow.get("expired_unread"), "cancelled_stale": env_doc.get("cancelled_stale"),
-        "dropped_degenerate": flow.get("dropped_degenerate"), "staleness_trained": flow.get("staleness"),
+        "wait_share": flow.wait_share, "wait_share_after_first_step": flow.wait_share_after_first_step,
+        "dropped_stale": flow.dropped_stale,
+        "expired_unread": flow.expired_unread, "cancelled_stale": env.cancelled_stale,
+        "dropped_degenerate": flow.dropped_degenerate, "staleness_trained": flow.staleness,
     }
 
 

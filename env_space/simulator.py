@@ -34,10 +34,9 @@ from rlsync.bucket import Bucket
 from rlsync.bucket.watch import IDLE_WAIT_S, generation, meter_of, wait_for_change
 from rlsync.errors import BucketError
 from rlsync.layout import DEMAND_KEY, ROLLOUTS_PREFIX, replica_of, score_key, task_key
-from rlsync.spaces.demand import Demand
+from rlsync.spaces.demand import Demand, Pacing
 from rlsync.spaces.interval_log import IntervalLog
 from rlsync.spaces.exchange import (
-    MetricsLog,
     Refusals,
     SampleLimits,
     get_json,
@@ -45,6 +44,16 @@ from rlsync.spaces.exchange import (
     open_role_bucket,
     read_samples,
     write_samples,
+)
+from rlsync.spaces.metrics import (
+    EPISODES,
+    EnvMetrics,
+    Episode,
+    HubCounts,
+    MetricsLog,
+    RefusalCounts,
+    RewardRow,
+    TypeReward,
 )
 from rlsync.supervised import SupervisedThread
 
@@ -80,8 +89,8 @@ class EnvSimulator:
         environment = open_environment(config.environment, chat_template=config.chat_template, settings=settings)
         self.failures = FailureCounts()
         self.by_type: dict[str, list[float]] = {}  # "<source> / <task type>" -> [reward sum, count]
-        self.metrics = MetricsLog(self.bucket, "env", every_s=config.metrics_every_s if self.meter is not None else 0.0)
-        self.episodes: list[dict] = []
+        self.metrics = MetricsLog(self.bucket, EnvMetrics, every_s=config.metrics_every_s if self.meter is not None else 0.0)
+        self.episodes: list[Episode] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._scored = 0
@@ -208,16 +217,15 @@ class EnvSimulator:
         versions = sorted({s.version for s in samples})
         for v in versions:
             rewards = [s.reward for s in samples if s.version == v]
-            self.metrics.add(version=v, mean_reward=sum(rewards) / len(rewards), count=len(rewards))
+            self.metrics.add(RewardRow(version=v, mean_reward=sum(rewards) / len(rewards), count=len(rewards)))
         self.summary.add(scored=len(samples), reward=sum(s.reward for s in samples))
         self.summary.note(version=versions[-1])
         for s in samples[:4]:
-            self.episodes.append({
-                "version": s.version, "type": tasks[s.task_id].meta.get("type", source),
-                "prompt": s.prompt[-_EPISODE_CHARS:], "completion": s.completion[:_EPISODE_CHARS],
-                "reward": round(s.reward, 3),
-            })  # fmt: skip
-        del self.episodes[:-20]
+            self.episodes.append(Episode(
+                version=s.version, type=tasks[s.task_id].meta.get("type", source),
+                prompt=s.prompt[-_EPISODE_CHARS:], completion=s.completion[:_EPISODE_CHARS], reward=round(s.reward, 3),
+            ))  # fmt: skip
+        del self.episodes[:-EPISODES]
         self._scored += len(samples)
 
     # -- housekeeping -------------------------------------------------------
@@ -228,19 +236,19 @@ class EnvSimulator:
         self.score_rollouts()
         self.prune()
         elapsed = max(time.time() - self._t0, 1e-9)
-        self.metrics.extra = {
-            "env": self.environment.name,
-            "episodes": self.episodes,
-            "tasks_per_s": self.issuer.tasks_made / elapsed,
-            "scores_per_s": self._scored / elapsed,
-            "scored": self._scored,
-            "cancelled_stale": self._cancelled,
-            "pacing": "queue" if self.demand is None else "demand",
-            "refused": self.refusals.as_dict(),
-            "failures": self.failures.as_dict(),
-            "by_type": {k: {"mean_reward": s / n, "count": n} for k, (s, n) in self.by_type.items()},
-            **({"hub": self.meter.snapshot()} if self.meter is not None else {}),
-        }
+        self.metrics.state = EnvMetrics(
+            env=self.environment.name,
+            episodes=list(self.episodes),
+            tasks_per_s=self.issuer.tasks_made / elapsed,
+            scores_per_s=self._scored / elapsed,
+            scored=self._scored,
+            cancelled_stale=self._cancelled,
+            pacing=Pacing.QUEUE if self.demand is None else Pacing.DEMAND,
+            refused=RefusalCounts.of(self.refusals),
+            failures=self.failures.as_dict(),
+            by_type={k: TypeReward(mean_reward=s / n, count=n) for k, (s, n) in self.by_type.items()},
+            hub=HubCounts(**self.meter.snapshot()) if self.meter is not None else None,
+        )
         self.metrics.flush()
         self.summary.flush()
 

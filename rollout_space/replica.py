@@ -73,6 +73,7 @@ from rlsync.spaces.exchange import (
     write_samples,
 )
 from rlsync.spaces.interval_log import IntervalLog
+from rlsync.spaces.metrics import STATUS_SYNCS, HubCounts, ReplicaStatus, Sync
 from rlsync.spaces.settings import resolve_device
 from rlsync.spaces.tiny_model import model_or_default
 from rlsync.supervised import SupervisedThread, crashes
@@ -297,53 +298,54 @@ class Replica:
 
     # -- status -------------------------------------------------------------
 
-    def status(self) -> dict:
+    def status(self) -> ReplicaStatus:
         """The status object this replica publishes."""
         last = self.syncs[-1] if self.syncs else {}
         deltas = [s for s in self.syncs if s["kind"] == "delta"]
         applied = self.subscriber.step
-        return {
-            "replica_id": self.replica_id,
-            "engine": self.engine.name,
-            "applied_step": applied,
-            "newest_step": self.newest_step,
-            "lag": None if applied is None or self.newest_step is None else self.newest_step - applied,
-            "apply_s": last.get("idle_s"),
-            "idle_per_sync_s": sum(s["idle_s"] for s in deltas) / len(deltas) if deltas else None,
-            "bytes_downloaded": self.subscriber.stats.bytes_downloaded,
-            "reads": self.subscriber.stats.reads,
-            "refused": self.subscriber.stats.refused,
-            "refused_objects": self.refusals.total,
-            "thread_crashes": crashes(self._threads),
-            "tokens_per_s": self.tokens / self.gen_s if self.gen_s else 0.0,
-            "completions": self.completions,
-            "skipped_stale": self.skipped_stale,
-            "claims_lost": self.batches.lost,
-            "state_hash": self.subscriber.state_hash,
-            **({"hub": self.meter.snapshot()} if self.meter is not None else {}),
-            "engine_state_hash": self.subscriber.stats.verified_hash or None,  # the weights' own, re-hashed
-            "engine_verified_step": self.subscriber.stats.verified_step,
-            "rehashes": self.subscriber.stats.rehashes,
-            "rehash_mismatches": self.subscriber.stats.rehash_mismatches,
-            "last_rehash_s": self.subscriber.stats.last_rehash_s,
-            "recent_syncs": [
-                {k: s[k] for k in ("step", "kind", "nbytes", "download_s", "idle_s", "time")} for s in self.syncs[-50:]
+        return ReplicaStatus(
+            replica_id=self.replica_id,
+            engine=self.engine.name,
+            applied_step=applied,
+            newest_step=self.newest_step,
+            lag=None if applied is None or self.newest_step is None else self.newest_step - applied,
+            apply_s=last.get("idle_s"),
+            idle_per_sync_s=sum(s["idle_s"] for s in deltas) / len(deltas) if deltas else None,
+            bytes_downloaded=self.subscriber.stats.bytes_downloaded,
+            reads=self.subscriber.stats.reads,
+            refused=self.subscriber.stats.refused,
+            refused_objects=self.refusals.total,
+            thread_crashes=crashes(self._threads),
+            tokens_per_s=self.tokens / self.gen_s if self.gen_s else 0.0,
+            completions=self.completions,
+            skipped_stale=self.skipped_stale,
+            claims_lost=self.batches.lost,
+            state_hash=self.subscriber.state_hash,
+            hub=HubCounts(**self.meter.snapshot()) if self.meter is not None else None,
+            engine_state_hash=self.subscriber.stats.verified_hash or None,  # the weights' own, re-hashed
+            engine_verified_step=self.subscriber.stats.verified_step,
+            rehashes=self.subscriber.stats.rehashes,
+            rehash_mismatches=self.subscriber.stats.rehash_mismatches,
+            last_rehash_s=self.subscriber.stats.last_rehash_s,
+            recent_syncs=[
+                Sync(**{k: s[k] for k in ("step", "kind", "nbytes", "download_s", "idle_s", "time")})
+                for s in self.syncs[-STATUS_SYNCS:]
             ],
             **(self.adapters.status() if self.adapters is not None else {}),
-            "updated_at": time.time(),
-        }
+            updated_at=time.time(),
+        )
 
     def publish_status(self, force: bool = False) -> None:
         """Write the status object (on a Hub bucket at most every ``status_every_s`` unless `force`)."""
         now = time.monotonic()
         status = self.status()
-        progress = (status["applied_step"], status["newest_step"], status["completions"], status["refused"])
+        progress = (status.applied_step, status.newest_step, status.completions, status.refused)
         if self.meter is not None and not force:
             if now - self._status_at < self.config.status_every_s or progress == self._status_progress:
                 return  # on the Hub: at most every status_every_s, and only when something moved
         self._status_at, self._status_progress = now, progress
         try:
-            put_json(self.bucket, status_key(self.replica_id), status)
+            put_json(self.bucket, status_key(self.replica_id), status.to_json())
         except BucketError as exc:
             logger.warning("could not write status: %s", exc)
 

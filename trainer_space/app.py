@@ -82,6 +82,8 @@ def build_panel(
         gr.Markdown("### Weight sync")
         plots = components.sync_plots(live, prefix=prefix)
         experts = components.expert_plot(live, prefix=prefix)
+        gr.Markdown("### Training")
+        training = components.training_plots(live, prefix=prefix)
         with gr.Row():
             with gr.Column(scale=3):
                 reward = components.reward_plot(live, prefix=prefix)
@@ -95,6 +97,7 @@ def build_panel(
         "anchor": anchor,
         "plots": plots,
         "experts": experts,
+        "training": training,
         "reward": reward,
         "publishes": publishes,
         "fleet": fleet,

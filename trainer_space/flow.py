@@ -25,6 +25,7 @@ from rlsync.bucket import Bucket
 from rlsync.errors import BucketError
 from rlsync.layout import DEMAND_KEY
 from rlsync.spaces.demand import Demand, Pacing, target_in_flight, write_demand
+from rlsync.spaces.metrics import FlowFigures
 from rlsync.trl import BucketRolloutWorker, BucketWeightTransfer
 
 logger = logging.getLogger(__name__)
@@ -136,12 +137,12 @@ class FlowControl(TrainerCallback):
         except BucketError as exc:
             logger.warning("could not write %s: %s", DEMAND_KEY, exc)
 
-    def figures(self) -> dict[str, Any]:
+    def figures(self) -> FlowFigures:
         """Cumulative flow figures for ``metrics/trainer.json``."""
         wall = max(time.time() - self.started_at, 1e-9)
-        return {
-            **self.worker.flow(), "trained": self.trained, "steps": self.steps, "pacing": self.pacing.value,
-            "wait_s_total": self.wait_s, "wait_s_last": self.last_wait_s, "wait_share": self.wait_s / wall,
-            "wait_s_first_step": self.first_wait_s, "wait_share_after_first_step": (self.wait_s - self.first_wait_s) / wall,
-            "wall_s": wall, "step_compute_s": self.compute_s,
-        }  # fmt: skip
+        return FlowFigures(
+            **self.worker.flow(), trained=self.trained, steps=self.steps, pacing=self.pacing,
+            wait_s_total=self.wait_s, wait_s_last=self.last_wait_s, wait_share=self.wait_s / wall,
+            wait_s_first_step=self.first_wait_s, wait_share_after_first_step=(self.wait_s - self.first_wait_s) / wall,
+            wall_s=wall, step_compute_s=self.compute_s,
+        )  # fmt: skip

@@ -40,8 +40,17 @@ from rlsync.codecs import default_codec
 from rlsync.protocol import PublishRecord
 from rlsync.spaces.anchor_policy import ControlledPolicy
 from rlsync.spaces.demand import Pacing
-from rlsync.spaces.exchange import MetricsLog, open_role_bucket
+from rlsync.spaces.exchange import open_role_bucket
 from rlsync.spaces.interval_log import IntervalLog
+from rlsync.spaces.metrics import (
+    BackgroundPublishFigures,
+    HubCounts,
+    MetricsLog,
+    PublishRow,
+    RefusalCounts,
+    TrainerMetrics,
+    TrainRow,
+)
 from rlsync.spaces.settings import resolve_device, space_owner
 from rlsync.spaces.tiny_model import model_or_default
 from rlsync.supervised import SupervisedThread
@@ -65,14 +74,10 @@ class BucketFigures(TrainerCallback):
         logs = logs or {}
         if "loss" not in logs:
             return
-        self.owner.metrics.add(
-            kind="train", opt_step=state.global_step, version=self.owner.version, loss=logs.get("loss"),
-            mean_reward=logs.get("reward"), samples=logs.get("batch/samples_per_step"),
-            groups=logs.get("batch/groups_per_step"), clipped=logs.get("clip_ratio/region_mean"), ratio=logs.get("ratio"),
-            kl=logs.get("kl"), entropy=logs.get("entropy"), staleness=logs.get("sample/staleness_mean"),
-            dropped_stale=self.owner.worker.counts["dropped_stale"], step_s=logs.get("perf/step_s"),
-            wait_s=logs.get("perf/rollout_wait_s"),
-        )  # fmt: skip
+        self.owner.metrics.add(TrainRow.from_logs(
+            logs, opt_step=state.global_step, version=self.owner.version,
+            dropped_stale=self.owner.worker.counts["dropped_stale"],
+        ))  # fmt: skip
         self.owner.summary.add(steps=1, samples=logs.get("batch/samples_per_step") or 0, wait_s=logs.get("perf/rollout_wait_s") or 0)
         self.owner.summary.note(version=self.owner.version, loss=logs.get("loss"), reward=logs.get("reward"))
         self.owner.flush()
@@ -105,7 +110,7 @@ class Trainer:
         config = dataclasses.replace(config, device=device, codec=default_codec(device) if config.codec == "auto" else config.codec)
         config = config.with_model_defaults(device)
         self.config = config
-        self.metrics = MetricsLog(self.bucket, "trainer", every_s=config.metrics_every_s if self.meter is not None else 0.0)
+        self.metrics = MetricsLog(self.bucket, TrainerMetrics, every_s=config.metrics_every_s if self.meter is not None else 0.0)
         self.control = ControlledPolicy(self.bucket, config.policy())  # the panels' anchor policy
         lora = config.lora()
         model = model_or_default(config.model, config.device, get_environment)
@@ -164,14 +169,14 @@ class Trainer:
     # -- figures ------------------------------------------------------------
 
     def _record_publish(self, rec: PublishRecord) -> None:
-        self.metrics.add(
+        self.metrics.add(PublishRow(
             kind=rec.kind, version=rec.step, nbytes=rec.nbytes, changed=rec.changed, total=rec.total,
             changed_pct=100 * rec.changed_fraction,
             trl_nbytes=trl_layout_bytes(rec.changed, len(self.publisher.detector.published or ())),
             encode_s=rec.encode_s, hash_s=rec.hash_s, upload_s=rec.upload_s, catchup_bytes=rec.catchup_bytes,
-            **({"experts_changed_pct": expert_changed_pct(rec.changed_tensors, self.publisher.detector.published or {})}
-               if self.transfer.layout is not None and rec.kind == "delta" else {}),
-        )  # fmt: skip
+            experts_changed_pct=expert_changed_pct(rec.changed_tensors, self.publisher.detector.published or {})
+            if self.transfer.layout is not None and rec.kind == "delta" else {},
+        ))  # fmt: skip
         self.summary.add(**{rec.kind: 1, f"{rec.kind}_bytes": rec.nbytes, f"{rec.kind}_changed_pct": 100 * rec.changed_fraction})
         self.flush()
 
@@ -197,25 +202,25 @@ class Trainer:
 
     def flush(self, force: bool = False) -> None:
         """Write ``metrics/trainer.json`` (rows and the trainer's current state)."""
-        budget = {"hub": self.meter.snapshot(), "coalescing": self.coalescing.notice} if self.meter is not None else {}
-        self.metrics.extra = {
+        budget = {"hub": HubCounts(**self.meter.snapshot()), "coalescing": self.coalescing.notice} if self.meter is not None else {}
+        self.metrics.state = TrainerMetrics(
             **budget,
-            "version": self.version, "opt_steps": self.opt_steps, "queued_samples": self.worker.rollout_buffer.qsize(),
-            "checkpoint_step": self.checkpoint_callback.last_step, "notice": self.notice,
-            "refused": self.refusals.as_dict(), "non_finite_refused": self.transfer.non_finite_refused,
-            "checkpoints_skipped": self.checkpoints.skipped, "bucket_refused": dict(self.publisher.refused + self.control.refused),
-            "non_finite_steps_skipped": self.step_guard.skipped, "version_corrections": self.version_guard.corrected,
-            "flow": self.flow.figures(), "publish": self._publish_figures(),
-        }  # fmt: skip
+            version=self.version, opt_steps=self.opt_steps, queued_samples=self.worker.rollout_buffer.qsize(),
+            checkpoint_step=self.checkpoint_callback.last_step, notice=self.notice,
+            refused=RefusalCounts.of(self.refusals), non_finite_refused=self.transfer.non_finite_refused,
+            checkpoints_skipped=self.checkpoints.skipped, bucket_refused=dict(self.publisher.refused + self.control.refused),
+            non_finite_steps_skipped=self.step_guard.skipped, version_corrections=self.version_guard.corrected,
+            flow=self.flow.figures(), publish=self._publish_figures(),
+        )  # fmt: skip
         self.metrics.flush(force)
 
-    def _publish_figures(self) -> dict:
+    def _publish_figures(self) -> BackgroundPublishFigures | None:
         """The background publisher's figures: the last send's stall (the cast into the staging
         buffer), versions coalesced while it was behind, publishes that failed."""
         background = self.transfer.background
         if background is None:
-            return {}
-        return {"stall_s": background.stall_s, "coalesced": background.coalesced, "errors": background.errors}
+            return None
+        return BackgroundPublishFigures(stall_s=background.stall_s, coalesced=background.coalesced, errors=background.errors)
 
     # -- resuming -------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """The scored samples the trainer learns from, as they travel through a bucket, and their strict parser.
 
 ``scores/<batch>/<replica>.json`` (and ``rollouts/``, the same samples before rewards) hold a
-header and a list of samples: prompt and completion token ids, the sampler's per-token
+header (with ``format_version``, :data:`SAMPLES_FORMAT_VERSION`) and a list of samples: prompt and completion token ids, the sampler's per-token
 log-probabilities, the policy version that made them and the reward. Every object is
 untrusted: :func:`read_samples` checks it (bounded size and nesting, exact types, finite
 numbers, token ids in ``[0, vocab)``, non-empty and length-capped sequences, versions no
@@ -28,11 +28,16 @@ from .limits import MAX_OBJECT_BYTES
 from .sampling import MIN_SAMPLED_LOGPROB
 
 __all__ = [
-    "DEFAULT_LIMITS", "MAX_REWARD", "Refusals", "Sample", "SampleLimits", "get_json", "parse_samples", "put_json",
+    "DEFAULT_LIMITS", "MAX_REWARD", "Refusals", "SAMPLES_FORMAT_VERSION", "Sample", "SampleLimits", "get_json",
+    "parse_samples", "put_json",
     "read_samples", "string_field", "write_samples",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
+
+#: Format of the rollouts and scores objects; a reader refuses another (one without the field is
+#: version 1, the format before the field existed).
+SAMPLES_FORMAT_VERSION = 1
 
 
 def put_json(bucket: Bucket, key: str, doc: Any) -> None:
@@ -184,14 +189,18 @@ def parse_samples(doc: Any, limits: SampleLimits = DEFAULT_LIMITS) -> tuple[dict
     """Check a rollouts or scores document: ``(header fields, samples)``.
 
     Raises:
-        ValueError: not an object, too many samples, or any sample invalid (see :meth:`Sample.from_dict`).
+        ValueError: not an object, another ``format_version``, too many samples, or any sample invalid
+            (see :meth:`Sample.from_dict`).
     """
     if not isinstance(doc, dict) or not isinstance(doc.get("samples"), list):
         raise ValueError("not an object with a samples list")
+    if doc.get("format_version", 1) != SAMPLES_FORMAT_VERSION:
+        raise ValueError(f"format_version {str(doc.get('format_version'))[:20]!r}, not {SAMPLES_FORMAT_VERSION}")
     if len(doc["samples"]) > limits.max_samples:
         raise ValueError(f"{len(doc['samples'])} samples, more than {limits.max_samples}")
     samples = [Sample.from_dict(s, limits) for s in doc["samples"]]
-    header = {k: v for k, v in doc.items() if k != "samples" and isinstance(v, (str, int, float)) and not isinstance(v, bool)}
+    header = {k: v for k, v in doc.items()
+              if k not in ("samples", "format_version") and isinstance(v, (str, int, float)) and not isinstance(v, bool)}  # fmt: skip
     return header, samples
 
 
@@ -215,4 +224,5 @@ def read_samples(
 
 def write_samples(bucket: Bucket, key: str, samples: list[Sample], **header: Any) -> None:
     """Write a rollouts or scores object."""
-    put_json(bucket, key, {**header, "written_at": time.time(), "samples": [dataclasses.asdict(s) for s in samples]})
+    doc = {**header, "format_version": SAMPLES_FORMAT_VERSION, "written_at": time.time()}
+    put_json(bucket, key, {**doc, "samples": [dataclasses.asdict(s) for s in samples]})

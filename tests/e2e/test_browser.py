@@ -262,5 +262,8 @@ def test_panel_start_and_anchor_interval(app: App) -> None:
             page.wait_for_timeout(4000)
         drawn = page.locator("#overview-plot-staleness canvas, #overview-plot-staleness svg")
         assert drawn.count() >= 1, "the overview's staleness plot was not drawn"
+        page.get_by_role("tab", name="Trainer").click()
+        # a TrainRow figure, drawn from metrics/trainer.json's typed rows (Vega's marks: not the empty plot's icon)
+        page.locator("#trainer-plot-train-loss .marks").first.wait_for(timeout=30_000)
         assert console.problems() == [], console.problems()
     print(f"browser test took {time.monotonic() - t0:.0f}s")

@@ -24,7 +24,8 @@ from rlsync.bucket.budget import RequestClass, Tier, scaled_limit
 from rlsync.bucket.hf import HfBucket
 from rlsync.layout import metrics_key, status_key
 from rlsync.protocol import read_manifest
-from rlsync.spaces.exchange import get_json, parse_status
+from rlsync.spaces.exchange import get_json
+from rlsync.spaces.metrics import read_status
 from rlsync.spaces.tiny_model import tiny_model_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,14 +85,14 @@ def test_trainer_env_and_two_replicas_stay_within_the_free_tier(hub, tmp_path):
     hub.add_token("reader", "read")
     reader = HfBucket(BUCKET, token="reader")  # the test's own reads use another token: not in the budget
     manifest = read_manifest(reader)
-    statuses = [parse_status(get_json(reader, status_key(f"replica-{i}"))) for i in range(2)]
+    statuses = [read_status(reader, status_key(f"replica-{i}")) for i in range(2)]
     logs = log.read_text()[-4000:]
     assert manifest is not None and manifest.step >= 1, logs  # publishes may be coalesced: versions <= steps
     assert hub.throttled(TOKEN) == 0, logs
     for s in statuses:
-        assert (s.get("applied_step") or -10) >= manifest.step - 2, (statuses, manifest.step, logs)
+        assert (s.applied_step or -10) >= manifest.step - 2, (statuses, manifest.step, logs)
         # its whole-run counts (a replica idle since the trainer's last step may have none in the last window)
-        assert s["hub"]["tier"] == "free" and sum(s["hub"]["by_kind"].values()) > 0 and s["hub"]["throttled"] == 0
+        assert s.hub.tier is Tier.FREE and sum(s.hub.by_kind.values()) > 0 and s.hub.throttled == 0
     # the budget held in every fixed window (the stand-in counts per token and class)
     for cls in RequestClass:
         times = [r.time for r in hub.usage(cls, TOKEN)]

@@ -130,6 +130,7 @@ def test_a_model_setting_of_tiny_moe_trains_and_serves_the_tiny_moe():
 def test_per_expert_change_rates_reach_the_panel(moe_path, tmp_path):
     from rlsync.checkpoint_layout import expert_changed_pct, expert_of
     from rlsync.spaces.frames import expert_change_frame
+    from rlsync.spaces.metrics import TrainerMetrics
     from rlsync.spaces.snapshots import Snapshot
 
     state = {n: t.float() for n, t in load_file(str(moe_path / "model.safetensors")).items()}
@@ -144,6 +145,6 @@ def test_per_expert_change_rates_reach_the_panel(moe_path, tmp_path):
     assert len(rates) == 2 * TINY_MOE_CONFIG["num_experts"] and list(rates)[:2] == ["0.0", "0.1"]
     assert rates["1.3"] == pytest.approx(100 * 1638 / (3 * 128 * 128)) and sum(rates.values()) == rates["1.3"]
     rows = [{"kind": "anchor", "version": 0}, {"kind": "delta", "version": 1, "experts_changed_pct": rates}]
-    frame = expert_change_frame(Snapshot(trainer_rows=rows))
+    frame = expert_change_frame(Snapshot(trainer=TrainerMetrics.from_json({"rows": rows})))
     assert len(frame) == len(rates) and frame.set_index("expert").loc["1.3", "changed_pct"] == rates["1.3"]
-    assert expert_change_frame(Snapshot(trainer_rows=rows[:1])).empty  # a dense model: an empty plot
+    assert expert_change_frame(Snapshot(trainer=TrainerMetrics.from_json({"rows": rows[:1]}))).empty  # a dense model: an empty plot

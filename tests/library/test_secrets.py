@@ -215,7 +215,7 @@ def test_three_roles_on_a_flaky_hub_never_show_the_token(hub, hf_bucket, logs, c
     assert not trainer.running
     replica.slot.put(replica.subscriber.fetch())
     replica.step()
-    assert replica.status()["applied_step"] == 1 == trainer.version
+    assert replica.status().applied_step == 1 == trainer.version
     assert raised(hub) >= 20
     hub.clear_faults()
     # permanent failures with the token echoed: what each role's loop logs or raises
@@ -225,7 +225,7 @@ def test_three_roles_on_a_flaky_hub_never_show_the_token(hub, hf_bucket, logs, c
     with pytest.raises(BucketError) as info:
         env.step()
     assert TOKEN not in said(info.value)
-    for obj in (trainer.config, replica.config, env.config, replica.status(), trainer.metrics.rows, env.metrics.extra,
+    for obj in (trainer.config, replica.config, env.config, replica.status(), trainer.metrics.rows, env.metrics.state,
                 trainer.publisher.lock, replica.subscriber.stats):  # fmt: skip
         assert TOKEN not in said(obj)
     assert_nothing_stored_leaks(

@@ -103,6 +103,6 @@ def test_a_replica_whose_fetching_raises_anything_counts_it_and_keeps_syncing(bu
         state[name] = state[name] + 1.0
         pub.publish(1, state)
         _wait(lambda: replica.subscriber.step == 1)
-        assert replica.status()["thread_crashes"] == 1 and not failures
+        assert replica.status().thread_crashes == 1 and not failures
     finally:
         replica.close()

@@ -8,7 +8,6 @@ only on a Space) an anonymous call is refused by the login and an authenticated 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -22,6 +21,7 @@ import app  # the combined panel (the repository root is on the path, as for eve
 from rlsync.bucket import LocalBucket
 from rlsync.layout import CONTROL_KEY
 from rlsync.spaces import access, components, frames, role_control
+from rlsync.spaces.metrics import MetricsLog, TrainerMetrics, TrainRow
 from rlsync.spaces.snapshots import Snapshot
 
 gradio_client = pytest.importorskip("gradio_client")
@@ -171,10 +171,10 @@ def test_oauth_is_restricted_to_the_owner_or_the_named_org(clean_env):
 
 def test_trainer_notice_and_other_bucket_strings_render_as_text():
     planted = "![beacon](http://beacon.example/p.gif) [click](http://evil.example) <img src=http://beacon.example/q.gif> www.evil.example"
-    snap = dataclasses.replace(
-        Snapshot(), trainer_rows=[{"kind": "train"}],
-        trainer_extra={"notice": planted, "opt_steps": "<img src=x>", "refused": {"total": 1, "last": "`![b](http://b.example/x)"}},
-    )  # fmt: skip
+    snap = Snapshot(trainer=TrainerMetrics.from_json({
+        "rows": [{"kind": "train"}], "notice": planted, "opt_steps": "<img src=x>",
+        "refused": {"total": 1, "by_kind": {"scores": 1}, "last": "`![b](http://b.example/x)"},
+    }))  # fmt: skip
     line = frames.trainer_summary(snap)
     for md in (markdown_it.MarkdownIt(), markdown_it.MarkdownIt("gfm-like")):
         html = md.render(line)
@@ -187,15 +187,14 @@ def test_planted_notice_shows_as_text_in_the_browser(tmp_path, clean_env):
     """The trainer Space's panel in headless Chromium: a planted image beacon and link in the notice of
     ``metrics/trainer.json`` appear as text; no <img> or <a> is rendered in the summary line."""
     sync_api = pytest.importorskip("playwright.sync_api")
-    from rlsync.spaces.exchange import MetricsLog
     from trainer_space import app as trainer_app
     from trainer_space.trainer import TrainerConfig
 
     bucket = LocalBucket(tmp_path / "bucket")
-    log = MetricsLog(bucket, "trainer")
-    log.add(kind="train", opt_step=1, version=0, loss=0.5)
+    log = MetricsLog(bucket, TrainerMetrics)
+    log.add(TrainRow(kind="train", opt_step=1, version=0, loss=0.5))
     beacon = "PLANTED ![b](http://127.0.0.1:9/b.gif) [x](http://127.0.0.1:9/x) <img src=http://127.0.0.1:9/c.gif>"
-    log.extra = {"version": 0, "opt_steps": 1, "notice": beacon}
+    log.state = TrainerMetrics(version=0, opt_steps=1, notice=beacon)
     log.flush()
     demo = trainer_app.build_app(TrainerConfig(bucket=str(tmp_path / "bucket")), runner=trainer_app.make_runner())
     port = free_port()

@@ -113,6 +113,7 @@ def test_kill_9_then_restart_resumes_from_the_bucket_checkpoint(bucket, tmp_path
 
 def test_overview_ratio_frame_compares_deltas_with_the_anchor_and_the_trl_layout():
     from rlsync.spaces.frames import delta_ratio_frame
+    from rlsync.spaces.metrics import TrainerMetrics
     from rlsync.spaces.snapshots import Snapshot
 
     rows = [
@@ -122,5 +123,5 @@ def test_overview_ratio_frame_compares_deltas_with_the_anchor_and_the_trl_layout
         {"kind": "anchor", "version": 2, "nbytes": 500},
         {"kind": "delta", "version": 3, "nbytes": 25, "trl_nbytes": None},
     ]
-    frame = delta_ratio_frame(Snapshot(trainer_rows=rows))
+    frame = delta_ratio_frame(Snapshot(trainer=TrainerMetrics.from_json({"rows": rows})))
     assert frame.values.tolist() == [[1, 5.0, "vs anchor"], [1, 25.0, "vs TRL layout"], [3, 5.0, "vs anchor"]]

@@ -190,7 +190,7 @@ def test_cumulative_counts_expired_unread_and_staleness_histogram(bucket):
     control.add_step(2.0, 0.25, 1.25)
     control.publish_demand()
     figures = control.figures()
-    assert (figures["trained"], figures["wait_s_total"], figures["step_compute_s"]) == (2, 0.25, 1.0)
+    assert (figures.trained, figures.wait_s_total, figures.step_compute_s) == (2, 0.25, 1.0)
     demand = read_demand(bucket)
     assert demand == Demand(10, 2, 0, 4, 1.0, worker.latency_s, 0.0, demand.written_at)  # the window: 2 steps x 2
     write_samples(bucket, score_key(1, "r0"), [sample("d", 1.0, 10), sample("d", 0.0, 10)], batch=1)
@@ -303,16 +303,17 @@ def test_refused_publish_does_not_let_trl_version_run_ahead(bucket):
 
 def test_overview_shows_share_trained_waiting_and_staleness_histogram():
     from rlsync.spaces.frames import flow_summary, staleness_frame
+    from rlsync.spaces.metrics import EnvMetrics, TrainerMetrics
     from rlsync.spaces.snapshots import Snapshot
 
     flow = {"pacing": "demand", "trained": 900, "wait_s_total": 12.4, "wait_share": 0.041, "wait_s_last": 0.25,
             "dropped_stale": 3, "expired_unread": 0, "staleness": {"0": 100, "1": 700, "2": 100, "x": 5, "99": 1, "3": "bad"}}  # fmt: skip
-    snap = Snapshot(trainer_extra={"flow": flow}, env_extra={"scored": 1000, "cancelled_stale": 7})
+    snap = Snapshot(trainer=TrainerMetrics.from_json({"flow": flow}), env=EnvMetrics.from_json({"scored": 1000, "cancelled_stale": 7}))
     line = flow_summary(snap)
     assert "**90%** of 1000 scored samples trained on (900)" in line and "waited **12 s** (4% of its wall time)" in line
     assert "3 dropped stale" in line and "7 cancelled stale" in line and "expired" not in line
     assert staleness_frame(snap).to_dict("list") == {"staleness": [0, 1, 2], "samples": [100, 700, 100]}
-    hostile = Snapshot(trainer_extra={"flow": {"pacing": "<img src=x>", "trained": "many", "staleness": [1, 2]}})
+    hostile = Snapshot(trainer=TrainerMetrics.from_json({"flow": {"pacing": "<img src=x>", "trained": "many", "staleness": [1, 2]}}))
     assert flow_summary(hostile) == "Flow: " and staleness_frame(hostile).empty
     assert flow_summary(Snapshot()) == "Flow: no figures yet."
 

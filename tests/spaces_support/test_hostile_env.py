@@ -252,8 +252,9 @@ def test_a_task_object_asking_for_millions_of_tasks_is_refused_without_generatin
 )
 def test_a_refusal_total_is_shown_only_when_it_is_the_sum_of_its_counts(refused, shown):
     from rlsync.spaces.frames import refused_parts
+    from rlsync.spaces.metrics import EnvMetrics
 
-    parts = refused_parts({"refused": refused})
+    parts = refused_parts(EnvMetrics.from_json({"refused": refused}).refused)
     assert bool(parts) is shown and (not shown or parts[0].startswith("**3 bucket objects refused**"))
 
 

@@ -2,7 +2,7 @@
 counted, and never reach the weights or stop a role.
 
 Each class of hostile field is tested through the one parser of its object type
-(:func:`rlsync.spaces.exchange.parse_samples`, :func:`parse_tasks`, :func:`parse_status`,
+(:func:`rlsync.spaces.exchange.parse_samples`, :func:`parse_tasks`, :class:`~rlsync.spaces.metrics.ReplicaStatus`,
 :func:`rlsync.protocol.policy.policy_from_json`, :func:`rlsync.protocol.lock.parse_lock`),
 then through the roles that read them (the env before it scores, the trainer again).
 """
@@ -28,11 +28,11 @@ from rlsync.spaces.exchange import (
     Refusals,
     SampleLimits,
     parse_samples,
-    parse_status,
     parse_tasks,
     put_json,
     read_samples,
 )
+from rlsync.spaces.metrics import HubCounts, MetricsLog, ReplicaStatus, Sync, TrainerMetrics, TrainRow
 from tests.helpers import bf16, master_state, rl_step
 
 LIMITS = SampleLimits(vocab_size=100, max_version=5, max_prompt_tokens=16, max_completion_tokens=16, max_samples=8)
@@ -132,22 +132,22 @@ def test_hostile_tasks_and_status_refused() -> None:
                 {"tasks": [{"task_id": "a", "prompt": "p"}] * 2000}, {"tasks": "x"}, []):  # fmt: skip
         with pytest.raises(ValueError):
             parse_tasks(doc)
-    status = parse_status({"replica_id": "r1", "lag": 2, "apply_s": float("nan"), "engine": ["x"], "evil": 1,
-                           "recent_syncs": [{"step": 1, "kind": "delta", "idle_s": "slow"}, 5]})  # fmt: skip
-    assert status == {"replica_id": "r1", "lag": 2, "recent_syncs": [{"step": 1, "kind": "delta"}]}
-    for doc in ({"replica_id": "../x"}, {"replica_id": 5}, None):
+    status = ReplicaStatus.from_json({"replica_id": "r1", "lag": 2, "apply_s": float("nan"), "engine": ["x"], "evil": 1,
+                                      "recent_syncs": [{"step": 1, "kind": "delta", "idle_s": "slow"}, 5]})  # fmt: skip
+    assert status == ReplicaStatus(replica_id="r1", lag=2, recent_syncs=[Sync(step=1, kind="delta")])
+    for doc in ({"replica_id": "../x"}, {"replica_id": 5}, None, {"replica_id": "r1", "format_version": 2}):
         with pytest.raises(ValueError):
-            parse_status(doc)
+            ReplicaStatus.from_json(doc)
 
 
 def test_hostile_hub_counts_in_a_status_are_refused_field_by_field() -> None:
     hub = {"tier": "free", "api": 3, "by_kind": {"GET tree": 7, "POST batch": -1, "x" * 65: 1, "put": 1.5, "resolve": True}}
-    assert parse_status({"replica_id": "r1", "hub": hub})["hub"] == {
+    assert ReplicaStatus.from_json({"replica_id": "r1", "hub": hub}).hub == HubCounts.from_json({
         "tier": "free", "api": 3, "by_kind": {"GET tree": 7}, "short": False, "pacing": "",
-    }  # fmt: skip
+    })  # fmt: skip
     flood = {"tier": "free", "by_kind": {f"k{i}": 1 for i in range(65)}}
-    assert "by_kind" not in parse_status({"replica_id": "r1", "hub": flood})["hub"]
-    assert "hub" not in parse_status({"replica_id": "r1", "hub": {"tier": "gold", "api": 1}})
+    assert ReplicaStatus.from_json({"replica_id": "r1", "hub": flood}).hub.by_kind == {}
+    assert ReplicaStatus.from_json({"replica_id": "r1", "hub": {"tier": "gold", "api": 1}}).hub is None
 
 
 def test_env_refuses_hostile_rollouts_counts_them_and_keeps_scoring(bucket) -> None:
@@ -327,13 +327,15 @@ def test_soak_trial_hostile_replicas(tmp_path) -> None:
 def test_metrics_with_a_diverged_loss_stay_readable(bucket) -> None:
     """Readers refuse NaN/Infinity, so the metrics writer stores non-finite figures as null."""
     from rlsync.layout import metrics_key
-    from rlsync.spaces.exchange import MetricsLog, get_json
+    from rlsync.spaces.exchange import get_json
+    from rlsync.spaces.metrics import read_metrics
 
-    log = MetricsLog(bucket, "trainer")
-    log.add(loss=float("nan"), reward=float("inf"), step=3)
+    log = MetricsLog(bucket, TrainerMetrics)
+    log.add(TrainRow(kind="train", loss=float("nan"), mean_reward=float("inf"), opt_step=3))
     log.flush()
     rows = get_json(bucket, metrics_key("trainer"))["rows"]
-    assert rows[-1]["loss"] is None and rows[-1]["reward"] is None and rows[-1]["step"] == 3
+    assert rows[-1]["loss"] is None and rows[-1]["mean_reward"] is None and rows[-1]["opt_step"] == 3
+    assert read_metrics(bucket, TrainerMetrics).steps[-1].opt_step == 3
 
 
 def test_trainer_restores_published_weights_instead_of_publishing_poison(tmp_path) -> None:

@@ -21,6 +21,7 @@ import pytest
 
 import app
 from rlsync.spaces import components, frames
+from rlsync.spaces.metrics import EnvMetrics, ReplicaStatus, TrainerMetrics
 from rlsync.spaces.snapshots import BucketView, Snapshot
 
 
@@ -73,13 +74,13 @@ def test_plot_value_is_embedded_by_the_frontend_as_given():
 
 
 def status(replica: str, syncs: list[tuple[int, str, float, float]], applied: int | None = None, newest: int | None = None):
-    return {
+    return ReplicaStatus.from_json({
         "replica_id": replica, "applied_step": applied, "newest_step": newest,
         "recent_syncs": [{"step": s, "kind": k, "nbytes": 1, "download_s": 0.0, "idle_s": i, "time": t} for s, k, i, t in syncs],
-    }  # fmt: skip
+    })  # fmt: skip
 
 
-def view_of(*statuses: dict) -> BucketView:
+def view_of(*statuses: ReplicaStatus) -> BucketView:
     view = BucketView("unused")
     view._remember_syncs(Snapshot(statuses=list(statuses)))
     return view
@@ -100,15 +101,16 @@ def test_apply_plot_has_every_version_each_replica_applied():
     {"step": 3, "kind": "delta", "idle_s": float("inf"), "time": 1.0}, {"step": 3, "kind": "delta", "idle_s": True, "time": 1.0},
 ])  # fmt: skip
 def test_malformed_recent_syncs_are_skipped(entry):
-    view = view_of({"replica_id": "a", "recent_syncs": [entry, {"step": 4, "kind": "delta", "idle_s": 0.1, "time": 2.0}]})
+    view = view_of(ReplicaStatus.from_json({"replica_id": "a", "recent_syncs": [entry, {"step": 4, "kind": "delta", "idle_s": 0.1, "time": 2.0}]}))
     assert list(frames.sync_time_frame(view)["version"]) == [4]
 
 
 def test_publish_to_the_last_replica_applying_it():
-    snap = Snapshot(trainer_rows=[
+    rows = [
         {"kind": "anchor", "version": 0, "time": 100.0}, {"kind": "delta", "version": 1, "time": 110.0},
         {"kind": "delta", "version": 2, "time": 120.0}, {"kind": "train", "version": 2, "time": 121.0},
-    ])  # fmt: skip
+    ]  # fmt: skip
+    snap = Snapshot(trainer=TrainerMetrics.from_json({"rows": rows}))
     view = view_of(
         status("a", [(0, "anchor", 0.1, 101.0), (1, "delta", 0.1, 111.0), (2, "delta", 0.1, 121.0)]),
         status("b", [(0, "anchor", 0.1, 103.0), (2, "delta", 0.1, 125.0)]),  # b skipped 1: it held it once it applied 2
@@ -119,7 +121,7 @@ def test_publish_to_the_last_replica_applying_it():
         {"version": 0, "seconds": 3.0, "kind": "anchor"}, {"version": 1, "seconds": 15.0, "kind": "delta"},
         {"version": 2, "seconds": 80.0, "kind": "delta"},
     ]  # fmt: skip
-    ahead = Snapshot(trainer_rows=[*snap.trainer_rows, {"kind": "delta", "version": 3, "time": 130.0}])
+    ahead = Snapshot(trainer=TrainerMetrics.from_json({"rows": [*rows, {"kind": "delta", "version": 3, "time": 130.0}]}))
     assert 3 not in set(frames.fleet_lag_frame(view, ahead)["version"])  # nobody holds 3 yet
 
 
@@ -133,7 +135,7 @@ def test_catch_up_while_a_replica_bootstraps():
 
 
 def test_tables_show_rounded_figures():
-    snap = Snapshot(env_extra={"by_type": {"reverse / word": {"mean_reward": 0.46803518282313156, "count": 7}}})
+    snap = Snapshot(env=EnvMetrics.from_json({"by_type": {"reverse / word": {"mean_reward": 0.46803518282313156, "count": 7}}}))
     assert frames.task_type_frame(snap)["mean reward"].tolist() == ["0.468"]
 
 
@@ -150,7 +152,7 @@ def test_the_lora_adapter_chain_is_shown_when_the_run_has_one(bucket):
     chain.publish(0, lora)
     chain.publish(1, {k: v + 1 for k, v in lora.items()})
     snap = read_snapshot(bucket)
-    snap.statuses = [{"replica_id": "r0", "adapter_step": 1}]
+    snap.statuses = [ReplicaStatus(replica_id="r0", adapter_step=1)]
     line = frames.adapter_summary(snap)
     assert line.startswith("LoRA adapter chain: version **1**, 1 anchors and 1 deltas retained") and "r0 serves 1" in line
 

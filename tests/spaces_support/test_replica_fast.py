@@ -77,9 +77,9 @@ def test_engine_weights_follow_anchor_and_deltas_bit_exactly(bucket, model_dir):
         assert engine_hash == records[-1].state_hash == replica.subscriber.state_hash != before
     assert replica.subscriber.verify_weights() is True
     status = replica.status()
-    assert status["applied_step"] == 2 and status["refused"] == 0
-    assert status["engine_state_hash"] == records[-1].state_hash and status["engine_verified_step"] == 2
-    assert status["rehashes"] == 1 and status["rehash_mismatches"] == 0
+    assert status.applied_step == 2 and status.refused == 0
+    assert status.engine_state_hash == records[-1].state_hash and status.engine_verified_step == 2
+    assert status.rehashes == 1 and status.rehash_mismatches == 0
     replica.close()
 
 
@@ -109,7 +109,7 @@ def test_corrupted_engine_weights_are_caught_by_the_background_rehash_and_resync
     replica._rehash_now.set()
     loop.join(10)
     status = replica.status()
-    assert status["rehash_mismatches"] == 1 and status["refused"] == 1 and replica.subscriber.needs_resync
+    assert status.rehash_mismatches == 1 and status.refused == 1 and replica.subscriber.needs_resync
     _nudge(master, 2)
     pub.publish(2, master)  # a delta: the replica does not take it, its weights are not the verified base
     update = replica.subscriber.fetch()
@@ -181,5 +181,5 @@ def test_a_forged_delta_is_refused_before_the_pause_with_the_engine_untouched(bu
         replica.subscriber.fetch()
     assert _engine_hash(replica) == before and replica.subscriber.step == 0
     assert how == "base" or before == replica.subscriber.state_hash
-    assert replica.status()["refused"] == 1 and replica.subscriber.needs_resync
+    assert replica.status().refused == 1 and replica.subscriber.needs_resync
     replica.close()

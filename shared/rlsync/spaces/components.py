@@ -38,6 +38,7 @@ from .frames import (
     staleness_frame,
     sync_time_frame,
     timing_frame,
+    train_frame,
 )
 from .role_control import RoleRunner
 from .snapshots import BucketSource, BucketView, Snapshot, bucket_view, redact
@@ -198,6 +199,15 @@ STALENESS_CHART = Chart(
 )
 
 
+#: The trainer panel's plots of its per-step figures, in this order: each draws a field of
+#: :class:`~.metrics.TrainRow` (a column of :func:`~.frames.train_frame`) against the optimizer step. A new
+#: plot of a TRL figure is a ``TrainRow`` field naming its log entry, and a chart here.
+TRAINING_CHARTS = (
+    Chart("Loss per optimizer step", x="opt_step", y="loss", x_title="optimizer step", formats={"loss": ".4f"}),
+    Chart("KL to the sampler per optimizer step", x="opt_step", y="kl", x_title="optimizer step", formats={"kl": ".4g"}),
+)
+
+
 def chart_plot(
     source: BucketSource | Live, chart: Chart, frame: Callable[[BucketView, Snapshot], pd.DataFrame], elem_id: str
 ) -> Any:
@@ -295,6 +305,19 @@ def sync_plots(
     if own:
         live.attach()
     return {"size": size, "changed": changed, "timing": timing, "apply": apply, "fleet_lag": fleet_lag}
+
+
+def training_plots(source: BucketSource | Live, prefix: str = "") -> list[Any]:
+    """The plots of :data:`TRAINING_CHARTS`, two to a row (``elem_id``: ``<prefix>plot-train-<figure>``)."""
+    import gradio as gr
+
+    plots = []
+    for start in range(0, len(TRAINING_CHARTS), 2):
+        with gr.Row():
+            for chart in TRAINING_CHARTS[start : start + 2]:
+                elem_id = f"{prefix}plot-train-{chart.y}"
+                plots.append(chart_plot(source, chart, lambda view, snap: train_frame(snap), elem_id))
+    return plots
 
 
 def expert_plot(source: BucketSource | Live, prefix: str = "") -> Any:

@@ -6,14 +6,15 @@ Plain functions, testable without a browser; the Gradio components in
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import re
 from collections.abc import Iterable
 from typing import Any
 
 import pandas as pd
 
-from .snapshots import BucketView, Snapshot, as_number, recent_syncs
+from .metrics import EnvMetrics, RefusalCounts, ReplicaStatus, TrainRow
+from .snapshots import BucketView, Snapshot
 
 #: Rows of the recent-publishes table.
 RECENT_PUBLISHES = 12
@@ -23,21 +24,10 @@ PUBLISH_COLUMNS = ["version", "kind", "KB", "changed_pct", "encode_s", "hash_s",
 
 def publish_frame(snap: Snapshot) -> pd.DataFrame:
     """One row per publish: version, kind, KB, changed_pct, encode_s, hash_s, upload_s, catchup_KB."""
-    rows = []
-    for r in snap.trainer_rows:
-        if r.get("kind") in ("anchor", "delta") and isinstance(r.get("version"), int):
-            rows.append(
-                {
-                    "version": r["version"],
-                    "kind": r["kind"],
-                    "KB": (as_number(r.get("nbytes")) or 0) / 1e3,
-                    "changed_pct": as_number(r.get("changed_pct")),
-                    "encode_s": as_number(r.get("encode_s")),
-                    "hash_s": as_number(r.get("hash_s")),
-                    "upload_s": as_number(r.get("upload_s")),
-                    "catchup_KB": (as_number(r.get("catchup_bytes")) or 0) / 1e3,
-                }
-            )
+    rows = [
+        [r.version, r.kind, r.nbytes / 1e3, r.changed_pct, r.encode_s, r.hash_s, r.upload_s, r.catchup_bytes / 1e3]
+        for r in snap.trainer.publishes
+    ]
     frame = pd.DataFrame(rows, columns=PUBLISH_COLUMNS)
     frame = frame.drop_duplicates("version", keep="last").sort_values("version", kind="stable")
     return frame.astype({"version": "int64", "kind": "str"}).astype({c: "float64" for c in PUBLISH_COLUMNS[2:]})
@@ -46,10 +36,10 @@ def publish_frame(snap: Snapshot) -> pd.DataFrame:
 def expert_change_frame(snap: Snapshot) -> pd.DataFrame:
     """A MoE run's changed percentage of each expert (``"<layer>.<expert>"``) per delta."""
     rows = [
-        {"version": r["version"], "expert": str(expert), "changed_pct": as_number(pct)}
-        for r in snap.trainer_rows
-        if r.get("kind") == "delta" and isinstance(r.get("version"), int) and isinstance(r.get("experts_changed_pct"), dict)
-        for expert, pct in r["experts_changed_pct"].items()
+        {"version": r.version, "expert": expert, "changed_pct": pct}
+        for r in snap.trainer.publishes
+        if r.kind == "delta"
+        for expert, pct in r.experts_changed_pct.items()
     ]
     frame = pd.DataFrame(rows, columns=["version", "expert", "changed_pct"])
     return frame.astype({"version": "int64", "expert": "str", "changed_pct": "float64"})
@@ -78,16 +68,27 @@ def delta_ratio_frame(snap: Snapshot) -> pd.DataFrame:
         Long format: version, percent, against (one of :data:`RATIO_SERIES`).
     """
     rows, anchor = [], None
-    for r in sorted((r for r in snap.trainer_rows if isinstance(r.get("version"), int)), key=lambda r: r["version"]):
-        nbytes = as_number(r.get("nbytes"))
-        if r.get("kind") == "anchor":
-            anchor = nbytes
-        elif r.get("kind") == "delta" and nbytes is not None:
-            for against, base in zip(RATIO_SERIES, (anchor, as_number(r.get("trl_nbytes")))):
+    for r in sorted(snap.trainer.publishes, key=lambda r: r.version):
+        if r.kind == "anchor":
+            anchor = r.nbytes
+        else:
+            for against, base in zip(RATIO_SERIES, (anchor, r.trl_nbytes)):
                 if base:
-                    rows.append({"version": r["version"], "percent": 100 * nbytes / base, "against": against})
+                    rows.append({"version": r.version, "percent": 100 * r.nbytes / base, "against": against})
     frame = pd.DataFrame(rows, columns=["version", "percent", "against"])
     return frame.astype({"version": "int64", "percent": "float64", "against": "str"})
+
+
+#: The figures of a :class:`~.metrics.TrainRow` that :func:`train_frame` holds (each a float column).
+TRAIN_FIGURES = tuple(f.name for f in dataclasses.fields(TrainRow) if f.name not in ("kind", "opt_step"))
+
+
+def train_frame(snap: Snapshot) -> pd.DataFrame:
+    """One row per optimizer step: ``opt_step`` and every figure of a :class:`~.metrics.TrainRow`
+    (:data:`TRAIN_FIGURES`, ``NaN`` where the step logged none); what :data:`~.components.TRAINING_CHARTS` draw."""
+    rows = [dataclasses.asdict(r) for r in snap.trainer.steps if r.opt_step is not None]
+    frame = pd.DataFrame(rows, columns=["opt_step", *TRAIN_FIGURES])
+    return frame.astype({"opt_step": "int64", **dict.fromkeys(TRAIN_FIGURES, "float64")})
 
 
 def timing_frame(snap: Snapshot) -> pd.DataFrame:
@@ -133,9 +134,9 @@ def fleet_lag_frame(view: BucketView, snap: Snapshot) -> pd.DataFrame:
     for syncs in applied.values():
         syncs.sort()
     rows = []
-    for r in snap.trainer_rows:
-        version, published = r.get("version"), as_number(r.get("time"))
-        if r.get("kind") not in ("anchor", "delta") or type(version) is not int or published is None:
+    for r in snap.trainer.publishes:
+        version, published = r.version, r.time
+        if published is None:
             continue
         reached = []
         for syncs in applied.values():
@@ -147,7 +148,7 @@ def fleet_lag_frame(view: BucketView, snap: Snapshot) -> pd.DataFrame:
             reached.append(min(later))
         else:
             if reached:
-                rows.append({"version": version, "seconds": max(max(reached) - published, 0.0), "kind": r["kind"]})
+                rows.append({"version": version, "seconds": max(max(reached) - published, 0.0), "kind": r.kind})
     frame = pd.DataFrame(rows, columns=["version", "seconds", "kind"]).drop_duplicates("version", keep="last")
     return frame.astype({"version": "int64", "seconds": "float64", "kind": "str"})
 
@@ -160,21 +161,15 @@ def reward_frame(snap: Snapshot) -> pd.DataFrame:
     """
     rows = []
     totals: dict[int, list[float]] = {}
-    for r in snap.env_rows:
-        v, m, n = r.get("version"), as_number(r.get("mean_reward")), as_number(r.get("count")) or 1.0
-        if isinstance(v, int) and m is not None:
-            acc = totals.setdefault(v, [0.0, 0.0])
-            acc[0] += m * n
-            acc[1] += n
+    for r in snap.env.rows:
+        acc = totals.setdefault(r.version, [0.0, 0.0])
+        acc[0] += r.mean_reward * r.count
+        acc[1] += r.count
     rows += [{"version": v, "mean_reward": s / n, "source": "env"} for v, (s, n) in sorted(totals.items()) if n]
     by_version: dict[int, list[float]] = {}
-    for r in snap.trainer_rows:
-        if (
-            r.get("kind") == "train"
-            and isinstance(r.get("version"), int)
-            and as_number(r.get("mean_reward")) is not None
-        ):
-            by_version.setdefault(r["version"], []).append(float(r["mean_reward"]))
+    for t in snap.trainer.steps:
+        if t.version is not None and t.mean_reward is not None:
+            by_version.setdefault(t.version, []).append(t.mean_reward)
     rows += [{"version": v, "mean_reward": sum(x) / len(x), "source": "trainer"} for v, x in sorted(by_version.items())]
     return pd.DataFrame(rows, columns=["version", "mean_reward", "source"]).astype(
         {"version": "int64", "mean_reward": "float64", "source": "str"}
@@ -200,43 +195,41 @@ def fleet_frame(snap: Snapshot, replicas: Iterable[str] | None = None) -> pd.Dat
     """One row per replica status object (optionally only ``replicas``)."""
     wanted = set(replicas) if replicas is not None else None
 
-    def fmt(value: Any, digits: int) -> str:
-        num = as_number(value)
-        return "" if num is None else f"{num:.{digits}f}"
+    def fmt(value: float | None, digits: int) -> str:
+        return "" if value is None else f"{value:.{digits}f}"
 
     rows = []
     for st in snap.statuses:
-        replica = str(st.get("replica_id", "?"))
-        if wanted is not None and replica not in wanted:
+        if wanted is not None and st.replica_id not in wanted:
             continue
-        updated = as_number(st.get("updated_at"))
+        updated = st.updated_at
         rows.append(
             [
-                replica,
-                str(st.get("engine", "")),
-                fmt(st.get("applied_step"), 0),
-                fmt(st.get("newest_step"), 0),
-                fmt(st.get("lag"), 0),
+                st.replica_id,
+                st.engine,
+                fmt(st.applied_step, 0),
+                fmt(st.newest_step, 0),
+                fmt(st.lag, 0),
                 catch_up(st),
-                fmt(st.get("apply_s"), 4),
-                fmt(st.get("idle_per_sync_s"), 4),
-                fmt((as_number(st.get("bytes_downloaded")) or 0) / 1e6, 2),
-                fmt(st.get("tokens_per_s"), 0),
+                fmt(st.apply_s, 4),
+                fmt(st.idle_per_sync_s, 4),
+                fmt(st.bytes_downloaded / 1e6, 2),
+                fmt(st.tokens_per_s, 0),
                 fmt(None if updated is None else max(snap.read_at - updated, 0.0), 1),
             ]
         )
     return pd.DataFrame(rows, columns=FLEET_COLUMNS)
 
 
-def catch_up(status: dict[str, Any]) -> str:
+def catch_up(status: ReplicaStatus) -> str:
     """How far a replica has caught up with the newest version: ``loading`` before its first version,
     ``caught up``, or the share of the versions since its first one that it holds, and how many it lags."""
-    applied, newest = status.get("applied_step"), status.get("newest_step")
-    if type(applied) is not int:
+    applied, newest = status.applied_step, status.newest_step
+    if applied is None:
         return "loading"
-    if type(newest) is not int or newest <= applied:
+    if newest is None or newest <= applied:
         return "caught up"
-    syncs = recent_syncs(status)
+    syncs = status.syncs
     start = syncs[0].step if syncs and syncs[0].kind == "anchor" and syncs[0].step <= applied else None
     share = "" if start is None or newest == start else f"{100 * (applied - start) / (newest - start):.0f}%, "
     return f"{share}{newest - applied} behind"
@@ -257,37 +250,25 @@ def recent_publishes_frame(snap: Snapshot, n: int = RECENT_PUBLISHES) -> pd.Data
 
 def episodes_frame(snap: Snapshot) -> pd.DataFrame:
     """The env's recent scored episodes, newest first: version, task type, prompt, completion, reward."""
-    episodes = snap.env_extra.get("episodes")
-    rows = [e for e in episodes if isinstance(e, dict)] if isinstance(episodes, list) else []
-    frame = pd.DataFrame(rows[::-1], columns=["version", "type", "prompt", "completion", "reward"])
+    rows = [dataclasses.asdict(e) for e in snap.env.episodes[::-1]]
+    frame = pd.DataFrame(rows, columns=["version", "type", "prompt", "completion", "reward"])
     return frame.fillna("").astype(str)
-
-
-def _count(value: Any) -> int | None:
-    """A finite number as an int (counts read from the bucket are untrusted), else ``None``."""
-    number = as_number(value)
-    return int(number) if number is not None and math.isfinite(number) else None
 
 
 def task_type_frame(snap: Snapshot) -> pd.DataFrame:
     """Mean reward and count per source and task type (``metrics/env.json`` -> ``by_type``), largest count first."""
-    by_type = snap.env_extra.get("by_type")
     rows = []
-    for key, value in by_type.items() if isinstance(by_type, dict) else ():
-        if isinstance(key, str) and isinstance(value, dict) and _count(value.get("count")) is not None:
-            source, _, kind = key.partition(" / ")
-            mean = as_number(value.get("mean_reward"))
-            rows.append({"source": source, "task type": kind, "mean reward": "" if mean is None else f"{mean:.3f}",
-                         "count": _count(value["count"])})  # fmt: skip
+    for key, value in snap.env.by_type.items():
+        source, _, kind = key.partition(" / ")
+        mean = "" if value.mean_reward is None else f"{value.mean_reward:.3f}"
+        rows.append({"source": source, "task type": kind, "mean reward": mean, "count": value.count})
     frame = pd.DataFrame(rows, columns=["source", "task type", "mean reward", "count"])
     return frame.sort_values(["count", "source", "task type"], ascending=[False, True, True], kind="stable")
 
 
 def failures_frame(snap: Snapshot) -> pd.DataFrame:
     """Scoring failures by reason (``metrics/env.json`` -> ``failures``), most frequent first."""
-    failures = snap.env_extra.get("failures")
-    rows = [{"reason": k, "count": _count(v)} for k, v in (failures.items() if isinstance(failures, dict) else ())
-            if isinstance(k, str) and _count(v) is not None]  # fmt: skip
+    rows = [{"reason": k, "count": v} for k, v in snap.env.failures.items()]
     return pd.DataFrame(rows, columns=["reason", "count"]).sort_values(["count", "reason"], ascending=[False, True])
 
 
@@ -304,61 +285,54 @@ def plain(value: Any) -> str:
 
 def trainer_summary(snap: Snapshot) -> str:
     """One line: published version, optimizer steps, buffered groups, newest loss and reward."""
-    if snap.manifest is None and not snap.trainer_rows:
+    trainer = snap.trainer
+    if snap.manifest is None and not trainer.rows:
         return "Trainer: nothing published yet."
-    version = snap.manifest.step if snap.manifest else snap.trainer_extra.get("version")
+    version = snap.manifest.step if snap.manifest else trainer.version
     parts = [f"version **{plain(version)}**"]
-    if "opt_steps" in snap.trainer_extra:
-        parts.append(f"{plain(snap.trainer_extra['opt_steps'])} optimizer steps")
-    if "queued_samples" in snap.trainer_extra:
-        parts.append(f"{plain(snap.trainer_extra['queued_samples'])} samples queued")
-    if snap.trainer_extra.get("checkpoint_step") is not None:
-        parts.append(f"checkpoint at step {plain(snap.trainer_extra['checkpoint_step'])}")
-    train = [r for r in snap.trainer_rows if r.get("kind") == "train"]
-    if train:
-        last = train[-1]
-        if as_number(last.get("loss")) is not None:
-            parts.append(f"loss {last['loss']:.4f}")
-        if as_number(last.get("mean_reward")) is not None:
-            parts.append(f"batch reward {last['mean_reward']:.3f}")
-    parts += refused_parts(snap.trainer_extra)
-    notice = snap.trainer_extra.get("notice")
-    return "Trainer: " + ", ".join(parts) + (f" ({plain(notice)})" if isinstance(notice, str) and notice else "")
+    if trainer.opt_steps is not None:
+        parts.append(f"{trainer.opt_steps} optimizer steps")
+    if trainer.queued_samples is not None:
+        parts.append(f"{trainer.queued_samples} samples queued")
+    if trainer.checkpoint_step is not None:
+        parts.append(f"checkpoint at step {trainer.checkpoint_step}")
+    if trainer.steps:
+        last = trainer.steps[-1]
+        if last.loss is not None:
+            parts.append(f"loss {last.loss:.4f}")
+        if last.mean_reward is not None:
+            parts.append(f"batch reward {last.mean_reward:.3f}")
+    parts += refused_parts(trainer.refused)
+    return "Trainer: " + ", ".join(parts) + (f" ({plain(trainer.notice)})" if trainer.notice else "")
 
 
-def refused_parts(extra: dict[str, Any]) -> list[str]:
+def refused_parts(refused: RefusalCounts | None) -> list[str]:
     """``["N bucket objects refused (last: ...)"]`` from a role's metrics, or nothing: also when the claimed
-    ``total`` is not the sum of its ``by_kind`` counts (:meth:`~rlsync.spaces.exchange.Refusals.as_dict`)."""
-    refused = extra.get("refused")
-    if not isinstance(refused, dict) or not isinstance(refused.get("by_kind"), dict):
+    ``total`` is not the sum of its ``by_kind`` counts (:attr:`~.metrics.RefusalCounts.consistent`)."""
+    if refused is None or not refused.consistent:
         return []
-    counts, total = list(refused["by_kind"].values()), refused.get("total")
-    if not all(type(c) is int and c >= 0 for c in counts) or type(total) is not int or not 0 < total == sum(counts):
-        return []
-    last = refused.get("last") if isinstance(refused.get("last"), str) else ""
-    return [f"**{int(refused['total'])} bucket objects refused** (last: {plain(last[:120])})"]
+    return [f"**{refused.total} bucket objects refused** (last: {plain(refused.last[:120])})"]
 
 
 def env_summary(snap: Snapshot) -> str:
     """One line: environment, tasks/s, scores/s, samples scored, newest mean reward."""
-    extra = snap.env_extra
-    if not extra:
+    env = snap.env
+    if env == EnvMetrics():
         return "Environment: no figures yet."
-    parts = [f"**{plain(extra.get('env', '?'))}**"]
-    for key, label in (("tasks_per_s", "tasks/s"), ("scores_per_s", "scores/s")):
-        if as_number(extra.get(key)) is not None:
-            parts.append(f"{extra[key]:.1f} {label}")
-    if "scored" in extra:
-        parts.append(f"{extra['scored']} samples scored")
-    failures = extra.get("failures")
-    if isinstance(failures, dict) and failures:
-        parts.append(f"{sum(_count(v) or 0 for v in failures.values())} scoring failures")
+    parts = [f"**{plain(env.env or '?')}**"]
+    for value, label in ((env.tasks_per_s, "tasks/s"), (env.scores_per_s, "scores/s")):
+        if value is not None:
+            parts.append(f"{value:.1f} {label}")
+    if env.scored is not None:
+        parts.append(f"{env.scored} samples scored")
+    if env.failures:
+        parts.append(f"{sum(env.failures.values())} scoring failures")
     rewards = reward_frame(snap)
     env_rewards = rewards[rewards["source"] == "env"]
     if len(env_rewards):
         last = env_rewards.iloc[-1]
         parts.append(f"mean reward {last['mean_reward']:.3f} at version {last['version']}")
-    parts += refused_parts(extra)
+    parts += refused_parts(env.refused)
     return "Environment: " + ", ".join(parts)
 
 
@@ -368,31 +342,29 @@ MAX_STALENESS_BARS = 64
 
 def staleness_frame(snap: Snapshot) -> pd.DataFrame:
     """Samples TRL took in time, by staleness (``metrics/trainer.json`` -> ``flow.staleness``)."""
-    flow = snap.trainer_extra.get("flow")
-    histogram = flow.get("staleness") if isinstance(flow, dict) else None
-    rows = [{"staleness": int(k), "samples": _count(v)} for k, v in (histogram.items() if isinstance(histogram, dict) else ())
-            if isinstance(k, str) and k.isascii() and k.isdigit() and int(k) < MAX_STALENESS_BARS and _count(v) is not None]  # fmt: skip
+    histogram = snap.trainer.flow.staleness if snap.trainer.flow is not None else {}
+    rows = [{"staleness": int(k), "samples": v} for k, v in histogram.items()
+            if k.isascii() and k.isdigit() and int(k) < MAX_STALENESS_BARS]  # fmt: skip
     frame = pd.DataFrame(rows, columns=["staleness", "samples"]).sort_values("staleness")
     return frame.astype({"staleness": "int64", "samples": "int64"})
 
 
 def flow_summary(snap: Snapshot) -> str:
     """One line: the share of scored samples trained on, the trainer's waiting, and what was dropped."""
-    flow = snap.trainer_extra.get("flow")
-    if not isinstance(flow, dict):
+    flow = snap.trainer.flow
+    if flow is None:
         return "Flow: no figures yet."
-    trained, scored = _count(flow.get("trained")), _count(snap.env_extra.get("scored"))
-    parts = [f"pacing {flow['pacing']}"] if flow.get("pacing") in ("queue", "demand") else []
+    trained, scored = flow.trained, snap.env.scored
+    parts = [f"pacing {flow.pacing.value}"] if flow.pacing is not None else []
     if trained is not None and scored:
         parts.append(f"**{100 * trained / scored:.0f}%** of {scored} scored samples trained on ({trained})")
-    wait, share, last = (as_number(flow.get(k)) for k in ("wait_s_total", "wait_share", "wait_s_last"))
-    if wait is not None and share is not None:
-        parts.append(f"trainer waited **{wait:.0f} s** ({100 * share:.0f}% of its wall time)")
-    if last is not None:
-        parts.append(f"{last:.2f} s before the last step")
-    counts = [(flow.get("dropped_stale"), "dropped stale"), (flow.get("expired_unread"), "expired unread"),
-              (flow.get("dropped_degenerate"), "in degenerate groups"), (snap.env_extra.get("cancelled_stale"), "cancelled stale")]  # fmt: skip
-    parts += [f"{_count(n)} {label}" for n, label in counts if _count(n)]
+    if flow.wait_s_total is not None and flow.wait_share is not None:
+        parts.append(f"trainer waited **{flow.wait_s_total:.0f} s** ({100 * flow.wait_share:.0f}% of its wall time)")
+    if flow.wait_s_last is not None:
+        parts.append(f"{flow.wait_s_last:.2f} s before the last step")
+    counts = [(flow.dropped_stale, "dropped stale"), (flow.expired_unread, "expired unread"),
+              (flow.dropped_degenerate, "in degenerate groups"), (snap.env.cancelled_stale, "cancelled stale")]  # fmt: skip
+    parts += [f"{n} {label}" for n, label in counts if n]
     return "Flow: " + ", ".join(parts)
 
 
@@ -409,36 +381,32 @@ def adapter_summary(snap: Snapshot) -> str:
     base = chain.metadata.get("base_hash")
     if isinstance(base, str) and base:
         parts.append(f"on base weights {plain(base[:12])}")
-    served = [f"{plain(st.get('replica_id', '?'))} serves {plain(st['adapter_step'])}" for st in snap.statuses
-              if type(st.get("adapter_step")) is int]  # fmt: skip
+    served = [f"{plain(st.replica_id)} serves {st.adapter_step}" for st in snap.statuses if st.adapter_step is not None]
     return ", ".join(parts) + ("; " + ", ".join(served) if served else "")
 
 
 def hub_requests_summary(snap: Snapshot) -> str:
     """"Hub requests, last 5 min: X of Y (tier)" per role and for the whole run, with each role's
     pacing notice ('' when no role runs on the Hub)."""
-    from .exchange import parse_hub
-
-    roles = [("trainer", parse_hub(snap.trainer_extra.get("hub"))), ("env", parse_hub(snap.env_extra.get("hub")))]
-    roles += [(str(st.get("replica_id", "?")), st.get("hub")) for st in snap.statuses]
-    roles = [(name, hub) for name, hub in roles if hub]
-    if not roles:
+    roles = [("trainer", snap.trainer.hub), ("env", snap.env.hub), *((st.replica_id, st.hub) for st in snap.statuses)]
+    hubs = [(name, hub) for name, hub in roles if hub is not None]
+    if not hubs:
         return ""
-    tier, window = roles[0][1]["tier"], roles[0][1].get("window_s", 300)
-    minutes = f"{window / 60:g} min"
-    total_api = sum(int(h.get("api", 0)) for _, h in roles)
-    total_res = sum(int(h.get("resolver", 0)) for _, h in roles)
+    first = hubs[0][1]
+    minutes = f"{first.window_s / 60:g} min"
+    total_api = sum(h.api for _, h in hubs)
+    total_res = sum(h.resolver for _, h in hubs)
     lines = [
-        f"**Hub requests, last {minutes}: {total_api} of {roles[0][1].get('api_limit', '?')} API, "
-        f"{total_res} of {roles[0][1].get('resolver_limit', '?')} resolver ({tier} tier, whole run)**"
+        f"**Hub requests, last {minutes}: {total_api} of {first.api_limit} API, "
+        f"{total_res} of {first.resolver_limit} resolver ({first.tier.value} tier, whole run)**"
     ]
-    for name, hub in roles:
-        share = hub.get("share") or 1
-        line = (f"{name}: {int(hub.get('api', 0))} of {int(hub.get('api_limit', 0) / share)} API, "
-                f"{int(hub.get('resolver', 0))} resolver ({hub['tier']}, 1/{share:g} share)")  # fmt: skip
-        if hub.get("throttled"):
-            line += f", {int(hub['throttled'])} answered 429"
-        if hub.get("pacing"):
-            line += f"; {hub['pacing']}"
+    for name, hub in hubs:
+        share = hub.share or 1
+        line = (f"{name}: {hub.api} of {int(hub.api_limit / share)} API, "
+                f"{hub.resolver} resolver ({hub.tier.value}, 1/{share:g} share)")  # fmt: skip
+        if hub.throttled:
+            line += f", {hub.throttled} answered 429"
+        if hub.pacing:
+            line += f"; {plain(hub.pacing)}"
         lines.append(line)
     return "  \n".join(lines)

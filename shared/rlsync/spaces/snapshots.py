@@ -15,21 +15,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from ..adapters import adapter_bucket
 from ..bucket import Bucket, open_bucket
 from ..bucket.watch import listing_error, watch
 from ..errors import BucketError, FormatError, ObjectNotFoundError
-from ..layout import CONTROL_KEY, STATUS_PREFIX, metrics_key
+from ..layout import CONTROL_KEY, STATUS_PREFIX
 from ..limits import MAX_CONTROL_BYTES
 from ..protocol import AnchorPolicy, Manifest, policy_from_json, read_manifest
-from .exchange import get_json, parse_status
+from .metrics import EnvMetrics, ReplicaStatus, Sync, TrainerMetrics, read_metrics, read_status
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +57,9 @@ class Snapshot:
     """What a panel shows, read from the bucket at ``read_at`` (missing objects are empty).
 
     Attributes:
-        trainer_rows: Rows of ``metrics/trainer.json`` (kinds ``anchor``, ``delta``, ``train``).
-        trainer_extra: The other fields of ``metrics/trainer.json`` (version, opt_steps, ...).
-        env_rows: Rows of ``metrics/env.json`` (version, mean_reward, count).
-        env_extra: The other fields of ``metrics/env.json`` (env, episodes, tasks_per_s, ...).
-        statuses: The ``status/<replica>.json`` objects.
+        trainer: ``metrics/trainer.json`` (empty when missing or refused).
+        env: ``metrics/env.json`` (empty when missing or refused).
+        statuses: The ``status/<replica>.json`` objects (refused ones left out).
         manifest: The pointer object, or ``None`` (nothing published, or invalid).
         adapters: The LoRA adapter chain's pointer object (:mod:`rlsync.adapters`), or ``None`` (no adapter chain).
         policy: The anchor policy of the control object, or ``None`` if there is none.
@@ -71,24 +67,14 @@ class Snapshot:
         error: A read problem to show (already redacted), or ``""``.
     """
 
-    trainer_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    trainer_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
-    env_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    env_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
-    statuses: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    trainer: TrainerMetrics = dataclasses.field(default_factory=TrainerMetrics)
+    env: EnvMetrics = dataclasses.field(default_factory=EnvMetrics)
+    statuses: list[ReplicaStatus] = dataclasses.field(default_factory=list)
     manifest: Manifest | None = None
     adapters: Manifest | None = None
     policy: AnchorPolicy | None = None
     read_at: float = 0.0
     error: str = ""
-
-
-def _metrics(bucket: Bucket, role: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    doc = get_json(bucket, metrics_key(role))
-    if not isinstance(doc, dict):
-        return [], {}
-    rows = [r for r in doc.get("rows", []) if isinstance(r, dict)] if isinstance(doc.get("rows"), list) else []
-    return rows, {k: v for k, v in doc.items() if k != "rows"}
 
 
 def read_snapshot(bucket: Bucket) -> Snapshot:
@@ -99,13 +85,10 @@ def read_snapshot(bucket: Bucket) -> Snapshot:
     """
     snap = Snapshot(read_at=time.time())
     try:
-        snap.trainer_rows, snap.trainer_extra = _metrics(bucket, "trainer")
-        snap.env_rows, snap.env_extra = _metrics(bucket, "env")
-        for obj in sorted(bucket.list(STATUS_PREFIX), key=lambda o: o.key):
-            try:
-                snap.statuses.append(parse_status(get_json(bucket, obj.key)))
-            except ValueError as exc:
-                logger.warning("ignoring %s: %s", obj.key, exc)
+        snap.trainer = read_metrics(bucket, TrainerMetrics) or TrainerMetrics()
+        snap.env = read_metrics(bucket, EnvMetrics) or EnvMetrics()
+        statuses = (read_status(bucket, obj.key) for obj in sorted(bucket.list(STATUS_PREFIX), key=lambda o: o.key))
+        snap.statuses = [status for status in statuses if status is not None]
         try:
             snap.manifest = read_manifest(bucket)
         except FormatError as exc:
@@ -179,37 +162,11 @@ class BucketView:
 
     def _remember_syncs(self, snap: Snapshot) -> None:
         for st in snap.statuses:
-            replica = st.get("replica_id")
-            if not isinstance(replica, str):
-                continue
-            for sync in recent_syncs(st):
-                self.sync_history[(replica, sync.step)] = sync
+            for sync in st.syncs:
+                self.sync_history[(st.replica_id, sync.step)] = sync
         if len(self.sync_history) > MAX_SYNC_HISTORY:
             for key in sorted(self.sync_history, key=lambda k: k[1])[: len(self.sync_history) - MAX_SYNC_HISTORY]:
                 del self.sync_history[key]
-
-
-@dataclasses.dataclass(frozen=True)
-class Sync:
-    """One version a replica applied (an entry of its status object's ``recent_syncs``)."""
-
-    step: int
-    kind: str
-    idle_s: float
-    time: float
-
-
-def recent_syncs(status: dict[str, Any]) -> list[Sync]:
-    """The well-formed entries of a status object's ``recent_syncs`` (others are skipped: bucket objects are untrusted)."""
-    entries = status.get("recent_syncs")
-    out = []
-    for e in entries if isinstance(entries, list) else ():
-        if not isinstance(e, dict) or type(e.get("step")) is not int or e.get("kind") not in ("anchor", "delta"):
-            continue
-        idle, when = as_number(e.get("idle_s")), as_number(e.get("time"))
-        if idle is not None and when is not None and math.isfinite(idle) and math.isfinite(when):
-            out.append(Sync(e["step"], e["kind"], idle, when))
-    return out
 
 
 _VIEWS: dict[str, BucketView] = {}
@@ -225,8 +182,3 @@ def bucket_view(source: BucketSource) -> BucketView:
             remote = "://" in url and not url.startswith("file://")
             view = _VIEWS[url] = BucketView(url, ttl=REMOTE_SNAPSHOT_TTL_S if remote else SNAPSHOT_TTL_S)
         return view
-
-
-def as_number(value: Any) -> float | None:
-    """``value`` as a float if it is a number (not a bool), else ``None``."""
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

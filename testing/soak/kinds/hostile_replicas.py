@@ -223,7 +223,7 @@ def trial_hostile_replicas(rng: random.Random, workdir: Path) -> TrialResult:
     snap = read_snapshot(bucket)
     shown = "bucket objects refused" in env_summary(snap) if fleet.hostile_rollouts else True
     result.check(shown, "the env panel does not show the refusals")
-    result.check(all(s.get("replica_id") != "../../x" for s in snap.statuses), "a hostile status object reached the panel")
+    result.check(all(s.replica_id != "../../x" for s in snap.statuses), "a hostile status object reached the panel")
     result.notes["refused by the env"] += env.refusals.total
     result.notes["refused by the trainer"] += trainer.refusals.total
     result.notes["trainer summary shows refusals"] += int("refused" in trainer_summary(snap))
