@@ -17,9 +17,9 @@ import logging
 from typing import Any
 
 import gradio as gr
-
 from rlsync.fp8 import Chain
 from rlsync.spaces import components, forms, frames, role_control, snapshots
+
 from rollout_space.replica import Replica, ReplicaConfig, default_replica_id
 
 logger = logging.getLogger(__name__)

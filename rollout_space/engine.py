@@ -14,7 +14,6 @@ import dataclasses
 from typing import Callable, Mapping
 
 import torch
-
 from rlsync.adapters import AdapterChain
 from rlsync.patch import TensorPatch
 

@@ -39,6 +39,7 @@ samples then carry the adapter version as their policy version.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import shutil
@@ -47,7 +48,6 @@ import threading
 import time
 from pathlib import Path
 
-from env_space.environments import get_environment
 from rlsync.bucket import Bucket
 from rlsync.bucket.watch import IDLE_WAIT_S, generation, meter_of, wait_for_change
 from rlsync.errors import BucketError, SyncError
@@ -73,15 +73,18 @@ from rlsync.spaces.exchange import (
     write_samples,
 )
 from rlsync.spaces.interval_log import IntervalLog
-from rlsync.spaces.metrics import STATUS_SYNCS, HubCounts, ReplicaStatus, Sync
+from rlsync.spaces.metrics import ReplicaStatus
 from rlsync.spaces.settings import resolve_device
 from rlsync.spaces.tiny_model import model_or_default
-from rlsync.supervised import SupervisedThread, crashes
+from rlsync.supervised import SupervisedThread
+
+from env_space.environments import get_environment
 
 from .adapters import AdapterFollower
 from .claims import BatchClaims
 from .config import ReplicaConfig, default_replica_id
 from .engine import Engine, SamplingSettings, create_engine
+from .status import replica_status, summary_line
 from .token_budget import TokenBudget, context_length, plan_batch
 from .update_slot import UpdateSlot
 
@@ -152,7 +155,7 @@ class Replica:
         self.refusals = Refusals()
         self.newest_step: int | None = None
         self._rehash_now = threading.Event()  # set after an anchor: re-hash the weights it wrote
-        self.summary = IntervalLog(logger, self._summary_line)
+        self.summary = IntervalLog(logger, functools.partial(summary_line, self.replica_id))
 
     # -- weights ------------------------------------------------------------
 
@@ -299,41 +302,8 @@ class Replica:
     # -- status -------------------------------------------------------------
 
     def status(self) -> ReplicaStatus:
-        """The status object this replica publishes."""
-        last = self.syncs[-1] if self.syncs else {}
-        deltas = [s for s in self.syncs if s["kind"] == "delta"]
-        applied = self.subscriber.step
-        return ReplicaStatus(
-            replica_id=self.replica_id,
-            engine=self.engine.name,
-            applied_step=applied,
-            newest_step=self.newest_step,
-            lag=None if applied is None or self.newest_step is None else self.newest_step - applied,
-            apply_s=last.get("idle_s"),
-            idle_per_sync_s=sum(s["idle_s"] for s in deltas) / len(deltas) if deltas else None,
-            bytes_downloaded=self.subscriber.stats.bytes_downloaded,
-            reads=self.subscriber.stats.reads,
-            refused=self.subscriber.stats.refused,
-            refused_objects=self.refusals.total,
-            thread_crashes=crashes(self._threads),
-            tokens_per_s=self.tokens / self.gen_s if self.gen_s else 0.0,
-            completions=self.completions,
-            skipped_stale=self.skipped_stale,
-            claims_lost=self.batches.lost,
-            state_hash=self.subscriber.state_hash,
-            hub=HubCounts(**self.meter.snapshot()) if self.meter is not None else None,
-            engine_state_hash=self.subscriber.stats.verified_hash or None,  # the weights' own, re-hashed
-            engine_verified_step=self.subscriber.stats.verified_step,
-            rehashes=self.subscriber.stats.rehashes,
-            rehash_mismatches=self.subscriber.stats.rehash_mismatches,
-            last_rehash_s=self.subscriber.stats.last_rehash_s,
-            recent_syncs=[
-                Sync(**{k: s[k] for k in ("step", "kind", "nbytes", "download_s", "idle_s", "time")})
-                for s in self.syncs[-STATUS_SYNCS:]
-            ],
-            **(self.adapters.status() if self.adapters is not None else {}),
-            updated_at=time.time(),
-        )
+        """The status object this replica publishes (:func:`rollout_space.status.replica_status`)."""
+        return replica_status(self)
 
     def publish_status(self, force: bool = False) -> None:
         """Write the status object (on a Hub bucket at most every ``status_every_s`` unless `force`)."""
@@ -372,20 +342,6 @@ class Replica:
         self.publish_status()
         self.summary.flush()
         return worked
-
-    def _summary_line(self, counts, latest: dict, seconds: float) -> str:
-        """This replica's line per interval: versions applied and the pause, batches answered, skips."""
-        parts = []
-        if counts["applied"]:
-            n = int(counts["applied"])
-            parts.append(f"applied {n} versions up to {latest.get('version')} (anchors: {int(counts['anchors'])}), "
-                         f"mean pause {counts['idle_s'] / n * 1e3:.1f} ms")  # fmt: skip
-        if counts["batches"]:
-            parts.append(f"answered {int(counts['batches'])} batches ({int(counts['samples'])} samples, "
-                         f"{counts['tokens'] / max(counts['gen_s'], 1e-9):.0f} tokens/s)")  # fmt: skip
-        parts += [f"{int(counts[k])} {label}" for k, label in (("claims_lost", "claims lost to another replica"),
-                  ("skipped_stale", "batches skipped as stale")) if counts[k]]  # fmt: skip
-        return f"replica {self.replica_id} ({seconds:.0f}s): " + ", ".join(parts)
 
     def run(self) -> None:
         """Run until :meth:`stop` (fetching in a background thread)."""

@@ -30,14 +30,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from rollout_space.engine import Completion, Engine, SamplingSettings, register_engine
-from rollout_space.engines.sampling import generate_completions
 from rlsync.adapters import AdapterChain
 from rlsync.checkpoint_layout import CheckpointLayout
 from rlsync.hashing import state_hash
 from rlsync.lora import peft_config
 from rlsync.patch import TensorPatch
+
+from rollout_space.engine import Completion, Engine, SamplingSettings, register_engine
+from rollout_space.engines.sampling import generate_completions
 
 logger = logging.getLogger(__name__)
 
