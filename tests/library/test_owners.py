@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlsync import errors, layout, limits
+from tests.helpers import parse_module
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Shipped code: the library, Space support, the three Spaces and the combined app.
@@ -30,12 +31,11 @@ def shipped_files() -> list[Path]:
 
 def parse(path: Path) -> ast.Module:
     """The module at ``path``; the shipped ones were parsed at collection (:data:`TREES`), before any test
-    starts threads: CPython 3.11's ``ast`` keeps its recursion depth in global state, and a parse racing
-    another thread's parse fails with ``SystemError: AST constructor recursion depth mismatch``."""
-    return TREES[path] if path in TREES else ast.parse(path.read_text(), filename=str(path))
+    starts threads (see :func:`tests.helpers.parse_module`)."""
+    return TREES[path] if path in TREES else parse_module(path)
 
 
-TREES = {path: ast.parse(path.read_text(), filename=str(path)) for path in shipped_files()}
+TREES = {path: parse_module(path) for path in shipped_files()}
 
 
 def docstring_nodes(tree: ast.AST) -> set[int]:
