@@ -4,16 +4,17 @@ A bf16 state with the tensor shapes of Qwen3-0.6B (``transformers.Qwen3Config``'
 tied head once: 596M elements, 1.19 GB; weights N(0, 0.02), norms 1) takes one AdamW-like step: every
 element moves by ``lr * |g|`` (g ~ N(0, 1)) stochastically rounded to whole ulps of its own bf16 value,
 so, as with AdamW on a bf16 copy, small weights change far more often than large ones and the tiniest
-by several ulps. ``--lr`` sets the share that changes (3e-7: about 1%). The delta is encoded once with
-the codec (``format.encode_delta``, as the publisher does), then ``format.decode_delta`` (the replica's
-decode, on the library's worker threads) runs ``--repeat`` times against the state; each run prints its
-wall time and the CPU time of all the process's threads. ``--profile`` adds one single-threaded run
-under cProfile.
+by several ulps. ``--lr`` sets the share that changes (3e-7: 1.21%, 6.4 MB with classrice). The delta
+is encoded once with the codec (``format.encode_delta``, as the publisher does), then
+``format.decode_delta`` (the replica's decode, on the library's worker threads) runs ``--repeat``
+times against the state; each run prints its wall time and the CPU time of all the process's threads. ``--profile`` adds one single-threaded run
+under cProfile, timed in CPU time.
 
 The state and the delta are cached in ``--cache`` (1.2 GB), so that several library versions can be
-timed against the same files, alternating, on a shared machine:
+timed against the same files, alternating, on a shared machine (``PYTHONPATH`` picking the version;
+building them takes a few minutes and 3.3 GB, a decode run 1.8 GB):
 
-    python -m benchmarks.decode_speed --codec classrice --repeat 5
+    python -m benchmarks.decode_speed --codec classrice --repeat 3
     python -m benchmarks.decode_speed --profile --repeat 0
 """
 
@@ -97,7 +98,8 @@ def build(cache: Path, lr: float, codec: str, seed: int) -> None:
         index = torch.cat([p[0] for p in parts])
         if index.numel():
             changes[name] = Change(
-                index=index.numpy(), old_bits=bits_to_numpy(old[index]), new_bits=bits_to_numpy(torch.cat([p[1] for p in parts])),
+                index=index.numpy(), old_bits=bits_to_numpy(old[index]),
+                new_bits=bits_to_numpy(torch.cat([p[1] for p in parts])),
                 dtype=tensor.dtype, shape=tuple(shape), base=tensor,
             )  # fmt: skip
     changed, total = sum(c.index.size for c in changes.values()), sum(t.numel() for t in state.values())
@@ -141,7 +143,8 @@ def main() -> None:
         wall, cpu = time.perf_counter(), cpu_seconds()
         delta = fmt.decode_delta(data, state)
         wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
-        print(f"decode {delta.changed} changed ({len(data) / 1e6:.1f} MB, {args.codec}): {wall:.3f} s wall, {cpu:.3f} s CPU")
+        size = f"{len(data) / 1e6:.1f} MB, {args.codec}"
+        print(f"decode {delta.changed} changed ({size}): {wall:.3f} s wall, {cpu:.3f} s CPU")
     if args.profile:
         serial = type("Serial", (), {"map": staticmethod(lambda f, xs: list(map(f, xs)))})
         fmt.worker_pool = lambda: serial  # noqa: PLW0108 - one thread, so cProfile sees every call

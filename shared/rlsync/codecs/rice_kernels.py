@@ -110,10 +110,12 @@ def _class_masks(typingctx, bits, start, shift, mask, dense, out):  # pragma: no
 
         def splat(value, vector):
             one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(i32, 0))
-            return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), ir.Constant(ir.VectorType(i32, LANES), [0] * LANES))
+            first = ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
+            return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), first)
 
         block = builder.load(builder.bitcast(builder.gep(data, [args[1]]), wide.as_pointer()), align=1)
-        block = builder.and_(builder.lshr(block, splat(builder.trunc(args[2], lane), wide)), splat(builder.trunc(args[3], lane), wide))
+        block = builder.lshr(block, splat(builder.trunc(args[2], lane), wide))
+        block = builder.and_(block, splat(builder.trunc(args[3], lane), wide))
         block = builder.trunc(block, narrow)
         for k in range(DENSE):
             cls = builder.load(builder.gep(classes, [ir.Constant(i64, k)]))
@@ -201,7 +203,9 @@ def _changes_of_inverted(members, c, seen, coded, nxt, ends, changed, event_clas
 
 
 @numba.njit(**_JIT, inline="always")
-def _changes_one_at_a_time(todo_bits, block, bits, shift, mask, left, seen, inverted, coded, nxt, ends, changed, event_class, event_ordinal):  # pragma: no cover
+def _changes_one_at_a_time(  # pragma: no cover - compiled
+    todo_bits, block, bits, shift, mask, left, seen, inverted, coded, nxt, ends, changed, event_class, event_ordinal
+):
     """The changed ones among the elements ``todo_bits`` of a block, taken one at a time; returns them,
     and whether the coded ranks increase."""
     found = np.uint64(0)
@@ -231,7 +235,9 @@ def _changes_one_at_a_time(todo_bits, block, bits, shift, mask, left, seen, inve
 
 
 @numba.njit(**_JIT)
-def class_positions(bits, shift, mask, dense, starts, ends, coded, inverted, positions, olds, classes, slots, changed):  # pragma: no cover
+def class_positions(  # pragma: no cover - compiled
+    bits, shift, mask, dense, starts, ends, coded, inverted, positions, olds, classes, slots, changed
+):
     """Inverse of :func:`class_ranks`: flat positions of the changed elements, in flat order.
 
     One pass over the old bits, :data:`LANES` elements at a time. The block's members of each of
@@ -298,14 +304,17 @@ def class_positions(bits, shift, mask, dense, starts, ends, coded, inverted, pos
                 hits &= hits - one
                 c = np.int64(dense[d])
                 if inverted[c] == 0:
+                    todo = dense_left[d] + _popcount(masks[d])
                     found, todo = _changes_of_class(
-                        masks[d], dense_left[d] + _popcount(masks[d]), c, coded, nxt, ends, changed, event_class, event_ordinal
+                        masks[d], todo, c, coded, nxt, ends, changed, event_class, event_ordinal
                     )
                     if todo < 0:
                         return -1
                     dense_left[d] = todo
                 else:
-                    found, ok = _changes_of_inverted(masks[d], c, seen, coded, nxt, ends, changed, event_class, event_ordinal)
+                    found, ok = _changes_of_inverted(
+                        masks[d], c, seen, coded, nxt, ends, changed, event_class, event_ordinal
+                    )
                     if not ok:
                         return -1
                     dense_left[d] = -NEVER
@@ -319,8 +328,9 @@ def class_positions(bits, shift, mask, dense, starts, ends, coded, inverted, pos
             events = np.uint64(0)
         if others:
             found, ok = _changes_one_at_a_time(
-                others, block, bits, shift, mask, left, seen, inverted, coded, nxt, ends, changed, event_class, event_ordinal
-            )
+                others, block, bits, shift, mask, left, seen, inverted, coded, nxt, ends, changed,
+                event_class, event_ordinal,
+            )  # fmt: skip
             if not ok:
                 return -1
             events |= found
