@@ -7,8 +7,8 @@ so, as with AdamW on a bf16 copy, small weights change far more often than large
 by several ulps. ``--lr`` sets the share that changes (3e-7: 1.21%, 6.4 MB with classrice). The delta
 is encoded once with the codec (``format.encode_delta``, as the publisher does), then
 ``format.decode_delta`` (the replica's decode, on the library's worker threads) runs ``--repeat``
-times against the state; each run prints its wall time and the CPU time of all the process's threads. ``--profile`` adds one single-threaded run
-under cProfile, timed in CPU time.
+times against the state; each run prints its wall time and the CPU time of all the process's
+threads. ``--profile`` adds one single-threaded run under cProfile, timed in CPU time.
 
 The state and the delta are cached in ``--cache`` (1.2 GB), so that several library versions can be
 timed against the same files, alternating, on a shared machine (``PYTHONPATH`` picking the version;
