@@ -392,7 +392,7 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
             return bits_to_numpy(int_view(gather(target, torch.from_numpy(idx))))
 
         try:
-            index, new_bits = coder.decode(
+            index, new_bits, old_bits = coder.decode_with_old_bits(
                 name,
                 {k: entries[k] for k in coder.entry_names(name)},
                 table[name],
@@ -407,7 +407,10 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
         except Exception as exc:  # noqa: BLE001 - a decoder failing on a hostile file refuses the file, whatever it raised
             raise FormatError(f"{name}: the {coder.name} decoder failed on this delta: {type(exc).__name__}: {exc}") from exc
         check_decoded(name, index, new_bits, count=count, numel=target.numel())
-        old_bits = old_bits_at(index)  # the state hash's update needs them (and they show a zero difference)
+        if old_bits is None:  # the state hash's update needs them (and they show a zero difference)
+            old_bits = old_bits_at(index)
+        elif old_bits.shape != index.shape:
+            raise FormatError(f"{name}: the {coder.name} decoder gave {old_bits.size} old values for {index.size} positions")
         if not coder.changes_nonzero and bool(np.any(new_bits == old_bits)):
             raise FormatError(f"{name}: the delta lists elements that do not change (a zero difference is no change)")
         patch = TensorPatch(index=torch.from_numpy(index), values=numpy_to_values(new_bits, target.dtype), shape=tuple(target.shape))

@@ -95,6 +95,27 @@ class Codec(abc.ABC):
         """
 
 
+    def decode_with_old_bits(
+        self,
+        name: str,
+        entries: Mapping[str, torch.Tensor],
+        params: Mapping[str, Any],
+        *,
+        count: int,
+        numel: int,
+        itemsize: int,
+        old_bits_at: Callable[[np.ndarray], np.ndarray],
+        base: torch.Tensor | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """:meth:`decode`, and the old bit patterns at the decoded positions where the decoder read them
+        anyway (``None``: the caller gathers them with ``old_bits_at``). Arguments, result and errors
+        otherwise as :meth:`decode`."""
+        index, new_bits = self.decode(
+            name, entries, params, count=count, numel=numel, itemsize=itemsize, old_bits_at=old_bits_at, base=base
+        )
+        return index, new_bits, None
+
+
 _CODECS: dict[str, Codec] = {}
 
 

@@ -16,7 +16,8 @@ and "inverted" flag, count; ``classes`` rows of :data:`TABLE`), then the unary q
 (``unary_bytes`` bytes), then the remainders; ``{name}.val`` and ``{name}.sign`` the values.
 
 Speed: the ranks within classes need one pass over the old weights on each side. On CPU that pass
-is a compiled kernel (:mod:`.rice_kernels`), about as fast as reading the tensor; on an accelerator
+is a compiled kernel (:mod:`.rice_kernels`; the decoder's reads 64 elements at a time, the common
+classes' members as bit masks), a few times the cost of reading the tensor; on an accelerator
 the ranks come from :class:`~rlsync.codecs.classgap.ClassOrder` on the tensor's own device, and only
 the changed elements' ranks come back. Both give the same ranks, so the files are identical.
 Tensors with no exponent field (integers, bool) or encoded without their base use one class of
@@ -49,6 +50,7 @@ TABLE = np.dtype([("cls", "<u2"), ("flags", "u1"), ("count", "<u4")])
 MAX_RICE_K = 40
 INVERTED = 0x80
 FLAT = (0, 0)  # (shift, mask) of "one class of all elements"
+DENSE_SAMPLE, SAMPLE_RUN = 4096, 256  # elements sampled (in runs) to pick the classes decoded a block at a time
 
 
 def _class_ranks(base: torch.Tensor, index: np.ndarray, field: tuple[int, int], *, compiled: bool) -> tuple[np.ndarray, ...]:
@@ -150,6 +152,24 @@ class ClassRiceCodec(ClassGapCodec):
         old_bits_at: Callable[[np.ndarray], np.ndarray],
         base: torch.Tensor | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
+        index, new_bits, _ = self.decode_with_old_bits(
+            name, entries, params, count=count, numel=numel, itemsize=itemsize, old_bits_at=old_bits_at, base=base
+        )
+        return index, new_bits
+
+    def decode_with_old_bits(
+        self,
+        name: str,
+        entries: Mapping[str, torch.Tensor],
+        params: Mapping[str, Any],
+        *,
+        count: int,
+        numel: int,
+        itemsize: int,
+        old_bits_at: Callable[[np.ndarray], np.ndarray],
+        base: torch.Tensor | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`decode` with the old bits, which the class order reads anyway (see the base class)."""
         order, dtype = params.get("order"), params.get("dtype")
         field = EXPONENT_FIELDS.get(dtype) if isinstance(dtype, str) else None
         if order not in ("flat", "exponent") or (order == "exponent" and field is None):
@@ -163,9 +183,10 @@ class ClassRiceCodec(ClassGapCodec):
             index = coded
             if index.size != count:
                 raise FormatError(f"{name}: {index.size} positions, the metadata declares {count}")
-            return index, old_bits_at(index) + diff
+            old = old_bits_at(index)
+            return index, old + diff, old
         index, old, slots = self._positions(name, table, coded, starts, ends, field, count, numel, old_bits_at, base)
-        return index, old + diff[slots]
+        return index, old + diff[slots], old
 
     @staticmethod
     def _decode_classes(
@@ -224,16 +245,14 @@ class ClassRiceCodec(ClassGapCodec):
             index, slots = self._positions_on_device(name, coded, starts, ends, inverted, field, count, base)
             return index, old_bits_at(index), slots
         bits = int_view(base.detach()).numpy() if base is not None else _old_bits(old_bits_at, numel)
-        positions, classes, ordinals = np.empty(count, np.int64), np.empty(count, np.int64), np.empty(count, np.int64)
-        olds = np.empty(count, bits.dtype)
-        changed = np.zeros(mask + 1, np.int64)
+        positions, olds, slots = np.empty(count, np.int64), np.empty(count, bits.dtype), np.empty(count, np.int64)
         written = _kernels().class_positions(
-            bits, shift, mask, starts, ends, coded, inverted, positions, olds, classes, ordinals, changed
-        )
+            bits, shift, mask, _dense_classes(bits, field), starts, ends, coded, inverted,
+            positions, olds, np.empty(count, np.int16), slots, np.zeros(mask + 1, np.int64),
+        )  # fmt: skip
         if written != count:
             raise FormatError(f"{name}: the coded ranks do not fit the tensor's classes, or do not make {count} changes")
-        # values are stored class by class: a class's first slot is the changed count of the classes before it
-        return positions, olds.view(uint_dtype(olds.itemsize)), (np.cumsum(changed) - changed)[classes] + ordinals
+        return positions, olds.view(uint_dtype(olds.itemsize)), slots
 
     @staticmethod
     def _positions_on_device(
@@ -259,6 +278,20 @@ class ClassRiceCodec(ClassGapCodec):
         positions = order.positions_of(torch.from_numpy(rank).to(base.device)).cpu().numpy()
         flat = np.argsort(positions, kind="stable")
         return positions[flat], flat
+
+
+def _dense_classes(bits: np.ndarray, field: tuple[int, int]) -> np.ndarray:
+    """The classes :func:`~.rice_kernels.class_positions` takes a block at a time: the most common ones in
+    a sample of ``bits`` (any distinct classes decode the same; the sample only makes it fast), or none
+    where masks cannot hold the classes."""
+    kernels = _kernels()
+    shift, mask = field
+    if not kernels.MASKS_IN_ORDER or mask > 0xFF or mask + 1 < kernels.DENSE or bits.size < kernels.LANES:
+        return np.empty(0, np.uint8)
+    runs = range(0, bits.size, max(SAMPLE_RUN, bits.size // (DENSE_SAMPLE // SAMPLE_RUN)))  # whole cache lines
+    sample = np.concatenate([bits[start : start + SAMPLE_RUN] for start in runs])
+    counts = np.bincount((sample >> shift).astype(np.int64) & mask, minlength=mask + 1)
+    return np.argsort(-counts, kind="stable")[: kernels.DENSE].astype(np.uint8)
 
 
 def _old_bits(old_bits_at: Callable[[np.ndarray], np.ndarray], numel: int) -> np.ndarray:

@@ -1,0 +1,50 @@
+"""``classrice``'s decode kernel finds the changed elements of its ``dense`` classes a block of 64 at a
+time (bit masks) and those of the other classes one at a time: whichever classes are dense, and
+whether a class is coded inverted (most of its members changed) or not, the decode is the same."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import rlsync.codecs.classrice as classrice
+from rlsync.codecs import get_codec
+from rlsync.dtypes import bits_to_numpy, dtype_name, int_view
+
+
+def _delta(numel: int, seed: int) -> tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]:
+    """A bf16 tensor whose small weights mostly change (inverted classes) and large ones rarely."""
+    g = torch.Generator().manual_seed(seed)
+    base = (torch.randn(numel, generator=g) * 0.02).to(torch.bfloat16)
+    chance = torch.where(base.float().abs() < 0.004, 0.9, 0.02)
+    index = torch.nonzero(torch.rand(numel, generator=g) < chance).squeeze(1)
+    old = int_view(base).clone()
+    new = old.clone()
+    new[index] += 1
+    old_bits, new_bits = bits_to_numpy(old), bits_to_numpy(new)
+    changed = np.flatnonzero(old_bits != new_bits)
+    return base, changed, old_bits, new_bits
+
+
+@pytest.mark.parametrize("numel", [63, 64, 65, 4096, 100_003])
+@pytest.mark.parametrize("dense", ["common", "rare", "one_at_a_time"])
+def test_any_dense_classes_decode_the_same(monkeypatch, numel: int, dense: str) -> None:
+    codec = get_codec("classrice")
+    base, index, old_bits, new_bits = _delta(numel, seed=numel)
+    encoded = codec.encode("w", index, old_bits[index], new_bits[index], base=base)
+    flags = np.frombuffer(encoded.entries["w.pos"].numpy()[: encoded.params["classes"] * 7].tobytes(), classrice.TABLE)["flags"]
+    assert (flags & classrice.INVERTED).any() and not (flags & classrice.INVERTED).all()  # both kinds of class
+    common = classrice._dense_classes
+    choice = {
+        "common": lambda bits, field: common(bits, field),
+        "rare": lambda bits, field: np.arange(140, 152, dtype=np.uint8),  # classes no weight here has
+        "one_at_a_time": lambda bits, field: np.empty(0, np.uint8),
+    }[dense]
+    monkeypatch.setattr(classrice, "_dense_classes", choice)
+    params = {**encoded.params, "dtype": dtype_name(base.dtype)}
+    got_index, got_new, got_old = codec.decode_with_old_bits(
+        "w", encoded.entries, params, count=index.size, numel=numel, itemsize=2, old_bits_at=lambda i: old_bits[i], base=base
+    )
+    assert np.array_equal(got_index, index)
+    assert np.array_equal(got_new, new_bits[index]) and np.array_equal(got_old, old_bits[index])
