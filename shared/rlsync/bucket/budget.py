@@ -39,7 +39,10 @@ from typing import Any, Callable, Mapping
 
 from ..retry import retry_after_seconds
 
-__all__ = ["BudgetConfig", "HUB_LIMITS", "LISTING_KIND", "RequestClass", "RequestMeter", "TRAINER_WEIGHT", "Tier", "WINDOW_S", "classify"]
+__all__ = [
+    "BudgetConfig", "HUB_LIMITS", "LISTING_KIND", "RequestClass", "RequestMeter", "TRAINER_WEIGHT", "Tier", "WINDOW_S",
+    "classify",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +152,8 @@ class BudgetConfig:
         self.tier = Tier(self.tier)
         if self.share < 1 or not 0 < self.weight <= self.share or not 0 < self.target <= 1 or self.window_s <= 0:
             raise ValueError(
-                f"invalid budget: weight {self.weight} of share {self.share}, target {self.target}, window {self.window_s}s"
+                f"invalid budget: weight {self.weight} of share {self.share}, target {self.target}, "
+                f"window {self.window_s}s"
             )
 
     def limit(self, cls: RequestClass) -> int:
@@ -283,7 +287,8 @@ class RequestMeter:
                     return waited
                 wait = min(wait, self.MAX_WAIT_S)
                 self.pacing = (
-                    f"pacing {wait:.1f}s: {why} ({self.config.tier.value} tier, {self.config.weight:g} of {self.config.share} sharing)"
+                    f"pacing {wait:.1f}s: {why} ({self.config.tier.value} tier, "
+                    f"{self.config.weight:g} of {self.config.share} sharing)"
                 )
             self._sleep(wait)
             waited += wait
