@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import signal
 import threading
@@ -318,11 +319,13 @@ def _interrupt(signum: int, _frame: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     from rlsync.bucket import BucketSettings, open_bucket
+    from rlsync.bucket.settings import role_weight
     from rlsync.spaces import components
     from rlsync.supervised import SupervisedThread
 
-    # The roles and the panel share the token's Hub budget: each paces itself to its share.
-    os.environ.setdefault("HUB_SHARE", str(args.replicas + 3))
+    # The roles and the panel share the token's Hub budget: each paces itself to its weight's part of the
+    # total (the env, the panel and each replica weigh 1, the trainer more: its publishes are the product).
+    os.environ.setdefault("HUB_SHARE", str(args.replicas + 2 + math.ceil(role_weight("trainer"))))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpx2", "rlsync.protocol.subscriber"):  # httpx2: huggingface_hub's client, a line per request
         logging.getLogger(noisy).setLevel(logging.WARNING)

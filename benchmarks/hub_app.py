@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
 def _role_figures(server, replicas: int) -> dict:
     """What gated the version rate, from the roles' own reports left in the bucket (read after the app
     stopped, so not counted above): the trainer's steps, its time waiting for samples and computing,
-    and each role's time waiting for its request budget."""
+    each role's time waiting for its request budget and its requests by kind."""
     from huggingface_hub import constants
 
     from rlsync.bucket.budget import BudgetConfig, RequestMeter
@@ -123,15 +123,16 @@ def _role_figures(server, replicas: int) -> dict:
     bucket = HfBucket(BUCKET, token=TOKEN, meter=RequestMeter(BudgetConfig(enabled=False)))
     trainer = get_json(bucket, metrics_key("trainer")) or {}
     flow = trainer.get("flow") or {}
-    budget_wait = {"trainer": (trainer.get("hub") or {}).get("waited_s")}
-    budget_wait["env"] = ((get_json(bucket, metrics_key("env")) or {}).get("hub") or {}).get("waited_s")
+    hubs = {"trainer": trainer.get("hub") or {}, "env": (get_json(bucket, metrics_key("env")) or {}).get("hub") or {}}
     for i in range(replicas):
-        status = get_json(bucket, status_key(f"replica-{i}")) or {}
-        budget_wait[f"replica-{i}"] = (status.get("hub") or {}).get("waited_s")
+        hubs[f"replica-{i}"] = (get_json(bucket, status_key(f"replica-{i}")) or {}).get("hub") or {}
+    budget_wait = {role: hub.get("waited_s") for role, hub in hubs.items()}
     return {
         "trainer_steps": flow.get("steps"), "trainer_wall_s": flow.get("wall_s"),
         "trainer_wait_for_samples_s": flow.get("wait_s_total"), "trainer_step_compute_s": flow.get("step_compute_s"),
         "coalescing": trainer.get("coalescing"), "budget_wait_s": budget_wait,
+        # each role's whole-run requests by kind, as of its last report (status/metrics: every 30 s)
+        "requests_by_kind": {role: hub.get("by_kind") for role, hub in hubs.items()},
     }  # fmt: skip
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import tempfile
 import threading
@@ -54,9 +55,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-governor", action="store_true")
     args = parser.parse_args(argv)
 
+    from rlsync.bucket.settings import role_weight
+
     os.environ.update({
         "HF_TOKEN": TOKEN, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HUB_TIER": args.tier,
-        "HUB_SHARE": str(args.replicas + 2), "HUB_PACING": "0" if args.no_governor else "1",
+        "HUB_SHARE": str(args.replicas + 1 + math.ceil(role_weight("trainer"))),
+        "HUB_PACING": "0" if args.no_governor else "1",
     })  # fmt: skip
     from huggingface_hub import constants
     from safetensors.torch import load_file

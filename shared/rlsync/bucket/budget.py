@@ -8,12 +8,13 @@ one budget. :class:`RequestMeter` is one role's view of it:
 
 - it counts every request the role's :class:`~rlsync.bucket.hf.HfBucket` makes, by
   :class:`RequestClass` and kind (``"GET tree"``, ``"POST batch"``, ...), over the last window;
-- it paces the role to its share of the tier's limits (:class:`BudgetConfig`: tier, roles sharing
-  the token, target fraction) with a token bucket per class, so a role slows down evenly instead of
+- it paces the role to its share of the tier's limits (:class:`BudgetConfig`: tier, total weight of
+  the roles sharing the token, the role's weight, target fraction; the trainer, whose publishes are
+  the product, weighs :data:`TRAINER_WEIGHT`) with a token bucket per class, so a role slows down evenly instead of
   spending its share in a burst and then stalling for the rest of the window; when the Hub's
   ``RateLimit`` header shows the token has budget to spare (other roles idle: the token has spent
   less than the fleet's target pace allowed so far in the window), a busy role may also take up to
-  ``1/share`` of that surplus at once, so together the roles never spend ahead of the target pace;
+  its ``weight/share`` of that surplus at once, so together the roles never spend ahead of the target pace;
 - listing pages may take only :attr:`RequestMeter.LISTING_SHARE` of that pace, so a prefix flooded
   with keys never leaves a role without requests to read and write;
 - it reads the Hub's ``RateLimit`` headers whenever they come: when the whole token's remaining
@@ -38,7 +39,10 @@ from typing import Any, Callable, Mapping
 
 from ..retry import retry_after_seconds
 
-__all__ = ["BudgetConfig", "HUB_LIMITS", "LISTING_KIND", "RequestClass", "RequestMeter", "Tier", "WINDOW_S", "classify"]
+__all__ = [
+    "BudgetConfig", "HUB_LIMITS", "LISTING_KIND", "RequestClass", "RequestMeter", "TRAINER_WEIGHT", "Tier", "WINDOW_S",
+    "classify",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +85,10 @@ _KINDS = (
 )
 
 
+#: The trainer's default weight (:attr:`BudgetConfig.weight`): its publishes are the product, so it paces
+#: to twice an other role's part of the budget and takes twice its part of what the token has to spare.
+TRAINER_WEIGHT = 2.0
+
 #: The kind of a listing page (``GET /api/buckets/{id}/tree``), paced within :attr:`RequestMeter.LISTING_SHARE`.
 LISTING_KIND = "GET tree"
 
@@ -118,9 +126,14 @@ class BudgetConfig:
 
     Args:
         tier (`Tier`, *optional*, defaults to free): The account tier of the token (env `HUB_TIER`).
-        share (`int`, *optional*, defaults to 4): Roles and replicas sharing the token; each paces
-            itself to this fraction of the limits (env `HUB_SHARE`; the default is the demo's trainer,
-            env and two replicas).
+        share (`int`, *optional*, defaults to 5): The total weight of the roles and replicas sharing the
+            token; each paces itself to `weight / share` of the limits (env `HUB_SHARE`; the default is
+            the demo's trainer, weighing :data:`TRAINER_WEIGHT`, the env and two replicas).
+        weight (`float`, *optional*, defaults to 1): This role's part of `share`: its pace and its part of
+            what the token has to spare are `weight / share` of the fleet's (env `HUB_WEIGHT`, per role
+            `<ROLE>_HUB_WEIGHT`; [`~rlsync.bucket.settings.BucketSettings.from_env`] gives the trainer
+            :data:`TRAINER_WEIGHT` unless set). The weights of all roles on a token must add up to at
+            most `share`, so the fleet stays within `target`.
         target (`float`, *optional*, defaults to 0.8): Fraction of the limits the fleet aims at, the
             rest a margin for panels and retries (env `HUB_TARGET`).
         window_s (`float`, *optional*, defaults to 300): The rate-limit window; the limits scale with
@@ -129,23 +142,32 @@ class BudgetConfig:
     """
 
     tier: Tier = Tier.FREE
-    share: int = 4
+    share: int = 5
+    weight: float = 1.0
     target: float = 0.8
     window_s: float = WINDOW_S
     enabled: bool = dataclasses.field(default=True, metadata={"env": "pacing"})
 
     def __post_init__(self) -> None:
         self.tier = Tier(self.tier)
-        if self.share < 1 or not 0 < self.target <= 1 or self.window_s <= 0:
-            raise ValueError(f"invalid budget: share {self.share}, target {self.target}, window {self.window_s}s")
+        if self.share < 1 or not 0 < self.weight <= self.share or not 0 < self.target <= 1 or self.window_s <= 0:
+            raise ValueError(
+                f"invalid budget: weight {self.weight} of share {self.share}, target {self.target}, "
+                f"window {self.window_s}s"
+            )
 
     def limit(self, cls: RequestClass) -> int:
         """The tier's limit for `cls` over :attr:`window_s`."""
         return scaled_limit(self.tier, cls, self.window_s)
 
+    @property
+    def part(self) -> float:
+        """This role's part of the fleet's budget (`weight / share`)."""
+        return self.weight / self.share
+
     def allowance(self, cls: RequestClass) -> float:
         """This role's share of `cls` requests per window."""
-        return self.limit(cls) * self.target / self.share
+        return self.limit(cls) * self.target * self.part
 
 
 class _TokenBucket:
@@ -264,7 +286,10 @@ class RequestMeter:
                         self.waited_s += waited
                     return waited
                 wait = min(wait, self.MAX_WAIT_S)
-                self.pacing = f"pacing {wait:.1f}s: {why} ({self.config.tier.value} tier, {self.config.share} sharing)"
+                self.pacing = (
+                    f"pacing {wait:.1f}s: {why} ({self.config.tier.value} tier, "
+                    f"{self.config.weight:g} of {self.config.share} sharing)"
+                )
             self._sleep(wait)
             waited += wait
 
@@ -310,7 +335,7 @@ class RequestMeter:
         self._server[cls] = (info.remaining, info.limit, now + reset_in)
         # What the fleet's pace allowed the whole token so far in this window (the target share of the
         # limit, shaped as the roles' own shares: a burst, then pro rata over the elapsed part) and nobody
-        # spent: the idle roles' unspent shares. A busy role may take its 1/share of it at once (each
+        # spent: the idle roles' unspent shares. A busy role may take its weight/share of it at once (each
         # response sets it again from the token's own count), so the token never spends ahead of that
         # line; the roles' own shares keep the rest of the window, so a window ends within the target
         # plus the bursts.
@@ -319,11 +344,11 @@ class RequestMeter:
         line = self.BURST + (1 - self.BURST) * elapsed / self.config.window_s
         surplus = self.config.target * limit * line - max(0, limit - info.remaining)
         self._surplus[cls] = surplus
-        part = surplus / self.config.share
+        part = surplus * self.config.part
         if part < 1.0:
             self._spare.pop(cls, None)
         else:
-            spare = _TokenBucket(self.config.target * limit / self.config.window_s / self.config.share, part, now)
+            spare = _TokenBucket(self.config.target * limit / self.config.window_s * self.config.part, part, now)
             self._spare[cls] = spare
 
     def _trim(self, now: float) -> None:
@@ -350,7 +375,7 @@ class RequestMeter:
             self._trim(now)
             for cls in RequestClass:
                 used = sum(1 for _, c, _ in self._log if c is cls)
-                spare = self._surplus.get(cls, 0.0) >= self.config.share  # at least one request per sharing role
+                spare = self._surplus.get(cls, 0.0) * self.config.part >= 1.0  # at least one request for this role
                 if used > self.config.allowance(cls) / 2 and not spare or self._server_wait(cls, now) > 0:
                     return True
                 seen = self._server.get(cls)
@@ -369,7 +394,7 @@ class RequestMeter:
             recent_pacing = self.pacing if short else ""
             return {
                 "tier": self.config.tier.value,
-                "share": self.config.share,
+                "share": 1 / self.config.part,  # the role paces to 1/share of the limits (its weight included)
                 "window_s": self.config.window_s,
                 **{cls.value: window[cls.value] for cls in RequestClass},
                 **{f"{cls.value}_limit": self.config.limit(cls) for cls in RequestClass},

@@ -13,17 +13,50 @@ import dataclasses
 from typing import Mapping
 
 from ..config import from_env
-from .budget import BudgetConfig, RequestMeter
+from .budget import TRAINER_WEIGHT, BudgetConfig, RequestMeter
 from .hf_transport import HfTransferConfig
 from .watch import WatchConfig
 
-__all__ = ["HUB_ENV_PREFIX", "TRANSFER_ENV_PREFIX", "BucketSettings"]
+__all__ = ["HUB_ENV_PREFIX", "ROLE_WEIGHTS", "TRANSFER_ENV_PREFIX", "BucketSettings", "role_weight"]
 
 #: The prefix of the timeout variables (``HF_BUCKET_CONNECT_TIMEOUT``, ``HF_BUCKET_READ_TIMEOUT``).
 TRANSFER_ENV_PREFIX = "HF_BUCKET"
 #: The prefix of the budget and watch variables (``HUB_SHARE``, ``HUB_FEED``); ``<ROLE>_HUB_<FIELD>``
 #: overrides ``HUB_<FIELD>`` for one role.
 HUB_ENV_PREFIX = "HUB"
+#: Each role's default :attr:`BudgetConfig.weight` where it is not 1 (``HUB_WEIGHT`` / ``<ROLE>_HUB_WEIGHT`` win).
+ROLE_WEIGHTS: dict[str, float] = {"trainer": TRAINER_WEIGHT}
+
+
+def _prefixes(role: str) -> tuple[str, ...]:
+    return (HUB_ENV_PREFIX, f"{role}_{HUB_ENV_PREFIX}") if role else (HUB_ENV_PREFIX,)
+
+
+@dataclasses.dataclass(frozen=True)
+class _WeightVariable:
+    """`HUB_WEIGHT` / `<ROLE>_HUB_WEIGHT` alone, `None` where neither is set."""
+
+    weight: float | None = None
+
+
+def role_weight(role: str, environ: Mapping[str, str] | None = None) -> float:
+    """A role's part of the token's budget (:attr:`BudgetConfig.weight`): `HUB_WEIGHT` then
+    `<ROLE>_HUB_WEIGHT`, else :data:`ROLE_WEIGHTS` (1 for a role not named there).
+
+    Entry points that run several roles on one token add their weights up for `HUB_SHARE`.
+
+    Args:
+        role (`str`): The role (`"trainer"`, `"rollout"`, `"env"`); empty: `HUB_WEIGHT` only.
+        environ (`Mapping[str, str]`, *optional*): The variables (default: `os.environ`).
+
+    Returns:
+        `float`: the weight.
+
+    Raises:
+        `ValueError`: a weight variable is not a number (the message names it).
+    """
+    weight = from_env(_WeightVariable, _prefixes(role), environ).weight
+    return ROLE_WEIGHTS.get(role, 1.0) if weight is None else weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +83,8 @@ class BucketSettings:
     @classmethod
     def from_env(cls, role: str = "", environ: Mapping[str, str] | None = None) -> "BucketSettings":
         """The settings from `HF_BUCKET_<FIELD>` (timeouts) and `HUB_<FIELD>` then `<ROLE>_HUB_<FIELD>`
-        (budget and watch) variables; `HUB_PACING` sets `BudgetConfig.enabled`.
+        (budget and watch) variables; `HUB_PACING` sets `BudgetConfig.enabled`. A role's weight defaults to
+        :data:`ROLE_WEIGHTS` (the trainer's publishes are the product) unless a variable sets it.
 
         Args:
             role (`str`, *optional*): The role (`"trainer"`, `"rollout"`, `"env"`); empty: no role overrides.
@@ -62,10 +96,10 @@ class BucketSettings:
         Raises:
             `ValueError`: a variable has an invalid value (the message names it), or the budget is invalid.
         """
-        prefixes = (HUB_ENV_PREFIX, f"{role}_{HUB_ENV_PREFIX}") if role else (HUB_ENV_PREFIX,)
+        prefixes = _prefixes(role)
         return cls(
             transfer=from_env(HfTransferConfig, TRANSFER_ENV_PREFIX, environ),
-            budget=from_env(BudgetConfig, prefixes, environ),
+            budget=from_env(BudgetConfig, prefixes, environ, weight=role_weight(role, environ)),
             watch=from_env(WatchConfig, prefixes, environ),
             role=role,
         )
