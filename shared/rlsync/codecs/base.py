@@ -94,7 +94,6 @@ class Codec(abc.ABC):
                 duplicate indices, wrong sizes or dtypes).
         """
 
-
     def decode_with_old_bits(
         self,
         name: str,
