@@ -10,36 +10,46 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from typing import Any, Generic, TypeVar, overload
 
 import torch
 
 from ..hashing import StateLanes
 
+T = TypeVar("T")
+
 
 @dataclasses.dataclass
 class SubscriberStats:
-    """Counters a replica reports in its status object."""
+    """Counters a replica reports in its status object.
+
+    Attributes:
+        reads: Objects read from the bucket (the pointer, update files).
+        bytes_downloaded: Bytes of those objects.
+        anchors_applied: Anchors written into the state.
+        deltas_applied: Deltas written into the state.
+        refused: Updates refused, and re-hashes of the weights that found a mismatch.
+        last_error: Why the last one was refused.
+        last_apply_s: Seconds the last :meth:`~rlsync.protocol.Subscriber.apply` took: the pause.
+        rehashes: Full re-hashes of the weights that matched the state hash.
+        rehash_mismatches: Those that did not.
+        last_rehash_s: Seconds the last matching re-hash took.
+        verified_step: The version the last matching re-hash found in the weights.
+        verified_hash: Its state hash.
+    """
 
     reads: int = 0
-    """Objects read from the bucket (the pointer, update files)."""
     bytes_downloaded: int = 0
-    """Bytes of those objects."""
     anchors_applied: int = 0
     deltas_applied: int = 0
     refused: int = 0
-    """Updates refused (and weights re-hashes that found a mismatch)."""
     last_error: str = ""
-    """Why the last one was refused."""
     last_apply_s: float = 0.0
-    """Seconds the last :meth:`~rlsync.protocol.Subscriber.apply` took: the pause."""
     rehashes: int = 0
-    """Full re-hashes of the weights that matched the state hash."""
     rehash_mismatches: int = 0
     last_rehash_s: float = 0.0
     verified_step: int | None = None
-    """The version the last matching re-hash found in the weights."""
     verified_hash: str = ""
-    """Its state hash."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -69,3 +79,23 @@ class HeldState:
     resync: bool = False
     rebootstrap: bool = False
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock, repr=False)
+
+
+class HeldField(Generic[T]):
+    """A read-only attribute of an object that keeps its :class:`HeldState` as ``_held``: the held
+    state's field of the same name (how :class:`~rlsync.protocol.Subscriber` shows its state)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, objtype: type | None = None) -> HeldField[T]: ...
+
+    @overload
+    def __get__(self, obj: object, objtype: type | None = None) -> T: ...
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        return self if obj is None else getattr(obj._held, self.name)
+
+    def __set__(self, obj: object, value: object) -> None:
+        raise AttributeError(f"{self.name} is read-only: the subscriber's updates set it")

@@ -51,7 +51,7 @@ from ..format import check_version
 from ..hashing import StateLanes
 from .applier import UpdateApplier
 from .fetcher import SCRATCH_PREFIX, UpdateFetcher
-from .held import HeldState, SubscriberStats
+from .held import HeldField, HeldState, SubscriberStats
 from .manifest import AnchorEntry, DeltaEntry, Manifest
 from .rehash import WeightsRehash
 from .update import Update
@@ -66,8 +66,9 @@ logger = logging.getLogger(__name__)
 class Subscriber:
     """Follows a bucket and keeps a state (its own, or an engine's weights) bit-exact to the published one.
 
-    It chooses the next update and refuses what does not follow. Over one :class:`~.held.HeldState`, an
-    :class:`~.fetcher.UpdateFetcher` works before the pause, an :class:`~.applier.UpdateApplier` in it.
+    It chooses the next update and refuses what does not follow; its parts do the work, over one
+    :class:`~.held.HeldState`: an :class:`~.fetcher.UpdateFetcher` before the pause, an
+    :class:`~.applier.UpdateApplier` in it, a :class:`~.rehash.WeightsRehash` in the background.
 
     Args:
         bucket: The bucket to follow (read access is enough).
@@ -129,35 +130,18 @@ class Subscriber:
         """The largest state accepted before the first one (see the class's arguments)."""
         return self._fetcher.max_state_bytes
 
-    @property
-    def state(self) -> dict[str, torch.Tensor]:
-        """The published state: each tensor once, under the name the state hash covers."""
-        return self._held.state
-
-    @property
-    def aliases(self) -> dict[str, str]:
-        """Tied names of the state (alias -> name in :attr:`state`), from the last anchor."""
-        return self._held.aliases
-
-    @property
-    def step(self) -> int | None:
-        """The version of :attr:`state` (``None`` before the first anchor)."""
-        return self._held.step
-
-    @property
-    def state_hash(self) -> str | None:
-        """The hash of :attr:`state` (``None`` before the first anchor)."""
-        return self._held.state_hash
-
-    @property
-    def run_id(self) -> str | None:
-        """The run :attr:`state` belongs to (``None`` before the first anchor)."""
-        return self._held.run_id
-
-    @property
-    def lanes(self) -> StateLanes | None:
-        """The state's hash, per tensor, as the verified updates made it (``None`` before the first anchor)."""
-        return self._held.lanes
+    #: The published state: each tensor once, under the name the state hash covers.
+    state: HeldField[dict[str, torch.Tensor]] = HeldField()
+    #: Tied names of the state (alias -> name in :attr:`state`), from the last anchor.
+    aliases: HeldField[dict[str, str]] = HeldField()
+    #: The version of :attr:`state` (``None`` before the first anchor).
+    step: HeldField[int | None] = HeldField()
+    #: The hash of :attr:`state` (``None`` before the first anchor).
+    state_hash: HeldField[str | None] = HeldField()
+    #: The run :attr:`state` belongs to (``None`` before the first anchor).
+    run_id: HeldField[str | None] = HeldField()
+    #: The state's hash, per tensor, as the verified updates made it (``None`` before the first anchor).
+    lanes: HeldField[StateLanes | None] = HeldField()
 
     @property
     def model_state(self) -> dict[str, torch.Tensor]:
@@ -270,19 +254,22 @@ class Subscriber:
                 current step but another base state, it is also counted as refused and the
                 subscriber waits for the next anchor.
         """
-        held = self._held
-        with held.lock:
+        with self._held.lock:
             t0 = time.perf_counter()
             if update.kind == "delta":
-                if held.rebootstrap:
-                    raise ChainError(f"delta {update.step} not applied: the weights are being resynchronised from an anchor")
-                if update.base_step != held.step:  # replayed or out of order: the state is still good
-                    raise ChainError(f"delta {update.base_step}->{update.step} does not apply to step {held.step}")
-                if update.base_hash != held.state_hash:  # same step, another state: a fork, resync from the next anchor
-                    raise self._refuse(ChainError(f"delta {update.step} is based on another state than step {held.step}"))
+                self._check_follows(update)
             self._applier.apply(update)
             self.stats.last_apply_s = time.perf_counter() - t0
             logger.info("applied %s %d (%d bytes)", update.kind, update.step, update.nbytes)
+
+    def _check_follows(self, delta: Update) -> None:
+        held = self._held
+        if held.rebootstrap:
+            raise ChainError(f"delta {delta.step} not applied: the weights are being resynchronised from an anchor")
+        if delta.base_step != held.step:  # replayed or out of order: the state is still good
+            raise ChainError(f"delta {delta.base_step}->{delta.step} does not apply to step {held.step}")
+        if delta.base_hash != held.state_hash:  # same step, another state: a fork, resync from the next anchor
+            raise self._refuse(ChainError(f"delta {delta.step} is based on another state than step {held.step}"))
 
     def verify_weights(self) -> bool | None:
         """Re-hash the state (the engine's actual weights) in full and compare it with the state
