@@ -22,7 +22,7 @@ class Update:
         state_hash: Hash of the resulting state.
         nbytes: Bytes downloaded.
         tensors: The full state (anchors; read from the downloaded files, copied into the
-            state by :meth:`Subscriber.apply`).
+            state by :meth:`~rlsync.protocol.Subscriber.apply`).
         patches: Changed elements per tensor (deltas), on the device of the tensor they patch.
         old: The values those elements have before the delta (the rollback of a failed scatter).
         lanes: The state hash after the update (verified against ``state_hash``).
