@@ -68,6 +68,11 @@ def bits_to_numpy(bits: torch.Tensor) -> np.ndarray:
     return arr.view(_UINT_NP_BY_SIZE[arr.itemsize])
 
 
+def tensor_bits(tensor: torch.Tensor) -> np.ndarray:
+    """The flat bits of a tensor as unsigned ints of the same width (a view, no copy, for a contiguous CPU tensor)."""
+    return bits_to_numpy(int_view(tensor.detach()))
+
+
 def numpy_to_values(bits: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """Reinterpret unsigned-int bit patterns as a 1-D tensor of ``dtype``."""
     size = torch.empty((), dtype=dtype).element_size()

@@ -34,7 +34,7 @@ import numba
 import numpy as np
 import torch
 
-from .dtypes import bits_to_numpy, dtype_name, int_view
+from .dtypes import dtype_name, tensor_bits
 from .workers import worker_pool
 
 LANES = 2
@@ -119,11 +119,6 @@ def _width(itemsize: int, numel: int) -> np.uint64:
     return np.uint64(width if width < 64 and numel <= 1 << (64 - width) else 64)
 
 
-def _bits(tensor: torch.Tensor) -> np.ndarray:
-    """The flat bits of a CPU tensor as unsigned ints (a view, no copy when contiguous)."""
-    return bits_to_numpy(int_view(tensor.detach()))
-
-
 def slice_lanes(name: str, flat: torch.Tensor, start: int, numel: int) -> np.ndarray:
     """Lanes of the elements ``[start, start + flat.numel())`` of a tensor of ``numel`` elements.
 
@@ -143,7 +138,7 @@ def slice_lanes(name: str, flat: torch.Tensor, start: int, numel: int) -> np.nda
 
     def chunk(lo: int) -> np.ndarray:
         out = zero_lanes()
-        _range_lanes(_bits(flat[lo : lo + CHUNK_ELEMENTS].cpu()), start + lo, seed, width, out)
+        _range_lanes(tensor_bits(flat[lo : lo + CHUNK_ELEMENTS].cpu()), start + lo, seed, width, out)
         return out
 
     return add_lanes(worker_pool().map(chunk, range(0, flat.numel(), CHUNK_ELEMENTS)))

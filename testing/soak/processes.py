@@ -21,7 +21,7 @@ import torch
 from rlsync.errors import BucketError, FencedError, RunLockedError, SyncError
 from rlsync.hashing import state_hash
 from rlsync.protocol import FixedInterval, Publisher, Subscriber
-from rlsync.protocol import subscriber as subscriber_module
+from rlsync.protocol import applier as applier_module
 
 from .hooks import HookBucket, die
 from .toy import SHARD_BYTES, as_master, toy_master, toy_step
@@ -119,7 +119,7 @@ def subscriber_loop(cfg: dict[str, Any]) -> None:
     kill = cfg.get("kill")
     bucket = HookBucket(cfg["root"], kill if kill and kill[0] == "mid-download" else None)
     if kill and kill[0] == "mid-apply":  # die while the changed elements are being scattered
-        real, calls = subscriber_module.scatter_, [0]
+        real, calls = applier_module.scatter_, [0]
 
         def scatter_then_die(*args) -> torch.Tensor:
             calls[0] += 1
@@ -127,7 +127,7 @@ def subscriber_loop(cfg: dict[str, Any]) -> None:
                 die()
             return real(*args)
 
-        subscriber_module.scatter_ = scatter_then_die
+        applier_module.scatter_ = scatter_then_die
     sub = Subscriber(bucket, workdir=cfg["workdir"])
     journal.write(event="started")
     fetched = 0

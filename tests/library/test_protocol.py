@@ -607,7 +607,7 @@ def test_fifty_deltas_keep_the_maintained_hash_equal_to_a_full_rehash(bucket):
 def test_a_rehash_pass_stays_exact_while_deltas_are_applied_between_its_chunks(bucket, monkeypatch):
     """verify_weights reads the state a chunk at a time; a delta applied between two chunks of the
     tensor being read is accounted for (its changes below the read position), so no false alarm."""
-    import rlsync.protocol.subscriber as subscriber_module
+    import rlsync.protocol.rehash as rehash_module
 
     master = master_state()
     pub, sub = Publisher(bucket, policy=FixedInterval(1000)), Subscriber(bucket)
@@ -616,14 +616,14 @@ def test_a_rehash_pass_stays_exact_while_deltas_are_applied_between_its_chunks(b
     update = sub.fetch()
     name = max(update.patches, key=lambda n: update.patches[n].numel)
     middle = int(update.patches[name].index[update.patches[name].numel // 2])
-    monkeypatch.setattr(subscriber_module, "CHUNK_ELEMENTS", max(1, middle))
-    real, applied = subscriber_module.slice_lanes, []
+    monkeypatch.setattr(rehash_module, "CHUNK_ELEMENTS", max(1, middle))
+    real, applied = rehash_module.slice_lanes, []
 
     def apply_between_chunks(tensor_name, flat, start, numel):
         if tensor_name == name and start > 0 and not applied:  # the first chunk of this tensor is in
             applied.append(sub.apply(update))
         return real(tensor_name, flat, start, numel)
 
-    monkeypatch.setattr(subscriber_module, "slice_lanes", apply_between_chunks)
+    monkeypatch.setattr(rehash_module, "slice_lanes", apply_between_chunks)
     assert sub.verify_weights() is True and applied and sub.step == 1
     assert sub.stats.verified_step == 1 and sub.stats.verified_hash == state_hash(sub.state) == sub.state_hash

@@ -148,7 +148,7 @@ def test_owners_are_balanced_and_slices_must_cover_each_tensor_exactly_once():
 
 def test_delta_parts_that_overlap_are_refused(tmp_path):
     from rlsync.errors import FormatError
-    from rlsync.protocol.subscriber import _merge_patches
+    from rlsync.protocol.fetcher import _merge_patches
     from rlsync.patch import TensorPatch
 
     a = TensorPatch(torch.tensor([1, 5]), torch.ones(2, dtype=torch.bfloat16), (10,))

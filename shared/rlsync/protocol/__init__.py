@@ -17,7 +17,9 @@ from .policy import (
 from .publisher import Publisher, PublishRecord
 from .retention import prune, sweep_orphans
 from .run import read_manifest
-from .subscriber import Subscriber, SubscriberStats, Update
+from .subscriber import Subscriber
+from .update import Update
+from .held import SubscriberStats
 
 __all__ = [
     "CONTROL_KEY",

@@ -10,7 +10,7 @@ import torch
 from rlsync.bucket import LocalBucket
 from rlsync.hashing import state_hash
 from rlsync.protocol import FixedInterval, Publisher, Subscriber
-from rlsync.protocol import subscriber as subscriber_module
+from rlsync.protocol import applier as applier_module
 
 from ..invariants import Ledger, TrialResult
 from ..toy import toy_master, toy_step
@@ -56,7 +56,7 @@ def trial_apply_interrupt(rng: random.Random, workdir: Path) -> TrialResult:
             k = rng.randint(0, len(update.patches) - 1)
             exc: BaseException = KeyboardInterrupt() if how == "KeyboardInterrupt" else RuntimeError("injected")
             patches = update.patches
-            real, calls = subscriber_module.scatter_, [0]
+            real, calls = applier_module.scatter_, [0]
 
             def scatter_raises(*args, calls=calls, k=k, exc=exc, real=real) -> torch.Tensor:
                 calls[0] += 1
@@ -67,14 +67,14 @@ def trial_apply_interrupt(rng: random.Random, workdir: Path) -> TrialResult:
             if how == "patch iteration raises":
                 update.patches = _RaisingPatches(patches, k, exc)
             else:
-                subscriber_module.scatter_ = scatter_raises
+                applier_module.scatter_ = scatter_raises
             try:
                 sub.apply(update)
                 result.fail(f"apply did not raise the injected {how}")
             except (RuntimeError, KeyboardInterrupt):
                 pass
             finally:
-                subscriber_module.scatter_ = real
+                applier_module.scatter_ = real
                 update.patches = patches
             result.faults[f"apply interrupted: {how}"] += 1
             after = (sub.step, sub.state_hash, state_hash(sub.state), sub.lanes)
