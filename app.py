@@ -245,6 +245,7 @@ def build_app(stack: Stack) -> gr.Blocks:
 
     from env_space import app as env_app
     from rlsync.spaces import access, components, frames
+    from rlsync.spaces.role_panel import PanelPlace
     from rollout_space import app as rollout_app
     from trainer_space import app as trainer_app
 
@@ -289,20 +290,13 @@ def build_app(stack: Stack) -> gr.Blocks:
                         components.apply_plot(live, prefix="overview-")
                     components.fleet_table(live, prefix="overview-")
             with gr.Tab("Trainer", id="trainer", elem_id="tab-trainer") as trainer_tab:
-                trainer_app.build_panel(
-                    stack.trainer, stack.trainer_config, bucket_url=url, timer=timers["trainer"], prefix="trainer-"
-                )
+                trainer_app.build_panel(stack.trainer, stack.trainer_config, PanelPlace(url, timers["trainer"], "trainer-"))
             with gr.Tab("Rollout", id="rollout", elem_id="tab-rollout") as rollout_tab:
                 rollout_app.build_panel(
-                    stack.rollout,
-                    stack.replica_config,
-                    count=stack.replicas,
-                    bucket_url=url,
-                    timer=timers["rollout"],
-                    prefix="rollout-",
+                    stack.rollout, stack.replica_config, stack.replicas, PanelPlace(url, timers["rollout"], "rollout-")
                 )
             with gr.Tab("Environment", id="env", elem_id="tab-env") as env_tab:
-                env_app.build_panel(stack.env, stack.env_config, bucket_url=url, timer=timers["env"], prefix="env-")
+                env_app.build_panel(stack.env, stack.env_config, PanelPlace(url, timers["env"], "env-"))
         for name, tab in zip(names, (overview, trainer_tab, rollout_tab, env_tab)):
             tab.select(
                 lambda shown=name: [gr.Timer(active=(other == shown)) for other in names],
