@@ -32,6 +32,7 @@ from env_space.environments import list_environments
 from env_space.simulator import EnvConfig, EnvSimulator
 from env_space.sources.settings import SOURCES
 from rlsync.spaces import components, forms, frames, role_control
+from rlsync.roles import Role
 from rlsync.spaces.role_panel import PanelPlace, RolePanel, RoleSpace
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ def build_panel(runner: role_control.RoleRunner, config: EnvConfig, place: Panel
 
 #: The environment Space's page: a Start runs one :class:`EnvSimulator`.
 SPACE = RoleSpace(
-    "env", "environment", "Publishes task batches and scores the replicas' completions.", EnvConfig.from_env,
+    Role.ENV, "environment", "Publishes task batches and scores the replicas' completions.", EnvConfig.from_env,
     lambda config: [EnvSimulator(config)], build_panel,
 )  # fmt: skip
 make_runner, build_app, main = SPACE.make_runner, SPACE.build_app, SPACE.main

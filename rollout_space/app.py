@@ -19,6 +19,7 @@ from typing import Any
 import gradio as gr
 from rlsync.fp8 import Chain
 from rlsync.spaces import components, forms, frames, role_control
+from rlsync.roles import Role
 from rlsync.spaces.role_panel import PanelPlace, RolePanel, RoleSpace
 
 from rollout_space.replica import Replica, ReplicaConfig, default_replica_id
@@ -92,7 +93,7 @@ def build_panel(
 #: The rollout Space's page: a Start runs ``count`` replicas (the runner starts with ``(ReplicaConfig, count)``;
 #: ``build_app(count=...)`` sets the form's default count).
 SPACE = RoleSpace(
-    "rollout", "rollout", "Replicas following the trainer's weights bit-exactly and answering task batches.",
+    Role.ROLLOUT, "rollout", "Replicas following the trainer's weights bit-exactly and answering task batches.",
     ReplicaConfig.from_env, lambda spec: build_replicas(*spec), build_panel,
 )  # fmt: skip
 make_runner, build_app, main = SPACE.make_runner, SPACE.build_app, SPACE.main

@@ -39,6 +39,7 @@ from rlsync.bucket.watch import generation, meter_of, wait_for_change
 from rlsync.errors import BucketError
 from rlsync.fp8 import Chain, write_fp8_checkpoint
 from rlsync.layout import ROLLOUTS_PREFIX, SCORES_PREFIX, TASKS_PREFIX, check_id
+from rlsync.roles import Role
 from rlsync.spaces.exchange import open_role_bucket
 from rlsync.spaces.interval_log import IntervalLog
 from rlsync.spaces.metrics import ReplicaStatus
@@ -84,7 +85,7 @@ class Replica:
         if self.chain is Chain.FP8 and ((engine.name if engine is not None else kind) != "vllm" or config.lora):
             raise ValueError(f"the fp8 chain is served by the vllm engine without LoRA (engine {kind!r}, lora {config.lora})")
         self.replica_id = check_id(config.replica_id or default_replica_id())
-        self.bucket = open_role_bucket("rollout", config.bucket, bucket)
+        self.bucket = open_role_bucket(Role.ROLLOUT, config.bucket, bucket)
         self._owns_watch = self.bucket is not bucket  # close() stops the watch this role made
         self.meter = meter_of(self.bucket)
         self._since: int | None = None

@@ -22,6 +22,7 @@ import gradio as gr
 
 from rlsync.protocol.policy import policy_names
 from rlsync.spaces import components, forms, frames, role_control
+from rlsync.roles import Role
 from rlsync.spaces.role_panel import PanelPlace, RolePanel, RoleSpace
 from trainer_space.trainer import Trainer, TrainerConfig
 
@@ -83,7 +84,7 @@ def build_panel(runner: role_control.RoleRunner, config: TrainerConfig, place: P
 
 #: The trainer Space's page: a Start runs one :class:`Trainer`.
 SPACE = RoleSpace(
-    "trainer", "trainer", "Async GRPO trainer publishing bf16 anchors and sparse deltas to the bucket.",
+    Role.TRAINER, "trainer", "Async GRPO trainer publishing bf16 anchors and sparse deltas to the bucket.",
     TrainerConfig.from_env, lambda config: [Trainer(config)], build_panel,
 )  # fmt: skip
 make_runner, build_app, main = SPACE.make_runner, SPACE.build_app, SPACE.main

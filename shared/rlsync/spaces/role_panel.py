@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..roles import Role
 from . import components, forms
 from .role_control import RoleRunner
 from .snapshots import BucketSource
@@ -87,7 +88,7 @@ class RoleSpace:
     """One role's Space page (``python -m <role>_space.app``; on the Space, ``python app.py`` at its root).
 
     Args:
-        role: The role's name (its runner's, e.g. ``"trainer"``).
+        role: The role (its runner's name).
         title: The page's title (``RL Sync: <title>``).
         description: One line under the title.
         read_config: Reads the form's defaults from the environment (e.g. ``TrainerConfig.from_env``).
@@ -95,7 +96,7 @@ class RoleSpace:
         build_panel: ``build_panel(runner, config, **options)`` creates the panel in the current ``gr.Blocks``.
     """
 
-    role: str
+    role: Role
     title: str
     description: str
     read_config: Callable[[], Any]
