@@ -52,13 +52,9 @@ class TaskAnswerer:
     ) -> None:  # fmt: skip
         from transformers import AutoTokenizer
 
-        self.bucket = bucket
-        self.replica_id = replica_id
+        self.bucket, self.replica_id, self.config, self.summary = bucket, replica_id, config, summary
         self.engine = engine
-        self.config = config
-        self.subscriber = subscriber
-        self.adapters = adapters
-        self.summary = summary
+        self.subscriber, self.adapters = subscriber, adapters  # what the policy version is read from
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.budget = TokenBudget(
             max_prompt_tokens=config.max_prompt_tokens or max(1, context_length(model) - config.max_new_tokens),

@@ -100,8 +100,8 @@ class Replica:
         self.summary = IntervalLog(logger, functools.partial(summary_line, self.replica_id))
         max_state_bytes = config.max_model_bytes or weights_bytes(model)  # bounds the first anchor (or adapter)
         self.weights = WeightFollower(
-            self.bucket, self.engine, self.chain, name=self.replica_id, max_state_bytes=max_state_bytes,
-            rehash_every_s=config.rehash_every_s, poll_s=config.poll_s, summary=self.summary,
+            self.bucket, self.engine, self.chain, config, name=self.replica_id, max_state_bytes=max_state_bytes,
+            summary=self.summary,
         )  # fmt: skip
         #: The weights' subscriber and the slot of the update waiting to be applied (the follower's).
         self.subscriber, self.slot = self.weights.subscriber, self.weights.slot

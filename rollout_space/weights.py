@@ -25,6 +25,7 @@ from rlsync.fp8 import Chain
 from rlsync.protocol import Update
 from rlsync.spaces.interval_log import IntervalLog
 
+from .config import ReplicaConfig
 from .engine import Engine
 from .update_slot import UpdateSlot
 
@@ -46,23 +47,19 @@ class WeightFollower:
         bucket: The run's bucket.
         engine: The engine serving the weights.
         chain: The chain followed (bf16 weights or the FP8 serving chain).
+        config: The replica's settings (``rehash_every_s``: seconds between full re-hashes of the weights, 0:
+            only after anchors; ``poll_s``: seconds between pointer reads when up to date on an unwatched bucket).
         name: The replica's id, in log lines.
         max_state_bytes: The largest first anchor accepted (e.g. the model's size).
-        rehash_every_s: Seconds between full re-hashes of the weights (0: only after anchors).
-        poll_s: Seconds between pointer reads when up to date on an unwatched bucket.
         summary: The replica's interval log, counting applied versions and pauses.
     """
 
     def __init__(
-        self, bucket: Bucket, engine: Engine, chain: Chain, *, name: str, max_state_bytes: int | None,
-        rehash_every_s: float, poll_s: float, summary: IntervalLog,
+        self, bucket: Bucket, engine: Engine, chain: Chain, config: ReplicaConfig, *, name: str,
+        max_state_bytes: int | None, summary: IntervalLog,
     ) -> None:  # fmt: skip
-        self.bucket = bucket
-        self.engine = engine
-        self.chain = chain
+        self.bucket, self.engine, self.chain, self.config = bucket, engine, chain, config
         self.name = name
-        self.rehash_every_s = rehash_every_s
-        self.poll_s = poll_s
         self.summary = summary
         self._engine_weights = engine.weights()  # None: the engine is fed from the subscriber's copy
         self.subscriber = chain.subscriber(bucket, weights=self._engine_weights, max_state_bytes=max_state_bytes)
@@ -88,7 +85,7 @@ class WeightFollower:
             if self.subscriber.manifest is not None:
                 self.newest_step = self.subscriber.manifest.step
             if update is None:
-                wait_for_change(self.bucket, stop, idle_wait_s(self.bucket, self.poll_s), (self.chain.pointer_key,), since)
+                wait_for_change(self.bucket, stop, idle_wait_s(self.bucket, self.config.poll_s), (self.chain.pointer_key,), since)
                 continue
             self.slot.put(update)
 
@@ -128,7 +125,7 @@ class WeightFollower:
     def rehash_loop(self, stop: threading.Event) -> None:
         """Background thread: re-hash the weights in full after every anchor and every ``rehash_every_s``
         seconds (:meth:`~rlsync.protocol.Subscriber.verify_weights`; a mismatch re-bootstraps), until ``stop``."""
-        every = self.rehash_every_s
+        every = self.config.rehash_every_s
         while not stop.is_set():
             self._rehash_now.wait(every if every > 0 else None)
             if stop.is_set():
