@@ -295,9 +295,8 @@ def build_app(stack: Stack) -> gr.Blocks:
                     stack.trainer, stack.trainer_config, PanelPlace(url, timers[Role.TRAINER], "trainer-")
                 )
             with gr.Tab("Rollout", id="rollout", elem_id="tab-rollout") as rollout_tab:
-                rollout_app.build_panel(
-                    stack.rollout, stack.replica_config, stack.replicas, PanelPlace(url, timers[Role.ROLLOUT], "rollout-")
-                )
+                place = PanelPlace(url, timers[Role.ROLLOUT], "rollout-")
+                rollout_app.build_panel(stack.rollout, stack.replica_config, stack.replicas, place)
             with gr.Tab("Environment", id="env", elem_id="tab-env") as env_tab:
                 env_app.build_panel(stack.env, stack.env_config, PanelPlace(url, timers[Role.ENV], "env-"))
         for name, tab in zip(names, (overview, trainer_tab, rollout_tab, env_tab)):

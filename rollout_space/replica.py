@@ -111,8 +111,8 @@ class Replica:
             if config.lora else None
         )  # fmt: skip
         self.tasks = TaskAnswerer(
-            self.bucket, self.replica_id, self.engine, model, config, subscriber=self.subscriber, adapters=self.adapters,
-            summary=self.summary,
+            self.bucket, self.replica_id, self.engine, model, config, subscriber=self.subscriber,
+            adapters=self.adapters, summary=self.summary,
         )  # fmt: skip
         #: The task batch claims and the refused objects (the answerer's).
         self.batches, self.refusals = self.tasks.batches, self.tasks.refusals
@@ -129,7 +129,7 @@ class Replica:
 
     @property
     def syncs(self) -> list[dict]:
-        """The updates applied, the newest last (:attr:`WeightFollower.syncs <rollout_space.weights.WeightFollower.syncs>`)."""
+        """The updates applied, the newest last (:attr:`rollout_space.weights.WeightFollower.syncs`)."""
         return self.weights.syncs
 
     @property

@@ -85,7 +85,8 @@ class WeightFollower:
             if self.subscriber.manifest is not None:
                 self.newest_step = self.subscriber.manifest.step
             if update is None:
-                wait_for_change(self.bucket, stop, idle_wait_s(self.bucket, self.config.poll_s), (self.chain.pointer_key,), since)
+                idle_s = idle_wait_s(self.bucket, self.config.poll_s)
+                wait_for_change(self.bucket, stop, idle_s, (self.chain.pointer_key,), since)
                 continue
             self.slot.put(update)
 

@@ -29,7 +29,9 @@ from trainer_space.trainer import Trainer, TrainerConfig
 logger = logging.getLogger(__name__)
 
 
-def build_panel(runner: role_control.RoleRunner, config: TrainerConfig, place: PanelPlace = PanelPlace()) -> dict[str, Any]:
+def build_panel(
+    runner: role_control.RoleRunner, config: TrainerConfig, place: PanelPlace = PanelPlace()
+) -> dict[str, Any]:
     """Create the trainer panel's components in the current ``gr.Blocks`` context (:class:`RolePanel`, then the
     anchor policy controls and the trainer's figures).
 

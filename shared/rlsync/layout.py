@@ -88,7 +88,9 @@ ENV_READS = (POINTER_KEY, ADAPTER_PREFIX + POINTER_KEY, CONTROL_PREFIX, TASKS_PR
              CLAIMS_PREFIX)  # fmt: skip
 #: Each role's reads. Keys outside them (another role's reports, a flood under a prefix the role does not
 #: read) cost the role no listing page; a read of one asks the bucket.
-ROLE_READS: dict[Role, tuple[str, ...]] = {Role.TRAINER: TRAINER_READS, Role.ROLLOUT: ROLLOUT_READS, Role.ENV: ENV_READS}
+ROLE_READS: dict[Role, tuple[str, ...]] = {
+    Role.TRAINER: TRAINER_READS, Role.ROLLOUT: ROLLOUT_READS, Role.ENV: ENV_READS
+}
 
 _STEP = r"(\d{12,20})"
 _EPOCH = r"(?:-e(\d{4,16}))?"  # format version 1 had no epoch

@@ -64,7 +64,10 @@ class RolePanel:
         return forms.config_form(self.config, overrides=overrides, skip=skip, prefix=self.prefix)
 
     def controls(
-        self, make_config: Callable[..., Any], inputs: Sequence[Any], bucket_of: Callable[[Any], str] = lambda c: c.bucket
+        self,
+        make_config: Callable[..., Any],
+        inputs: Sequence[Any],
+        bucket_of: Callable[[Any], str] = lambda c: c.bucket,
     ) -> dict[str, Any]:
         """Start / Stop and the status line (:func:`~rlsync.spaces.components.role_controls`), built inside
         :attr:`live`; a Start makes the panel follow the bucket it names.
@@ -120,5 +123,5 @@ class RoleSpace:
         return components.space_page(self.title, self.description, lambda: self.build_panel(runner, config, **options))
 
     def main(self) -> None:
-        """Launch the page (``GRADIO_SERVER_NAME``, ``PORT``, ``PANEL_AUTH``: :func:`~rlsync.spaces.components.serve`)."""
+        """Launch the page (``GRADIO_SERVER_NAME``, ``PORT``, ``PANEL_AUTH``: :func:`.components.serve`)."""
         components.serve(self.build_app)
