@@ -245,11 +245,13 @@ def build_app(stack: Stack) -> gr.Blocks:
 
     from env_space import app as env_app
     from rlsync.spaces import access, components, frames
+    from rlsync.roles import Role
+    from rlsync.spaces.role_panel import PanelPlace
     from rollout_space import app as rollout_app
     from trainer_space import app as trainer_app
 
     url = stack.bucket
-    names = ["overview", "trainer", "rollout", "env"]
+    names = ["overview", *Role]
     with gr.Blocks(title="RL Sync: async RL weight sync") as demo:
         gr.Markdown(
             "# RL Sync: asynchronous RL weight sync\n"
@@ -290,19 +292,13 @@ def build_app(stack: Stack) -> gr.Blocks:
                     components.fleet_table(live, prefix="overview-")
             with gr.Tab("Trainer", id="trainer", elem_id="tab-trainer") as trainer_tab:
                 trainer_app.build_panel(
-                    stack.trainer, stack.trainer_config, bucket_url=url, timer=timers["trainer"], prefix="trainer-"
+                    stack.trainer, stack.trainer_config, PanelPlace(url, timers[Role.TRAINER], "trainer-")
                 )
             with gr.Tab("Rollout", id="rollout", elem_id="tab-rollout") as rollout_tab:
-                rollout_app.build_panel(
-                    stack.rollout,
-                    stack.replica_config,
-                    count=stack.replicas,
-                    bucket_url=url,
-                    timer=timers["rollout"],
-                    prefix="rollout-",
-                )
+                place = PanelPlace(url, timers[Role.ROLLOUT], "rollout-")
+                rollout_app.build_panel(stack.rollout, stack.replica_config, stack.replicas, place)
             with gr.Tab("Environment", id="env", elem_id="tab-env") as env_tab:
-                env_app.build_panel(stack.env, stack.env_config, bucket_url=url, timer=timers["env"], prefix="env-")
+                env_app.build_panel(stack.env, stack.env_config, PanelPlace(url, timers[Role.ENV], "env-"))
         for name, tab in zip(names, (overview, trainer_tab, rollout_tab, env_tab)):
             tab.select(
                 lambda shown=name: [gr.Timer(active=(other == shown)) for other in names],
@@ -320,12 +316,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     from rlsync.bucket import BucketSettings, open_bucket
     from rlsync.bucket.settings import role_weight
+    from rlsync.roles import Role
     from rlsync.spaces import components
     from rlsync.supervised import SupervisedThread
 
     # The roles and the panel share the token's Hub budget: each paces itself to its weight's part of the
     # total (the env, the panel and each replica weigh 1, the trainer more: its publishes are the product).
-    os.environ.setdefault("HUB_SHARE", str(args.replicas + 2 + math.ceil(role_weight("trainer"))))
+    os.environ.setdefault("HUB_SHARE", str(args.replicas + 2 + math.ceil(role_weight(Role.TRAINER))))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpx2", "rlsync.protocol.subscriber"):  # httpx2: huggingface_hub's client, a line per request
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -5,6 +5,7 @@ Every setting also comes from ``ENV_<FIELD>`` environment variables.
 
 from __future__ import annotations
 
+from rlsync.roles import Role
 from rlsync.spaces.runner import run_role
 
 from .config import EnvConfig
@@ -18,4 +19,4 @@ def build(config: EnvConfig):
 
 
 if __name__ == "__main__":
-    run_role("env", EnvConfig, build)
+    run_role(Role.ENV, EnvConfig, build)

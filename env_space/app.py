@@ -31,46 +31,35 @@ import gradio as gr
 from env_space.environments import list_environments
 from env_space.simulator import EnvConfig, EnvSimulator
 from env_space.sources.settings import SOURCES
-from rlsync.spaces import components, forms, frames, role_control, snapshots
+from rlsync.spaces import components, forms, frames, role_control
+from rlsync.roles import Role
+from rlsync.spaces.role_panel import PanelPlace, RolePanel, RoleSpace
 
 logger = logging.getLogger(__name__)
 
 
-def make_runner() -> role_control.RoleRunner:
-    """A runner hosting one :class:`EnvSimulator`."""
-    return role_control.RoleRunner("env", lambda config: [EnvSimulator(config)])
-
-
-def build_panel(
-    runner: role_control.RoleRunner,
-    config: EnvConfig,
-    bucket_url: snapshots.BucketSource | None = None,
-    timer: Any | None = None,
-    prefix: str = "",
-) -> dict[str, Any]:
-    """Create the environment panel's components in the current ``gr.Blocks`` context.
+def build_panel(runner: role_control.RoleRunner, config: EnvConfig, place: PanelPlace = PanelPlace()) -> dict[str, Any]:
+    """Create the environment panel's components in the current ``gr.Blocks`` context (:class:`RolePanel` with the
+    selected source's own form, then the rewards, failures and episodes).
 
     Args:
         runner: The simulator this panel starts and stops.
         config: Defaults of the settings form.
-        bucket_url: The bucket the panel reads (fixed, e.g. in the combined app); ``None``:
-            the form has a bucket field and the panel follows the bucket of the last Start.
-        timer: The ``gr.Timer`` refreshing the panel (default: a new one).
-        prefix: Prepended to the components' ``elem_id`` (several panels on one page).
+        place: Where the panel stands.
 
     Returns:
         The main components by name.
     """
-    live, follow = components.panel_live(config.bucket, bucket_url, timer)
-    skip = ("bucket", "source_settings") if bucket_url is not None else ("source_settings",)
+    panel, prefix = RolePanel(runner, config, place), place.prefix
+    live = panel.live
     choices = [*list_environments(), *(source.example for source in SOURCES.values())]
     choices += [config.environment] if config.environment not in choices else []
 
     def selector(**kw: Any) -> Any:
         return gr.Dropdown(choices, allow_custom_value=True, **kw)
 
-    with gr.Accordion("Environment settings", open=bucket_url is None):
-        form = forms.config_form(config, overrides={"environment": selector}, skip=skip, prefix=prefix)
+    with gr.Accordion("Environment settings", open=place.bucket_url is None):
+        form = panel.form(overrides={"environment": selector}, skip=("source_settings",))
         source_forms: dict[str, tuple[Any, dict[str, Any], Any]] = {}  # source -> (defaults, form, accordion)
         for source, entry in SOURCES.items():  # one form per registered source, from its settings
             defaults = entry.read()
@@ -96,14 +85,7 @@ def build_panel(
         return made
 
     with live:
-        controls = components.role_controls(
-            runner,
-            make_config,
-            [*form.values(), *source_inputs],
-            live,
-            on_started=lambda c: follow(c.bucket),
-            prefix=prefix,
-        )
+        controls = panel.controls(make_config, [*form.values(), *source_inputs])
         summary = components.summary_line(live, frames.env_summary, elem_id=f"{prefix}env-summary")
         components.summary_line(live, frames.hub_requests_summary, elem_id=f"{prefix}hub-requests")
         reward = components.reward_plot(live, prefix=prefix)
@@ -121,22 +103,12 @@ def build_panel(
     }  # fmt: skip
 
 
-def build_app(config: EnvConfig | None = None, runner: role_control.RoleRunner | None = None) -> gr.Blocks:
-    """The environment Space's panel as a ``gr.Blocks`` (not launched).
-
-    Args:
-        config: Form defaults (default: ``EnvConfig.from_env()``).
-        runner: The simulator runner (default: a new one).
-    """
-    config = config or EnvConfig.from_env()
-    runner = runner or make_runner()
-    description = "Publishes task batches and scores the replicas' completions."
-    return components.space_page("environment", description, lambda: build_panel(runner, config))
-
-
-def main() -> None:
-    """Launch the environment panel (``GRADIO_SERVER_NAME``, ``PORT``, ``PANEL_AUTH``)."""
-    components.serve(build_app)
+#: The environment Space's page: a Start runs one :class:`EnvSimulator`.
+SPACE = RoleSpace(
+    Role.ENV, "environment", "Publishes task batches and scores the replicas' completions.", EnvConfig.from_env,
+    lambda config: [EnvSimulator(config)], build_panel,
+)  # fmt: skip
+make_runner, build_app, main = SPACE.make_runner, SPACE.build_app, SPACE.main
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from rlsync.bucket import Bucket
 from rlsync.bucket.watch import IDLE_WAIT_S, generation, meter_of, wait_for_change
 from rlsync.errors import BucketError
 from rlsync.layout import DEMAND_KEY, ROLLOUTS_PREFIX, replica_of, score_key, task_key
+from rlsync.roles import Role
 from rlsync.spaces.demand import Demand, Pacing
 from rlsync.spaces.interval_log import IntervalLog
 from rlsync.spaces.exchange import (
@@ -82,7 +83,7 @@ class EnvSimulator:
 
     def __init__(self, config: EnvConfig, bucket: Bucket | None = None) -> None:
         self.config = config
-        self.bucket = open_role_bucket("env", config.bucket, bucket)
+        self.bucket = open_role_bucket(Role.ENV, config.bucket, bucket)
         self._owns_watch = self.bucket is not bucket  # close() stops the watch this role made
         self.meter = meter_of(self.bucket)
         settings = source_settings(config.environment, config.source_settings)

@@ -5,6 +5,7 @@ Every setting also comes from ``ROLLOUT_<FIELD>`` environment variables.
 
 from __future__ import annotations
 
+from rlsync.roles import Role
 from rlsync.spaces.runner import run_role
 
 from .config import ReplicaConfig
@@ -18,4 +19,4 @@ def build(config: ReplicaConfig):
 
 
 if __name__ == "__main__":
-    run_role("rollout", ReplicaConfig, build)
+    run_role(Role.ROLLOUT, ReplicaConfig, build)

@@ -18,7 +18,9 @@ from typing import Any
 
 import gradio as gr
 from rlsync.fp8 import Chain
-from rlsync.spaces import components, forms, frames, role_control, snapshots
+from rlsync.spaces import components, forms, frames, role_control
+from rlsync.roles import Role
+from rlsync.spaces.role_panel import PanelPlace, RolePanel, RoleSpace
 
 from rollout_space.replica import Replica, ReplicaConfig, default_replica_id
 
@@ -39,53 +41,36 @@ def build_replicas(config: ReplicaConfig, count: int = 1) -> list[Replica]:
     return [Replica(dataclasses.replace(config, replica_id=f"{base}-{i}", seed=config.seed + i)) for i in range(count)]
 
 
-def make_runner() -> role_control.RoleRunner:
-    """A runner hosting replicas; start it with ``(ReplicaConfig, count)``."""
-    return role_control.RoleRunner("rollout", lambda spec: build_replicas(*spec))
-
-
 def hosted_ids(runner: role_control.RoleRunner) -> list[str]:
     """Ids of the replicas ``runner`` hosts (empty before Start)."""
     return [obj.replica_id for obj in runner.objects if isinstance(obj, Replica)]
 
 
 def build_panel(
-    runner: role_control.RoleRunner,
-    config: ReplicaConfig,
-    count: int = 1,
-    bucket_url: snapshots.BucketSource | None = None,
-    timer: Any | None = None,
-    prefix: str = "",
+    runner: role_control.RoleRunner, config: ReplicaConfig, count: int = 1, place: PanelPlace = PanelPlace()
 ) -> dict[str, Any]:
-    """Create the rollout panel's components in the current ``gr.Blocks`` context.
+    """Create the rollout panel's components in the current ``gr.Blocks`` context (:class:`RolePanel` with a
+    replica count, then this Space's replicas and the fleet).
 
     Args:
         runner: The replicas this panel starts and stops (from :func:`make_runner`).
         config: Defaults of the settings form.
         count: Default number of replicas started in this process.
-        bucket_url: The bucket the panel reads (fixed, e.g. in the combined app); ``None``:
-            the form has a bucket field and the panel follows the bucket of the last Start.
-        timer: The ``gr.Timer`` refreshing the panel (default: a new one).
-        prefix: Prepended to the components' ``elem_id`` (several panels on one page).
+        place: Where the panel stands.
 
     Returns:
         The main components by name.
     """
-    live, follow = components.panel_live(config.bucket, bucket_url, timer)
-    skip = ("bucket",) if bucket_url is not None else ()
+    panel, prefix = RolePanel(runner, config, place), place.prefix
+    live = panel.live
     with gr.Accordion("Replica settings", open=False):
         replicas = gr.Number(
             count, precision=0, minimum=1, label="replicas in this process", elem_id=f"{prefix}cfg-replicas"
         )
-        form = forms.config_form(
-            config,
-            overrides={
-                "engine": lambda **kw: gr.Dropdown(["auto", "transformers", "vllm"], **kw),
-                "chain": lambda **kw: gr.Dropdown([c.value for c in Chain], **kw),
-            },
-            skip=skip,
-            prefix=prefix,
-        )
+        form = panel.form(overrides={
+            "engine": lambda **kw: gr.Dropdown(["auto", "transformers", "vllm"], **kw),
+            "chain": lambda **kw: gr.Dropdown([c.value for c in Chain], **kw),
+        })  # fmt: skip
 
     def make_config(n: float | None, *values: Any) -> tuple[ReplicaConfig, int]:
         if n is None or n < 1 or float(n) != int(n):
@@ -93,14 +78,7 @@ def build_panel(
         return forms.config_from_form(config, list(form), values), int(n)
 
     with live:
-        controls = components.role_controls(
-            runner,
-            make_config,
-            [replicas, *form.values()],
-            live,
-            on_started=lambda c: follow(c[0].bucket),
-            prefix=prefix,
-        )
+        controls = panel.controls(make_config, [replicas, *form.values()], bucket_of=lambda c: c[0].bucket)
         gr.Markdown("### This Space's replicas")
         mine = components.fleet_table(
             live, replicas=lambda: hosted_ids(runner), label="Replicas hosted here", prefix=f"{prefix}own-"
@@ -112,23 +90,13 @@ def build_panel(
     return {**controls, "form": form, "replicas": replicas, "own": mine, "apply": apply, "fleet": fleet, "live": live}
 
 
-def build_app(config: ReplicaConfig | None = None, runner: role_control.RoleRunner | None = None, count: int = 1) -> gr.Blocks:
-    """The rollout Space's panel as a ``gr.Blocks`` (not launched).
-
-    Args:
-        config: Form defaults (default: ``ReplicaConfig.from_env()``).
-        runner: The replica runner (default: a new one).
-        count: Default number of replicas.
-    """
-    config = config or ReplicaConfig.from_env()
-    runner = runner or make_runner()
-    description = "Replicas following the trainer's weights bit-exactly and answering task batches."
-    return components.space_page("rollout", description, lambda: build_panel(runner, config, count))
-
-
-def main() -> None:
-    """Launch the rollout panel (``GRADIO_SERVER_NAME``, ``PORT``, ``PANEL_AUTH``)."""
-    components.serve(build_app)
+#: The rollout Space's page: a Start runs ``count`` replicas (the runner starts with ``(ReplicaConfig, count)``;
+#: ``build_app(count=...)`` sets the form's default count).
+SPACE = RoleSpace(
+    Role.ROLLOUT, "rollout", "Replicas following the trainer's weights bit-exactly and answering task batches.",
+    ReplicaConfig.from_env, lambda spec: build_replicas(*spec), build_panel,
+)  # fmt: skip
+make_runner, build_app, main = SPACE.make_runner, SPACE.build_app, SPACE.main
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Every setting also comes from ``TRAINER_<FIELD>`` environment variables.
 
 from __future__ import annotations
 
+from rlsync.roles import Role
 from rlsync.spaces.runner import run_role
 
 from .config import TrainerConfig
@@ -18,4 +19,4 @@ def build(config: TrainerConfig):
 
 
 if __name__ == "__main__":
-    run_role("trainer", TrainerConfig, build)
+    run_role(Role.TRAINER, TrainerConfig, build)

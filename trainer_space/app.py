@@ -21,59 +21,38 @@ from typing import Any
 import gradio as gr
 
 from rlsync.protocol.policy import policy_names
-from rlsync.spaces import components, forms, frames, role_control, snapshots
+from rlsync.spaces import components, forms, frames, role_control
+from rlsync.roles import Role
+from rlsync.spaces.role_panel import PanelPlace, RolePanel, RoleSpace
 from trainer_space.trainer import Trainer, TrainerConfig
 
 logger = logging.getLogger(__name__)
 
 
-def make_runner() -> role_control.RoleRunner:
-    """A runner hosting one :class:`Trainer`."""
-    return role_control.RoleRunner("trainer", lambda config: [Trainer(config)])
-
-
 def build_panel(
-    runner: role_control.RoleRunner,
-    config: TrainerConfig,
-    bucket_url: snapshots.BucketSource | None = None,
-    timer: Any | None = None,
-    prefix: str = "",
+    runner: role_control.RoleRunner, config: TrainerConfig, place: PanelPlace = PanelPlace()
 ) -> dict[str, Any]:
-    """Create the trainer panel's components in the current ``gr.Blocks`` context.
+    """Create the trainer panel's components in the current ``gr.Blocks`` context (:class:`RolePanel`, then the
+    anchor policy controls and the trainer's figures).
 
     Args:
         runner: The trainer this panel starts and stops.
         config: Defaults of the settings form.
-        bucket_url: The bucket the panel reads (fixed, e.g. in the combined app); ``None``:
-            the form has a bucket field and the panel follows the bucket of the last Start.
-        timer: The ``gr.Timer`` refreshing the panel (default: a new one, ticking every ``components.REFRESH_S``).
-        prefix: Prepended to the components' ``elem_id`` (several panels on one page).
+        place: Where the panel stands.
 
     Returns:
         The main components by name (``"start"``, ``"stop"``, ``"status"``, ``"anchor"``, ...).
     """
-    live, follow = components.panel_live(config.bucket, bucket_url, timer)
-    skip = ("bucket",) if bucket_url is not None else ()
+    panel, prefix = RolePanel(runner, config, place), place.prefix
+    live = panel.live
     with gr.Accordion("Trainer settings", open=False):
-        form = forms.config_form(
-            config,
-            overrides={"anchor_policy": lambda **kw: gr.Radio(policy_names(), **kw)},
-            skip=skip,
-            prefix=prefix,
-        )
+        form = panel.form(overrides={"anchor_policy": lambda **kw: gr.Radio(policy_names(), **kw)})
 
     def make_config(*values: Any) -> TrainerConfig:
         return forms.config_from_form(config, list(form), values)
 
     with live:
-        controls = components.role_controls(
-            runner,
-            make_config,
-            list(form.values()),
-            live,
-            on_started=lambda c: follow(c.bucket),
-            prefix=prefix,
-        )
+        controls = panel.controls(make_config, list(form.values()))
         summary = components.summary_line(live, frames.trainer_summary, elem_id=f"{prefix}trainer-summary")
         components.summary_line(live, frames.adapter_summary, elem_id=f"{prefix}adapter-summary")
         components.summary_line(live, frames.hub_requests_summary, elem_id=f"{prefix}hub-requests")
@@ -105,22 +84,12 @@ def build_panel(
     }
 
 
-def build_app(config: TrainerConfig | None = None, runner: role_control.RoleRunner | None = None) -> gr.Blocks:
-    """The trainer Space's panel as a ``gr.Blocks`` (not launched).
-
-    Args:
-        config: Form defaults (default: ``TrainerConfig.from_env()``).
-        runner: The trainer runner (default: a new one).
-    """
-    config = config or TrainerConfig.from_env()
-    runner = runner or make_runner()
-    description = "Async GRPO trainer publishing bf16 anchors and sparse deltas to the bucket."
-    return components.space_page("trainer", description, lambda: build_panel(runner, config))
-
-
-def main() -> None:
-    """Launch the trainer panel (``GRADIO_SERVER_NAME``, ``PORT``, ``PANEL_AUTH``)."""
-    components.serve(build_app)
+#: The trainer Space's page: a Start runs one :class:`Trainer`.
+SPACE = RoleSpace(
+    Role.TRAINER, "trainer", "Async GRPO trainer publishing bf16 anchors and sparse deltas to the bucket.",
+    TrainerConfig.from_env, lambda config: [Trainer(config)], build_panel,
+)  # fmt: skip
+make_runner, build_app, main = SPACE.make_runner, SPACE.build_app, SPACE.main
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from rlsync.bucket.watch import meter_of
 from rlsync.checkpoint_layout import CheckpointLayout, expert_changed_pct
 from rlsync.codecs import default_codec
 from rlsync.protocol import PublishRecord
+from rlsync.roles import Role
 from rlsync.spaces.anchor_policy import ControlledPolicy
 from rlsync.spaces.demand import Pacing
 from rlsync.spaces.exchange import open_role_bucket
@@ -103,7 +104,7 @@ class Trainer:
         from datasets import Dataset
         from transformers import AutoTokenizer
 
-        self.bucket = open_role_bucket("trainer", config.bucket, bucket)
+        self.bucket = open_role_bucket(Role.TRAINER, config.bucket, bucket)
         self._owns_watch = self.bucket is not bucket  # close() stops the watch this role made
         self.meter = meter_of(self.bucket)
         device = resolve_device(config.device)

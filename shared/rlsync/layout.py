@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import re
 
+from .roles import Role
+
 __all__ = [
     "POINTER_KEY", "LOCK_KEY", "ANCHOR_PREFIX", "DELTA_PREFIX", "CHECKPOINTS_PREFIX", "CHECKPOINT_MARKER",
     "ADAPTER_PREFIX", "FP8_PREFIX", "CONTROL_PREFIX", "CONTROL_KEY", "DEMAND_KEY", "TASKS_PREFIX", "ROLLOUTS_PREFIX",
@@ -84,10 +86,11 @@ ROLLOUT_READS = (*_POINTERS, CONTROL_PREFIX, TASKS_PREFIX, ROLLOUTS_PREFIX, SCOR
 #: their answers, scores and claims.
 ENV_READS = (POINTER_KEY, ADAPTER_PREFIX + POINTER_KEY, CONTROL_PREFIX, TASKS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX,
              CLAIMS_PREFIX)  # fmt: skip
-#: Each role's reads by its name (as ``BucketSettings.from_env`` takes it). Keys outside them (another
-#: role's reports, a flood under a prefix the role does not read) cost the role no listing page; a read
-#: of one asks the bucket.
-ROLE_READS = {"trainer": TRAINER_READS, "rollout": ROLLOUT_READS, "env": ENV_READS}
+#: Each role's reads. Keys outside them (another role's reports, a flood under a prefix the role does not
+#: read) cost the role no listing page; a read of one asks the bucket.
+ROLE_READS: dict[Role, tuple[str, ...]] = {
+    Role.TRAINER: TRAINER_READS, Role.ROLLOUT: ROLLOUT_READS, Role.ENV: ENV_READS
+}
 
 _STEP = r"(\d{12,20})"
 _EPOCH = r"(?:-e(\d{4,16}))?"  # format version 1 had no epoch

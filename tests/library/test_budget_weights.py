@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from rlsync.roles import Role
 from rlsync.bucket import BucketSettings
 from rlsync.bucket.budget import TRAINER_WEIGHT, BudgetConfig, RequestClass, RequestMeter, Tier
 from rlsync.bucket.settings import role_weight
@@ -67,14 +68,14 @@ def test_the_trainer_takes_its_weights_part_of_the_spare_and_the_fleet_no_more_t
 
 
 def test_the_roles_weights_from_the_environment():
-    assert BucketSettings.from_env("trainer", {}).budget.weight == TRAINER_WEIGHT
-    assert BucketSettings.from_env("env", {}).budget.weight == role_weight("rollout", {}) == 1.0
+    assert BucketSettings.from_env(Role.TRAINER, {}).budget.weight == TRAINER_WEIGHT
+    assert BucketSettings.from_env(Role.ENV, {}).budget.weight == role_weight(Role.ROLLOUT, {}) == 1.0
     # the default share is the demo's fleet: the trainer, the env and two replicas
     assert BudgetConfig().share == TRAINER_WEIGHT + 3
-    assert BucketSettings.from_env("trainer", {"TRAINER_HUB_WEIGHT": "1"}).budget.weight == 1.0
-    assert BucketSettings.from_env("env", {"HUB_WEIGHT": "1.5", "HUB_SHARE": "7"}).budget.weight == 1.5
+    assert BucketSettings.from_env(Role.TRAINER, {"TRAINER_HUB_WEIGHT": "1"}).budget.weight == 1.0
+    assert BucketSettings.from_env(Role.ENV, {"HUB_WEIGHT": "1.5", "HUB_SHARE": "7"}).budget.weight == 1.5
     with pytest.raises(ValueError, match="TRAINER_HUB_WEIGHT"):
-        role_weight("trainer", {"TRAINER_HUB_WEIGHT": "most"})
+        role_weight(Role.TRAINER, {"TRAINER_HUB_WEIGHT": "most"})
     with pytest.raises(ValueError, match="weight"):
         BudgetConfig(share=4, weight=5)  # more than the whole fleet's budget
 

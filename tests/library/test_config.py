@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from rlsync.roles import Role
 from rlsync.config import from_env, settings_table
 from tests.helpers import parse_module
 
@@ -124,8 +125,8 @@ def test_bucket_settings_read_every_documented_name():
     budget = plain.budget
     assert (budget.tier, budget.share, budget.target, budget.window_s, budget.enabled) == (Tier.PRO, 5, 0.5, 30.0, False)
     assert (plain.watch.feed, plain.watch.min_poll_s, plain.watch.max_poll_s) == (False, 2.0, 8.0)
-    env_role = BucketSettings.from_env("env", env)
-    assert (env_role.budget.share, env_role.watch.feed, env_role.role) == (9, True, "env")
+    env_role = BucketSettings.from_env(Role.ENV, env)
+    assert (env_role.budget.share, env_role.watch.feed, env_role.role) == (9, True, Role.ENV)
     defaults = BucketSettings.from_env(environ={})
     assert (defaults.transfer, defaults.budget, defaults.watch) == (HfTransferConfig(), BudgetConfig(), WatchConfig())
 
@@ -135,9 +136,9 @@ def test_open_bucket_gives_a_hub_bucket_its_settings(monkeypatch):
     from rlsync.bucket.budget import BudgetConfig
 
     monkeypatch.setenv("HUB_SHARE", "11")  # not read: only the settings passed count
-    settings = BucketSettings(budget=BudgetConfig(share=3, enabled=False), role="rollout")
+    settings = BucketSettings(budget=BudgetConfig(share=3, enabled=False), role=Role.ROLLOUT)
     hub = open_bucket("hf://buckets/someone/rl-sync", create=False, settings=settings).inner
-    assert hub.meter.config == settings.budget and hub.meter.role == "rollout"
+    assert hub.meter.config == settings.budget and hub.meter.role is Role.ROLLOUT
     assert open_bucket("hf://buckets/someone/rl-sync", create=False).inner.meter.config.share == BudgetConfig().share
 
 
@@ -154,3 +155,15 @@ def test_the_trainer_space_not_the_publisher_reads_space_id(tmp_path, monkeypatc
     assert Publisher(LocalBucket(tmp_path / "b"), owner=space_owner()).owner == "me/trainer"
     monkeypatch.delenv("SPACE_ID")
     assert space_owner() == socket.gethostname()
+
+
+def test_a_role_is_a_role_member_never_a_plain_string():
+    from rlsync.bucket import BucketSettings
+    from rlsync.layout import ROLE_READS
+
+    assert set(ROLE_READS) == set(Role) and [r.env_prefix for r in Role] == ["TRAINER", "ROLLOUT", "ENV"]
+    assert BucketSettings.from_env(Role.ROLLOUT, {"ROLLOUT_HUB_SHARE": "4"}).budget.share == 4
+    with pytest.raises(TypeError, match="must be a Role"):
+        BucketSettings.from_env("rollout", {})  # a name from outside is parsed first: Role("rollout")
+    with pytest.raises(ValueError, match="not a valid Role"):
+        Role("replica")

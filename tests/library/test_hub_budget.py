@@ -13,6 +13,7 @@ import time
 import httpx2
 import pytest
 
+from rlsync.roles import Role
 from rlsync.bucket.budget import BudgetConfig, RequestClass, RequestMeter, Tier, classify
 from rlsync.bucket.hf import HfBucket
 from rlsync.bucket.watch import WatchConfig, WatchedBucket, WatchMode, watch
@@ -166,12 +167,12 @@ def test_budget_settings_come_from_the_environment(monkeypatch):
 
     monkeypatch.setenv("HUB_TIER", "pro")
     monkeypatch.setenv("ROLLOUT_HUB_SHARE", "17")
-    config = BucketSettings.from_env("rollout").budget
+    config = BucketSettings.from_env(Role.ROLLOUT).budget
     assert config.tier is Tier.PRO and config.share == 17 and config.limit(RequestClass.API) == 2500
-    assert BucketSettings.from_env("env").budget.share == BudgetConfig().share  # the rollout role's override only
+    assert BucketSettings.from_env(Role.ENV).budget.share == BudgetConfig().share  # the rollout role's override only
     monkeypatch.setenv("HUB_PACING", "0")  # the documented name (the field is `enabled`)
     monkeypatch.setenv("ROLLOUT_HUB_PACING", "1")
-    assert not BucketSettings.from_env("env").budget.enabled and BucketSettings.from_env("rollout").budget.enabled
+    assert not BucketSettings.from_env(Role.ENV).budget.enabled and BucketSettings.from_env(Role.ROLLOUT).budget.enabled
     monkeypatch.setenv("HUB_TIER", "platinum")
     with pytest.raises(ValueError, match="HUB_TIER"):
         BucketSettings.from_env()

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rlsync.roles import Role
 from rlsync.errors import RunExistsError, SyncError
 from rlsync.hashing import state_hash
 from rlsync.layout import POINTER_KEY, score_key
@@ -120,14 +121,14 @@ def test_trainer_space_restart_without_checkpoint_refuses_in_the_panel_then_new_
     first.transfer.flush()
     old = read_manifest(bucket)
     assert old.step == 0 and old.run_id
-    runner = RoleRunner("trainer", lambda cfg: [Trainer(cfg, bucket)])
+    runner = RoleRunner(Role.TRAINER, lambda cfg: [Trainer(cfg, bucket)])
     runner.start(config, wait=True)
     assert runner.state == "failed" and "RunExistsError" in runner.error and "TRAINER_NEW_RUN=1" in runner.error
     import app  # the combined app names its own way on: --fresh
 
     stack = SimpleNamespace(trainer=runner, bucket=config.bucket)
     assert "python app.py --fresh" in app.fresh_hint(stack)
-    assert app.fresh_hint(SimpleNamespace(trainer=RoleRunner("trainer", lambda cfg: []), bucket="b")) is None
+    assert app.fresh_hint(SimpleNamespace(trainer=RoleRunner(Role.TRAINER, lambda cfg: []), bucket="b")) is None
     assert read_manifest(bucket) == old
     assert from_env(TrainerConfig, "TRAINER", {"TRAINER_NEW_RUN": "1"}).new_run is True
     again = Trainer(TrainerConfig(**{**config.__dict__, "new_run": True}), bucket)

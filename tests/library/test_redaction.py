@@ -16,6 +16,7 @@ import types
 
 import pytest
 
+from rlsync.roles import Role
 from rlsync.bucket import LocalBucket
 from rlsync.errors import BucketError
 from rlsync.layout import POINTER_KEY
@@ -113,7 +114,7 @@ def test_role_runner_status_of_a_failed_start_is_redacted() -> None:
     def build(config):
         raise RuntimeError(f"Space start refused for Bearer {TOKEN}")
 
-    runner = role_control.RoleRunner("trainer", build)
+    runner = role_control.RoleRunner(Role.TRAINER, build)
     line = runner.start(types.SimpleNamespace(), wait=True)
     assert runner.state == "failed"
     for text in (line, runner.status(), runner.error):
@@ -169,7 +170,7 @@ def test_no_log_record_of_a_panel_run_carries_the_token(tmp_path, every_record) 
     view = snapshots.BucketView(str(tmp_path / "b"))
     view._bucket = open_leaky(view.url)
     assert view.snapshot().error
-    runner = role_control.RoleRunner("env", lambda config: open_leaky("x").list("tasks/"))
+    runner = role_control.RoleRunner(Role.ENV, lambda config: open_leaky("x").list("tasks/"))
     runner.start(types.SimpleNamespace(), wait=True)
     assert runner.state == "failed"
 

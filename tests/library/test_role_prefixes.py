@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from rlsync.roles import Role
 from rlsync.bucket.budget import BudgetConfig, RequestMeter
 from rlsync.bucket.watch import WatchedBucket, wait_for_change
 from rlsync.layout import (
@@ -44,19 +45,19 @@ def wait_until(predicate, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def flooded(role: str) -> list[str]:
+def flooded(role: Role) -> list[str]:
     """The prefixes flooded for `role`: the replicas' reports (no role reads them), for the trainer the tasks too."""
-    return [STATUS_PREFIX, *([TASKS_PREFIX] if role == "trainer" else [])]
+    return [STATUS_PREFIX, *([TASKS_PREFIX] if role is Role.TRAINER else [])]
 
 
 def test_the_layout_says_what_each_role_reads():
-    assert set(ROLE_READS) == {"trainer", "rollout", "env"}
+    assert set(ROLE_READS) == set(Role)
     assert all(POINTER_KEY in reads and STATUS_PREFIX not in reads and "" not in reads for reads in ROLE_READS.values())
-    assert TASKS_PREFIX not in ROLE_READS["trainer"]
-    assert TASKS_PREFIX in ROLE_READS["env"] and TASKS_PREFIX in ROLE_READS["rollout"]
+    assert TASKS_PREFIX not in ROLE_READS[Role.TRAINER]
+    assert TASKS_PREFIX in ROLE_READS[Role.ENV] and TASKS_PREFIX in ROLE_READS[Role.ROLLOUT]
 
 
-@pytest.mark.parametrize("role", sorted(ROLE_READS))
+@pytest.mark.parametrize("role", list(Role))
 def test_a_key_flood_under_a_prefix_a_role_does_not_read_costs_it_no_listing_page(hub, hf, role):
     writer = hf()
     writer.put(POINTER_KEY, b'{"v":1}')

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from rlsync.roles import Role
 from rlsync.bucket import open_bucket
 from rlsync.bucket.hf import HfBucket
 from rlsync.errors import BucketError
@@ -258,7 +259,7 @@ def test_panels_never_show_the_token(hub, hf_bucket, logs, capfd):
         rendered.append(frame(snap).to_string())
     policy = anchor_policy.describe_policy(anchor_policy.current_policy(snap))
     rendered += [frames.sync_time_frame(view).to_string(), policy, frames.trainer_summary(snap), frames.env_summary(snap)]
-    runner = role_control.RoleRunner("env", lambda config: open_bucket(URL).list("tasks/"))
+    runner = role_control.RoleRunner(Role.ENV, lambda config: open_bucket(URL).list("tasks/"))
     fail_next(hub, "list_bucket_tree", 6)
     runner.start(types.SimpleNamespace(), wait=True)
     rendered.append(runner.status())

@@ -146,8 +146,8 @@ def test_slower_replica_and_replica_stopping_mid_round_keep_counts_exact(bucket)
     write_demand(bucket, Demand(version=2, max_staleness=1, read_batch=1, want_samples=2 * PER_BATCH, step_s=1.0))
     env.step()
     assert tasks_in(bucket) == [0, 1, 2, 3]
-    assert not slow.step() and slow.skipped_stale == 1  # version 0 would be two behind: not started
-    slow.batch_gen_s = 50.0  # a very slow replica, and a starving trainer: it can start at the newest version
+    assert not slow.step() and slow.tasks.skipped_stale == 1  # version 0 would be two behind: not started
+    slow.tasks.batch_gen_s = 50.0  # a very slow replica, and a starving trainer: it can start at the newest version
     assert would_be_stale(Demand(2, 1, 1, 8, step_s=1.0, buffered_steps=3.0), 2, 50.0)  # 3 steps buffered: stale by then
     assert not would_be_stale(Demand(2, 1, 1, 8, step_s=1.0, buffered_steps=0.0), 2, 50.0)
     assert bucket.list("rollouts/") == []

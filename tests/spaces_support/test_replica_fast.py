@@ -100,13 +100,14 @@ def test_corrupted_engine_weights_are_caught_by_the_background_rehash_and_resync
     _sync_once(replica)
     _corrupt_one_weight(replica)
     assert _engine_hash(replica) != replica.subscriber.state_hash  # a delta check would never see it
-    loop = threading.Thread(target=replica.rehash_loop, daemon=True)
+    stop = threading.Event()
+    loop = threading.Thread(target=replica.weights.rehash_loop, args=(stop,), daemon=True)
     loop.start()
     deadline = time.monotonic() + 60
     while replica.subscriber.stats.rehash_mismatches == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    replica._stop.set()
-    replica._rehash_now.set()
+    stop.set()
+    replica.weights.wake()
     loop.join(10)
     status = replica.status()
     assert status.rehash_mismatches == 1 and status.refused == 1 and replica.subscriber.needs_resync

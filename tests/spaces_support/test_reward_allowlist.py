@@ -14,6 +14,7 @@ from env_space.sources import open_environment
 from env_space.simulator import EnvConfig
 from env_space.sources import rewards
 from env_space.sources.settings import DatasetSourceConfig
+from rlsync.roles import Role
 from rlsync.spaces.role_control import RoleRunner
 
 
@@ -41,7 +42,7 @@ def test_env_panel_start_with_a_hostile_reward_fails_and_runs_nothing(dataset, t
 
     calls = []
     monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: calls.append(a))
-    runner = RoleRunner("env", lambda config: [EnvSimulator(config)])
+    runner = RoleRunner(Role.ENV, lambda config: [EnvSimulator(config)])
     settings = json.dumps({"rewards": "shutil.rmtree", "reward_isolation": "thread"})
     config = EnvConfig(bucket=str(tmp_path / "bucket"), environment=f"dataset:{dataset}", source_settings=settings)
     runner.start(config, wait=True)

@@ -2,7 +2,7 @@
 
 >>> bucket = open_bucket("./runs/demo")               # local folder
 >>> bucket = open_bucket("hf://buckets/me/rl-sync")   # Hugging Face Bucket
->>> bucket = open_bucket(url, settings=BucketSettings.from_env("rollout"))  # at an entry point
+>>> bucket = open_bucket(url, settings=BucketSettings.from_env(Role.ROLLOUT))  # at an entry point
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from ..retry import retry_after_seconds
+from ..roles import Role
 
 __all__ = [
     "BudgetConfig", "HUB_LIMITS", "LISTING_KIND", "RequestClass", "RequestMeter", "TRAINER_WEIGHT", "Tier", "WINDOW_S",
@@ -195,7 +196,7 @@ class RequestMeter:
 
     Args:
         config ([`BudgetConfig`], *optional*): The budget; defaults to `BudgetConfig()`.
-        role (`str`, *optional*): The role's name, for the panel and the logs.
+        role ([`~rlsync.roles.Role`], *optional*): The role, for the panel and the logs.
         clock (`Callable[[], float]`, *optional*): Monotonic clock (tests pass a fake one).
         sleep (`Callable[[float], None]`, *optional*): Called with each wait.
     """
@@ -211,7 +212,7 @@ class RequestMeter:
         self,
         config: BudgetConfig | None = None,
         *,
-        role: str = "",
+        role: Role | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:

@@ -1,6 +1,6 @@
 """A Hub bucket's settings in one object, and the one call that reads them from the environment.
 
->>> settings = BucketSettings.from_env("rollout")   # at an entry point: HF_BUCKET_*, HUB_*, ROLLOUT_HUB_*
+>>> settings = BucketSettings.from_env(Role.ROLLOUT)   # at an entry point: HF_BUCKET_*, HUB_*, ROLLOUT_HUB_*
 >>> bucket = watch(open_bucket(url, settings=settings), settings.watch)
 
 Library code never reads the environment: without settings, a bucket has the defaults of
@@ -13,6 +13,7 @@ import dataclasses
 from typing import Mapping
 
 from ..config import from_env
+from ..roles import Role
 from .budget import TRAINER_WEIGHT, BudgetConfig, RequestMeter
 from .hf_transport import HfTransferConfig
 from .watch import WatchConfig
@@ -25,11 +26,11 @@ TRANSFER_ENV_PREFIX = "HF_BUCKET"
 #: overrides ``HUB_<FIELD>`` for one role.
 HUB_ENV_PREFIX = "HUB"
 #: Each role's default :attr:`BudgetConfig.weight` where it is not 1 (``HUB_WEIGHT`` / ``<ROLE>_HUB_WEIGHT`` win).
-ROLE_WEIGHTS: dict[str, float] = {"trainer": TRAINER_WEIGHT}
+ROLE_WEIGHTS: dict[Role, float] = {Role.TRAINER: TRAINER_WEIGHT}
 
 
-def _prefixes(role: str) -> tuple[str, ...]:
-    return (HUB_ENV_PREFIX, f"{role}_{HUB_ENV_PREFIX}") if role else (HUB_ENV_PREFIX,)
+def _prefixes(role: Role | None) -> tuple[str, ...]:
+    return (HUB_ENV_PREFIX, f"{role.env_prefix}_{HUB_ENV_PREFIX}") if role is not None else (HUB_ENV_PREFIX,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,14 +40,14 @@ class _WeightVariable:
     weight: float | None = None
 
 
-def role_weight(role: str, environ: Mapping[str, str] | None = None) -> float:
+def role_weight(role: Role | None, environ: Mapping[str, str] | None = None) -> float:
     """A role's part of the token's budget (:attr:`BudgetConfig.weight`): `HUB_WEIGHT` then
     `<ROLE>_HUB_WEIGHT`, else :data:`ROLE_WEIGHTS` (1 for a role not named there).
 
     Entry points that run several roles on one token add their weights up for `HUB_SHARE`.
 
     Args:
-        role (`str`): The role (`"trainer"`, `"rollout"`, `"env"`); empty: `HUB_WEIGHT` only.
+        role ([`~rlsync.roles.Role`]): The role; `None`: `HUB_WEIGHT` only.
         environ (`Mapping[str, str]`, *optional*): The variables (default: `os.environ`).
 
     Returns:
@@ -56,7 +57,7 @@ def role_weight(role: str, environ: Mapping[str, str] | None = None) -> float:
         `ValueError`: a weight variable is not a number (the message names it).
     """
     weight = from_env(_WeightVariable, _prefixes(role), environ).weight
-    return ROLE_WEIGHTS.get(role, 1.0) if weight is None else weight
+    return ROLE_WEIGHTS.get(role, 1.0) if weight is None else weight  # type: ignore[arg-type]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,23 +72,23 @@ class BucketSettings:
             The role's share of the Hub's request budget; defaults to `BudgetConfig()`.
         watch ([`WatchConfig`], *optional*):
             How [`~rlsync.bucket.watch.watch`] follows the bucket; defaults to `WatchConfig()`.
-        role (`str`, *optional*):
-            The role's name, for the request meter's logs and panel.
+        role ([`~rlsync.roles.Role`], *optional*):
+            The role, for the request meter's logs and panel.
     """
 
     transfer: HfTransferConfig | None = None
     budget: BudgetConfig = dataclasses.field(default_factory=BudgetConfig)
     watch: WatchConfig = dataclasses.field(default_factory=WatchConfig)
-    role: str = ""
+    role: Role | None = None
 
     @classmethod
-    def from_env(cls, role: str = "", environ: Mapping[str, str] | None = None) -> "BucketSettings":
+    def from_env(cls, role: Role | None = None, environ: Mapping[str, str] | None = None) -> "BucketSettings":
         """The settings from `HF_BUCKET_<FIELD>` (timeouts) and `HUB_<FIELD>` then `<ROLE>_HUB_<FIELD>`
         (budget and watch) variables; `HUB_PACING` sets `BudgetConfig.enabled`. A role's weight defaults to
         :data:`ROLE_WEIGHTS` (the trainer's publishes are the product) unless a variable sets it.
 
         Args:
-            role (`str`, *optional*): The role (`"trainer"`, `"rollout"`, `"env"`); empty: no role overrides.
+            role ([`~rlsync.roles.Role`], *optional*): The role; `None`: no role overrides.
             environ (`Mapping[str, str]`, *optional*): The variables (default: `os.environ`).
 
         Returns:
@@ -95,7 +96,10 @@ class BucketSettings:
 
         Raises:
             `ValueError`: a variable has an invalid value (the message names it), or the budget is invalid.
+            `TypeError`: `role` is not a [`~rlsync.roles.Role`] (a plain name: parse it first).
         """
+        if role is not None and not isinstance(role, Role):
+            raise TypeError(f"role must be a Role (Role({role!r}) parses a name), not {type(role).__name__}")
         prefixes = _prefixes(role)
         return cls(
             transfer=from_env(HfTransferConfig, TRANSFER_ENV_PREFIX, environ),

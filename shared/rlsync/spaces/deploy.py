@@ -62,6 +62,7 @@ from huggingface_hub.utils import validate_repo_id
 
 from ..errors import DeployError
 from ..layout import check_id
+from ..roles import Role
 from .access import AUTH_ENV, DEPLOY_REFUSAL
 from .checkout import tracked_files
 
@@ -97,7 +98,7 @@ class SpaceRole:
     """One kind of Space and where its code and settings live.
 
     Args:
-        name: Role name, used in Space names (``<prefix>-<name>``).
+        name: The role, named in Space names (``<prefix>-<name>``).
         folder: Role folder at the repository root, uploaded as is.
         env_prefix: Prefix of the role's environment variables (``<PREFIX>_<FIELD>``).
         config: ``"module:Class"`` of the role's settings dataclass.
@@ -105,7 +106,7 @@ class SpaceRole:
         extra_files: Files of other folders the role's code imports, uploaded too.
     """
 
-    name: str
+    name: Role
     folder: str
     env_prefix: str
     config: str
@@ -125,12 +126,12 @@ class SpaceRole:
 # Trainer and replicas warm up their CPU default model (shared/rlsync/spaces/tiny_model.py) on env_space.environments.
 _ENVIRONMENTS = ("env_space/__init__.py", "env_space/environments.py")
 
-ROLES: dict[str, SpaceRole] = {
+ROLES: dict[Role, SpaceRole] = {
     role.name: role
     for role in (
-        SpaceRole("trainer", "trainer_space", "TRAINER", "trainer_space.trainer:TrainerConfig", uses_model=True, extra_files=_ENVIRONMENTS),
-        SpaceRole("rollout", "rollout_space", "ROLLOUT", "rollout_space.replica:ReplicaConfig", uses_model=True, extra_files=_ENVIRONMENTS),
-        SpaceRole("env", "env_space", "ENV", "env_space.simulator:EnvConfig"),
+        SpaceRole(Role.TRAINER, "trainer_space", Role.TRAINER.env_prefix, "trainer_space.trainer:TrainerConfig", uses_model=True, extra_files=_ENVIRONMENTS),
+        SpaceRole(Role.ROLLOUT, "rollout_space", Role.ROLLOUT.env_prefix, "rollout_space.replica:ReplicaConfig", uses_model=True, extra_files=_ENVIRONMENTS),
+        SpaceRole(Role.ENV, "env_space", Role.ENV.env_prefix, "env_space.simulator:EnvConfig"),
     )
 }  # fmt: skip
 
@@ -321,15 +322,15 @@ def plan_deployment(
         model_volumes = (Volume(type="model", source=model, mount_path=model_setting, read_only=True),)
     bucket_volumes = () if mount_bucket is None else (
         Volume(type="bucket", source=bucket_id, mount_path=mount_bucket, read_only=True),)  # fmt: skip
-    hardware = {"trainer": trainer_hardware, "rollout": rollout_hardware, "env": env_hardware}
+    hardware = {Role.TRAINER: trainer_hardware, Role.ROLLOUT: rollout_hardware, Role.ENV: env_hardware}
     for flavor in hardware.values():
         if flavor is not None and flavor not in HARDWARE_CHOICES:
             raise ValueError(f"unknown or unsupported hardware {flavor!r}; choose one of {', '.join(HARDWARE_CHOICES)}")
     rollout = [f"{prefix}-rollout"] if replicas == 1 else [f"{prefix}-rollout-{i}" for i in range(1, replicas + 1)]
-    names = {"trainer": [f"{prefix}-trainer"], "rollout": rollout, "env": [f"{prefix}-env"]}
+    names = {Role.TRAINER: [f"{prefix}-{Role.TRAINER}"], Role.ROLLOUT: rollout, Role.ENV: [f"{prefix}-{Role.ENV}"]}
 
     spaces = []
-    for role_name in ("trainer", "rollout", "env"):
+    for role_name in Role:
         role = ROLES[role_name]
         files = space_files(role, root)
         flavor = hardware[role_name]
@@ -339,7 +340,7 @@ def plan_deployment(
             if is_gpu(flavor) and role.uses_model:
                 variables[role.variable("model")] = model_setting
                 volumes = model_volumes + volumes
-            if role_name == "rollout":
+            if role_name is Role.ROLLOUT:
                 variables[role.variable("replica_id")] = check_id(name)
             repo_id = _check_name(f"{namespace}/{name}", "Space id")
             spaces.append(SpacePlan(role, repo_id, flavor, variables, files, volumes))
@@ -516,7 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket", help="bucket name (default: the prefix)")
     p.add_argument("--prefix", default=DEFAULT_PREFIX, help="Space name prefix (default: %(default)s)")
     p.add_argument("--private", action="store_true", default=None, help="make the bucket and new Spaces private")
-    for role in ("trainer", "rollout", "env"):
+    for role in Role:
         p.add_argument(
             f"--{role}-hardware", choices=HARDWARE_CHOICES, metavar="FLAVOR",
             help=f"hardware of the {role} Space(s), e.g. a10g-small, l4x1, cpu-basic (default: as is)",

@@ -32,6 +32,7 @@ from ..layout import (
     ROLE_READS,
     batch_of,
 )
+from ..roles import Role
 from ..scores import (  # noqa: F401 - the scores format lives in the library; re-exported for the Spaces
     DEFAULT_LIMITS,
     MAX_REWARD,
@@ -51,13 +52,13 @@ logger = logging.getLogger(__name__)
 MAX_TASKS = 1024
 
 
-def open_role_bucket(role: str, url: str, bucket: Bucket | None = None) -> Bucket:
+def open_role_bucket(role: Role, url: str, bucket: Bucket | None = None) -> Bucket:
     """A role's bucket, watched on the Hub (:func:`~rlsync.bucket.watch.watch`) under the prefixes the
     role reads only (:data:`rlsync.layout.ROLE_READS`); writing its own status and metrics does not make
     it poll sooner.
 
     Args:
-        role: The role (``"trainer"``, ``"rollout"``, ``"env"``): its settings are read from the
+        role: The role: its settings are read from the
             environment (:meth:`~rlsync.bucket.settings.BucketSettings.from_env`), its watched
             prefixes from :data:`rlsync.layout.ROLE_READS`.
         url: The bucket to open when ``bucket`` is ``None``.
@@ -65,7 +66,6 @@ def open_role_bucket(role: str, url: str, bucket: Bucket | None = None) -> Bucke
 
     Raises:
         ValueError: a bucket setting in the environment is invalid.
-        KeyError: not a role of :data:`rlsync.layout.ROLE_READS`.
     """
     from ..bucket.settings import BucketSettings
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pandas as pd
 
+from ..roles import Role
 from .metrics import EnvMetrics, RefusalCounts, ReplicaStatus, TrainRow
 from .snapshots import BucketView, Snapshot
 
@@ -388,7 +389,8 @@ def adapter_summary(snap: Snapshot) -> str:
 def hub_requests_summary(snap: Snapshot) -> str:
     """"Hub requests, last 5 min: X of Y (tier)" per role and for the whole run, with each role's
     pacing notice ('' when no role runs on the Hub)."""
-    roles = [("trainer", snap.trainer.hub), ("env", snap.env.hub), *((st.replica_id, st.hub) for st in snap.statuses)]
+    roles = [(Role.TRAINER, snap.trainer.hub), (Role.ENV, snap.env.hub)]
+    roles += [(st.replica_id, st.hub) for st in snap.statuses]
     hubs = [(name, hub) for name, hub in roles if hub is not None]
     if not hubs:
         return ""

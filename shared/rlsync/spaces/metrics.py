@@ -30,6 +30,7 @@ from ..bucket import Bucket
 from ..bucket.budget import Tier
 from ..errors import BucketError
 from ..layout import is_id, metrics_key
+from ..roles import Role
 from ..scores import Refusals, get_json, put_json
 from .demand import Pacing
 from .records import Record, limits
@@ -197,7 +198,7 @@ class TrainerMetrics(Record):
     """``metrics/trainer.json``: the trainer's rows and its state now."""
 
     FORMAT_VERSION = 1
-    ROLE: ClassVar[str] = "trainer"
+    ROLE: ClassVar[Role] = Role.TRAINER
 
     rows: list[PublishRow | TrainRow] = dataclasses.field(default_factory=list, metadata=limits(max_items=MAX_ROWS))
     version: int | None = None  #: the newest published version
@@ -264,7 +265,7 @@ class EnvMetrics(Record):
     """``metrics/env.json``: the env's rows and its state now."""
 
     FORMAT_VERSION = 1
-    ROLE: ClassVar[str] = "env"
+    ROLE: ClassVar[Role] = Role.ENV
 
     rows: list[RewardRow] = dataclasses.field(default_factory=list, metadata=limits(max_items=MAX_ROWS))
     env: str = dataclasses.field(default="", metadata=limits(max_chars=200))

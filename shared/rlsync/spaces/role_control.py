@@ -10,13 +10,14 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from ..roles import Role
 from ..supervised import SupervisedThread
 from .snapshots import redact
 
 logger = logging.getLogger(__name__)
 
 
-class Role(Protocol):
+class RoleObject(Protocol):
     """What :class:`RoleRunner` needs of a role object (Trainer, Replica, EnvSimulator)."""
 
     def start(self) -> None: ...
@@ -35,14 +36,14 @@ class RoleRunner:
     and starts it in a thread and returns at once; :attr:`state` tells where it is.
 
     Args:
-        name: Shown in status lines ("trainer", "rollout", "env").
+        name: The role, shown in status lines and the controls' labels.
         build: ``build(config) -> list of role objects`` (one, or several replicas).
     """
 
-    def __init__(self, name: str, build: Callable[[Any], Sequence[Role]]) -> None:
+    def __init__(self, name: Role, build: Callable[[Any], Sequence[RoleObject]]) -> None:
         self.name = name
         self._build = build
-        self.objects: list[Role] = []
+        self.objects: list[RoleObject] = []
         self.config: Any = None
         self.error = ""
         self._starting = False

@@ -15,6 +15,8 @@ import threading
 import typing
 from typing import Any, Callable, Sequence
 
+from ..roles import Role
+
 logger = logging.getLogger(__name__)
 
 
@@ -33,8 +35,15 @@ def config_parser(prog: str, config_cls: type) -> argparse.ArgumentParser:
     return parser
 
 
-def run_role(name: str, config_cls: Any, role_cls: Callable[..., Any], argv: Sequence[str] | None = None) -> None:
-    """Parse flags, build the role and run it until it finishes or a signal stops it."""
+def run_role(name: Role, config_cls: Any, role_cls: Callable[..., Any], argv: Sequence[str] | None = None) -> None:
+    """Parse flags, build the role and run it until it finishes or a signal stops it.
+
+    Args:
+        name: The role (its module is ``<name>_space``).
+        config_cls: The role's settings dataclass (with ``from_env``).
+        role_cls: Builds the role object from its settings.
+        argv: The command line (default: ``sys.argv[1:]``).
+    """
     args = vars(config_parser(f"python -m {name}_space", config_cls).parse_args(argv))
     logging.basicConfig(level=args.pop("log_level").upper(), format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     config = config_cls.from_env(**args)

@@ -74,6 +74,7 @@ from rlsync.errors import RetryableError
 from rlsync.fp8 import Chain
 from rlsync.protocol import Subscriber
 from rlsync.retry import RetryPolicy, call_with_retries
+from rlsync.roles import Role
 
 from .plugin import BACKEND_NAME, register
 from .worker import ModelWeights, SyncWorkerExtension, plan_update
@@ -147,7 +148,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
             raise ValueError(f"bucket backend: pass init_info={{'bucket': URL}} or set ${BUCKET_ENV}")
         chain = Chain(init_info.chain or os.environ.get(CHAIN_ENV) or Chain.BF16.value)
         self._chain = chain
-        self._bucket = open_bucket(url, settings=BucketSettings.from_env("rollout"))
+        self._bucket = open_bucket(url, settings=BucketSettings.from_env(Role.ROLLOUT))
         self._workdir = init_info.workdir
         self.subscriber = None
         self._diverged = True  # the model holds the checkpoint it started from, not a bucket state
