@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rlsync.codecs.classrice as classrice
-from rlsync.codecs import get_codec
+from rlsync.codecs import DecodeTarget, get_codec
 from rlsync.dtypes import bits_to_numpy, dtype_name, int_view
 
 
@@ -43,8 +43,8 @@ def test_any_dense_classes_decode_the_same(monkeypatch, numel: int, dense: str) 
     }[dense]
     monkeypatch.setattr(classrice, "_dense_classes", choice)
     params = {**encoded.params, "dtype": dtype_name(base.dtype)}
-    got_index, got_new, got_old = codec.decode_with_old_bits(
-        "w", encoded.entries, params, count=index.size, numel=numel, itemsize=2, old_bits_at=lambda i: old_bits[i], base=base
+    got_index, got_new, got_old = codec.decode(
+        "w", encoded.entries, params, DecodeTarget(count=index.size, numel=numel, itemsize=2, bits_at=lambda i: old_bits[i], tensor=base)
     )
     assert np.array_equal(got_index, index)
     assert np.array_equal(got_new, new_bits[index]) and np.array_equal(got_old, old_bits[index])

@@ -10,6 +10,7 @@ RL-like data, and malformed order parameters and zstd streams are refused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from unittest import mock
 
@@ -21,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rlsync.codecs.classgap as classgap
-from rlsync.codecs import get_codec
+from rlsync.codecs import DecodeTarget, get_codec
 from rlsync.codecs.classgap import EXPONENT_FIELDS, ClassOrder
 from rlsync.detect import ChangeDetector
 from rlsync.dtypes import dtype_name
@@ -111,10 +112,10 @@ def test_decode_without_base_reads_old_bits_through_the_callback(dtype: torch.dt
         encoded = codec.encode("w", index, old_all[index], new_all[index], base=old)
         assert encoded.params["order"] == "exponent"
         params = {"dtype": dtype_name(dtype), **encoded.params}
-        sizes = dict(count=index.size, numel=numel, itemsize=old.element_size(), old_bits_at=lambda idx: old_all[idx])
-        with_base = codec.decode("w", encoded.entries, params, **sizes, base=old)
-        without = codec.decode("w", encoded.entries, params, **sizes)
-        for got_index, got_bits in (with_base, without):
+        target = DecodeTarget(count=index.size, numel=numel, itemsize=old.element_size(), bits_at=lambda idx: old_all[idx])
+        with_base = codec.decode("w", encoded.entries, params, dataclasses.replace(target, tensor=old))
+        without = codec.decode("w", encoded.entries, params, target)
+        for got_index, got_bits, _ in (with_base, without):
             np.testing.assert_array_equal(got_index, index)
             np.testing.assert_array_equal(got_bits, new_all[index])
 
@@ -154,7 +155,7 @@ def test_value_signs_and_magnitudes_cover_the_whole_wrapping_range(dtype: torch.
     codec = get_codec("classgap")
     entries = codec._encode_values("w", old, new)
     assert entries["w.sign"].numel() == 1  # six signs in one byte
-    np.testing.assert_array_equal(codec._decode_values("w", entries, count=diffs.size, itemsize=width // 8), diffs)
+    np.testing.assert_array_equal(codec._decode_values("w", entries, DecodeTarget(count=diffs.size, numel=diffs.size, itemsize=width // 8, bits_at=old.__getitem__)), diffs)
 
 
 # ---------------------------------------------------------------------------

@@ -33,9 +33,9 @@ import torch
 
 from ..dtypes import dtype_name, int_view
 from ..errors import FormatError
-from .base import register_codec
+from .base import DecodeTarget, register_codec
 from .checks import require_entry
-from .gapzz import GapZigzagCodec, OldWeights, join_planes, split_planes
+from .gapzz import GapZigzagCodec, join_planes, split_planes
 
 #: Elements per class-ordering chunk; part of the format (changing it needs a new version).
 CHUNK = 1 << 20
@@ -172,7 +172,7 @@ class ClassGapCodec(GapZigzagCodec):
         return rank.cpu().numpy(), np.searchsorted(index, position.cpu().numpy()), {"order": "exponent"}
 
     def _flat_positions(
-        self, name: str, coded: np.ndarray, params: Mapping[str, Any], old: OldWeights
+        self, name: str, coded: np.ndarray, params: Mapping[str, Any], target: DecodeTarget
     ) -> tuple[np.ndarray, np.ndarray | None]:
         order, dtype = params.get("order"), params.get("dtype")
         field = EXPONENT_FIELDS.get(dtype) if isinstance(dtype, str) else None
@@ -180,14 +180,14 @@ class ClassGapCodec(GapZigzagCodec):
             return coded, None
         if order != "exponent" or field is None:
             raise FormatError(f"{name}: invalid order {order!r} for dtype {dtype!r}")
-        if old.tensor is not None:  # the class order is built where the old weights are (a GPU replica's device)
-            coding_order = ClassOrder.of_tensor(old.tensor, field)
+        if target.tensor is not None:  # the class order is built where the old weights are (a GPU replica's device)
+            coding_order = ClassOrder.of_tensor(target.tensor, field)
         else:
             chunks = (
-                torch.from_numpy(signed_view(old.bits_at(np.arange(s, min(s + CHUNK, old.numel), dtype=np.int64))))
-                for s in range(0, old.numel, CHUNK)
+                torch.from_numpy(signed_view(target.bits_at(np.arange(s, min(s + CHUNK, target.numel), dtype=np.int64))))
+                for s in range(0, target.numel, CHUNK)
             )
-            coding_order = ClassOrder(exponent_classes(chunks, old.numel, field, torch.device("cpu")), field[1] + 1)
+            coding_order = ClassOrder(exponent_classes(chunks, target.numel, field, torch.device("cpu")), field[1] + 1)
         positions = coding_order.positions_of(torch.from_numpy(coded).to(coding_order.classes.device)).cpu().numpy()
         flat_order = np.argsort(positions, kind="stable")
         return positions[flat_order], flat_order
@@ -207,8 +207,9 @@ class ClassGapCodec(GapZigzagCodec):
             f"{name}.sign": torch.from_numpy(np.packbits(negative, bitorder="little")),
         }
 
-    def _decode_values(self, name: str, entries: Mapping[str, torch.Tensor], *, count: int, itemsize: int) -> np.ndarray:
+    def _decode_values(self, name: str, entries: Mapping[str, torch.Tensor], target: DecodeTarget) -> np.ndarray:
         val_key, sign_key = f"{name}.val", f"{name}.sign"
+        count, itemsize = target.count, target.itemsize
         raw = self._decompress(val_key, require_entry(entries, val_key, torch.uint8), count * itemsize)
         magnitude = join_planes(raw, itemsize)
         if magnitude.size and int(magnitude.max()) >= 1 << (8 * itemsize - 1):
