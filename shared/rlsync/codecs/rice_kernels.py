@@ -17,8 +17,8 @@ from numba import types
 from numba.extending import intrinsic
 
 _JIT = dict(cache=True, nogil=True, boundscheck=False)
-#: Bits of the window remainders are read from: a remainder of up to ``WINDOW_BITS - 8`` bits at any bit offset.
-WINDOW_BITS = 48
+#: The largest Rice parameter the decoder reads: a remainder of up to 56 bits at any bit offset fits one 64-bit window.
+MAX_K = 56
 #: Elements per block of :func:`class_positions`: one bit each in a ``uint64`` mask.
 LANES = 64
 #: Classes whose members :func:`class_positions` finds a block at a time (the rest one at a time).
@@ -85,6 +85,17 @@ def _lowest_bit(typingctx, x):  # pragma: no cover - compiled
     def codegen(context, builder, signature, args):
         cttz = builder.module.declare_intrinsic("llvm.cttz", [ir.IntType(64), ir.IntType(1)])
         return builder.call(cttz, [args[0], ir.Constant(ir.IntType(1), 0)])
+
+    return types.int64(types.uint64), codegen
+
+
+@intrinsic
+def _leading_zeros(typingctx, x):  # pragma: no cover - compiled
+    """Zero bits above the highest set bit of a nonzero ``uint64``, as an ``int64``."""
+
+    def codegen(context, builder, signature, args):
+        ctlz = builder.module.declare_intrinsic("llvm.ctlz", [ir.IntType(64), ir.IntType(1)])
+        return builder.call(ctlz, [args[0], ir.Constant(ir.IntType(1), 0)])
 
     return types.int64(types.uint64), codegen
 
@@ -396,21 +407,38 @@ def rice_encode(gaps, k, unary, unary_bit, rem, rem_bit):  # pragma: no cover - 
     return unary_bit, rem_bit
 
 
+@numba.njit(**_JIT, inline="always")
+def _window(stream, bit):  # pragma: no cover - compiled
+    """The 64 bits of ``stream`` from bit ``bit`` on (high bit first), as a ``uint64``: at least
+    ``64 - 7`` of them read from the stream, zeros past its end and in the low ``bit % 8`` bits."""
+    at = bit >> 3
+    word = np.uint64(0)
+    if at + 8 <= stream.size:
+        for j in range(8):  # one load and a byte swap, once compiled
+            word = (word << np.uint64(8)) | np.uint64(stream[at + j])
+    else:
+        for j in range(8):
+            word <<= np.uint64(8)
+            if at + j < stream.size:
+                word |= np.uint64(stream[at + j])
+    return word << np.uint64(bit & 7)
+
+
 @numba.njit(**_JIT)
 def rice_decode(unary, unary_bit, rem, rem_bit, k, count, bound, out):  # pragma: no cover - compiled
     """Read ``count`` Rice-coded gaps (see :func:`rice_encode`) into ``out`` as increasing ranks.
 
-    Quotients are read a byte at a time (a zero byte is 8 units at once) and remainders from a
-    :data:`WINDOW_BITS` window. A quotient above ``bound >> k`` codes a rank beyond ``bound``
-    whatever its remainder, so it is refused before ``q << k`` is formed: with
-    ``k <= WINDOW_BITS - 8`` and ``bound < 2**62`` every value stays in range, and a hostile
+    Quotients and remainders are read from 64-bit windows (:func:`_window`; a quotient's zeros
+    counted by the window's leading zeros). A quotient above ``bound >> k`` codes a rank beyond
+    ``bound`` whatever its remainder, so it is refused before ``q << k`` is formed: with
+    ``k <= MAX_K`` and ``bound < 2**62`` every value stays in range, and a hostile
     stream costs time linear in its size.
 
     Returns:
         ``(unary_bit, rem_bit)`` after the last gap, or ``(-1, -1)`` when the streams end early,
-        ``k`` is outside ``0..WINDOW_BITS - 8`` or a rank reaches ``bound``.
+        ``k`` is outside ``0..MAX_K`` or a rank reaches ``bound``.
     """
-    if k < 0 or k > WINDOW_BITS - 8:
+    if k < 0 or k > MAX_K:
         return -1, -1
     n_unary = unary.size * 8
     n_rem = rem.size * 8
@@ -422,31 +450,22 @@ def rice_decode(unary, unary_bit, rem, rem_bit, k, count, bound, out):  # pragma
         while True:
             if unary_bit >= n_unary:
                 return -1, -1
-            off = unary_bit & 7
-            byte = (np.int64(unary[unary_bit >> 3]) << off) & 0xFF
-            if byte == 0:  # the rest of this byte is zeros
-                q += 8 - off
-                unary_bit += 8 - off
+            window = _window(unary, unary_bit)
+            if window == 0:  # the window's bits read from the stream are all zeros
+                q += 64 - (unary_bit & 7)
+                unary_bit += 64 - (unary_bit & 7)
                 if q > qmax:
                     return -1, -1
                 continue
-            while byte < 0x80:
-                byte <<= 1
-                q += 1
-                unary_bit += 1
-            unary_bit += 1  # the terminating one
+            zeros = _leading_zeros(window)  # a one read from the stream ends the quotient
+            q += zeros
+            unary_bit += zeros + 1
             break
         if q > qmax or rem_bit + k > n_rem:
             return -1, -1
         r = np.int64(0)
         if k:
-            at = rem_bit >> 3
-            window = np.int64(0)
-            for j in range(WINDOW_BITS // 8):  # the bit offset (<= 7) and k bits
-                window <<= 8
-                if at + j < rem.size:
-                    window |= np.int64(rem[at + j])
-            r = (window >> (WINDOW_BITS - (rem_bit & 7) - k)) & low
+            r = np.int64(_window(rem, rem_bit) >> np.uint64(64 - k)) & low
             rem_bit += k
         last = last + 1 + ((q << k) | r)
         if last >= bound:
