@@ -48,3 +48,18 @@ def test_any_dense_classes_decode_the_same(monkeypatch, numel: int, dense: str) 
     )
     assert np.array_equal(got_index, index)
     assert np.array_equal(got_new, new_bits[index]) and np.array_equal(got_old, old_bits[index])
+
+
+def test_both_ways_of_selecting_a_masks_kth_member_agree() -> None:
+    """The block kernel picks a class's k-th member in a mask with ``pdep`` where the CPU has it, by a binary
+    search elsewhere: both give the k-th set bit, for the first, middle and last members of random masks."""
+    from rlsync.codecs import rice_kernels as kernels
+
+    rng = np.random.default_rng(0)
+    masks = [np.uint64(1), np.uint64(1 << 63), ~np.uint64(0)] + [np.uint64(m) for m in rng.integers(1, 2**63, 200, dtype=np.uint64)]
+    ways = [kernels._select_by_search] + ([kernels._select_by_deposit] if kernels.HAS_PDEP else [])
+    for mask in masks:
+        members = [bit for bit in range(64) if int(mask) >> bit & 1]
+        for k in sorted({0, len(members) // 2, len(members) - 1}):
+            for select in ways:
+                assert int(select(mask, np.int64(k))) == 1 << members[k], (select, hex(int(mask)), k)

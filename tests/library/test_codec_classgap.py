@@ -213,10 +213,11 @@ def test_stream_is_exactly_one_zstd_frame(state, codec: str, part: str, tail, ma
     assert_refused(rewrite(make_delta(state, codec), entries=edit), state, match)
 
 
-def test_sign_entry_checked(state) -> None:
+@pytest.mark.parametrize("codec", ["classgap", "classrice"])  # classrice checks the value streams in its kernel
+def test_sign_entry_checked(state, codec: str) -> None:
     """A sign entry of the wrong length or with padding bits set after the last sign is refused."""
     key = NAME + ".sign"
-    data = make_delta(state, "classgap")
+    data = make_delta(state, codec)
     count = json.loads(parse_header(data)[1]["tensors"])[NAME]["count"]
     assert count % 8, "the padding test needs a count that leaves padding bits"
     longer = rewrite(data, entries=lambda e: e.update({key: torch.cat([e[key], torch.zeros(1, dtype=torch.uint8)])}))
@@ -225,13 +226,17 @@ def test_sign_entry_checked(state) -> None:
     assert_refused(padded, state, "padding bits after the last sign are set")
 
 
-def test_magnitude_beyond_the_signed_range_refused(state) -> None:
-    """A magnitude with the top bit set would wrap to a zero or repeated difference: refused."""
-    codec = get_codec("classgap")
-    data = make_delta(state, "classgap")
-    count = json.loads(parse_header(data)[1]["tensors"])[NAME]["count"]
+@pytest.mark.parametrize("codec_name", ["classgap", "classrice"])
+@pytest.mark.parametrize("at", [0, -1])
+def test_magnitude_beyond_the_signed_range_refused(state, codec_name: str, at: int) -> None:
+    """A magnitude with the top bit set would wrap to a zero or repeated difference: refused (the first or the last)."""
+    codec = get_codec(codec_name)
+    data = make_delta(state, codec_name)
+    info = json.loads(parse_header(data)[1]["tensors"])[NAME]
+    assert info.get("order", "exponent") == "exponent"
+    count = info["count"]
     planes = np.zeros(2 * count, dtype=np.uint8)
-    planes[count] = 0x80  # high byte of the first magnitude
+    planes[count:][at] = 0x80  # high byte of the first or the last magnitude
     assert_refused(rewrite(data, entries=lambda e: e.update({NAME + ".val": codec._compress(planes)})), state, "does not fit")
 
 

@@ -26,6 +26,7 @@ on a GPU trainer the sorts run there and only the changed elements' ranks come b
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Iterable, Mapping
 
 import numpy as np
@@ -207,19 +208,37 @@ class ClassGapCodec(GapZigzagCodec):
             f"{name}.sign": torch.from_numpy(np.packbits(negative, bitorder="little")),
         }
 
-    def _decode_values(self, name: str, entries: Mapping[str, torch.Tensor], target: DecodeTarget) -> np.ndarray:
+    def _value_streams(self, name: str, entries: Mapping[str, torch.Tensor], target: DecodeTarget) -> tuple[np.ndarray, np.ndarray]:
+        """The magnitudes' byte planes (decompressed) and the packed signs, each checked for its size."""
         val_key, sign_key = f"{name}.val", f"{name}.sign"
+        planes = self._decompress(val_key, require_entry(entries, val_key, torch.uint8), target.count * target.itemsize)
+        return planes, require_entry(entries, sign_key, torch.uint8, (target.count + 7) // 8).numpy()
+
+    def _decode_values(self, name: str, entries: Mapping[str, torch.Tensor], target: DecodeTarget) -> np.ndarray:
         count, itemsize = target.count, target.itemsize
-        raw = self._decompress(val_key, require_entry(entries, val_key, torch.uint8), count * itemsize)
-        magnitude = join_planes(raw, itemsize)
+        planes, packed = self._value_streams(name, entries, target)
+        magnitude = join_planes(planes, itemsize)
         if magnitude.size and int(magnitude.max()) >= 1 << (8 * itemsize - 1):
-            raise FormatError(f"entry {val_key!r}: a magnitude does not fit the dtype's signed range")
-        packed = require_entry(entries, sign_key, torch.uint8, (count + 7) // 8).numpy()
+            raise value_error(name, ValueFault.MAGNITUDE)
         negative = np.unpackbits(packed, count=None, bitorder="little").view(bool)
         if negative[count:].any():
-            raise FormatError(f"entry {sign_key!r}: padding bits after the last sign are set")
+            raise value_error(name, ValueFault.SIGN_PADDING)
         step = magnitude + magnitude.dtype.type(1)
         return np.where(negative[:count], magnitude.dtype.type(0) - step, step)
+
+
+class ValueFault(enum.IntEnum):
+    """What is wrong with a tensor's value streams (the codes :func:`~.rice_kernels.add_differences` returns)."""
+
+    MAGNITUDE = 1
+    SIGN_PADDING = 2
+
+
+def value_error(name: str, fault: ValueFault) -> FormatError:
+    """The refusal of tensor ``name``'s value streams for ``fault``."""
+    if fault is ValueFault.MAGNITUDE:
+        return FormatError(f"entry {name + '.val'!r}: a magnitude does not fit the dtype's signed range")
+    return FormatError(f"entry {name + '.sign'!r}: padding bits after the last sign are set")
 
 
 register_codec(ClassGapCodec())

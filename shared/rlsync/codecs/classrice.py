@@ -35,7 +35,7 @@ from ..dtypes import dtype_name, int_view, uint_dtype
 from ..errors import FormatError
 from .base import Decoded, DecodeTarget, EncodedTensor, register_codec
 from .checks import require_entry
-from .classgap import CHUNK, EXPONENT_FIELDS, ClassGapCodec, ClassOrder, signed_view
+from .classgap import CHUNK, EXPONENT_FIELDS, ClassGapCodec, ClassOrder, ValueFault, signed_view, value_error
 
 def _kernels():
     """The compiled kernels, imported (and numba with them) on first use."""
@@ -148,17 +148,20 @@ class ClassRiceCodec(ClassGapCodec):
             raise FormatError(f"{name}: invalid order {order!r} for dtype {dtype!r}")
         n_classes = 1 if order == "flat" else field[1] + 1
         table, coded, starts, ends = self._decode_classes(name, entries, params, n_classes=n_classes, numel=target.numel)
-        diff = self._decode_values(name, entries, target)
+        planes, signs = self._value_streams(name, entries, target)
         if order == "flat":
             if table.size and table["flags"][0] & INVERTED:
                 raise FormatError(f"{name}: a flat order cannot be inverted")
-            index = coded
-            if index.size != target.count:
-                raise FormatError(f"{name}: {index.size} positions, the metadata declares {target.count}")
-            old = target.bits_at(index)
-            return Decoded(index, old + diff, old)
-        index, old, slots = self._positions(name, table, coded, starts, ends, field, target)
-        return Decoded(index, old + diff[slots], old)
+            if coded.size != target.count:
+                raise FormatError(f"{name}: {coded.size} positions, the metadata declares {target.count}")
+            index, old, slots = coded, target.bits_at(coded), np.arange(coded.size, dtype=np.int64)
+        else:
+            index, old, slots = self._positions(name, table, coded, starts, ends, field, target)
+        new = np.empty(index.size, uint_dtype(target.itemsize))
+        fault = _kernels().add_differences(planes, signs, old, slots, new)
+        if fault:
+            raise value_error(name, ValueFault(fault))
+        return Decoded(index, new, old)
 
     @staticmethod
     def _decode_classes(

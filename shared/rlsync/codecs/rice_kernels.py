@@ -8,10 +8,12 @@ memory stays bounded by its arguments. They are compiled on first use and cached
 
 from __future__ import annotations
 
+import platform
 import sys
 
 import numba
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
@@ -26,6 +28,13 @@ DENSE = 12
 #: Whether a vector of comparisons cast to an integer puts its first element in the lowest bit
 #: (little-endian targets); elsewhere :func:`class_positions` takes every element one at a time.
 MASKS_IN_ORDER = sys.byteorder == "little"
+#: Whether the compiled code runs on this machine's x86-64 CPU with BMI2, whose ``pdep`` picks a mask's k-th set
+#: bit in one instruction (:func:`_select_by_deposit`); elsewhere a branch-free binary search does.
+HAS_PDEP = (
+    platform.machine().lower() in ("x86_64", "amd64")
+    and numba.config.CPU_NAME in (None, "host")
+    and bool(llvm.get_host_cpu_features().get("bmi2", False))
+)
 NEVER = np.int64(1) << 62  # "no further coded rank in this class"
 
 
@@ -138,7 +147,7 @@ def _class_masks(typingctx, bits, start, shift, mask, dense, out):  # pragma: no
 
 
 @numba.njit(**_JIT, inline="always")
-def _select(members, k):  # pragma: no cover - compiled
+def _select_by_search(members, k):  # pragma: no cover - compiled
     """The lowest set bit of ``members`` that has ``k`` set bits below it (``k`` below their count), as a
     one-bit mask: a binary search on the halves' bit counts, without a branch to mispredict."""
     at = np.int64(0)
@@ -148,6 +157,26 @@ def _select(members, k):  # pragma: no cover - compiled
         k -= low if up else 0
         at += width if up else 0
     return np.uint64(1) << np.uint64(at)
+
+
+@intrinsic
+def _deposit(typingctx, x, m):  # pragma: no cover - compiled
+    """BMI2's ``pdep``: the low bits of ``x`` placed, in order, at the set bits of ``m`` (both ``uint64``)."""
+
+    def codegen(context, builder, signature, args):
+        pdep = ir.FunctionType(ir.IntType(64), [ir.IntType(64), ir.IntType(64)])
+        return builder.call(builder.module.declare_intrinsic("llvm.x86.bmi.pdep.64", fnty=pdep), args)
+
+    return types.uint64(types.uint64, types.uint64), codegen
+
+
+@numba.njit(**_JIT, inline="always")
+def _select_by_deposit(members, k):  # pragma: no cover - compiled
+    """:func:`_select_by_search` in one instruction, where the CPU has ``pdep``."""
+    return _deposit(np.uint64(1) << np.uint64(k), members)
+
+
+_select = _select_by_deposit if HAS_PDEP else _select_by_search
 
 
 @numba.njit(**_JIT, inline="always")
@@ -373,6 +402,42 @@ def class_positions(  # pragma: no cover - compiled
     for i in range(k):
         slots[i] += first_slot[classes[i]]
     return k
+
+
+@numba.njit(**_JIT)
+def add_differences(planes, signs, olds, slots, out):  # pragma: no cover - compiled
+    """New bit patterns from old ones and ``classgap``'s value streams, checked as they are read.
+
+    Args:
+        planes: The differences' magnitudes minus one, as byte planes (low byte first): ``out.itemsize``
+            planes of ``slots.size`` bytes.
+        signs: One bit per difference (low bit first), set where it is negative; zero padding after.
+        olds: The old bit pattern at each position (ints of ``out``'s width).
+        slots: Each position's difference (a permutation of ``0..slots.size - 1``).
+        out: Out: each position's new bit pattern, the old one plus its wrapping difference.
+
+    Returns:
+        0, or the fault (:class:`~rlsync.codecs.classgap.ValueFault`): 1 where a magnitude does not fit
+        the dtype's signed range, 2 where a padding bit after the last sign is set.
+    """
+    count = slots.size
+    for b in range(count, signs.size * 8):
+        if (signs[b >> 3] >> (b & 7)) & 1:
+            return 2
+    width = out.itemsize
+    top = np.uint64(1) << np.uint64(8 * width - 1)
+    for i in range(count):
+        s = slots[i]
+        magnitude = np.uint64(0)
+        for plane in range(width):
+            magnitude |= np.uint64(planes[plane * count + s]) << np.uint64(8 * plane)
+        if magnitude >= top:
+            return 1
+        step = magnitude + np.uint64(1)
+        if (signs[s >> 3] >> (s & 7)) & 1:
+            step = np.uint64(0) - step
+        out[i] = np.uint64(olds[i]) + step  # wraps, and keeps the low bits of the dtype's width
+    return 0
 
 
 @numba.njit(**_JIT)
