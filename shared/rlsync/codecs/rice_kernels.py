@@ -87,26 +87,23 @@ def _popcount(typingctx, x):  # pragma: no cover - compiled
     return types.int64(types.uint64), codegen
 
 
-@intrinsic
-def _lowest_bit(typingctx, x):  # pragma: no cover - compiled
-    """Index of the lowest set bit of a nonzero ``uint64``, as an ``int64``."""
+def _zero_count(name: str, llvm_name: str, doc: str):
+    """An intrinsic that counts the zero bits of a nonzero ``uint64`` with LLVM's ``llvm_name``
+    (``llvm.cttz``: below its lowest set bit, ``llvm.ctlz``: above its highest), as an ``int64``."""
 
-    def codegen(context, builder, signature, args):
-        cttz = builder.module.declare_intrinsic("llvm.cttz", [ir.IntType(64), ir.IntType(1)])
-        return builder.call(cttz, [args[0], ir.Constant(ir.IntType(1), 0)])
+    def typer(typingctx, x):  # pragma: no cover - compiled
+        def codegen(context, builder, signature, args):
+            count = builder.module.declare_intrinsic(llvm_name, [ir.IntType(64), ir.IntType(1)])
+            return builder.call(count, [args[0], ir.Constant(ir.IntType(1), 0)])
 
-    return types.int64(types.uint64), codegen
+        return types.int64(types.uint64), codegen
+
+    typer.__name__, typer.__qualname__, typer.__doc__ = name, name, doc
+    return intrinsic(typer)
 
 
-@intrinsic
-def _leading_zeros(typingctx, x):  # pragma: no cover - compiled
-    """Zero bits above the highest set bit of a nonzero ``uint64``, as an ``int64``."""
-
-    def codegen(context, builder, signature, args):
-        ctlz = builder.module.declare_intrinsic("llvm.ctlz", [ir.IntType(64), ir.IntType(1)])
-        return builder.call(ctlz, [args[0], ir.Constant(ir.IntType(1), 0)])
-
-    return types.int64(types.uint64), codegen
+_lowest_bit = _zero_count("_lowest_bit", "llvm.cttz", "Index of the lowest set bit of a nonzero ``uint64``.")
+_leading_zeros = _zero_count("_leading_zeros", "llvm.ctlz", "Zero bits above the highest set bit of a nonzero ``uint64``.")
 
 
 @intrinsic
