@@ -146,7 +146,7 @@ def main() -> None:
         wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
         size = f"{len(data) / 1e6:.1f} MB, {args.codec}"
         threads = fmt.worker_pool()._max_workers
-        print(f"decode {delta.changed} changed ({size}) on {threads} worker threads: {wall:.3f} s wall, {cpu:.3f} s CPU")
+        print(f"decode {delta.changed} changed ({size}), thread pool of {threads}: {wall:.3f} s wall, {cpu:.3f} s CPU")
     if args.profile:
         serial = type("Serial", (), {"map": staticmethod(lambda f, xs: list(map(f, xs)))})
         fmt.worker_pool = lambda: serial  # noqa: PLW0108 - one thread, so cProfile sees every call
