@@ -8,7 +8,8 @@ by several ulps. ``--lr`` sets the share that changes (3e-7: 1.21%, 6.4 MB with 
 is encoded once with the codec (``format.encode_delta``, as the publisher does), then
 ``format.decode_delta`` (the replica's decode, on the library's worker threads) runs ``--repeat``
 times against the state; each run prints its wall time and the CPU time of all the process's
-threads. ``--profile`` adds one single-threaded run under cProfile, timed in CPU time.
+threads (``RLSYNC_THREADS`` sets how many decode tensors at once). ``--profile`` adds one
+single-threaded run under cProfile, timed in CPU time.
 
 The state and the delta are cached in ``--cache`` (1.2 GB), so that several library versions can be
 timed against the same files, alternating, on a shared machine (``PYTHONPATH`` picking the version;
@@ -144,7 +145,8 @@ def main() -> None:
         delta = fmt.decode_delta(data, state)
         wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
         size = f"{len(data) / 1e6:.1f} MB, {args.codec}"
-        print(f"decode {delta.changed} changed ({size}): {wall:.3f} s wall, {cpu:.3f} s CPU")
+        threads = fmt.worker_pool()._max_workers
+        print(f"decode {delta.changed} changed ({size}), thread pool of {threads}: {wall:.3f} s wall, {cpu:.3f} s CPU")
     if args.profile:
         serial = type("Serial", (), {"map": staticmethod(lambda f, xs: list(map(f, xs)))})
         fmt.worker_pool = lambda: serial  # noqa: PLW0108 - one thread, so cProfile sees every call

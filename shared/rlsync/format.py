@@ -31,7 +31,7 @@ import safetensors.torch
 import torch
 
 from .aliases import aliases_to_metadata
-from .codecs import DEFAULT_CODEC, get_codec
+from .codecs import DEFAULT_CODEC, DecodeTarget, get_codec
 from .codecs.checks import check_decoded, check_index
 from .dtypes import bits_to_numpy, dtype_from_name, dtype_name, int_view, numpy_to_values
 from .errors import FormatError
@@ -391,17 +391,9 @@ def decode_delta(data: bytes, state: Mapping[str, torch.Tensor]) -> Delta:
             check_index(name, idx, target.numel())  # every position a codec reads at, before it reads
             return bits_to_numpy(int_view(gather(target, torch.from_numpy(idx))))
 
+        patched = DecodeTarget(count=count, numel=target.numel(), itemsize=target.element_size(), bits_at=old_bits_at, tensor=target)
         try:
-            index, new_bits, old_bits = coder.decode_with_old_bits(
-                name,
-                {k: entries[k] for k in coder.entry_names(name)},
-                table[name],
-                count=count,
-                numel=target.numel(),
-                itemsize=target.element_size(),
-                old_bits_at=old_bits_at,
-                base=target,
-            )
+            index, new_bits, old_bits = coder.decode(name, {k: entries[k] for k in coder.entry_names(name)}, table[name], patched)
         except FormatError:
             raise
         except Exception as exc:  # noqa: BLE001 - a decoder failing on a hostile file refuses the file, whatever it raised

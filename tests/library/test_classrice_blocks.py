@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rlsync.codecs.classrice as classrice
-from rlsync.codecs import get_codec
+from rlsync.codecs import DecodeTarget, get_codec
 from rlsync.dtypes import bits_to_numpy, dtype_name, int_view
 
 
@@ -43,8 +43,23 @@ def test_any_dense_classes_decode_the_same(monkeypatch, numel: int, dense: str) 
     }[dense]
     monkeypatch.setattr(classrice, "_dense_classes", choice)
     params = {**encoded.params, "dtype": dtype_name(base.dtype)}
-    got_index, got_new, got_old = codec.decode_with_old_bits(
-        "w", encoded.entries, params, count=index.size, numel=numel, itemsize=2, old_bits_at=lambda i: old_bits[i], base=base
+    got_index, got_new, got_old = codec.decode(
+        "w", encoded.entries, params, DecodeTarget(count=index.size, numel=numel, itemsize=2, bits_at=lambda i: old_bits[i], tensor=base)
     )
     assert np.array_equal(got_index, index)
     assert np.array_equal(got_new, new_bits[index]) and np.array_equal(got_old, old_bits[index])
+
+
+def test_both_ways_of_selecting_a_masks_kth_member_agree() -> None:
+    """The block kernel picks a class's k-th member in a mask with ``pdep`` where the CPU has it, by a binary
+    search elsewhere: both give the k-th set bit, for the first, middle and last members of random masks."""
+    from rlsync.codecs import rice_kernels as kernels
+
+    rng = np.random.default_rng(0)
+    masks = [np.uint64(1), np.uint64(1 << 63), ~np.uint64(0)] + [np.uint64(m) for m in rng.integers(1, 2**63, 200, dtype=np.uint64)]
+    ways = [kernels._select_by_search] + ([kernels._select_by_deposit] if kernels.HAS_PDEP else [])
+    for mask in masks:
+        members = [bit for bit in range(64) if int(mask) >> bit & 1]
+        for k in sorted({0, len(members) // 2, len(members) - 1}):
+            for select in ways:
+                assert int(select(mask, np.int64(k))) == 1 << members[k], (select, hex(int(mask)), k)

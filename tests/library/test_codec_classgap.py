@@ -10,6 +10,7 @@ RL-like data, and malformed order parameters and zstd streams are refused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from unittest import mock
 
@@ -21,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rlsync.codecs.classgap as classgap
-from rlsync.codecs import get_codec
+from rlsync.codecs import DecodeTarget, get_codec
 from rlsync.codecs.classgap import EXPONENT_FIELDS, ClassOrder
 from rlsync.detect import ChangeDetector
 from rlsync.dtypes import dtype_name
@@ -111,10 +112,10 @@ def test_decode_without_base_reads_old_bits_through_the_callback(dtype: torch.dt
         encoded = codec.encode("w", index, old_all[index], new_all[index], base=old)
         assert encoded.params["order"] == "exponent"
         params = {"dtype": dtype_name(dtype), **encoded.params}
-        sizes = dict(count=index.size, numel=numel, itemsize=old.element_size(), old_bits_at=lambda idx: old_all[idx])
-        with_base = codec.decode("w", encoded.entries, params, **sizes, base=old)
-        without = codec.decode("w", encoded.entries, params, **sizes)
-        for got_index, got_bits in (with_base, without):
+        target = DecodeTarget(count=index.size, numel=numel, itemsize=old.element_size(), bits_at=lambda idx: old_all[idx])
+        with_base = codec.decode("w", encoded.entries, params, dataclasses.replace(target, tensor=old))
+        without = codec.decode("w", encoded.entries, params, target)
+        for got_index, got_bits, _ in (with_base, without):
             np.testing.assert_array_equal(got_index, index)
             np.testing.assert_array_equal(got_bits, new_all[index])
 
@@ -154,7 +155,7 @@ def test_value_signs_and_magnitudes_cover_the_whole_wrapping_range(dtype: torch.
     codec = get_codec("classgap")
     entries = codec._encode_values("w", old, new)
     assert entries["w.sign"].numel() == 1  # six signs in one byte
-    np.testing.assert_array_equal(codec._decode_values("w", entries, count=diffs.size, itemsize=width // 8), diffs)
+    np.testing.assert_array_equal(codec._decode_values("w", entries, DecodeTarget(count=diffs.size, numel=diffs.size, itemsize=width // 8, bits_at=old.__getitem__)), diffs)
 
 
 # ---------------------------------------------------------------------------
@@ -212,10 +213,11 @@ def test_stream_is_exactly_one_zstd_frame(state, codec: str, part: str, tail, ma
     assert_refused(rewrite(make_delta(state, codec), entries=edit), state, match)
 
 
-def test_sign_entry_checked(state) -> None:
+@pytest.mark.parametrize("codec", ["classgap", "classrice"])  # classrice checks the value streams in its kernel
+def test_sign_entry_checked(state, codec: str) -> None:
     """A sign entry of the wrong length or with padding bits set after the last sign is refused."""
     key = NAME + ".sign"
-    data = make_delta(state, "classgap")
+    data = make_delta(state, codec)
     count = json.loads(parse_header(data)[1]["tensors"])[NAME]["count"]
     assert count % 8, "the padding test needs a count that leaves padding bits"
     longer = rewrite(data, entries=lambda e: e.update({key: torch.cat([e[key], torch.zeros(1, dtype=torch.uint8)])}))
@@ -224,13 +226,17 @@ def test_sign_entry_checked(state) -> None:
     assert_refused(padded, state, "padding bits after the last sign are set")
 
 
-def test_magnitude_beyond_the_signed_range_refused(state) -> None:
-    """A magnitude with the top bit set would wrap to a zero or repeated difference: refused."""
-    codec = get_codec("classgap")
-    data = make_delta(state, "classgap")
-    count = json.loads(parse_header(data)[1]["tensors"])[NAME]["count"]
+@pytest.mark.parametrize("codec_name", ["classgap", "classrice"])
+@pytest.mark.parametrize("at", [0, -1])
+def test_magnitude_beyond_the_signed_range_refused(state, codec_name: str, at: int) -> None:
+    """A magnitude with the top bit set would wrap to a zero or repeated difference: refused (the first or the last)."""
+    codec = get_codec(codec_name)
+    data = make_delta(state, codec_name)
+    info = json.loads(parse_header(data)[1]["tensors"])[NAME]
+    assert info.get("order", "exponent") == "exponent"
+    count = info["count"]
     planes = np.zeros(2 * count, dtype=np.uint8)
-    planes[count] = 0x80  # high byte of the first magnitude
+    planes[count:][at] = 0x80  # high byte of the first or the last magnitude
     assert_refused(rewrite(data, entries=lambda e: e.update({NAME + ".val": codec._compress(planes)})), state, "does not fit")
 
 

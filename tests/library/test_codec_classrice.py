@@ -17,7 +17,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlsync.codecs import EncodedTensor, get_codec
+from rlsync.codecs import DecodeTarget, EncodedTensor, get_codec
 from rlsync.codecs.classgap import EXPONENT_FIELDS
 from rlsync.codecs.classrice import INVERTED, TABLE, ClassRiceCodec, _class_ranks
 from rlsync.detect import ChangeDetector
@@ -41,11 +41,15 @@ def _case(rng: np.random.Generator, dtype: torch.dtype, numel: int, changed: int
 
 
 def _decode(codec: ClassRiceCodec, encoded, old: torch.Tensor, old_all: np.ndarray, index: np.ndarray, base=True):
+    """The decoded positions and new bits (the old bits that come with them are checked here)."""
     params = {"dtype": dtype_name(old.dtype), **encoded.params}
-    return codec.decode(
-        "w", encoded.entries, params, count=index.size, numel=old.numel(), itemsize=old.element_size(),
-        old_bits_at=lambda idx: old_all[idx], base=old if base else None,
-    )
+    target = DecodeTarget(
+        count=index.size, numel=old.numel(), itemsize=old.element_size(), bits_at=lambda idx: old_all[idx],
+        tensor=old if base else None,
+    )  # fmt: skip
+    got_index, got_bits, got_old = codec.decode("w", encoded.entries, params, target)
+    np.testing.assert_array_equal(got_old, old_all[got_index])
+    return got_index, got_bits
 
 
 def _table(pos: np.ndarray, rows: int) -> np.ndarray:
@@ -125,10 +129,10 @@ def test_decode_without_base_reads_the_old_bits_a_chunk_at_a_time(dtype: torch.d
     encoded = KERNEL.encode("w", index, old_all[index], new_all[index], base=old)
     asked: list[np.ndarray] = []
     params = {"dtype": dtype_name(old.dtype), **encoded.params}
-    got_index, got_bits = KERNEL.decode(
-        "w", encoded.entries, params, count=index.size, numel=old.numel(), itemsize=old.element_size(),
-        old_bits_at=lambda idx: asked.append(idx.copy()) or old_all[idx], base=None,
-    )
+    got_index, got_bits, _ = KERNEL.decode(
+        "w", encoded.entries, params,
+        DecodeTarget(count=index.size, numel=old.numel(), itemsize=old.element_size(), bits_at=lambda idx: asked.append(idx.copy()) or old_all[idx]),
+    )  # fmt: skip
     np.testing.assert_array_equal(got_index, index)
     np.testing.assert_array_equal(got_bits, new_all[index])
     # the class order reads every element once, in chunks, and nothing more: its pass keeps the changed elements' old bits

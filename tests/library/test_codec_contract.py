@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlsync.codecs import GapZigzagCodec, get_codec, list_codecs, register_codec
+from rlsync.codecs import DecodeTarget, GapZigzagCodec, get_codec, list_codecs, register_codec
 from rlsync.codecs import base as codecs_base
 from rlsync.codecs.checks import check_index, require_entry
 from rlsync.detect import ChangeDetector, changed_elements
@@ -23,6 +23,11 @@ def _no_old_bits(index: np.ndarray) -> np.ndarray:
     return np.zeros(index.size, dtype=np.uint16)
 
 
+def _target(count: int, numel: int) -> DecodeTarget:
+    """A bf16-sized tensor of ``numel`` elements, all bits zero, patched at ``count`` positions."""
+    return DecodeTarget(count=count, numel=numel, itemsize=2, bits_at=_no_old_bits)
+
+
 @pytest.mark.parametrize("codec", CODECS)
 def test_empty_change_round_trips(codec: str) -> None:
     codec_ = get_codec(codec)
@@ -30,7 +35,7 @@ def test_empty_change_round_trips(codec: str) -> None:
     encoded = codec_.encode("w", empty, np.zeros(0, np.uint16), np.zeros(0, np.uint16))
     assert sorted(encoded.entries) == sorted(codec_.entry_names("w"))
     assert encoded.params == ({"gap_bytes": 1} if codec == "gapzz" else {})  # the narrowest width: nothing to hold
-    index, bits = codec_.decode("w", encoded.entries, encoded.params, count=0, numel=10, itemsize=2, old_bits_at=_no_old_bits)
+    index, bits, _ = codec_.decode("w", encoded.entries, encoded.params, _target(0, 10))
     assert index.size == 0 and bits.size == 0
 
 
@@ -42,7 +47,7 @@ def test_missing_entry_is_named(codec: str, which: int) -> None:
     missing = codec_.entry_names("layer.w")[which]
     del encoded.entries[missing]
     with pytest.raises(FormatError, match=re.escape(f"'{missing}'")):
-        codec_.decode("layer.w", encoded.entries, encoded.params, count=2, numel=8, itemsize=2, old_bits_at=_no_old_bits)
+        codec_.decode("layer.w", encoded.entries, encoded.params, _target(2, 8))
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -50,7 +55,7 @@ def test_index_refusals_name_the_tensor(codec: str) -> None:
     codec_ = get_codec(codec)
     encoded = codec_.encode("layer.w", np.array([1, 7], np.int64), np.zeros(2, np.uint16), np.ones(2, np.uint16))
     with pytest.raises(FormatError, match=r"^layer\.w: index out of range for a tensor of 7 elements$"):
-        codec_.decode("layer.w", encoded.entries, encoded.params, count=2, numel=7, itemsize=2, old_bits_at=_no_old_bits)
+        codec_.decode("layer.w", encoded.entries, encoded.params, _target(2, 7))
 
 
 def test_check_index_messages_name_the_tensor() -> None:
@@ -98,8 +103,8 @@ def test_gapzz_compression_level_is_used_and_decodes_the_same() -> None:
     encoded = [c.encode("w", index, old, new) for c in (fast, strong)]
     assert not torch.equal(encoded[0].entries["w.val"], encoded[1].entries["w.val"])  # the level reached zstd
     for enc in encoded:
-        got_index, got_bits = fast.decode(
-            "w", enc.entries, enc.params, count=index.size, numel=60_000, itemsize=2, old_bits_at=lambda i: old
+        got_index, got_bits, _ = fast.decode(
+            "w", enc.entries, enc.params, DecodeTarget(count=index.size, numel=60_000, itemsize=2, bits_at=lambda i: old)
         )
         np.testing.assert_array_equal(got_index, index)
         np.testing.assert_array_equal(got_bits, new)
@@ -111,7 +116,7 @@ def test_gapzz_stream_refusals_name_the_entry(part: str) -> None:
     encoded = codec.encode("layer.w", np.array([1, 4], np.int64), np.zeros(2, np.uint16), np.ones(2, np.uint16))
     encoded.entries[f"layer.w.{part}"] = torch.frombuffer(bytearray(b"not zstd at all"), dtype=torch.uint8)
     with pytest.raises(FormatError, match=rf"^entry 'layer\.w\.{part}': not a zstd frame"):
-        codec.decode("layer.w", encoded.entries, encoded.params, count=2, numel=8, itemsize=2, old_bits_at=_no_old_bits)
+        codec.decode("layer.w", encoded.entries, encoded.params, _target(2, 8))
 
 
 @pytest.mark.parametrize("swap", [False, True])

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlsync.codecs import get_codec, list_codecs
+from rlsync.codecs import DecodeTarget, get_codec, list_codecs
 from rlsync.detect import ChangeDetector
 from rlsync.dtypes import bits_to_numpy, int_view, uint_dtype
 from rlsync.errors import FormatError
@@ -346,15 +346,8 @@ def _old_bits_lookup(index: np.ndarray, old_bits: np.ndarray):
 
 def _decode(codec_name: str, name: str, encoded, index, old_bits, *, numel: int, itemsize_: int, params=None):
     codec = get_codec(codec_name)
-    return codec.decode(
-        name,
-        encoded.entries,
-        encoded.params if params is None else params,
-        count=index.size,
-        numel=numel,
-        itemsize=itemsize_,
-        old_bits_at=_old_bits_lookup(index, old_bits),
-    )
+    target = DecodeTarget(count=index.size, numel=numel, itemsize=itemsize_, bits_at=_old_bits_lookup(index, old_bits))
+    return codec.decode(name, encoded.entries, encoded.params if params is None else params, target)
 
 
 @pytest.mark.parametrize(
@@ -378,7 +371,7 @@ def test_gapzz_index_widths_beyond_2_31(index: list[int], gap_bytes: int) -> Non
     encoded = get_codec("gapzz").encode("w", idx, old, new)
     assert encoded.params["gap_bytes"] == gap_bytes
     numel = int(idx[-1]) + 1
-    got_index, got_bits = _decode("gapzz", "w", encoded, idx, old, numel=numel, itemsize_=2)
+    got_index, got_bits, _ = _decode("gapzz", "w", encoded, idx, old, numel=numel, itemsize_=2)
     assert got_index.dtype == np.int64
     np.testing.assert_array_equal(got_index, idx)
     np.testing.assert_array_equal(got_bits, new)
@@ -394,8 +387,9 @@ def test_gapzz_refuses_gap_that_wraps_int64() -> None:
     encoded.entries["w.pos"] = get_codec("gapzz")._compress(planes)
     with pytest.raises(FormatError, match="out of range"):
         get_codec("gapzz").decode(
-            "w", encoded.entries, {"gap_bytes": 8}, count=2, numel=2**62, itemsize=2, old_bits_at=lambda i: np.zeros(i.size, np.uint16)
-        )
+            "w", encoded.entries, {"gap_bytes": 8},
+            DecodeTarget(count=2, numel=2**62, itemsize=2, bits_at=lambda i: np.zeros(i.size, np.uint16)),
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -409,7 +403,7 @@ def test_trl_switches_to_int64_indices_beyond_2_31(index: list[int], wide: bool)
     new = np.arange(1, idx.size + 1, dtype=np.uint16)
     encoded = get_codec("trl").encode("w", idx, old, new)
     assert encoded.entries["w.indices"].dtype == (torch.int64 if wide else torch.int32)
-    got_index, got_bits = _decode("trl", "w", encoded, idx, old, numel=int(idx[-1]) + 1, itemsize_=2)
+    got_index, got_bits, _ = _decode("trl", "w", encoded, idx, old, numel=int(idx[-1]) + 1, itemsize_=2)
     assert got_index.dtype == np.int64
     np.testing.assert_array_equal(got_index, idx)
     np.testing.assert_array_equal(got_bits, new)

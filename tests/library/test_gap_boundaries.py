@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlsync.codecs import get_codec
+from rlsync.codecs import DecodeTarget, get_codec
 from rlsync.dtypes import bits_to_numpy, int_view
 from rlsync.errors import FormatError
 from rlsync.format import Change, decode_delta, encode_delta
@@ -42,9 +42,9 @@ def _decode_positions(codec_name: str, index: np.ndarray, numel: int, *, params:
         np.testing.assert_array_equal(idx, index)  # the decoder reads the old bits at exactly the decoded positions
         return old
 
-    got_index, got_bits = get_codec(codec_name).decode(
+    got_index, got_bits, _ = get_codec(codec_name).decode(
         "w", encoded.entries, encoded.params if params is None else params,
-        count=index.size, numel=numel, itemsize=2, old_bits_at=old_bits_at,
+        DecodeTarget(count=index.size, numel=numel, itemsize=2, bits_at=old_bits_at),
     )  # fmt: skip
     return encoded, got_index, got_bits, new
 

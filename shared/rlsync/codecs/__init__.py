@@ -3,7 +3,7 @@
 import torch
 
 from ..defaults import DEFAULT_CODEC
-from .base import Codec, EncodedTensor, get_codec, list_codecs, register_codec
+from .base import Codec, Decoded, DecodeTarget, EncodedTensor, get_codec, list_codecs, register_codec
 from .classgap import ClassGapCodec
 from .classrice import ClassRiceCodec
 from .gapzz import GapZigzagCodec
@@ -27,6 +27,8 @@ __all__ = [
     "ClassGapCodec",
     "ClassRiceCodec",
     "Codec",
+    "DecodeTarget",
+    "Decoded",
     "EncodedTensor",
     "GapZigzagCodec",
     "TrlCodec",

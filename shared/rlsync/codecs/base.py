@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -27,6 +27,34 @@ class EncodedTensor:
 
     entries: dict[str, torch.Tensor]
     params: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTarget:
+    """What a decode patches: one tensor as the receiver holds it, and how many of its elements change.
+
+    Attributes:
+        count: The number of changed elements the delta's metadata declares.
+        numel: The tensor's number of elements.
+        itemsize: Bytes per element.
+        bits_at: Returns the tensor's current bit patterns at given flat positions.
+        tensor: The tensor itself (only read), for codecs whose coding order derives from the old
+            weights; without it they read the old bits through ``bits_at``.
+    """
+
+    count: int
+    numel: int
+    itemsize: int
+    bits_at: Callable[[np.ndarray], np.ndarray]
+    tensor: torch.Tensor | None = None
+
+
+class Decoded(NamedTuple):
+    """One tensor's decoded patch (see :meth:`Codec.decode`)."""
+
+    index: np.ndarray
+    new_bits: np.ndarray
+    old_bits: np.ndarray | None = None
 
 
 class Codec(abc.ABC):
@@ -60,59 +88,24 @@ class Codec(abc.ABC):
         """
 
     @abc.abstractmethod
-    def decode(
-        self,
-        name: str,
-        entries: Mapping[str, torch.Tensor],
-        params: Mapping[str, Any],
-        *,
-        count: int,
-        numel: int,
-        itemsize: int,
-        old_bits_at: Callable[[np.ndarray], np.ndarray],
-        base: torch.Tensor | None = None,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Decode one tensor's entries into ``(index, new_bits)``.
+    def decode(self, name: str, entries: Mapping[str, torch.Tensor], params: Mapping[str, Any], target: DecodeTarget) -> Decoded:
+        """Decode one tensor's entries into the changed positions and their new bit patterns.
 
         Args:
             name: The tensor's name.
             entries: Its safetensors entries, as read from the file.
             params: The parameters :meth:`encode` returned.
-            count: The number of changed elements the metadata declares.
-            numel: The number of elements of the tensor being patched.
-            itemsize: Bytes per element of the tensor being patched.
-            old_bits_at: Returns the current bit patterns at given positions.
-            base: The tensor being patched (only read), for codecs whose coding
-                order derives from the old weights; without it they read the old
-                bits through ``old_bits_at``.
+            target: The tensor being patched, as the receiver holds it, and the declared count.
 
         Returns:
-            Sorted, unique, in-range ``int64`` positions and the new bit patterns.
+            Sorted, unique, in-range ``int64`` positions, the new bit patterns, and the old bit
+            patterns at those positions where the decoder read them anyway (``None`` otherwise:
+            the caller gathers them with ``target.bits_at``).
 
         Raises:
             FormatError: the entries are malformed or hostile (out-of-range or
                 duplicate indices, wrong sizes or dtypes).
         """
-
-    def decode_with_old_bits(
-        self,
-        name: str,
-        entries: Mapping[str, torch.Tensor],
-        params: Mapping[str, Any],
-        *,
-        count: int,
-        numel: int,
-        itemsize: int,
-        old_bits_at: Callable[[np.ndarray], np.ndarray],
-        base: torch.Tensor | None = None,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """:meth:`decode`, and the old bit patterns at the decoded positions where the decoder read them
-        anyway (``None``: the caller gathers them with ``old_bits_at``). Arguments, result and errors
-        otherwise as :meth:`decode`."""
-        index, new_bits = self.decode(
-            name, entries, params, count=count, numel=numel, itemsize=itemsize, old_bits_at=old_bits_at, base=base
-        )
-        return index, new_bits, None
 
 
 _CODECS: dict[str, Codec] = {}

@@ -26,6 +26,7 @@ on a GPU trainer the sorts run there and only the changed elements' ranks come b
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Iterable, Mapping
 
 import numpy as np
@@ -33,9 +34,9 @@ import torch
 
 from ..dtypes import dtype_name, int_view
 from ..errors import FormatError
-from .base import register_codec
+from .base import DecodeTarget, register_codec
 from .checks import require_entry
-from .gapzz import GapZigzagCodec, OldWeights, join_planes, split_planes
+from .gapzz import GapZigzagCodec, join_planes, split_planes
 
 #: Elements per class-ordering chunk; part of the format (changing it needs a new version).
 CHUNK = 1 << 20
@@ -172,7 +173,7 @@ class ClassGapCodec(GapZigzagCodec):
         return rank.cpu().numpy(), np.searchsorted(index, position.cpu().numpy()), {"order": "exponent"}
 
     def _flat_positions(
-        self, name: str, coded: np.ndarray, params: Mapping[str, Any], old: OldWeights
+        self, name: str, coded: np.ndarray, params: Mapping[str, Any], target: DecodeTarget
     ) -> tuple[np.ndarray, np.ndarray | None]:
         order, dtype = params.get("order"), params.get("dtype")
         field = EXPONENT_FIELDS.get(dtype) if isinstance(dtype, str) else None
@@ -180,14 +181,14 @@ class ClassGapCodec(GapZigzagCodec):
             return coded, None
         if order != "exponent" or field is None:
             raise FormatError(f"{name}: invalid order {order!r} for dtype {dtype!r}")
-        if old.tensor is not None:  # the class order is built where the old weights are (a GPU replica's device)
-            coding_order = ClassOrder.of_tensor(old.tensor, field)
+        if target.tensor is not None:  # the class order is built where the old weights are (a GPU replica's device)
+            coding_order = ClassOrder.of_tensor(target.tensor, field)
         else:
             chunks = (
-                torch.from_numpy(signed_view(old.bits_at(np.arange(s, min(s + CHUNK, old.numel), dtype=np.int64))))
-                for s in range(0, old.numel, CHUNK)
+                torch.from_numpy(signed_view(target.bits_at(np.arange(s, min(s + CHUNK, target.numel), dtype=np.int64))))
+                for s in range(0, target.numel, CHUNK)
             )
-            coding_order = ClassOrder(exponent_classes(chunks, old.numel, field, torch.device("cpu")), field[1] + 1)
+            coding_order = ClassOrder(exponent_classes(chunks, target.numel, field, torch.device("cpu")), field[1] + 1)
         positions = coding_order.positions_of(torch.from_numpy(coded).to(coding_order.classes.device)).cpu().numpy()
         flat_order = np.argsort(positions, kind="stable")
         return positions[flat_order], flat_order
@@ -207,18 +208,37 @@ class ClassGapCodec(GapZigzagCodec):
             f"{name}.sign": torch.from_numpy(np.packbits(negative, bitorder="little")),
         }
 
-    def _decode_values(self, name: str, entries: Mapping[str, torch.Tensor], *, count: int, itemsize: int) -> np.ndarray:
+    def _value_streams(self, name: str, entries: Mapping[str, torch.Tensor], target: DecodeTarget) -> tuple[np.ndarray, np.ndarray]:
+        """The magnitudes' byte planes (decompressed) and the packed signs, each checked for its size."""
         val_key, sign_key = f"{name}.val", f"{name}.sign"
-        raw = self._decompress(val_key, require_entry(entries, val_key, torch.uint8), count * itemsize)
-        magnitude = join_planes(raw, itemsize)
+        planes = self._decompress(val_key, require_entry(entries, val_key, torch.uint8), target.count * target.itemsize)
+        return planes, require_entry(entries, sign_key, torch.uint8, (target.count + 7) // 8).numpy()
+
+    def _decode_values(self, name: str, entries: Mapping[str, torch.Tensor], target: DecodeTarget) -> np.ndarray:
+        count, itemsize = target.count, target.itemsize
+        planes, packed = self._value_streams(name, entries, target)
+        magnitude = join_planes(planes, itemsize)
         if magnitude.size and int(magnitude.max()) >= 1 << (8 * itemsize - 1):
-            raise FormatError(f"entry {val_key!r}: a magnitude does not fit the dtype's signed range")
-        packed = require_entry(entries, sign_key, torch.uint8, (count + 7) // 8).numpy()
+            raise value_error(name, ValueFault.MAGNITUDE)
         negative = np.unpackbits(packed, count=None, bitorder="little").view(bool)
         if negative[count:].any():
-            raise FormatError(f"entry {sign_key!r}: padding bits after the last sign are set")
+            raise value_error(name, ValueFault.SIGN_PADDING)
         step = magnitude + magnitude.dtype.type(1)
         return np.where(negative[:count], magnitude.dtype.type(0) - step, step)
+
+
+class ValueFault(enum.IntEnum):
+    """What is wrong with a tensor's value streams (the codes :func:`~.rice_kernels.add_differences` returns)."""
+
+    MAGNITUDE = 1
+    SIGN_PADDING = 2
+
+
+def value_error(name: str, fault: ValueFault) -> FormatError:
+    """The refusal of tensor ``name``'s value streams for ``fault``."""
+    if fault is ValueFault.MAGNITUDE:
+        return FormatError(f"entry {name + '.val'!r}: a magnitude does not fit the dtype's signed range")
+    return FormatError(f"entry {name + '.sign'!r}: padding bits after the last sign are set")
 
 
 register_codec(ClassGapCodec())

@@ -26,16 +26,16 @@ all elements in flat order (``"order": "flat"``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch
 
 from ..dtypes import dtype_name, int_view, uint_dtype
 from ..errors import FormatError
-from .base import EncodedTensor, register_codec
+from .base import Decoded, DecodeTarget, EncodedTensor, register_codec
 from .checks import require_entry
-from .classgap import CHUNK, EXPONENT_FIELDS, ClassGapCodec, ClassOrder, signed_view
+from .classgap import CHUNK, EXPONENT_FIELDS, ClassGapCodec, ClassOrder, ValueFault, signed_view, value_error
 
 def _kernels():
     """The compiled kernels, imported (and numba with them) on first use."""
@@ -140,53 +140,28 @@ class ClassRiceCodec(ClassGapCodec):
             at_unary, at_rem = _kernels().rice_encode(gaps, k, unary, at_unary, rem, at_rem)
         return table, unary, rem
 
-    def decode(
-        self,
-        name: str,
-        entries: Mapping[str, torch.Tensor],
-        params: Mapping[str, Any],
-        *,
-        count: int,
-        numel: int,
-        itemsize: int,
-        old_bits_at: Callable[[np.ndarray], np.ndarray],
-        base: torch.Tensor | None = None,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        index, new_bits, _ = self.decode_with_old_bits(
-            name, entries, params, count=count, numel=numel, itemsize=itemsize, old_bits_at=old_bits_at, base=base
-        )
-        return index, new_bits
-
-    def decode_with_old_bits(
-        self,
-        name: str,
-        entries: Mapping[str, torch.Tensor],
-        params: Mapping[str, Any],
-        *,
-        count: int,
-        numel: int,
-        itemsize: int,
-        old_bits_at: Callable[[np.ndarray], np.ndarray],
-        base: torch.Tensor | None = None,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """:meth:`decode` with the old bits, which the class order reads anyway (see the base class)."""
+    def decode(self, name: str, entries: Mapping[str, torch.Tensor], params: Mapping[str, Any], target: DecodeTarget) -> Decoded:
+        """See the base class; the old bits come with the result (the class order reads them anyway)."""
         order, dtype = params.get("order"), params.get("dtype")
         field = EXPONENT_FIELDS.get(dtype) if isinstance(dtype, str) else None
         if order not in ("flat", "exponent") or (order == "exponent" and field is None):
             raise FormatError(f"{name}: invalid order {order!r} for dtype {dtype!r}")
         n_classes = 1 if order == "flat" else field[1] + 1
-        table, coded, starts, ends = self._decode_classes(name, entries, params, n_classes=n_classes, numel=numel)
-        diff = self._decode_values(name, entries, count=count, itemsize=itemsize)
+        table, coded, starts, ends = self._decode_classes(name, entries, params, n_classes=n_classes, numel=target.numel)
+        planes, signs = self._value_streams(name, entries, target)
         if order == "flat":
             if table.size and table["flags"][0] & INVERTED:
                 raise FormatError(f"{name}: a flat order cannot be inverted")
-            index = coded
-            if index.size != count:
-                raise FormatError(f"{name}: {index.size} positions, the metadata declares {count}")
-            old = old_bits_at(index)
-            return index, old + diff, old
-        index, old, slots = self._positions(name, table, coded, starts, ends, field, count, numel, old_bits_at, base)
-        return index, old + diff[slots], old
+            if coded.size != target.count:
+                raise FormatError(f"{name}: {coded.size} positions, the metadata declares {target.count}")
+            index, old, slots = coded, target.bits_at(coded), np.arange(coded.size, dtype=np.int64)
+        else:
+            index, old, slots = self._positions(name, table, coded, starts, ends, field, target)
+        new = np.empty(index.size, uint_dtype(target.itemsize))
+        fault = _kernels().add_differences(planes, signs, old, slots, new)
+        if fault:
+            raise value_error(name, ValueFault(fault))
+        return Decoded(index, new, old)
 
     @staticmethod
     def _decode_classes(
@@ -232,19 +207,17 @@ class ClassRiceCodec(ClassGapCodec):
         starts: np.ndarray,
         ends: np.ndarray,
         field: tuple[int, int],
-        count: int,
-        numel: int,
-        old_bits_at: Callable[[np.ndarray], np.ndarray],
-        base: torch.Tensor | None,
+        target: DecodeTarget,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Flat positions (increasing) of the changed elements, their old bits, and the slot of each one's value."""
         shift, mask = field
+        count, base = target.count, target.tensor
         inverted = np.zeros(mask + 1, np.int8)
         inverted[table["cls"].astype(np.int64)] = (table["flags"] & INVERTED) != 0
         if base is not None and not self._use_kernel(base):
             index, slots = self._positions_on_device(name, coded, starts, ends, inverted, field, count, base)
-            return index, old_bits_at(index), slots
-        bits = int_view(base.detach()).numpy() if base is not None else _old_bits(old_bits_at, numel)
+            return index, target.bits_at(index), slots
+        bits = int_view(base.detach()).numpy() if base is not None else _old_bits(target)
         positions, olds, slots = np.empty(count, np.int64), np.empty(count, bits.dtype), np.empty(count, np.int64)
         written = _kernels().class_positions(
             bits, shift, mask, _dense_classes(bits, field), starts, ends, coded, inverted,
@@ -294,9 +267,10 @@ def _dense_classes(bits: np.ndarray, field: tuple[int, int]) -> np.ndarray:
     return np.argsort(-counts, kind="stable")[: kernels.DENSE].astype(np.uint8)
 
 
-def _old_bits(old_bits_at: Callable[[np.ndarray], np.ndarray], numel: int) -> np.ndarray:
+def _old_bits(target: DecodeTarget) -> np.ndarray:
     """Every old bit pattern of a tensor, read :data:`CHUNK` elements at a time: the memory is the
     patterns' own (2 bytes an element in bf16), not an index array four times their size."""
+    numel, old_bits_at = target.numel, target.bits_at
     first = signed_view(old_bits_at(np.arange(min(CHUNK, numel), dtype=np.int64)))
     if numel <= CHUNK:
         return first

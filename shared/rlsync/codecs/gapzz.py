@@ -16,8 +16,7 @@ NaN payload, infinity, -0.0 or subnormal round-trips exactly.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -25,25 +24,10 @@ import zstandard
 
 from ..dtypes import uint_dtype
 from ..errors import FormatError
-from .base import Codec, EncodedTensor, register_codec
+from .base import Codec, Decoded, DecodeTarget, EncodedTensor, register_codec
 from .checks import decompress_frame, require_entry
 
 ZSTD_LEVEL = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class OldWeights:
-    """What the receiver holds of the tensor being patched.
-
-    Attributes:
-        numel: Its number of elements.
-        bits_at: Returns its bit patterns at given flat positions.
-        tensor: The tensor itself (only read), when the caller has it.
-    """
-
-    numel: int
-    bits_at: Callable[[np.ndarray], np.ndarray]
-    tensor: torch.Tensor | None
 
 
 def _byte_width(max_value: int) -> int:
@@ -108,22 +92,11 @@ class GapZigzagCodec(Codec):
         entries = {f"{name}.pos": pos, **self._encode_values(name, old_bits, new_bits)}
         return EncodedTensor(entries=entries, params={"gap_bytes": width, **params})
 
-    def decode(
-        self,
-        name: str,
-        entries: Mapping[str, torch.Tensor],
-        params: Mapping[str, Any],
-        *,
-        count: int,
-        numel: int,
-        itemsize: int,
-        old_bits_at: Callable[[np.ndarray], np.ndarray],
-        base: torch.Tensor | None = None,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        coded = self._decode_positions(name, entries, params, count=count, numel=numel)
-        diff = self._decode_values(name, entries, count=count, itemsize=itemsize)
-        index, order = self._flat_positions(name, coded, params, OldWeights(numel, old_bits_at, base))
-        return index, old_bits_at(index) + (diff if order is None else diff[order])
+    def decode(self, name: str, entries: Mapping[str, torch.Tensor], params: Mapping[str, Any], target: DecodeTarget) -> Decoded:
+        coded = self._decode_positions(name, entries, params, target)
+        diff = self._decode_values(name, entries, target)
+        index, order = self._flat_positions(name, coded, params, target)
+        return Decoded(index, target.bits_at(index) + (diff if order is None else diff[order]))
 
     def _coding_order(self, index: np.ndarray, base: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None, dict[str, Any]]:
         """The increasing numbers to gap-code for sorted positions ``index`` (here: the positions themselves).
@@ -135,7 +108,7 @@ class GapZigzagCodec(Codec):
         return index, None, {}
 
     def _flat_positions(
-        self, name: str, coded: np.ndarray, params: Mapping[str, Any], old: OldWeights
+        self, name: str, coded: np.ndarray, params: Mapping[str, Any], target: DecodeTarget
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """Inverse of :meth:`_coding_order`: sorted positions and, unless ``None``, the coded element at each."""
         return coded, None
@@ -151,9 +124,10 @@ class GapZigzagCodec(Codec):
         return self._compress(split_planes(gaps.astype(uint_dtype(width)))), width
 
     def _decode_positions(
-        self, name: str, entries: Mapping[str, torch.Tensor], params: Mapping[str, Any], *, count: int, numel: int
+        self, name: str, entries: Mapping[str, torch.Tensor], params: Mapping[str, Any], target: DecodeTarget
     ) -> np.ndarray:
-        """Strictly increasing positions in ``[0, numel)`` from ``{name}.pos``; raises FormatError otherwise."""
+        """Strictly increasing positions in ``[0, target.numel)`` from ``{name}.pos``; raises FormatError otherwise."""
+        count, numel = target.count, target.numel
         width = params.get("gap_bytes")
         if type(width) is not int or width not in (1, 2, 4, 8):
             raise FormatError(f"{name}: invalid gap_bytes {width!r}")
@@ -170,10 +144,11 @@ class GapZigzagCodec(Codec):
         """The zigzag wrapping differences as ``{name}.val``."""
         return {f"{name}.val": self._compress(split_planes(_zigzag(new_bits - old_bits)))}
 
-    def _decode_values(self, name: str, entries: Mapping[str, torch.Tensor], *, count: int, itemsize: int) -> np.ndarray:
+    def _decode_values(self, name: str, entries: Mapping[str, torch.Tensor], target: DecodeTarget) -> np.ndarray:
         """The wrapping differences (new bits minus old bits) stored by :meth:`_encode_values`."""
-        val_key = f"{name}.val"
-        return _unzigzag(join_planes(self._decompress(val_key, require_entry(entries, val_key, torch.uint8), count * itemsize), itemsize))
+        val_key, width = f"{name}.val", target.itemsize
+        raw = self._decompress(val_key, require_entry(entries, val_key, torch.uint8), target.count * width)
+        return _unzigzag(join_planes(raw, width))
 
 
 register_codec(GapZigzagCodec())

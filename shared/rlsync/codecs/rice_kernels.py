@@ -8,17 +8,19 @@ memory stays bounded by its arguments. They are compiled on first use and cached
 
 from __future__ import annotations
 
+import platform
 import sys
 
 import numba
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
 _JIT = dict(cache=True, nogil=True, boundscheck=False)
-#: Bits of the window remainders are read from: a remainder of up to ``WINDOW_BITS - 8`` bits at any bit offset.
-WINDOW_BITS = 48
+#: The largest Rice parameter the decoder reads: a remainder of up to 56 bits at any bit offset fits one 64-bit window.
+MAX_K = 56
 #: Elements per block of :func:`class_positions`: one bit each in a ``uint64`` mask.
 LANES = 64
 #: Classes whose members :func:`class_positions` finds a block at a time (the rest one at a time).
@@ -26,6 +28,13 @@ DENSE = 12
 #: Whether a vector of comparisons cast to an integer puts its first element in the lowest bit
 #: (little-endian targets); elsewhere :func:`class_positions` takes every element one at a time.
 MASKS_IN_ORDER = sys.byteorder == "little"
+#: Whether the compiled code runs on this machine's x86-64 CPU with BMI2, whose ``pdep`` picks a mask's k-th set
+#: bit in one instruction (:func:`_select_by_deposit`); elsewhere a branch-free binary search does.
+HAS_PDEP = (
+    platform.machine().lower() in ("x86_64", "amd64")
+    and numba.config.CPU_NAME in (None, "host")
+    and bool(llvm.get_host_cpu_features().get("bmi2", False))
+)
 NEVER = np.int64(1) << 62  # "no further coded rank in this class"
 
 
@@ -78,15 +87,23 @@ def _popcount(typingctx, x):  # pragma: no cover - compiled
     return types.int64(types.uint64), codegen
 
 
-@intrinsic
-def _lowest_bit(typingctx, x):  # pragma: no cover - compiled
-    """Index of the lowest set bit of a nonzero ``uint64``, as an ``int64``."""
+def _zero_count(name: str, llvm_name: str, doc: str):
+    """An intrinsic that counts the zero bits of a nonzero ``uint64`` with LLVM's ``llvm_name``
+    (``llvm.cttz``: below its lowest set bit, ``llvm.ctlz``: above its highest), as an ``int64``."""
 
-    def codegen(context, builder, signature, args):
-        cttz = builder.module.declare_intrinsic("llvm.cttz", [ir.IntType(64), ir.IntType(1)])
-        return builder.call(cttz, [args[0], ir.Constant(ir.IntType(1), 0)])
+    def typer(typingctx, x):  # pragma: no cover - compiled
+        def codegen(context, builder, signature, args):
+            count = builder.module.declare_intrinsic(llvm_name, [ir.IntType(64), ir.IntType(1)])
+            return builder.call(count, [args[0], ir.Constant(ir.IntType(1), 0)])
 
-    return types.int64(types.uint64), codegen
+        return types.int64(types.uint64), codegen
+
+    typer.__name__, typer.__qualname__, typer.__doc__ = name, name, doc
+    return intrinsic(typer)
+
+
+_lowest_bit = _zero_count("_lowest_bit", "llvm.cttz", "Index of the lowest set bit of a nonzero ``uint64``.")
+_leading_zeros = _zero_count("_leading_zeros", "llvm.ctlz", "Zero bits above the highest set bit of a nonzero ``uint64``.")
 
 
 @intrinsic
@@ -127,7 +144,7 @@ def _class_masks(typingctx, bits, start, shift, mask, dense, out):  # pragma: no
 
 
 @numba.njit(**_JIT, inline="always")
-def _select(members, k):  # pragma: no cover - compiled
+def _select_by_search(members, k):  # pragma: no cover - compiled
     """The lowest set bit of ``members`` that has ``k`` set bits below it (``k`` below their count), as a
     one-bit mask: a binary search on the halves' bit counts, without a branch to mispredict."""
     at = np.int64(0)
@@ -137,6 +154,26 @@ def _select(members, k):  # pragma: no cover - compiled
         k -= low if up else 0
         at += width if up else 0
     return np.uint64(1) << np.uint64(at)
+
+
+@intrinsic
+def _deposit(typingctx, x, m):  # pragma: no cover - compiled
+    """BMI2's ``pdep``: the low bits of ``x`` placed, in order, at the set bits of ``m`` (both ``uint64``)."""
+
+    def codegen(context, builder, signature, args):
+        pdep = ir.FunctionType(ir.IntType(64), [ir.IntType(64), ir.IntType(64)])
+        return builder.call(builder.module.declare_intrinsic("llvm.x86.bmi.pdep.64", fnty=pdep), args)
+
+    return types.uint64(types.uint64, types.uint64), codegen
+
+
+@numba.njit(**_JIT, inline="always")
+def _select_by_deposit(members, k):  # pragma: no cover - compiled
+    """:func:`_select_by_search` in one instruction, where the CPU has ``pdep``."""
+    return _deposit(np.uint64(1) << np.uint64(k), members)
+
+
+_select = _select_by_deposit if HAS_PDEP else _select_by_search
 
 
 @numba.njit(**_JIT, inline="always")
@@ -365,6 +402,42 @@ def class_positions(  # pragma: no cover - compiled
 
 
 @numba.njit(**_JIT)
+def add_differences(planes, signs, olds, slots, out):  # pragma: no cover - compiled
+    """New bit patterns from old ones and ``classgap``'s value streams, checked as they are read.
+
+    Args:
+        planes: The differences' magnitudes minus one, as byte planes (low byte first): ``out.itemsize``
+            planes of ``slots.size`` bytes.
+        signs: One bit per difference (low bit first), set where it is negative; zero padding after.
+        olds: The old bit pattern at each position (ints of ``out``'s width).
+        slots: Each position's difference (a permutation of ``0..slots.size - 1``).
+        out: Out: each position's new bit pattern, the old one plus its wrapping difference.
+
+    Returns:
+        0, or the fault (:class:`~rlsync.codecs.classgap.ValueFault`): 1 where a magnitude does not fit
+        the dtype's signed range, 2 where a padding bit after the last sign is set.
+    """
+    count = slots.size
+    for b in range(count, signs.size * 8):
+        if (signs[b >> 3] >> (b & 7)) & 1:
+            return 2
+    width = out.itemsize
+    top = np.uint64(1) << np.uint64(8 * width - 1)
+    for i in range(count):
+        s = slots[i]
+        magnitude = np.uint64(0)
+        for plane in range(width):
+            magnitude |= np.uint64(planes[plane * count + s]) << np.uint64(8 * plane)
+        if magnitude >= top:
+            return 1
+        step = magnitude + np.uint64(1)
+        if (signs[s >> 3] >> (s & 7)) & 1:
+            step = np.uint64(0) - step
+        out[i] = np.uint64(olds[i]) + step  # wraps, and keeps the low bits of the dtype's width
+    return 0
+
+
+@numba.njit(**_JIT)
 def rice_cost(gaps, max_k):  # pragma: no cover - compiled
     """Bits of each Rice parameter ``0..max_k`` for ``gaps``, as an array."""
     cost = np.zeros(max_k + 1, np.int64)
@@ -396,21 +469,38 @@ def rice_encode(gaps, k, unary, unary_bit, rem, rem_bit):  # pragma: no cover - 
     return unary_bit, rem_bit
 
 
+@numba.njit(**_JIT, inline="always")
+def _window(stream, bit):  # pragma: no cover - compiled
+    """The 64 bits of ``stream`` from bit ``bit`` on (high bit first), as a ``uint64``: at least
+    ``64 - 7`` of them read from the stream, zeros past its end and in the low ``bit % 8`` bits."""
+    at = bit >> 3
+    word = np.uint64(0)
+    if at + 8 <= stream.size:
+        for j in range(8):  # one load and a byte swap, once compiled
+            word = (word << np.uint64(8)) | np.uint64(stream[at + j])
+    else:
+        for j in range(8):
+            word <<= np.uint64(8)
+            if at + j < stream.size:
+                word |= np.uint64(stream[at + j])
+    return word << np.uint64(bit & 7)
+
+
 @numba.njit(**_JIT)
 def rice_decode(unary, unary_bit, rem, rem_bit, k, count, bound, out):  # pragma: no cover - compiled
     """Read ``count`` Rice-coded gaps (see :func:`rice_encode`) into ``out`` as increasing ranks.
 
-    Quotients are read a byte at a time (a zero byte is 8 units at once) and remainders from a
-    :data:`WINDOW_BITS` window. A quotient above ``bound >> k`` codes a rank beyond ``bound``
-    whatever its remainder, so it is refused before ``q << k`` is formed: with
-    ``k <= WINDOW_BITS - 8`` and ``bound < 2**62`` every value stays in range, and a hostile
+    Quotients and remainders are read from 64-bit windows (:func:`_window`; a quotient's zeros
+    counted by the window's leading zeros). A quotient above ``bound >> k`` codes a rank beyond
+    ``bound`` whatever its remainder, so it is refused before ``q << k`` is formed: with
+    ``k <= MAX_K`` and ``bound < 2**62`` every value stays in range, and a hostile
     stream costs time linear in its size.
 
     Returns:
         ``(unary_bit, rem_bit)`` after the last gap, or ``(-1, -1)`` when the streams end early,
-        ``k`` is outside ``0..WINDOW_BITS - 8`` or a rank reaches ``bound``.
+        ``k`` is outside ``0..MAX_K`` or a rank reaches ``bound``.
     """
-    if k < 0 or k > WINDOW_BITS - 8:
+    if k < 0 or k > MAX_K:
         return -1, -1
     n_unary = unary.size * 8
     n_rem = rem.size * 8
@@ -422,31 +512,22 @@ def rice_decode(unary, unary_bit, rem, rem_bit, k, count, bound, out):  # pragma
         while True:
             if unary_bit >= n_unary:
                 return -1, -1
-            off = unary_bit & 7
-            byte = (np.int64(unary[unary_bit >> 3]) << off) & 0xFF
-            if byte == 0:  # the rest of this byte is zeros
-                q += 8 - off
-                unary_bit += 8 - off
+            window = _window(unary, unary_bit)
+            if window == 0:  # the window's bits read from the stream are all zeros
+                q += 64 - (unary_bit & 7)
+                unary_bit += 64 - (unary_bit & 7)
                 if q > qmax:
                     return -1, -1
                 continue
-            while byte < 0x80:
-                byte <<= 1
-                q += 1
-                unary_bit += 1
-            unary_bit += 1  # the terminating one
+            zeros = _leading_zeros(window)  # a one read from the stream ends the quotient
+            q += zeros
+            unary_bit += zeros + 1
             break
         if q > qmax or rem_bit + k > n_rem:
             return -1, -1
         r = np.int64(0)
         if k:
-            at = rem_bit >> 3
-            window = np.int64(0)
-            for j in range(WINDOW_BITS // 8):  # the bit offset (<= 7) and k bits
-                window <<= 8
-                if at + j < rem.size:
-                    window |= np.int64(rem[at + j])
-            r = (window >> (WINDOW_BITS - (rem_bit & 7) - k)) & low
+            r = np.int64(_window(rem, rem_bit) >> np.uint64(64 - k)) & low
             rem_bit += k
         last = last + 1 + ((q << k) | r)
         if last >= bound:

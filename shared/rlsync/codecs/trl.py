@@ -8,14 +8,14 @@ bf16 element, uncompressed.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch
 
 from ..dtypes import int_view, uint_dtype
 from ..errors import FormatError
-from .base import Codec, EncodedTensor, register_codec
+from .base import Codec, Decoded, DecodeTarget, EncodedTensor, register_codec
 from .checks import check_index, require_entry
 
 _INT32_LIMIT = 2**31 - 1
@@ -41,31 +41,19 @@ class TrlCodec(Codec):
             params={},
         )
 
-    def decode(
-        self,
-        name: str,
-        entries: Mapping[str, torch.Tensor],
-        params: Mapping[str, Any],
-        *,
-        count: int,
-        numel: int,
-        itemsize: int,
-        old_bits_at: Callable[[np.ndarray], np.ndarray],
-        base: torch.Tensor | None = None,
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def decode(self, name: str, entries: Mapping[str, torch.Tensor], params: Mapping[str, Any], target: DecodeTarget) -> Decoded:
         idx_key, val_key = self.entry_names(name)
         if idx_key not in entries:
             raise FormatError(f"missing entry {idx_key!r}")
         idx_dtype = entries[idx_key].dtype
         if idx_dtype not in (torch.int32, torch.int64):
             raise FormatError(f"entry {idx_key!r}: expected int32 or int64 indices, got {idx_dtype}")
-        index = require_entry(entries, idx_key, idx_dtype, count).numpy().astype(np.int64)
+        index = require_entry(entries, idx_key, idx_dtype, target.count).numpy().astype(np.int64)
         values = entries.get(val_key)
-        if values is None or values.dim() != 1 or values.numel() != count or values.element_size() != itemsize:
-            raise FormatError(f"entry {val_key!r}: expected {count} values of {itemsize} bytes")
-        check_index(name, index, numel)
-        bits = int_view(values).numpy().view(uint_dtype(itemsize))
-        return index, bits
+        if values is None or values.dim() != 1 or values.numel() != target.count or values.element_size() != target.itemsize:
+            raise FormatError(f"entry {val_key!r}: expected {target.count} values of {target.itemsize} bytes")
+        check_index(name, index, target.numel)
+        return Decoded(index, int_view(values).numpy().view(uint_dtype(target.itemsize)))
 
 
 register_codec(TrlCodec())
