@@ -196,8 +196,10 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
     def prepare(self, step: int | None = None) -> dict[str, Any]:
         """Start fetching the next update toward ``step`` (``None``: the newest) in a background thread:
         download, validate, decode, and the O(changed) hash check (old values gathered from the weights
-        the subscriber writes), while vLLM keeps generating. Does nothing while one is in flight or when
-        the update already prepared still follows the served state.
+        the subscriber writes), while vLLM keeps generating. Does nothing while one is in flight. An
+        update prepared earlier is kept if it still follows the served state and the bucket's pointer
+        still leads through it (same run, same delta or newest anchor); otherwise it is dropped
+        (``discarded``: a newer anchor or another run arrived meanwhile) and the next one fetched.
 
         The subscriber itself is made here, in the calling thread (vLLM's worker loop, for every rank
         alike), because making it reads the copied tensors back, a collective at tensor parallelism
@@ -208,23 +210,22 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         """
         if self._bucket is None:
             self.init_transfer_engine(BucketInitInfo())
-        if not self._prepared.running and not self._holds_valid(step):
+        if not self._prepared.running:
+            held = self._prepared.take()
             sub = self._subscriber(self._model_weights())
-            self._prepared.start(lambda: (sub, None if _reached(sub, step) else sub.fetch()))
+            kept = held[1] if held is not None and held[0] is sub and held[1] is not None else None
+            self._prepared.start(lambda: (sub, self._next_update(sub, kept, step)))
         return self.status()
 
-    def _holds_valid(self, step: int | None) -> bool:
-        """Whether the prepared update can still be applied: fetched by the current subscriber, following
-        its state (an anchor newer than it, or a delta on exactly its step and hash), not past ``step``."""
-        held = self._prepared.result
-        if held is None or held[1] is None or held[0] is not self.subscriber:
-            return False
-        sub, update = held
-        if step is not None and update.step > step:
-            return False
-        if update.kind == "anchor":
-            return sub.step is None or update.step > sub.step
-        return (update.base_step, update.base_hash) == (sub.step, sub.state_hash)
+    def _next_update(self, sub: Subscriber, held: Update | None, step: int | None) -> Update | None:
+        """Background job of :meth:`prepare`: ``held`` if it is still the update to apply next, else the
+        next update fetched (``None``: up to date, or none verifiable yet)."""
+        if held is not None:
+            if _follows(sub, held, step) and _on_pointer(sub, held):
+                return held
+            self._pause.discarded += 1
+            logger.info("bucket weight transfer: dropped prepared %s %d: the bucket moved on", held.kind, held.step)
+        return None if _reached(sub, step) else sub.fetch()
 
     def verify(self) -> dict[str, Any]:
         """Start re-hashing the served weights (read back in checkpoint names, :meth:`ModelWeights.lanes`)
@@ -303,10 +304,9 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         sub = self._subscriber(weights)
         target = update_info.step
         reads, t0 = sub.stats.reads, time.perf_counter()
-        valid = self._holds_valid(target)
         held = self._prepared.take()
         applied = 0
-        if valid and held is not None and held[1] is not None:
+        if held is not None and held[1] is not None and held[0] is sub and _follows(sub, held[1], target):
             self._apply(weights, sub, held[1])
             applied += 1
         elif held is not None and held[1] is not None:
@@ -384,6 +384,29 @@ class PauseRecord:
 
     last: dict[str, float | int] = dataclasses.field(default_factory=dict)
     discarded: int = 0
+
+
+def _follows(sub: Subscriber, update: Update, step: int | None) -> bool:
+    """Whether a prepared update still applies to the subscriber's state (an anchor newer than it, a delta
+    on exactly its step and hash) without passing ``step``."""
+    if step is not None and update.step > step:
+        return False
+    if update.kind == "anchor":
+        return sub.step is None or update.step > sub.step
+    return (update.base_step, update.base_hash) == (sub.step, sub.state_hash)
+
+
+def _on_pointer(sub: Subscriber, update: Update) -> bool:
+    """Whether the bucket's pointer (read now, before any pause) still leads through a prepared update: the
+    same run, and the delta it retains after the update's base, or its newest anchor, is this update."""
+    manifest = sub.read_manifest()
+    if manifest is None or manifest.run_id != (update.run_id if update.kind == "anchor" else sub.run_id):
+        return False
+    if update.kind == "anchor":
+        newest = manifest.anchors[-1] if manifest.anchors else None
+        return newest is not None and (newest.step, newest.state_hash) == (update.step, update.state_hash)
+    entry = manifest.delta_after(update.base_step) if update.base_step is not None else None
+    return entry is not None and (entry.step, entry.state_hash) == (update.step, update.state_hash)
 
 
 def _reached(sub: Subscriber, step: int | None) -> bool:

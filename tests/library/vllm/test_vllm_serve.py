@@ -6,13 +6,15 @@ tiny offline model. An anchor and two deltas are published; after each, ``Bucket
 server, the served weights' hash equals the bucket's, and the greedy completion changes with the weights.
 vLLM's pause holds the write alone: the workers read nothing from the bucket inside it (the count
 ``update_weights`` reports), where an update not prepared first reads its delta in the pause; a
-corrupt delta is refused while preparing, counted, and never pauses the server.
+prepared delta overtaken by a new run's anchor is dropped (counted) and the anchor applied; a corrupt
+delta is refused while preparing, counted, and never pauses the server.
 About 45 s on 2 cores (the server's start).
 """
 
 from __future__ import annotations
 
 import shlex
+import time
 from pathlib import Path
 
 import pytest
@@ -69,7 +71,7 @@ def _greedy(url: str, model: str) -> str:
     return response.json()["choices"][0]["text"]
 
 
-def test_served_weights_follow_an_anchor_and_two_deltas(served):
+def test_served_weights_follow_the_bucket_with_only_the_write_in_the_pause(served):
     url, model, bucket_dir = served
     master = {name: t.float() for name, t in load_file(Path(model) / "model.safetensors").items()}
     publisher = Publisher(LocalBucket(bucket_dir), policy=FixedInterval(10))
@@ -99,18 +101,35 @@ def test_served_weights_follow_an_anchor_and_two_deltas(served):
         assert client.served_state_hash() == record.state_hash
         refused = status["refused"]
 
-        # a corrupt delta (one byte flipped, its size kept): refused while preparing, counted, no pause
+        # delta 4 prepared, then the bucket moves on (a new run's anchor): the prepared delta is dropped, counted,
+        # and the anchor applied in its stead
         sparse_rl_step(master, seed=51)
         publisher.publish(4, master)
+        httpx.post(f"{url}/collective_rpc", json={"method": "sync_prepare", "args": ["4"]}, timeout=60).raise_for_status()
+        while (status := client.transfer_status()[0])["preparing"]:
+            time.sleep(0.05)
+        assert status["prepared_step"] == 4 and status["discarded"] == 0
+        publisher = Publisher(LocalBucket(bucket_dir), policy=FixedInterval(10), new_run=True)
+        sparse_rl_step(master, seed=52)
+        record = publisher.publish(5, master)
+        assert record.kind == "anchor" and record.step == 5
+        assert client.sync() == 5 and len(client.pauses) == 1
+        [status] = client.transfer_status()
+        assert status["discarded"] == 1 and status["pause"]["reads"] == 0
+        assert client.served_state_hash() == record.state_hash
+
+        # a corrupt delta (one byte flipped, its size kept): refused while preparing, counted, no pause
+        sparse_rl_step(master, seed=53)
+        publisher.publish(6, master)
         bucket = LocalBucket(bucket_dir)
-        key = read_manifest(bucket).delta_after(3).files[0].key
+        key = read_manifest(bucket).delta_after(5).files[0].key
         data = bytearray(bucket.get(key))
         data[len(data) // 2] ^= 0xFF
         bucket.put(key, bytes(data))
         with pytest.raises(RuntimeError, match="before pausing"):
             client.sync()
         [status] = client.transfer_status()
-        assert client.pauses == [] and status["refused"] == refused + 1 and status["step"] == 3
+        assert client.pauses == [] and status["refused"] == refused + 1 and status["step"] == 5
         assert client.served_state_hash() == record.state_hash  # untouched
     finally:
         client.close()
