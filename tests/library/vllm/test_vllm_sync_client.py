@@ -103,39 +103,32 @@ def test_sync_prepares_before_the_pause_and_rehashes_after_it(published):
     assert len(client.pauses) == 1
 
 
-def test_an_update_refused_while_preparing_fails_the_sync_without_pausing(published):
+def _failed_sync(published, match: str, **fake: object) -> list[str]:
+    """A sync against a stand-in answering with ``fake``: raises ``RuntimeError`` matching ``match``; returns the calls."""
     bucket, state_hash = published
-    vllm = FakeVllm(state_hash, error="HashMismatchError: delta 1: refused before applying")
+    vllm = FakeVllm(state_hash, **fake)
     try:
-        with pytest.raises(RuntimeError, match="before pausing.*refused before applying"):
-            BucketSyncClient(vllm.url, bucket.url).sync()
+        with pytest.raises(RuntimeError, match=match):
+            BucketSyncClient(vllm.url, bucket.url, reset_attempts=2).sync()
     finally:
         vllm.close()
-    assert "/pause" not in vllm.calls and "/update_weights" not in vllm.calls
+    return vllm.calls
+
+
+def test_an_update_refused_while_preparing_fails_the_sync_without_pausing(published):
+    calls = _failed_sync(published, "before pausing.*refused before applying", error="HashMismatchError: delta 1: refused before applying")
+    assert "/pause" not in calls and "/update_weights" not in calls
 
 
 def test_refused_prefix_cache_reset_fails_the_sync_and_still_resumes(published):
-    bucket, state_hash = published
-    vllm = FakeVllm(state_hash, reset_success=False)
-    try:
-        client = BucketSyncClient(vllm.url, bucket.url, reset_attempts=2)
-        with pytest.raises(RuntimeError, match="prefix cache"):
-            client.sync()
-    finally:
-        vllm.close()
-    assert vllm.calls.count("/reset_prefix_cache") == 2
-    assert "rpc:sync_verify" not in vllm.calls and vllm.calls[-1] == "/resume"
+    calls = _failed_sync(published, "prefix cache", reset_success=False)
+    assert calls.count("/reset_prefix_cache") == 2
+    assert "rpc:sync_verify" not in calls and calls[-1] == "/resume"
 
 
 def test_hash_mismatch_is_reported(published):
-    bucket, state_hash = published
-    vllm = FakeVllm(state_hash, served_hash="not-the-hash")
-    try:
-        with pytest.raises(RuntimeError, match="do not hash equal"):
-            BucketSyncClient(vllm.url, bucket.url).sync()
-    finally:
-        vllm.close()
-    assert vllm.calls[-1] == "rpc:sync_verify"  # after the resume: the re-hash runs while the server generates
+    calls = _failed_sync(published, "do not hash equal", served_hash="not-the-hash")
+    assert calls[-1] == "rpc:sync_verify"  # after the resume: the re-hash runs while the server generates
 
 
 class NoExtensionVllm(FakeVllm):
