@@ -13,10 +13,11 @@ vLLM must hash equal to the publisher's state.
 
 Then, in the same run and on the same engine, vLLM's ``bucket`` weight-transfer backend follows the
 bucket itself through ``--pause-deltas`` further deltas, alternating two ways of driving it: the plain
-vLLM calls (``update_weights`` downloads and decodes inside vLLM's pause: *before*), and a prepare first
-(``collective_rpc('sync_prepare')``, then ``update_weights`` with ``prepared_only``: *after*). Per delta
-it prints the pause (``start_weight_update`` to ``reset_prefix_cache``: generation cannot run), the
-bucket reads the workers made inside it, the bare scatter of the same patch into a CPU copy of the
+vLLM calls (``update_weights`` downloads and decodes inside vLLM's pause: decode ``inside``), and a
+prepare first (``collective_rpc('sync_prepare')``, then ``update_weights`` with ``prepared_only``: decode
+``before``). Per delta it prints the pause (``start_weight_update`` to ``reset_prefix_cache``: generation
+cannot run), the part of it spent in the backend's ``update_weights`` (``in worker``), the bucket reads
+the workers made inside it, the bare scatter of the same patch into a CPU copy of the
 state (``Subscriber.apply``), and the engine's own write of the same patch (``VllmEngine.apply_patches``).
 
 On vLLM's CPU backend linear weights are prepacked, so a delta reloads every
@@ -252,8 +253,8 @@ def pause_rows(engine: Any, bucket: Any, pub: Any, sub: Any, states: Any, args: 
             engine.apply_patches(update.patches, sub.state)
             write_s.append(time.perf_counter() - t0)
         rows.append({
-            "step": step, "mode": "prepared" if prepared else "inside", "changed_pct": 100.0 * update.changed / n_params,
-            "prepare_s": prepare_s, "pause_s": pause_s, "pause_reads": status["pause"]["reads"],
+            "step": step, "mode": "before" if prepared else "inside", "changed_pct": 100.0 * update.changed / n_params,
+            "prepare_s": prepare_s, "pause_s": pause_s, "worker_s": status["pause"]["s"], "pause_reads": status["pause"]["reads"],
             "scatter_s": scatter_s, "engine_write_s": min(write_s),
         })  # fmt: skip
     return rows
@@ -278,18 +279,17 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def print_pauses(rows: list[dict[str, Any]]) -> None:
     """Print the pause table and the medians of each mode."""
-    print(f"\n{'step':>5s} {'decode':>9s} {'changed':>8s} {'prepare s':>10s} {'pause s':>8s} {'reads':>6s} "
+    print(f"\n{'step':>5s} {'decode':>7s} {'changed':>8s} {'prepare s':>10s} {'pause s':>8s} {'in worker s':>12s} {'reads':>6s} "
           f"{'bare scatter s':>15s} {'engine write s':>15s} {'pause/scatter':>14s} {'pause/write':>12s}")  # fmt: skip
     for r in rows:
-        print(f"{r['step']:>5} {r['mode']:>9s} {r['changed_pct']:>7.2f}% {r['prepare_s']:>10.3f} {r['pause_s']:>8.3f} "
-              f"{r['pause_reads']:>6d} {r['scatter_s']:>15.4f} {r['engine_write_s']:>15.3f} "
+        print(f"{r['step']:>5} {r['mode']:>7s} {r['changed_pct']:>7.2f}% {r['prepare_s']:>10.3f} {r['pause_s']:>8.3f} "
+              f"{r['worker_s']:>12.3f} {r['pause_reads']:>6d} {r['scatter_s']:>15.4f} {r['engine_write_s']:>15.3f} "
               f"{r['pause_s'] / r['scatter_s']:>13.1f}x {r['pause_s'] / r['engine_write_s']:>11.2f}x")  # fmt: skip
-    for mode in ("inside", "prepared"):
-        picked = sorted(rows, key=lambda r: r["pause_s"])
-        picked = [r for r in picked if r["mode"] == mode]
+    for mode in ("inside", "before"):
+        picked = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["pause_s"])
         if picked:
             mid = picked[len(picked) // 2]
-            print(f"median pause, decode {mode} the pause: {mid['pause_s']:.3f} s = {mid['pause_s'] / mid['scatter_s']:.1f}x "
+            print(f"median pause, download and decode {mode} the pause: {mid['pause_s']:.3f} s = {mid['pause_s'] / mid['scatter_s']:.1f}x "
                   f"the bare scatter, {mid['pause_s'] / mid['engine_write_s']:.2f}x the engine's write (step {mid['step']})")  # fmt: skip
 
 
