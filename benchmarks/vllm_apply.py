@@ -278,7 +278,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def print_pauses(rows: list[dict[str, Any]]) -> None:
-    """Print the pause table and the medians of each mode."""
+    """Print the pause table and the best of each mode."""
     print(f"\n{'step':>5s} {'decode':>7s} {'changed':>8s} {'prepare s':>10s} {'pause s':>8s} {'in worker s':>12s} {'reads':>6s} "
           f"{'bare scatter s':>15s} {'engine write s':>15s} {'pause/scatter':>14s} {'pause/write':>12s}")  # fmt: skip
     for r in rows:
@@ -286,11 +286,12 @@ def print_pauses(rows: list[dict[str, Any]]) -> None:
               f"{r['worker_s']:>12.3f} {r['pause_reads']:>6d} {r['scatter_s']:>15.4f} {r['engine_write_s']:>15.3f} "
               f"{r['pause_s'] / r['scatter_s']:>13.1f}x {r['pause_s'] / r['engine_write_s']:>11.2f}x")  # fmt: skip
     for mode in ("inside", "before"):
-        picked = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["pause_s"])
-        if picked:
-            mid = picked[len(picked) // 2]
-            print(f"median pause, download and decode {mode} the pause: {mid['pause_s']:.3f} s = {mid['pause_s'] / mid['scatter_s']:.1f}x "
-                  f"the bare scatter, {mid['pause_s'] / mid['engine_write_s']:.2f}x the engine's write (step {mid['step']})")  # fmt: skip
+        picked = [r for r in rows if r["mode"] == mode]
+        if picked:  # best of each mode, as the engine times above (a loaded machine only ever adds time)
+            best = min(r["pause_s"] for r in picked)
+            scatter, write = min(r["scatter_s"] for r in picked), min(r["engine_write_s"] for r in picked)
+            print(f"best pause, download and decode {mode} the pause: {best:.3f} s = {best / scatter:.1f}x the best bare "
+                  f"scatter, {best / write:.2f}x the engine's best write")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
