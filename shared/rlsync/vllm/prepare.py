@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -87,3 +87,43 @@ class BackgroundJob(Generic[T]):
         with self._lock:
             result, self._result, self._error = self._result, None, None
         return result
+
+
+class BucketBackendCalls:
+    """The ``bucket`` backend's ``collective_rpc`` calls before vLLM's pause, mixed into the worker extension
+    (:class:`~rlsync.vllm.worker.SyncWorkerExtension`); each returns the backend's status, JSON-friendly."""
+
+    def _bucket_engine(self) -> Any:
+        """The ``bucket`` weight-transfer backend of this worker.
+
+        Raises:
+            RuntimeError: The server runs another backend, or none (``--weight-transfer-config``).
+        """
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not callable(getattr(engine, "prepare", None)):
+            raise RuntimeError("this vLLM server does not run the bucket backend: --weight-transfer-config '{\"backend\": \"bucket\"}'")
+        return engine
+
+    def sync_prepare(self, step: int | str | None = None) -> dict[str, Any]:
+        """Start preparing the next update toward ``step`` in the background, while vLLM generates
+        (:meth:`~rlsync.vllm.transfer.BucketWeightTransferEngine.prepare`; ``step`` may come as a string,
+        the form ``collective_rpc`` over HTTP passes arguments in; ``None`` or ``""``: the newest).
+
+        Returns:
+            The backend's status (JSON-friendly).
+        """
+        return self._bucket_engine().prepare(None if step in (None, "", "None") else int(step))
+
+    def sync_verify(self) -> dict[str, Any]:
+        """Start re-hashing the served weights against the verified state, off the pause
+        (:meth:`~rlsync.vllm.transfer.BucketWeightTransferEngine.verify`).
+
+        Returns:
+            The backend's status (JSON-friendly).
+        """
+        return self._bucket_engine().verify()
+
+    def sync_transfer_status(self) -> dict[str, Any]:
+        """The ``bucket`` backend's status (:meth:`~rlsync.vllm.transfer.BucketWeightTransferEngine.status`)."""
+        return self._bucket_engine().status()
+

@@ -64,6 +64,7 @@ from .checkpoint import checkpoint_names_of
 from .experts import expert_location, read_expert, repack_experts
 from .packing import Packing, unpack
 from .payload import pack_tensors, unpack_patches, unpack_tensors
+from .prepare import BucketBackendCalls
 from .tensor_parallel import gather_tensor_parallel, packed_part_sizes
 
 if TYPE_CHECKING:
@@ -517,11 +518,10 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 # -- the worker extension -------------------------------------------------------------------
 
 
-class SyncWorkerExtension:
-    """Mixed into vLLM's worker class; its methods are called with ``LLM.collective_rpc``.
+class SyncWorkerExtension(BucketBackendCalls):
+    """Mixed into vLLM's worker class; its methods (and the ``bucket`` backend's calls) go by ``collective_rpc``.
 
-    Method names carry a ``sync_`` prefix so they cannot clash with the worker's own.
-    Payloads are those of :func:`pack_tensors` / :func:`pack_patches`.
+    Method names carry a ``sync_`` prefix (no clash with the worker's own); payloads: :func:`pack_tensors`, :func:`pack_patches`.
     """
 
     def _sync_weights(self) -> ModelWeights:
@@ -579,40 +579,6 @@ class SyncWorkerExtension:
         (:meth:`~rlsync.vllm.transfer.BucketWeightTransferEngine.memory`; empty for another backend)."""
         memory = getattr(getattr(self, "weight_transfer_engine", None), "memory", None)
         return memory() if callable(memory) else {}
-
-    def _bucket_engine(self) -> Any:
-        """The ``bucket`` weight-transfer backend of this worker.
-
-        Raises:
-            RuntimeError: The server runs another backend, or none (``--weight-transfer-config``).
-        """
-        engine = getattr(self, "weight_transfer_engine", None)
-        if not callable(getattr(engine, "prepare", None)):
-            raise RuntimeError("this vLLM server does not run the bucket backend: --weight-transfer-config '{\"backend\": \"bucket\"}'")
-        return engine
-
-    def sync_prepare(self, step: int | str | None = None) -> dict[str, Any]:
-        """Start preparing the next update toward ``step`` in the background, while vLLM generates
-        (:meth:`~rlsync.vllm.transfer.BucketWeightTransferEngine.prepare`; ``step`` may come as a string,
-        the form ``collective_rpc`` over HTTP passes arguments in; ``None`` or ``""``: the newest).
-
-        Returns:
-            The backend's status (JSON-friendly).
-        """
-        return self._bucket_engine().prepare(None if step in (None, "", "None") else int(step))
-
-    def sync_verify(self) -> dict[str, Any]:
-        """Start re-hashing the served weights against the verified state, off the pause
-        (:meth:`~rlsync.vllm.transfer.BucketWeightTransferEngine.verify`).
-
-        Returns:
-            The backend's status (JSON-friendly).
-        """
-        return self._bucket_engine().verify()
-
-    def sync_transfer_status(self) -> dict[str, Any]:
-        """The ``bucket`` backend's status (:meth:`~rlsync.vllm.transfer.BucketWeightTransferEngine.status`)."""
-        return self._bucket_engine().status()
 
     def sync_state_hash(self) -> str:
         """``rlsync.hashing.state_hash`` of the served weights, in checkpoint names and layout.

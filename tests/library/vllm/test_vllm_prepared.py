@@ -18,9 +18,9 @@ def test_a_prepared_delta_is_stale_once_the_state_or_the_pointer_moves_on(tmp_pa
     bucket = LocalBucket(tmp_path / "bucket")
     master = master_state()
     publisher = Publisher(bucket, policy=FixedInterval(10))
-    for step in range(3):
-        if step:
-            rl_step(master, step)
+    publisher.publish(0, master)
+    for step in (1, 2):
+        rl_step(master, step)
         publisher.publish(step, master)
     sub = Subscriber(bucket)
     sub.apply(sub.fetch())
