@@ -49,13 +49,12 @@ from rlsync.adapters import ADAPTER_WEIGHTS_FILE, AdapterChain, write_adapter_fo
 from rlsync.hashing import state_hash
 from rlsync.patch import TensorPatch
 from rlsync.vllm.payload import pack_patches, pack_tensors, unpack_tensors
+from rlsync.vllm.plugin import WORKER_EXTENSION
 from rlsync.vllm.worker import WeightLayout, plan_update
 
 from rollout_space.engine import Completion, Engine, SamplingSettings, register_engine
 
 logger = logging.getLogger(__name__)
-
-WORKER_EXTENSION = "rlsync.vllm.worker.SyncWorkerExtension"
 
 #: Temperatures below this decode greedily (vLLM's own threshold).
 GREEDY_TEMPERATURE = 1e-5

@@ -4,7 +4,7 @@ One place for both, used by every retrying caller:
 
 - :class:`RetryPolicy` and :func:`call_with_retries`: exponential backoff with jitter, bounded in
   attempts and in total time (:class:`~rlsync.bucket.retry.RetryingBucket` retries every bucket
-  operation with it, :class:`~rlsync.vllm.transfer.BucketSyncClient` a refused prefix-cache reset);
+  operation with it, :class:`~rlsync.vllm.client.BucketSyncClient` a refused prefix-cache reset);
   :meth:`RetryPolicy.at_once` retries a race lost to a concurrent writer without waiting (a local
   bucket's write whose folder a delete removed, a verify replay whose files retention removed);
 - :func:`retry_after_seconds`: the wait a server asked for, from ``Retry-After`` (seconds or an

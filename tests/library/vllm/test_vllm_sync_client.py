@@ -1,5 +1,6 @@
 """BucketSyncClient (drives ``vllm serve --weight-transfer-config '{"backend": "bucket"}'``) against a
-stand-in for vLLM's dev-mode HTTP routes: the order of the calls, and vLLM's answers honoured."""
+stand-in for vLLM's dev-mode HTTP routes and the worker extension's ``sync_*`` methods: the order of the
+calls (prepare before the pause, the re-hash after it), and vLLM's and the workers' answers honoured."""
 
 from __future__ import annotations
 
@@ -12,33 +13,57 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed")
 
-from rlsync.vllm.transfer import BucketSyncClient  # noqa: E402
+from rlsync.vllm.client import BucketSyncClient  # noqa: E402
 from rlsync.bucket import LocalBucket  # noqa: E402
 from rlsync.protocol import Publisher  # noqa: E402
 
 
 class FakeVllm:
-    """Records the routes called; answers like vLLM's dev-mode API server."""
+    """Records the routes called (``collective_rpc`` as ``rpc:METHOD``); answers like vLLM's dev-mode API
+    server whose workers run the bucket backend: a prepare is ready at the second status poll, a
+    re-hash at the first."""
 
-    def __init__(self, state_hash: str, reset_success: bool = True) -> None:
+    def __init__(self, state_hash: str, reset_success: bool = True, served_hash: str | None = None, error: str = "") -> None:
         self.calls: list[str] = []
-        self.state_hash = state_hash
         self.reset_success = reset_success
+        self.status = {
+            "step": None, "state_hash": None, "preparing": False, "error": "", "prepared_step": None,
+            "prepared_hash": None, "rehashing": False, "rehash": None, "rehash_error": "",
+        }  # fmt: skip
         fake = self
+
+        def rpc(method: str, args: list) -> dict:
+            status = fake.status
+            if method == "sync_prepare":
+                status.update(preparing=True, polls=0)
+            elif method == "sync_transfer_status" and status["preparing"]:
+                status["polls"] += 1
+                if status["polls"] == 2:
+                    ready = status["step"] is None  # one update: step 0
+                    status.update(preparing=False, error=error, prepared_step=0 if ready and not error else None,
+                                  prepared_hash=state_hash if ready and not error else None)  # fmt: skip
+            elif method == "sync_verify":
+                status.update(rehash={"step": status["step"], "expected": status["state_hash"], "served": served_hash or state_hash})
+            return dict(status)
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args) -> None:
                 pass
 
             def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 route = self.path.split("?")[0]
-                fake.calls.append(route)
                 body = {}
                 if route == "/reset_prefix_cache":
                     body = {"success": fake.reset_success}
+                elif route == "/update_weights":
+                    assert json.loads(raw)["update_info"] == {"step": 0, "prepared_only": True}
+                    fake.status.update(step=0, state_hash=state_hash, prepared_step=None, prepared_hash=None)
                 elif route == "/collective_rpc":
-                    body = {"results": [fake.state_hash]}
+                    request = json.loads(raw)
+                    route = f"rpc:{request['method']}"
+                    body = {"results": [rpc(request["method"], request.get("args", []))]}
+                fake.calls.append(route)
                 data = json.dumps(body).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -62,7 +87,7 @@ def published(tmp_path):
     return bucket, record.state_hash
 
 
-def test_sync_verifies_the_hash_before_resuming(published):
+def test_sync_prepares_before_the_pause_and_rehashes_after_it(published):
     bucket, state_hash = published
     vllm = FakeVllm(state_hash)
     try:
@@ -71,38 +96,44 @@ def test_sync_verifies_the_hash_before_resuming(published):
     finally:
         vllm.close()
     assert vllm.calls == [
-        "/init_weight_transfer_engine", "/pause", "/start_weight_update", "/update_weights",
-        "/finish_weight_update", "/reset_prefix_cache", "/collective_rpc", "/resume",
+        "/init_weight_transfer_engine", "rpc:sync_prepare", "rpc:sync_transfer_status", "rpc:sync_transfer_status",
+        "/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache", "/resume",
+        "rpc:sync_transfer_status", "rpc:sync_verify",
     ]  # fmt: skip
+    assert len(client.pauses) == 1
+
+
+def _failed_sync(published, match: str, **fake: object) -> list[str]:
+    """A sync against a stand-in answering with ``fake``: raises ``RuntimeError`` matching ``match``; returns the calls."""
+    bucket, state_hash = published
+    vllm = FakeVllm(state_hash, **fake)
+    try:
+        with pytest.raises(RuntimeError, match=match):
+            BucketSyncClient(vllm.url, bucket.url, reset_attempts=2).sync()
+    finally:
+        vllm.close()
+    return vllm.calls
+
+
+def test_an_update_refused_while_preparing_fails_the_sync_without_pausing(published):
+    calls = _failed_sync(published, "before pausing.*refused before applying", error="HashMismatchError: delta 1: refused before applying")
+    assert "/pause" not in calls and "/update_weights" not in calls
 
 
 def test_refused_prefix_cache_reset_fails_the_sync_and_still_resumes(published):
-    bucket, state_hash = published
-    vllm = FakeVllm(state_hash, reset_success=False)
-    try:
-        client = BucketSyncClient(vllm.url, bucket.url, reset_attempts=2)
-        with pytest.raises(RuntimeError, match="prefix cache"):
-            client.sync()
-    finally:
-        vllm.close()
-    assert vllm.calls.count("/reset_prefix_cache") == 2
-    assert "/collective_rpc" not in vllm.calls and vllm.calls[-1] == "/resume"
+    calls = _failed_sync(published, "prefix cache", reset_success=False)
+    assert calls.count("/reset_prefix_cache") == 2
+    assert "rpc:sync_verify" not in calls and calls[-1] == "/resume"
 
 
 def test_hash_mismatch_is_reported(published):
-    bucket, _ = published
-    vllm = FakeVllm("not-the-hash")
-    try:
-        with pytest.raises(RuntimeError, match="do not hash equal"):
-            BucketSyncClient(vllm.url, bucket.url).sync()
-    finally:
-        vllm.close()
-    assert vllm.calls[-1] == "/resume"
+    calls = _failed_sync(published, "do not hash equal", served_hash="not-the-hash")
+    assert calls[-1] == "rpc:sync_verify"  # after the resume: the re-hash runs while the server generates
 
 
 class NoExtensionVllm(FakeVllm):
     """A server started without ``--worker-extension-cls``: vLLM's worker raises
-    ``AttributeError: sync_state_hash`` and the connection is reset without an answer."""
+    ``AttributeError: sync_prepare`` and the connection is reset without an answer."""
 
     def __init__(self, state_hash: str) -> None:
         super().__init__(state_hash)
@@ -121,7 +152,7 @@ class NoExtensionVllm(FakeVllm):
         handler.do_POST = do_post
 
 
-def test_verify_without_the_worker_extension_says_what_is_missing(published):
+def test_a_server_without_the_worker_extension_says_what_is_missing_before_pausing(published):
     bucket, state_hash = published
     vllm = NoExtensionVllm(state_hash)
     try:
@@ -129,4 +160,4 @@ def test_verify_without_the_worker_extension_says_what_is_missing(published):
             BucketSyncClient(vllm.url, bucket.url).sync()
     finally:
         vllm.close()
-    assert vllm.calls[-2:] == ["/collective_rpc", "/resume"]
+    assert vllm.calls == ["/init_weight_transfer_engine", "/collective_rpc"]  # nothing paused

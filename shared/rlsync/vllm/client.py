@@ -1,0 +1,236 @@
+"""Driving a ``vllm serve --weight-transfer-config '{"backend": "bucket"}'`` server over HTTP.
+
+The server's workers follow the bucket themselves (:mod:`rlsync.vllm.transfer`); this client tells them
+when, and keeps vLLM's pause to the write of one verified update:
+
+1. ``collective_rpc('sync_prepare', step)``: each worker starts downloading, validating and decoding the
+   next update in the background, and checks the state hash it makes (updated in O(changed) from old
+   values gathered from the weights) against the published one, while the server keeps generating; the
+   client polls ``sync_transfer_status`` until every worker is done. A refused update (corrupt, hostile,
+   a hash mismatch) stops here: counted by the workers, raised here, generation never paused;
+2. ``/pause``, ``/start_weight_update``, ``/update_weights`` with ``prepared_only`` (the workers apply the
+   prepared update and nothing else: no bucket read, no decode), ``/finish_weight_update``,
+   ``/reset_prefix_cache`` (checked: stale KV must not be served), ``/resume``; once per update, so a
+   server several versions behind takes one short pause per version;
+3. with ``verify``, ``collective_rpc('sync_verify')``: the workers re-hash the served weights (read back
+   in checkpoint names) against the verified hash in the background while the server generates; a
+   mismatch is raised.
+
+Requires ``VLLM_SERVER_DEV_MODE=1`` on the server (vLLM mounts its RL and ``collective_rpc`` routes only
+then) and ``--worker-extension-cls rlsync.vllm.worker.SyncWorkerExtension`` (the ``sync_*`` methods).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from rlsync.bucket import BucketSettings, open_bucket
+from rlsync.errors import RetryableError
+from rlsync.fp8 import Chain
+from rlsync.retry import RetryPolicy, call_with_retries
+
+from .plugin import WORKER_EXTENSION
+
+__all__ = ["BucketSyncClient"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between two polls of the workers' status while they prepare or re-hash.
+POLL_S = 0.05
+#: Updates one :meth:`BucketSyncClient.sync` applies at most (each in its own pause) before it returns.
+MAX_UPDATES_PER_SYNC = 64
+
+
+class BucketSyncClient:
+    """Drives a ``vllm serve --weight-transfer-config '{"backend": "bucket"}'`` server (see the module docstring).
+
+    Args:
+        base_url: The server, e.g. ``http://127.0.0.1:8000``.
+        bucket: Bucket URL, read here to learn the newest step and passed to the server.
+        verify: After each sync, have the workers re-hash the served weights in the background and
+            compare them with the bucket's hash.
+        timeout_s: HTTP timeout per call, and the longest wait for the workers to prepare or re-hash.
+        reset_attempts: Calls of ``/reset_prefix_cache`` before giving up (vLLM refuses
+            while blocks are still held, and says callers may retry).
+        settings: The bucket's Hub settings (default: the library defaults).
+        chain: The chain the server follows (``fp8``: a server started from a block-FP8 checkpoint).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        bucket: str,
+        *,
+        verify: bool = True,
+        timeout_s: float = 600.0,
+        reset_attempts: int = 5,
+        settings: BucketSettings | None = None,
+        chain: Chain = Chain.BF16,
+    ) -> None:
+        import httpx
+
+        self.reset_attempts = max(1, reset_attempts)
+        self.bucket_url = bucket
+        self.chain = Chain(chain)
+        self.bucket = self.chain.bucket(open_bucket(bucket, settings=settings))
+        self.verify = verify
+        self.timeout_s = timeout_s
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s)
+        self.step: int | None = None
+        #: Seconds the server was paused for each update of the last :meth:`sync` (``/pause`` to ``/resume``).
+        self.pauses: list[float] = []
+        self._initialized = False
+
+    def _post(self, path: str, **kwargs: Any) -> Any:
+        response = self.http.post(path, **kwargs)
+        response.raise_for_status()
+        return response.json() if response.content else None
+
+    def _rpc(self, method: str, *args: str) -> list[Any]:
+        """``collective_rpc`` of a worker-extension method; one result per worker.
+
+        Raises:
+            RuntimeError: The server has no such worker method (started without the worker extension):
+                vLLM fails the call or drops the connection.
+        """
+        import httpx
+
+        try:
+            return list(self._post("/collective_rpc", json={"method": method, "args": list(args)})["results"])
+        except (httpx.TransportError, httpx.HTTPStatusError, KeyError, TypeError) as exc:
+            raise RuntimeError(
+                f"the server did not answer collective_rpc({method!r}) ({type(exc).__name__}: {exc}); "
+                f"its workers lack the method: start vllm serve with --worker-extension-cls {WORKER_EXTENSION}"
+            ) from exc
+
+    def served_state_hash(self) -> str:
+        """The state hash of the weights the server's workers serve, read back now (in vLLM's engine loop:
+        serving waits for it; :meth:`sync` re-hashes in the background instead).
+
+        Raises:
+            RuntimeError: The server lacks the worker extension.
+        """
+        results = self._rpc("sync_state_hash")
+        if not results:
+            raise RuntimeError("collective_rpc('sync_state_hash') returned no result")
+        return results[0]
+
+    def transfer_status(self) -> list[dict[str, Any]]:
+        """Each worker's :meth:`~rlsync.vllm.transfer.BucketWeightTransferEngine.status`."""
+        return self._rpc("sync_transfer_status")
+
+    def _wait(self, statuses: list[dict[str, Any]], busy: str) -> list[dict[str, Any]]:
+        """Poll the workers' status until none is ``busy`` (``preparing``, ``rehashing``)."""
+        deadline = time.monotonic() + self.timeout_s
+        while any(s[busy] for s in statuses):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server's workers are still {busy} after {self.timeout_s} s")
+            time.sleep(POLL_S)
+            statuses = self.transfer_status()
+        return statuses
+
+    def _prepare(self, step: int) -> dict[str, Any]:
+        """Have every worker prepare the next update toward ``step``, while the server generates.
+
+        Raises:
+            RuntimeError: A worker refused the update or could not fetch it (nothing applied, no pause),
+                or the workers prepared different updates.
+        """
+        statuses = self._wait(self._rpc("sync_prepare", str(step)), "preparing")
+        errors = [s["error"] for s in statuses if s["error"]]
+        if errors:
+            raise RuntimeError(f"the server refused or could not fetch the update toward step {step} "
+                               f"before pausing (nothing applied): {errors[0]}")  # fmt: skip
+        prepared = {(s["prepared_step"], s["prepared_hash"]) for s in statuses}
+        if len(prepared) != 1:
+            raise RuntimeError(f"the server's workers prepared different updates: {sorted(prepared, key=str)}")
+        return statuses[0]
+
+    def _reset_prefix_cache(self) -> None:
+        def reset() -> None:
+            if not (self._post("/reset_prefix_cache") or {}).get("success"):
+                raise RetryableError("vLLM refused to reset its prefix cache (blocks are still held)")
+
+        call_with_retries(
+            reset, policy=RetryPolicy(max_attempts=self.reset_attempts, base_delay=0.1, max_delay=1.0, max_total=30.0),
+            retryable=RetryableError, describe="resetting vLLM's prefix cache",
+            give_up=lambda *_: RuntimeError("vLLM refused to reset its prefix cache after a weight update: stale KV would be served"),
+        )  # fmt: skip
+
+    def _apply_prepared(self, step: int) -> None:
+        """The pause: apply the prepared update (``prepared_only``: no download, no decode), reset the prefix
+        cache, resume (also after a failure)."""
+        import httpx
+
+        t0 = time.perf_counter()
+        self._post("/pause", params={"mode": "wait"})
+        try:
+            self._post("/start_weight_update")
+            self._post("/update_weights", json={"update_info": {"step": step, "prepared_only": True}})
+            self._post("/finish_weight_update", json={"weight_version": str(step)})
+            self._reset_prefix_cache()
+        except Exception:
+            try:
+                self._post("/resume")
+            except httpx.HTTPError as exc:  # the sync's own error says more than a failed resume
+                logger.warning("could not resume the server after a failed sync: %s", exc)
+            raise
+        self._post("/resume")
+        self.pauses.append(time.perf_counter() - t0)
+
+    def _verify(self, manifest_step: int, manifest_hash: str) -> None:
+        """Re-hash the served weights in the background on the workers and compare (see the module docstring).
+
+        Raises:
+            RuntimeError: The served weights differ from the verified state or from the bucket's.
+        """
+        statuses = self._wait(self._rpc("sync_verify"), "rehashing")
+        for status in statuses:
+            rehash = status["rehash"]
+            if status["rehash_error"] or not rehash:
+                raise RuntimeError(f"the server could not re-hash its weights: {status['rehash_error'] or 'no result'}")
+            wanted = manifest_hash if rehash["step"] == manifest_step else rehash["expected"]
+            if rehash["served"] != wanted or rehash["expected"] != wanted:
+                raise RuntimeError(f"the server's weights do not hash equal to bucket step {rehash['step']}")
+
+    def sync(self) -> int | None:
+        """Bring the server to the bucket's newest step if it is behind: prepare, pause, apply, resume, once
+        per update (see the module docstring).
+
+        Returns:
+            The step the server now serves (``None`` before the first publish); lower than the bucket's
+            while the workers wait for an update they can verify after a refusal.
+
+        Raises:
+            RuntimeError: A worker refused an update (before any pause), ``verify`` is on and the served
+                weights do not hash equal to the bucket's state, the server lacks the worker extension,
+                or vLLM kept refusing to reset its prefix cache.
+            httpx.HTTPStatusError: The server refused a call.
+        """
+        from rlsync.protocol import read_manifest
+
+        manifest = read_manifest(self.bucket)
+        self.pauses = []
+        if manifest is None or manifest.step == self.step:
+            return self.step
+        if not self._initialized:
+            self._post("/init_weight_transfer_engine", json={"init_info": {"bucket": self.bucket_url, "chain": self.chain.value}})
+            self._initialized = True
+        for _ in range(MAX_UPDATES_PER_SYNC):
+            status = self._prepare(manifest.step)
+            if status["prepared_step"] is None:  # up to date, or waiting for an update it can verify
+                self.step = status["step"]
+                break
+            self._apply_prepared(status["prepared_step"])
+            self.step = self.transfer_status()[0]["step"]  # a prepared update found stale was dropped: prepare again
+            if self.step == manifest.step:
+                break
+        if self.verify and self.step is not None:
+            self._verify(manifest.step, manifest.state_hash)
+        return self.step
+
+    def close(self) -> None:
+        """Close the HTTP client."""
+        self.http.close()
