@@ -56,10 +56,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     from rlsync.bucket.settings import role_weight
+    from rlsync.roles import Role
 
     os.environ.update({
         "HF_TOKEN": TOKEN, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HUB_TIER": args.tier,
-        "HUB_SHARE": str(args.replicas + 1 + math.ceil(role_weight("trainer"))),
+        "HUB_SHARE": str(args.replicas + 1 + math.ceil(role_weight(Role.TRAINER))),
         "HUB_PACING": "0" if args.no_governor else "1",
     })  # fmt: skip
     from huggingface_hub import constants
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = build_tiny_model(root / "tiny", seed=0)
     master = {n: t.float() for n, t in load_file(model / "model.safetensors").items()}
 
-    settings = BucketSettings.from_env("trainer")  # the HUB_* variables set above
+    settings = BucketSettings.from_env(Role.TRAINER)  # the HUB_* variables set above
     bucket = watch(open_bucket(url, settings=settings), settings.watch)
     meter = meter_of(bucket)
     publisher = Publisher(bucket, policy=FixedInterval(10))
