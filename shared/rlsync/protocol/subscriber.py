@@ -56,10 +56,11 @@ from ..dtypes import bits_to_numpy, int_view, numpy_to_values
 from ..errors import ChainError, FormatError, HashMismatchError, ObjectNotFoundError, ObjectTooLargeError, SyncError
 from ..files import age_out
 from ..format import check_version, decode_delta, load_anchor
-from ..hashing import CHUNK_ELEMENTS, StateLanes, change_lanes, changes_lanes, slice_lanes, zero_lanes
+from ..hashing import CHUNK_ELEMENTS, StateLanes, change_lanes, changes_lanes, schema_of, slice_lanes, structure_digest, zero_lanes
 from ..layout import POINTER_KEY
 from ..limits import MAX_HEADERS_BYTES, MAX_POINTER_BYTES
 from ..patch import TensorPatch, scatter_
+from ..read_once import FileMappings, read_once
 from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest
 from .targets import check_anchor, check_tied, same_schema
 
@@ -397,7 +398,7 @@ class Subscriber:
             if self.check_values is not None:
                 for name, tensor in tensors.items():
                     self.check_values(name, tensor.reshape(-1))
-            lanes = StateLanes.of(tensors)
+            lanes = _anchor_lanes(tensors)
             if lanes.hexdigest() != entry.state_hash:
                 raise HashMismatchError(f"anchor {entry.step}: content does not match its hash")
         except SyncError as exc:
@@ -473,9 +474,12 @@ class Subscriber:
             state = {n: torch.empty(t.shape, dtype=t.dtype, device=self.device) for n, t in update.tensors.items()}
         self.step, self.state_hash, self._lanes = None, None, None  # until every tensor is in
         self.state = state
+        mappings = FileMappings()
         with torch.no_grad():
             for name, tensor in update.tensors.items():
-                state[name].copy_(tensor)
+                target = state[name].view(-1)  # contiguous: the weights or tensors of its own
+                for start, part in read_once(tensor, mappings):  # the file's pages leave RSS as they are copied
+                    target[start : start + part.numel()].copy_(part)
         update.tensors = None  # drop the views of the files
         self.run_id = update.run_id
         self._resync = False
@@ -586,6 +590,20 @@ def _merge_patches(name: str, parts: list[TensorPatch]) -> TensorPatch:
         if int(before.index[-1]) >= int(after.index[0]):
             raise FormatError(f"{name}: delta parts overlap or are out of order")
     return TensorPatch(torch.cat([p.index for p in parts]), torch.cat([p.values for p in parts]), parts[0].shape)
+
+
+def _anchor_lanes(tensors: Mapping[str, torch.Tensor]) -> StateLanes:
+    """The hash of an anchor's tensors in one pass, a slice at a time: the pages of the downloaded files
+    leave RSS as they are hashed (:mod:`rlsync.read_once`), so no second copy of the model stays resident
+    (nor the pages that loading mapped: a large folio at the start of each tensor)."""
+    mappings, lanes = FileMappings(), {}
+    for tensor in tensors.values():
+        mappings.release(tensor)
+    for name, tensor in tensors.items():
+        lanes[name] = zero_lanes()
+        for start, part in read_once(tensor, mappings):
+            lanes[name] += slice_lanes(name, part, start, tensor.numel())
+    return StateLanes(structure_digest(schema_of(tensors)), lanes)
 
 
 def _on_device(patch: TensorPatch, device: torch.device) -> TensorPatch:
