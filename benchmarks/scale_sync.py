@@ -16,7 +16,8 @@ on both sides (the replica's also once its first anchor is in, and the model alo
 and every weight read once, which a serving engine has done; loading maps them lazily). The whole-snapshot row is what publishing every version as an anchor costs: its
 bytes, the anchor's load and copy as the pause. Last, one line per issue 29 target and row, met or
 missed: pause <= 1.5x the bare scatter, stall <= 1.5x the bf16 cast, replica peak RSS (the anchor's
-bootstrap included) <= the model alone + 2x the decoded delta + 200 MB, and the default codec's decode of
+bootstrap included) <= the model alone + 2x the largest decoded delta it followed (the first deltas change
+the most) + 200 MB, and the default codec's decode of
 the first learning rate's delta (about 1% changed at 1e-6) <= 0.5 s. The default learning rates give the
 3e-6 row too (default codec), so one invocation covers them all.
 
@@ -189,7 +190,7 @@ def replica(cfg: dict) -> dict:
         assert rep.apply_pending(), f"update {update.step} refused"
         bootstrap_rss = bootstrap_rss or peak_rss()  # after the first anchor's download, hash and copy
         row = {"step": update.step, "kind": update.kind, "nbytes": update.nbytes, "decode_s": update.decode_s,
-               "fetch_cpu_s": cpu, "pause_s": rep.syncs[-1]["idle_s"]}  # fmt: skip
+               "fetch_cpu_s": cpu, "pause_s": rep.syncs[-1]["idle_s"], "changed": update.changed, "peak_rss": peak_rss()}  # fmt: skip
         if update.kind == "delta":  # the engine's bare scatter of the same patch (the values are already there)
             t0 = time.perf_counter()
             engine.apply_patches(update.patches or {})
@@ -226,6 +227,7 @@ def summarize(codec: str, lr: float, measured: int, trained: dict, followed: dic
     applied = {u["step"]: u for u in followed["updates"]}
     mine = [applied[r["step"]] for r in deltas if r["step"] in applied]
     changed = statistics.mean(r["changed"] for r in deltas)
+    largest = max(u["changed"] for u in followed["updates"] if u["kind"] == "delta")  # the peak RSS is the whole run's
     return {
         "lr": lr, "codec": codec, "changed_pct": 100 * changed / deltas[0]["total"],
         "nbytes": statistics.mean(r["nbytes"] for r in deltas), "bytes_per_changed": statistics.mean(r["nbytes"] / r["changed"] for r in deltas),
@@ -236,7 +238,9 @@ def summarize(codec: str, lr: float, measured: int, trained: dict, followed: dic
         "scatter_s": min(u["scatter_s"] for u in mine), "load_copy_s": followed["load_copy_s"],
         "anchor_bytes": trained["records"][0]["nbytes"], "trainer_rss": trained["peak_rss"], "replica_rss": followed["peak_rss"],
         "coalesced": trained["coalesced"], "params": deltas[0]["total"], "bit_exact": followed["engine_bit_exact"],
-        "model_rss": followed["model_rss"], "bootstrap_rss": followed["bootstrap_rss"], "decoded_bytes": changed * DECODED_BYTES_PER_CHANGED,
+        "model_rss": followed["model_rss"], "bootstrap_rss": followed["bootstrap_rss"], "decoded_bytes": largest * DECODED_BYTES_PER_CHANGED,
+        "largest_pct": 100 * largest / deltas[0]["total"],
+        "rss_by_update": [(u["step"], u["kind"], u["changed"], u["peak_rss"]) for u in followed["updates"]],
     }  # fmt: skip
 
 
@@ -268,7 +272,7 @@ def targets(rows: list[dict]) -> list[str]:
         checks = [
             ("pause <= 1.5x bare scatter", r["pause_s"] / r["scatter_s"], MAX_PAUSE_RATIO, "x"),
             ("stall <= 1.5x bf16 cast", r["stall_s"] / r["cast_s"], MAX_STALL_RATIO, "x"),
-            ("replica RSS <= model + 2x decoded delta + 200 MB", r["replica_rss"] / 1e9, rss_bound / 1e9, " GB"),
+            (f"replica RSS <= model + 2x the largest decoded delta ({r['largest_pct']:.2f}%) + 200 MB", r["replica_rss"] / 1e9, rss_bound / 1e9, " GB"),
         ]  # fmt: skip
         if r is rows[0]:
             checks.append((f"decode of a {r['changed_pct']:.2f}% delta <= 0.5 s", r["decode_s"], MAX_DECODE_S, " s"))
