@@ -28,12 +28,14 @@ import time
 import torch
 
 from benchmarks.scale_sync import MODELS, model_config
+from rlsync.bucket import Bucket
 
 
 def qwen3_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """The tensors of a Qwen3 with ``config`` (``Qwen3Config`` arguments; the head is tied to the
     embedding, so listed once)."""
-    h, hd, heads, kv, inter = (config[k] for k in ("hidden_size", "head_dim", "num_attention_heads", "num_key_value_heads", "intermediate_size"))
+    keys = ("hidden_size", "head_dim", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+    h, hd, heads, kv, inter = (config[k] for k in keys)
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], h), "model.norm.weight": (h,)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -77,9 +79,6 @@ def reset_peak(device: torch.device) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     from rlsync.bucket import LocalBucket
-    from rlsync.hashing import state_hash
-    from rlsync.protocol import FixedInterval, Publisher, Subscriber
-    from rlsync.protocol.background import BackgroundPublisher
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = parser.add_mutually_exclusive_group()
@@ -92,13 +91,40 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     config = model_config(None if args.params else args.model, args.params)
+    with tempfile.TemporaryDirectory(prefix="rlsync-gpu-scale-") as work:
+        rows, weights = measure(args, device, config, LocalBucket(work))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    total = sum(t.numel() for t in weights.values())
+    model_mb = sum(t.numel() * t.element_size() for t in weights.values()) / 1e6
+    print(f"{total / 1e6:.0f}M parameters ({model_mb:.0f} MB in bf16) on {name}; codec {args.codec}, lr {args.lr:g}")
+    print(
+        "| step | changed | bytes | stall / bf16 cast | background publish | decode "
+        "| pause / bare scatter / whole copy | replica memory above its weights |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['step']} | {r['changed_pct']:.2f}% | {r['nbytes'] / 1e6:.1f} MB | {r['stall_s'] * 1e3:.1f} / {r['cast_s'] * 1e3:.1f} ms "
+            f"| {r['publish_s']:.2f} s | {r['decode_s']:.3f} s | {r['pause_s'] * 1e3:.1f} / {r['scatter_s'] * 1e3:.1f} / {r['copy_s'] * 1e3:.1f} ms "
+            f"| {r['replica_mem'] / 1e6:.0f} MB |"
+        )
+
+
+def measure(
+    args: argparse.Namespace, device: torch.device, config: dict, bucket: Bucket
+) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """Publish ``args.steps`` steps to ``bucket`` and follow them with a device replica; the figures per
+    step and the replica's weights."""
+    from rlsync.hashing import state_hash
+    from rlsync.protocol import FixedInterval, Publisher, Subscriber
+    from rlsync.protocol.background import BackgroundPublisher
+
     g = torch.Generator(device=device).manual_seed(0)
     master = {
         n: (torch.randn(s, generator=g, device=device) * 0.02 if len(s) > 1 else torch.ones(s, device=device))
         for n, s in qwen3_shapes(config).items()
     }  # fmt: skip
     total = sum(t.numel() for t in master.values())
-    bucket = LocalBucket(tempfile.mkdtemp(prefix="rlsync-gpu-scale-"))
     publisher = BackgroundPublisher(Publisher(bucket, codec=args.codec, policy=FixedInterval(1000)))
     cast_buffer = {n: torch.empty_like(t, dtype=torch.bfloat16) for n, t in master.items()}
     publisher.stage(master.items())
@@ -120,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
         pause_s = timed(lambda: replica.apply(update), device)
         replica_mem = peak_since_reset(device) - base
         scatter_s = timed(lambda: [p.apply_(weights[n]) for n, p in update.patches.items()], device)  # the same values again
-        assert state_hash(weights) == replica.state_hash == publisher.publisher.manifest.state_hash, f"step {step}: not bit-exact"
+        published = publisher.publisher.manifest.state_hash
+        assert state_hash(weights) == replica.state_hash == published, f"step {step}: not bit-exact"
         copy_s = timed(lambda: [weights[n].copy_(cast_buffer[n]) for n in weights], device)  # the same bits: stays exact
         rows.append({
             "step": step, "changed_pct": 100 * update.changed / total, "nbytes": update.nbytes, "cast_s": cast_s,
@@ -129,17 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         })  # fmt: skip
         print(json.dumps(rows[-1]))
     publisher.close()
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    model_mb = sum(t.numel() * t.element_size() for t in weights.values()) / 1e6
-    print(f"{total / 1e6:.0f}M parameters ({model_mb:.0f} MB in bf16) on {name}; codec {args.codec}, lr {args.lr:g}")
-    print("| step | changed | bytes | stall / bf16 cast | background publish | decode | pause / bare scatter / whole copy | replica memory above its weights |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['step']} | {r['changed_pct']:.2f}% | {r['nbytes'] / 1e6:.1f} MB | {r['stall_s'] * 1e3:.1f} / {r['cast_s'] * 1e3:.1f} ms "
-            f"| {r['publish_s']:.2f} s | {r['decode_s']:.3f} s | {r['pause_s'] * 1e3:.1f} / {r['scatter_s'] * 1e3:.1f} / {r['copy_s'] * 1e3:.1f} ms "
-            f"| {r['replica_mem'] / 1e6:.0f} MB |"
-        )
+    return rows, weights
 
 
 if __name__ == "__main__":

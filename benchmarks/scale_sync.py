@@ -13,8 +13,9 @@ Per codec, in one run, it prints: bytes and bytes per changed element; the train
 replica's decode (``Update.decode_s``, off the pause); the replica's pause (``idle_s`` of its own
 apply) against the engine's bare scatter of the same patch and a whole-state load and copy; peak RSS
 on both sides (the replica's also once its first anchor is in, and the model alone: the engine loaded
-and every weight read once, which a serving engine has done; loading maps them lazily). The whole-snapshot row is what publishing every version as an anchor costs: its
-bytes, the anchor's load and copy as the pause. Last, one line per issue 29 target and row, met or
+and every weight read once, which a serving engine has done; loading maps them lazily). The
+whole-snapshot row is what publishing every version as an anchor costs: its bytes, the anchor's load
+and copy as the pause. Last, one line per issue 29 target and row, met or
 missed: pause <= 1.5x the bare scatter, stall <= 1.5x the bf16 cast, replica peak RSS (the anchor's
 bootstrap included) <= the model alone + 2x the largest decoded delta it followed (the first deltas change
 the most) + 200 MB, and the default codec's decode of
@@ -238,7 +239,8 @@ def summarize(codec: str, lr: float, measured: int, trained: dict, followed: dic
         "scatter_s": min(u["scatter_s"] for u in mine), "load_copy_s": followed["load_copy_s"],
         "anchor_bytes": trained["records"][0]["nbytes"], "trainer_rss": trained["peak_rss"], "replica_rss": followed["peak_rss"],
         "coalesced": trained["coalesced"], "params": deltas[0]["total"], "bit_exact": followed["engine_bit_exact"],
-        "model_rss": followed["model_rss"], "bootstrap_rss": followed["bootstrap_rss"], "decoded_bytes": largest * DECODED_BYTES_PER_CHANGED,
+        "model_rss": followed["model_rss"], "bootstrap_rss": followed["bootstrap_rss"],
+        "decoded_bytes": largest * DECODED_BYTES_PER_CHANGED,
         "largest_pct": 100 * largest / deltas[0]["total"],
         "rss_by_update": [(u["step"], u["kind"], u["changed"], u["peak_rss"]) for u in followed["updates"]],
     }  # fmt: skip

@@ -67,7 +67,9 @@ class FileMappings:
             _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)  # best effort
 
 
-def read_once(tensor: torch.Tensor, mappings: FileMappings, elements: int = SLICE_ELEMENTS) -> Iterator[tuple[int, torch.Tensor]]:
+def read_once(
+    tensor: torch.Tensor, mappings: FileMappings, elements: int = SLICE_ELEMENTS
+) -> Iterator[tuple[int, torch.Tensor]]:
     """``(start, slice)`` over ``tensor``'s flat elements, ``elements`` at a time; each slice's pages
     are released (:meth:`FileMappings.release`) when the caller asks for the next one.
 

@@ -56,7 +56,16 @@ from ..dtypes import bits_to_numpy, int_view, numpy_to_values
 from ..errors import ChainError, FormatError, HashMismatchError, ObjectNotFoundError, ObjectTooLargeError, SyncError
 from ..files import age_out
 from ..format import check_version, decode_delta, load_anchor
-from ..hashing import CHUNK_ELEMENTS, StateLanes, change_lanes, changes_lanes, schema_of, slice_lanes, structure_digest, zero_lanes
+from ..hashing import (
+    CHUNK_ELEMENTS,
+    StateLanes,
+    change_lanes,
+    changes_lanes,
+    schema_of,
+    slice_lanes,
+    structure_digest,
+    zero_lanes,
+)
 from ..layout import POINTER_KEY
 from ..limits import MAX_HEADERS_BYTES, MAX_POINTER_BYTES
 from ..patch import TensorPatch, scatter_
