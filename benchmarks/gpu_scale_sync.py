@@ -1,16 +1,21 @@
 """Sync at Qwen3-0.6B size on one GPU, torch and rlsync only (no vLLM, no TRL): one short call.
 
-The weights are fp32 masters of the real 0.6B shapes on the GPU, moved by AdamW-sized steps
-(``lr`` times a random sign, the size of Adam's first steps). Per step it measures, in the same run:
-the bare cast of the weights to bf16 against the trainer's stall (a
-:class:`~rlsync.protocol.background.BackgroundPublisher` stage: the same cast into its staging
-buffer) and the background publish (detection on the GPU, the class order on the GPU, encode,
-upload to a local bucket); then a GPU replica's decode of each delta (against its GPU weights)
-against the bare scatter of the decoded patch into them, and a whole-state copy.
+The weights are fp32 masters of the real 0.6B shapes (``--params N``: the smaller Qwen3 of
+:mod:`benchmarks.scale_sync`) on the device, moved by AdamW-sized steps (``lr`` times a random sign,
+the size of Adam's first steps). Per step it measures, in the same run: the bare cast of the weights
+to bf16 against the trainer's stall (a :class:`~rlsync.protocol.background.BackgroundPublisher`
+stage: the same cast into its staging buffer) and the background publish (detection and the class
+order on the device, encode, upload to a local bucket); then a replica, a
+:class:`~rlsync.protocol.Subscriber` whose state is bf16 weights on the device (``weights=``, as a
+serving engine's), fetches the delta (download, decode against its device weights, hash check:
+off the pause) and applies it (the pause), against the bare scatter of the same patch into the same
+weights and a whole-state copy; and the device memory the replica's fetch and apply add above its
+weights (the decoded patch, staged on the device). The replica's weights must hash as published
+after every step.
 
-    python -m benchmarks.gpu_scale_sync            # on a machine with a CUDA GPU
+    python -m benchmarks.gpu_scale_sync                 # on a machine with a CUDA GPU (~1 min on an H200)
     python -m benchmarks.gpu_scale_sync --lr 3e-6 --steps 4
-    python -m benchmarks.gpu_scale_sync --device cpu --layers 1 --vocab 4096   # the logic, on CPU
+    python -m benchmarks.gpu_scale_sync --device cpu --params 5e6   # the logic, on CPU
 """
 
 from __future__ import annotations
@@ -22,21 +27,23 @@ import time
 
 import torch
 
-SHAPES = dict(vocab=151936, hidden=1024, inter=3072, layers=28, heads=16, kv=8, head_dim=128)
+from benchmarks.scale_sync import MODELS, model_config
+from rlsync.bucket import Bucket
 
 
-def qwen3_shapes(s: dict = SHAPES) -> dict[str, tuple[int, ...]]:
-    """Qwen3-0.6B's tensors (the head is tied to the embedding, so listed once)."""
-    h, hd = s["hidden"], s["head_dim"]
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (s["vocab"], h), "model.norm.weight": (h,)}
-    for i in range(s["layers"]):
+def qwen3_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """The tensors of a Qwen3 with ``config`` (``Qwen3Config`` arguments; the head is tied to the
+    embedding, so listed once)."""
+    keys = ("hidden_size", "head_dim", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+    h, hd, heads, kv, inter = (config[k] for k in keys)
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], h), "model.norm.weight": (h,)}
+    for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes.update({
-            p + "self_attn.q_proj.weight": (s["heads"] * hd, h), p + "self_attn.k_proj.weight": (s["kv"] * hd, h),
-            p + "self_attn.v_proj.weight": (s["kv"] * hd, h), p + "self_attn.o_proj.weight": (h, s["heads"] * hd),
+            p + "self_attn.q_proj.weight": (heads * hd, h), p + "self_attn.k_proj.weight": (kv * hd, h),
+            p + "self_attn.v_proj.weight": (kv * hd, h), p + "self_attn.o_proj.weight": (h, heads * hd),
             p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
-            p + "mlp.gate_proj.weight": (s["inter"], h), p + "mlp.up_proj.weight": (s["inter"], h),
-            p + "mlp.down_proj.weight": (h, s["inter"]),
+            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h), p + "mlp.down_proj.weight": (h, inter),
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
         })  # fmt: skip
     return shapes
@@ -55,33 +62,76 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def allocated(device: torch.device) -> int:
+    """Device memory allocated by torch now (0 off CUDA)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def peak_since_reset(device: torch.device) -> int:
+    """Device memory allocated at most since the last reset (0 off CUDA)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def main(argv: list[str] | None = None) -> None:
     from rlsync.bucket import LocalBucket
-    from rlsync.format import decode_delta
-    from rlsync.protocol import FixedInterval, Publisher, read_manifest
-    from rlsync.protocol.background import BackgroundPublisher
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--model", choices=sorted(MODELS), default="qwen3-0.6b", help="a real model's dimensions")
+    size.add_argument("--params", type=float, help="a smaller Qwen3 of about this many parameters")
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--codec", default="classrice")
-    parser.add_argument("--device", default="cuda", help="'cpu' with --layers 1 --vocab 4096 checks the logic")
-    parser.add_argument("--layers", type=int, default=SHAPES["layers"])
-    parser.add_argument("--vocab", type=int, default=SHAPES["vocab"])
+    parser.add_argument("--device", default="cuda", help="'cpu' with a small --params checks the logic")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    config = model_config(None if args.params else args.model, args.params)
+    with tempfile.TemporaryDirectory(prefix="rlsync-gpu-scale-") as work:
+        rows, weights = measure(args, device, config, LocalBucket(work))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    total = sum(t.numel() for t in weights.values())
+    model_mb = sum(t.numel() * t.element_size() for t in weights.values()) / 1e6
+    print(f"{total / 1e6:.0f}M parameters ({model_mb:.0f} MB in bf16) on {name}; codec {args.codec}, lr {args.lr:g}")
+    print(
+        "| step | changed | bytes | stall / bf16 cast | background publish | decode "
+        "| pause / bare scatter / whole copy | replica memory above its weights |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['step']} | {r['changed_pct']:.2f}% | {r['nbytes'] / 1e6:.1f} MB | {r['stall_s'] * 1e3:.1f} / {r['cast_s'] * 1e3:.1f} ms "
+            f"| {r['publish_s']:.2f} s | {r['decode_s']:.3f} s | {r['pause_s'] * 1e3:.1f} / {r['scatter_s'] * 1e3:.1f} / {r['copy_s'] * 1e3:.1f} ms "
+            f"| {r['replica_mem'] / 1e6:.0f} MB |"
+        )
+
+
+def measure(
+    args: argparse.Namespace, device: torch.device, config: dict, bucket: Bucket
+) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """Publish ``args.steps`` steps to ``bucket`` and follow them with a device replica; the figures per
+    step and the replica's weights."""
+    from rlsync.hashing import state_hash
+    from rlsync.protocol import FixedInterval, Publisher, Subscriber
+    from rlsync.protocol.background import BackgroundPublisher
+
     g = torch.Generator(device=device).manual_seed(0)
     master = {
         n: (torch.randn(s, generator=g, device=device) * 0.02 if len(s) > 1 else torch.ones(s, device=device))
-        for n, s in qwen3_shapes({**SHAPES, "layers": args.layers, "vocab": args.vocab}).items()
+        for n, s in qwen3_shapes(config).items()
     }  # fmt: skip
     total = sum(t.numel() for t in master.values())
-    bucket = LocalBucket(tempfile.mkdtemp(prefix="rlsync-gpu-scale-"))
     publisher = BackgroundPublisher(Publisher(bucket, codec=args.codec, policy=FixedInterval(1000)))
     cast_buffer = {n: torch.empty_like(t, dtype=torch.bfloat16) for n, t in master.items()}
     publisher.stage(master.items())
     publisher.flush()
-    replica = {n: t.clone() for n, t in publisher.publisher.detector.published.items()}  # a GPU replica at version 0
+    weights = {n: torch.empty_like(t, dtype=torch.bfloat16) for n, t in master.items()}  # a serving engine's, on the device
+    replica = Subscriber(bucket, device=device, weights=weights)
+    replica.apply(replica.fetch())  # version 0, the anchor
     rows = []
     for step in range(1, args.steps + 1):
         for t in master.values():
@@ -89,28 +139,24 @@ def main(argv: list[str] | None = None) -> None:
         cast_s = timed(lambda: [cast_buffer[n].copy_(t) for n, t in master.items()], device)
         stall_s = timed(lambda: publisher.stage(master.items()), device)
         publish_s = timed(publisher.flush, device) + stall_s
-        entry = read_manifest(bucket).deltas[-1]
-        data = bucket.get(entry.files[0].key)
-        t0 = time.perf_counter()
-        delta = decode_delta(data, replica)
-        synchronize(device)
-        decode_s = time.perf_counter() - t0
-        scatter_s = timed(lambda: [p.apply_(replica[n]) for n, p in delta.patches.items()], device)
-        copy_s = timed(lambda: [replica[n].copy_(cast_buffer[n]) for n in replica], device)
+        base = allocated(device)
+        reset_peak(device)
+        update = replica.fetch()  # download, decode against the device weights, hash check: off the pause
+        assert update is not None and update.kind == "delta", f"step {step}: expected a delta"
+        pause_s = timed(lambda: replica.apply(update), device)
+        replica_mem = peak_since_reset(device) - base
+        scatter_s = timed(lambda: [p.apply_(weights[n]) for n, p in update.patches.items()], device)  # the same values again
+        published = publisher.publisher.manifest.state_hash
+        assert state_hash(weights) == replica.state_hash == published, f"step {step}: not bit-exact"
+        copy_s = timed(lambda: [weights[n].copy_(cast_buffer[n]) for n in weights], device)  # the same bits: stays exact
         rows.append({
-            "step": step, "changed_pct": 100 * delta.changed / total, "nbytes": len(data), "cast_s": cast_s,
-            "stall_s": stall_s, "publish_s": publish_s, "decode_s": decode_s, "scatter_s": scatter_s, "copy_s": copy_s,
+            "step": step, "changed_pct": 100 * update.changed / total, "nbytes": update.nbytes, "cast_s": cast_s,
+            "stall_s": stall_s, "publish_s": publish_s, "decode_s": update.decode_s, "pause_s": pause_s,
+            "scatter_s": scatter_s, "copy_s": copy_s, "replica_mem": replica_mem,
         })  # fmt: skip
         print(json.dumps(rows[-1]))
     publisher.close()
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"| step | changed | bytes | stall / bf16 cast | background publish | decode | scatter / whole copy ({name}) |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['step']} | {r['changed_pct']:.2f}% | {r['nbytes'] / 1e6:.1f} MB | {r['stall_s'] * 1e3:.1f} / {r['cast_s'] * 1e3:.1f} ms "
-            f"| {r['publish_s']:.2f} s | {r['decode_s']:.3f} s | {r['scatter_s'] * 1e3:.1f} / {r['copy_s'] * 1e3:.1f} ms |"
-        )
+    return rows, weights
 
 
 if __name__ == "__main__":

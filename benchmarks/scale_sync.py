@@ -12,10 +12,13 @@ Per codec, in one run, it prints: bytes and bytes per changed element; the train
 (the send: the cast into the staging buffer) against a bare bf16 cast of the same weights; the
 replica's decode (``Update.decode_s``, off the pause); the replica's pause (``idle_s`` of its own
 apply) against the engine's bare scatter of the same patch and a whole-state load and copy; peak RSS
-on both sides. The whole-snapshot row is what publishing every version as an anchor costs: its
-bytes, the anchor's load and copy as the pause. Last, one line per issue 29 target and row, met or
-missed: pause <= 1.5x the bare scatter, stall <= 1.5x the bf16 cast, replica peak RSS <= the model alone
-(the engine's peak RSS once loaded) + 2x the decoded delta + 200 MB, and the default codec's decode of
+on both sides (the replica's also once its first anchor is in, and the model alone: the engine loaded
+and every weight read once, which a serving engine has done; loading maps them lazily). The
+whole-snapshot row is what publishing every version as an anchor costs: its bytes, the anchor's load
+and copy as the pause. Last, one line per issue 29 target and row, met or
+missed: pause <= 1.5x the bare scatter, stall <= 1.5x the bf16 cast, replica peak RSS (the anchor's
+bootstrap included) <= the model alone + 2x the largest decoded delta it followed (the first deltas change
+the most) + 200 MB, and the default codec's decode of
 the first learning rate's delta (about 1% changed at 1e-6) <= 0.5 s. The default learning rates give the
 3e-6 row too (default codec), so one invocation covers them all.
 
@@ -169,9 +172,13 @@ def replica(cfg: dict) -> dict:
     from rollout_space.engines.transformers_engine import TransformersEngine
     from rollout_space.replica import Replica
 
+    from rlsync.hashing import state_hash
+
     bucket = LocalBucket(cfg["bucket"])
     engine = TransformersEngine(cfg["model_dir"], device="cpu")
-    model_rss = peak_rss()  # the model alone, loaded by the engine (the RSS target's base)
+    state_hash(engine.state_dict())  # every weight read once: resident, as in a serving engine (loading maps them lazily)
+    model_rss = peak_rss()  # the model alone, serving (the RSS target's base)
+    bootstrap_rss = None
     rep = Replica(ReplicaConfig(bucket=cfg["bucket"], model=cfg["model_dir"], engine="transformers", device="cpu"), bucket, engine)
     updates = []
     while True:
@@ -182,15 +189,15 @@ def replica(cfg: dict) -> dict:
             break
         rep.slot.put(update)
         assert rep.apply_pending(), f"update {update.step} refused"
+        bootstrap_rss = bootstrap_rss or peak_rss()  # after the first anchor's download, hash and copy
         row = {"step": update.step, "kind": update.kind, "nbytes": update.nbytes, "decode_s": update.decode_s,
-               "fetch_cpu_s": cpu, "pause_s": rep.syncs[-1]["idle_s"]}  # fmt: skip
+               "fetch_cpu_s": cpu, "pause_s": rep.syncs[-1]["idle_s"], "changed": update.changed, "peak_rss": peak_rss()}  # fmt: skip
         if update.kind == "delta":  # the engine's bare scatter of the same patch (the values are already there)
             t0 = time.perf_counter()
             engine.apply_patches(update.patches or {})
             row["scatter_s"] = time.perf_counter() - t0
         updates.append(row)
-    from rlsync.hashing import state_hash
-
+        del update  # applied: the next fetch decodes without this one's patch and rollback values held
     engine_bit_exact = state_hash(engine.state_dict()) == rep.subscriber.state_hash  # each tensor once, as hashed
     follow_rss = peak_rss()  # before the whole-state load below, which is the baseline's, not the replica's
     anchor = rep.subscriber.manifest.anchors[-1]
@@ -202,7 +209,7 @@ def replica(cfg: dict) -> dict:
     load_copy_s = time.perf_counter() - t0
     return {
         "updates": updates, "load_copy_s": load_copy_s, "engine_bit_exact": engine_bit_exact, "peak_rss": follow_rss,
-        "model_rss": model_rss,
+        "model_rss": model_rss, "bootstrap_rss": bootstrap_rss,
     }  # fmt: skip
 
 
@@ -222,6 +229,7 @@ def summarize(codec: str, lr: float, measured: int, trained: dict, followed: dic
     applied = {u["step"]: u for u in followed["updates"]}
     mine = [applied[r["step"]] for r in deltas if r["step"] in applied]
     changed = statistics.mean(r["changed"] for r in deltas)
+    largest = max(u["changed"] for u in followed["updates"] if u["kind"] == "delta")  # the peak RSS is the whole run's
     return {
         "lr": lr, "codec": codec, "changed_pct": 100 * changed / deltas[0]["total"],
         "nbytes": statistics.mean(r["nbytes"] for r in deltas), "bytes_per_changed": statistics.mean(r["nbytes"] / r["changed"] for r in deltas),
@@ -232,20 +240,23 @@ def summarize(codec: str, lr: float, measured: int, trained: dict, followed: dic
         "scatter_s": min(u["scatter_s"] for u in mine), "load_copy_s": followed["load_copy_s"],
         "anchor_bytes": trained["records"][0]["nbytes"], "trainer_rss": trained["peak_rss"], "replica_rss": followed["peak_rss"],
         "coalesced": trained["coalesced"], "params": deltas[0]["total"], "bit_exact": followed["engine_bit_exact"],
-        "model_rss": followed["model_rss"], "decoded_bytes": changed * DECODED_BYTES_PER_CHANGED,
+        "model_rss": followed["model_rss"], "bootstrap_rss": followed["bootstrap_rss"],
+        "decoded_bytes": largest * DECODED_BYTES_PER_CHANGED,
+        "largest_pct": 100 * largest / deltas[0]["total"],
+        "rss_by_update": [(u["step"], u["kind"], u["changed"], u["peak_rss"]) for u in followed["updates"]],
     }  # fmt: skip
 
 
 def print_table(rows: list[dict]) -> None:
     gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
-    print("| lr (changed) | codec | bytes | B/changed | trainer stall / bf16 cast | decode (CPU of all threads) | replica pause / bare scatter / load+copy | peak RSS trainer / replica |")
+    print("| lr (changed) | codec | bytes | B/changed | trainer stall / bf16 cast | decode (CPU of all threads) | replica pause / bare scatter / load+copy | peak RSS trainer / replica (model alone; at the anchor) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['lr']:g} ({r['changed_pct']:.2f}%) | {r['codec']} | {r['nbytes'] / 1e6:.1f} MB | {r['bytes_per_changed']:.2f} "
             f"| {r['stall_s']:.2f} s / {r['cast_s']:.2f} s ({r['stall_s'] / r['cast_s']:.2f}x) | {r['decode_s']:.2f} s ({r['fetch_cpu_s']:.2f} s) "
             f"| {r['pause_s']:.2f} s / {r['scatter_s']:.2f} s ({r['pause_s'] / r['scatter_s']:.1f}x) / {r['load_copy_s']:.2f} s "
-            f"| {gb(r['trainer_rss'])} / {gb(r['replica_rss'])} |"
+            f"| {gb(r['trainer_rss'])} / {gb(r['replica_rss'])} ({gb(r['model_rss'])}; {gb(r['bootstrap_rss'])}) |"
         )
     for r in rows[:1]:
         changed = r["nbytes"] / r["bytes_per_changed"]
@@ -264,7 +275,7 @@ def targets(rows: list[dict]) -> list[str]:
         checks = [
             ("pause <= 1.5x bare scatter", r["pause_s"] / r["scatter_s"], MAX_PAUSE_RATIO, "x"),
             ("stall <= 1.5x bf16 cast", r["stall_s"] / r["cast_s"], MAX_STALL_RATIO, "x"),
-            ("replica RSS <= model + 2x decoded delta + 200 MB", r["replica_rss"] / 1e9, rss_bound / 1e9, " GB"),
+            (f"replica RSS <= model + 2x the largest decoded delta ({r['largest_pct']:.2f}%) + 200 MB", r["replica_rss"] / 1e9, rss_bound / 1e9, " GB"),
         ]  # fmt: skip
         if r is rows[0]:
             checks.append((f"decode of a {r['changed_pct']:.2f}% delta <= 0.5 s", r["decode_s"], MAX_DECODE_S, " s"))

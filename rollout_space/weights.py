@@ -89,6 +89,7 @@ class WeightFollower:
                 wait_for_change(self.bucket, stop, idle_s, (self.chain.pointer_key,), since)
                 continue
             self.slot.put(update)
+            update = None  # the slot holds it until it is applied: not this loop while it fetches the next one
 
     def apply_pending(self) -> bool:
         """Apply a downloaded update, pausing generation; returns whether one was applied.

@@ -14,6 +14,7 @@ from typing import Mapping
 import torch
 
 from ..patch import scatter_
+from ..read_once import FileMappings, read_once
 from .held import HeldState, SubscriberStats
 from .rehash import WeightsRehash
 from .targets import same_schema
@@ -75,9 +76,12 @@ class UpdateApplier:
             state = {n: torch.empty(t.shape, dtype=t.dtype, device=self.device) for n, t in update.tensors.items()}
         held.step, held.state_hash, held.lanes = None, None, None  # until every tensor is in
         held.state = state
+        mappings = FileMappings()
         with torch.no_grad():
             for name, tensor in update.tensors.items():
-                state[name].copy_(tensor)
+                target = state[name].view(-1)  # contiguous: the weights or tensors of its own
+                for start, part in read_once(tensor, mappings):  # the file's pages leave RSS as they are copied
+                    target[start : start + part.numel()].copy_(part)
         update.tensors = None  # drop the views of the files
         held.aliases = update.aliases
         held.run_id = update.run_id

@@ -32,10 +32,11 @@ from ..dtypes import numpy_to_values, tensor_bits
 from ..errors import ChainError, FormatError, HashMismatchError, ObjectNotFoundError, ObjectTooLargeError
 from ..files import age_out
 from ..format import decode_delta, load_anchor
-from ..hashing import StateLanes, changes_lanes
+from ..hashing import StateLanes, changes_lanes, schema_of, slice_lanes, structure_digest, zero_lanes
 from ..layout import POINTER_KEY
 from ..limits import MAX_HEADERS_BYTES, MAX_POINTER_BYTES
 from ..patch import TensorPatch
+from ..read_once import FileMappings, read_once
 from .held import HeldState, SubscriberStats
 from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest
 from .targets import check_anchor, check_tied
@@ -219,7 +220,7 @@ class UpdateFetcher:
             if self.check_values is not None:
                 for name, tensor in tensors.items():
                     self.check_values(name, tensor.reshape(-1))
-            lanes = StateLanes.of(tensors)
+            lanes = _anchor_lanes(tensors)
             if lanes.hexdigest() != entry.state_hash:
                 raise HashMismatchError(f"anchor {entry.step}: content does not match its hash")
         finally:
@@ -268,3 +269,17 @@ def _on_device(patch: TensorPatch, device: torch.device) -> TensorPatch:
     if device.type == "cpu":
         return patch
     return TensorPatch(patch.index.to(device), patch.values.to(device), patch.shape)
+
+
+def _anchor_lanes(tensors: Mapping[str, torch.Tensor]) -> StateLanes:
+    """The hash of an anchor's tensors in one pass, a slice at a time: the pages of the downloaded files
+    leave RSS as they are hashed (:mod:`rlsync.read_once`), so no second copy of the model stays resident
+    (nor the pages that loading mapped: a large folio at the start of each tensor)."""
+    mappings, lanes = FileMappings(), {}
+    for tensor in tensors.values():
+        mappings.release(tensor)
+    for name, tensor in tensors.items():
+        lanes[name] = zero_lanes()
+        for start, part in read_once(tensor, mappings):
+            lanes[name] += slice_lanes(name, part, start, tensor.numel())
+    return StateLanes(structure_digest(schema_of(tensors)), lanes)
