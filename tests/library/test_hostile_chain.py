@@ -166,7 +166,7 @@ def test_anchor_interval_and_catchup_ratio_are_bounded(doc):
 def test_the_pointer_stays_under_its_limit_whatever_the_policy(bucket, monkeypatch):
     """An adaptive policy with tiny deltas never asks for an anchor: the publisher anchors once the
     pointer passes a quarter of its limit (scaled down here to 4 KiB to keep the test fast)."""
-    monkeypatch.setattr("rlsync.protocol.publisher.MAX_POINTER_BYTES", 16 * 1024)
+    monkeypatch.setattr("rlsync.protocol.writer.MAX_POINTER_BYTES", 16 * 1024)
     master = {"w": torch.zeros(4, dtype=torch.float32)}
     pub = Publisher(bucket, policy=Adaptive(100.0))
     kinds = []
