@@ -64,7 +64,10 @@ def collective_round(
 
 
 def gather_owned(
-    group: dist.ProcessGroup | None, slices: Mapping[str, LocalSlice], state: Mapping[str, torch.Tensor], dtype: torch.dtype | None
+    group: dist.ProcessGroup | None,
+    slices: Mapping[str, LocalSlice],
+    state: Mapping[str, torch.Tensor],
+    dtype: torch.dtype | None,
 ) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
     """Every tensor's owner rank (balanced by bytes), and the whole tensors (serving dtype) this rank owns.
 

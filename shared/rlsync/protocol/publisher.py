@@ -84,7 +84,8 @@ class Publisher:
     It decides each version (anchor or delta), finds its changes and its state hash, and keeps the published
     state; its :attr:`writer` (:class:`~rlsync.protocol.writer.ChainWriter`) encodes and uploads the version,
     then commits the pointer. The run lock, fencing, the run's identity, new runs, resume and checkpoint
-    pins are its :attr:`ownership`'s (:class:`~rlsync.protocol.ownership.RunOwnership`).
+    pins are its :attr:`ownership`'s (:class:`~rlsync.protocol.ownership.RunOwnership`: ``ownership.lock``,
+    ``ownership.owner``).
 
     Args:
         bucket: Where to publish.
@@ -160,9 +161,10 @@ class Publisher:
         """The version the next publish should have (:meth:`RunOwnership.next_step`)."""
         return self.ownership.next_step(self.step)
 
-    lock = property(lambda self: self.ownership.lock, doc="The run lock held (``None`` before the first write).")
-    owner = property(lambda self: self.ownership.owner, doc="This trainer's run-lock owner id.")
-    replaced_step = property(lambda self: self.ownership.floor, doc="The newest version of the run a new run replaced.")
+    @property
+    def replaced_step(self) -> int | None:
+        """The newest version of the run this new run replaced (``None``: not a new run over one)."""
+        return self.ownership.floor
 
     def heartbeat(self) -> None:
         """Refresh the run lock's heartbeat (while training without publishing; never waits for a publish)."""
@@ -278,30 +280,28 @@ class Publisher:
         return self._publish_delta(step, changes, sum(t.numel() for t in self.detector.published.values()), t0)
 
     def _publish_delta(self, step: int, changes: dict[str, Change], total: int, t0: float) -> PublishRecord:
-        """Hash the delta of ``changes`` (found since ``t0``), write it, then the pointer."""
+        """Hash the delta of ``changes`` (found since ``t0``) and have it written (:meth:`ChainWriter.delta`)."""
         assert self._lanes is not None
         t1 = time.perf_counter()
         lanes = self._lanes.updated(lanes_of_changes(changes))  # the new state's hash, from the changes alone
         t2 = time.perf_counter()
         written = self.writer.delta(step, changes, state_hash=lanes.hexdigest(), total=total)
-        [entry] = written.deltas
-        manifest = self.writer.commit_version(step, entry.state_hash, written, metadata=self.metadata)
         self._lanes = lanes
         self.detector.commit(changes)
         t3 = time.perf_counter()
-        logger.debug("published delta %d: %d bytes, %d/%d changed (%.3f%%)", step, entry.nbytes, entry.changed, total, 100 * entry.changed / max(total, 1))
+        [entry] = written.deltas
         return PublishRecord(
-            step, "delta", entry.nbytes, entry.changed, total, entry.state_hash,
+            step, "delta", written.nbytes, entry.changed, total, entry.state_hash,
             encode_s=(t1 - t0) + written.encode_s, hash_s=t2 - t1, upload_s=t3 - t2 - written.encode_s,
-            catchup_bytes=manifest.catchup_bytes(), keys=written.keys,
+            catchup_bytes=written.manifest.catchup_bytes(), keys=written.keys,
             changed_tensors={name: int(c.index.size) for name, c in changes.items()},
         )  # fmt: skip
 
     def _publish_anchor(
         self, step: int, state: Mapping[str, torch.Tensor], owned: bool = False, aliases: Mapping[str, str] | None = None
     ) -> PublishRecord:
-        """Write a full anchor (and a companion delta when the state continues the published one, see
-        :meth:`ChainWriter.anchor`), then the pointer.
+        """Hash a full anchor and have it written (:meth:`ChainWriter.anchor`: with a companion delta when the
+        state continues the published one).
         ``owned``: ``state`` holds contiguous serving-dtype tensors nobody else modifies, kept without a copy.
         ``aliases``: the tied names of ``state`` (``None``: those of the published state)."""
         aliases = self.aliases if aliases is None else dict(aliases)
@@ -314,16 +314,15 @@ class Publisher:
         result_hash = lanes.hexdigest()
         t1 = time.perf_counter()
         total = sum(t.numel() for t in serving.values())
-        written = self.writer.anchor(step, serving, changes, state_hash=result_hash, total=total, aliases=aliases)
-        manifest = self.writer.commit_version(step, result_hash, written, metadata=self.metadata)
+        written = self.writer.anchor(
+            step, serving, changes, state_hash=result_hash, total=total, aliases=aliases, metadata=self.metadata
+        )
         t2 = time.perf_counter()
         self._lanes, self.detector.published, self.aliases = lanes, serving, aliases
-        assert written.anchor is not None
-        logger.debug("published anchor %d: %d bytes in %d file(s)", step, written.anchor.nbytes, len(written.anchor.files))
         return PublishRecord(
-            step, "anchor", written.anchor.nbytes, total, total, result_hash,
+            step, "anchor", written.nbytes, total, total, result_hash,
             encode_s=written.encode_s, hash_s=t1 - t0, upload_s=t2 - t1 - written.encode_s,
-            catchup_bytes=manifest.catchup_bytes(), keys=written.keys,
+            catchup_bytes=written.manifest.catchup_bytes(), keys=written.keys,
         )  # fmt: skip
 
 

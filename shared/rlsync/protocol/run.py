@@ -1,4 +1,5 @@
-"""A run in the bucket: reading its pointer, its identity, and the checks before publishing over it or taking it over."""
+"""A run in the bucket: reading its pointer, its identity, and the checks before publishing over it or
+taking it over."""
 
 from __future__ import annotations
 

@@ -66,7 +66,6 @@ from .finite import check_finite_changes
 from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest
 from .publisher import Publisher, PublishRecord, lanes_of_changes
 from .subscriber import SCRATCH_PREFIX
-from .writer import Written
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +156,8 @@ class ShardedPublisher(Publisher):
             check_finite_changes(changes, allowed=self.allow_non_finite)  # inside the round: every rank refuses together
             return sorted(changes)
 
-        collective_round(self.group, detect, lambda names: set().union(*names))  # every rank detects (and refuses) together
+        # every rank detects (and refuses) together
+        collective_round(self.group, detect, lambda names: set().union(*names))
         t1 = time.perf_counter()
         result_hash = self._hash_slices(slices, changes, plan.kind, state)
         owners: dict[str, int] = {}
@@ -271,7 +271,7 @@ class ShardedPublisher(Publisher):
             anchor: AnchorEntry | None = AnchorEntry(step, result_hash, tuple(files))
         else:
             anchor = None
-        return self.writer.commit_version(step, result_hash, Written(deltas, anchor), metadata=self.metadata).to_json()
+        return self.writer.commit_version(step, result_hash, anchor, deltas, metadata=self.metadata).to_json()
 
 
 @functools.lru_cache(maxsize=1)

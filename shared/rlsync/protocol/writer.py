@@ -1,4 +1,5 @@
-"""Writing the chain: each version's data objects (a delta, or an anchor's files and its companion delta), then the pointer.
+"""Writing the chain: each version's data objects (a delta, or an anchor's files and its companion
+delta), then the pointer.
 
 The :class:`~rlsync.protocol.Publisher` decides what a version is (anchor or delta) and finds its
 changes and its state hash; its :class:`ChainWriter` encodes and uploads the objects, and only once
@@ -33,14 +34,21 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class Written:
-    """One version's uploaded data objects, and what writing them cost."""
+    """One version written: the pointer committed, the version's data objects, and what writing them cost."""
 
+    manifest: Manifest
     #: The delta (or an anchor's companion delta; empty when the anchor has none).
     deltas: tuple[DeltaEntry, ...]
-    anchor: AnchorEntry | None = None
+    anchor: AnchorEntry | None
     #: Seconds encoding the delta, or writing the anchor's files (and encoding its companion).
-    encode_s: float = 0.0
-    upload_s: float = 0.0
+    encode_s: float
+    #: Seconds uploading the objects and the pointer (retention's deletes included).
+    upload_s: float
+
+    @property
+    def nbytes(self) -> int:
+        """The version's size: its anchor's files, or its delta's."""
+        return self.anchor.nbytes if self.anchor is not None else sum(d.nbytes for d in self.deltas)
 
     @property
     def keys(self) -> list[str]:
@@ -60,7 +68,9 @@ class ChainWriter:
         keep_anchors: Anchors retained (with the deltas after the oldest kept one).
     """
 
-    def __init__(self, bucket: Bucket, ownership: RunOwnership, *, codec: str, max_shard_bytes: int, keep_anchors: int) -> None:
+    def __init__(
+        self, bucket: Bucket, ownership: RunOwnership, *, codec: str, max_shard_bytes: int, keep_anchors: int
+    ) -> None:
         self.bucket = bucket
         self.ownership = ownership
         self.codec = codec
@@ -83,25 +93,31 @@ class ChainWriter:
         self._pointer_bytes = len(manifest.to_json()) if manifest is not None else 0
 
     def delta(self, step: int, changes: Mapping[str, Change], *, state_hash: str, total: int) -> Written:
-        """Encode and upload the delta of ``changes`` from the published version to version ``step``.
+        """Write version ``step`` as the delta of ``changes`` from the published version, then the pointer.
 
         Args:
             step: The new version.
             changes: Changed tensors by name.
             state_hash: The new version's state hash.
             total: Elements in the whole state.
+
+        Raises:
+            FencedError, BucketError: as :meth:`commit`; the previous version stays published.
         """
         t0 = time.perf_counter()
         data, entry = self._encode(step, changes, state_hash=state_hash, total=total)
         t1 = time.perf_counter()
         self.bucket.put(entry.file.key, data)
-        return Written((entry,), encode_s=t1 - t0, upload_s=time.perf_counter() - t1)
+        manifest = self.commit_version(step, state_hash, None, (entry,))
+        changed, share = entry.changed, 100 * entry.changed / max(total, 1)
+        logger.debug("published delta %d: %d bytes, %d/%d changed (%.3f%%)", step, len(data), changed, total, share)
+        return Written(manifest, (entry,), None, encode_s=t1 - t0, upload_s=time.perf_counter() - t1)
 
     def anchor(
         self, step: int, serving: Mapping[str, torch.Tensor], changes: Mapping[str, Change] | None,
-        *, state_hash: str, total: int, aliases: Mapping[str, str],
+        *, state_hash: str, total: int, aliases: Mapping[str, str], metadata: Mapping[str, str],
     ) -> Written:  # fmt: skip
-        """Write ``serving`` as the anchor of version ``step`` and upload it.
+        """Write ``serving`` as the anchor of version ``step``, then the pointer.
 
         With ``changes`` (a state that continues the published version), a companion delta of the same step
         is uploaded first, so that replicas keeping up never need to download anchors, unless that delta is
@@ -111,7 +127,11 @@ class ChainWriter:
             serving: The whole state, serving dtype.
             changes: Its changes from the published version (``None``: no companion delta).
             aliases: The tied names of ``serving`` (see :mod:`rlsync.aliases`).
+            metadata: The chain's metadata, for a run's first pointer.
             step, state_hash, total: As for :meth:`delta`.
+
+        Raises:
+            FencedError, BucketError: as :meth:`commit`; the previous version stays published.
         """
         t0 = time.perf_counter()
         companion = None
@@ -132,9 +152,14 @@ class ChainWriter:
             for path, entry in zip(files, entries):
                 self.bucket.put_file(entry.key, path)
         deltas = (companion[1],) if companion is not None else ()
-        return Written(deltas, AnchorEntry(step, state_hash, entries), encode_s=t1 - t0, upload_s=time.perf_counter() - t1)
+        anchor = AnchorEntry(step, state_hash, entries)
+        manifest = self.commit_version(step, state_hash, anchor, deltas, metadata=metadata)
+        logger.debug("published anchor %d: %d bytes in %d file(s)", step, anchor.nbytes, len(entries))
+        return Written(manifest, deltas, anchor, encode_s=t1 - t0, upload_s=time.perf_counter() - t1)
 
-    def _encode(self, step: int, changes: Mapping[str, Change], *, state_hash: str, total: int) -> tuple[bytes, DeltaEntry]:
+    def _encode(
+        self, step: int, changes: Mapping[str, Change], *, state_hash: str, total: int
+    ) -> tuple[bytes, DeltaEntry]:
         """The delta from the published version to ``step``, and its pointer entry."""
         base = self.manifest
         assert base is not None
@@ -146,16 +171,22 @@ class ChainWriter:
         file = FileEntry(delta_key(step, self.ownership.epoch), len(data))
         return data, DeltaEntry(step, base.step, state_hash, file, changed, total)
 
-    def commit_version(self, step: int, state_hash: str, written: Written, *, metadata: Mapping[str, str]) -> Manifest:
-        """Commit the pointer naming version ``step`` too: the published one with ``written``'s objects
-        added, or a run's first pointer (an anchor) under the run's id and ``metadata``; as :meth:`commit`."""
+    def commit_version(
+        self, step: int, state_hash: str, anchor: AnchorEntry | None, deltas: tuple[DeltaEntry, ...],
+        *, metadata: Mapping[str, str] | None = None,
+    ) -> Manifest:  # fmt: skip
+        """Commit the pointer naming version ``step`` too, once its objects are uploaded: the published one
+        with its anchor (if any) and delta(s) added, or a run's first pointer (an anchor) under the run's id
+        and ``metadata``; as :meth:`commit`."""
         if self.manifest is None:
-            assert written.anchor is not None and not written.deltas
+            assert anchor is not None and not deltas
             self.ownership.run_id = self.ownership.run_id or new_run_id()
-            return self.commit(Manifest(step, state_hash, (written.anchor,), (), run_id=self.ownership.run_id, metadata=dict(metadata)))
-        anchors = self.manifest.anchors + ((written.anchor,) if written.anchor is not None else ())
-        deltas = self.manifest.deltas + written.deltas
-        return self.commit(dataclasses.replace(self.manifest, step=step, state_hash=state_hash, anchors=anchors, deltas=deltas))
+            run_id = self.ownership.run_id
+            return self.commit(Manifest(step, state_hash, (anchor,), (), run_id=run_id, metadata=dict(metadata or {})))
+        anchors = self.manifest.anchors + ((anchor,) if anchor is not None else ())
+        deltas = self.manifest.deltas + deltas
+        manifest = dataclasses.replace(self.manifest, step=step, state_hash=state_hash, anchors=anchors, deltas=deltas)
+        return self.commit(manifest)
 
     def commit(self, manifest: Manifest) -> Manifest:
         """Write the pointer for ``manifest`` after retention, then delete what retention dropped.
