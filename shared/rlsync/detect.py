@@ -16,7 +16,7 @@ of temporary memory, independent of model size.
 from __future__ import annotations
 
 
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -158,6 +158,33 @@ class ChangeDetector:
         if published is None or tensor.shape != published.shape or serving_dtype_of(tensor, self.dtype) != published.dtype:
             raise SyncError(f"{name!r} does not match the published state's names, shapes and dtypes; publish an anchor")
         return self._diff_tensor(published, tensor.detach().reshape(-1))
+
+    def diff_stream(self, tensors: Iterable[tuple[str, torch.Tensor]], *, what: str = "the state") -> dict[str, Change]:
+        """:meth:`diff` of ``(name, tensor)`` pairs compared as they arrive (each released after), which must
+        name every published tensor once.
+
+        Args:
+            tensors: The pairs.
+            what: What the pairs are, for the error messages.
+
+        Raises:
+            SyncError: a name is sent twice or not published, a tensor's shape or serving dtype differs,
+                or a published tensor is missing.
+        """
+        changes: dict[str, Change] = {}
+        seen: set[str] = set()
+        for name, tensor in tensors:
+            if name in seen:
+                raise SyncError(f"{name!r} was sent twice in one publish")
+            seen.add(name)
+            change = self.diff_tensor(name, tensor)
+            if change is not None:
+                changes[name] = change
+            del tensor
+        missing = (self.published or {}).keys() - seen
+        if missing:
+            raise SyncError(f"{what} lacks {len(missing)} published tensor(s), e.g. {sorted(missing)[0]!r}")
+        return changes
 
     def commit(self, changes: Mapping[str, Change]) -> None:
         """Write published changes into the shadow copy."""

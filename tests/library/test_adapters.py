@@ -121,7 +121,7 @@ def test_a_publish_cut_short_leaves_the_previous_adapter_version(bucket):
     pub = adapter_publisher(bucket, chain())
     pub.publish(0, state)
     adam_like_step(state, 1, 1e-3)
-    pub.bucket = adapter_bucket(FaultyBucket(bucket, truncate_rate=1.0))  # every upload is cut short from now on
+    pub.writer.bucket = adapter_bucket(FaultyBucket(bucket, truncate_rate=1.0))  # every upload is cut short from now on
     with pytest.raises(TransientBucketError, match="deltas/"):
         pub.publish(1, state)
     sub = adapter_subscriber(bucket, "b" * 64)

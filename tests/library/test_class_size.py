@@ -1,10 +1,8 @@
 """One job per class: no class outside ``tests/`` is longer than :data:`MAX_CLASS_LINES` lines.
 
 The check reads the code with ``ast`` (nothing is imported), from the ``class`` line to the class's last line,
-docstrings and blank lines included. :data:`ALLOWED` names the only classes still over the bound, with the
-length they may not grow past: the sync chain's classes, which another issue rewrites (issue 30 leaves their
-internals to it). Shrink an entry's number, or delete the entry, when its class is split; the last test
-fails on an entry that no longer needs to be there, so the list only ever gets shorter.
+docstrings and blank lines included. There is no allowlist: the sync chain's classes (``Publisher``,
+``Subscriber``, ``ShardedPublisher``, ``Replica``), the last ones over the bound, were split by job.
 """
 
 from __future__ import annotations
@@ -17,13 +15,6 @@ from tests.helpers import parse_module
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_CLASS_LINES = 250
-#: ``(path, class) -> lines it may have at most``: the classes over the bound, left to the sync issue
-#: (``Publisher``'s encode-and-commit vs run lock and epochs; ``Subscriber``, ``ShardedPublisher``).
-#: Nothing else may be added here.
-ALLOWED = {
-    ("shared/rlsync/protocol/publisher.py", "Publisher"): 440,
-    ("shared/rlsync/protocol/sharded.py", "ShardedPublisher"): 290,
-}
 
 
 def python_files() -> list[Path]:
@@ -65,18 +56,9 @@ def test_no_class_over_250_lines_outside_tests():
     long = {
         f"{path}::{name}": lines
         for (path, name), lines in LENGTHS.items()
-        if lines > ALLOWED.get((path, name), MAX_CLASS_LINES)
+        if lines > MAX_CLASS_LINES
     }
-    assert not long, f"classes over {MAX_CLASS_LINES} lines (or over their allowance): {long}; split them by job"
-
-
-def test_the_allowlist_holds_only_classes_still_over_the_bound():
-    """An entry whose class was split (or removed) must go, so the allowlist only ever shrinks."""
-    assert set(ALLOWED) <= {("shared/rlsync/protocol/publisher.py", "Publisher"),
-                            ("shared/rlsync/protocol/subscriber.py", "Subscriber"),
-                            ("shared/rlsync/protocol/sharded.py", "ShardedPublisher")}  # fmt: skip
-    stale = {key: LENGTHS.get(key) for key in ALLOWED if LENGTHS.get(key, 0) <= MAX_CLASS_LINES}
-    assert not stale, f"these classes are within {MAX_CLASS_LINES} lines now (or gone): remove them from ALLOWED: {stale}"
+    assert not long, f"classes over {MAX_CLASS_LINES} lines: {long}; split them by job"
 
 
 def test_the_check_counts_classes_and_nested_classes(tmp_path):

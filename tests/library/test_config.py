@@ -151,8 +151,8 @@ def test_the_trainer_space_not_the_publisher_reads_space_id(tmp_path, monkeypatc
 
     monkeypatch.setenv("SPACE_ID", "me/trainer")
     assert space_owner() == "me/trainer"
-    assert Publisher(LocalBucket(tmp_path / "b")).owner == socket.gethostname()
-    assert Publisher(LocalBucket(tmp_path / "b"), owner=space_owner()).owner == "me/trainer"
+    assert Publisher(LocalBucket(tmp_path / "b")).ownership.owner == socket.gethostname()
+    assert Publisher(LocalBucket(tmp_path / "b"), owner=space_owner()).ownership.owner == "me/trainer"
     monkeypatch.delenv("SPACE_ID")
     assert space_owner() == socket.gethostname()
 

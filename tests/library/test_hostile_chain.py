@@ -35,7 +35,7 @@ def _running(bucket, steps: int = 2):
 def test_garbage_or_cut_short_lock_does_not_stop_the_running_trainer(bucket, garbage):
     """Taking the lock treats garbage as no lock, so the check before a publish must not call it a takeover."""
     pub, master = _running(bucket)
-    epoch = pub.lock.epoch
+    epoch = pub.ownership.lock.epoch
     bucket.put(LOCK_KEY, garbage)
     rl_step(master, 2)
     assert pub.publish(2, master).step == 2
@@ -67,8 +67,8 @@ def test_a_real_takeover_still_fences_after_a_garbage_lock(bucket):
     rl_step(master, 2)
     with pytest.raises(FencedError):
         pub.publish(2, master)
-    assert json.loads(bucket.get(LOCK_KEY))["epoch"] == other.lock.epoch
-    assert read_lock(bucket) == other.lock
+    assert json.loads(bucket.get(LOCK_KEY))["epoch"] == other.ownership.lock.epoch
+    assert read_lock(bucket) == other.ownership.lock
     assert POINTER_KEY and verify_bucket(bucket).ok
 
 
@@ -77,7 +77,7 @@ def test_a_restart_after_the_lock_was_deleted_takes_an_epoch_no_writer_used(buck
     bucket.delete([LOCK_KEY])
     other = Publisher(bucket, owner="trainer")
     other.resume()
-    assert other.lock.epoch > pub.lock.epoch
+    assert other.ownership.lock.epoch > pub.ownership.lock.epoch
     rl_step(master, 2)
     with pytest.raises(FencedError):
         pub.publish(2, master)
@@ -166,7 +166,7 @@ def test_anchor_interval_and_catchup_ratio_are_bounded(doc):
 def test_the_pointer_stays_under_its_limit_whatever_the_policy(bucket, monkeypatch):
     """An adaptive policy with tiny deltas never asks for an anchor: the publisher anchors once the
     pointer passes a quarter of its limit (scaled down here to 4 KiB to keep the test fast)."""
-    monkeypatch.setattr("rlsync.protocol.publisher.MAX_POINTER_BYTES", 16 * 1024)
+    monkeypatch.setattr("rlsync.protocol.writer.MAX_POINTER_BYTES", 16 * 1024)
     master = {"w": torch.zeros(4, dtype=torch.float32)}
     pub = Publisher(bucket, policy=Adaptive(100.0))
     kinds = []

@@ -362,7 +362,7 @@ def test_trainer_taken_over_mid_upload_cannot_overwrite_the_new_trainers_files(b
                 taken_over.append(b)
             return super().put(key, data)
 
-    a.bucket = Stalling(bucket.root)
+    a.writer.bucket = Stalling(bucket.root)  # its uploads (the run lock is read from the bucket itself)
     rl_step(master, 2)
     with pytest.raises(FencedError):
         a.publish(2, master)

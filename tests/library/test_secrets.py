@@ -157,7 +157,7 @@ def test_publisher_and_subscriber_through_flaky_hub_never_show_the_token(hub, hf
     for err in errors:
         assert TOKEN not in said(err)
         assert "HTTP 401" in str(err) and "<redacted>" in str(err)
-    for obj in (hf_bucket, hf_bucket.inner, pub.lock, pub.manifest, sub.stats, sub.manifest, pub.policy):
+    for obj in (hf_bucket, hf_bucket.inner, pub.ownership.lock, pub.manifest, sub.stats, sub.manifest, pub.policy):
         assert TOKEN not in said(obj)
     assert_nothing_stored_leaks(hub, "latest.json", "anchors/", "deltas/")
     assert_logs_clean(logs, capfd)
@@ -227,7 +227,7 @@ def test_three_roles_on_a_flaky_hub_never_show_the_token(hub, hf_bucket, logs, c
         env.step()
     assert TOKEN not in said(info.value)
     for obj in (trainer.config, replica.config, env.config, replica.status(), trainer.metrics.rows, env.metrics.state,
-                trainer.publisher.lock, replica.subscriber.stats):  # fmt: skip
+                trainer.publisher.ownership.lock, replica.subscriber.stats):  # fmt: skip
         assert TOKEN not in said(obj)
     assert_nothing_stored_leaks(
         hub, "status/r0.json", "metrics/trainer.json", "metrics/env.json", "latest.json", "scores/", "tasks/"

@@ -194,7 +194,7 @@ def test_publisher_refuses_to_introduce_non_finite_values(bucket) -> None:
     sub.sync()
     assert sub.step == 0 and sub.state_hash == published
     pub.publish(1, master)  # the publisher is still usable
-    allowed = Publisher(bucket, owner=pub.owner, allow_non_finite=True)
+    allowed = Publisher(bucket, owner=pub.ownership.owner, allow_non_finite=True)
     allowed.resume()
     allowed.publish(2, poisoned)
     sub.sync()

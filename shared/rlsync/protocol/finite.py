@@ -11,14 +11,20 @@ from ..errors import NonFiniteError
 from ..format import Change
 
 
-def check_finite_changes(changes: Mapping[str, Change]) -> None:
+def check_finite_changes(changes: Mapping[str, Change], *, allowed: bool = False) -> None:
     """Refuse changes that turn a finite published value into NaN or Inf.
 
     Only the changed elements are looked at, so the cost follows the delta, not the model.
 
+    Args:
+        changes: The changes of a publish.
+        allowed: Let them through (a publisher's ``allow_non_finite``): nothing is checked.
+
     Raises:
         NonFiniteError: naming the first tensor concerned and how many values.
     """
+    if allowed:
+        return
     for name, change in changes.items():
         if not change.dtype.is_floating_point or change.index.size == 0:
             continue

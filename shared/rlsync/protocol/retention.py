@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from ..bucket import Bucket
+from ..errors import BucketError
 from ..layout import ANCHOR_PREFIX, DELTA_PREFIX, POINTER_KEY
 from .manifest import Manifest
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_KEEP_ANCHORS = 2
 
@@ -33,6 +37,19 @@ def prune(manifest: Manifest, keep_anchors: int = DEFAULT_KEEP_ANCHORS) -> tuple
         deltas=tuple(d for d in manifest.deltas if d.step > oldest),
     )
     return pruned, dropped
+
+
+def delete_dropped(bucket: Bucket, published: Manifest, dropped: list[str]) -> None:
+    """Once the pointer for ``published`` is written: delete the objects its pruning ``dropped`` and, after
+    each anchor, sweep orphans. A failure is logged, not raised: the pointer no longer names them, and
+    the next sweep retries."""
+    try:
+        if dropped:
+            bucket.delete(dropped)
+        if len(published.deltas_since(published.newest_anchor.step)) == 0:  # after each anchor
+            sweep_orphans(bucket, published)
+    except BucketError as exc:
+        logger.warning("retention could not delete old objects: %s", exc)
 
 
 TMP_MAX_AGE_S = 6 * 3600.0

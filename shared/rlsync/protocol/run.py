@@ -1,14 +1,16 @@
-"""A run in the bucket: reading its pointer, its identity, and the refusal to publish over it."""
+"""A run in the bucket: reading its pointer, its identity, and the checks before publishing over it or
+taking it over."""
 
 from __future__ import annotations
 
 import secrets
 import time
+from typing import Mapping
 
 from ..bucket import Bucket
 from ..errors import FormatError, ObjectNotFoundError, ObjectTooLargeError, RunExistsError, SyncError
 from ..format import FORMAT_VERSION
-from ..layout import POINTER_KEY
+from ..layout import ANCHOR_PREFIX, DELTA_PREFIX, POINTER_KEY
 from ..limits import MAX_POINTER_BYTES
 from .manifest import Manifest
 
@@ -69,4 +71,38 @@ def check_writable(manifest: Manifest) -> None:
         raise SyncError(
             f"the bucket holds a format version {manifest.format_version} chain; this publisher writes version "
             f"{FORMAT_VERSION} (another state hash): publish to a new bucket"
+        )
+
+
+def highest_epoch(bucket: Bucket) -> int:
+    """The highest run-lock epoch the pointer's files were written under (0 without a readable pointer),
+    so that a trainer taking a run whose lock object was deleted never reuses a writer's epoch."""
+    try:
+        manifest = read_manifest(bucket)
+    except FormatError:
+        return 0
+    return max(manifest.epochs()) if manifest else 0
+
+
+def check_takeover(bucket: Bucket, manifest: Manifest, metadata: Mapping[str, str]) -> None:
+    """Refuse to take over (resume) the run at ``manifest`` unless every file the pointer names, not only
+    the newest chain a resume replays, exists with the size the pointer gives (retention will act on them),
+    and the chain's metadata is ``metadata`` (when given). One listing per prefix, and a direct check of a
+    key a stale listing may lack.
+
+    Raises:
+        FormatError: a named file is missing or of another size.
+        SyncError: the chain's metadata differs.
+    """
+    listed = {o.key: o.size for prefix in (ANCHOR_PREFIX, DELTA_PREFIX) for o in bucket.list(prefix)}
+    for f in [f for a in manifest.anchors for f in a.files] + [f for d in manifest.deltas for f in d.files]:
+        size = listed.get(f.key)
+        if size is None and not bucket.exists(f.key):
+            raise FormatError(f"the pointer names {f.key}, which is not in the bucket; refusing to take it over")
+        if size is not None and size != f.size:
+            raise FormatError(f"the pointer gives {f.key} {f.size:,} bytes, the bucket holds {size:,}; refusing to take it over")
+    if metadata and dict(manifest.metadata) != dict(metadata):
+        raise SyncError(
+            f"{bucket.url} holds a chain with metadata {dict(manifest.metadata)}, not {dict(metadata)}: "
+            "publish to a new bucket (or prefix)"
         )

@@ -2,9 +2,10 @@
 
 Each rank of an FSDP2 trainer calls :meth:`ShardedPublisher.publish` with its
 state dict (DTensor parameters; see :mod:`rlsync.shards`). A publish runs in
-four rounds; in each, every rank does its own work and sends a small record to
-rank 0, which answers with one broadcast (an error anywhere stops every rank
-in the same round, so no rank waits forever on a failed peer):
+four rounds (:func:`~rlsync.protocol.collective.collective_round`); in each, every
+rank does its own work and sends a small record to rank 0, which answers with one
+broadcast (an error anywhere stops every rank in the same round, so no rank waits
+forever on a failed peer):
 
 1. *plan*: each rank takes its slices; rank 0 checks the run lock and the
    pointer and decides anchor or delta;
@@ -23,8 +24,9 @@ in the same round, so no rank waits forever on a failed peer):
 An anchor is a Hugging Face-style sharded checkpoint of whole tensors, written
 without gathering: each tensor has one owner rank (:func:`rlsync.shards.assign_owners`,
 balanced by bytes), every rank sends its slices straight to their owners
-(point-to-point), each owner writes ``model-0000k-of-0000n.safetensors`` with
-the whole tensors it owns, and once every file is confirmed rank 0 uploads
+(point-to-point, :func:`~rlsync.protocol.collective.gather_owned`), each owner
+writes ``model-0000k-of-0000n.safetensors`` with the whole tensors it owns, and
+once every file is confirmed rank 0 uploads
 ``model.safetensors.index.json`` and the pointer. Replicas read it as any
 sharded anchor (:func:`rlsync.format.load_anchor`).
 
@@ -49,26 +51,23 @@ import logging
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
 from ..detect import cast_chunk, serving_copy, serving_dtype_of
-from ..errors import FencedError, NonFiniteError, RunLockedError, ShardedPublishError
 from ..format import INDEX_FILE, Change, anchor_index, anchor_metadata, encode_delta, shard_names, write_anchor_shard
 from ..hashing import StateLanes, add_lanes, slice_lanes, structure_digest
 from ..layout import anchor_folder, delta_part_key
-from ..shards import LocalSlice, assign_owners, local_slices, slice_placement
+from ..shards import LocalSlice, local_slices
+from .collective import collective_round, gather_owned
 from .finite import check_finite_changes
 from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest
 from .publisher import Publisher, PublishRecord, lanes_of_changes
-from .run import check_writable, read_manifest
 from .subscriber import SCRATCH_PREFIX
 
 logger = logging.getLogger(__name__)
-
-_PROPAGATED = {cls.__name__: cls for cls in (FencedError, NonFiniteError, RunLockedError)}  # raised as such on every rank
 
 
 @dataclasses.dataclass
@@ -97,65 +96,26 @@ class ShardedPublisher(Publisher):
         self._shadow_valid = False
         self._next_lanes: StateLanes | None = None  # rank 0: the state hash of the publish in flight
 
-    # -- collective rounds --------------------------------------------------
-
-    def _round(self, local: Callable[[], Any], combine: Callable[[list[Any]], Any] | None = None) -> Any:
-        """Run ``local`` on every rank, ``combine`` (of all ranks' results) on rank 0; return its result everywhere.
-
-        Raises:
-            The rank's own exception, or :class:`ShardedPublishError` (or the lock
-            error rank 0 hit) when another rank failed.
-        """
-        own: BaseException | None = None
-        try:
-            mine: tuple[str, Any] = ("ok", local())
-        except Exception as exc:
-            own, mine = exc, ("error", (type(exc).__name__, f"rank {self.rank}: {exc}"))
-        gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(mine, gathered, group=self.group, group_dst=0)
-        box: list[Any] = [None]
-        if self.rank == 0:
-            assert gathered is not None
-            errors = [value for status, value in gathered if status == "error"]
-            if errors:
-                box[0] = ("error", errors[0] if len(errors) == 1 else ("SyncError", "; ".join(e[1] for e in errors)))
-            else:
-                try:
-                    box[0] = ("ok", combine([value for _, value in gathered]) if combine else None)
-                except Exception as exc:
-                    own, box[0] = exc, ("error", (type(exc).__name__, f"rank 0: {exc}"))
-        dist.broadcast_object_list(box, group=self.group, group_src=0)
-        status, value = box[0]
-        if status == "error":
-            if own is not None:
-                raise own
-            raise _PROPAGATED.get(value[0], ShardedPublishError)(value[1])
-        return value
-
     # -- resume -------------------------------------------------------------
 
     def resume(self) -> None:  # type: ignore[override]
         """Continue a run already in the bucket without replaying it.
 
-        Rank 0 takes the run lock and adopts the pointer; no rank rebuilds its
-        shadow, so the next publish writes an anchor (which needs none).
+        Rank 0 takes the run lock and adopts the pointer (:meth:`RunOwnership.open_run`); no rank
+        rebuilds its shadow, so the next publish writes an anchor (which needs none).
         """
         self.ownership.settled = True
 
         def adopt(_: list[Any]) -> bytes | None:
-            self.ownership.claim()
-            manifest = read_manifest(self.bucket)
-            if manifest is not None:
-                check_writable(manifest)
-            return manifest.to_json() if manifest else None
+            opened = self.ownership.open_run()
+            return opened.to_json() if opened else None
 
-        data = self._round(lambda: None, adopt)
-        self.manifest = Manifest.from_json(data) if data else None
+        data = collective_round(self.group, lambda: None, adopt)
+        manifest = Manifest.from_json(data) if data else None
+        self.writer.adopt(manifest)
         self._shadow_valid = False
         self.detector.published = None
-        self.ownership.adopt(self.manifest)
-        if self.manifest is not None:
-            self.run_id = self.run_id or self.manifest.run_id
+        self.ownership.adopt(manifest)
 
     # -- publish ------------------------------------------------------------
 
@@ -188,28 +148,28 @@ class ShardedPublisher(Publisher):
             slices.update(local_slices(state, self.rank))
             return self._shadow_valid and self.detector.compatible({n: s.data for n, s in slices.items()})
 
-        plan: _Plan = self._round(take_slices, lambda flags: self._plan(step, all(flags)))
+        plan: _Plan = collective_round(self.group, take_slices, lambda flags: self._plan(step, all(flags)))
 
         def detect() -> list[str]:
             if plan.kind == "delta" or plan.companion:
                 changes.update(self.detector.diff({n: s.data for n, s in slices.items()}))
-            if not self.allow_non_finite:
-                check_finite_changes(changes)  # inside the round: every rank refuses together
+            check_finite_changes(changes, allowed=self.allow_non_finite)  # inside the round: every rank refuses together
             return sorted(changes)
 
-        self._round(detect, lambda names: set().union(*names))  # every rank detects (and refuses) together
+        # every rank detects (and refuses) together
+        collective_round(self.group, detect, lambda names: set().union(*names))
         t1 = time.perf_counter()
         result_hash = self._hash_slices(slices, changes, plan.kind, state)
         owners: dict[str, int] = {}
         owned: dict[str, torch.Tensor] = {}
         if plan.kind == "anchor":
-            owners, owned = self._owned_tensors(slices, state)
+            owners, owned = gather_owned(self.group, slices, state, self.dtype)
         t2 = time.perf_counter()
         write = lambda: self._write_part(step, plan, slices, changes, owners, owned, result_hash, total)  # noqa: E731
         commit = lambda parts: self._commit_parts(step, plan, parts, owners, result_hash, total)  # noqa: E731
-        manifest_json = self._round(write, commit)
+        manifest_json = collective_round(self.group, write, commit)
         owned.clear()
-        self.manifest = Manifest.from_json(manifest_json)
+        self.writer.adopt(Manifest.from_json(manifest_json))
         self._lanes, self._next_lanes = self._next_lanes, None  # rank 0's; None elsewhere
         if plan.kind == "anchor":
             self.detector.published = {n: serving_copy(s.data, self.dtype) for n, s in slices.items()}
@@ -217,14 +177,16 @@ class ShardedPublisher(Publisher):
         else:
             self.detector.commit(changes)
         t3 = time.perf_counter()
-        entry = self.manifest.deltas[-1] if plan.kind == "delta" else self.manifest.anchors[-1]
+        manifest = self.manifest
+        assert manifest is not None
+        entry = manifest.deltas[-1] if plan.kind == "delta" else manifest.anchors[-1]
         changed = entry.changed if isinstance(entry, DeltaEntry) else total
         keys = [f.key for f in entry.files]
         logger.info("rank %d: published %s %d (%d parts)", self.rank, plan.kind, step, len(keys))
         return PublishRecord(
             step, plan.kind, entry.nbytes, changed, total, result_hash,
             encode_s=t1 - t0, hash_s=t2 - t1, upload_s=t3 - t2,
-            catchup_bytes=self.manifest.catchup_bytes(), keys=keys,
+            catchup_bytes=manifest.catchup_bytes(), keys=keys,
         )  # fmt: skip
 
     def _plan(self, step: int, all_compatible: bool) -> _Plan:
@@ -256,47 +218,7 @@ class ShardedPublisher(Publisher):
                 self._next_lanes = self._lanes.updated(summed)
             return self._next_lanes.hexdigest()
 
-        return self._round(parts, combine)
-
-    def _owned_tensors(
-        self, slices: Mapping[str, LocalSlice], state: Mapping[str, torch.Tensor]
-    ) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
-        """Every tensor's owner, and the whole tensors (serving dtype) this rank owns.
-
-        Rank 0 checks that the ranks' slices cover every tensor exactly once; then
-        every rank sends each slice straight to the tensor's owner, which receives
-        it in place (point-to-point, one message per slice), so a rank holds only
-        its own slices and the tensors it owns.
-        """
-        dtypes = {n: serving_dtype_of(t, self.dtype) for n, t in state.items()}
-        numels = {n: t.numel() for n, t in state.items()}
-        owners = assign_owners({n: numels[n] * _itemsize(t, self.dtype) for n, t in state.items()}, self.world)
-        device = next((s.data.device for s in slices.values()), torch.device("cpu"))
-        serving: dict[str, torch.Tensor] = {}
-        owned: dict[str, torch.Tensor] = {}
-
-        def prepare() -> dict[str, tuple[int, int]]:
-            serving.update({n: cast_chunk(s.data, self.dtype).contiguous() for n, s in slices.items()})
-            mine = [n for n, r in owners.items() if r == self.rank]
-            owned.update({n: torch.empty(numels[n], dtype=dtypes[n], device=device) for n in mine})
-            return {n: (s.offset, s.data.numel()) for n, s in slices.items()}
-
-        placement = self._round(prepare, lambda tables: slice_placement(tables, numels))
-        works = []
-        for tag, name in enumerate(sorted(placement)):
-            owner = owners[name]
-            for rank, offset, count in placement[name]:
-                if rank == self.rank and owner == self.rank:
-                    owned[name][offset : offset + count] = serving[name]
-                elif rank == self.rank:
-                    source = serving[name].view(torch.uint8)
-                    works.append(dist.isend(source, group=self.group, group_dst=owner, tag=tag))
-                elif owner == self.rank:
-                    target = owned[name][offset : offset + count].view(torch.uint8)
-                    works.append(dist.irecv(target, group=self.group, group_src=rank, tag=tag))
-        for work in works:
-            work.wait()
-        return owners, {n: t.view(tuple(state[n].shape)) for n, t in owned.items()}
+        return collective_round(self.group, parts, combine)
 
     def _write_part(
         self, step: int, plan: _Plan, slices: Mapping[str, LocalSlice], changes: Mapping[str, Change],
@@ -309,7 +231,7 @@ class ShardedPublisher(Publisher):
             assert self.manifest is not None
             data = encode_delta(
                 {n: _to_global(c, slices[n]) for n, c in changes.items()}, step=step, base_step=self.manifest.step, base_hash=self.manifest.state_hash,
-                state_hash=result_hash, total=total, codec=self.codec,
+                state_hash=result_hash, total=total, codec=self.writer.codec,
                 extra_metadata={"part": str(self.rank), "parts": str(self.world)},
             )  # fmt: skip
             key = delta_part_key(step, plan.epoch, self.rank, self.world)
@@ -346,20 +268,10 @@ class ShardedPublisher(Publisher):
                 key = f"{anchor_folder(step, plan.epoch)}/{INDEX_FILE}"
                 self.bucket.put(key, index)
                 files.append(FileEntry(key, len(index)))
-            anchor = AnchorEntry(step, result_hash, tuple(files))
-            if self.manifest is None:
-                manifest = Manifest(step, result_hash, (anchor,), (), run_id=self.run_id)
-            else:
-                manifest = dataclasses.replace(
-                    self.manifest, step=step, state_hash=result_hash,
-                    anchors=self.manifest.anchors + (anchor,), deltas=self.manifest.deltas + deltas,
-                )  # fmt: skip
+            anchor: AnchorEntry | None = AnchorEntry(step, result_hash, tuple(files))
         else:
-            assert self.manifest is not None
-            manifest = dataclasses.replace(self.manifest, step=step, state_hash=result_hash, deltas=self.manifest.deltas + deltas)
-        self._commit(manifest)
-        assert self.manifest is not None
-        return self.manifest.to_json()
+            anchor = None
+        return self.writer.commit_version(step, result_hash, anchor, deltas, metadata=self.metadata).to_json()
 
 
 @functools.lru_cache(maxsize=1)
@@ -383,10 +295,6 @@ def _anchor_file_names(owners: Mapping[str, int]) -> dict[int, str]:
     """Owner rank -> its anchor file's name: the ranks that own tensors, in order, named as Hugging Face shards."""
     writers = sorted(set(owners.values()))
     return dict(zip(writers, shard_names(len(writers))))
-
-
-def _itemsize(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
-    return torch.empty((), dtype=serving_dtype_of(tensor, dtype)).element_size()
 
 
 def _to_global(change: Change, s: LocalSlice) -> Change:

@@ -65,12 +65,12 @@ def trial_lock_garbage(rng: random.Random, workdir: Path) -> TrialResult:
                     return result
         if not publish_and_follow(pub, step, master, ledger, follower):
             return result
-    held = read_lock(bucket)
-    result.check(held is not None and held.owner == "soak" and held.epoch == pub.lock.epoch, f"lock not restored: {held}")
+    held, lock = read_lock(bucket), pub.ownership.lock
+    result.check(held is not None and held.owner == "soak" and held.epoch == lock.epoch, f"lock not restored: {held}")
     result.check(sum(pub.refused.values()) <= sum(result.faults.values()), "more lock refusals counted than planted")
     restarted = Publisher(bucket, owner="soak")
     restarted.resume()
-    result.check(restarted.lock.epoch > pub.lock.epoch, "a restart reused the running trainer's epoch")
+    result.check(restarted.ownership.lock.epoch > lock.epoch, "a restart reused the running trainer's epoch")
     check_verified(bucket, result, "after hostile locks")
     check_bystanders(bucket, before, result)
     return result
