@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> dict:
         bucket = LocalBucket(Path(tmp) / "bucket")
         # -- trainer --------------------------------------------------------------------------
         state = make_state(shapes, seed=0)
-        pub = Publisher(bucket, policy=FixedInterval(1000), follow_control=False)
+        pub = Publisher(bucket, policy=FixedInterval(1000))
         records = [pub.publish(0, state)]
         t0 = time.perf_counter()
         full = StateLanes.of(state)
