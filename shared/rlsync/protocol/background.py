@@ -125,7 +125,7 @@ class BackgroundPublisher:
                         staged[name] = staged[first[key]]
                         continue
                     first.setdefault(key, name)
-                    staged[name] = _cast_into(buffer.get(name), tensor.detach(), self.publisher.dtype)
+                    staged[name] = cast_into(buffer.get(name), tensor.detach(), self.publisher.dtype)
         finally:
             with self._cond:
                 self._buffer = staged
@@ -217,8 +217,17 @@ class BackgroundPublisher:
                     self._cond.notify_all()
 
 
-def _cast_into(target: torch.Tensor | None, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """``tensor`` in its serving dtype, written into ``target`` when that fits (else a new tensor)."""
+def cast_into(target: torch.Tensor | None, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``tensor`` in its serving dtype, written into ``target`` when that fits (else a new tensor).
+
+    Args:
+        target: The staging tensor of the previous version under this name, if any.
+        tensor: The trained tensor (any device; the result is on its device).
+        dtype: The serving dtype of floating-point tensors (``None``: keep each tensor's).
+
+    Returns:
+        ``target`` overwritten, or a new tensor when it does not fit.
+    """
     want = serving_dtype_of(tensor, dtype)
     if target is None or target.shape != tensor.shape or target.dtype != want or target.device != tensor.device:
         target = torch.empty(tensor.shape, dtype=want, device=tensor.device)

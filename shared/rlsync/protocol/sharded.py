@@ -62,7 +62,7 @@ from ..layout import anchor_folder, delta_part_key
 from ..shards import LocalSlice, assign_owners, local_slices, slice_placement
 from .finite import check_finite_changes
 from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest
-from .publisher import Publisher, PublishRecord, lanes_of_changes
+from .publisher import Publisher, PublishRecord, _serialized, lanes_of_changes
 from .run import check_writable, read_manifest
 from .subscriber import SCRATCH_PREFIX
 
@@ -159,6 +159,7 @@ class ShardedPublisher(Publisher):
 
     # -- publish ------------------------------------------------------------
 
+    @_serialized  # a checkpoint pin from the trainer's thread waits for a background publish
     def publish(self, step: int, state: Mapping[str, torch.Tensor]) -> PublishRecord:
         """Publish this rank's slices of ``state`` as part of version ``step`` (collective).
 
