@@ -59,7 +59,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import threading
 import time
 from typing import Mapping
 
@@ -67,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ShardedPublishError
-from .background import cast_into
+from .background import PublishWorker, cast_into
 from .publisher import PublishRecord
 from .sharded import ShardedPublisher
 
@@ -97,7 +96,7 @@ class _Job:
     buffer: int  # which of the two staging buffers holds it
 
 
-class ShardedBackgroundPublisher:
+class ShardedBackgroundPublisher(PublishWorker):
     """Publishes staged versions on a worker thread on every rank; see the module docstring.
 
     Build it on every rank, after the ``ShardedPublisher`` (collective: it creates the control group).
@@ -126,23 +125,16 @@ class ShardedBackgroundPublisher:
         self.control = control if control is not None else publish_group(timeout_s)
         #: Versions replaced in the staging buffer before any worker took them (the same on every rank).
         self.coalesced = 0
-        #: Publishes that raised in this rank's worker.
-        self.errors = 0
         #: Seconds the last :meth:`stage` took (cast and agreement).
         self.stall_s = 0.0
         #: Seconds of the last stage spent in the agreement's all-reduce.
         self.agree_s = 0.0
-        self._cond = threading.Condition()
         self._buffers: list[dict[str, torch.Tensor]] = [{}, {}]
         self._waiting: _Job | None = None  # staged while a worker was busy; the same version on every rank
         self._job: _Job | None = None  # handed to the worker, not yet taken
         self._in_flight: _Job | None = None
         self._assigned: int | None = None  # the newest version number handed out
-        self._error: BaseException | None = None
-        self._done: list[PublishRecord] = []
-        self._closing = False
-        self._thread = threading.Thread(target=self._run, name="rlsync-sharded-publish", daemon=True)
-        self._thread.start()
+        self._start("rlsync-sharded-publish")
 
     @property
     def version(self) -> int | None:
@@ -224,16 +216,6 @@ class ShardedBackgroundPublisher:
             self._raise_error()
         return done
 
-    def close(self, timeout: float | None = None) -> list[PublishRecord]:
-        """:meth:`flush`, then stop the worker (it stops even when the flush raises)."""
-        try:
-            return self.flush(timeout)
-        finally:
-            with self._cond:
-                self._closing = True
-                self._cond.notify_all()
-            self._thread.join(timeout)
-
     def _cast(self, state: Mapping[str, torch.Tensor], index: int) -> dict[str, torch.Tensor]:
         """This rank's shards of ``state`` in the serving dtype, written into staging buffer ``index``,
         as DTensors of the same placements. A plain tensor is cast on rank 0 only (the other ranks
@@ -287,27 +269,13 @@ class ShardedBackgroundPublisher:
             self._waiting, self._assigned = None, None
             raise error
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while self._job is None and not self._closing:
-                    self._cond.wait()
-                if self._job is None:
-                    return
-                job, self._job = self._job, None
-                self._in_flight = job
-            try:
-                record = self.publisher.publish(job.step, job.state)
-            except BaseException as exc:  # every failure reaches the trainer at its next stage or flush
-                logger.error("background sharded publish of version %d failed: %s", job.step, exc, exc_info=True)
-                with self._cond:
-                    self.errors += 1
-                    if self._error is None:
-                        self._error = exc
-            else:
-                with self._cond:
-                    self._done.append(record)
-            finally:
-                with self._cond:
-                    self._in_flight = None
-                    self._cond.notify_all()
+    def _take(self) -> _Job | None:
+        job, self._job = self._job, None
+        self._in_flight = job
+        return job
+
+    def _publish(self, job: _Job) -> PublishRecord:
+        return self.publisher.publish(job.step, job.state)
+
+    def _finish(self, job: _Job) -> None:
+        self._in_flight = None
