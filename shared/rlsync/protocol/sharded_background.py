@@ -8,13 +8,14 @@ local shards to the serving dtype into a staging buffer, takes part in one tiny 
 returns; the worker runs the whole collective publish (detection, hashing, encoding, upload, the
 rounds with the other ranks, rank 0's pointer last) while the next step computes.
 
-Two process groups keep the collectives apart, both gloo, created collectively at setup in the
-same order on every rank:
+Two process groups keep the collectives apart, created collectively at setup in the same order
+on every rank:
 
-- the *worker group* (:func:`publish_group`, given to the ``ShardedPublisher``): only the workers
+- the *worker group* (:func:`publish_group`, given to the ``ShardedPublisher``; the default
+  group's backend, gloo on CPU): only the workers
   use it once training runs (the foreground uses it only for ``resume`` before the first stage,
   when no worker runs). Its timeout bounds how long a worker waits for a failed peer;
-- the *control group*: only the trainer's threads use it, for the agreement below, so it is
+- the *control group* (gloo): only the trainer's threads use it, for the agreement below, so it is
   never busy with a publish and never interleaves with the training collectives (the trainer's
   own group, which neither group touches).
 
@@ -76,17 +77,19 @@ logger = logging.getLogger(__name__)
 DEFAULT_PUBLISH_TIMEOUT_S = 300.0
 
 
-def publish_group(timeout_s: float = DEFAULT_PUBLISH_TIMEOUT_S) -> dist.ProcessGroup:
-    """A gloo process group over the world for a background publisher's worker or its control
+def publish_group(timeout_s: float = DEFAULT_PUBLISH_TIMEOUT_S, backend: str | None = None) -> dist.ProcessGroup:
+    """A process group over the world for a background publisher's worker or its control
     (collective: every rank calls it, in the same order as its other ``new_group`` calls).
 
     Args:
         timeout_s: How long a collective of a background publish waits for a peer.
+        backend: Its backend (default: the default group's, which moves the trainer's tensors:
+            gloo on CPU, NCCL on GPUs).
 
     Returns:
         The group, to give as ``ShardedPublisher(bucket, group=...)``.
     """
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.new_group(backend=backend or dist.get_backend(), timeout=datetime.timedelta(seconds=timeout_s))
 
 
 @dataclasses.dataclass
@@ -122,7 +125,7 @@ class ShardedBackgroundPublisher(PublishWorker):
                 "ShardedPublisher(bucket, group=publish_group()) (or publish within the step)"
             )
         self.publisher = publisher
-        self.control = control if control is not None else publish_group(timeout_s)
+        self.control = control if control is not None else publish_group(timeout_s, "gloo")  # CPU flags
         #: Versions replaced in the staging buffer before any worker took them (the same on every rank).
         self.coalesced = 0
         #: Seconds the last :meth:`stage` took (cast and agreement).
@@ -218,8 +221,7 @@ class ShardedBackgroundPublisher(PublishWorker):
 
     def _cast(self, state: Mapping[str, torch.Tensor], index: int) -> dict[str, torch.Tensor]:
         """This rank's shards of ``state`` in the serving dtype, written into staging buffer ``index``,
-        as DTensors of the same placements. A plain tensor is cast on rank 0 only (the other ranks
-        pass its shape and dtype, which is all the publish reads of it there)."""
+        as DTensors of the same placements (a plain tensor, which every rank holds whole, as is)."""
         from torch.distributed.tensor import DTensor
 
         buffer, locals_ = self._buffers[index], {}
@@ -236,11 +238,8 @@ class ShardedBackgroundPublisher(PublishWorker):
                     staged[name] = DTensor.from_local(
                         local, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
                     )  # fmt: skip
-                elif self.publisher.rank == 0:
-                    staged[name] = locals_[name] = cast_into(buffer.get(name), tensor.detach(), self.publisher.dtype)
                 else:
-                    dtype = tensor.dtype if self.publisher.dtype is None or not tensor.is_floating_point() else self.publisher.dtype
-                    staged[name] = torch.empty(tensor.shape, dtype=dtype, device="meta")
+                    staged[name] = locals_[name] = cast_into(buffer.get(name), tensor.detach(), self.publisher.dtype)
         self._buffers[index] = locals_
         return staged
 
