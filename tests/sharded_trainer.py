@@ -88,12 +88,14 @@ def run(rank: int, world: int, port: int, bucket_dir: str, results: str, steps: 
     faulty = rank == options.get("fault_rank", -1)
     bucket = DyingBucket(bucket_dir, options.get("die_on", "") if faulty else "", tuple(options.get("fail_once_on", ())) if faulty else (),
                          options.get("delay_s", 0.0) if faulty else 0.0)  # fmt: skip
-    group = publish_group(60) if options.get("background") else None
+    group = publish_group(options.get("group_timeout_s", 60)) if options.get("background") else None
     publisher = ShardedPublisher(bucket, policy=FixedInterval(options.get("anchor_every", 3)), owner="trainer", group=group)
     if options.get("resume"):
         publisher.resume()
     if options.get("background"):
-        return run_background(rank, world, model, optimizer, publisher, len(steps), results)
+        if faulty and options.get("worker_raises_at"):  # this rank's worker fails alone, joining no round
+            publisher.publish = _raising_at(publisher.publish, options["worker_raises_at"])
+        return run_background(rank, world, model, optimizer, publisher, len(steps), results, options.get("stop_on_failure", False))
     reference = Publisher(LocalBucket(options["reference"]), policy=FixedInterval(options.get("anchor_every", 3))) if options.get("reference") and rank == 0 else None
     report = {"steps": []}
     for step in steps:
@@ -134,7 +136,20 @@ def train_step(model, optimizer) -> None:
     optimizer.zero_grad()
 
 
-def run_background(rank, world, model, optimizer, publisher, stages, results) -> None:
+def _raising_at(publish, call: int):
+    """``publish``, raising (before any collective) at its ``call``-th call (from 1)."""
+    calls = []
+
+    def wrapped(step, state):
+        calls.append(step)
+        if len(calls) == call:
+            raise SyncError(f"injected worker failure at version {step}")
+        return publish(step, state)
+
+    return wrapped
+
+
+def run_background(rank, world, model, optimizer, publisher, stages, results, stop_on_failure=False) -> None:
     """Train ``stages`` steps, staging each into a :class:`ShardedBackgroundPublisher`, then flush.
 
     Rank 0's report: per stage, the version (or the failure, with the bucket's version then) and the
@@ -150,6 +165,8 @@ def run_background(rank, world, model, optimizer, publisher, stages, results) ->
         except (SyncError, BucketError) as exc:  # on every rank alike
             failures.append([index, type(exc).__name__])
             stages_report.append({"failed": type(exc).__name__, "bucket_step": read_manifest(publisher.bucket).step})
+            if stop_on_failure:
+                break
             continue
         records += done
         stages_report.append({"version": version, "hash": state_hash(full), "stall_s": background.stall_s})

@@ -60,7 +60,7 @@ def test_background_publishes_are_bit_exact_at_every_version_and_after_the_final
 
 
 def test_a_slow_rank_makes_every_rank_coalesce_the_same_versions_and_the_chain_stays_bit_exact(tmp_path):
-    report = _spawn(tmp_path / "bucket", tmp_path / "r.json", 6, fault_rank=1, delay_s=0.5)  # rank 1's uploads crawl
+    report = _spawn(tmp_path / "bucket", tmp_path / "r.json", 6, fault_rank=1, delay_s=2.0)  # rank 1's uploads crawl
     records = _check_chain(report, LocalBucket(tmp_path / "bucket"))
     coalesced = report["ranks"][0]["coalesced"]
     assert coalesced > 0 and len(records) + coalesced == 6  # counted the same on both ranks (_check_chain)
@@ -81,6 +81,19 @@ def test_a_failed_background_publish_surfaces_on_every_rank_and_the_bucket_keeps
     published_before = [step for step, _, _ in records if step < report["stages"][index - 1].get("version", 0)]
     assert failed["bucket_step"] == max(published_before)  # the bucket stayed at the last good version
     assert report["stages"][index + 1]["version"] == failed["bucket_step"] + 1  # the failed one taken back, as single-process
+
+
+def test_a_worker_failing_alone_surfaces_on_every_rank_once_the_peer_times_out_without_a_hang(tmp_path):
+    # rank 1's worker raises at its second publish before any round: rank 0's worker waits in the round until
+    # the workers' group times out (5 s), then every rank raises at the next sync
+    report = _spawn(tmp_path / "bucket", tmp_path / "r.json", 8, fault_rank=1, worker_raises_at=2, group_timeout_s=5,
+                    stop_on_failure=True)  # fmt: skip
+    failures = [rank["failures"] for rank in report["ranks"]]
+    assert failures[1] and failures[1][0][1] == "SyncError" and failures[0] and failures[0][0][0] == failures[1][0][0]
+    assert failures[0][0][1] == "ShardedPublishError"  # rank 0's: the collective's timeout, as a sync error
+    assert [rank["errors"] for rank in report["ranks"]] == [1, 1]
+    assert report["stages"][failures[0][0][0]]["bucket_step"] == 0  # the anchor, the last good version
+    assert read_manifest(LocalBucket(tmp_path / "bucket")).step == 0
 
 
 def test_rank_killed_mid_background_publish_leaves_the_previous_version_and_a_restarted_group_continues(tmp_path):

@@ -52,7 +52,8 @@ every worker is idle), so they are the same on every rank.
   previous version, and a restarted group continues from it.
 - **No silent failure.** A worker's exception is logged and counted
   (:attr:`~ShardedBackgroundPublisher.errors`) on its rank and raised on every rank at the next
-  ``stage``, or by ``flush``.
+  ``stage``, or by ``flush`` (one that is not an :class:`~rlsync.errors.RlsyncError`, such as a
+  collective's timeout, as :class:`~rlsync.errors.ShardedPublishError`).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from ..errors import ShardedPublishError
+from ..errors import RlsyncError, ShardedPublishError
 from .background import PublishWorker, cast_into
 from .publisher import PublishRecord
 from .sharded import ShardedPublisher
@@ -274,7 +275,12 @@ class ShardedBackgroundPublisher(PublishWorker):
         return job
 
     def _publish(self, job: _Job) -> PublishRecord:
-        return self.publisher.publish(job.step, job.state)
+        try:
+            return self.publisher.publish(job.step, job.state)
+        except RlsyncError:
+            raise
+        except Exception as exc:  # e.g. a collective that timed out waiting for a failed peer
+            raise ShardedPublishError(f"rank {self.publisher.rank}: background publish of version {job.step} failed: {exc}") from exc
 
     def _finish(self, job: _Job) -> None:
         self._in_flight = None
