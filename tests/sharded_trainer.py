@@ -95,7 +95,7 @@ def run(rank: int, world: int, port: int, bucket_dir: str, results: str, steps: 
     if options.get("background"):
         if faulty and options.get("worker_raises_at"):  # this rank's worker fails alone, joining no round
             publisher.publish = _raising_at(publisher.publish, options["worker_raises_at"])
-        return run_background(rank, world, model, optimizer, publisher, len(steps), results, options.get("stop_on_failure", False))
+        return run_background(rank, world, model, optimizer, publisher, len(steps), results, options)
     reference = Publisher(LocalBucket(options["reference"]), policy=FixedInterval(options.get("anchor_every", 3))) if options.get("reference") and rank == 0 else None
     report = {"steps": []}
     for step in steps:
@@ -149,23 +149,27 @@ def _raising_at(publish, call: int):
     return wrapped
 
 
-def run_background(rank, world, model, optimizer, publisher, stages, results, stop_on_failure=False) -> None:
-    """Train ``stages`` steps, staging each into a :class:`ShardedBackgroundPublisher`, then flush.
+def run_background(rank, world, model, optimizer, publisher, stages, results, options) -> None:
+    """Train ``stages`` steps, staging each into a :class:`ShardedBackgroundPublisher`, then flush
+    (``pause_at``: ``[stage, seconds]``, a step that long before that stage; ``stop_on_failure``).
 
     Rank 0's report: per stage, the version (or the failure, with the bucket's version then) and the
     hash of the gathered bf16 state staged; per rank, the records, ``coalesced``, ``errors`` and failures.
     """
     background = ShardedBackgroundPublisher(publisher, timeout_s=60)
     stages_report, records, failures = [], [], []
+    pause_at, pause_s = options.get("pause_at", (-1, 0))
     for index in range(stages):
         train_step(model, optimizer)
+        if index == pause_at:  # a long step: the workers are idle by the sync
+            time.sleep(pause_s)
         full = {n: t.full_tensor().to(torch.bfloat16) for n, t in model.state_dict().items()}  # test only
         try:
             version, done = background.stage(model.state_dict())
         except (SyncError, BucketError) as exc:  # on every rank alike
             failures.append([index, type(exc).__name__])
             stages_report.append({"failed": type(exc).__name__, "bucket_step": read_manifest(publisher.bucket).step})
-            if stop_on_failure:
+            if options.get("stop_on_failure"):
                 break
             continue
         records += done

@@ -60,12 +60,14 @@ def test_background_publishes_are_bit_exact_at_every_version_and_after_the_final
 
 
 def test_a_slow_rank_makes_every_rank_coalesce_the_same_versions_and_the_chain_stays_bit_exact(tmp_path):
-    report = _spawn(tmp_path / "bucket", tmp_path / "r.json", 6, fault_rank=1, delay_s=2.0)  # rank 1's uploads crawl
+    # rank 1's uploads crawl (2 s each); the step before stage 4 lasts long enough for the workers to catch up
+    report = _spawn(tmp_path / "bucket", tmp_path / "r.json", 7, fault_rank=1, delay_s=2.0, pause_at=[4, 12])
     records = _check_chain(report, LocalBucket(tmp_path / "bucket"))
     coalesced = report["ranks"][0]["coalesced"]
-    assert coalesced > 0 and len(records) + coalesced == 6  # counted the same on both ranks (_check_chain)
+    assert coalesced > 0 and len(records) + coalesced == 7  # counted the same on both ranks (_check_chain)
     steps = [r[0] for r in records]
-    assert steps != list(range(6)) and steps == sorted(steps)  # a skipped number: a delta against the last published
+    assert steps != list(range(7)) and steps == sorted(steps)  # a skipped number: a delta against the last published
+    assert 4 in steps  # once every worker is idle, the sync goes to the workers at once (not held until the flush)
 
 
 def test_a_failed_background_publish_surfaces_on_every_rank_and_the_bucket_keeps_its_last_good_version(tmp_path):

@@ -177,7 +177,8 @@ class ShardedBackgroundPublisher(PublishWorker):
         staged = self._cast(state, free)
         t1 = time.perf_counter()
         with self._cond:
-            flags = torch.tensor([int(self._pending()), int(self._error is not None)], dtype=torch.int64)
+            working = self._job is not None or self._in_flight is not None
+            flags = torch.tensor([int(working), int(self._error is not None)], dtype=torch.int64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control)
         busy, failed = (bool(v) for v in flags.tolist())
         t2 = time.perf_counter()
