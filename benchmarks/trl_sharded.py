@@ -9,7 +9,12 @@ both paths sync the same weights, each into its own bucket, exactly as TRL 1.16'
 - *gathered*: rank 0 calls ``BucketWeightTransfer.send_weights(trainer._streaming_iter())``
   (TRL's own iterator: ``full_tensor()`` per parameter), the other ranks drain the iterator;
 - *sharded*: the same calls after :meth:`ShardedWeightTransfer.attach`, so every rank
-  publishes its own shards.
+  publishes its own shards, within the sync (``background=False``);
+- *background*: the same, publishing in the background (the default): the sync is each rank's
+  stall, the cast of its shards into a staging buffer and one agreement all-reduce, while the
+  ranks' workers publish afterwards (here the benchmark waits for them, ``flush``, before the
+  next measurement, so the other paths' figures stay their own). Each step also times the bare
+  cast of the rank's shards to bf16 (``cast``), the stall's baseline.
 
 Per rank and step it measures the sync's wall time and the resident memory the sync
 adds (``VmHWM`` reset before it; glibc's mmap threshold is fixed so freed tensors
@@ -50,7 +55,7 @@ from benchmarks.scale import (
 )  # fmt: skip
 from benchmarks.sync import model_shapes
 
-PATHS = ("gathered", "sharded")
+PATHS = ("gathered", "sharded", "background")
 
 
 class _Params(torch.nn.Module):
@@ -75,6 +80,7 @@ def rank_main(rank: int, world: int, port: int, cfg: dict) -> None:
     from rlsync.bucket import LocalBucket
     from rlsync.protocol import FixedInterval, Publisher
     from rlsync.protocol.sharded import ShardedPublisher
+    from rlsync.protocol.sharded_background import publish_group
     from rlsync.trl import BucketWeightTransfer, ShardedWeightTransfer
 
     mesh = init_device_mesh("cpu", (world,))
@@ -83,10 +89,12 @@ def rank_main(rank: int, world: int, port: int, cfg: dict) -> None:
     trainers = {p: SimpleNamespace(model=model, accelerator=SimpleNamespace(device=torch.device("cpu"), unwrap_model=lambda m: m)) for p in PATHS}
     trainers["gathered"]._streaming_iter = AsyncGRPOTrainer._streaming_iter.__get__(trainers["gathered"])
     transfers = {
-        "gathered": BucketWeightTransfer(publisher=Publisher(LocalBucket(cfg["bucket"] + "-gathered"), policy=policy)),
-        "sharded": ShardedWeightTransfer(publisher=ShardedPublisher(LocalBucket(cfg["bucket"] + "-sharded"), policy=policy)),
+        "gathered": BucketWeightTransfer(publisher=Publisher(LocalBucket(cfg["bucket"] + "-gathered"), policy=policy), background=False),
+        "sharded": ShardedWeightTransfer(publisher=ShardedPublisher(LocalBucket(cfg["bucket"] + "-sharded"), policy=policy), background=False),
+        "background": ShardedWeightTransfer(publisher=ShardedPublisher(LocalBucket(cfg["bucket"] + "-background"), policy=policy, group=publish_group())),
     }  # fmt: skip
-    transfers["sharded"].attach(trainers["sharded"])
+    for path in ("sharded", "background"):
+        transfers[path].attach(trainers[path])
     gen = torch.Generator().manual_seed(rank)
     rows = []
     for step in range(cfg["deltas"] + 1):
@@ -107,7 +115,22 @@ def rank_main(rank: int, world: int, port: int, cfg: dict) -> None:
                     pass
             elapsed = time.perf_counter() - t0
             rows.append({"step": step, "path": path, "sync_s": elapsed, "peak_added": _peak_rss() - before})
-    hashes = {p: [r.state_hash for r in t.records] for p, t in transfers.items() if t.records}
+        t0 = time.perf_counter()  # the background publish, done before the next step's measurements (and not in them)
+        transfers["background"].flush()
+        rows.append({"step": step, "path": "flush", "sync_s": time.perf_counter() - t0})
+        dist.barrier()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            cast = [p.to_local().to(torch.bfloat16) for p in model.parameters()]  # the stall's baseline
+        rows.append({"step": step, "path": "cast", "sync_s": time.perf_counter() - t0})
+        dist.barrier()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for target, p in zip(cast, model.parameters()):
+                target.copy_(p.to_local())  # the same cast into buffers already there, as the staging buffer is
+        rows.append({"step": step, "path": "cast_into", "sync_s": time.perf_counter() - t0})
+        del cast
+    hashes = {p: {r.step: r.state_hash for r in t.records} for p, t in transfers.items() if t.records}
     local_bytes = sum(p.to_local().numel() * 2 for p in model.parameters())
     mine = {"rank": rank, "rows": rows, "local_bf16_bytes": local_bytes, "hashes": hashes, "peak_rss": _peak_rss()}
     finish_rank(mine, rank, world, cfg["out"])
@@ -117,11 +140,11 @@ def summarize(world: int, ranks: list[dict]) -> list[dict]:
     """Per path: anchor and median delta sync time (slowest rank), peak memory added on rank 0 and on the others."""
     out = []
     model_bytes = sum(r["local_bf16_bytes"] for r in ranks)
+    steps = sorted({r["step"] for r in ranks[0]["rows"] if r["step"]})
     for path in PATHS:
         def rows(rank, kind):
             return [r for r in rank["rows"] if r["path"] == path and (r["step"] == 0) == (kind == "anchor")]
 
-        steps = sorted({r["step"] for r in ranks[0]["rows"] if r["step"]})
         delta_s = statistics.median(max(r["sync_s"] for rank in ranks for r in rank["rows"] if r["path"] == path and r["step"] == s) for s in steps)
         out.append({
             "world": world, "path": path, "model_mb": model_bytes / 1e6,
@@ -132,9 +155,17 @@ def summarize(world: int, ranks: list[dict]) -> list[dict]:
             "rank0_anchor_peak_mb": rows(ranks[0], "anchor")[0]["peak_added"] / 1e6,
             "rank_bytes_per_s": model_bytes / world / delta_s if path == "sharded" else model_bytes / delta_s,
         })  # fmt: skip
-    same = ranks[0]["hashes"]["gathered"] == ranks[0]["hashes"]["sharded"]
+    hashes = ranks[0]["hashes"]
+    same = hashes["gathered"] == hashes["sharded"]
+    # the background chain: each version it published (some coalesce) is the sharded path's, hash for hash
+    same_background = all(hashes["sharded"][step] == h for step, h in hashes["background"].items())
     for row in out:
-        row["same_chain"] = same
+        row["same_chain"] = same and (row["path"] != "background" or same_background)
+    for row in out:
+        row["cast_s"], row["cast_into_s"], row["flush_s"] = (
+            statistics.median(max(r["sync_s"] for rank in ranks for r in rank["rows"] if r["path"] == what and r["step"] == s) for s in steps)
+            for what in ("cast", "cast_into", "flush")
+        )  # fmt: skip
     return out
 
 
@@ -155,6 +186,11 @@ def main(argv: list[str] | None = None) -> None:
     for r in results:
         print(f"{r['world']:>5} {r['path']:>8} {r['model_mb']:>8.0f} {r['anchor_s']:>8.2f} {r['delta_s']:>7.2f} "
               f"{r['rank0_delta_peak_mb']:>14.1f} {r['other_delta_peak_mb']:>15.1f} {r['rank0_anchor_peak_mb']:>21.1f} {str(r['same_chain']):>10}")  # fmt: skip
+    for r in results:
+        if r["path"] == "background":
+            print(f"{r['world']} ranks: background stall per delta sync {r['delta_s']:.3f} s vs the bare bf16 cast of each rank's "
+                  f"shards {r['cast_s']:.3f} s ({r['delta_s'] / r['cast_s']:.2f}x), into buffers already there {r['cast_into_s']:.3f} s "
+                  f"({r['delta_s'] / r['cast_into_s']:.2f}x) (slowest rank, median); the publish left to the workers: {r['flush_s']:.2f} s")  # fmt: skip
     # 1T projection from the per-rank rates of the one-rank run (the least shared cores)
     base = min(args.worlds)
     rate = {r["path"]: r["rank_bytes_per_s"] / 1e9 for r in results if r["world"] == base}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -20,17 +21,21 @@ from rlsync.errors import BucketError, SyncError
 from rlsync.hashing import state_hash
 from rlsync.protocol import FixedInterval, Publisher
 from rlsync.protocol.sharded import ShardedPublisher
+from rlsync.protocol.sharded_background import ShardedBackgroundPublisher, publish_group
+from rlsync.protocol import read_manifest
 
 
 class DyingBucket(LocalBucket):
     """A local bucket whose process dies (as if killed) when it is about to upload ``die_on``,
-    and whose first upload of a key containing each of ``fail_once_on`` fails."""
+    whose first upload of a key containing each of ``fail_once_on`` fails, and whose uploads
+    each take ``delay_s`` longer."""
 
-    def __init__(self, root, die_on: str = "", fail_once_on: tuple[str, ...] = ()) -> None:
+    def __init__(self, root, die_on: str = "", fail_once_on: tuple[str, ...] = (), delay_s: float = 0.0) -> None:
         super().__init__(root)
-        self.die_on, self.fail_once_on = die_on, list(fail_once_on)
+        self.die_on, self.fail_once_on, self.delay_s = die_on, list(fail_once_on), delay_s
 
     def _maybe_die(self, key: str) -> None:
+        time.sleep(self.delay_s)
         if self.die_on and self.die_on in key:
             os._exit(9)
         for part in self.fail_once_on:
@@ -81,18 +86,20 @@ def run(rank: int, world: int, port: int, bucket_dir: str, results: str, steps: 
     model = build_sharded_model(world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     faulty = rank == options.get("fault_rank", -1)
-    bucket = DyingBucket(bucket_dir, options.get("die_on", "") if faulty else "", tuple(options.get("fail_once_on", ())) if faulty else ())
-    publisher = ShardedPublisher(bucket, policy=FixedInterval(options.get("anchor_every", 3)), owner="trainer")
+    bucket = DyingBucket(bucket_dir, options.get("die_on", "") if faulty else "", tuple(options.get("fail_once_on", ())) if faulty else (),
+                         options.get("delay_s", 0.0) if faulty else 0.0)  # fmt: skip
+    group = publish_group(options.get("group_timeout_s", 60)) if options.get("background") else None
+    publisher = ShardedPublisher(bucket, policy=FixedInterval(options.get("anchor_every", 3)), owner="trainer", group=group)
     if options.get("resume"):
         publisher.resume()
+    if options.get("background"):
+        if faulty and options.get("worker_raises_at"):  # this rank's worker fails alone, joining no round
+            publisher.publish = _raising_at(publisher.publish, options["worker_raises_at"])
+        return run_background(rank, world, model, optimizer, publisher, len(steps), results, options)
     reference = Publisher(LocalBucket(options["reference"]), policy=FixedInterval(options.get("anchor_every", 3))) if options.get("reference") and rank == 0 else None
-    batch = torch.randint(0, 60, (2, 12), generator=torch.Generator().manual_seed(1))
     report = {"steps": []}
     for step in steps:
-        loss = model(batch, labels=batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        train_step(model, optimizer)
         poisoned = step == options.get("poison_step") and rank == options.get("fault_rank", -1)
         if poisoned:  # one rank's weights turn NaN: every rank must refuse to publish
             with torch.no_grad():
@@ -118,4 +125,64 @@ def run(rank: int, world: int, port: int, bucket_dir: str, results: str, steps: 
     report["model_bytes"] = sum(t.numel() * 2 for t in model.state_dict().values())
     if rank == 0:
         Path(results).write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+def train_step(model, optimizer) -> None:
+    """One AdamW step of the tiny model on its fixed batch."""
+    batch = torch.randint(0, 60, (2, 12), generator=torch.Generator().manual_seed(1))
+    model(batch, labels=batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _raising_at(publish, call: int):
+    """``publish``, raising (before any collective) at its ``call``-th call (from 1)."""
+    calls = []
+
+    def wrapped(step, state):
+        calls.append(step)
+        if len(calls) == call:
+            raise SyncError(f"injected worker failure at version {step}")
+        return publish(step, state)
+
+    return wrapped
+
+
+def run_background(rank, world, model, optimizer, publisher, stages, results, options) -> None:
+    """Train ``stages`` steps, staging each into a :class:`ShardedBackgroundPublisher`, then flush
+    (``pause_at``: ``[stage, seconds]``, a step that long before that stage; ``stop_on_failure``).
+
+    Rank 0's report: per stage, the version (or the failure, with the bucket's version then) and the
+    hash of the gathered bf16 state staged; per rank, the records, ``coalesced``, ``errors`` and failures.
+    """
+    background = ShardedBackgroundPublisher(publisher, timeout_s=60)
+    stages_report, records, failures = [], [], []
+    pause_at, pause_s = options.get("pause_at", (-1, 0))
+    for index in range(stages):
+        train_step(model, optimizer)
+        if index == pause_at:  # a long step: the workers are idle by the sync
+            time.sleep(pause_s)
+        full = {n: t.full_tensor().to(torch.bfloat16) for n, t in model.state_dict().items()}  # test only
+        try:
+            version, done = background.stage(model.state_dict())
+        except (SyncError, BucketError) as exc:  # on every rank alike
+            failures.append([index, type(exc).__name__])
+            stages_report.append({"failed": type(exc).__name__, "bucket_step": read_manifest(publisher.bucket).step})
+            if options.get("stop_on_failure"):
+                break
+            continue
+        records += done
+        stages_report.append({"version": version, "hash": state_hash(full), "stall_s": background.stall_s})
+    try:
+        records += background.close()
+    except (SyncError, BucketError) as exc:
+        failures.append([stages, type(exc).__name__])
+    per_rank = [None] * world
+    mine = {"records": [[r.step, r.kind, r.state_hash] for r in records], "coalesced": background.coalesced,
+            "errors": background.errors, "failures": failures}  # fmt: skip
+    dist.all_gather_object(per_rank, mine)
+    final = {n: t.full_tensor().to(torch.bfloat16) for n, t in model.state_dict().items()}
+    if rank == 0:
+        Path(results).write_text(json.dumps({"stages": stages_report, "ranks": per_rank, "final_hash": state_hash(final)}))
     dist.destroy_process_group()

@@ -73,6 +73,7 @@ def main(options: dict) -> None:
     from rlsync.hashing import state_hash
     from rlsync.protocol import FixedInterval, Publisher
     from rlsync.protocol.sharded import ShardedPublisher
+    from rlsync.protocol.sharded_background import publish_group
     from rlsync.scores import read_samples
     from rlsync.spaces.tiny_model import tiny_model_path
     from rlsync.trl import BucketRolloutWorker, BucketWeightTransfer, FinalWeightSync, ShardedWeightTransfer
@@ -100,14 +101,16 @@ def main(options: dict) -> None:
     )  # fmt: skip
     report = {"gathers": [], "reference": [], "reference_gathers": [], "fp32_hashes": []}
     resume = bool(options.get("resume"))  # a second run continues the bucket's run (else it is refused)
-    transfer = ShardedWeightTransfer(publisher=ShardedPublisher(bucket, policy=policy, owner="trainer"), resume_from_checkpoint=resume)
+    background = options.get("background", True)
+    publisher = ShardedPublisher(bucket, policy=policy, owner="trainer", group=publish_group(120) if background else None)
+    transfer = ShardedWeightTransfer(publisher=publisher, resume_from_checkpoint=resume, background=background)
     worker = BucketRolloutWorker(bucket, read_samples, vocab_size=len(tokenizer), poll_s=0.1)
     trainer = AsyncGRPOTrainer(
         model=path, args=args, processing_class=tokenizer, train_dataset=Dataset.from_dict({"prompt": ["x"]}),
         rollout_worker=worker, weight_transfer=transfer,
     )  # fmt: skip
     transfer.attach(trainer)
-    trainer.add_callback(FinalWeightSync(trainer))
+    trainer.add_callback(FinalWeightSync(trainer, transfer))  # every rank flushes its background publisher
     trainer.add_callback(OptimizerProbe(report))
     checkpoints = BucketCheckpoints(bucket, chain=transfer.publisher)  # uploads pinned in its pointer
     trainer.add_callback(ShardedCheckpointCallback(checkpoints))
@@ -156,6 +159,7 @@ def main(options: dict) -> None:
     dist.all_gather_object(per_rank, {key: report[key] for key in ("gathers", "records", "optimizer_begin", "optimizer_end")})
     report["ranks"] = per_rank
     report["global_step"] = trainer.state.global_step
+    report["coalesced"] = transfer.background.coalesced if transfer.background is not None else 0
     params = list(trainer.accelerator.unwrap_model(trainer.model).parameters())
     report["sharded_params"] = sum(isinstance(p, DTensor) for p in params), len(params)
     if rank == 0:

@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -44,7 +44,76 @@ class _Job:
     buffer: dict[str, torch.Tensor]
 
 
-class BackgroundPublisher:
+class PublishWorker:
+    """The worker thread of a background publisher: it publishes the jobs it is handed, one at a
+    time, keeps their records, and logs, counts and keeps (the first) exception of a failed one.
+
+    A subclass says when a job waits (:meth:`_take`, under the lock), how to publish it
+    (:meth:`_publish`) and what to clear once it is done (:meth:`_finish`, under the lock), and
+    calls :meth:`_start` at the end of its constructor.
+    """
+
+    def _start(self, name: str) -> None:
+        #: Publishes that raised in the worker.
+        self.errors = 0
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._done: list[PublishRecord] = []
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def flush(self, timeout: float | None = None) -> list[PublishRecord]:  # pragma: no cover - subclasses
+        raise NotImplementedError
+
+    def close(self, timeout: float | None = None) -> list[PublishRecord]:
+        """:meth:`flush`, then stop the worker (it stops even when the flush raises)."""
+        try:
+            return self.flush(timeout)
+        finally:
+            with self._cond:
+                self._closing = True
+                self._cond.notify_all()
+            self._thread.join(timeout)
+
+    def _take(self) -> Any:  # pragma: no cover - subclasses
+        """The job to publish next, now marked in flight, or ``None`` (the caller holds the lock)."""
+        raise NotImplementedError
+
+    def _publish(self, job: Any) -> PublishRecord:  # pragma: no cover - subclasses
+        raise NotImplementedError
+
+    def _finish(self, job: Any) -> None:  # pragma: no cover - subclasses
+        """Clear what marks ``job`` in flight (the caller holds the lock)."""
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                job = self._take()
+                while job is None and not self._closing:
+                    self._cond.wait()
+                    job = self._take()
+                if job is None:
+                    return
+            try:
+                record = self._publish(job)
+            except BaseException as exc:  # every failure reaches the trainer at its next stage or flush
+                logger.error("background publish of version %d failed: %s", job.step, exc, exc_info=True)
+                with self._cond:
+                    self.errors += 1
+                    if self._error is None:
+                        self._error = exc
+            else:
+                with self._cond:
+                    self._done.append(record)
+            finally:
+                with self._cond:
+                    self._finish(job)
+                    self._cond.notify_all()
+
+
+class BackgroundPublisher(PublishWorker):
     """Publishes staged versions on a worker thread; see the module docstring.
 
     Args:
@@ -56,23 +125,16 @@ class BackgroundPublisher:
         self.publisher = publisher
         #: Versions replaced in the staging buffer before the worker took them.
         self.coalesced = 0
-        #: Publishes that raised in the worker.
-        self.errors = 0
         #: Seconds the last :meth:`stage` took (waiting for the buffer, and the cast).
         self.stall_s = 0.0
         #: Seconds of the last stage spent waiting for the worker to release the buffer.
         self.wait_s = 0.0
-        self._cond = threading.Condition()
         self._buffer: dict[str, torch.Tensor] | None = None
         self._buffer_busy = False  # the worker reads the buffer (change detection)
         self._pending: _Job | None = None
         self._in_flight: int | None = None
         self._assigned: int | None = None  # the newest version number handed out
-        self._error: BaseException | None = None
-        self._done: list[PublishRecord] = []
-        self._closing = False
-        self._thread = threading.Thread(target=self._run, name="rlsync-publish", daemon=True)
-        self._thread.start()
+        self._start("rlsync-publish")
 
     @property
     def version(self) -> int | None:
@@ -125,7 +187,7 @@ class BackgroundPublisher:
                         staged[name] = staged[first[key]]
                         continue
                     first.setdefault(key, name)
-                    staged[name] = _cast_into(buffer.get(name), tensor.detach(), self.publisher.dtype)
+                    staged[name] = cast_into(buffer.get(name), tensor.detach(), self.publisher.dtype)
         finally:
             with self._cond:
                 self._buffer = staged
@@ -159,16 +221,6 @@ class BackgroundPublisher:
             self._raise_error()
         return done
 
-    def close(self, timeout: float | None = None) -> list[PublishRecord]:
-        """:meth:`flush`, then stop the worker (it stops even when the flush raises)."""
-        try:
-            return self.flush(timeout)
-        finally:
-            with self._cond:
-                self._closing = True
-                self._cond.notify_all()
-            self._thread.join(timeout)
-
     def _raise_error(self) -> None:
         """Raise (once) the exception of a failed publish, after waiting for the worker to be idle
         (so the caller may read the publisher, e.g. to restore the published weights); the next
@@ -190,35 +242,32 @@ class BackgroundPublisher:
                     self._buffer = None  # the publisher keeps it (an anchor): the next stage allocates
                 self._cond.notify_all()
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while self._pending is None and not self._closing:
-                    self._cond.wait()
-                if self._pending is None:
-                    return
-                job, self._pending = self._pending, None
-                self._in_flight, self._buffer_busy = job.step, True
-            try:
-                record = self.publisher.publish(job.step, job.buffer, release=lambda kept: self._release(job, kept))
-            except BaseException as exc:  # every failure reaches the trainer at its next stage or flush
-                logger.error("background publish of version %d failed: %s", job.step, exc, exc_info=True)
-                with self._cond:
-                    self.errors += 1
-                    if self._error is None:
-                        self._error = exc
-            else:
-                with self._cond:
-                    self._done.append(record)
-            finally:
-                self._release(job, False)
-                with self._cond:
-                    self._in_flight = None
-                    self._cond.notify_all()
+    def _take(self) -> _Job | None:
+        job, self._pending = self._pending, None
+        if job is not None:
+            self._in_flight, self._buffer_busy = job.step, True
+        return job
+
+    def _publish(self, job: _Job) -> PublishRecord:
+        return self.publisher.publish(job.step, job.buffer, release=lambda kept: self._release(job, kept))
+
+    def _finish(self, job: _Job) -> None:
+        if self._buffer_busy:
+            self._buffer_busy = False  # the publish failed before it released the buffer
+        self._in_flight = None
 
 
-def _cast_into(target: torch.Tensor | None, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """``tensor`` in its serving dtype, written into ``target`` when that fits (else a new tensor)."""
+def cast_into(target: torch.Tensor | None, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``tensor`` in its serving dtype, written into ``target`` when that fits (else a new tensor).
+
+    Args:
+        target: The staging tensor of the previous version under this name, if any.
+        tensor: The trained tensor (any device; the result is on its device).
+        dtype: The serving dtype of floating-point tensors (``None``: keep each tensor's).
+
+    Returns:
+        ``target`` overwritten, or a new tensor when it does not fit.
+    """
     want = serving_dtype_of(tensor, dtype)
     if target is None or target.shape != tensor.shape or target.dtype != want or target.device != tensor.device:
         target = torch.empty(tensor.shape, dtype=want, device=tensor.device)

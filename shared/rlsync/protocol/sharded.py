@@ -64,7 +64,7 @@ from ..shards import LocalSlice, local_slices
 from .collective import collective_round, gather_owned
 from .finite import check_finite_changes
 from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest
-from .publisher import Publisher, PublishRecord, lanes_of_changes
+from .publisher import Publisher, PublishRecord, _serialized, lanes_of_changes
 from .subscriber import SCRATCH_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ class ShardedPublisher(Publisher):
 
     # -- publish ------------------------------------------------------------
 
+    @_serialized  # a checkpoint pin from the trainer's thread waits for a background publish
     def publish(self, step: int, state: Mapping[str, torch.Tensor]) -> PublishRecord:
         """Publish this rank's slices of ``state`` as part of version ``step`` (collective).
 

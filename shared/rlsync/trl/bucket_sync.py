@@ -75,6 +75,8 @@ class BucketSync:
             (:class:`~rlsync.trl.BucketAdapterSync`): the base once, then the adapter chain.
         sharded: FSDP2: every rank publishes its own shards (:class:`~rlsync.trl.ShardedWeightTransfer`)
             and checkpoints in DCP's format; build the object and call :meth:`attach` on every rank.
+        sharded_background: With ``sharded``, every rank publishes on a worker thread of its own
+            (:mod:`rlsync.protocol.sharded_background`); ``False``: within the sync.
         poll_s: Seconds between listings of ``scores/``.
         queue_maxsize: Bound of the rollout queue (0: unbounded).
         max_staleness: Skip samples this many versions behind when read (``None``: TRL's check only).
@@ -117,6 +119,7 @@ class BucketSync:
         new_run: bool = False,
         lora: LoraSpec | None = None,
         sharded: bool = False,
+        sharded_background: bool = True,
         poll_s: float = 0.5,
         queue_maxsize: int = 0,
         max_staleness: int | None = None,
@@ -139,9 +142,13 @@ class BucketSync:
             self.transfer: BucketWeightTransfer = self.adapter_sync.transfer
         elif sharded:
             from ..protocol.sharded import ShardedPublisher
+            from ..protocol.sharded_background import publish_group
             from .sharded_sync import ShardedWeightTransfer
 
-            self.transfer = ShardedWeightTransfer(publisher=ShardedPublisher(self.bucket, **chain))
+            group = publish_group() if sharded_background else None
+            self.transfer = ShardedWeightTransfer(
+                publisher=ShardedPublisher(self.bucket, group=group, **chain), background=sharded_background
+            )  # fmt: skip
         else:
             self.transfer = BucketWeightTransfer(
                 publisher=Publisher(self.bucket, **chain), layout=layout if layout is not None and layout.parts else None,
@@ -217,7 +224,7 @@ class BucketSync:
         else:
             self.checkpoint_callback = CheckpointCallback(self.checkpoints, info=self._checkpoint_info)
         self.version_guard = VersionGuard(trainer, self.transfer, self.worker)
-        self.final_sync = FinalWeightSync(trainer)
+        self.final_sync = FinalWeightSync(trainer, self.transfer)  # every rank flushes (TRL gives rank 0 the transfer)
         meter = meter_of(self.bucket)
         if meter is not None:
             from .coalesce import PublishCoalescing

@@ -17,10 +17,13 @@ class FinalWeightSync(TrainerCallback):
 
     Args:
         trainer: The ``AsyncGRPOTrainer`` (its ``_sync_weight`` keeps the version accounting).
+        transfer: The weight transfer to flush (default: the trainer's). Give it for a sharded run:
+            TRL keeps the transfer on the main process only, and every rank must flush.
     """
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: Any, transfer: Any = None) -> None:
         self.trainer = trainer
+        self.transfer = transfer
         self.synced_step: int | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -44,7 +47,8 @@ class FinalWeightSync(TrainerCallback):
         if published:
             self.trainer._sync_weight()
             self.synced_step = step
-        flush = getattr(self.trainer.weight_transfer, "flush", None)  # TRL keeps the transfer on the main process
+        transfer = self.transfer if self.transfer is not None else self.trainer.weight_transfer  # TRL's: main process only
+        flush = getattr(transfer, "flush", None)
         if flush is not None:
             flush()
         return published

@@ -18,6 +18,14 @@ version bumps and the rollout worker's model version stay TRL's own, and
 :class:`~rlsync.trl.FinalWeightSync` (which calls ``_sync_weight``) publishes the last
 steps the same way.
 
+By default each rank publishes in the background
+(:class:`~rlsync.protocol.sharded_background.ShardedBackgroundPublisher`): a sync stalls every
+rank only to cast its own shards into a staging buffer and to agree, in one tiny all-reduce,
+whether the workers are free; the collective publish runs on each rank's worker thread over a
+process group of its own while the next step computes. Give
+:class:`~rlsync.trl.FinalWeightSync` the transfer (``FinalWeightSync(trainer, transfer)``) so that
+every rank flushes at train end: TRL hands the transfer to rank 0 only.
+
 TRL internals relied on (checked by tests/library/trl/test_trl_sharded.py on the pinned TRL):
 ``_sync_weight_merged`` calling ``self._streaming_iter()`` on every rank and handing
 it to ``send_weights`` on the main process only; ``_iter_vllm_named_params`` (the
@@ -35,6 +43,7 @@ from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_para
 from ..bucket import Bucket
 from ..protocol import PublishRecord
 from ..protocol.sharded import ShardedPublisher
+from ..protocol.sharded_background import ShardedBackgroundPublisher, publish_group
 from .weight_transfer import BucketWeightTransfer
 
 logger = logging.getLogger(__name__)
@@ -53,20 +62,29 @@ class ShardedWeightTransfer(BucketWeightTransfer):
 
     Args:
         bucket: Where to publish (every rank needs write access; ignored when ``publisher`` is given).
-        publisher: The :class:`ShardedPublisher` to use (default: ``ShardedPublisher(bucket)``).
+        publisher: The :class:`ShardedPublisher` to use (default: ``ShardedPublisher(bucket)``, on
+            a process group of its own, :func:`~rlsync.protocol.sharded_background.publish_group`,
+            when ``background``). With ``background`` it must be built on such a group.
+        background: Publish on a worker thread on every rank (the default): a sync stalls only
+            for the cast of this rank's shards and a tiny all-reduce. ``False`` publishes within
+            the sync, every rank taking part in the publish's collectives.
         **callbacks: ``on_publish`` and ``on_non_finite``, as for :class:`BucketWeightTransfer`,
             called on every rank (a sync that would publish NaN or Inf from any rank's shards is
-            refused on every rank).
+            refused on every rank; in the background, at the next sync or flush).
 
     Versions continue from the bucket at the first sync (a collective, so not in
     ``init_weight_transfer``, which TRL calls on the main process only); a resumed run
     publishes an anchor first, as :meth:`ShardedPublisher.resume` explains.
     """
 
-    def __init__(self, bucket: Bucket | None = None, *, publisher: ShardedPublisher | None = None, **callbacks: Any) -> None:
+    def __init__(
+        self, bucket: Bucket | None = None, *, publisher: ShardedPublisher | None = None, background: bool = True,
+        **callbacks: Any,
+    ) -> None:  # fmt: skip
         if publisher is None and bucket is not None:
-            publisher = ShardedPublisher(bucket)
+            publisher = ShardedPublisher(bucket, group=publish_group() if background else None)
         super().__init__(bucket, publisher=publisher, background=False, **callbacks)
+        self.background = ShardedBackgroundPublisher(self.publisher) if background else None  # type: ignore[assignment,arg-type]
         self._trainer: Any = None
 
     def attach(self, trainer: Any) -> None:
@@ -109,7 +127,11 @@ class ShardedWeightTransfer(BucketWeightTransfer):
         """Publish the next version from this rank's shards (collective: every rank calls it once per sync).
 
         Returns:
-            The record, or ``None`` when the sync was refused as non-finite and ``on_non_finite`` handled it.
+            The record (in the background: of the newest publish finished since the last call, if
+            any), or ``None`` when the sync was refused as non-finite and ``on_non_finite`` handled it.
         """
         self.continue_run()
-        return self._publish(lambda step: [self.publisher.publish(step, self.local_state())])
+        background = self.background
+        if background is None:
+            return self._publish(lambda step: [self.publisher.publish(step, self.local_state())])
+        return self._publish(lambda step: background.stage(self.local_state())[1])

@@ -55,20 +55,25 @@ def test_two_rank_fsdp2_trl_run_publishes_sharded_without_gathering_and_resumes_
         max_steps=3, weight_sync_steps=2, save_steps=3,
     )  # fmt: skip
     assert report["global_step"] == 3 and report["sharded_params"][0] == report["sharded_params"][1] > 0  # FSDP2: DTensors
-    # train begin, step 2, and the final publish of step 3 (off the sync grid): versions 0, 1, 2 on every rank
+    # train begin, step 2, and the final publish of step 3 (off the sync grid): versions 0, 1, 2 on every rank,
+    # published in the background (version 1 may coalesce into 2 while the anchor is in flight)
     records = report["records"]
-    assert [r[:2] for r in records] == [[0, "anchor"], [1, "delta"], [2, "delta"]]
+    assert records[0][:2] == [0, "anchor"] and all(r[1] == "delta" for r in records[1:]) and records[-1][0] == 2
+    assert len(records) + report["coalesced"] == 3
     assert all(rank["records"] == records for rank in report["ranks"])
-    assert [r[3] for r in records] == [3, 2, 2]  # an anchor: 2 owner files + index; a delta: one part per rank
+    assert [r[3] for r in records] == [3] + [2] * (len(records) - 1)  # an anchor: 2 owner files + index; a delta: a part per rank
     # no rank gathered anything while syncing; the counter does count TRL's gathering iterator
     assert all(rank["gathers"] == [0, 0, 0] for rank in report["ranks"])
     assert report["reference_gathers"] and all(n >= 2 * report["sharded_params"][0] for n in report["reference_gathers"])
-    # the chain equals the gathered single-process path's for the same weights, kind for kind, hash for hash
-    assert [[r[1], r[2]] for r in records] == report["reference"]
+    # each version equals the gathered single-process path's for the same weights, hash for hash
+    assert all(report["reference"][step][1] == digest for step, _, digest, _ in records)
+    if not report["coalesced"]:  # kind for kind too
+        assert [[r[1], r[2]] for r in records] == report["reference"]
     sharded = LocalBucket(bucket)
     manifest = read_manifest(sharded)
     assert manifest.step == 2 and verify_bucket(sharded).ok, verify_bucket(sharded).errors
-    assert [d.state_hash for d in manifest.deltas] == [d.state_hash for d in read_manifest(LocalBucket(reference)).deltas]
+    reference_deltas = {d.step: d.state_hash for d in read_manifest(LocalBucket(reference)).deltas}
+    assert manifest.deltas and all(reference_deltas[d.step] == d.state_hash for d in manifest.deltas)
     a, b = Subscriber(sharded), Subscriber(LocalBucket(reference))
     a.sync(), b.sync()
     assert a.state_hash == b.state_hash == report["final_hash"] == manifest.state_hash
@@ -88,9 +93,10 @@ def test_two_rank_fsdp2_trl_run_publishes_sharded_without_gathering_and_resumes_
     assert resumed["resumed_from"] == 3 and resumed["global_step"] == 5
     assert resumed["fp32_hashes"][0] == report["final_fp32_hash"]
     assert [rank["optimizer_begin"] for rank in resumed["ranks"]] == [rank["optimizer_end"] for rank in report["ranks"]]
-    assert [r[:2] for r in resumed["records"]] == [[3, "anchor"], [4, "delta"], [5, "delta"]]
+    assert resumed["records"][0][:2] == [3, "anchor"] and resumed["records"][-1][0] == 5
+    assert len(resumed["records"]) + resumed["coalesced"] == 3
     assert resumed["records"][0][2] == manifest.state_hash and resumed["gathers"] == [0, 0, 0]
-    assert [[r[1], r[2]] for r in resumed["records"]] == resumed["reference"]
+    assert all(resumed["reference"][step - 3][1] == digest for step, _, digest, _ in resumed["records"])
     a.sync()
     assert a.step == 5 and a.state_hash == resumed["final_hash"] and verify_bucket(sharded).ok
 
@@ -161,7 +167,7 @@ def test_send_weights_leaves_the_gathering_iterator_unread_and_a_non_finite_sync
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         refused = []
-        transfer = ShardedWeightTransfer(publisher=ShardedPublisher(bucket), on_non_finite=refused.append)
+        transfer = ShardedWeightTransfer(publisher=ShardedPublisher(bucket), on_non_finite=refused.append, background=False)
         with pytest.raises(RuntimeError, match="attach"):
             transfer.send_weights(gathering())
         model = torch.nn.Linear(4, 3)
@@ -178,6 +184,41 @@ def test_send_weights_leaves_the_gathering_iterator_unread_and_a_non_finite_sync
         sub.sync()
         assert torch.isfinite(sub.state["weight"].float()).all()
     finally:
+        dist.destroy_process_group()
+
+
+def test_a_background_sharded_sync_stalls_for_the_cast_and_a_non_finite_one_is_refused_at_the_next_sync(bucket):
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from rlsync.protocol.sharded import ShardedPublisher
+    from rlsync.protocol.sharded_background import publish_group
+    from rlsync.trl import FinalWeightSync, ShardedWeightTransfer
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="process group of its own"):  # the trainer's group would interleave
+            ShardedWeightTransfer(publisher=ShardedPublisher(bucket))
+        refused = []
+        transfer = ShardedWeightTransfer(publisher=ShardedPublisher(bucket, group=publish_group(30)), on_non_finite=refused.append)
+        model = torch.nn.Linear(4, 3)
+        trainer = SimpleNamespace(model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m), weight_transfer=None)
+        transfer.attach(trainer)
+        transfer.sync()
+        assert transfer.version == 0
+        final = FinalWeightSync(trainer, transfer)  # TRL gives the other ranks no transfer: the callback is given it
+        final.synced_step = 1
+        final.sync(1)
+        assert [r.step for r in transfer.records] == [0] and transfer.published_version == 0
+        with torch.no_grad():
+            model.weight[0, 0] = float("nan")
+        transfer.sync()  # staged: the worker refuses it
+        transfer.flush()
+        assert transfer.non_finite_refused == 1 and len(refused) == 1 and read_manifest(bucket).step == 0
+        assert transfer.background.errors == 1
+    finally:
+        transfer.background.close()
         dist.destroy_process_group()
 
 
