@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import shutil
 import threading
@@ -98,8 +99,6 @@ def parse_module(path) -> "ast.Module":
     """``ast.parse`` of the file at ``path``, tried again on CPython 3.11's ``SystemError: AST constructor
     recursion depth mismatch`` (its ``ast`` keeps the recursion depth in global state: a parse racing
     another thread's parse, e.g. of a role a previous test left running, fails spuriously)."""
-    import ast
-
     for attempt in range(5):
         try:
             return ast.parse(path.read_text(), filename=str(path))

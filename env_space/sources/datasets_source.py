@@ -53,28 +53,18 @@ class DatasetSourceConfig:
 
     subset: str = dataclasses.field(default="", metadata={"help": "dataset configuration name, e.g. main for gsm8k"})
     split: str = dataclasses.field(default="train", metadata={"help": "split to draw prompts from"})
-    prompt_column: str = dataclasses.field(
-        default="prompt", metadata={"help": "column with the prompt (text or chat messages)"}
-    )
+    prompt_column: str = dataclasses.field(default="prompt", metadata={"help": "column with the prompt (text or chat messages)"})
     answer_column: str = dataclasses.field(default="answer", metadata={"help": "column with the reference answer"})
-    type_column: str = dataclasses.field(
-        default="", metadata={"help": "column naming the task type for the panel ('' = none)"}
-    )
+    type_column: str = dataclasses.field(default="", metadata={"help": "column naming the task type for the panel ('' = none)"})
     rewards: str = dataclasses.field(
-        default="math_verify",
-        metadata={"help": "reward functions with weights: NAME[=W],... (built-in or module.function)"},
+        default="math_verify", metadata={"help": "reward functions with weights: NAME[=W],... (built-in or module.function)"}
     )
-    system_prompt: str = dataclasses.field(
-        default="", metadata={"help": "system message put before string prompts ('' = none)"}
-    )
-    answer_tag: str = dataclasses.field(
-        default="answer", metadata={"help": "tag of the final answer for exact_match and format"}
-    )
-    reward_timeout_s: float = dataclasses.field(
-        default=5.0, metadata={"help": "time bound of one reward function call"}
-    )
+    system_prompt: str = dataclasses.field(default="", metadata={"help": "system message put before string prompts ('' = none)"})
+    answer_tag: str = dataclasses.field(default="answer", metadata={"help": "tag of the final answer for exact_match and format"})
+    reward_timeout_s: float = dataclasses.field(default=5.0, metadata={"help": "time bound of one reward function call"})
     reward_isolation: str = dataclasses.field(
-        default="process", metadata={"help": "process (one confined worker, killed when a call overstays) or thread (a confined fork per call)"}
+        default="process",
+        metadata={"help": "process (one confined worker, killed when a call overstays) or thread (a confined fork per call)"},
     )
 
 
