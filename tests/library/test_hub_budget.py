@@ -7,6 +7,7 @@ Everything runs against ``testing/hub/server.py`` with the real huggingface_hub 
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 import time
 
@@ -367,8 +368,6 @@ def test_idle_fleet_of_four_replicas_and_the_env_makes_almost_no_requests(server
     hundreds of listings in it). About 35 s each."""
     from safetensors.torch import load_file
 
-    import env_space.simulator
-    import rollout_space.replica
     from env_space.simulator import EnvConfig, EnvSimulator
     from rlsync.bucket.watch import IDLE_WAIT_S
     from rlsync.protocol import Publisher
@@ -382,7 +381,11 @@ def test_idle_fleet_of_four_replicas_and_the_env_makes_almost_no_requests(server
     monkeypatch.setenv("HUB_MIN_POLL_S", str(defaults.min_poll_s / FLEET_SPEED))
     max_poll_s = defaults.max_poll_s / FLEET_SPEED
     monkeypatch.setenv("HUB_MAX_POLL_S", str(max_poll_s))
-    for module in (env_space.simulator, rollout_space.replica):
+    # the roles' idle wake-up, in whichever of their modules waits (all imported with the roles above)
+    roles_modules = [m for n, m in sys.modules.items() if n.startswith(("env_space", "rollout_space"))]
+    waiting = [m for m in roles_modules if hasattr(m, "IDLE_WAIT_S")]
+    assert len(waiting) >= 2, waiting  # the env's and the replica's
+    for module in waiting:
         monkeypatch.setattr(module, "IDLE_WAIT_S", IDLE_WAIT_S / FLEET_SPEED)
     model = build_tiny_model(tmp_path / "tiny", seed=0)
     state = {n: t.float() for n, t in load_file(model / "model.safetensors").items()}
