@@ -38,7 +38,7 @@ SLOW_MODULES = frozenset({
     "test_e2e", "test_e2e_lora", "test_env_openenv", "test_env_panel", "test_hub_fleet", "test_sharded", "test_sharded_background",
     "test_trackio", "test_transformers_engine", "test_trl_adapter_sync", "test_trl_bucket_sync", "test_trl_example",
     "test_trl_sharded", "test_trl_trainer", "test_vllm_engine", "test_vllm_gpu_path", "test_vllm_lora",
-    "test_vllm_serve", "test_vllm_fp8", "test_vllm_serve_moe", "test_e2e_moe", "test_role_prefixes",
+    "test_vllm_serve", "test_vllm_fp8", "test_vllm_serve_moe", "test_e2e_moe", "test_role_prefixes", "test_vllm_moe",
 })  # fmt: skip
 SLOW_TESTS = frozenset({
     "test_env_source_registry.py::test_the_panel_offers_the_new_source_and_its_form",
@@ -56,6 +56,8 @@ SLOW_TESTS = frozenset({
     "test_faults.py::test_publisher_killed_inside_publish_resumes_exactly",
     "test_hostile_env.py::test_soak_trial_hostile_tasks",
     "test_hostile_exchange.py::test_soak_trial_hostile_replicas",
+    "test_hostile_hub.py::test_soak_trial_hub_hostile",
+    "test_codec_classrice.py::test_kernel_and_torch_class_order_agree",
     "test_panel_access.py::test_planted_notice_shows_as_text_in_the_browser",
     "test_secrets.py::test_three_roles_on_a_flaky_hub_never_show_the_token",
     "test_cli_hostile.py::test_every_command_on_every_hostile_file",

@@ -33,6 +33,10 @@ TOKEN = "hf_fleet_token"
 BUCKET = "me/fleet"
 WINDOW_S = 30
 STEPS = 2
+#: What the trainer role logs once its run ended: the final publish and the final metrics are written.
+FINISHED = f"trainer finished at step {STEPS}"
+#: After that, how long the replicas have to apply the final version (they follow the feed: seconds).
+REPLICAS_APPLY_S = 10
 
 
 def trained(hub) -> bool:
@@ -69,12 +73,14 @@ def test_trainer_env_and_two_replicas_stay_within_the_free_tier(hub, tmp_path):
         cwd=ROOT, env={**env, "GRADIO_SERVER_NAME": "127.0.0.1"}, stdout=log.open("w"), stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        # Read only the stand-in's own metadata while the app runs (downloading here would open the
-        # Xet storage the app holds): the trainer is done once its final checkpoint is there.
+        # Read only the stand-in's own metadata and the app's log while the app runs (downloading here
+        # would open the Xet storage the app holds): the trainer is done once its final checkpoint is
+        # there and it logged its end, which comes after its final publish (coalesced steps) and metrics.
         deadline = time.time() + 500
-        while time.time() < deadline and app.poll() is None and not trained(hub):
-            time.sleep(3)
-        time.sleep(45)  # the final publish (coalesced steps), and the replicas apply it
+        while time.time() < deadline and app.poll() is None and not (trained(hub) and FINISHED in log.read_text()):
+            time.sleep(1)
+        assert FINISHED in log.read_text(), log.read_text()[-4000:]
+        time.sleep(REPLICAS_APPLY_S)
     finally:
         app.send_signal(signal.SIGTERM)  # the roles stop cleanly; each replica writes its final status
         try:

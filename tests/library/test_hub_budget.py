@@ -7,6 +7,7 @@ Everything runs against ``testing/hub/server.py`` with the real huggingface_hub 
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 import time
 
@@ -348,44 +349,71 @@ def test_429_through_a_watched_bucket_is_retried_without_losing_the_write(server
 # -- an idle fleet ------------------------------------------------------------------------------------------
 
 
+#: The idle fleet's clock runs this many times faster than a deployment's: every interval that paces its
+#: requests (polling back-off, status and metrics writes, idle wake-ups, feed sessions) is its default
+#: divided by it. Requests per window are a rate, so the same bounds hold per window divided by it.
+FLEET_SPEED = 4
+#: The Hub's window (300 s), divided as the fleet's intervals are.
+FLEET_WINDOW_S = 300 / FLEET_SPEED
+
+
 @pytest.mark.parametrize("feed", [True, False], ids=["feed", "polling"])
 def test_idle_fleet_of_four_replicas_and_the_env_makes_almost_no_requests(server, tmp_path, monkeypatch, feed):
     """The trainer stopped after publishing an anchor; 4 replicas and the env stay up with nothing to
-    do (no tasks: ``queue_depth=0`` stands in for a trainer that asks for none). Over 60 idle seconds,
-    a fifth of the Hub's window, they stay within a fifth of the bounds for 5 minutes: 20 API
-    requests with the feed on, 200 with it off (adaptive polling). About 2 minutes each."""
+    do (no tasks: ``queue_depth=0`` stands in for a trainer that asks for none). Over a fifth of the
+    Hub's window they stay within a fifth of its bounds: 20 API requests per window with the feed on,
+    200 with it off (adaptive polling). Every interval runs `FLEET_SPEED` times faster than its default
+    (through the settings a deployment has: ``HUB_MIN_POLL_S``, ``HUB_MAX_POLL_S``, ``status_every_s``,
+    ``metrics_every_s``; the idle wake-up and the stand-in's feed session too), and the window with them:
+    15 s observed instead of 60 (without the back-off or the feed, 5 roles polling every 0.25 s make
+    hundreds of listings in it). About 35 s each."""
     from safetensors.torch import load_file
 
     from env_space.simulator import EnvConfig, EnvSimulator
+    from rlsync.bucket.watch import IDLE_WAIT_S
     from rlsync.protocol import Publisher
     from rlsync.spaces.tiny_model import build_tiny_model
     from rollout_space.replica import Replica, ReplicaConfig
 
+    defaults = WatchConfig()
+    every_s = ReplicaConfig.__dataclass_fields__["status_every_s"].default / FLEET_SPEED
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     monkeypatch.setenv("HUB_FEED", "1" if feed else "0")
+    monkeypatch.setenv("HUB_MIN_POLL_S", str(defaults.min_poll_s / FLEET_SPEED))
+    max_poll_s = defaults.max_poll_s / FLEET_SPEED
+    monkeypatch.setenv("HUB_MAX_POLL_S", str(max_poll_s))
+    # the roles' idle wake-up, in whichever of their modules waits (all imported with the roles above)
+    roles_modules = [m for n, m in sys.modules.items() if n.startswith(("env_space", "rollout_space"))]
+    waiting = [m for m in roles_modules if hasattr(m, "IDLE_WAIT_S")]
+    assert len(waiting) >= 2, waiting  # the env's and the replica's
+    for module in waiting:
+        monkeypatch.setattr(module, "IDLE_WAIT_S", IDLE_WAIT_S / FLEET_SPEED)
     model = build_tiny_model(tmp_path / "tiny", seed=0)
     state = {n: t.float() for n, t in load_file(model / "model.safetensors").items()}
     Publisher(hf()).publish(0, state)
-    server.feed(True, session_s=300)
+    server.feed(True, session_s=FLEET_WINDOW_S)  # a session of 300 s, scaled
     url = f"hf://buckets/{BUCKET}"
-    env = EnvSimulator(EnvConfig(bucket=url, queue_depth=0))
+    env = EnvSimulator(EnvConfig(bucket=url, queue_depth=0, metrics_every_s=every_s))
     replicas = [
-        Replica(ReplicaConfig(bucket=url, replica_id=f"r{i}", engine="transformers", model=str(model), device="cpu"))
+        Replica(ReplicaConfig(bucket=url, replica_id=f"r{i}", engine="transformers", model=str(model), device="cpu",
+                              status_every_s=every_s))
         for i in range(4)
-    ]
+    ]  # fmt: skip
     roles = [env, *replicas]
     try:
         for role in roles:
             role.start()
         wait_until(lambda: all(r.subscriber.step == 0 for r in replicas), timeout=60)
-        time.sleep(35)  # settle: the status writes after the first apply (at most every 30 s), feed sessions open
+        # settle: the status writes after the first apply (at most every `every_s`), feed sessions open,
+        # and the polling back-off (doubling from HUB_MIN_POLL_S) at its longest interval
+        time.sleep(max(every_s, max_poll_s))
         since = time.time()
-        time.sleep(60)
+        time.sleep(FLEET_WINDOW_S / 5)
         idle = server.usage(RequestClass.API, TOKEN, since)
     finally:
         for role in roles:
             role.close()  # stops it and its watch
     kinds = sorted(classify(r.method, r.path)[1] for r in idle)
-    print(f"feed {feed}: {len(idle)} API requests in 60 idle seconds: {collections.Counter(kinds)}")
-    assert len(idle) <= (4 if feed else 40), kinds
+    print(f"feed {feed}: {len(idle)} API requests in {FLEET_WINDOW_S / 5:g} idle seconds: {collections.Counter(kinds)}")
+    assert len(idle) <= (20 if feed else 200) // 5, kinds
     assert all(r.subscriber.step == 0 for r in replicas)
