@@ -44,7 +44,8 @@ def test_a_watched_bucket_refuses_an_oversized_object_from_its_view_without_a_re
         for _ in range(5):
             with pytest.raises(ObjectTooLargeError):
                 watched.get_limited("latest.json", 1024)
-        assert api_kinds(server, since) == []
+        # the view's events feed may (re)connect meanwhile on a loaded machine: not a request for the object
+        assert [kind for kind in api_kinds(server, since) if kind != "GET events"] == []
         assert watched.refused_too_large == 5
     finally:
         watched.close()
