@@ -8,9 +8,11 @@ by the background re-hash and repaired from an anchor.
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -184,3 +186,42 @@ def test_a_forged_delta_is_refused_before_the_pause_with_the_engine_untouched(bu
     assert how == "base" or before == replica.subscriber.state_hash
     assert replica.status().refused == 1 and replica.subscriber.needs_resync
     replica.close()
+
+
+def test_the_fetch_loop_drops_an_update_once_it_is_applied(bucket, model_dir):
+    """While the fetch thread downloads and decodes the next update, the one applied before is not held
+    (its patch and rollback values would add a second decoded delta to the replica's peak memory)."""
+    master = {n: t.float() for n, t in load_file(model_dir / "model.safetensors").items()}
+    Publisher(bucket, policy=FixedInterval(100)).publish(0, master)
+    replica = _replica(bucket, model_dir)
+    fetched: list[weakref.ref] = []
+    in_next_fetch, release = threading.Event(), threading.Event()
+    real_fetch = replica.subscriber.fetch
+
+    def fetch():
+        if fetched:  # the next fetch: wait here, as a long download would
+            in_next_fetch.set()
+            release.wait(30)
+            return None
+        update = real_fetch()
+        fetched.append(weakref.ref(update))
+        return update
+
+    replica.subscriber.fetch = fetch
+    stop = threading.Event()
+    loop = threading.Thread(target=replica.weights.fetch_loop, args=(stop,), daemon=True)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 30
+        while replica.slot.update is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert replica.apply_pending()
+        assert in_next_fetch.wait(30)
+        gc.collect()
+        assert fetched[0]() is None, "the fetch loop still holds the applied update while it fetches the next one"
+    finally:
+        stop.set()
+        release.set()
+        replica.weights.wake()
+        loop.join(10)
+        replica.close()
