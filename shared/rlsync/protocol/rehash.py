@@ -55,12 +55,12 @@ class WeightsRehash:
 
         Returns:
             ``True`` when every tensor matches, ``False`` on a mismatch (counted; the held state is
-            marked for a re-bootstrap), ``None`` when there is no state yet or an anchor replaced it
-            during the pass.
+            marked for a re-bootstrap), ``None`` when there is no state yet, the state already waits for
+            that re-bootstrap (a mismatch is counted once), or an anchor replaced it during the pass.
         """
         held, t0 = self.held, time.perf_counter()
         with held.lock:
-            if held.lanes is None:
+            if held.lanes is None or held.rebootstrap:  # no state yet, or a mismatch already counted
                 return None
             generation, names = self._generation, sorted(held.state)
         for name in names:

@@ -278,8 +278,8 @@ class Subscriber:
 
         Returns:
             ``True`` when every tensor matches, ``False`` on a mismatch (counted; the subscriber then
-            re-bootstraps from the newest anchor), ``None`` when there is no state yet or an anchor
-            replaced it during the pass.
+            re-bootstraps from the newest anchor), ``None`` when there is no state yet, it already waits
+            for that re-bootstrap, or an anchor replaced it during the pass.
         """
         return self._rehash.run()
 
