@@ -48,9 +48,10 @@ class PublishWorker:
     """The worker thread of a background publisher: it publishes the jobs it is handed, one at a
     time, keeps their records, and logs, counts and keeps (the first) exception of a failed one.
 
-    A subclass says when a job waits (:meth:`_take`, under the lock), how to publish it
-    (:meth:`_publish`) and what to clear once it is done (:meth:`_finish`, under the lock), and
-    calls :meth:`_start` at the end of its constructor.
+    A subclass has ``publisher`` and ``_assigned`` (the newest version number handed out); it says
+    whether it holds a version (:meth:`_holds`) and when a job waits (:meth:`_take`, both under the
+    lock), how to publish it (:meth:`_publish`) and what to clear once it is done (:meth:`_finish`,
+    under the lock), and calls :meth:`_start` at the end of its constructor.
     """
 
     def _start(self, name: str) -> None:
@@ -62,6 +63,21 @@ class PublishWorker:
         self._closing = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def version(self) -> int | None:
+        """The newest version staged, in flight or published (``None`` before the first stage):
+        the one replicas get once the worker is done with it."""
+        with self._cond:
+            staged = self._assigned if self._holds() else None
+        known = [v for v in (staged, self.publisher.step) if v is not None]
+        return max(known) if known else None
+
+    @property
+    def busy(self) -> bool:
+        """Whether a version waits or a publish is in flight."""
+        with self._cond:
+            return self._holds()
 
     def flush(self, timeout: float | None = None) -> list[PublishRecord]:  # pragma: no cover - subclasses
         raise NotImplementedError
@@ -75,6 +91,10 @@ class PublishWorker:
                 self._closing = True
                 self._cond.notify_all()
             self._thread.join(timeout)
+
+    def _holds(self) -> bool:  # pragma: no cover - subclasses
+        """Whether a version waits or is in flight (the caller holds the lock)."""
+        raise NotImplementedError
 
     def _take(self) -> Any:  # pragma: no cover - subclasses
         """The job to publish next, now marked in flight, or ``None`` (the caller holds the lock)."""
@@ -135,21 +155,6 @@ class BackgroundPublisher(PublishWorker):
         self._in_flight: int | None = None
         self._assigned: int | None = None  # the newest version number handed out
         self._start("rlsync-publish")
-
-    @property
-    def version(self) -> int | None:
-        """The newest version staged, in flight or published (``None`` before the first stage):
-        the one replicas get once the worker is done with it."""
-        with self._cond:
-            staged = self._assigned if self._pending is not None or self._in_flight is not None else None
-        known = [v for v in (staged, self.publisher.step) if v is not None]
-        return max(known) if known else None
-
-    @property
-    def busy(self) -> bool:
-        """Whether a version waits or a publish is in flight."""
-        with self._cond:
-            return self._pending is not None or self._in_flight is not None
 
     def stage(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, list[PublishRecord]]:
         """Cast ``(name, tensor)`` pairs into the staging buffer as the next version and return.
@@ -212,7 +217,7 @@ class BackgroundPublisher(PublishWorker):
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._pending is not None or self._in_flight is not None:
+            while self._holds():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"version {self._in_flight or self._assigned} still publishing after {timeout} s")
@@ -227,7 +232,7 @@ class BackgroundPublisher(PublishWorker):
         version then follows the published one. The caller holds the lock."""
         if self._error is None:
             return
-        while self._pending is not None or self._in_flight is not None:
+        while self._holds():
             self._cond.wait()
         error, self._error = self._error, None
         if error is not None:
@@ -241,6 +246,9 @@ class BackgroundPublisher(PublishWorker):
                 if kept and self._buffer is job.buffer:
                     self._buffer = None  # the publisher keeps it (an anchor): the next stage allocates
                 self._cond.notify_all()
+
+    def _holds(self) -> bool:
+        return self._pending is not None or self._in_flight is not None
 
     def _take(self) -> _Job | None:
         job, self._pending = self._pending, None

@@ -140,20 +140,6 @@ class ShardedBackgroundPublisher(PublishWorker):
         self._assigned: int | None = None  # the newest version number handed out
         self._start("rlsync-sharded-publish")
 
-    @property
-    def version(self) -> int | None:
-        """The newest version staged, in flight or published (``None`` before the first stage)."""
-        with self._cond:
-            staged = self._assigned if self._pending() else None
-        known = [v for v in (staged, self.publisher.step) if v is not None]
-        return max(known) if known else None
-
-    @property
-    def busy(self) -> bool:
-        """Whether a version waits or a publish is in flight on this rank."""
-        with self._cond:
-            return self._pending()
-
     def stage(self, state: Mapping[str, torch.Tensor]) -> tuple[int, list[PublishRecord]]:
         """Cast this rank's shards of ``state`` into a staging buffer as the next version (collective).
 
@@ -245,7 +231,7 @@ class ShardedBackgroundPublisher(PublishWorker):
         self._buffers[index] = locals_
         return staged
 
-    def _pending(self) -> bool:
+    def _holds(self) -> bool:
         return self._waiting is not None or self._job is not None or self._in_flight is not None
 
     def _hand_off(self) -> None:
