@@ -83,7 +83,10 @@ def test_kill_9_then_restart_resumes_from_the_bucket_checkpoint(bucket, tmp_path
             first.wait(30)
         assert first.returncode == -signal.SIGKILL, log.read_text()[-3000:]
         killed_at = read_manifest(bucket).step
-        saved_step = checkpoints.steps()[-1]
+        # a kill between a checkpoint's marker and its pin leaves it unpinned: restart must skip and count it
+        pinned = {p.step for p in read_manifest(bucket).checkpoints}
+        saved_step = max(s for s in checkpoints.steps() if s in pinned)
+        unpinned = [s for s in checkpoints.steps() if s > saved_step]
         saved = torch.load(checkpoints.download(saved_step, tmp_path / "saved") / "optimizer.pt", weights_only=True)
         trainer = Trainer(TrainerConfig(bucket=str(bucket.root), max_steps=saved_step + 3, **settings), bucket=bucket)
         probe = OptimizerAtStart()
@@ -93,7 +96,7 @@ def test_kill_9_then_restart_resumes_from_the_bucket_checkpoint(bucket, tmp_path
         finally:
             trainer.close()
     # the optimizer resumed bit-equal to the checkpoint, which passed every check against the chain and the model
-    assert trainer.checkpoints.skipped == 0 and saved_step in {p.step for p in read_manifest(bucket).checkpoints}
+    assert trainer.checkpoints.skipped == len(unpinned) <= 1 and saved_step in {p.step for p in read_manifest(bucket).checkpoints}
     assert probe.state["state"].keys() == saved["state"].keys() and saved["state"]
     for key, entry in saved["state"].items():
         for name, value in entry.items():
