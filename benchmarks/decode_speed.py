@@ -31,32 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-#: Qwen3-0.6B: hidden 1024, intermediate 3072, 28 layers, vocab 151936, 16 query heads and 8 key/value
-#: heads of 128; the head is tied to the embedding (stored once).
-HIDDEN, INTERMEDIATE, LAYERS, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 1024, 3072, 28, 151936, 16, 8, 128
+from benchmarks.qwen3 import MODELS, qwen3_shapes
+
 CHUNK = 1 << 22  # elements generated at a time
 INIT_STD = 0.02
-
-
-def qwen3_shapes() -> dict[str, tuple[int, ...]]:
-    """Tensor shapes of Qwen3-0.6B, by their transformers names."""
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,)}
-    for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (HEADS * HEAD_DIM, HIDDEN),
-            p + "self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
-            p + "self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
-            p + "self_attn.o_proj.weight": (HIDDEN, HEADS * HEAD_DIM),
-            p + "self_attn.q_norm.weight": (HEAD_DIM,),
-            p + "self_attn.k_norm.weight": (HEAD_DIM,),
-            p + "mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN),
-            p + "mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
-            p + "mlp.down_proj.weight": (HIDDEN, INTERMEDIATE),
-            p + "input_layernorm.weight": (HIDDEN,),
-            p + "post_attention_layernorm.weight": (HIDDEN,),
-        })  # fmt: skip
-    return shapes
 
 
 def ulp_step(old: torch.Tensor, lr: float, g: torch.Generator) -> torch.Tensor:
@@ -80,7 +58,7 @@ def build(cache: Path, lr: float, codec: str, seed: int) -> None:
 
     g = torch.Generator().manual_seed(seed)
     state, changes = {}, {}
-    for name, shape in qwen3_shapes().items():
+    for name, shape in qwen3_shapes(MODELS["qwen3-0.6b"]).items():
         numel = int(np.prod(shape))
         if len(shape) == 1:
             tensor = torch.ones(shape, dtype=torch.bfloat16)

@@ -27,26 +27,8 @@ import time
 
 import torch
 
-from benchmarks.scale_sync import MODELS, model_config
+from benchmarks.qwen3 import MODELS, model_config, qwen3_shapes
 from rlsync.bucket import Bucket
-
-
-def qwen3_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """The tensors of a Qwen3 with ``config`` (``Qwen3Config`` arguments; the head is tied to the
-    embedding, so listed once)."""
-    keys = ("hidden_size", "head_dim", "num_attention_heads", "num_key_value_heads", "intermediate_size")
-    h, hd, heads, kv, inter = (config[k] for k in keys)
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], h), "model.norm.weight": (h,)}
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (heads * hd, h), p + "self_attn.k_proj.weight": (kv * hd, h),
-            p + "self_attn.v_proj.weight": (kv * hd, h), p + "self_attn.o_proj.weight": (h, heads * hd),
-            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h), p + "mlp.down_proj.weight": (h, inter),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        })  # fmt: skip
-    return shapes
 
 
 def synchronize(device: torch.device) -> None:

@@ -45,12 +45,8 @@ from pathlib import Path
 
 import torch
 
-MODELS = {
-    "qwen3-0.6b": dict(
-        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-    ),  # fmt: skip
-}
+from benchmarks.qwen3 import MODELS, model_config
+
 #: A decoded delta's bytes per changed element: its int64 position and bf16 value, and the bf16 old
 #: value kept for the rollback.
 DECODED_BYTES_PER_CHANGED = 8 + 2 + 2
@@ -59,20 +55,6 @@ DECODED_BYTES_PER_CHANGED = 8 + 2 + 2
 MAX_PAUSE_RATIO, MAX_STALL_RATIO, RSS_SLACK_MB, MAX_DECODE_S = 1.5, 1.5, 200, 0.5
 CHUNK = 1 << 22  # elements per AdamW chunk (fp32 temporaries of 16 MB)
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 0.0
-
-
-def model_config(model: str | None, params: float | None) -> dict:
-    """Qwen3Config arguments: a named model's, or a smaller Qwen3 of about ``params`` parameters."""
-    if model:
-        return dict(MODELS[model])
-    hidden = 1024 if params >= 300e6 else 512 if params >= 40e6 else 256
-    vocab = 32768
-    per_layer = 4 * hidden * hidden + 3 * hidden * 3 * hidden  # q, k, v, o (kv = q / 2 + ...) and the MLP, roughly
-    layers = max(1, round((params - vocab * hidden) / per_layer))
-    return dict(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128, head_dim=64, tie_word_embeddings=True,
-    )  # fmt: skip
 
 
 def peak_rss() -> int:

@@ -35,6 +35,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from benchmarks.qwen3 import MODELS, qwen3_shapes
 from rlsync.bucket import LocalBucket
 from rlsync.dtypes import bits_to_numpy, int_view
 from rlsync.hashing import StateLanes, changes_lanes
@@ -43,34 +44,17 @@ from rlsync.protocol import FixedInterval, Publisher, Subscriber
 
 logger = logging.getLogger("benchmarks.sync_hash")
 
-#: Qwen3-0.6B's dimensions (its config.json).
-QWEN3_06B = dict(
-    hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-    num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
-)  # fmt: skip
-
-
-def qwen3_shapes(params: float | None) -> dict[str, tuple[int, ...]]:
+def scaled_shapes(params: float | None) -> dict[str, tuple[int, ...]]:
     """Tensor shapes of Qwen3-0.6B (``params=None``), or of the same layers with fewer of them (and a
     32k vocabulary where the real one alone would pass ``params``); tied tensors once."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    dims = dict(QWEN3_06B)
+    dims = dict(MODELS["qwen3-0.6b"])
     if params is not None:
         hidden, inter = dims["hidden_size"], dims["intermediate_size"]
         per_layer = 4 * hidden * hidden + 3 * hidden * inter  # about: q, k, v, o (GQA rounds down) and the MLP
         if dims["vocab_size"] * hidden > params / 2:
             dims["vocab_size"] = 32000
         dims["num_hidden_layers"] = max(1, round((params - dims["vocab_size"] * hidden) / per_layer))
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(Qwen3Config(**dims))
-    seen: set[int] = set()
-    shapes = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            shapes[name] = tuple(tensor.shape)
-    return shapes
+    return qwen3_shapes(dims)
 
 
 def make_state(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
@@ -103,7 +87,7 @@ def peak_rss() -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
-    shapes = qwen3_shapes(args.params)
+    shapes = scaled_shapes(args.params)
     total = sum(int(np.prod(s)) for s in shapes.values())
     logger.info("%d tensors, %.0fM parameters", len(shapes), total / 1e6)
     rng = np.random.default_rng(0)
