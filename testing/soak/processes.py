@@ -209,10 +209,16 @@ def log_tail(path: Path, n: int = 1500) -> str:
         return ""
 
 
-def plan_kills(
+def plan_lives(
     rng: random.Random, kills: list[tuple[str, int | None]] | None, modes: list[str], nth: dict
-) -> list[tuple[str, int | None]]:
-    """The kill of each life but the last: given, or 1-3 random ``(mode, n)``."""
+) -> list[tuple[int, str | None, tuple[str, int] | None]]:
+    """``(life, mode, kill)`` for each process life: 1-3 random kills (or ``kills``), then a clean one.
+
+    ``mode`` is the life's kill mode (``None``: none); ``kill`` the ``(mode, n)`` the child acts on
+    itself (``None`` for a ``"random"`` kill, which the parent does after a random delay).
+    """
     if kills is None:
         kills = [(m, None) for m in (rng.choice(modes) for _ in range(rng.randint(1, 3)))]
-    return [(m, n if n is not None or m == "random" else rng.randint(*nth[m])) for m, n in kills]
+    plan = [(m, n if n is not None or m == "random" else rng.randint(*nth[m])) for m, n in kills]
+    lives = [(life, m, None if m == "random" else (m, n)) for life, (m, n) in enumerate(plan, 1)]
+    return [*lives, (len(plan) + 1, None, None)]

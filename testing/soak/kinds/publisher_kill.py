@@ -11,7 +11,7 @@ from rlsync.bucket import LocalBucket
 from rlsync.protocol import Subscriber
 
 from ..invariants import Ledger, TrialResult, check_verified
-from ..processes import log_tail, plan_kills, publisher_child, read_journal, spawn, wait_for
+from ..processes import log_tail, plan_lives, publisher_child, read_journal, spawn, wait_for
 
 DEFAULT_TRIALS = 50
 
@@ -57,13 +57,8 @@ def trial_publisher_kill(
     ledger = Ledger(result)
     final = rng.randint(14, 24)
     base = dict(root=str(bucket.root), owner="trainer-soak", final=final, interval=4, keep=2, seed=rng.randrange(1000))
-    plan = plan_kills(rng, kills, PUBLISHER_KILLS, _KILL_NTH)
     pointer_step: int | None = None
-    life = 0
-    while True:
-        life += 1
-        mode, nth = plan[life - 1] if life <= len(plan) else (None, None)
-        kill = (mode, nth) if mode and mode != "random" else None
+    for life, mode, kill in plan_lives(rng, kills, PUBLISHER_KILLS, _KILL_NTH):
         journal = workdir / f"pub-{life}.jsonl"
         cfg = dict(base, journal=str(journal), log=str(workdir / f"pub-{life}.log"), kill=kill)
         proc = spawn(publisher_child, cfg)

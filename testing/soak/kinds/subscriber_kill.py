@@ -10,7 +10,7 @@ from pathlib import Path
 from rlsync.bucket import LocalBucket
 
 from ..invariants import Ledger, TrialResult
-from ..processes import CHILD_TIMEOUT_S, log_tail, plan_kills, read_journal, spawn, subscriber_child, wait_for
+from ..processes import CHILD_TIMEOUT_S, log_tail, plan_lives, read_journal, spawn, subscriber_child, wait_for
 from ..toy import PublisherThread
 
 DEFAULT_TRIALS = 20
@@ -35,13 +35,8 @@ def trial_subscriber_kill(
     ledger = Ledger(result)
     final = rng.randint(20, 30)
     publisher = PublisherThread(bucket, ledger, final, pause_s=rng.uniform(0.01, 0.05), seed=rng.randrange(1000))
-    plan = plan_kills(rng, kills, SUBSCRIBER_KILLS, _SUB_NTH)
     lives: list[Path] = []
-    life = 0
-    while True:
-        life += 1
-        mode, nth = plan[life - 1] if life <= len(plan) else (None, None)
-        kill = (mode, nth) if mode and mode != "random" else None
+    for life, mode, kill in plan_lives(rng, kills, SUBSCRIBER_KILLS, _SUB_NTH):
         journal = workdir / f"sub-{life}.jsonl"
         lives.append(journal)
         (workdir / f"scratch-{life}").mkdir()
