@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rlsync.spaces.settings import from_env
+from rlsync.spaces.settings import from_env, metrics_every_field, poll_field
 
 
 @dataclasses.dataclass
@@ -33,8 +33,8 @@ class EnvConfig:
     tasks_per_batch: int = dataclasses.field(default=4, metadata={"help": "tasks in one batch"})
     queue_depth: int = dataclasses.field(default=2, metadata={"help": "batches kept waiting for replicas"})
     keep_batches: int = dataclasses.field(default=64, metadata={"help": "batches kept in the bucket"})
-    poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls (a Hub bucket is watched instead)"})
-    metrics_every_s: float = dataclasses.field(default=30.0, metadata={"help": "seconds between metrics writes on a Hub bucket"})
+    poll_s: float = poll_field()
+    metrics_every_s: float = metrics_every_field()
     seed: int = dataclasses.field(default=0, metadata={"help": "base seed of task generation"})
     vocab_size: int = dataclasses.field(default=0, metadata={"help": "refuse token ids at or above it (0: the trainer checks them)"})
     max_completion_tokens: int = dataclasses.field(default=4096, metadata={"help": "refuse rollouts with longer completions"})

@@ -10,7 +10,7 @@ import dataclasses
 import os
 import socket
 
-from rlsync.spaces.settings import from_env
+from rlsync.spaces.settings import from_env, poll_field
 
 TINY_MODEL_MAX_NEW_TOKENS, REAL_MODEL_MAX_NEW_TOKENS = 8, 64  # the CPU demo's answers are short; a chat model's are not
 
@@ -37,7 +37,7 @@ class ReplicaConfig:
     max_batch_tokens: int = dataclasses.field(default=1 << 20, metadata={"help": "most tokens (prompts and completions, all samples) one task batch may cost"})
     chunk_tokens: int = dataclasses.field(default=1 << 16, metadata={"help": "most padded tokens in one engine call"})
     temperature: float = dataclasses.field(default=1.0, metadata={"help": "sampling temperature"})
-    poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls (a Hub bucket is watched instead)"})
+    poll_s: float = poll_field()
     status_every_s: float = dataclasses.field(default=30.0, metadata={"help": "seconds between status writes on a Hub bucket"})
     seed: int = dataclasses.field(default=0, metadata={"help": "sampling seed (mixed with batch and version)"})
     rehash_every_s: float = dataclasses.field(default=300.0, metadata={"help": "seconds between background full re-hashes of the engine's weights (0: only after anchors)"})

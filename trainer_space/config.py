@@ -12,7 +12,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from rlsync.defaults import DEFAULT_ANCHOR_INTERVAL, DEFAULT_CODEC, DEFAULT_MAX_CATCHUP_RATIO
-from rlsync.spaces.settings import from_env
+from rlsync.spaces.settings import from_env, metrics_every_field, poll_field
 
 if TYPE_CHECKING:
     from rlsync.adapters import LoraSpec
@@ -61,8 +61,8 @@ class TrainerConfig:
     max_steps: int = dataclasses.field(default=0, metadata={"help": "stop after this many optimizer steps (0: never) (max_steps)"})
     checkpoint_every: int = dataclasses.field(default=50, metadata={"help": "optimizer steps per bucket checkpoint, also saved on stop (save_steps)"})
     keep_checkpoints: int = dataclasses.field(default=2, metadata={"help": "checkpoints retained in the bucket"})
-    poll_s: float = dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls (a Hub bucket is watched instead)"})
-    metrics_every_s: float = dataclasses.field(default=30.0, metadata={"help": "seconds between metrics writes on a Hub bucket"})
+    poll_s: float = poll_field()
+    metrics_every_s: float = metrics_every_field()
     seed: int = dataclasses.field(default=0, metadata={"help": "torch seed (seed)"})
     trainer_id: str = dataclasses.field(default="", metadata={"help": "run-lock owner id; a restart with the same id takes over (default: SPACE_ID or host name)"})
     new_run: bool = dataclasses.field(default=False, metadata={"help": "when the bucket holds a run but no checkpoint to continue from: start a new run (new run id; replicas re-bootstrap from its first anchor) instead of refusing; a checkpoint, when there is one, is always resumed from"})

@@ -6,14 +6,29 @@ Spaces' config modules.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
+from typing import Any
 
 from ..config import from_env, settings_table
 
-__all__ = ["GPU_DEFAULT_MODEL", "default_model", "from_env", "resolve_device", "settings_table", "space_owner"]
+__all__ = [
+    "GPU_DEFAULT_MODEL", "default_model", "from_env", "metrics_every_field", "poll_field", "resolve_device",
+    "settings_table", "space_owner",
+]  # fmt: skip
 
 GPU_DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
+
+
+def poll_field() -> Any:
+    """A role's ``poll_s`` setting: seconds between reads of an unwatched bucket (0.5)."""
+    return dataclasses.field(default=0.5, metadata={"help": "seconds between bucket polls (a Hub bucket is watched instead)"})
+
+
+def metrics_every_field() -> Any:
+    """A role's ``metrics_every_s`` setting: seconds between its metrics writes on a Hub bucket (30)."""
+    return dataclasses.field(default=30.0, metadata={"help": "seconds between metrics writes on a Hub bucket"})
 
 
 def resolve_device(device: str) -> str:
