@@ -81,13 +81,24 @@ def restore_weights(model: torch.nn.Module, published: Mapping[str, torch.Tensor
 
     Args:
         model: The trained model.
-        published: The published weights by name (names the model lacks are skipped).
+        published: The published weights by name (names the model lacks are skipped): whole tensors, or a
+            sharded publisher's flat slices (:class:`~rlsync.shards.LocalSlice` data), which go back into the
+            rank's own part of the parameter (an FSDP2 DTensor's local shard).
         layout: The checkpoint layout the weights were published in (a MoE's fused experts), or ``None``.
+
+    Raises:
+        ValueError: a published tensor's size is not that of the parameter (or of its local shard).
     """
+    from torch.distributed.tensor import DTensor
+
     params = dict(model.named_parameters())
     if layout is not None:  # published in checkpoint names: views of the fused parameters
         params = layout.checkpoint_state(params)
     with torch.no_grad():
         for name, tensor in published.items():
-            if name in params:
-                params[name].copy_(tensor.to(params[name].dtype))
+            if name not in params:
+                continue
+            target = params[name].to_local() if isinstance(params[name], DTensor) else params[name]
+            if target.numel() != tensor.numel():
+                raise ValueError(f"{name}: published {tensor.numel()} elements, the parameter holds {target.numel()} here")
+            target.copy_(tensor.reshape(target.shape).to(target.dtype))

@@ -187,6 +187,45 @@ def test_send_weights_leaves_the_gathering_iterator_unread_and_a_non_finite_sync
         dist.destroy_process_group()
 
 
+def test_a_refused_non_finite_sharded_sync_puts_the_published_slices_back_into_the_dtensor_shards(bucket):
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from rlsync.hashing import state_hash
+    from rlsync.protocol.sharded import ShardedPublisher
+    from rlsync.trl import ShardedWeightTransfer
+    from rlsync.trl.guards import restore_weights
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+        mesh = init_device_mesh("cpu", (1,))
+        model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Shard(0)]))  # FSDP2's kind
+        restored = []
+
+        def restore(exc):  # what BucketSync does on a refusal
+            restore_weights(model, transfer.publisher.detector.published, None)
+            restored.append(exc)
+
+        transfer = ShardedWeightTransfer(publisher=ShardedPublisher(bucket), on_non_finite=restore, background=False)
+        transfer.attach(SimpleNamespace(model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m)))
+        transfer.sync()
+        with torch.no_grad():
+            model.weight.to_local()[0, 0] = float("nan")
+            model.bias[1] = float("inf")
+        transfer.sync()
+        assert len(restored) == 1 and read_manifest(bucket).step == 0 and isinstance(model.weight, DTensor)
+        sub = Subscriber(bucket)
+        sub.sync()
+        served = {"weight": model.weight.to_local().detach(), "bias": model.bias.detach()}
+        assert state_hash(served) == sub.state_hash == read_manifest(bucket).state_hash  # bit-equal to the published
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_background_sharded_sync_stalls_for_the_cast_and_a_non_finite_one_is_refused_at_the_next_sync(bucket):
     from types import SimpleNamespace
 
