@@ -36,6 +36,7 @@ from ..hashing import StateLanes, changes_lanes, schema_of, slice_lanes, structu
 from ..layout import POINTER_KEY
 from ..limits import MAX_HEADERS_BYTES, MAX_POINTER_BYTES
 from ..patch import TensorPatch
+from ..heap import trim_heap
 from ..read_once import FileMappings, read_once
 from .held import HeldState, SubscriberStats
 from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest
@@ -136,6 +137,7 @@ class UpdateFetcher:
                 corrupt, or does not make the published state from the held one.
             BucketError: the bucket failed; retry later.
         """
+        trim_heap()  # the last update's decoded tensors are freed: their pages go before this one decodes
         t0 = time.perf_counter()
         self.check_size("delta", entry.step, entry.nbytes)
         try:
@@ -207,6 +209,7 @@ class UpdateFetcher:
                 the model, or does not match its hash.
             BucketError: the bucket failed; retry later.
         """
+        trim_heap()
         t0 = time.perf_counter()
         folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=self.workdir))
         try:

@@ -1,0 +1,27 @@
+"""Giving a decoded update's freed memory back to the operating system before the next one.
+
+A delta decodes into many tensors of a few to a few tens of MB (positions, new and old values).
+glibc's allocator serves most of them from its heaps, and once they are freed keeps the pages
+resident for reuse: after AdamW's first steps, whose deltas change several times more elements than
+later ones, a replica's RSS would stay at the first delta's high-water mark for the rest of the run
+(Qwen3-0.6B at lr 3e-6: +0.7 GB). :func:`trim_heap` (glibc's ``malloc_trim(0)``) returns every free
+whole page of every heap; a subscriber calls it before it decodes the next update, off the pause.
+It takes a few milliseconds and does nothing off glibc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+_libc = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
+_malloc_trim = getattr(_libc, "malloc_trim", None)  # glibc only (musl has none)
+
+
+def trim_heap() -> bool:
+    """Return the allocator's free pages to the operating system.
+
+    Returns:
+        Whether any memory was released (``False`` also off glibc).
+    """
+    return bool(_malloc_trim(0)) if _malloc_trim is not None else False
