@@ -32,10 +32,11 @@ Faults (:meth:`HubServer.inject`) are queued per side (``"api"``: the Hub API, `
 Xet token endpoint, ``"storage"``: Xet storage) and each is consumed by one request (one token grant
 for storage: the transfers that use that grant get the fault, as from a Hub whose storage refuses or
 fails for that token; ``rlsync`` reuses a grant until it expires or a transfer with it fails, so a
-storage fault reaches the transfers after the next grant): an HTTP status with headers, a dropped connection, or a stall (the server holds the
-request for ``stall`` seconds, bounded, then drops it). :meth:`HubServer.chaos` adds random faults
-(429 with ``Retry-After: 0``, 503, dropped connections) at a given rate per side, drawn from a seeded
-generator.
+storage fault reaches the transfers after the next grant): an HTTP status with headers, a dropped
+connection, or a stall (the server holds the request for ``stall`` seconds, bounded, then drops it).
+:meth:`HubServer.chaos` adds random faults (429 with ``Retry-After: 0``, 503, dropped connections) at a
+given rate per side, drawn from a seeded generator. :attr:`HubServer.xet_token_ttl` sets how long the
+Xet tokens it grants are valid.
 """
 
 from __future__ import annotations

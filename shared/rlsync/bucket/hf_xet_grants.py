@@ -15,9 +15,11 @@ process, fetched by this module through huggingface_hub's HTTP client (so counte
 role's :class:`~rlsync.bucket.budget.RequestMeter`, made once, and retried by
 :class:`~rlsync.bucket.retry.RetryingBucket`), by one thread while the others wait, and fetched again
 once less than :data:`REFRESH_BEFORE_S` of it is left. hf_xet gets no refresh URL, so it makes no
-token request of its own: every one is counted. A transfer that outlives its token (longer than about
-:data:`REFRESH_BEFORE_S`) fails with 401 and is retried once with a new token
-(:meth:`~rlsync.bucket.hf_errors.HubCalls.transfer`).
+token request of its own (given one, hf_xet 1.8 fetches a token itself once less than about 30 s are
+left, unseen by the meter): every one is counted. A transfer that outlives its token (it can only when
+it runs longer than :data:`REFRESH_BEFORE_S`) fails with 401 and is made once more with a new token
+(:meth:`~rlsync.bucket.hf_errors.HubCalls.transfer`); one longer than a token's whole life (an hour on
+the Hub) cannot complete.
 """
 
 from __future__ import annotations
@@ -86,7 +88,9 @@ class XetGrants:
         clock: Seconds since the epoch.
     """
 
-    def __init__(self, fetch: Callable[[str, dict[str, str]], Any] | None = None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, fetch: Callable[[str, dict[str, str]], Any] | None = None, clock: Callable[[], float] = time.time
+    ) -> None:
         self._fetch = fetch or _fetch_with_hub_client
         self._clock = clock
         self._lock = threading.Lock()
