@@ -126,8 +126,10 @@ def hub(hub_server, monkeypatch):
     from rlsync.bucket import hf
     from rlsync.bucket.budget import BudgetConfig, RequestMeter
     from rlsync.bucket.hf_transport import HfTransferConfig, install
+    from rlsync.bucket.hf_xet_grants import GRANTS
 
     hub_server.reset()
+    GRANTS.clear()  # Xet tokens granted by the stand-in before its reset point at storage it forgot
     monkeypatch.setenv("HF_ENDPOINT", hub_server.url)
     # The stand-in limits nothing unless a test says so (HubServer.limit): roles (entry points) read
     # HUB_PACING, and a bucket opened without settings gets an unpaced meter.

@@ -30,10 +30,13 @@ hf_xet sends there gets the injected fault.
 
 Faults (:meth:`HubServer.inject`) are queued per side (``"api"``: the Hub API, ``"token"``: the
 Xet token endpoint, ``"storage"``: Xet storage) and each is consumed by one request (one token grant
-for storage): an HTTP status with headers, a dropped connection, or a stall (the server holds the
-request for ``stall`` seconds, bounded, then drops it). :meth:`HubServer.chaos` adds random faults
-(429 with ``Retry-After: 0``, 503, dropped connections) at a given rate per side, drawn from a seeded
-generator.
+for storage: the transfers that use that grant get the fault, as from a Hub whose storage refuses or
+fails for that token; ``rlsync`` reuses a grant until it expires or a transfer with it fails, so a
+storage fault reaches the transfers after the next grant): an HTTP status with headers, a dropped
+connection, or a stall (the server holds the request for ``stall`` seconds, bounded, then drops it).
+:meth:`HubServer.chaos` adds random faults (429 with ``Retry-After: 0``, 503, dropped connections) at a
+given rate per side, drawn from a seeded generator. :attr:`HubServer.xet_token_ttl` sets how long the
+Xet tokens it grants are valid.
 """
 
 from __future__ import annotations
@@ -150,6 +153,9 @@ class HubServer:
             self.chaotic: dict[str, int] = {"api": 0, "token": 0, "storage": 0}
             #: token -> "read" or "write"; a request with any other bearer token gets 401.
             self.tokens: dict[str, str] = {}
+            #: How long the Xet tokens granted from now on are valid (their ``exp``), in seconds: the
+            #: Hub's last an hour; 0 grants tokens that are expired as they are handed out.
+            self.xet_token_ttl = 3600.0
             self.storage = Path(tempfile.mkdtemp(prefix="xet-", dir=self.root))
             #: Rate limits: the tier (None: unlimited) and the window length in seconds.
             self.tier: Tier | None = None
@@ -430,7 +436,8 @@ class _Handler(BaseHTTPRequestHandler):
             cas_url = f"{self.hub.url}/cas"
         else:
             cas_url = f"local://{self.hub.storage}"
-        self._send(200, {"accessToken": "xet-token", "exp": int(time.time()) + 3600, "casUrl": cas_url})
+        expires = int(time.time() + self.hub.xet_token_ttl)
+        self._send(200, {"accessToken": "xet-token", "exp": expires, "casUrl": cas_url})
 
     # -- Hub API --------------------------------------------------------------------------------
 

@@ -336,14 +336,6 @@ def test_storage_404_is_a_missing_object(bucket, server):
         retrying(bucket).get("k")
 
 
-def test_storage_403_is_a_permission_error(bucket, server):
-    bucket.put("k", b"\x05" * 1000)
-    server.inject("storage", Fault(403))
-    with pytest.raises(BucketError, match="permission denied") as info:
-        bucket.get("k")
-    assert not isinstance(info.value, TransientBucketError)
-
-
 # -- tokens never leak ---------------------------------------------------------------------------------
 
 

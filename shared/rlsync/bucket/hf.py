@@ -16,15 +16,17 @@ Errors from ``huggingface_hub`` are mapped onto the bucket error types:
   from the ``Retry-After`` header (seconds or HTTP date, or the Hub's ``RateLimit`` header), bounded
   by the rate-limit window (:func:`rlsync.retry.retry_after_seconds`);
 - 401/403 -> :class:`BucketError` saying the token lacks access (read or write);
-- errors from hf_xet (Xet token endpoint and Xet storage), which arrive as ``RuntimeError`` or
-  ``ConnectionError`` carrying the HTTP status in their message, are classified by that status the
-  same way (a storage 404 is a missing object, a 401/403 from the token endpoint a permission error);
+- errors from hf_xet (Xet storage), which arrive as ``RuntimeError`` or ``ConnectionError`` carrying
+  the HTTP status in their message, are classified by that status the same way (a storage 404 is a
+  missing object, a 401/403 a permission error once a new Xet token was refused too); the Xet token
+  endpoint is asked through the Hub client (:mod:`rlsync.bucket.hf_xet_grants`: one token per bucket
+  and kind, reused until shortly before it expires), so its errors are the Hub API's;
 - anything else -> :class:`BucketError`.
 
 Every request has a timeout and is made once; retries are :class:`RetryingBucket`'s alone (see
 :mod:`rlsync.bucket.hf_transport`). The jobs live in parts: :class:`~rlsync.bucket.hf_errors.HubCalls`
 (one metered call and its error mapping), :class:`~rlsync.bucket.hf_reads.HubReader` (downloads and
-listings); :class:`HfBucket` joins them and writes.
+listings), :mod:`~rlsync.bucket.hf_xet_grants` (the Xet tokens); :class:`HfBucket` joins them and writes.
 
 The access token comes from the ``token`` argument, else the ``HF_TOKEN`` environment variable,
 else ``huggingface_hub``'s own lookup (the saved login). None of these tokens ever appears in an
@@ -186,7 +188,7 @@ class HfBucket(Bucket):
         remote = self._reader.remote(key)
         logger.debug("put %s (%d bytes) to %s", remote, len(data), self.bucket_id)
         payload = bytes(data)  # huggingface_hub tells raw content from a path by the `bytes` type
-        self._hub.call("put", key, lambda: self._upload(payload, remote))
+        self._hub.transfer("put", key, lambda: self._upload(payload, remote))
 
     def put_file(self, key: str, path: str | Path) -> None:
         """Upload the local file `path` under `key` without reading it into memory.
@@ -197,10 +199,9 @@ class HfBucket(Bucket):
         remote = self._reader.remote(key)
         local = str(Path(path))
         logger.debug("put_file %s -> %s in %s", local, remote, self.bucket_id)
-        self._hub.call("put", key, lambda: self._upload(local, remote))
+        self._hub.transfer("put", key, lambda: self._upload(local, remote))
 
     def _upload(self, source: bytes | str, remote: str) -> None:
-        self._hub.xet_token("write")
         self._api.batch_bucket_files(self.bucket_id, add=[(source, remote)], token=self._token)
 
     def get(self, key: str) -> bytes:

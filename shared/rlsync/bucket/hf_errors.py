@@ -7,6 +7,7 @@ message scrubbed of the tokens the client may send.
 
 from __future__ import annotations
 
+import logging
 import re
 import traceback
 from typing import Callable, TypeVar
@@ -24,12 +25,15 @@ from huggingface_hub.errors import (
 
 from ..errors import BucketError, ObjectNotFoundError, RetryableHttpError, TransientBucketError
 from ..retry import retry_after_seconds
-from .budget import RequestClass, RequestMeter
+from .budget import RequestMeter
 from .hf_transport import metering, single_attempt
+from .hf_xet_grants import GRANTS, seeding
 
 __all__ = ["HubCalls"]
 
 _T = TypeVar("_T")
+
+logger = logging.getLogger(__name__)
 
 #: HTTP statuses worth retrying: request timeout, rate limit, server errors.
 _TRANSIENT_STATUSES = frozenset({408, 429})
@@ -50,6 +54,16 @@ _REDACTED = "<redacted>"
 
 def _is_transient(status: int) -> bool:
     return status in _TRANSIENT_STATUSES or status >= 500
+
+
+def xet_status(err: BaseException) -> int | None:
+    """The HTTP status of Xet storage's answer in an error hf_xet raised (``None``: not such an error)."""
+    if isinstance(err, XetAuthenticationError):
+        return 401
+    if isinstance(err, (RuntimeError, OSError)) and not isinstance(err, HfHubHTTPError):
+        match = _XET_STATUS.search(str(err))
+        return int(match[1]) if match else None
+    return None
 
 
 class HubCalls:
@@ -91,12 +105,34 @@ class HubCalls:
                 raise mapped from err
         raise mapped  # outside the except block: not even __context__ keeps the token-bearing original
 
-    def xet_token(self, kind: str) -> None:
-        """Count and pace the Xet token request hf_xet makes itself (outside the Hub client) for one
-        transfer: one API request per upload commit or download group."""
-        path = f"/api/buckets/{self.bucket_id}/xet-{kind}-token"
-        self.meter.acquire(RequestClass.API)
-        self.meter.record("GET", path, None, None)
+    def transfer(self, op: str, key: str | None, fn: Callable[[], _T]) -> _T:
+        """:meth:`call` for a call that moves bytes through Xet storage: hf_xet gets this process's
+        cached Xet token (:mod:`rlsync.bucket.hf_xet_grants`). A token the call used is dropped when the
+        call fails (the next attempt fetches one); one that Xet storage refused (401/403: expired or
+        revoked) is replaced at once and the call made once more.
+
+        Raises:
+            As :meth:`call`.
+        """
+        refused = False
+
+        def attempt() -> _T:
+            nonlocal refused
+            with seeding() as used:
+                try:
+                    return fn()
+                except Exception as err:
+                    GRANTS.drop(used)
+                    refused = bool(used) and xet_status(err) in (401, 403)
+                    raise
+
+        try:
+            return self.call(op, key, attempt)
+        except BucketError:
+            if not refused:
+                raise
+        logger.info("%s %s: Xet storage refused the Xet token; fetching a new one", op, self.url)
+        return self.call(op, key, attempt)
 
     def scrub(self, text: str) -> str:
         """``text`` with every token the client may send replaced."""
@@ -145,11 +181,9 @@ class HubCalls:
             return self._status_error(what, op, status, err.response.headers, detail, "")
         if isinstance(err, OfflineModeIsEnabled):
             return BucketError(self.scrub(f"{what} failed: HF_HUB_OFFLINE is set, the Hub cannot be reached"))
-        if isinstance(err, XetAuthenticationError):
-            return self._status_error(what, op, 401, None, "", f"Xet: {err}")
-        if isinstance(err, (RuntimeError, OSError)) and (match := _XET_STATUS.search(str(err))):
-            # hf_xet: the Xet token endpoint or Xet storage answered with this status.
-            return self._status_error(what, op, int(match[1]), None, "", f"Xet: {err}")
+        if (status := xet_status(err)) is not None:
+            # hf_xet: Xet storage answered with this status.
+            return self._status_error(what, op, status, None, "", f"Xet: {err}")
         xet_connection = isinstance(err, RuntimeError) and _XET_CONNECTION.search(str(err)) is not None
         if isinstance(err, _TRANSIENT_EXCEPTIONS) or xet_connection:
             return TransientBucketError(self.scrub(f"{what} failed: connection error ({type(err).__name__}: {err})"))

@@ -49,13 +49,12 @@ class HubReader:
         return remote_path[len(self.path_prefix) :]
 
     def _fetch(self, source: str | BucketFile, dest: Path) -> None:
-        self.calls.xet_token("read")
         self.calls.api.download_bucket_files(
             self.calls.bucket_id, [(source, str(dest))], raise_on_missing_files=True, token=self.calls.token
         )
 
     def _download(self, key: str, source: str | BucketFile, dest: Path) -> None:
-        self.calls.call("get", key, lambda: self._fetch(source, dest))
+        self.calls.transfer("get", key, lambda: self._fetch(source, dest))
         if not dest.is_file():  # the client skipped it: treat as missing rather than return garbage
             raise ObjectNotFoundError(f"get {key!r} in {self.calls.url} failed: no such object")
 
