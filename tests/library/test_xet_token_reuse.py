@@ -184,3 +184,15 @@ def test_a_malformed_token_answer_is_a_bucket_error(server):
     with pytest.raises(BucketError, match="put 'k'.*no accessToken") as info:
         hub.put("k", b"x")
     assert not isinstance(info.value, TransientBucketError)
+
+
+def test_a_huggingface_hub_without_the_session_hook_keeps_transfers_working_and_says_so(monkeypatch, caplog):
+    from huggingface_hub.utils import _xet
+
+    import rlsync.bucket.hf_xet_grants as grants
+
+    monkeypatch.setattr(grants, "_installed", False)
+    monkeypatch.delattr(_xet, "get_xet_session")
+    with caplog.at_level("WARNING", logger=grants.__name__), grants.seeding() as used:
+        assert used == []
+    assert "get_xet_session" in caplog.text and grants._installed

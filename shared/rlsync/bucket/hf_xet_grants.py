@@ -200,12 +200,18 @@ def install_seeding() -> None:
     per process, huggingface_hub's) is not replaced.
     """
     global _installed
-    from huggingface_hub.utils import _xet
-
     with _INSTALL_LOCK:
         if _installed:
             return
-        original = _xet.get_xet_session
+        try:
+            from huggingface_hub.utils import _xet
+
+            original = _xet.get_xet_session
+        except (ImportError, AttributeError):  # another huggingface_hub layout: transfers work as before
+            logger.warning("this huggingface_hub has no utils._xet.get_xet_session: hf_xet fetches a Xet token "
+                           "per transfer itself (not reused, not counted by the request meter)")  # fmt: skip
+            _installed = True
+            return
 
         def get_xet_session() -> Any:
             session = original()
