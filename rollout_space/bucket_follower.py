@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from rlsync.bucket import Bucket
 from rlsync.fp8 import Chain
@@ -83,7 +83,9 @@ class BucketFollower(Follower):
         self._step: int | None = None
         self._state_hash: str | None = None
         self._seen: dict[str, int] = {}  # the workers' counters at the last status (their subscriber's)
-        self._lock = threading.Lock()
+        # held across each call to the engine and the reading of the status it returns, so that a thread's
+        # older status never overwrites a newer one (a version the workers no longer serve)
+        self._lock = threading.RLock()
         self._follow()
 
     @property
@@ -104,14 +106,14 @@ class BucketFollower(Follower):
 
     def _follow(self) -> None:
         """Have the engine follow the chain from its newest anchor (again after a re-hash mismatch)."""
-        status = self.engine.follow_bucket(self.bucket.url, self.chain.value)
         with self._lock:
             self._seen = {}  # a new subscriber in the workers: its counters start at 0
-        self._observe(status)
+            self._call(lambda: self.engine.follow_bucket(self.bucket.url, self.chain.value))
 
-    def _observe(self, status: dict[str, Any]) -> None:
-        """Take where the engine stands and its counters from a status."""
+    def _call(self, call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Call the engine and take where it stands and its counters from the status it returns."""
         with self._lock:
+            status = call()
             self._step, self._state_hash = status["step"], status["state_hash"]
             if status["newest_step"] is not None:
                 self.newest_step = status["newest_step"]
@@ -119,16 +121,16 @@ class BucketFollower(Follower):
                 now = int(status[key])
                 setattr(self._stats, key, getattr(self._stats, key) + max(0, now - self._seen.get(key, 0)))
                 self._seen[key] = now
+        return status
 
-    def _wait(self, stop: threading.Event, busy: str, status: dict[str, Any]) -> dict[str, Any]:
-        """Read the workers' status until they are no longer ``busy`` (``preparing``, ``rehashing``) or ``stop``,
-        waiting longer between reads the longer the work takes."""
-        delay = POLL_MIN_S
+    def _wait(self, stop: threading.Event, busy: str, call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """``call`` the engine, then read the workers' status until they are no longer ``busy`` (``preparing``,
+        ``rehashing``) or ``stop``, waiting longer between reads the longer the work takes."""
+        status, delay = self._call(call), POLL_MIN_S
         while status[busy] and not stop.is_set():
             stop.wait(delay)
             delay = min(2 * delay, POLL_MAX_S)
-            status = self.engine.transfer_status()
-        self._observe(status)
+            status = self._call(self.engine.transfer_status)
         return status
 
     def fetch_next(self, stop: threading.Event) -> PreparedUpdate | None:
@@ -138,7 +140,7 @@ class BucketFollower(Follower):
             The prepared update, or ``None``: up to date, refused (counted by the workers; the engine keeps
             its version), the bucket unavailable, or ``stop``.
         """
-        status = self._wait(stop, "preparing", self.engine.prepare_update())
+        status = self._wait(stop, "preparing", self.engine.prepare_update)
         if status["error"]:
             with self._lock:
                 self._stats.last_error = status["error"]
@@ -154,18 +156,18 @@ class BucketFollower(Follower):
 
     def _apply(self, update: PreparedUpdate) -> bool:
         """The pause: the workers write the prepared update (and the prefix cache is reset)."""
-        t0 = time.perf_counter()
-        try:
-            self.engine.apply_prepared(update.step)
-        except Exception as exc:  # noqa: BLE001 - vLLM reports a worker's error as a bare Exception; the workers reload at the next update
-            logger.error("replica %s: could not apply %s %d: %s", self.name, update.kind, update.step, exc)
-            return False
-        idle = time.perf_counter() - t0
-        self._observe(self.engine.transfer_status())
-        if (self._step, self._state_hash) != (update.step, update.state_hash):
-            logger.info("replica %s: the prepared %s %d was dropped: the bucket moved on", self.name, update.kind, update.step)
-            return False
         with self._lock:
+            t0 = time.perf_counter()
+            try:
+                self.engine.apply_prepared(update.step)
+            except Exception as exc:  # noqa: BLE001 - vLLM reports a worker's error as a bare Exception; the workers reload at the next update
+                logger.error("replica %s: could not apply %s %d: %s", self.name, update.kind, update.step, exc)
+                return False
+            idle = time.perf_counter() - t0
+            self._call(self.engine.transfer_status)
+            if (self._step, self._state_hash) != (update.step, update.state_hash):
+                logger.info("replica %s: the prepared %s %d was dropped: the bucket moved on", self.name, update.kind, update.step)
+                return False
             if update.kind == "anchor":
                 self._stats.anchors_applied += 1
             else:
@@ -181,7 +183,7 @@ class BucketFollower(Follower):
         if self._step is None:
             return
         t0 = time.perf_counter()
-        status = self._wait(stop, "rehashing", self.engine.verify_served())
+        status = self._wait(stop, "rehashing", self.engine.verify_served)
         rehash = status["rehash"]
         if status["rehashing"]:
             return
