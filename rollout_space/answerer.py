@@ -17,7 +17,6 @@ import time
 
 from rlsync.bucket import Bucket
 from rlsync.layout import rollout_key, task_key
-from rlsync.protocol import Subscriber
 from rlsync.spaces.demand import newest_version, read_demand, would_be_stale
 from rlsync.spaces.exchange import Refusals, Sample, get_json, parse_tasks, write_samples
 from rlsync.spaces.interval_log import IntervalLog
@@ -27,6 +26,7 @@ from .claims import BatchClaims
 from .config import ReplicaConfig
 from .engine import Engine, SamplingSettings
 from .token_budget import TokenBudget, context_length, plan_batch
+from .weights import Follower
 
 #: Weight of the newest batch in the moving average of a batch's generation time.
 GEN_TIME_WEIGHT = 0.3
@@ -41,20 +41,20 @@ class TaskAnswerer:
         engine: The engine generating completions.
         model: The model folder the engine serves (its tokenizer and context length).
         config: The replica's settings (samples per task, lengths, temperature, seed).
-        subscriber: The weights' subscriber (the policy version without LoRA).
+        weights: The weights' follower (its version is the policy version without LoRA).
         adapters: The adapter follower in a LoRA run (its version is the policy version), else ``None``.
         summary: The replica's interval log, counting batches, samples and skips.
     """
 
     def __init__(
         self, bucket: Bucket, replica_id: str, engine: Engine, model: str, config: ReplicaConfig, *,
-        subscriber: Subscriber, adapters: AdapterFollower | None, summary: IntervalLog,
+        weights: Follower, adapters: AdapterFollower | None, summary: IntervalLog,
     ) -> None:  # fmt: skip
         from transformers import AutoTokenizer
 
         self.bucket, self.replica_id, self.config, self.summary = bucket, replica_id, config, summary
         self.engine = engine
-        self.subscriber, self.adapters = subscriber, adapters  # what the policy version is read from
+        self.weights, self.adapters = weights, adapters  # what the policy version is read from
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.budget = TokenBudget(
             max_prompt_tokens=config.max_prompt_tokens or max(1, context_length(model) - config.max_new_tokens),
@@ -74,7 +74,7 @@ class TaskAnswerer:
         """The version samples are generated with: the served adapter's in a LoRA run, else the weights'."""
         if self.adapters is not None:
             return self.adapters.step
-        return self.subscriber.step
+        return self.weights.step
 
     def answer(self, batch: int) -> int:
         """Generate G completions per task of ``batch`` and write them; returns samples written."""

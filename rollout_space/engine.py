@@ -3,15 +3,16 @@
 Engines only ever receive updates that already verified. An engine that exposes its own
 serving tensors (:meth:`Engine.weights`) has them written in place by the replica's
 :class:`~rlsync.protocol.Subscriber`; the others receive each verified update from the
-subscriber's own copy. Engines live
-in ``rollout_space/engines/``, one file per engine, and register by name.
+subscriber's own copy, unless they follow the bucket themselves (:class:`BucketFollowingEngine`:
+their own subscriber, where the weights live, verifies each update; the replica only says when).
+Engines live in ``rollout_space/engines/``, one file per engine, and register by name.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 from rlsync.adapters import AdapterChain
@@ -108,6 +109,36 @@ class Engine(abc.ABC):
 
     def close(self) -> None:
         """Release the engine's resources."""
+
+
+@runtime_checkable
+class BucketFollowingEngine(Protocol):
+    """An engine that follows the bucket itself, where its weights live (vLLM's ``bucket`` weight-transfer
+    backend: :mod:`rlsync.vllm.transfer`), driven by a :class:`~rollout_space.bucket_follower.BucketFollower`.
+
+    Each call returns the engine's transfer status (:meth:`rlsync.vllm.transfer.BucketWeightTransferEngine.status`:
+    ``step``, ``state_hash``, ``preparing``, ``prepared_step``, ``error``, ``rehashing``, ``rehash``...).
+    """
+
+    #: Whether it was started able to follow the bucket (else the replica feeds it from a subscriber).
+    follows_bucket: bool
+
+    def follow_bucket(self, url: str, chain: str) -> dict[str, Any]:
+        """Follow ``chain`` of the bucket at ``url`` from its newest anchor (again: the served weights are
+        replaced by the next anchor)."""
+
+    def prepare_update(self) -> dict[str, Any]:
+        """Start downloading, decoding and verifying the next update in the background, while generating."""
+
+    def transfer_status(self) -> dict[str, Any]:
+        """Where the engine stands."""
+
+    def apply_prepared(self, step: int) -> None:
+        """Write the prepared update toward ``step`` (a pause of generation; nothing downloaded or decoded), then
+        drop the KV computed with the old weights."""
+
+    def verify_served(self) -> dict[str, Any]:
+        """Start re-hashing the served weights against the verified state hash in the background."""
 
 
 _ENGINES: dict[str, Callable[..., Engine]] = {}

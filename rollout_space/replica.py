@@ -1,8 +1,10 @@
 """One replica of the rollout fleet: builds its parts and runs its loop.
 
-A replica follows the bucket's weights (:class:`~rollout_space.weights.WeightFollower`: downloaded,
+A replica follows the bucket's weights (a :class:`~rollout_space.weights.Follower`: downloaded,
 decoded and verified in a background thread while the engine keeps generating, applied between
-batches, re-hashed in full in another thread) and answers the environment's task batches
+batches, re-hashed in full in another thread; by the engine's own workers, the replica's process
+keeping no copy of the model, when the engine follows the bucket itself:
+:class:`~rollout_space.bucket_follower.BucketFollower`) and answers the environment's task batches
 (:class:`~rollout_space.answerer.TaskAnswerer`); it writes its status
 (:class:`~rollout_space.status.StatusWriter`). :class:`Replica` owns the lifecycle: its main loop
 (:meth:`Replica.step`), its threads, start, stop and close.
@@ -51,10 +53,11 @@ from env_space.environments import get_environment
 
 from .adapters import AdapterFollower
 from .answerer import TaskAnswerer
+from .bucket_follower import BucketFollower
 from .config import ReplicaConfig, default_replica_id
-from .engine import Engine, create_engine
+from .engine import BucketFollowingEngine, Engine, create_engine
 from .status import StatusWriter, replica_status, summary_line
-from .weights import WeightFollower, idle_wait_s
+from .weights import Follower, WeightFollower, idle_wait_s
 
 __all__ = ["Replica", "ReplicaConfig", "default_replica_id", "resolve_model", "weights_bytes"]
 
@@ -64,7 +67,8 @@ logger = logging.getLogger(__name__)
 class Replica:
     """Follows the bucket's weights and answers task batches.
 
-    Its parts, each with one job: :attr:`weights` (a :class:`~rollout_space.weights.WeightFollower`),
+    Its parts, each with one job: :attr:`weights` (a :class:`~rollout_space.bucket_follower.BucketFollower`
+    when the engine follows the bucket itself, else a :class:`~rollout_space.weights.WeightFollower`),
     :attr:`adapters` (an :class:`~rollout_space.adapters.AdapterFollower` in a LoRA run, else ``None``),
     :attr:`tasks` (a :class:`~rollout_space.answerer.TaskAnswerer`) and its status writer.
 
@@ -99,19 +103,25 @@ class Replica:
         self.engine = engine or create_engine(kind, model_path=model, **engine_kwargs)
         self.summary = IntervalLog(logger, functools.partial(summary_line, self.replica_id))
         max_state_bytes = config.max_model_bytes or weights_bytes(model)  # bounds the first anchor (or adapter)
-        self.weights = WeightFollower(
-            self.bucket, self.engine, self.chain, config, name=self.replica_id, max_state_bytes=max_state_bytes,
-            summary=self.summary,
-        )  # fmt: skip
-        #: The weights' subscriber and the slot of the update waiting to be applied (the follower's).
-        self.subscriber, self.slot = self.weights.subscriber, self.weights.slot
+        self.weights: Follower
+        if isinstance(self.engine, BucketFollowingEngine) and self.engine.follows_bucket:
+            self.weights = BucketFollower(self.bucket, self.engine, self.chain, config, name=self.replica_id, summary=self.summary)
+        else:
+            self.weights = WeightFollower(
+                self.bucket, self.engine, self.chain, config, name=self.replica_id, max_state_bytes=max_state_bytes,
+                summary=self.summary,
+            )  # fmt: skip
+        #: The weights' subscriber in this process (``None`` when the engine follows the bucket itself), and the
+        #: slot of the update waiting to be applied (the follower's).
+        self.subscriber = self.weights.subscriber if isinstance(self.weights, WeightFollower) else None
+        self.slot = self.weights.slot
         self.adapters = (
-            AdapterFollower(self.bucket, self.engine, lambda: self.subscriber.state_hash, window=config.lora_window,
+            AdapterFollower(self.bucket, self.engine, lambda: self.weights.state_hash, window=config.lora_window,
                             poll_s=config.poll_s, max_state_bytes=max_state_bytes)
             if config.lora else None
         )  # fmt: skip
         self.tasks = TaskAnswerer(
-            self.bucket, self.replica_id, self.engine, model, config, subscriber=self.subscriber,
+            self.bucket, self.replica_id, self.engine, model, config, weights=self.weights,
             adapters=self.adapters, summary=self.summary,
         )  # fmt: skip
         #: The task batch claims and the refused objects (the answerer's).
@@ -129,7 +139,7 @@ class Replica:
 
     @property
     def syncs(self) -> list[dict]:
-        """The updates applied, the newest last (:attr:`rollout_space.weights.WeightFollower.syncs`)."""
+        """The updates applied, the newest last (:attr:`rollout_space.weights.Follower.syncs`)."""
         return self.weights.syncs
 
     @property
@@ -139,7 +149,7 @@ class Replica:
 
     def apply_pending(self) -> bool:
         """Apply a downloaded update, pausing generation; returns whether one was applied
-        (:meth:`~rollout_space.weights.WeightFollower.apply_pending`)."""
+        (:meth:`~rollout_space.weights.Follower.apply_pending`)."""
         return self.weights.apply_pending()
 
     def answer(self, batch: int) -> int:

@@ -25,7 +25,7 @@ def replica_status(replica) -> ReplicaStatus:
     syncs, newest, tasks = replica.weights.syncs, replica.weights.newest_step, replica.tasks
     last = syncs[-1] if syncs else {}
     deltas = [s for s in syncs if s["kind"] == "delta"]
-    applied = replica.subscriber.step
+    applied, stats = replica.weights.step, replica.weights.stats
     return ReplicaStatus(
         replica_id=replica.replica_id,
         engine=replica.engine.name,
@@ -34,22 +34,22 @@ def replica_status(replica) -> ReplicaStatus:
         lag=None if applied is None or newest is None else newest - applied,
         apply_s=last.get("idle_s"),
         idle_per_sync_s=sum(s["idle_s"] for s in deltas) / len(deltas) if deltas else None,
-        bytes_downloaded=replica.subscriber.stats.bytes_downloaded,
-        reads=replica.subscriber.stats.reads,
-        refused=replica.subscriber.stats.refused,
+        bytes_downloaded=stats.bytes_downloaded,
+        reads=stats.reads,
+        refused=stats.refused,
         refused_objects=tasks.refusals.total,
         thread_crashes=crashes(replica.threads),
         tokens_per_s=tasks.tokens / tasks.gen_s if tasks.gen_s else 0.0,
         completions=tasks.completions,
         skipped_stale=tasks.skipped_stale,
         claims_lost=tasks.batches.lost,
-        state_hash=replica.subscriber.state_hash,
+        state_hash=replica.weights.state_hash,
         hub=HubCounts(**replica.meter.snapshot()) if replica.meter is not None else None,
-        engine_state_hash=replica.subscriber.stats.verified_hash or None,  # the weights' own, re-hashed
-        engine_verified_step=replica.subscriber.stats.verified_step,
-        rehashes=replica.subscriber.stats.rehashes,
-        rehash_mismatches=replica.subscriber.stats.rehash_mismatches,
-        last_rehash_s=replica.subscriber.stats.last_rehash_s,
+        engine_state_hash=stats.verified_hash or None,  # the weights' own, re-hashed
+        engine_verified_step=stats.verified_step,
+        rehashes=stats.rehashes,
+        rehash_mismatches=stats.rehash_mismatches,
+        last_rehash_s=stats.last_rehash_s,
         recent_syncs=[
             Sync(**{k: s[k] for k in ("step", "kind", "nbytes", "download_s", "idle_s", "time")})
             for s in syncs[-STATUS_SYNCS:]

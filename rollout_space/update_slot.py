@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import threading
-from typing import Callable
-
-from rlsync.protocol import Update
+from typing import Any, Callable
 
 __all__ = ["UpdateSlot"]
 
 
 class UpdateSlot:
-    """At most one fetched, validated update, waiting to be applied.
+    """At most one fetched, validated update (an :class:`~rlsync.protocol.Update`, or what a follower holds of
+    one: :class:`~rollout_space.bucket_follower.PreparedUpdate`), waiting to be applied.
 
     The fetch thread waits for the slot to be empty before it fetches the next update: that one
     is validated against the state this one produces.
@@ -19,7 +18,7 @@ class UpdateSlot:
 
     def __init__(self) -> None:
         #: The update waiting to be applied, or ``None``.
-        self.update: Update | None = None
+        self.update: Any = None
         self._cond = threading.Condition()
 
     def wait_empty(self, stop: threading.Event) -> None:
@@ -28,11 +27,11 @@ class UpdateSlot:
             while self.update is not None and not stop.is_set():
                 self._cond.wait(0.5)
 
-    def put(self, update: Update) -> None:
+    def put(self, update: Any) -> None:
         with self._cond:
             self.update = update
 
-    def apply(self, apply: Callable[[Update], bool]) -> bool:
+    def apply(self, apply: Callable[[Any], bool]) -> bool:
         """Run ``apply`` on the waiting update, then empty the slot.
 
         Returns:

@@ -1,28 +1,35 @@
 """A replica's weights: follow one chain of the bucket into the engine, bit for bit.
 
-:class:`WeightFollower` downloads, decodes and verifies the next update in a background thread
-(:meth:`~WeightFollower.fetch_loop`) while the engine keeps generating; only writing it pauses
-generation (:meth:`~WeightFollower.apply_pending`, between batches): for a delta, the scatter of the
-changed elements into the engine's own weights when the engine exposes them
-(:meth:`~rollout_space.engine.Engine.weights`, then the subscriber's state: no second copy of the
-model). That pause is measured as "inference idle per sync".
+:class:`Follower` is what the replica's loops drive, whatever holds the verified state: a background
+thread downloads, decodes and verifies the next update (:meth:`~Follower.fetch_loop`) while the engine
+keeps generating; only writing it pauses generation (:meth:`~Follower.apply_pending`, between batches),
+and that pause is measured as "inference idle per sync". Another background thread
+(:meth:`~Follower.rehash_loop`) re-hashes the engine's weights in full after every anchor and every
+``rehash_every_s`` seconds; a mismatch is counted (``rehash_mismatches``) and the weights re-bootstrap
+from the newest anchor.
 
-Another background thread (:meth:`~WeightFollower.rehash_loop`) re-hashes the engine's weights in
-full after every anchor and every ``rehash_every_s`` seconds; a mismatch is counted
-(``rehash_mismatches``) and the subscriber re-bootstraps from the newest anchor.
+Two kinds exist. An engine that follows the bucket itself (vLLM's ``bucket`` backend,
+:class:`~rollout_space.engine.BucketFollowingEngine`) gets a
+:class:`~rollout_space.bucket_follower.BucketFollower`: the subscriber lives where the weights do, and the
+replica's process holds no copy of the model. The others get a :class:`WeightFollower`, whose
+:class:`~rlsync.protocol.Subscriber` writes a delta's changed elements into the engine's own weights when
+the engine exposes them (:meth:`~rollout_space.engine.Engine.weights`: no second copy of the model), and
+otherwise keeps the verified state and hands the engine each verified update from it.
 """
 
 from __future__ import annotations
 
+import abc
 import logging
 import threading
 import time
+from typing import Any
 
 from rlsync.bucket import Bucket
 from rlsync.bucket.watch import IDLE_WAIT_S, generation, wait_for_change
 from rlsync.errors import BucketError, SyncError
 from rlsync.fp8 import Chain
-from rlsync.protocol import Update
+from rlsync.protocol import SubscriberStats, Update
 from rlsync.spaces.interval_log import IntervalLog
 
 from .config import ReplicaConfig
@@ -40,15 +47,126 @@ def idle_wait_s(bucket: Bucket, poll_s: float) -> float:
     return poll_s if generation(bucket) is None else IDLE_WAIT_S
 
 
-class WeightFollower:
-    """Follows one chain's weights into an engine.
+class Follower(abc.ABC):
+    """Follows one chain's weights into an engine: the loops a replica runs, whatever holds the verified state.
+
+    Args:
+        bucket: The run's bucket.
+        chain: The chain followed (bf16 weights or the FP8 serving chain).
+        config: The replica's settings (``rehash_every_s``: seconds between full re-hashes of the weights, 0:
+            only after anchors; ``poll_s``: seconds between pointer reads when up to date on an unwatched bucket).
+        name: The replica's id, in log lines.
+        summary: The replica's interval log, counting applied versions and pauses.
+    """
+
+    def __init__(self, bucket: Bucket, chain: Chain, config: ReplicaConfig, *, name: str, summary: IntervalLog) -> None:
+        self.bucket, self.chain, self.config = bucket, chain, config
+        self.name = name
+        self.summary = summary
+        self.slot = UpdateSlot()
+        #: One dict per applied update (step, kind, nbytes, download_s, decode_s, idle_s, time), the newest last.
+        self.syncs: list[dict] = []
+        #: The newest version the pointer named at the last fetch (``None`` before one).
+        self.newest_step: int | None = None
+        self._rehash_now = threading.Event()  # set after an anchor: re-hash the weights it wrote
+        self._nudge = threading.Event()  # set to end the fetch loop's wait for news (on stop, after a re-bootstrap)
+
+    @property
+    @abc.abstractmethod
+    def step(self) -> int | None:
+        """The version the engine serves, verified (``None`` before the first anchor)."""
+
+    @property
+    @abc.abstractmethod
+    def state_hash(self) -> str | None:
+        """The state hash of that version."""
+
+    @property
+    @abc.abstractmethod
+    def stats(self) -> SubscriberStats:
+        """The counters the replica's status reports (reads, bytes, refusals, re-hashes)."""
+
+    @abc.abstractmethod
+    def fetch_next(self, stop: threading.Event) -> Any:
+        """Download, decode and verify the next update while generation goes on.
+
+        Returns:
+            What :meth:`apply_pending` hands to the apply, or ``None`` (up to date, refused, unavailable).
+        """
+
+    @abc.abstractmethod
+    def _apply(self, update: Any) -> bool:
+        """Write a fetched update into the engine (the pause); returns whether it was applied."""
+
+    @abc.abstractmethod
+    def rehash(self, stop: threading.Event) -> None:
+        """Re-hash the engine's weights in full against the verified state hash; a mismatch is counted and
+        the engine re-bootstraps from the newest anchor."""
+
+    def fetch_loop(self, stop: threading.Event) -> None:
+        """Background thread: fetch the next update while generation goes on, until ``stop``; up to date, wait
+        for news of the chain's pointer (:func:`idle_wait_s`)."""
+        while not stop.is_set():
+            self.slot.wait_empty(stop)
+            if stop.is_set():
+                return
+            since = generation(self.bucket)
+            update = self.fetch_next(stop)
+            if update is None:
+                idle_s = idle_wait_s(self.bucket, self.config.poll_s)
+                wait_for_change(self.bucket, self._nudge, idle_s, (self.chain.pointer_key,), since)
+                self._nudge.clear()
+                continue
+            self.slot.put(update)
+            update = None  # the slot holds it until it is applied: not this loop while it fetches the next one
+
+    def apply_pending(self) -> bool:
+        """Apply a fetched update, pausing generation; returns whether one was applied.
+
+        The fetch thread waits until this returns before it fetches the next
+        update, which is validated against the state this apply produces.
+        """
+        return self.slot.apply(self._apply)
+
+    def _record(self, update: Any, idle: float) -> None:
+        """Count an applied update (its ``step``, ``kind``, ``nbytes``, ``download_s``, ``decode_s``) and the
+        pause ``idle`` it took; after an anchor, wake the re-hash thread."""
+        if update.kind == "anchor":
+            self._rehash_now.set()
+        self.syncs.append({
+            "step": update.step, "kind": update.kind, "nbytes": update.nbytes, "download_s": update.download_s,
+            "decode_s": update.decode_s, "idle_s": idle, "time": time.time(),
+        })  # fmt: skip
+        del self.syncs[:-KEPT_SYNCS]
+        logger.debug("replica %s: applied %s %d, idle %.3fs", self.name, update.kind, update.step, idle)
+        self.summary.add(applied=1, anchors=update.kind == "anchor", idle_s=idle)
+        self.summary.note(version=update.step)
+
+    def rehash_loop(self, stop: threading.Event) -> None:
+        """Background thread: :meth:`rehash` after every anchor and every ``rehash_every_s`` seconds, until ``stop``."""
+        every = self.config.rehash_every_s
+        while not stop.is_set():
+            self._rehash_now.wait(every if every > 0 else None)
+            if stop.is_set():
+                return
+            self._rehash_now.clear()
+            self.rehash(stop)
+
+    def wake(self) -> None:
+        """Wake the loops (on stop): the fetch loop waiting for news or for its update to be applied, the re-hash loop."""
+        self._rehash_now.set()
+        self._nudge.set()
+        self.slot.wake()
+
+
+class WeightFollower(Follower):
+    """Follows one chain's weights into an engine through a :class:`~rlsync.protocol.Subscriber` of its own.
 
     Args:
         bucket: The run's bucket.
         engine: The engine serving the weights.
         chain: The chain followed (bf16 weights or the FP8 serving chain).
-        config: The replica's settings (``rehash_every_s``: seconds between full re-hashes of the weights, 0:
-            only after anchors; ``poll_s``: seconds between pointer reads when up to date on an unwatched bucket).
+        config: The replica's settings (see :class:`Follower`).
         name: The replica's id, in log lines.
         max_state_bytes: The largest first anchor accepted (e.g. the model's size).
         summary: The replica's interval log, counting applied versions and pauses.
@@ -58,46 +176,36 @@ class WeightFollower:
         self, bucket: Bucket, engine: Engine, chain: Chain, config: ReplicaConfig, *, name: str,
         max_state_bytes: int | None, summary: IntervalLog,
     ) -> None:  # fmt: skip
-        self.bucket, self.engine, self.chain, self.config = bucket, engine, chain, config
-        self.name = name
-        self.summary = summary
+        super().__init__(bucket, chain, config, name=name, summary=summary)
+        self.engine = engine
         self._engine_weights = engine.weights()  # None: the engine is fed from the subscriber's copy
         self.subscriber = chain.subscriber(bucket, weights=self._engine_weights, max_state_bytes=max_state_bytes)
-        self.slot = UpdateSlot()
-        #: One dict per applied update (step, kind, nbytes, download_s, decode_s, idle_s, time), the newest last.
-        self.syncs: list[dict] = []
-        #: The newest version the pointer named at the last fetch (``None`` before one).
-        self.newest_step: int | None = None
-        self._rehash_now = threading.Event()  # set after an anchor: re-hash the weights it wrote
 
-    def fetch_loop(self, stop: threading.Event) -> None:
-        """Background thread: download and validate the next update while generation goes on, until ``stop``."""
-        while not stop.is_set():
-            self.slot.wait_empty(stop)
-            if stop.is_set():
-                return
-            since = generation(self.bucket)
-            try:
-                update = self.subscriber.fetch()
-            except (SyncError, BucketError) as exc:
-                logger.warning("replica %s: update refused or unavailable: %s", self.name, exc)
-                update = None
-            if self.subscriber.manifest is not None:
-                self.newest_step = self.subscriber.manifest.step
-            if update is None:
-                idle_s = idle_wait_s(self.bucket, self.config.poll_s)
-                wait_for_change(self.bucket, stop, idle_s, (self.chain.pointer_key,), since)
-                continue
-            self.slot.put(update)
-            update = None  # the slot holds it until it is applied: not this loop while it fetches the next one
+    @property
+    def step(self) -> int | None:
+        """The subscriber's version."""
+        return self.subscriber.step
 
-    def apply_pending(self) -> bool:
-        """Apply a downloaded update, pausing generation; returns whether one was applied.
+    @property
+    def state_hash(self) -> str | None:
+        """The subscriber's state hash."""
+        return self.subscriber.state_hash
 
-        The fetch thread waits until this returns before it fetches the next
-        update, which is validated against the state this apply produces.
-        """
-        return self.slot.apply(self._apply)
+    @property
+    def stats(self) -> SubscriberStats:
+        """The subscriber's counters."""
+        return self.subscriber.stats
+
+    def fetch_next(self, stop: threading.Event) -> Update | None:
+        """The subscriber's next update, downloaded and validated (``None``: up to date, refused or unavailable)."""
+        try:
+            update = self.subscriber.fetch()
+        except (SyncError, BucketError) as exc:
+            logger.warning("replica %s: update refused or unavailable: %s", self.name, exc)
+            update = None
+        if self.subscriber.manifest is not None:
+            self.newest_step = self.subscriber.manifest.step
+        return update
 
     def _apply(self, update: Update) -> bool:
         t0 = time.perf_counter()
@@ -111,32 +219,10 @@ class WeightFollower:
                 self.engine.load_state(self.subscriber.state)
             else:
                 self.engine.apply_patches(update.patches or {}, self.subscriber.state)
-        idle = time.perf_counter() - t0
-        if update.kind == "anchor":
-            self._rehash_now.set()
-        self.syncs.append({
-            "step": update.step, "kind": update.kind, "nbytes": update.nbytes, "download_s": update.download_s,
-            "decode_s": update.decode_s, "idle_s": idle, "time": time.time(),
-        })  # fmt: skip
-        del self.syncs[:-KEPT_SYNCS]
-        logger.debug("replica %s: applied %s %d, idle %.3fs", self.name, update.kind, update.step, idle)
-        self.summary.add(applied=1, anchors=update.kind == "anchor", idle_s=idle)
-        self.summary.note(version=update.step)
+        self._record(update, time.perf_counter() - t0)
         return True
 
-    def rehash_loop(self, stop: threading.Event) -> None:
-        """Background thread: re-hash the weights in full after every anchor and every ``rehash_every_s``
-        seconds (:meth:`~rlsync.protocol.Subscriber.verify_weights`; a mismatch re-bootstraps), until ``stop``."""
-        every = self.config.rehash_every_s
-        while not stop.is_set():
-            self._rehash_now.wait(every if every > 0 else None)
-            if stop.is_set():
-                return
-            self._rehash_now.clear()
-            if self.subscriber.verify_weights() is False:
-                logger.error("replica %s: %s", self.name, self.subscriber.stats.last_error)
-
-    def wake(self) -> None:
-        """Wake both loops (on stop): the fetch loop waiting for its update to be applied, the re-hash loop."""
-        self._rehash_now.set()
-        self.slot.wake()
+    def rehash(self, stop: threading.Event) -> None:
+        """:meth:`~rlsync.protocol.Subscriber.verify_weights` (a mismatch re-bootstraps the subscriber)."""
+        if self.subscriber.verify_weights() is False:
+            logger.error("replica %s: %s", self.name, self.subscriber.stats.last_error)

@@ -1,7 +1,11 @@
 """A rollout engine on vLLM's offline Python API (``vllm.LLM``), on GPU or CPU.
 
-The replica's :class:`~rlsync.protocol.Subscriber` verifies every update; this
-engine only moves verified weights into vLLM's workers, through
+A rollout replica has this engine follow the bucket itself (:mod:`.vllm_follow`, the ``bucket``
+weight-transfer backend it is started with by default): each worker's subscriber verifies every
+update and writes it where the weights live, and the replica's process keeps no copy of the model.
+
+The calls below serve a caller that follows the bucket with its own :class:`~rlsync.protocol.Subscriber`
+(which verified every update); they only move verified weights into vLLM's workers, through
 ``LLM.collective_rpc`` calls to :class:`~rlsync.vllm.worker.SyncWorkerExtension`:
 
 * :meth:`VllmEngine.apply_patches` writes a delta's changed elements in place via
@@ -54,6 +58,8 @@ from rlsync.vllm.worker import WeightLayout, plan_update
 
 from rollout_space.engine import Completion, Engine, SamplingSettings, register_engine
 
+from .vllm_follow import BUCKET_BACKEND, VllmBucketCalls
+
 logger = logging.getLogger(__name__)
 
 #: Temperatures below this decode greedily (vLLM's own threshold).
@@ -64,7 +70,7 @@ GREEDY_TEMPERATURE = 1e-5
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
 
 
-class VllmEngine(Engine):
+class VllmEngine(VllmBucketCalls, Engine):
     """Serve a causal LM with vLLM and keep its weights in sync with the bucket.
 
     Args:
@@ -82,7 +88,8 @@ class VllmEngine(Engine):
         max_loras: LoRA adapter versions served at once (0: no LoRA; ``enable_lora`` otherwise).
         max_lora_rank: Largest adapter rank (a rank vLLM accepts: 1, 8, 16, 32, 64...).
         **llm_kwargs: Further ``vllm.LLM`` arguments (e.g. ``max_num_seqs``,
-            ``gpu_memory_utilization``, ``tensor_parallel_size``).
+            ``gpu_memory_utilization``, ``tensor_parallel_size``; ``weight_transfer_config``, default
+            :data:`~.vllm_follow.BUCKET_BACKEND`: the engine can follow the bucket itself).
     """
 
     name = "vllm"
@@ -117,6 +124,7 @@ class VllmEngine(Engine):
             enforce_eager=enforce_eager,
             worker_extension_cls=WORKER_EXTENSION,
             logprobs_mode="processed_logprobs",
+            weight_transfer_config=dict(BUCKET_BACKEND),
         )
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
@@ -125,6 +133,9 @@ class VllmEngine(Engine):
         if max_loras:
             kwargs.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
         kwargs.update(llm_kwargs)
+        transfer = kwargs["weight_transfer_config"]
+        backend = transfer.get("backend") if isinstance(transfer, dict) else getattr(transfer, "backend", None)
+        self.follows_bucket = backend == BUCKET_BACKEND["backend"]
         self.max_loras = max_loras
         self._adapters: dict[int, Any] = {}  # version -> LoRARequest
         self._adapter_dir: Path | None = None

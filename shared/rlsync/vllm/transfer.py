@@ -256,7 +256,8 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
             update (``prepared_step``, ``prepared_kind``, ``prepared_hash``) or the ``error`` that refused
             it, ``refused`` (the subscriber's count), ``discarded`` (prepared updates dropped as stale),
             ``pause`` (the last :meth:`receive_weights`: seconds, bucket reads inside it, updates applied),
-            ``rehashing`` and ``rehash`` (:meth:`verify`; ``rehash_error``).
+            ``rehashing`` and ``rehash`` (:meth:`verify`; ``rehash_error``); for a caller's own report,
+            ``newest_step`` (the pointer's), ``prepared_nbytes``/``_download_s``/``_decode_s``, ``reads``, ``bytes_downloaded``.
         """
         sub = self.subscriber
         held = self._prepared.result
@@ -269,6 +270,10 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
             "refused": sub.stats.refused if sub is not None else 0, "discarded": self._pause.discarded,
             "pause": self._pause.last, "rehashing": self._rehash.running, "rehash": self._rehash.result,
             "rehash_error": _describe(self._rehash.error),
+            "newest_step": sub.manifest.step if sub is not None and sub.manifest is not None else None,
+            "prepared_nbytes": update.nbytes if update else 0, "prepared_download_s": update.download_s if update else 0.0,
+            "prepared_decode_s": update.decode_s if update else 0.0, "reads": sub.stats.reads if sub is not None else 0,
+            "bytes_downloaded": sub.stats.bytes_downloaded if sub is not None else 0,
         }  # fmt: skip
 
     # -- the pause ------------------------------------------------------------------------------

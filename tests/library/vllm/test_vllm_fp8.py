@@ -3,8 +3,9 @@
 The trainer (TRL's transfer, ``BucketWeightTransfer(fp8=...)``) publishes bf16 versions of a tiny Qwen3 whose
 projections are multiples of 128 rows (4 key/value heads: vLLM requires it of block-FP8 checkpoints) and,
 beside them, its own quantization of each (the ``fp8/`` chain). A rollout replica set to follow the FP8
-chain (``ROLLOUT_CHAIN=fp8``), its vLLM engine started from the model quantized to block FP8, applies each verified
-version: the changed e4m3 bytes and block scales reload their modules. After the anchor and every delta the
+chain (``ROLLOUT_CHAIN=fp8``), its vLLM engine started from the model quantized to block FP8, has the engine's
+``bucket`` backend prepare and apply each verified version (the replica's process holds none of it): the
+changed e4m3 bytes and block scales reload their modules. After the anchor and every delta the
 weights and scales read back from vLLM (the e4m3 weights out of the kernel's VNNI order) equal the trainer's
 quantization of the same bf16 version, tensor by tensor and by hash. The ``bucket`` weight-transfer backend
 (what ``vllm serve`` runs) then follows the FP8 chain the same way, and refuses a hostile scale before any
@@ -12,6 +13,8 @@ weight is touched.
 """
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 
@@ -47,9 +50,9 @@ def test_a_vllm_replica_follows_the_fp8_chain_bit_exact_and_refuses_a_hostile_sc
     transfer = BucketWeightTransfer(
         publisher=Publisher(bucket, policy=FixedInterval(100)), fp8=fp8_publisher(bucket, policy=FixedInterval(100))
     )
-    # the engine the replica builds for the FP8 chain (vLLM from the model quantized to block FP8), with the
-    # bucket backend configured as well (vllm serve's update routes, below)
-    engine = VllmEngine(write_fp8_checkpoint(model, tmp_path / "fp8"), weight_transfer_config={"backend": "bucket"}, **ENGINE_KWARGS)
+    # the engine the replica builds for the FP8 chain (vLLM from the model quantized to block FP8); the replica
+    # drives its bucket backend, as vllm serve's update routes do below
+    engine = VllmEngine(write_fp8_checkpoint(model, tmp_path / "fp8"), **ENGINE_KWARGS)  # the bucket backend by default
     config = ReplicaConfig(bucket=str(tmp_path / "bucket"), engine="vllm", model=str(model), chain=Chain.FP8.value)
     replica = Replica(config, bucket=bucket, engine=engine)
     try:
@@ -59,16 +62,16 @@ def test_a_vllm_replica_follows_the_fp8_chain_bit_exact_and_refuses_a_hostile_sc
                 sparse_rl_step(master, 700 + version)
             transfer.send_weights(iter(master.items()))  # the trainer: one bf16 version and its FP8 version
             expected = quantize_state({n: t.to(torch.bfloat16) for n, t in master.items()})
-            update = replica.subscriber.fetch()
+            update = replica.weights.fetch_next(threading.Event())  # prepared by the engine's workers
             assert update.kind == ("anchor" if version == 0 else "delta") and update.step == version
             if version:  # a delta carries changed e4m3 bytes (and scales), never the whole model
-                assert any(t.dtype == torch.float8_e4m3fn for t in (p.values for p in update.patches.values()))
+                assert update.nbytes < replica.syncs[0]["nbytes"]
             replica.slot.put(update)
-            assert replica.apply_pending() and replica.subscriber.step == version
+            assert replica.apply_pending() and replica.weights.step == version
             served = engine.read_state()
             assert served.keys() == expected.keys() and any(n.endswith(SCALE_SUFFIX) for n in served)
             assert [n for n in expected if not same_bits(served[n], expected[n])] == []
-            assert engine.state_hash() == state_hash(expected) == replica.subscriber.state_hash
+            assert engine.state_hash() == state_hash(expected) == replica.weights.state_hash
         completions = engine.generate(["reverse 123 ="], SamplingSettings(n=1, max_new_tokens=4, temperature=0.0))
         assert completions[0][0].token_ids  # it serves the FP8 weights
 

@@ -5,10 +5,13 @@ An :class:`AdapterFollower` bound to the base vLLM serves (its weights hashed in
 follows an adapter chain of three versions: each is verified, written, read back and hashed
 before it is added as a ``LoRARequest`` with a new id (``version + 1``); the version out of the
 window is removed from vLLM. Greedy tokens under each served version equal those of peft on the
-same adapter, and a chain for another base is refused.
+same adapter, and a chain for another base is refused. A LoRA replica with this engine follows the base
+through vLLM's ``bucket`` backend.
 """
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -114,3 +117,23 @@ def test_refused_adapter_versions_never_stay_loaded_in_vllm(engine, model_dir, b
     engine.drop_adapter(9)  # as the follower does after a refusal
     assert set(engine.llm.llm_engine.list_loras()) == {4} and not (engine._adapter_dir / "v9").exists()
     assert tokens(engine, greedy(3)) == served  # the served version is untouched by the refused one
+
+
+def test_a_lora_replica_follows_the_base_through_the_bucket_backend(engine, model_dir, bucket):
+    """A LoRA replica with this engine: the base through vLLM's ``bucket`` backend (the replica's process holds no
+    copy of it), the adapter follower bound to the base hash the engine's workers verified."""
+    from rollout_space.bucket_follower import BucketFollower
+    from rollout_space.replica import Replica, ReplicaConfig
+
+    for version in list(engine._adapters):  # from the earlier tests of this module's engine
+        engine.drop_adapter(version)
+    base_hash = Publisher(bucket).publish(0, load_file(model_dir / "model.safetensors")).state_hash
+    config = ReplicaConfig(bucket=str(bucket.root), replica_id="r", engine="vllm", model=str(model_dir), lora=True, lora_window=2)
+    replica = Replica(config, bucket=bucket, engine=engine)  # stopped, not closed: the module's engine
+    assert isinstance(replica.weights, BucketFollower) and replica.subscriber is None
+    replica.slot.put(replica.weights.fetch_next(threading.Event()))
+    assert replica.apply_pending() and engine.state_hash() == base_hash == replica.weights.state_hash
+    pub = adapter_publisher(bucket, AdapterChain("tiny", base_hash, LORA))
+    published = publish_and_follow(replica.adapters, pub, {0: trained_adapter(model_dir, 5)})
+    assert replica.adapters.status()["engine_adapter_hash"] == pub.manifest.state_hash == state_hash(published[0])
+    assert replica.tasks.policy_version == 0 and tokens(engine, greedy(0)) == peft_reference(model_dir, published[0])
