@@ -72,6 +72,28 @@ def peft_reference(model_dir, tensors) -> list[list[int]]:
     return out
 
 
+#: Another engine's kernels (vLLM's LoRA on CPU) round differently from peft's: where peft's two best
+#: logits are closer than this, either token is the adapter's greedy choice.
+NEAR_TIE_LOGITS = 0.25
+
+
+def greedy_under_peft(model_dir, tensors, served: list[list[int]]) -> bool:
+    """Whether each of ``served``'s tokens (one list per prompt) is the greedy choice of peft holding
+    ``tensors``, given the tokens before it: peft's best, or within :data:`NEAR_TIE_LOGITS` of it."""
+    from peft import set_peft_model_state_dict
+
+    model, tok = _reference_model(str(model_dir))
+    assert not set_peft_model_state_dict(model, tensors).unexpected_keys
+    for prompt, got in zip(PROMPTS, served, strict=True):
+        ids = tok(prompt, return_tensors="pt")["input_ids"][0].tolist()
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + got])).logits[0, len(ids) - 1 : -1].float()
+        best = logits.max(dim=-1).values
+        if not bool((best - logits[torch.arange(len(got)), torch.tensor(got)] <= NEAR_TIE_LOGITS).all()):
+            return False
+    return True
+
+
 def tokens(engine, sampling) -> list[list[int]]:
     """Greedy tokens per prompt, one prompt at a time (as the reference: no padding in the batch)."""
     return [engine.generate([prompt], sampling)[0][0].token_ids for prompt in PROMPTS]

@@ -4,8 +4,8 @@ which supports LoRA for the tiny Qwen3).
 An :class:`AdapterFollower` bound to the base vLLM serves (its weights hashed inside the worker)
 follows an adapter chain of three versions: each is verified, written, read back and hashed
 before it is added as a ``LoRARequest`` with a new id (``version + 1``); the version out of the
-window is removed from vLLM. Greedy tokens under each served version equal those of peft on the
-same adapter, and a chain for another base is refused. A LoRA replica with this engine follows the base
+window is removed from vLLM. Greedy tokens under each served version are peft's greedy choices on the
+same adapter (up to near-ties, where the two engines' kernels round differently), and a chain for another base is refused. A LoRA replica with this engine follows the base
 through vLLM's ``bucket`` backend.
 """
 
@@ -28,7 +28,7 @@ from rlsync.protocol import Publisher  # noqa: E402
 from rlsync.spaces.tiny_model import build_tiny_model  # noqa: E402
 from rollout_space.adapters import AdapterFollower  # noqa: E402
 from rollout_space.engine import SamplingSettings  # noqa: E402
-from tests.spaces_support.test_adapter_serving import LORA, peft_reference, publish_and_follow, tokens, trained_adapter  # noqa: E402
+from tests.spaces_support.test_adapter_serving import LORA, greedy_under_peft, publish_and_follow, tokens, trained_adapter  # noqa: E402
 
 ENGINE_KWARGS = dict(max_model_len=128, max_num_seqs=8, kv_cache_memory_bytes=32 << 20, block_size=32)
 
@@ -67,8 +67,9 @@ def test_vllm_serves_each_adapter_version_as_a_new_lora_request(engine, model_di
     with pytest.raises(KeyError):
         engine.generate(["x"], greedy(0))  # dropped: out of the window
     for version in (1, 2):
-        assert tokens(engine, greedy(version)) == peft_reference(model_dir, published[version])
+        assert greedy_under_peft(model_dir, published[version], tokens(engine, greedy(version)))
     assert tokens(engine, greedy(2)) != tokens(engine, greedy(1))
+    assert not greedy_under_peft(model_dir, published[1], tokens(engine, greedy(2)))  # the check tells versions apart
     assert tokens(engine, greedy()) == base_tokens  # without an adapter: the base, untouched
 
 
@@ -110,7 +111,7 @@ def test_refused_adapter_versions_never_stay_loaded_in_vllm(engine, model_dir, b
     assert follower.refused == 2 and sorted(follower.served) == [3]  # 0 out of the window of 2
     # rank 16 over the engine's max_lora_rank 8: vLLM refuses it, nothing of it stays (no LoRA, no folder)
     served = tokens(engine, greedy(3))
-    assert served == peft_reference(model_dir, published[3])  # the published bits, served after two refusals
+    assert greedy_under_peft(model_dir, published[3], served)  # the published bits, served after two refusals
     wide = {n: torch.cat([t, t], dim=0 if "lora_A" in n else 1) for n, t in trained_adapter(model_dir, 9).items()}
     with pytest.raises(RuntimeError, match="vLLM refused adapter 9"):  # the follower catches it (vLLM: bare Exception)
         engine.load_adapter(9, wide, AdapterChain("tiny", base_hash, LoraSpec(16, 16.0, LORA.target_modules)))
@@ -136,4 +137,4 @@ def test_a_lora_replica_follows_the_base_through_the_bucket_backend(engine, mode
     pub = adapter_publisher(bucket, AdapterChain("tiny", base_hash, LORA))
     published = publish_and_follow(replica.adapters, pub, {0: trained_adapter(model_dir, 5)})
     assert replica.adapters.status()["engine_adapter_hash"] == pub.manifest.state_hash == state_hash(published[0])
-    assert replica.tasks.policy_version == 0 and tokens(engine, greedy(0)) == peft_reference(model_dir, published[0])
+    assert replica.tasks.policy_version == 0 and greedy_under_peft(model_dir, published[0], tokens(engine, greedy(0)))
