@@ -43,16 +43,12 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir):
+def engine(model_dir, vllm_cpu_env):
     from rollout_space.engines.vllm_engine import VllmEngine
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        mp.setenv("TORCHDYNAMO_DISABLE", "1")
-        mp.setenv("VLLM_PLUGINS", "")
-        eng = VllmEngine(str(model_dir), max_loras=2, max_lora_rank=8, **ENGINE_KWARGS)
-        yield eng
-        eng.close()
+    eng = VllmEngine(str(model_dir), max_loras=2, max_lora_rank=8, **ENGINE_KWARGS)
+    yield eng
+    eng.close()
 
 
 def test_vllm_serves_each_adapter_version_as_a_new_lora_request(engine, model_dir, bucket):

@@ -40,15 +40,12 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir):
+def engine(model_dir, vllm_cpu_env):
     from rollout_space.engines.vllm_engine import VllmEngine
 
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in (("VLLM_CPU_OMP_THREADS_BIND", "nobind"), ("TORCHDYNAMO_DISABLE", "1"), ("VLLM_PLUGINS", ""), ("HF_HUB_OFFLINE", "1")):
-            mp.setenv(name, value)
-        eng = VllmEngine(str(model_dir), **ENGINE_KWARGS)  # the bucket backend by default
-        yield eng
-        eng.close()
+    eng = VllmEngine(str(model_dir), **ENGINE_KWARGS)  # the bucket backend by default
+    yield eng
+    eng.close()
 
 
 def _replica(engine, model_dir, bucket):
