@@ -161,16 +161,23 @@ def task_key(batch: int) -> str:
     return f"{TASKS_PREFIX}{batch:010d}.json"
 
 
+def _replica_key(prefix: str, batch: int, replica: str) -> str:
+    return f"{prefix}{batch:010d}/{check_id(replica)}.json"
+
+
 def rollout_key(batch: int, replica: str) -> str:
-    return f"{ROLLOUTS_PREFIX}{batch:010d}/{check_id(replica)}.json"
+    """``rollouts/<batch>/<replica>.json``: a replica's completions of a batch."""
+    return _replica_key(ROLLOUTS_PREFIX, batch, replica)
 
 
 def score_key(batch: int, replica: str) -> str:
-    return f"{SCORES_PREFIX}{batch:010d}/{check_id(replica)}.json"
+    """``scores/<batch>/<replica>.json``: the env's scores of a replica's completions."""
+    return _replica_key(SCORES_PREFIX, batch, replica)
 
 
 def claim_key(batch: int, replica: str) -> str:
-    return f"{CLAIMS_PREFIX}{batch:010d}/{check_id(replica)}.json"
+    """``claims/<batch>/<replica>.json``: a replica's claim on a batch."""
+    return _replica_key(CLAIMS_PREFIX, batch, replica)
 
 
 def status_key(replica: str) -> str:
