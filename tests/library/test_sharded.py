@@ -21,7 +21,7 @@ from rlsync.protocol import Subscriber, read_manifest
 from rlsync.protocol.verify import verify_bucket
 from rlsync.shards import assign_owners, slice_placement
 
-from tests.sharded_trainer import run
+from tests.sharded_trainer import spawn_ranks
 
 
 def _port() -> int:
@@ -31,7 +31,7 @@ def _port() -> int:
 
 
 def _spawn(world, bucket_dir, results, steps, **options):
-    mp.spawn(run, args=(world, _port(), str(bucket_dir), str(results), steps, options), nprocs=world)
+    spawn_ranks(world, _port(), str(bucket_dir), str(results), steps, options)
     return json.loads(results.read_text())
 
 

@@ -19,7 +19,7 @@ from rlsync.hashing import state_hash
 from rlsync.protocol import Subscriber, read_manifest
 from rlsync.protocol.verify import verify_bucket
 
-from tests.sharded_trainer import run
+from tests.sharded_trainer import spawn_ranks
 
 
 def _port() -> int:
@@ -29,7 +29,7 @@ def _port() -> int:
 
 
 def _spawn(bucket_dir, results, stages, **options):
-    mp.spawn(run, args=(2, _port(), str(bucket_dir), str(results), list(range(stages)), {"background": True, **options}), nprocs=2)
+    spawn_ranks(2, _port(), str(bucket_dir), str(results), list(range(stages)), {"background": True, **options})
     return json.loads(results.read_text())
 
 

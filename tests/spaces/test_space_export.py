@@ -6,7 +6,9 @@ exported folder (``python -m <role>_space``, no ``PYTHONPATH``: rlsync is the pa
 against a local bucket: the trainer publishes its first anchor, the env publishes tasks and serves its panel
 from ``python app.py`` (what the Hub runs), and a rollout Space on the transformers engine applies a version.
 
-About 2-4 minutes per Space on 2 cores, most of it pip (its cache is shared by the venvs).
+The three venvs are built at once, on threads of the module's ``venvs`` fixture (each pip is one process that
+keeps one core busy unpacking wheels): a test waits only for its own Space's venv and fails on its own
+install's error. About 1-2 minutes in all on 2 cores, most of it pip (its cache is shared by the venvs).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -41,6 +44,29 @@ def exported(tmp_path_factory) -> Path:
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     return dest
+
+
+#: Each Space's venv: the role, and the requirement lines left out of it (GPU-only packages).
+SPACE_VENVS = {"trainer": (), "env": (), "rollout": ("vllm",)}
+
+
+@pytest.fixture(scope="module")
+def venvs(exported, tmp_path_factory) -> Iterator[dict[str, Future]]:
+    """Each Space's fresh venv (its ``python``), made from its requirements alone; all three are built
+    concurrently (one thread each, started when the first test asks), so the installs overlap each other
+    and the first roles' runs."""
+    root = tmp_path_factory.mktemp("venvs")
+    with ThreadPoolExecutor(max_workers=len(SPACE_VENVS), thread_name_prefix="venv") as pool:
+        yield {
+            role: pool.submit(_make_space_venv, exported / f"rl-sync-{role}", root / role, drop)
+            for role, drop in SPACE_VENVS.items()
+        }  # fmt: skip
+
+
+def _make_space_venv(folder: Path, path: Path, drop: tuple[str, ...]) -> Path:
+    """A fresh venv at ``path`` with ``pip install -r`` of the Space's requirements (without ``drop``); its python."""
+    python, _ = make_venv(path, "-r", str(_requirements(folder, drop)), cwd=folder)
+    return python
 
 
 def test_export_writes_each_space_exactly_as_deploy_uploads_it(exported):
@@ -85,10 +111,10 @@ def _run_until(cmd: list[str], cwd: Path, env: dict[str, str], done: Callable[[]
             proc.wait()
 
 
-def _start(tmp_path: Path, exported: Path, role: str, *flags: str, drop: tuple[str, ...] = (), done=None) -> Path:
-    """Make the Space's venv and run ``python -m <role>_space`` in its folder until ``done()``; returns its python."""
+def _start(tmp_path: Path, exported: Path, venvs: dict[str, Future], role: str, *flags: str, done=None) -> Path:
+    """Wait for the Space's venv and run ``python -m <role>_space`` in its folder until ``done()``; returns its python."""
     folder = exported / f"rl-sync-{role}"
-    python, _ = make_venv(tmp_path / "venv", "-r", str(_requirements(folder, drop)), cwd=folder)
+    python = venvs[role].result()
     _run_until([str(python), "-m", f"{role}_space", *flags], folder, clean_env(), done, tmp_path / f"{role}.log")
     return python
 
@@ -101,16 +127,16 @@ def _answers(url: str) -> bool:
         return False
 
 
-def test_trainer_space_publishes_its_first_anchor(tmp_path, exported):
+def test_trainer_space_publishes_its_first_anchor(tmp_path, exported, venvs):
     bucket = LocalBucket(tmp_path / "bucket")
-    _start(tmp_path, exported, "trainer", "--bucket", str(bucket.root), "--device", "cpu",
+    _start(tmp_path, exported, venvs, "trainer", "--bucket", str(bucket.root), "--device", "cpu",
            done=lambda: (m := read_manifest(bucket)) is not None and bool(m.anchors))  # fmt: skip
     assert read_manifest(bucket).step == 0
 
 
-def test_env_space_publishes_tasks_and_serves_its_panel(tmp_path, exported):
+def test_env_space_publishes_tasks_and_serves_its_panel(tmp_path, exported, venvs):
     bucket = LocalBucket(tmp_path / "bucket")
-    python = _start(tmp_path, exported, "env", "--bucket", str(bucket.root), done=lambda: bool(bucket.list("tasks/")))
+    python = _start(tmp_path, exported, venvs, "env", "--bucket", str(bucket.root), done=lambda: bool(bucket.list("tasks/")))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -120,7 +146,7 @@ def test_env_space_publishes_tasks_and_serves_its_panel(tmp_path, exported):
     _run_until([str(python), "app.py"], exported / "rl-sync-env", env, lambda: _answers(url), tmp_path / "app.log")
 
 
-def test_rollout_space_on_transformers_applies_a_version(tmp_path, exported):
+def test_rollout_space_on_transformers_applies_a_version(tmp_path, exported, venvs):
     from safetensors.torch import load_file
 
     from env_space.environments import get_environment
@@ -137,8 +163,8 @@ def test_rollout_space_on_transformers_applies_a_version(tmp_path, exported):
         status = get_json(bucket, status_key("fresh"))
         return status is not None and status.get("applied_step") == 0
 
-    _start(tmp_path, exported, "rollout", "--bucket", str(bucket.root), "--engine", "transformers",
-           "--device", "cpu", "--replica-id", "fresh", drop=("vllm",), done=applied)  # fmt: skip
+    _start(tmp_path, exported, venvs, "rollout", "--bucket", str(bucket.root), "--engine", "transformers",
+           "--device", "cpu", "--replica-id", "fresh", done=applied)  # fmt: skip
 
 
 def test_each_space_readme_links_its_template_and_orders_the_steps():
