@@ -71,8 +71,9 @@ def test_a_slow_rank_makes_every_rank_coalesce_the_same_versions_and_the_chain_s
 
 
 def test_a_failed_background_publish_surfaces_on_every_rank_and_the_bucket_keeps_its_last_good_version(tmp_path):
-    # rank 1's first delta upload fails inside its worker
-    report = _spawn(tmp_path / "bucket", tmp_path / "r.json", 6, fault_rank=1, fail_once_on=["deltas/"])
+    # rank 1's first delta upload (stage 1) fails inside its worker; stage 2's long step lets the workers finish
+    # it, so the failure surfaces at that sync however loaded the machine (not at the flush, past every stage)
+    report = _spawn(tmp_path / "bucket", tmp_path / "r.json", 6, fault_rank=1, fail_once_on=["deltas/"], pause_at=[2, 3.0])
     failures = [rank["failures"] for rank in report["ranks"]]
     assert len(failures[0]) == 1 and [f[0] for f in failures[0]] == [f[0] for f in failures[1]]  # the same stage, both ranks
     assert failures[0][0][1] == "ShardedPublishError" and failures[1][0][1] == "BucketError"  # rank 1's own error
