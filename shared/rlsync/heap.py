@@ -5,14 +5,20 @@ glibc's allocator serves most of them from its heaps, and once they are freed ke
 resident for reuse: after AdamW's first steps, whose deltas change several times more elements than
 later ones, a replica's RSS would stay at the first delta's high-water mark for the rest of the run
 (Qwen3-0.6B at lr 3e-6: +0.7 GB). :func:`trim_heap` (glibc's ``malloc_trim(0)``) returns every free
-whole page of every heap; a subscriber calls it before it decodes the next update, off the pause.
-It takes a few milliseconds and does nothing off glibc.
+whole page of every heap; a subscriber calls it (:func:`trim_heap_after`) before it decodes the next
+update, off the pause, when the last one decoded at least :data:`TRIM_AFTER_BYTES`. A trim walks every
+free chunk of every heap, holding that heap's lock while it does: in a large, fragmented heap of a busy
+process (a test session, a trainer beside its replica) that can hold up every other thread's
+allocations, so it runs only where it returns pages that matter. It does nothing off glibc.
 """
 
 from __future__ import annotations
 
 import ctypes
 import sys
+
+#: A decoded update of at least this many bytes is followed by a trim; smaller ones leave too little behind.
+TRIM_AFTER_BYTES = 64 << 20
 
 _libc = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
 _malloc_trim = getattr(_libc, "malloc_trim", None)  # glibc only (musl has none)
@@ -25,3 +31,13 @@ def trim_heap() -> bool:
         Whether any memory was released (``False`` also off glibc).
     """
     return bool(_malloc_trim(0)) if _malloc_trim is not None else False
+
+
+def trim_heap_after(decoded_bytes: int) -> bool:
+    """:func:`trim_heap` once an update of ``decoded_bytes`` (its positions, new and old values) is freed,
+    if it was at least :data:`TRIM_AFTER_BYTES`.
+
+    Returns:
+        Whether any memory was released.
+    """
+    return trim_heap() if decoded_bytes >= TRIM_AFTER_BYTES else False

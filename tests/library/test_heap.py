@@ -1,4 +1,4 @@
-"""A subscriber gives the freed pages of the last decoded update back before it decodes the next."""
+"""A subscriber gives the freed pages of a large decoded update back before it decodes the next."""
 
 from __future__ import annotations
 
@@ -41,17 +41,20 @@ def test_trim_heap_returns_freed_heap_pages_to_the_system():
     assert released == "True" and int(dropped) > 200 << 20  # of the 256 MB freed
 
 
-def test_the_subscriber_trims_before_each_update_it_decodes(bucket, monkeypatch):
-    import rlsync.protocol.fetcher as fetcher
+def test_the_subscriber_trims_before_an_update_once_a_large_decoded_delta_is_freed(bucket, monkeypatch):
+    import rlsync.heap as heap
 
     calls = []
-    monkeypatch.setattr(fetcher, "trim_heap", lambda: calls.append(1) or trim_heap())
+    monkeypatch.setattr(heap, "trim_heap", lambda: calls.append(1) or trim_heap())
     state = {"w": torch.zeros(64, dtype=torch.bfloat16)}
     pub = Publisher(bucket, policy=FixedInterval(100))
-    for step in range(3):
+    for step in range(4):
         state["w"][step] = 1.0
         pub.publish(step, state)
+    assert [u.kind for u in Subscriber(bucket).sync()] == ["anchor", "delta", "delta", "delta"] and calls == []  # tiny deltas
+    monkeypatch.setattr(heap, "TRIM_AFTER_BYTES", 1)
     sub = Subscriber(bucket)
-    assert [u.kind for u in sub.sync()] == ["anchor", "delta", "delta"] and len(calls) == 3
+    sub.sync()
+    assert len(calls) == 2  # before the second and the third delta: each after a decoded delta was freed
     sub.sync()  # up to date: nothing decoded, nothing trimmed
-    assert len(calls) == 3
+    assert len(calls) == 2

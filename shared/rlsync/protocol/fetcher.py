@@ -36,7 +36,7 @@ from ..hashing import StateLanes, changes_lanes, schema_of, slice_lanes, structu
 from ..layout import POINTER_KEY
 from ..limits import MAX_HEADERS_BYTES, MAX_POINTER_BYTES
 from ..patch import TensorPatch
-from ..heap import trim_heap
+from ..heap import trim_heap_after
 from ..read_once import FileMappings, read_once
 from .held import HeldState, SubscriberStats
 from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest
@@ -82,6 +82,7 @@ class UpdateFetcher:
         self.weights = weights
         self.check_values = check_values
         self.max_state_bytes = max_state_bytes
+        self._decoded_bytes = 0  # of the last delta decoded: a trim before the next update (rlsync.heap)
         self._downloads = concurrent.futures.ThreadPoolExecutor(max(1, max_parallel_downloads), thread_name_prefix="rlsync-get")
         self._stats_lock = threading.Lock()  # the download threads share the counters
         age_out(self.workdir or tempfile.gettempdir(), max_age_s=SCRATCH_MAX_AGE_S, pattern=f"{SCRATCH_PREFIX}*")
@@ -137,7 +138,8 @@ class UpdateFetcher:
                 corrupt, or does not make the published state from the held one.
             BucketError: the bucket failed; retry later.
         """
-        trim_heap()  # the last update's decoded tensors are freed: their pages go before this one decodes
+        trim_heap_after(self._decoded_bytes)  # the last update's decoded tensors are freed: their pages go first
+        self._decoded_bytes = 0
         t0 = time.perf_counter()
         self.check_size("delta", entry.step, entry.nbytes)
         try:
@@ -159,6 +161,7 @@ class UpdateFetcher:
         state = self.held.state
         staged = {name: _on_device(patch, state[name].device) for name, patch in patches.items()}
         undo = {name: numpy_to_values(old[name], state[name].dtype).to(state[name].device) for name in patches}
+        self._decoded_bytes = sum(p.index.nbytes + p.values.nbytes + undo[n].nbytes for n, p in patches.items())
         return Update(
             "delta", entry.step, entry.base_step, self.held.state_hash, entry.state_hash, sum(map(len, blobs)),
             patches=staged, old=undo, lanes=lanes, changed=changed, download_s=t1 - t0, decode_s=time.perf_counter() - t1,
@@ -209,7 +212,8 @@ class UpdateFetcher:
                 the model, or does not match its hash.
             BucketError: the bucket failed; retry later.
         """
-        trim_heap()
+        trim_heap_after(self._decoded_bytes)
+        self._decoded_bytes = 0
         t0 = time.perf_counter()
         folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=self.workdir))
         try:
