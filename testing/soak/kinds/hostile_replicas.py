@@ -18,7 +18,9 @@ shows the refusals.
 from __future__ import annotations
 
 import json
+import logging
 import random
+import sys
 import threading
 import time
 from pathlib import Path
@@ -37,6 +39,8 @@ from rlsync.spaces.snapshots import read_snapshot
 from trainer_space.trainer import Trainer, TrainerConfig
 
 from ..invariants import Ledger, TrialResult, check_verified
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TRIALS = 3
 TRAINER_STEPS = 20
@@ -197,7 +201,8 @@ def trial_hostile_replicas(rng: random.Random, workdir: Path) -> TrialResult:
     deadline = time.time() + TIMEOUT_S
     while time.time() < deadline and trainer.running:
         time.sleep(0.1)
-    result.check(trainer.finished, f"trainer stopped at {trainer.opt_steps} of {TRAINER_STEPS} steps (died or timed out)")
+    if not result.check(trainer.finished, f"trainer stopped at {trainer.opt_steps} of {TRAINER_STEPS} steps (died or timed out)"):
+        _log_threads()  # where every thread of the process waits (this stall was seen late in full test runs)
     result.check(env.running, "the env thread died")
     fleet.stop.set()
     fleet.join(30)
@@ -228,3 +233,15 @@ def trial_hostile_replicas(rng: random.Random, workdir: Path) -> TrialResult:
     result.notes["refused by the trainer"] += trainer.refusals.total
     result.notes["trainer summary shows refusals"] += int("refused" in trainer_summary(snap))
     return result
+
+
+def _log_threads() -> None:
+    """Log every thread's stack and the library worker pool's queue (a stalled trial's diagnosis)."""
+    import traceback
+
+    from rlsync.workers import worker_pool
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    stacks = [f"--- {names.get(ident, ident)}\n{''.join(traceback.format_stack(frame))}" for ident, frame in sys._current_frames().items()]
+    queued = worker_pool()._work_queue.qsize()  # noqa: SLF001 (diagnosis only)
+    logger.error("stalled trial: %d threads, %d tasks queued in the rlsync worker pool\n%s", len(stacks), queued, "\n".join(stacks))
