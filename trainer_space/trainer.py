@@ -276,11 +276,15 @@ class Trainer:
             self._thread.join(timeout=300)
 
     def close(self) -> None:
-        """Stop, delete the local scratch folder and stop watching the bucket."""
+        """Stop, finish the background publish and stop its worker, delete the local scratch folder and
+        stop watching the bucket."""
         self.stop()
-        shutil.rmtree(self.scratch, ignore_errors=True)
-        if self._owns_watch:
-            self.bucket.close()
+        try:
+            self.sync.close()
+        finally:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            if self._owns_watch:
+                self.bucket.close()
 
     @property
     def finished(self) -> bool:

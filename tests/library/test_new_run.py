@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -84,6 +85,7 @@ def test_trl_restart_without_a_checkpoint_refuses_and_publishes_nothing(bucket):
     assert "new_run=True" in message and "TRAINER_NEW_RUN=1" in message and "BucketSync(bucket, resume=True)" in message
     with pytest.raises(RunExistsError):
         transfer.send_weights(iter(master_state().items()))
+    transfer.close()
     assert bucket.get(POINTER_KEY) == before
 
 
@@ -91,14 +93,14 @@ def test_trl_restart_resuming_a_checkpoint_continues_and_a_new_run_starts_over(b
     master = published_run(bucket)
     resumed = BucketWeightTransfer(publisher=Publisher(bucket, owner="t"), resume_from_checkpoint="out/checkpoint-2")
     resumed.send_weights(iter(master.items()))
-    resumed.flush()
+    resumed.close()
     manifest = read_manifest(bucket)
     assert manifest.step == 3 and manifest.run_id == "first-run" and manifest.deltas[-1].base_step == 2
     fresh = master_state(seed=3)
     new = BucketWeightTransfer(bucket, new_run=True)
     new.publisher.ownership.owner = "t"  # the same trainer restarted: takes its lock over at once
     new.send_weights(iter(fresh.items()))
-    new.flush()
+    new.close()
     manifest = read_manifest(bucket)
     assert manifest.step == 4 and manifest.run_id != "first-run" and [a.step for a in manifest.anchors] == [4]
     sub = Subscriber(bucket)
@@ -118,12 +120,14 @@ def test_trainer_space_restart_without_checkpoint_refuses_in_the_panel_then_new_
     first = Trainer(config, bucket)
     first.prepare()
     first.trl._sync_weight()  # TRL's first weight sync: version 0 of a new run
-    first.transfer.flush()
+    first.close()
     old = read_manifest(bucket)
     assert old.step == 0 and old.run_id
-    runner = RoleRunner(Role.TRAINER, lambda cfg: [Trainer(cfg, bucket)])
+    built: list[Trainer] = []
+    runner = RoleRunner(Role.TRAINER, lambda cfg: built.append(Trainer(cfg, bucket)) or built)
     runner.start(config, wait=True)
     assert runner.state == "failed" and "RunExistsError" in runner.error and "TRAINER_NEW_RUN=1" in runner.error
+    assert built[0].transfer.background is None and not os.path.exists(built[0].scratch)  # the refused trainer was closed
     import app  # the combined app names its own way on: --fresh
 
     stack = SimpleNamespace(trainer=runner, bucket=config.bucket)
@@ -134,7 +138,7 @@ def test_trainer_space_restart_without_checkpoint_refuses_in_the_panel_then_new_
     again = Trainer(TrainerConfig(**{**config.__dict__, "new_run": True}), bucket)
     assert again.prepare() is None
     again.trl._sync_weight()
-    again.transfer.flush()
+    again.close()
     new = read_manifest(bucket)
     assert new.step == 1 and new.run_id != old.run_id and new.deltas == ()
     # samples scored for the old run's version 0 are another policy's: dropped and counted, the new run's kept

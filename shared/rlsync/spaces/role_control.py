@@ -92,11 +92,13 @@ class RoleRunner:
 
     def _start(self, config: Any) -> None:
         t0 = time.perf_counter()
+        objects: list[Any] = []
         try:
             with _BUILD_LOCK:  # one build at a time: transformers' lazy imports are not thread-safe
                 objects = list(self._build(config))
             if self._stopped:  # Stop was pressed while building
                 logger.info("%s: start cancelled", self.name)
+                _close(objects)
                 return
             for obj in objects:
                 obj.start()
@@ -105,6 +107,7 @@ class RoleRunner:
         except Exception as exc:  # shown in the panel; the panel keeps working
             self.error = redact(f"{type(exc).__name__}: {exc}")
             logger.error("%s failed to start: %s", self.name, redact(traceback.format_exc()))
+            _close(objects)  # nothing of a failed start keeps running or holds its model
         finally:
             self._starting = False
 
@@ -119,8 +122,7 @@ class RoleRunner:
         objects = list(self.objects)
 
         def stop_all() -> None:
-            for obj in objects:  # close() also releases engines (GPU memory); Start builds new objects
-                getattr(obj, "close", obj.stop)()
+            _close(objects)
             logger.info("%s stopped", self.name)
 
         if wait:
@@ -136,3 +138,13 @@ class RoleRunner:
         if self.error:
             line += f": {self.error}"
         return line
+
+
+def _close(objects: list[Any]) -> None:
+    """Close (else stop) each role object: close() also releases engines (GPU memory) and background
+    workers; Start builds new objects. One that fails to close is logged; the others are still closed."""
+    for obj in objects:
+        try:
+            getattr(obj, "close", obj.stop)()
+        except Exception:  # noqa: BLE001 - the others must still be closed
+            logger.exception("closing %s failed", type(obj).__name__)

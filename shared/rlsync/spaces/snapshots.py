@@ -160,6 +160,14 @@ class BucketView:
             self._snapshot = snap
             return snap
 
+    def close(self) -> None:
+        """Stop watching the bucket (a later snapshot opens it again)."""
+        with self._lock:
+            bucket, self._bucket, self._snapshot = self._bucket, None, None
+        close = getattr(bucket, "close", None)
+        if close is not None:
+            close()
+
     def _remember_syncs(self, snap: Snapshot) -> None:
         for st in snap.statuses:
             for sync in st.syncs:

@@ -138,22 +138,10 @@ class BucketSync:
             new_run=new_run,
         )  # fmt: skip
         self.adapter_sync = BucketAdapterSync(self.bucket, **chain) if lora is not None else None
-        if self.adapter_sync is not None:
-            self.transfer: BucketWeightTransfer = self.adapter_sync.transfer
-        elif sharded:
-            from ..protocol.sharded import ShardedPublisher
-            from ..protocol.sharded_background import publish_group
-            from .sharded_sync import ShardedWeightTransfer
-
-            group = publish_group() if sharded_background else None
-            self.transfer = ShardedWeightTransfer(
-                publisher=ShardedPublisher(self.bucket, group=group, **chain), background=sharded_background
-            )  # fmt: skip
-        else:
-            self.transfer = BucketWeightTransfer(
-                publisher=Publisher(self.bucket, **chain), layout=layout if layout is not None and layout.parts else None,
-                fp8=fp8_publisher(self.bucket, **chain) if fp8 else None,
-            )  # fmt: skip
+        self.transfer = (
+            self.adapter_sync.transfer if self.adapter_sync is not None
+            else _weight_transfer(self.bucket, chain, sharded=sharded, background=sharded_background, layout=layout, fp8=fp8)
+        )  # fmt: skip
         self.trackio = _trackio_figures() if trackio else None
         self._on_publish = on_publish
         self.transfer.on_publish, self.transfer.on_non_finite = self._published, self._restore_published
@@ -279,6 +267,12 @@ class BucketSync:
         """End a ``train()`` that waits for rollouts (:class:`~rlsync.errors.StopRequested`)."""
         self.worker.request_stop()
 
+    def close(self) -> None:
+        """Done for good (a role closing): stop reading rollouts, finish the background publish and stop its
+        worker, freeing its staging buffer. Raises as :meth:`BucketWeightTransfer.close`."""
+        self.worker.stop()
+        self.transfer.close()
+
     def _limits(self) -> tuple[int, int | None, int | None]:
         config = getattr(getattr(self.trainer, "model", None), "config", None)
         return self.worker.vocab_size, self.transfer.version, getattr(config, "max_position_embeddings", None)
@@ -308,3 +302,21 @@ def _trackio_figures() -> Any:
     from .trackio_sync import TrackioSyncFigures
 
     return TrackioSyncFigures()
+
+
+def _weight_transfer(
+    bucket: Bucket, chain: dict[str, Any], *, sharded: bool, background: bool, layout: CheckpointLayout | None, fp8: bool
+) -> BucketWeightTransfer:
+    """The transfer of a full-weights run: each rank's shards (``sharded``, published on a worker thread
+    of each rank with ``background``), else the whole model (with an FP8 chain beside it, with ``fp8``)."""
+    if sharded:
+        from ..protocol.sharded import ShardedPublisher
+        from ..protocol.sharded_background import publish_group
+        from .sharded_sync import ShardedWeightTransfer
+
+        group = publish_group() if background else None
+        return ShardedWeightTransfer(publisher=ShardedPublisher(bucket, group=group, **chain), background=background)
+    return BucketWeightTransfer(
+        publisher=Publisher(bucket, **chain), layout=layout if layout is not None and layout.parts else None,
+        fp8=fp8_publisher(bucket, **chain) if fp8 else None,
+    )  # fmt: skip

@@ -218,6 +218,17 @@ class BucketWeightTransfer:
         if self.background is not None:
             self._publish(lambda step: self.background.flush(), send=False)
 
+    def close(self) -> None:
+        """:meth:`flush`, then stop the background worker and free its staging buffer (the worker
+        stops even when the flush raises). A closed transfer publishes within the send.
+
+        Raises:
+            As :meth:`flush`.
+        """
+        background, self.background = self.background, None
+        if background is not None:
+            self._publish(lambda step: background.close(), send=False)
+
     def _publish(self, publish: Callable[[int], list[PublishRecord]], *, send: bool = True) -> PublishRecord | None:
         """Run ``publish`` for the next version; keep the records it returns (the last is returned),
         or hand a non-finite refusal (of this publish or of a background one) to ``on_non_finite``.

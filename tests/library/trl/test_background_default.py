@@ -24,7 +24,10 @@ def gated(tmp_path) -> GatedBucket:
 
 
 def test_bucket_sync_publishes_in_the_background_and_background_false_within_the_send(tmp_path):
-    assert BucketSync(LocalBucket(tmp_path / "a")).transfer.background is not None
+    sync = BucketSync(LocalBucket(tmp_path / "a"))
+    assert sync.transfer.background is not None
+    sync.close()
+    assert sync.transfer.background is None  # closed: its worker stopped
     assert BucketWeightTransfer(LocalBucket(tmp_path / "b"), background=False).background is None
 
 
@@ -51,7 +54,7 @@ def test_the_demand_names_the_published_version_while_the_next_one_is_in_flight(
         assert demand is not None and demand.version == 0 and refusals.total == 0
     finally:
         gated.gate.set()
-    transfer.flush()
+    transfer.close()
     flow.publish_demand()
     assert read_demand(gated, newest_version=read_manifest(gated).step).version == 1
 
@@ -77,6 +80,6 @@ def test_trackio_logs_a_background_publish_at_the_step_its_version_was_sent(gate
             deadline = time.monotonic() + 60
             while read_manifest(gated) is None and time.monotonic() < deadline:
                 time.sleep(0.05)
-    transfer.flush()
+    transfer.close()
     by_version = {row["sync/version"]: step for step, row in logged}  # a coalesced version 1 is never logged
     assert {0, 2} <= by_version.keys() and all(step == version for version, step in by_version.items())
