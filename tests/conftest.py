@@ -140,3 +140,65 @@ def hub(hub_server, monkeypatch):
     install(HfTransferConfig(connect_timeout=HUB_TIMEOUT_SECONDS, read_timeout=HUB_TIMEOUT_SECONDS))
     yield hub_server
     hub_server.reset()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_role_threads():
+    """Fail a test that leaves a role's background thread running (a watched bucket's poller, a replica's
+    fetch loop...): left running, it keeps sending requests into later tests (the Hub stand-in is shared
+    by the session) and competes with them for the CPU. The leaked threads are stopped first."""
+    import threading
+    import time
+
+    from rlsync.supervised import SupervisedThread
+
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 2.0
+    while True:
+        leaked = [t for t in threading.enumerate() if t not in before and t.is_alive() and _library_owner(t) is not None]
+        if not leaked or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for thread in leaked:
+        owner = _library_owner(thread)
+        if isinstance(thread, SupervisedThread):
+            if hasattr(owner, "watched"):
+                owner.watched.close()
+            thread._stop_event.set()
+        else:  # a background publisher's worker
+            owner.close(timeout=5)
+    if leaked:
+        pytest.fail(f"the test left {len(leaked)} library thread(s) running: {sorted(t.name for t in leaked)}")
+    if _DTENSOR_CACHE in _thread_dict():
+        pytest.fail(
+            "the test ran DTensor ops in the main thread: their per-thread cache holds the process group, and "
+            "a child a later test forks from another thread (the env's confined scoring) hangs destroying it; "
+            "run them in a thread of their own (tests/library/trl/test_trl_sharded.py: in_own_thread)"
+        )
+
+
+#: The key of DTensor's per-thread op cache in a thread's state dict.
+_DTENSOR_CACHE = "__DTensor_fastpath_thread_cache_cleanup"
+
+
+def _thread_dict() -> dict:
+    """The calling thread's state dict (where C extensions keep per-thread objects)."""
+    import ctypes
+
+    get = ctypes.pythonapi.PyThreadState_GetDict
+    get.restype = ctypes.c_void_p  # NULL while the thread has none
+    address = get()
+    return ctypes.cast(address, ctypes.py_object).value if address else {}
+
+
+def _library_owner(thread):
+    """The library object whose loop `thread` runs (a supervised role loop not told to stop, or a background
+    publisher's worker), else ``None``."""
+    from rlsync.protocol.background import PublishWorker
+    from rlsync.supervised import SupervisedThread
+
+    if isinstance(thread, SupervisedThread):
+        return None if thread._stop_event.is_set() else getattr(thread._loop, "__self__", thread)
+    owner = getattr(getattr(thread, "_target", None), "__self__", None)
+    return owner if isinstance(owner, PublishWorker) else None

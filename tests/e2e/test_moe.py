@@ -100,6 +100,7 @@ def test_trl_run_publishes_the_moe_and_a_replica_follows_bit_exact(tmp_path):
     replica = Subscriber(bucket)
     with ScoreFeeder(bucket, tokenizer):
         trainer.train()
+    transfer.close()
     kinds, patched = [], set()
     while (update := replica.fetch()) is not None:  # the replica follows every version, delta by delta
         replica.apply(update)

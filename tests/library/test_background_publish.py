@@ -116,7 +116,7 @@ def test_a_non_finite_background_publish_reaches_on_non_finite_at_the_next_send(
     master["model.norm.weight"][3] = 1.0
     transfer.send_weights(iter(master.items()))  # raises the refusal inside: handed to on_non_finite
     assert len(refused) == 1 and transfer.non_finite_refused == 1
-    transfer.flush()
+    transfer.close()
     assert read_manifest(gated).step == 0 and transfer.version == 0  # TRL's version is taken back to the bucket's
 
 
@@ -176,7 +176,7 @@ def test_a_trainer_killed_during_a_background_publish_leaves_the_previous_versio
     again.init_weight_transfer()
     assert again.version == 1
     again.send_weights(iter(master.items()))
-    again.flush()
+    again.close()
     sub.sync()
     assert sub.step == 2 and sub.state_hash == state_hash(bf16(master)) == read_manifest(bucket).state_hash
 

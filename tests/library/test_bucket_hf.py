@@ -188,7 +188,7 @@ def test_a_role_started_on_a_missing_bucket_creates_it(server, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     from env_space.simulator import EnvConfig, EnvSimulator
 
-    EnvSimulator(EnvConfig(bucket="hf://buckets/someone/role-run"))
+    EnvSimulator(EnvConfig(bucket="hf://buckets/someone/role-run")).close()
     assert "someone/role-run" in server.buckets
 
 

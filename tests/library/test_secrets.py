@@ -198,6 +198,15 @@ def test_three_roles_on_a_flaky_hub_never_show_the_token(hub, hf_bucket, logs, c
     replica = Replica(
         ReplicaConfig(bucket=URL, replica_id="r0", samples_per_task=2), bucket=hf_bucket, engine=StubEngine()
     )
+    try:
+        _exchange_one_round(hub, trainer, env, replica)
+    finally:
+        for role in (trainer, env, replica):
+            role.close()
+    assert_logs_clean(logs, capfd)
+
+
+def _exchange_one_round(hub, trainer, env, replica) -> None:
     fail_soon(hub)
     trainer.start()  # TRL's first weight sync publishes version 0
     deadline = time.time() + 120
@@ -232,7 +241,6 @@ def test_three_roles_on_a_flaky_hub_never_show_the_token(hub, hf_bucket, logs, c
     assert_nothing_stored_leaks(
         hub, "status/r0.json", "metrics/trainer.json", "metrics/env.json", "latest.json", "scores/", "tasks/"
     )
-    assert_logs_clean(logs, capfd)
 
 
 def test_panels_never_show_the_token(hub, hf_bucket, logs, capfd):
@@ -252,6 +260,7 @@ def test_panels_never_show_the_token(hub, hf_bucket, logs, capfd):
     view = snapshots.BucketView(URL)
     fail_next(hub, "list_bucket_tree")
     failed = view.snapshot()
+    view.close()
     assert failed.error  # the read failure is shown ...
     rendered = [snap, failed]
     for frame in (frames.publish_frame, frames.delta_size_frame, frames.changed_frame, frames.timing_frame,

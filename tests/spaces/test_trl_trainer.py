@@ -39,6 +39,7 @@ def test_final_weights_are_published_off_the_sync_grid(bucket, tmp_path):
     trainer.add_callback(FinalWeightSync(trainer))
     with ScoreFeeder(bucket, tokenizer):
         trainer.train()
+    transfer.close()
     manifest = read_manifest(bucket)
     assert [r.step for r in transfer.records] == [0, 1, 2] and manifest.step == 2  # train begin, step 2, final step 3
     sub = Subscriber(bucket)

@@ -295,6 +295,7 @@ def test_refused_publish_does_not_let_trl_version_run_ahead(bucket):
         trl.model_version += 1
         worker.update_model_version(trl.model_version)
         guard.pin()
+    transfer.close()
     assert len(refused) == 3 and transfer.version == 0
     assert trl.model_version == worker.model_version == worker.trainer_version(0) == 1 and guard.corrected == 3
     write_samples(bucket, score_key(0, "r"), [Sample("t", "p", "c", [1], [2], [-1.0], 0, reward=r) for r in (0.0, 1.0)])
@@ -358,6 +359,7 @@ def test_trainer_keeps_training_through_logprob_lies_and_a_nan_step(tmp_path):
     flow = json.loads(bucket.get("metrics/trainer.json"))["flow"]
     assert flow["trained"] == 16 and flow["steps"] == 4 and flow["pacing"] == "demand"
     assert read_demand(bucket).version == trainer.version
+    trainer.close()
 
 
 def test_drops_are_logged_as_one_summary_line_per_interval(bucket, caplog):

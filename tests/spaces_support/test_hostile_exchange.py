@@ -303,6 +303,7 @@ def test_trainer_validates_scores_again_and_keeps_training(tmp_path) -> None:
     for b in (1, 2):  # TRL's data loader reads one batch ahead: two batches of two for one step
         put_json(bucket, score_key(b, "good"), {"samples": [good_sample(version=0, reward=r) for r in (1.0, 0.0)]})
     trainer.run()
+    trainer.close()
     assert trainer.refusals.total == len(hostile)
     assert trainer.opt_steps == 1 and trainer.version == 1
     sub = Subscriber(bucket)
@@ -359,5 +360,5 @@ def test_trainer_restores_published_weights_instead_of_publishing_poison(tmp_pat
     assert trainer.transfer.non_finite_refused == 1 and trainer.version == 0 == trainer.transfer.version
     assert state_hash({n: params[n].detach().to(torch.bfloat16) for n in names}) == published
     trainer.trl._sync_weight()  # still alive: publishes the restored weights
-    trainer.transfer.flush()
+    trainer.close()
     assert trainer.version == 1

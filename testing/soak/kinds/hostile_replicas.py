@@ -194,15 +194,31 @@ def trial_hostile_replicas(rng: random.Random, workdir: Path) -> TrialResult:
     stop = threading.Event()
     seen: list[int] = []
     follower = threading.Thread(target=_follow, args=(bucket, ledger, stop, result, seen), daemon=True)
-    trainer.start()
-    env.start()
-    fleet.start()
-    follower.start()
     deadline = time.time() + TIMEOUT_S
-    while time.time() < deadline and trainer.running:
-        time.sleep(0.1)
-    if not result.check(trainer.finished, f"trainer stopped at {trainer.opt_steps} of {TRAINER_STEPS} steps (died or timed out)"):
-        _log_threads()  # where every thread of the process waits (this stall was seen late in full test runs)
+    try:
+        trainer.start()
+        env.start()
+        fleet.start()
+        follower.start()
+        while time.time() < deadline and trainer.running:
+            time.sleep(0.1)
+        if not result.check(trainer.finished, f"trainer stopped at {trainer.opt_steps} of {TRAINER_STEPS} steps (died or timed out)"):
+            _log_threads()  # where every thread of the process waits
+            return result
+        _settle(result, bucket, ledger, trainer, env, fleet, seen, deadline)
+    finally:  # a failed trial leaves nothing running into the next one
+        fleet.stop.set()
+        fleet.join(30)
+        stop.set()
+        follower.join(30)
+        trainer.close()
+        env.close()
+    return result
+
+
+def _settle(result: TrialResult, bucket: LocalBucket, ledger: Ledger, trainer: Trainer, env: EnvSimulator,
+            fleet: Fleet, seen: list[int], deadline: float) -> None:  # fmt: skip
+    """After the trainer's last step: the follower reaches the last version; nothing lost, refusals counted and shown."""
     result.check(env.running, "the env thread died")
     fleet.stop.set()
     fleet.join(30)
@@ -213,8 +229,6 @@ def trial_hostile_replicas(rng: random.Random, workdir: Path) -> TrialResult:
     final = manifest.step if manifest else None
     while time.time() < deadline and (not seen or seen[-1] != final):
         time.sleep(0.05)
-    stop.set()
-    follower.join(30)
     result.check(bool(seen) and seen[-1] == final, f"the follower ended at {seen[-1] if seen else None}, not {final}")
     result.check(final == trainer.version, f"pointer at {final}, the trainer at {trainer.version}")
     ledger.settle()
@@ -232,7 +246,6 @@ def trial_hostile_replicas(rng: random.Random, workdir: Path) -> TrialResult:
     result.notes["refused by the env"] += env.refusals.total
     result.notes["refused by the trainer"] += trainer.refusals.total
     result.notes["trainer summary shows refusals"] += int("refused" in trainer_summary(snap))
-    return result
 
 
 def _log_threads() -> None:

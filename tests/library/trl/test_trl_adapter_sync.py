@@ -42,6 +42,7 @@ def test_peft_run_publishes_adapter_versions_bit_exactly_and_never_merges(bucket
     base_before = {n: p.detach().clone() for n, p in base_parameters(trainer.model)}
     with ScoreFeeder(bucket, tokenizer, chain=adapter_bucket(bucket)):
         trainer.train()
+    sync.transfer.close()
     # the base: one anchor of the weights chain, named by the adapter chain, never modified by a sync
     weights = read_manifest(bucket)
     assert weights.step == 0 and chain == AdapterChain.from_manifest(read_manifest(adapter_bucket(bucket)))
@@ -64,5 +65,7 @@ def test_peft_run_publishes_adapter_versions_bit_exactly_and_never_merges(bucket
     assert state_hash(trained) != sync.transfer.records[0].state_hash
     with torch.no_grad():
         next(p for n, p in trainer.model.named_parameters() if "lora_" not in n).add_(1.0)
+    refused = BucketAdapterSync(bucket)
     with pytest.raises(SyncError, match="another base model"):
-        BucketAdapterSync(bucket).attach(trainer)
+        refused.attach(trainer)
+    refused.transfer.close()

@@ -41,6 +41,7 @@ def test_one_object_trains_publishes_the_final_step_and_refuses_a_second_run(buc
     assert sync.worker.vocab_size == len(tokenizer)
     with ScoreFeeder(bucket, tokenizer):
         trainer.train(resume_from_checkpoint=sync.checkpoint)
+    sync.close()
     manifest = read_manifest(bucket)
     assert [r.step for r in sync.transfer.records] == [0, 1, 2] == list(range(manifest.step + 1))  # final step 3 published
     assert [r.kind for r in sync.transfer.records] == ["anchor", "delta", "anchor"]  # anchor_every=2
@@ -52,6 +53,7 @@ def test_one_object_trains_publishes_the_final_step_and_refuses_a_second_run(buc
     again = BucketSync(bucket, owner="another")
     with pytest.raises(RunExistsError, match="new_run"):
         again.attach(build(again, path, str(tmp_path / "again")))
+    again.close()
     assert read_manifest(bucket) == manifest
 
 
@@ -60,5 +62,6 @@ def test_lora_is_an_option_and_not_with_sharding(bucket):
     assert sync.adapter_sync is not None and sync.transfer is sync.adapter_sync.transfer
     assert sync.publisher.bucket is not bucket and sync.worker.chain is sync.publisher.bucket  # the adapter chain
     assert "peft_config" in sync.trainer_kwargs()
+    sync.close()
     with pytest.raises(ValueError, match="LoRA"):
         BucketSync(bucket, lora=LoraSpec(4, 8, ("q_proj",)), sharded=True)

@@ -144,6 +144,7 @@ def test_restarted_transfer_continues_versions_and_stays_bit_exact(bucket):
         first.flush()  # each version published (a send while the last is in flight would coalesce with it)
         rl_step(master, seed)
     assert first.version == 3
+    first.close()
     again = BucketWeightTransfer(
         publisher=Publisher(bucket, owner="t", policy=FixedInterval(3)), resume_from_checkpoint="out/checkpoint-3"
     )
@@ -154,6 +155,7 @@ def test_restarted_transfer_continues_versions_and_stays_bit_exact(bucket):
         again.send_weights(iter(master.items()))
         again.flush()
         rl_step(master, seed)
+    again.close()
     manifest = read_manifest(bucket)
     assert manifest.step == 6
     steps = sorted({d.step for d in manifest.deltas} | {a.step for a in manifest.anchors})

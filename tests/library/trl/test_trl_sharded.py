@@ -188,6 +188,35 @@ def test_send_weights_leaves_the_gathering_iterator_unread_and_a_non_finite_sync
 
 
 def test_a_refused_non_finite_sharded_sync_puts_the_published_slices_back_into_the_dtensor_shards(bucket):
+    in_own_thread(_refused_sharded_sync_restores_dtensor_shards, bucket)
+
+
+def in_own_thread(fn, *args) -> None:
+    """Run ``fn(*args)`` in a thread that ends with it, and re-raise what it raised.
+
+    DTensor ops cache, per thread, objects that hold the process group. Left in the main thread, that
+    cache is destroyed in every child a later test forks from another thread (the env's confined
+    scoring): destroying a gloo group there waits for its worker threads, which a forked child does
+    not have, and the child hangs.
+    """
+    import threading
+
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=fn.__name__)
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
+def _refused_sharded_sync_restores_dtensor_shards(bucket) -> None:
     from types import SimpleNamespace
 
     import torch.distributed as dist
