@@ -154,7 +154,7 @@ def _no_leaked_role_threads():
 
     before = set(threading.enumerate())
     yield
-    deadline = time.monotonic() + 2.0
+    deadline = time.monotonic() + 10.0  # a panel's Stop closes its roles on a thread of its own
     while True:
         leaked = [t for t in threading.enumerate() if t not in before and t.is_alive() and _library_owner(t) is not None]
         if not leaked or time.monotonic() > deadline:
