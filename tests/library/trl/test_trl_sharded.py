@@ -199,21 +199,10 @@ def in_own_thread(fn, *args) -> None:
     scoring): destroying a gloo group there waits for its worker threads, which a forked child does
     not have, and the child hangs.
     """
-    import threading
+    from concurrent.futures import ThreadPoolExecutor
 
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
-            failure.append(exc)
-
-    thread = threading.Thread(target=run, name=fn.__name__)
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
+    with ThreadPoolExecutor(max_workers=1) as pool:  # its thread ends (and its cache goes) at the exit
+        pool.submit(fn, *args).result()
 
 
 def _refused_sharded_sync_restores_dtensor_shards(bucket) -> None:
