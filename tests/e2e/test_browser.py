@@ -33,6 +33,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 NEW_INTERVAL = 2
 SCREENSHOT = "/tmp/panel.png"
+TIMEOUT_SCREENSHOT = "/tmp/panel-timeout.png"
 # Small settings so that versions are published every fraction of a second on 2 CPU cores.
 APP_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -46,6 +47,8 @@ APP_ENV = {
 }
 
 pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed (pip install playwright)")
+from playwright.sync_api import TimeoutError as PlaywrightTimeout  # noqa: E402
+
 from testing.panel_browser import CHROMIUM, TABS, ConsoleLog, open_browser  # noqa: E402
 
 if not os.path.exists(CHROMIUM):
@@ -126,15 +129,36 @@ def app(tmp_path: Path) -> Iterator[App]:
         print(f"--- app.py log tail ---\n{running.log_tail()}")
 
 
-def wait_for(what: str, check: Callable[[], object], timeout: float, app: App, every: float = 0.5) -> object:
-    """Poll ``check`` until it returns something truthy; fail with the app's log otherwise."""
+def wait_for(what: str, check: Callable[[], object], timeout: float, app: App, page=None, every: float = 0.5) -> object:
+    """Poll ``check`` until it returns something truthy; fail with the page's state and the app's log otherwise."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = check()
         if got:
             return got
         time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n--- app.py log tail ---\n{app.log_tail()}")
+    shown = ""
+    if page is not None:
+        page.screenshot(path=TIMEOUT_SCREENSHOT, full_page=True)
+        selected = page.locator('[role="tab"][aria-selected="true"]').all_inner_texts()
+        table = page.locator("#trainer-recent-publishes").inner_text()[:600]
+        shown = f"\nselected tab: {selected}; trainer table: {table!r}; screenshot: {TIMEOUT_SCREENSHOT}"
+    raise AssertionError(
+        f"timed out after {timeout}s waiting for {what}{shown}\n--- app.py log tail ---\n{app.log_tail()}"
+    )
+
+
+def show_tab(page, label: str) -> None:
+    """Click the tab ``label`` until the page shows it selected (a click can land before the tabs are wired)."""
+    tab = page.get_by_role("tab", name=label)
+    for _ in range(3):
+        tab.click()
+        try:
+            page.locator(f'[role="tab"][aria-selected="true"]:has-text("{label}")').wait_for(timeout=5_000)
+            return
+        except PlaywrightTimeout:
+            continue
+    raise AssertionError(f"the {label} tab was not selected after 3 clicks")
 
 
 def publishes_from_page(page) -> list[tuple[int, str]]:
@@ -165,12 +189,13 @@ def test_panel_start_and_anchor_interval(app: App) -> None:
 
         # Start from the page; the trainer tab then shows the publishes.
         page.locator("#start-all").click()
-        page.get_by_role("tab", name="Trainer").click()
+        show_tab(page, "Trainer")
         rows = wait_for(
             "publishes in the page's table",
             lambda: len(publishes_from_page(page)) >= 3 and publishes_from_page(page),
             150,
             app,
+            page,
         )
         assert "running" in page.locator("#trainer-status-trainer").inner_text()
         print(f"first publishes visible after {time.monotonic() - t0:.0f}s: {rows[:5]}")
@@ -184,6 +209,7 @@ def test_panel_start_and_anchor_interval(app: App) -> None:
             lambda: f'"interval": {NEW_INTERVAL}' in page.locator("#trainer-anchor-result").inner_text(),
             30,
             app,
+            page,
         )
         applied_at = app.manifest()["step"]
         control = json.loads((app.bucket / "control" / "publisher.json").read_bytes())
@@ -195,6 +221,7 @@ def test_panel_start_and_anchor_interval(app: App) -> None:
             ),
             30,
             app,
+            page,
         )
 
         # A publish already under way when Apply landed may still use the old policy.
@@ -204,6 +231,7 @@ def test_panel_start_and_anchor_interval(app: App) -> None:
             lambda: max((v for v, _ in publishes_from_page(page)), default=-1) >= first_new + 5,
             120,
             app,
+            page,
         )
         rows = sorted(r for r in publishes_from_page(page) if r[0] >= first_new)
         print(f"after Apply at version {applied_at}: {rows}")
@@ -225,6 +253,7 @@ def test_panel_start_and_anchor_interval(app: App) -> None:
             lambda: "stopped" in page.locator("#trainer-status-trainer").inner_text(),
             90,
             app,
+            page,
         )
         stopped_at = app.manifest()["step"]
         time.sleep(3)
@@ -234,6 +263,7 @@ def test_panel_start_and_anchor_interval(app: App) -> None:
             lambda: max((v for v, _ in publishes_from_page(page)), default=-1) >= stopped_at,
             60,
             app,
+            page,
         )
         # Cross-check with the bucket's pointer, once the stopped trainer's last version is on the page (while it
         # publishes, the page may lag behind the few versions the pointer retains): the retained anchors are
@@ -258,6 +288,7 @@ def test_panel_start_and_anchor_interval(app: App) -> None:
             lambda: max((v for v, _ in publishes_from_page(page)), default=-1) > stopped_at,
             60,
             app,
+            page,
         )
 
         assert "running" in page.locator("#trainer-status-trainer").inner_text()
@@ -265,11 +296,11 @@ def test_panel_start_and_anchor_interval(app: App) -> None:
 
         # Every tab with its plots drawn, and not one console warning or error on the way.
         for label in TABS:
-            page.get_by_role("tab", name=label).click()
+            show_tab(page, label)
             page.wait_for_timeout(4000)
         drawn = page.locator("#overview-plot-staleness canvas, #overview-plot-staleness svg")
         assert drawn.count() >= 1, "the overview's staleness plot was not drawn"
-        page.get_by_role("tab", name="Trainer").click()
+        show_tab(page, "Trainer")
         # a TrainRow figure, drawn from metrics/trainer.json's typed rows (Vega's marks: not the empty plot's icon)
         page.locator("#trainer-plot-train-loss .marks").first.wait_for(timeout=30_000)
         assert console.problems() == [], console.problems()
