@@ -6,5 +6,6 @@ cd "$(dirname "$0")/.."
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # the tiny offline model is built once (deterministically, no download) and cached
 python -c "from env_space.environments import get_environment; from rlsync.spaces.tiny_model import tiny_model_path; print('tiny model:', tiny_model_path(environments=get_environment))"
-# two workers, each test file on one (module fixtures such as a vLLM engine start once): 16 min instead of 31 serially
+# two workers, each test file on one (module fixtures such as a vLLM engine start once); `-n 0` runs serially.
+# Times of both: docs/testing.md
 python -m pytest -q -n 2 --dist loadfile "$@"
