@@ -140,7 +140,7 @@ def wait_for(what: str, check: Callable[[], object], timeout: float, app: App, p
     shown = ""
     if page is not None:
         page.screenshot(path=TIMEOUT_SCREENSHOT, full_page=True)
-        selected = page.locator('[role="tab"][aria-selected="true"]').all_inner_texts()
+        selected = page.get_by_role("tab", selected=True).all_inner_texts()
         table = page.locator("#trainer-recent-publishes").inner_text()[:600]
         shown = f"\nselected tab: {selected}; trainer table: {table!r}; screenshot: {TIMEOUT_SCREENSHOT}"
     raise AssertionError(
@@ -154,7 +154,7 @@ def show_tab(page, label: str) -> None:
     for _ in range(3):
         tab.click()
         try:
-            page.locator(f'[role="tab"][aria-selected="true"]:has-text("{label}")').wait_for(timeout=5_000)
+            page.get_by_role("tab", name=label, selected=True).wait_for(timeout=5_000)
             return
         except PlaywrightTimeout:
             continue
