@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from rlsync.errors import FormatError
-from rlsync.protocol.policies import base as registry
-from rlsync.protocol.policy import AnchorPolicy, policy_from_json, policy_names, policy_to_json, register_policy
+from rlsync.errors import ConfigurationError
+from rlsync.protocol.policy import AnchorPolicy, policy_class, policy_from_json, policy_names, policy_to_json
 from rlsync.spaces.anchor_policy import current_policy, describe_policy, make_policy, setting_fields
 from rlsync.spaces.snapshots import Snapshot
 
@@ -29,10 +29,8 @@ class EveryOther(AnchorPolicy):
 
 
 @pytest.fixture
-def registered(monkeypatch):
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    policy_names()  # the built-ins discovered first
-    return register_policy(EveryOther)
+def registered(scratch_registry):
+    return scratch_registry.register(scratch_registry.Kind.ANCHOR_POLICY, "every-other", EveryOther).load()
 
 
 def test_the_built_in_policies_are_found_in_their_package():
@@ -58,7 +56,7 @@ def test_a_registered_policy_reaches_the_parser_the_form_and_the_trainer_setting
         TrainerConfig(anchor_policy="no-such").policy()
 
 
-def test_a_name_is_taken_once():
+def test_a_name_is_taken_once(scratch_registry):
     @dataclasses.dataclass
     class Impostor(AnchorPolicy):
         name = "fixed"
@@ -69,5 +67,22 @@ def test_a_name_is_taken_once():
         def describe(self) -> str:
             return "impostor"
 
-    with pytest.raises(ValueError, match="taken"):
-        register_policy(Impostor)
+    with pytest.raises(ConfigurationError, match="taken"):
+        scratch_registry.register(scratch_registry.Kind.ANCHOR_POLICY, "fixed", Impostor)
+
+
+def test_a_policy_that_is_not_a_dataclass_of_its_name_is_refused_when_used(scratch_registry):
+    class Plain(AnchorPolicy):
+        name = "plain"
+
+        def wants_anchor(self, manifest) -> bool:
+            return True
+
+        def describe(self) -> str:
+            return "plain"
+
+    scratch_registry.register(scratch_registry.Kind.ANCHOR_POLICY, "plain", Plain)
+    with pytest.raises(ConfigurationError, match="dataclass"):
+        policy_class("plain")
+    with pytest.raises(FormatError, match="unknown anchor policy"):
+        policy_class("none-such")

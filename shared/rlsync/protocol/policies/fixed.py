@@ -5,15 +5,15 @@ from __future__ import annotations
 import dataclasses
 
 from ...defaults import DEFAULT_ANCHOR_INTERVAL
+from ...registry import Kind, register
 from ..manifest import Manifest
-from .base import AnchorPolicy, register_policy
+from .base import AnchorPolicy
 
 #: Longest interval: the pointer lists every retained delta (~300 bytes each, more for sharded parts)
 #: and must stay under its 16 MiB (the publisher also anchors early when it passes its share).
 MAX_INTERVAL = 1_000
 
 
-@register_policy
 @dataclasses.dataclass
 class FixedInterval(AnchorPolicy):
     """An anchor every ``interval`` publishes (the others are deltas).
@@ -36,3 +36,9 @@ class FixedInterval(AnchorPolicy):
 
     def describe(self) -> str:
         return f"fixed, an anchor every {self.interval} publishes"
+
+
+register(
+    Kind.ANCHOR_POLICY, "fixed", "rlsync.protocol.policies.fixed:FixedInterval", settings="rlsync.protocol.policies.fixed:FixedInterval",
+    summary="an anchor every `interval` publishes",
+)  # fmt: skip
