@@ -22,18 +22,23 @@ import json
 from typing import Any
 
 from env_space.environments import Environment, Task
+from rlsync.registry import Kind, register
 
 from . import parse_weighted
 from .prompts import render_prompt
-from .settings import SOURCES, register_source
+from .settings import read_source_settings
 
 __all__ = ["ReasoningGymConfig", "ReasoningGymEnvironment", "from_spec"]
 
 
-@register_source(
-    "reasoning_gym", package="reasoning-gym", requires=("reasoning_gym", "sympy"),
-    example="reasoning_gym:leg_counting=2,basic_arithmetic", env_prefix="ENV_RG",
+register(
+    Kind.ENV_SOURCE, "reasoning_gym", "env_space.sources.reasoning_gym:from_spec",
+    settings="env_space.sources.reasoning_gym:ReasoningGymConfig", env_prefix="ENV_RG",
+    summary="reasoning-gym generators with weights",
+    package="reasoning-gym", requires=("reasoning_gym", "sympy"), example="reasoning_gym:leg_counting=2,basic_arithmetic",
 )  # fmt: skip
+
+
 @dataclasses.dataclass
 class ReasoningGymConfig:
     """Settings of the reasoning-gym source (environment variables ``ENV_RG_<FIELD>``)."""
@@ -142,4 +147,4 @@ def from_spec(
     argument: str, *, chat_template: str = "", settings: ReasoningGymConfig | None = None
 ) -> ReasoningGymEnvironment:
     """Build the source from ``ENV_ENVIRONMENT=reasoning_gym:<argument>``."""
-    return ReasoningGymEnvironment(parse_weighted(argument), settings or SOURCES["reasoning_gym"].read(), chat_template)
+    return ReasoningGymEnvironment(parse_weighted(argument), settings or read_source_settings("reasoning_gym"), chat_template)

@@ -27,20 +27,28 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, UnknownNameError
 
-__all__ = ["Entry", "Kind", "add_home", "entries", "get", "names", "register"]
+__all__ = ["Entry", "Kind", "add_home", "check_choice", "entries", "get", "names", "register"]
 
 
 class Kind(str, enum.Enum):
     """What an entry extends."""
 
     CODEC = "codec"
-    BUCKET = "bucket backend"
-    ANCHOR_POLICY = "anchor policy"
-    ENV_SOURCE = "environment source"
+    BUCKET = "bucket"
+    ANCHOR_POLICY = "anchor_policy"
+    ENV_SOURCE = "env_source"
     ENVIRONMENT = "environment"
-    ENGINE = "rollout engine"
+    ENGINE = "engine"
+
+    @property
+    def label(self) -> str:
+        """The kind in messages (``"bucket backend"``)."""
+        return _LABELS.get(self.value, self.value.replace("_", " "))
+
+
+_LABELS = {"bucket": "bucket backend", "env_source": "environment source", "engine": "rollout engine"}
 
 
 def _import(reference: str) -> Any:
@@ -145,13 +153,13 @@ def register(
     """
     kind = Kind(kind)
     if not isinstance(name, str) or not name:
-        raise ConfigurationError(f"a {kind.value} needs a non-empty name, got {name!r}")
+        raise ConfigurationError(f"a {kind.label} needs a non-empty name, got {name!r}")
     entry = Entry(kind, name, target, settings, env_prefix, frozenset(capabilities), summary, dict(details))
     with _lock:
         known = _entries.get((kind, name))
         if known is not None:
             if _key(known.target) != _key(target):
-                raise ConfigurationError(f"{kind.value} {name!r} is taken by {_key(known.target)}")
+                raise ConfigurationError(f"{kind.label} {name!r} is taken by {_key(known.target)}")
             if isinstance(known.target, str) and not isinstance(target, str):
                 _entries[(kind, name)] = entry  # the object itself, now that its module ran
             return _entries[(kind, name)]
@@ -171,12 +179,20 @@ def add_home(package: str) -> None:
 
 
 def _files(home: str) -> list[Path]:
-    spec = importlib.util.find_spec(home)
-    if spec is None:
-        raise ConfigurationError(f"registry home {home!r} is not importable")
-    if spec.submodule_search_locations:
-        return sorted(p for folder in spec.submodule_search_locations for p in Path(folder).glob("*.py"))
-    return [Path(spec.origin)] if spec.origin else []
+    """The ``.py`` files of package ``home`` (or the module itself), found without importing it or its parents
+    (``rlsync.protocol`` would bring torch)."""
+    top, *rest = home.split(".")
+    spec = importlib.util.find_spec(top)
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    for root in roots:
+        path = Path(root, *rest)
+        if path.is_dir():
+            return sorted(path.glob("*.py"))
+        if path.with_suffix(".py").is_file():
+            return [path.with_suffix(".py")]
+    if spec is not None and not rest and spec.origin:
+        return [Path(spec.origin)]
+    raise ConfigurationError(f"registry home {home!r} is not importable")
 
 
 def _literal(node: ast.expr, where: str) -> Any:
@@ -229,7 +245,8 @@ def get(kind: Kind | str, name: str) -> Entry:
     """The entry of ``kind`` called ``name``.
 
     Raises:
-        ConfigurationError: no such entry (the message lists the known names).
+        UnknownNameError: no such entry (the message lists the known names; a ``ConfigurationError`` and a
+            ``KeyError``).
     """
     kind = Kind(kind)
     if (kind, name) not in _entries:  # a module asking for its own entry needs no discovery
@@ -237,4 +254,21 @@ def get(kind: Kind | str, name: str) -> Entry:
     try:
         return _entries[(kind, name)]
     except (KeyError, TypeError):
-        raise ConfigurationError(f"unknown {kind.value} {name!r}; known: {', '.join(names(kind))}") from None
+        raise UnknownNameError(f"unknown {kind.label} {name!r}; known: {', '.join(names(kind))}") from None
+
+
+def check_choice(kind: Kind | str, value: str, variable: str, also: tuple[str, ...] = ()) -> None:
+    """Refuse a setting that names no entry of ``kind`` (nor one of ``also``, e.g. ``"auto"``), at start.
+
+    Args:
+        kind: What the setting names.
+        value: Its value.
+        variable: The variable that sets it, for the message (``TRAINER_CODEC``).
+        also: Other values it accepts.
+
+    Raises:
+        UnknownNameError: the message names the variable and the values that work.
+    """
+    known = [*also, *names(kind)]
+    if value not in known:
+        raise UnknownNameError(f"{variable}={value!r} names no {Kind(kind).label}; use one of {', '.join(known)}")

@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import (
     BucketError,
-    ConfigurationError,
     InvalidKeyError,
     ObjectNotFoundError,
     ObjectTooLargeError,
     TransientBucketError,
+    UnknownNameError,
 )
+from ..registry import Kind, get, names
 from .base import Bucket, BucketWrapper, Capability, ObjectInfo, backend_of, validate_key
 from .local import LocalBucket
 from .prefixed import PrefixedBucket
@@ -80,13 +81,11 @@ def open_bucket(url: str, *, create: bool = True, settings: Any = None) -> Bucke
     Raises:
         BucketError: the URL scheme has no registered backend.
     """
-    from .. import registry
-
     scheme = url.split("://", 1)[0] if "://" in url else "file"
     try:
-        entry = registry.get(registry.Kind.BUCKET, scheme)
-    except ConfigurationError:
-        known = ", ".join(f"{name}://" for name in registry.names(registry.Kind.BUCKET))
+        entry = get(Kind.BUCKET, scheme)
+    except UnknownNameError:
+        known = ", ".join(f"{name}://" for name in names(Kind.BUCKET))
         raise BucketError(f"unsupported bucket URL {url!r}: use a local path or one of {known}") from None
     cls = entry.settings_class()
     return entry.load()(url, create=create, settings=settings if cls is not None and isinstance(settings, cls) else None)

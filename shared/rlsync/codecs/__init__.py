@@ -3,8 +3,8 @@
 
 import torch
 
-from .. import registry
 from ..defaults import DEFAULT_CODEC
+from ..registry import Kind, entries
 from .base import Codec, Decoded, DecodeTarget, EncodedTensor, get_codec, list_codecs
 from .classgap import ClassGapCodec
 from .classrice import ClassRiceCodec
@@ -23,7 +23,7 @@ def default_codec(device: str | torch.device) -> str:
     """
     if torch.device(device).type == "cpu":
         return DEFAULT_CODEC
-    return next(entry.name for entry in registry.entries(registry.Kind.CODEC) if entry.has(ACCELERATOR))
+    return next(entry.name for entry in entries(Kind.CODEC) if entry.has(ACCELERATOR))
 
 __all__ = [
     "ACCELERATOR",

@@ -15,7 +15,8 @@ from typing import Any, Callable, Mapping, NamedTuple
 import numpy as np
 import torch
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, UnknownNameError
+from ..registry import Kind, get, names
 
 
 @dataclasses.dataclass
@@ -119,12 +120,11 @@ def get_codec(name: str) -> Codec:
     Raises:
         FormatError: no codec has that name.
     """
-    from .. import registry
     from ..errors import FormatError
 
     try:
-        entry = registry.get(registry.Kind.CODEC, name)
-    except ConfigurationError:
+        entry = get(Kind.CODEC, name)
+    except UnknownNameError:
         raise FormatError(f"unknown codec {name!r}; known codecs: {list_codecs()}") from None
     found = entry.load()
     codec = found if isinstance(found, Codec) else _INSTANCES.setdefault(id(found), found())
@@ -135,6 +135,4 @@ def get_codec(name: str) -> Codec:
 
 def list_codecs() -> list[str]:
     """Names of all registered codecs."""
-    from .. import registry
-
-    return registry.names(registry.Kind.CODEC)
+    return names(Kind.CODEC)

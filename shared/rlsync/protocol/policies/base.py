@@ -7,8 +7,8 @@ import abc
 import dataclasses
 from typing import Any
 
-from ... import registry
-from ...errors import ConfigurationError, FormatError
+from ...errors import ConfigurationError, FormatError, UnknownNameError
+from ...registry import Kind, get, names
 from ..manifest import Manifest
 
 __all__ = ["DEFAULT_POLICY", "AnchorPolicy", "policy_class", "policy_names"]
@@ -42,7 +42,7 @@ class AnchorPolicy(abc.ABC):
 
 def policy_names() -> list[str]:
     """The registered policies' names, the default first."""
-    return sorted(registry.names(registry.Kind.ANCHOR_POLICY), key=lambda name: (name != DEFAULT_POLICY, name))
+    return sorted(names(Kind.ANCHOR_POLICY), key=lambda name: (name != DEFAULT_POLICY, name))
 
 
 def policy_class(name: str) -> type[AnchorPolicy]:
@@ -53,8 +53,8 @@ def policy_class(name: str) -> type[AnchorPolicy]:
         ConfigurationError: its class is not an :class:`AnchorPolicy` dataclass of that name.
     """
     try:
-        cls = registry.get(registry.Kind.ANCHOR_POLICY, name).load()
-    except ConfigurationError:
+        cls = get(Kind.ANCHOR_POLICY, name).load()
+    except UnknownNameError:
         raise FormatError(f"unknown anchor policy {name!r}; use one of {policy_names()}") from None
     if not (isinstance(cls, type) and issubclass(cls, AnchorPolicy) and dataclasses.is_dataclass(cls) and cls.name == name):
         raise ConfigurationError(f"anchor policy {name!r} must be an AnchorPolicy dataclass of its settings named {name!r}")
