@@ -23,6 +23,7 @@ from rlsync.adapters import AdapterChain
 from rlsync.errors import ConfigurationError
 from rlsync.patch import TensorPatch
 from rlsync.registry import Entry, Kind, entries, get
+from rlsync.vllm.status import TransferStatus
 
 
 class EngineCapability(str, enum.Enum):
@@ -135,28 +136,28 @@ class BucketFollowingEngine(Protocol):
     """An engine that follows the bucket itself, where its weights live (vLLM's ``bucket`` weight-transfer
     backend: :mod:`rlsync.vllm.transfer`), driven by a :class:`~rollout_space.bucket_follower.BucketFollower`.
 
-    Each call returns the engine's transfer status (:meth:`rlsync.vllm.transfer.BucketWeightTransferEngine.status`:
-    ``step``, ``state_hash``, ``preparing``, ``prepared_step``, ``error``, ``rehashing``, ``rehash``...).
+    Each call returns the engine's transfer status (:class:`rlsync.vllm.status.TransferStatus`: ``step``,
+    ``state_hash``, ``preparing``, ``prepared_step``, ``error``, ``rehashing``, ``rehash``...).
     """
 
     #: Whether it was started able to follow the bucket (else the replica feeds it from a subscriber).
     follows_bucket: bool
 
-    def follow_bucket(self, url: str, chain: str) -> dict[str, Any]:
+    def follow_bucket(self, url: str, chain: str) -> TransferStatus:
         """Follow ``chain`` of the bucket at ``url`` from its newest anchor (again: the served weights are
         replaced by the next anchor)."""
 
-    def prepare_update(self) -> dict[str, Any]:
+    def prepare_update(self) -> TransferStatus:
         """Start downloading, decoding and verifying the next update in the background, while generating."""
 
-    def transfer_status(self) -> dict[str, Any]:
+    def transfer_status(self) -> TransferStatus:
         """Where the engine stands."""
 
     def apply_prepared(self, step: int) -> None:
         """Write the prepared update toward ``step`` (a pause of generation; nothing downloaded or decoded), then
         drop the KV computed with the old weights."""
 
-    def verify_served(self) -> dict[str, Any]:
+    def verify_served(self) -> TransferStatus:
         """Start re-hashing the served weights against the verified state hash in the background."""
 
 

@@ -96,7 +96,7 @@ def test_a_vllm_replica_follows_through_the_bucket_backend_bit_exact_holding_no_
         record = pub.publish(step, master)
         _sync_once(replica, "anchor" if step == 0 else "delta", step)
         assert engine.state_hash() == record.state_hash == replica.weights.state_hash  # whole state, read back
-        assert replica.weights.step == step and engine.transfer_status()["pause"]["reads"] == 0  # the pause read nothing
+        assert replica.weights.step == step and engine.transfer_status().pause.reads == 0  # the pause read nothing
     syncs = replica.syncs
     assert [s["kind"] for s in syncs] == ["anchor"] + ["delta"] * DELTAS
     assert all(s["nbytes"] < syncs[0]["nbytes"] for s in syncs[1:])  # deltas, not the model again

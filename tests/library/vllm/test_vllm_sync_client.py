@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed")
 
 from rlsync.vllm.client import BucketSyncClient  # noqa: E402
+from rlsync.vllm.status import Rehash, TransferStatus  # noqa: E402
 from rlsync.bucket import LocalBucket  # noqa: E402
 from rlsync.protocol import Publisher  # noqa: E402
 
@@ -43,8 +44,8 @@ class FakeVllm:
                     status.update(preparing=False, error=error, prepared_step=0 if ready and not error else None,
                                   prepared_hash=state_hash if ready and not error else None)  # fmt: skip
             elif method == "sync_verify":
-                status.update(rehash={"step": status["step"], "expected": status["state_hash"], "served": served_hash or state_hash})
-            return dict(status)
+                status.update(rehash=Rehash(status["step"], status["state_hash"], served_hash or state_hash))
+            return TransferStatus(**{k: v for k, v in status.items() if k != "polls"}).to_wire()  # as a worker sends it
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args) -> None:
