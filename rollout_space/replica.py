@@ -46,7 +46,7 @@ from rlsync.registry import Entry
 from rlsync.roles import Role
 from rlsync.spaces.exchange import open_role_bucket
 from rlsync.spaces.interval_log import IntervalLog
-from rlsync.spaces.metrics import ReplicaStatus
+from rlsync.spaces.metrics import ReplicaStatus, Sync
 from rlsync.spaces.settings import resolve_device
 from rlsync.spaces.tiny_model import model_or_default
 from rlsync.supervised import SupervisedThread
@@ -148,7 +148,7 @@ class Replica:
         return str(write_fp8_checkpoint(model, self._fp8_dir))
 
     @property
-    def syncs(self) -> list[dict]:
+    def syncs(self) -> list[Sync]:
         """The updates applied, the newest last (:attr:`rollout_space.weights.Follower.syncs`)."""
         return self.weights.syncs
 

@@ -99,7 +99,7 @@ def test_a_vllm_replica_follows_through_the_bucket_backend_bit_exact_holding_no_
         assert replica.weights.step == step and engine.transfer_status().pause.reads == 0  # the pause read nothing
     syncs = replica.syncs
     assert [s["kind"] for s in syncs] == ["anchor"] + ["delta"] * DELTAS
-    assert all(s["nbytes"] < syncs[0]["nbytes"] for s in syncs[1:])  # deltas, not the model again
+    assert all(s.nbytes < syncs[0].nbytes for s in syncs[1:])  # deltas, not the model again
     status = replica.status()
     assert status.applied_step == DELTAS and status.state_hash == record.state_hash and status.refused == 0
     assert status.reads > 0 and status.bytes_downloaded >= sum(s["nbytes"] for s in syncs)
