@@ -20,6 +20,8 @@ import types
 import typing
 from typing import Any, Mapping, Sequence, TypeVar
 
+from .errors import ConfigurationError
+
 __all__ = ["env_name", "from_env", "settings_table"]
 
 T = TypeVar("T")
@@ -37,18 +39,18 @@ def _convert(raw: str, kind: Any, name: str) -> Any:
             return True
         if raw.lower() in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"{name}: expected a boolean, got {raw!r}")
+        raise ConfigurationError(f"{name}: expected a boolean, got {raw!r}")
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         for value in (raw, raw.lower()):
             if value in kind._value2member_map_:
                 return kind(value)
         choices = ", ".join(repr(m.value) for m in kind)
-        raise ValueError(f"{name}: expected one of {choices}, got {raw!r}")
+        raise ConfigurationError(f"{name}: expected one of {choices}, got {raw!r}")
     if kind in (int, float, str):
         try:
             return kind(raw)
         except ValueError:
-            raise ValueError(f"{name}: expected {kind.__name__}, got {raw!r}") from None
+            raise ConfigurationError(f"{name}: expected {kind.__name__}, got {raw!r}") from None
     raise TypeError(f"{name}: unsupported setting type {kind}")
 
 
@@ -82,8 +84,8 @@ def from_env(
         The settings.
 
     Raises:
-        ValueError: a variable cannot be converted to its field's type (the message names the variable),
-            or the dataclass refuses the values.
+        ConfigurationError: a variable cannot be converted to its field's type (the message names the variable).
+        ValueError: the dataclass refuses the values (a ``ConfigurationError`` where it says which settings clash).
     """
     environ = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-from ..errors import ObjectNotFoundError, ObjectTooLargeError
+from ..errors import ConfigurationError, ObjectNotFoundError, ObjectTooLargeError
 from ..supervised import SupervisedThread
 from .base import Bucket, BucketWrapper, Capability, ObjectInfo, backend_of, validate_prefix
 from .watch_feed import ViewUpdater, WatchMode, change_info
@@ -99,7 +99,7 @@ class WatchConfig:
         for prefix in self.prefixes:
             validate_prefix(prefix)
         if not self.prefixes or min(self.max_listing_keys, self.max_changes, self.feed_failures) < 1 or self.cache_bytes < 0:
-            raise ValueError(f"invalid watch settings: {self}")
+            raise ConfigurationError(f"invalid watch settings: {self}")
 
 
 class _HashCache:
