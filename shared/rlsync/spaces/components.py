@@ -9,6 +9,7 @@ combined app uses ``"trainer-"``, ``"overview-"``, ...).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ from .frames import (
     timing_frame,
     train_frame,
 )
+from .metrics import TrainRow
 from .role_control import RoleRunner
 from .snapshots import BucketSource, BucketView, Snapshot, bucket_view, redact
 
@@ -199,13 +201,19 @@ STALENESS_CHART = Chart(
 )
 
 
-#: The trainer panel's plots of its per-step figures, in this order: each draws a field of
+def training_charts(row: type[TrainRow] = TrainRow) -> tuple[Chart, ...]:
+    """A chart per optimizer step of every figure of ``row`` that names one (``_log(..., chart=TITLE)``)."""
+    return tuple(
+        Chart(f.metadata["chart"], x="opt_step", y=f.name, x_title="optimizer step",
+              formats={f.name: f.metadata["format"]} if f.metadata.get("format") else {})
+        for f in dataclasses.fields(row) if f.metadata.get("chart")
+    )  # fmt: skip
+
+
+#: The trainer panel's plots of its per-step figures, in field order: each draws a field of
 #: :class:`~.metrics.TrainRow` (a column of :func:`~.frames.train_frame`) against the optimizer step. A new
-#: plot of a TRL figure is a ``TrainRow`` field naming its log entry, and a chart here.
-TRAINING_CHARTS = (
-    Chart("Loss per optimizer step", x="opt_step", y="loss", x_title="optimizer step", formats={"loss": ".4f"}),
-    Chart("KL to the sampler per optimizer step", x="opt_step", y="kl", x_title="optimizer step", formats={"kl": ".4g"}),
-)
+#: plot of a TRL figure is one ``TrainRow`` field naming its log entry and its chart's title.
+TRAINING_CHARTS = training_charts()
 
 
 def chart_plot(
