@@ -225,7 +225,7 @@ def _prepare(llm: Any, step: int) -> float:
     while status.preparing:
         time.sleep(0.01)
         status = TransferStatus.from_wire(llm.collective_rpc("sync_transfer_status")[0])
-    if status.error or status.prepared_step != step:
+    if status.error or status.prepared is None or status.prepared.step != step:
         raise RuntimeError(f"prepare of step {step} failed: {status}")
     return time.perf_counter() - t0
 

@@ -23,7 +23,6 @@ report them) and the counters of its status.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -33,13 +32,13 @@ from rlsync.bucket import Bucket
 from rlsync.fp8 import Chain
 from rlsync.protocol import SubscriberStats
 from rlsync.spaces.interval_log import IntervalLog
-from rlsync.vllm.status import TransferStatus
+from rlsync.vllm.status import Prepared, TransferStatus
 
 from .config import ReplicaConfig
 from .engine import BucketFollowingEngine
 from .weights import Follower
 
-__all__ = ["BucketFollower", "PreparedUpdate"]
+__all__ = ["BucketFollower"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,19 +46,6 @@ logger = logging.getLogger(__name__)
 POLL_MIN_S, POLL_MAX_S = 0.02, 1.0
 #: The workers' counters the status reports, summed over their subscribers (one per follow_bucket).
 WORKER_COUNTERS = ("reads", "bytes_downloaded", "refused")
-
-
-@dataclasses.dataclass(frozen=True)
-class PreparedUpdate:
-    """An update the engine's workers prepared (downloaded, decoded, verified), waiting for the pause: what
-    the replica's process holds of it."""
-
-    step: int
-    kind: str
-    state_hash: str
-    nbytes: int
-    download_s: float
-    decode_s: float
 
 
 class BucketFollower(Follower):
@@ -134,7 +120,7 @@ class BucketFollower(Follower):
             status = self._call(self.engine.transfer_status)
         return status
 
-    def fetch_next(self, stop: threading.Event) -> PreparedUpdate | None:
+    def fetch_next(self, stop: threading.Event) -> Prepared | None:
         """Have the workers prepare the next update, while the engine generates.
 
         Returns:
@@ -147,14 +133,9 @@ class BucketFollower(Follower):
                 self._stats.last_error = status.error
             logger.warning("replica %s: update refused or unavailable: %s", self.name, status.error)
             return None
-        if status.preparing or status.prepared_step is None or status.prepared_kind is None:
-            return None
-        return PreparedUpdate(
-            step=status.prepared_step, kind=status.prepared_kind, state_hash=status.prepared_hash or "",
-            nbytes=status.prepared_nbytes, download_s=status.prepared_download_s, decode_s=status.prepared_decode_s,
-        )  # fmt: skip
+        return None if status.preparing else status.prepared
 
-    def _apply(self, update: PreparedUpdate) -> bool:
+    def _apply(self, update: Prepared) -> bool:
         """The pause: the workers write the prepared update (and the prefix cache is reset)."""
         with self._lock:
             t0 = time.perf_counter()

@@ -137,7 +137,7 @@ class BucketFollowingEngine(Protocol):
     backend: :mod:`rlsync.vllm.transfer`), driven by a :class:`~rollout_space.bucket_follower.BucketFollower`.
 
     Each call returns the engine's transfer status (:class:`rlsync.vllm.status.TransferStatus`: ``step``,
-    ``state_hash``, ``preparing``, ``prepared_step``, ``error``, ``rehashing``, ``rehash``...).
+    ``state_hash``, ``preparing``, ``prepared``, ``error``, ``rehashing``, ``rehash``...).
     """
 
     #: Whether it was started able to follow the bucket (else the replica feeds it from a subscriber).

@@ -44,14 +44,6 @@ __all__ = ["DatasetEnvironment", "DatasetSourceConfig", "from_spec", "load_split
 _NOT_COLUMNS = ("prompt", "completion", "completion_ids", "prompts", "completions")  # as TRL: not passed by name
 
 
-register(
-    Kind.ENV_SOURCE, "dataset", "env_space.sources.datasets_source:from_spec",
-    settings="env_space.sources.datasets_source:DatasetSourceConfig", env_prefix="ENV_DATASET",
-    summary="a Hub dataset or one saved with save_to_disk, scored by TRL-style reward functions",
-    package="datasets math-verify", requires=("datasets", "math_verify"), example="dataset:openai/gsm8k",
-)  # fmt: skip
-
-
 @dataclasses.dataclass
 class DatasetSourceConfig:
     """Settings of the dataset source (environment variables ``ENV_DATASET_<FIELD>``)."""
@@ -201,3 +193,9 @@ def from_spec(
     """Build the source from ``ENV_ENVIRONMENT=dataset:<name or path>``."""
     config = settings or read_source_settings("dataset")
     return DatasetEnvironment(load_split(argument, config.subset, config.split), argument, config, chat_template)
+
+
+register(Kind.ENV_SOURCE, "dataset", "env_space.sources.datasets_source:from_spec", env_prefix="ENV_DATASET",
+         settings="env_space.sources.datasets_source:DatasetSourceConfig", package="datasets math-verify",
+         summary="a Hub dataset or one saved with save_to_disk, scored by TRL-style reward functions",
+         requires=("datasets", "math_verify"), example="dataset:openai/gsm8k")

@@ -41,14 +41,6 @@ __all__ = ["OpenEnvConfig", "OpenEnvEnvironment", "from_spec"]
 _MAX_BACKOFF_S = 60.0
 
 
-register(
-    Kind.ENV_SOURCE, "openenv", "env_space.sources.openenv_client:from_spec",
-    settings="env_space.sources.openenv_client:OpenEnvConfig", env_prefix="ENV_OPENENV",
-    summary="an OpenEnv environment server, one step per episode",
-    package="openenv-core", requires=("openenv",), example="openenv:http://127.0.0.1:8000",
-)  # fmt: skip
-
-
 @dataclasses.dataclass
 class OpenEnvConfig:
     """Settings of the OpenEnv source (environment variables ``ENV_OPENENV_<FIELD>``)."""
@@ -169,3 +161,8 @@ class OpenEnvEnvironment(Environment):
 def from_spec(argument: str, *, chat_template: str = "", settings: OpenEnvConfig | None = None) -> OpenEnvEnvironment:
     """Build the source from ``ENV_ENVIRONMENT=openenv:<url>`` (the server formats its own prompts)."""
     return OpenEnvEnvironment(argument, settings or read_source_settings("openenv"))
+
+
+register(Kind.ENV_SOURCE, "openenv", "env_space.sources.openenv_client:from_spec", env_prefix="ENV_OPENENV",
+         settings="env_space.sources.openenv_client:OpenEnvConfig", package="openenv-core", requires=("openenv",),
+         summary="an OpenEnv environment server, one step per episode", example="openenv:http://127.0.0.1:8000")

@@ -31,14 +31,6 @@ from .settings import read_source_settings
 __all__ = ["ReasoningGymConfig", "ReasoningGymEnvironment", "from_spec"]
 
 
-register(
-    Kind.ENV_SOURCE, "reasoning_gym", "env_space.sources.reasoning_gym:from_spec",
-    settings="env_space.sources.reasoning_gym:ReasoningGymConfig", env_prefix="ENV_RG",
-    summary="reasoning-gym generators with weights",
-    package="reasoning-gym", requires=("reasoning_gym", "sympy"), example="reasoning_gym:leg_counting=2,basic_arithmetic",
-)  # fmt: skip
-
-
 @dataclasses.dataclass
 class ReasoningGymConfig:
     """Settings of the reasoning-gym source (environment variables ``ENV_RG_<FIELD>``)."""
@@ -148,3 +140,8 @@ def from_spec(
 ) -> ReasoningGymEnvironment:
     """Build the source from ``ENV_ENVIRONMENT=reasoning_gym:<argument>``."""
     return ReasoningGymEnvironment(parse_weighted(argument), settings or read_source_settings("reasoning_gym"), chat_template)
+
+
+register(Kind.ENV_SOURCE, "reasoning_gym", "env_space.sources.reasoning_gym:from_spec", env_prefix="ENV_RG",
+         settings="env_space.sources.reasoning_gym:ReasoningGymConfig", summary="reasoning-gym generators with weights",
+         package="reasoning-gym", requires=("reasoning_gym", "sympy"), example="reasoning_gym:leg_counting=2,basic_arithmetic")

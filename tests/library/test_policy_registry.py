@@ -72,17 +72,10 @@ def test_a_name_is_taken_once(scratch_registry):
 
 
 def test_a_policy_that_is_not_a_dataclass_of_its_name_is_refused_when_used(scratch_registry):
-    class Plain(AnchorPolicy):
-        name = "plain"
-
-        def wants_anchor(self, manifest) -> bool:
-            return True
-
-        def describe(self) -> str:
-            return "plain"
-
-    scratch_registry.register(scratch_registry.Kind.ANCHOR_POLICY, "plain", Plain)
-    with pytest.raises(ConfigurationError, match="dataclass"):
-        policy_class("plain")
+    scratch_registry.register(scratch_registry.Kind.ANCHOR_POLICY, "plain", AnchorPolicy)  # not a dataclass
+    scratch_registry.register(scratch_registry.Kind.ANCHOR_POLICY, "alias", EveryOther)  # named "every-other"
+    for name in ("plain", "alias"):
+        with pytest.raises(ConfigurationError, match="dataclass of its settings named"):
+            policy_class(name)
     with pytest.raises(FormatError, match="unknown anchor policy"):
         policy_class("none-such")

@@ -148,7 +148,7 @@ class BucketSyncClient:
         if errors:
             raise RuntimeError(f"the server refused or could not fetch the update toward step {step} "
                                f"before pausing (nothing applied): {errors[0]}")  # fmt: skip
-        prepared = {(s.prepared_step, s.prepared_hash) for s in statuses}
+        prepared = {s.prepared for s in statuses}
         if len(prepared) != 1:
             raise RuntimeError(f"the server's workers prepared different updates: {sorted(prepared, key=str)}")
         return statuses[0]
@@ -225,10 +225,10 @@ class BucketSyncClient:
             self._initialized = True
         for _ in range(MAX_UPDATES_PER_SYNC):
             status = self._prepare(manifest.step)
-            if status.prepared_step is None:  # up to date, or waiting for an update it can verify
+            if status.prepared is None:  # up to date, or waiting for an update it can verify
                 self.step = status.step
                 break
-            self._apply_prepared(status.prepared_step)
+            self._apply_prepared(status.prepared.step)
             self.step = self.transfer_status()[0].step  # a prepared update found stale was dropped: prepare again
             if self.step == manifest.step:
                 break

@@ -10,11 +10,11 @@ server); the caller reads it back with :meth:`TransferStatus.from_wire`, which r
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Literal, Mapping
 
 from ..errors import FormatError
 
-__all__ = ["FORMAT_VERSION", "Pause", "Rehash", "TransferStatus"]
+__all__ = ["FORMAT_VERSION", "Pause", "Prepared", "Rehash", "TransferStatus"]
 
 #: The version of :meth:`TransferStatus.to_wire`'s dict (its ``format`` key); readers refuse other versions.
 FORMAT_VERSION = 1
@@ -22,13 +22,9 @@ FORMAT_VERSION = 1
 
 @dataclasses.dataclass(frozen=True)
 class Rehash:
-    """A finished re-hash of the served weights (:meth:`~rlsync.vllm.transfer.BucketWeightTransferEngine.verify`).
-
-    Attributes:
-        step: The verified step the weights held.
-        expected: Its verified state hash.
-        served: The hash of the weights read back from the engine.
-    """
+    """A finished re-hash of the served weights (:meth:`~rlsync.vllm.transfer.BucketWeightTransferEngine.verify`):
+    the verified ``step`` the weights held, its ``expected`` state hash, and the hash of the weights ``served``,
+    read back from the engine."""
 
     step: int
     expected: str
@@ -41,14 +37,30 @@ class Rehash:
 
 
 @dataclasses.dataclass(frozen=True)
-class Pause:
-    """What the last pause did (:meth:`~rlsync.vllm.transfer.BucketWeightTransferEngine.receive_weights`).
+class Prepared:
+    """An update the workers prepared (downloaded, decoded, verified) in the background, waiting for the pause.
 
     Attributes:
-        s: Its seconds.
-        reads: Bucket reads inside it (0 when the update was prepared beforehand).
-        applied: Updates it applied.
+        step: Its step.
+        kind: ``"anchor"`` or ``"delta"``.
+        state_hash: The state hash it leads to.
+        nbytes: Bytes it downloaded.
+        download_s: Seconds it downloaded.
+        decode_s: Seconds it decoded and verified.
     """
+
+    step: int
+    kind: Literal["anchor", "delta"]
+    state_hash: str
+    nbytes: int = 0
+    download_s: float = 0.0
+    decode_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Pause:
+    """What the last pause did (:meth:`~rlsync.vllm.transfer.BucketWeightTransferEngine.receive_weights`): its
+    seconds ``s``, the bucket ``reads`` inside it (0 when the update was prepared beforehand), updates ``applied``."""
 
     s: float = 0.0
     reads: int = 0
@@ -64,9 +76,7 @@ class TransferStatus:
         state_hash: Its state hash.
         preparing: An update is being downloaded, decoded and verified in the background.
         error: Why the last prepared update was refused (``""``: none).
-        prepared_step: The prepared update's step, ``None`` when none is held.
-        prepared_kind: ``"anchor"`` or ``"delta"``.
-        prepared_hash: The state hash it leads to.
+        prepared: The prepared update, ``None`` when none is held.
         refused: Updates the subscriber refused.
         discarded: Prepared updates dropped as stale.
         pause: The last pause, ``None`` before the first.
@@ -74,9 +84,6 @@ class TransferStatus:
         rehash: The last finished re-hash, ``None`` before the first.
         rehash_error: Why the last re-hash failed (``""``: none).
         newest_step: The pointer's newest step, as the subscriber last read it.
-        prepared_nbytes: Bytes the prepared update downloaded.
-        prepared_download_s: Seconds it downloaded.
-        prepared_decode_s: Seconds it decoded and verified.
         reads: Bucket reads of the subscriber.
         bytes_downloaded: Bytes the subscriber downloaded.
     """
@@ -85,9 +92,7 @@ class TransferStatus:
     state_hash: str | None = None
     preparing: bool = False
     error: str = ""
-    prepared_step: int | None = None
-    prepared_kind: str | None = None
-    prepared_hash: str | None = None
+    prepared: Prepared | None = None
     refused: int = 0
     discarded: int = 0
     pause: Pause | None = None
@@ -95,9 +100,6 @@ class TransferStatus:
     rehash: Rehash | None = None
     rehash_error: str = ""
     newest_step: int | None = None
-    prepared_nbytes: int = 0
-    prepared_download_s: float = 0.0
-    prepared_decode_s: float = 0.0
     reads: int = 0
     bytes_downloaded: int = 0
 
@@ -120,10 +122,10 @@ class TransferStatus:
             raise FormatError(f"a transfer status with fields {sorted(set(wire) ^ fields ^ {'format'})} wrong")
         values = {name: wire[name] for name in fields}
         try:
-            values["pause"] = Pause(**wire["pause"]) if wire["pause"] is not None else None
-            values["rehash"] = Rehash(**wire["rehash"]) if wire["rehash"] is not None else None
+            for name, record in (("prepared", Prepared), ("pause", Pause), ("rehash", Rehash)):
+                values[name] = record(**wire[name]) if wire[name] is not None else None
         except TypeError as exc:
-            raise FormatError(f"a transfer status with a malformed pause or re-hash: {exc}") from None
+            raise FormatError(f"a transfer status with a malformed prepared update, pause or re-hash: {exc}") from None
         return cls(**values)
 
     @classmethod
@@ -143,7 +145,7 @@ class TransferStatus:
             rehashing=any(s.rehashing for s in statuses),
             rehash=next((s.rehash for s in statuses if s.rehash is not None and s.rehash.mismatch), first.rehash),
         )
-        prepared = {(s.prepared_step, s.prepared_hash) for s in statuses}
+        prepared = {(s.prepared.step, s.prepared.state_hash) if s.prepared else None for s in statuses}
         if not merged.preparing and len(prepared) != 1:
             raise RuntimeError(f"vLLM's workers prepared different updates: {sorted(prepared, key=str)}")
         return merged

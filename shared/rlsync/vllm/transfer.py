@@ -88,7 +88,7 @@ from rlsync.roles import Role
 
 from .plugin import BACKEND_NAME, register
 from .prepare import BackgroundJob
-from .status import Pause, Rehash, TransferStatus
+from .status import Pause, Prepared, Rehash, TransferStatus
 from .worker import ModelWeights, plan_update
 
 __all__ = ["BACKEND_NAME", "BucketInitInfo", "BucketUpdateInfo", "BucketWeightTransferEngine", "register"]
@@ -258,14 +258,14 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         return TransferStatus(
             step=sub.step if sub is not None else None, state_hash=sub.state_hash if sub is not None else None,
             preparing=self._prepared.running, error=_describe(self._prepared.error),
-            prepared_step=update.step if update else None, prepared_kind=update.kind if update else None,
-            prepared_hash=update.state_hash if update else None,
+            prepared=Prepared(
+                update.step, update.kind, update.state_hash, update.nbytes, update.download_s, update.decode_s
+            ) if update else None,
             refused=sub.stats.refused if sub is not None else 0, discarded=self._pause.discarded,
             pause=self._pause.last, rehashing=self._rehash.running, rehash=self._rehash.result,
             rehash_error=_describe(self._rehash.error),
             newest_step=sub.manifest.step if sub is not None and sub.manifest is not None else None,
-            prepared_nbytes=update.nbytes if update else 0, prepared_download_s=update.download_s if update else 0.0,
-            prepared_decode_s=update.decode_s if update else 0.0, reads=sub.stats.reads if sub is not None else 0,
+            reads=sub.stats.reads if sub is not None else 0,
             bytes_downloaded=sub.stats.bytes_downloaded if sub is not None else 0,
         )  # fmt: skip
 

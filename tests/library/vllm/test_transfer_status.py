@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 
 from rlsync.errors import FormatError
-from rlsync.vllm.status import FORMAT_VERSION, Pause, Rehash, TransferStatus
+from rlsync.vllm.status import FORMAT_VERSION, Pause, Prepared, Rehash, TransferStatus
 
 STATUS = TransferStatus(
-    step=3, state_hash="h3", prepared_step=4, prepared_kind="delta", prepared_hash="h4", pause=Pause(0.5, 0, 1),
+    step=3, state_hash="h3", prepared=Prepared(4, "delta", "h4", 100), pause=Pause(0.5, 0, 1),
     rehash=Rehash(3, "h3", "h3"), reads=7,
 )  # fmt: skip
 
@@ -31,6 +31,7 @@ def test_a_status_reads_back_as_it_was_sent():
         ({"surprise": 1}, "surprise"),
         ({"rehash": {"step": 3}}, "malformed"),
         ({"pause": {"s": 1, "seconds": 2}}, "malformed"),
+        ({"prepared": {"step": 4}}, "malformed"),
     ],
 )
 def test_another_version_or_a_malformed_status_is_refused(change, match):
@@ -47,5 +48,5 @@ def test_a_groups_statuses_merge_into_one():
     merged = TransferStatus.merge([STATUS, other])
     assert merged.error == "refused" and merged.rehash.mismatch and merged.step == 3
     with pytest.raises(RuntimeError, match="different updates"):
-        TransferStatus.merge([STATUS, dataclasses.replace(STATUS, prepared_step=5)])
-    assert TransferStatus.merge([STATUS, dataclasses.replace(STATUS, preparing=True, prepared_step=None)]).preparing
+        TransferStatus.merge([STATUS, dataclasses.replace(STATUS, prepared=Prepared(5, "delta", "h5"))])
+    assert TransferStatus.merge([STATUS, dataclasses.replace(STATUS, preparing=True, prepared=None)]).preparing

@@ -108,7 +108,7 @@ def test_served_weights_follow_the_bucket_with_only_the_write_in_the_pause(serve
         httpx.post(f"{url}/collective_rpc", json={"method": "sync_prepare", "args": ["4"]}, timeout=60).raise_for_status()
         while (status := client.transfer_status()[0]).preparing:
             time.sleep(0.05)
-        assert status.prepared_step == 4 and status.discarded == 0
+        assert status.prepared.step == 4 and status.discarded == 0
         publisher = Publisher(LocalBucket(bucket_dir), policy=FixedInterval(10), new_run=True)
         sparse_rl_step(master, seed=52)
         record = publisher.publish(5, master)

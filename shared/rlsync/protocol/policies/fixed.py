@@ -13,6 +13,11 @@ from .base import AnchorPolicy
 #: and must stay under its 16 MiB (the publisher also anchors early when it passes its share).
 MAX_INTERVAL = 1_000
 
+register(
+    Kind.ANCHOR_POLICY, "fixed", "rlsync.protocol.policies.fixed:FixedInterval", settings="rlsync.protocol.policies.fixed:FixedInterval",
+    summary="an anchor every `interval` publishes",
+)  # fmt: skip
+
 
 @dataclasses.dataclass
 class FixedInterval(AnchorPolicy):
@@ -36,9 +41,3 @@ class FixedInterval(AnchorPolicy):
 
     def describe(self) -> str:
         return f"fixed, an anchor every {self.interval} publishes"
-
-
-register(
-    Kind.ANCHOR_POLICY, "fixed", "rlsync.protocol.policies.fixed:FixedInterval", settings="rlsync.protocol.policies.fixed:FixedInterval",
-    summary="an anchor every `interval` publishes",
-)  # fmt: skip
