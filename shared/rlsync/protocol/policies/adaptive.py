@@ -13,10 +13,9 @@ from .base import AnchorPolicy
 #: Largest bound: catching up costs the newest anchor plus every delta since, so at most this many anchors' worth.
 MAX_CATCHUP_RATIO = 100.0
 
-register(
-    Kind.ANCHOR_POLICY, "adaptive", "rlsync.protocol.policies.adaptive:Adaptive", settings="rlsync.protocol.policies.adaptive:Adaptive",
-    summary="an anchor when catching up from the newest anchor costs more than `max_catchup_ratio` anchors",
-)  # fmt: skip
+register(Kind.ANCHOR_POLICY, "adaptive", "rlsync.protocol.policies.adaptive:Adaptive",
+         summary="an anchor when catching up from the newest anchor costs more than `max_catchup_ratio` anchors",
+         settings="rlsync.protocol.policies.adaptive:Adaptive")
 
 
 @dataclasses.dataclass

@@ -13,10 +13,8 @@ from .base import AnchorPolicy
 #: and must stay under its 16 MiB (the publisher also anchors early when it passes its share).
 MAX_INTERVAL = 1_000
 
-register(
-    Kind.ANCHOR_POLICY, "fixed", "rlsync.protocol.policies.fixed:FixedInterval", settings="rlsync.protocol.policies.fixed:FixedInterval",
-    summary="an anchor every `interval` publishes",
-)  # fmt: skip
+register(Kind.ANCHOR_POLICY, "fixed", "rlsync.protocol.policies.fixed:FixedInterval",
+         settings="rlsync.protocol.policies.fixed:FixedInterval", summary="an anchor every `interval` publishes")
 
 
 @dataclasses.dataclass
