@@ -127,7 +127,8 @@ def get_environment(name: str, **kwargs: Any) -> Environment:
     """
     cls = get(Kind.ENVIRONMENT, name).load()
     if getattr(cls, "name", None) != name:
-        raise ConfigurationError(f"environment {name!r} is registered to {cls!r}, whose name is {getattr(cls, 'name', None)!r}")
+        named = getattr(cls, "name", None)
+        raise ConfigurationError(f"environment {name!r} is registered to {cls!r}, whose name is {named!r}")
     return cls(**kwargs)
 
 
@@ -238,5 +239,5 @@ class ArithmeticEnvironment(Environment):
         return 1.0 if value == int(task.answer) else self.FORMAT_CREDIT
 
 
-register(Kind.ENVIRONMENT, "reverse", "env_space.environments:ReverseEnvironment", summary="reverse a short digit string")
+register(Kind.ENVIRONMENT, "reverse", "env_space.environments:ReverseEnvironment", summary="reverse a digit string")
 register(Kind.ENVIRONMENT, "arithmetic", "env_space.environments:ArithmeticEnvironment", summary="small word problems")

@@ -169,7 +169,8 @@ class BucketFollower(Follower):
         if status.rehashing:
             return
         if status.rehash_error or rehash is None:
-            logger.warning("replica %s: could not re-hash the weights: %s", self.name, status.rehash_error or "no result")
+            why = status.rehash_error or "no result"
+            logger.warning("replica %s: could not re-hash the weights: %s", self.name, why)
             return
         if not rehash.mismatch:
             with self._lock:

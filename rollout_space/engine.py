@@ -182,7 +182,9 @@ def choose_engine(name: str, device: str, fp8: bool) -> Entry:
         entry = found[0] if found else next(e for e in entries(Kind.ENGINE) if e.has(EngineCapability.DEVICE))
     if fp8 and not entry.has(EngineCapability.FP8):
         served = [e.name for e in entries(Kind.ENGINE) if e.has(EngineCapability.FP8)]
-        raise ConfigurationError(f"ROLLOUT_CHAIN=fp8 is served by ROLLOUT_ENGINE={' or '.join(served)}, not {entry.name!r}")
+        raise ConfigurationError(
+            f"ROLLOUT_CHAIN=fp8 is served by ROLLOUT_ENGINE={' or '.join(served)}, not {entry.name!r}"
+        )
     return entry
 
 

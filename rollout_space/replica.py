@@ -93,7 +93,9 @@ class Replica:
         if fp8 and engine is not None:
             choose_engine(engine.name, device, fp8)  # refuses an engine that does not serve the FP8 chain
         if fp8 and config.lora:
-            raise ConfigurationError("ROLLOUT_CHAIN=fp8 serves no LoRA adapters: unset ROLLOUT_LORA (or ROLLOUT_CHAIN=bf16)")
+            raise ConfigurationError(
+                "ROLLOUT_CHAIN=fp8 serves no LoRA adapters: unset ROLLOUT_LORA (or ROLLOUT_CHAIN=bf16)"
+            )
         self.replica_id = check_id(config.replica_id or default_replica_id())
         self.bucket = open_role_bucket(Role.ROLLOUT, config.bucket, bucket)
         self._owns_watch = self.bucket is not bucket  # close() stops the watch this role made

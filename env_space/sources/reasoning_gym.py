@@ -139,9 +139,11 @@ def from_spec(
     argument: str, *, chat_template: str = "", settings: ReasoningGymConfig | None = None
 ) -> ReasoningGymEnvironment:
     """Build the source from ``ENV_ENVIRONMENT=reasoning_gym:<argument>``."""
-    return ReasoningGymEnvironment(parse_weighted(argument), settings or read_source_settings("reasoning_gym"), chat_template)
+    config = settings or read_source_settings("reasoning_gym")
+    return ReasoningGymEnvironment(parse_weighted(argument), config, chat_template)
 
 
 register(Kind.ENV_SOURCE, "reasoning_gym", "env_space.sources.reasoning_gym:from_spec", env_prefix="ENV_RG",
          settings="env_space.sources.reasoning_gym:ReasoningGymConfig", summary="reasoning-gym generators with weights",
-         package="reasoning-gym", requires=("reasoning_gym", "sympy"), example="reasoning_gym:leg_counting=2,basic_arithmetic")
+         package="reasoning-gym", requires=("reasoning_gym", "sympy"),
+         example="reasoning_gym:leg_counting=2,basic_arithmetic")

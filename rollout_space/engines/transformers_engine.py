@@ -329,7 +329,5 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
 
 
-register(
-    Kind.ENGINE, "transformers", "rollout_space.engines.transformers_engine:TransformersEngine",
-    capabilities=("device",), summary="transformers generate() on any torch device; adapters through PEFT",
-)  # fmt: skip
+register(Kind.ENGINE, "transformers", "rollout_space.engines.transformers_engine:TransformersEngine",
+         capabilities=("device",), summary="transformers generate() on any torch device; adapters through PEFT")

@@ -327,7 +327,6 @@ def _completion(output: Any) -> Completion:
     return Completion(text=output.text, token_ids=token_ids, logprobs=logprobs)
 
 
-register(
-    Kind.ENGINE, "vllm", "rollout_space.engines.vllm_engine:VllmEngine", capabilities=("accelerator", "fp8", "lora_slots"),
-    requires=("vllm",), summary="vLLM, following the bucket in its own workers when it can (the FP8 chain too)",
-)  # fmt: skip
+register(Kind.ENGINE, "vllm", "rollout_space.engines.vllm_engine:VllmEngine", requires=("vllm",),
+         capabilities=("accelerator", "fp8", "lora_slots"),
+         summary="vLLM, following the bucket in its own workers when it can (the FP8 chain too)")

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence, TypeVar
 
 from .errors import ConfigurationError
 
-__all__ = ["env_name", "from_env", "settings_table"]
+__all__ = ["ProcessSettings", "env_name", "from_env", "process_settings", "settings_table"]
 
 T = TypeVar("T")
 
@@ -109,3 +109,21 @@ def settings_table(cls: type, prefix: str) -> list[tuple[str, str, str]]:
         default = field.default if field.default is not dataclasses.MISSING else ""
         rows.append((var, repr(default), field.metadata.get("help", "")))
     return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSettings:
+    """Settings of the whole process rather than of one component (variables ``RLSYNC_<FIELD>``)."""
+
+    threads: int = dataclasses.field(default=0, metadata={"help": "the library's worker threads (0: one per CPU)"})
+    cache: str = dataclasses.field(default="", metadata={"help": "cache root of built models ('': ~/.cache/rl-sync)"})
+    bucket: str = dataclasses.field(default="", metadata={"help": "the combined app's bucket (app.py --bucket)"})
+
+
+def process_settings(environ: Mapping[str, str] | None = None) -> ProcessSettings:
+    """The :class:`ProcessSettings` from ``RLSYNC_<FIELD>`` variables (``environ``, default ``os.environ``).
+
+    Raises:
+        ConfigurationError: a variable does not parse (the message names it).
+    """
+    return from_env(ProcessSettings, "RLSYNC", environ)

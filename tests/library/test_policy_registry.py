@@ -75,7 +75,7 @@ def test_a_policy_that_is_not_a_dataclass_of_its_name_is_refused_when_used(scrat
     scratch_registry.register(scratch_registry.Kind.ANCHOR_POLICY, "plain", AnchorPolicy)  # not a dataclass
     scratch_registry.register(scratch_registry.Kind.ANCHOR_POLICY, "alias", EveryOther)  # named "every-other"
     for name in ("plain", "alias"):
-        with pytest.raises(ConfigurationError, match="dataclass of its settings named"):
+        with pytest.raises(ConfigurationError, match="dataclass of its settings named so"):
             policy_class(name)
     with pytest.raises(FormatError, match="unknown anchor policy"):
         policy_class("none-such")

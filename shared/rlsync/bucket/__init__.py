@@ -88,4 +88,5 @@ def open_bucket(url: str, *, create: bool = True, settings: Any = None) -> Bucke
         known = ", ".join(f"{name}://" for name in names(Kind.BUCKET))
         raise BucketError(f"unsupported bucket URL {url!r}: use a local path or one of {known}") from None
     cls = entry.settings_class()
-    return entry.load()(url, create=create, settings=settings if cls is not None and isinstance(settings, cls) else None)
+    own = settings if cls is not None and isinstance(settings, cls) else None
+    return entry.load()(url, create=create, settings=own)

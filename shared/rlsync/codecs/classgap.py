@@ -242,4 +242,5 @@ def value_error(name: str, fault: ValueFault) -> FormatError:
     return FormatError(f"entry {name + '.sign'!r}: padding bits after the last sign are set")
 
 
-register(Kind.CODEC, "classgap", "rlsync.codecs.classgap:ClassGapCodec", summary="gapzz in an order the receiver rebuilds from the old weights")
+register(Kind.CODEC, "classgap", "rlsync.codecs.classgap:ClassGapCodec",
+         summary="gapzz in an order the receiver rebuilds from the old weights")

@@ -284,4 +284,5 @@ def _old_bits(target: DecodeTarget) -> np.ndarray:
     return out
 
 
-register(Kind.CODEC, "classrice", "rlsync.codecs.classrice:ClassRiceCodec", summary="positions Golomb-Rice coded per exponent class of the old weights", capabilities=("accelerator",))
+register(Kind.CODEC, "classrice", "rlsync.codecs.classrice:ClassRiceCodec", capabilities=("accelerator",),
+         summary="positions Golomb-Rice coded per exponent class of the old weights")

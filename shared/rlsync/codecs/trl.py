@@ -57,4 +57,5 @@ class TrlCodec(Codec):
         return Decoded(index, int_view(values).numpy().view(uint_dtype(target.itemsize)))
 
 
-register(Kind.CODEC, "trl", "rlsync.codecs.trl:TrlCodec", summary="the plain layout of the public TRL delta-sync design (baseline)")
+register(Kind.CODEC, "trl", "rlsync.codecs.trl:TrlCodec",
+         summary="the plain layout of the public TRL delta-sync design (baseline)")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Self
@@ -43,6 +42,7 @@ from .frames import (
 )
 from .metrics import TrainRow
 from .role_control import RoleRunner
+from .settings import server_port
 from .snapshots import BucketSource, BucketView, Snapshot, bucket_view, redact
 
 logger = logging.getLogger(__name__)
@@ -566,7 +566,7 @@ def launch_options(host: str | None = None) -> dict[str, Any]:
     access = PanelAccess.from_env(host)
     options: dict[str, Any] = {
         "server_name": access.host,
-        "server_port": int(os.environ.get("PORT") or os.environ.get("GRADIO_SERVER_PORT") or 7860),
+        "server_port": server_port(),
         # Gradio's run history mounts /gradio_api/run-history/* outside the login, acting with the
         # operator's HF_TOKEN (creating and listing Hub buckets): a panel has no use for it.
         "run_history": False,

@@ -9,16 +9,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-from typing import Any
+from typing import Any, Mapping
 
 from ..config import from_env, settings_table
 
 __all__ = [
-    "GPU_DEFAULT_MODEL", "default_model", "from_env", "metrics_every_field", "poll_field", "resolve_device",
-    "settings_table", "space_owner",
+    "DEFAULT_PORT", "GPU_DEFAULT_MODEL", "default_model", "from_env", "metrics_every_field", "poll_field",
+    "resolve_device", "server_port", "settings_table", "space_owner",
 ]  # fmt: skip
 
 GPU_DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
+#: A panel's port where neither ``PORT`` nor ``GRADIO_SERVER_PORT`` says (the one a Space serves).
+DEFAULT_PORT = 7860
 
 
 def poll_field() -> Any:
@@ -48,3 +50,19 @@ def default_model(device: str) -> str | None:
 def space_owner() -> str:
     """This trainer's id for the run lock: the Space's id (``SPACE_ID``, kept across restarts), else the host name."""
     return os.environ.get("SPACE_ID") or socket.gethostname()
+
+
+def server_port(environ: Mapping[str, str] | None = None) -> int:
+    """A panel's port: ``PORT`` (a Space's), else ``GRADIO_SERVER_PORT``, else :data:`DEFAULT_PORT`.
+
+    Raises:
+        ConfigurationError: the variable is not a whole number.
+    """
+    from ..errors import ConfigurationError
+
+    environ = os.environ if environ is None else environ
+    raw = environ.get("PORT") or environ.get("GRADIO_SERVER_PORT") or str(DEFAULT_PORT)
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigurationError(f"PORT / GRADIO_SERVER_PORT: expected a port number, got {raw!r}") from None

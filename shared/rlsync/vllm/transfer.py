@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from typing import Any
 
@@ -82,6 +81,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rlsync.bucket import Bucket, BucketSettings, open_bucket
+from rlsync.config import from_env
+from rlsync.errors import ConfigurationError
 from rlsync.fp8 import Chain
 from rlsync.protocol import Subscriber, Update
 from rlsync.roles import Role
@@ -95,10 +96,16 @@ __all__ = ["BACKEND_NAME", "BucketInitInfo", "BucketUpdateInfo", "BucketWeightTr
 
 logger = logging.getLogger(__name__)
 
-#: Environment variable holding the default bucket URL.
-BUCKET_ENV = "ROLLOUT_BUCKET"
-#: Environment variable holding the default chain (``bf16`` or ``fp8``, :class:`~rlsync.fp8.Chain`).
-CHAIN_ENV = "ROLLOUT_CHAIN"
+#: The prefix of the variables a worker falls back on (``ROLLOUT_BUCKET``, ``ROLLOUT_CHAIN``), the replica's own.
+ENV_PREFIX = "ROLLOUT"
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendDefaults:
+    """What a worker follows when ``init_info`` does not say: the bucket URL and the chain (``bf16``, ``fp8``)."""
+
+    bucket: str = ""
+    chain: str = ""
 
 
 @dataclasses.dataclass
@@ -159,12 +166,13 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         prepared for the previous bucket is dropped.
 
         Raises:
-            ValueError: No bucket URL given and ``$ROLLOUT_BUCKET`` is unset, or an unknown chain.
+            ConfigurationError: No bucket URL given and ``$ROLLOUT_BUCKET`` is unset (ValueError: an unknown chain).
         """
-        url = init_info.bucket or os.environ.get(BUCKET_ENV, "")
+        defaults = from_env(BackendDefaults, ENV_PREFIX)
+        url = init_info.bucket or defaults.bucket
         if not url:
-            raise ValueError(f"bucket backend: pass init_info={{'bucket': URL}} or set ${BUCKET_ENV}")
-        chain = Chain(init_info.chain or os.environ.get(CHAIN_ENV) or Chain.BF16.value)
+            raise ConfigurationError(f"bucket backend: pass init_info={{'bucket': URL}} or set ${ENV_PREFIX}_BUCKET")
+        chain = Chain(init_info.chain or defaults.chain or Chain.BF16.value)
         self._drop_background()
         self._chain = chain
         self._bucket = open_bucket(url, settings=BucketSettings.from_env(Role.ROLLOUT))
@@ -250,7 +258,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         return self.status()
 
     def status(self) -> TransferStatus:
-        """Where the engine stands (:class:`~rlsync.vllm.status.TransferStatus`; ``collective_rpc('sync_transfer_status')``
+        """Where the engine stands (:class:`~rlsync.vllm.status.TransferStatus`; the ``sync_transfer_status`` RPC
         sends its :meth:`~rlsync.vllm.status.TransferStatus.to_wire`)."""
         sub = self.subscriber
         held = self._prepared.result

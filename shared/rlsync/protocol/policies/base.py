@@ -56,6 +56,7 @@ def policy_class(name: str) -> type[AnchorPolicy]:
         cls = get(Kind.ANCHOR_POLICY, name).load()
     except UnknownNameError:
         raise FormatError(f"unknown anchor policy {name!r}; use one of {policy_names()}") from None
-    if not (isinstance(cls, type) and issubclass(cls, AnchorPolicy) and dataclasses.is_dataclass(cls) and cls.name == name):
-        raise ConfigurationError(f"anchor policy {name!r} must be an AnchorPolicy dataclass of its settings named {name!r}")
+    is_policy = isinstance(cls, type) and issubclass(cls, AnchorPolicy) and dataclasses.is_dataclass(cls)
+    if not is_policy or cls.name != name:
+        raise ConfigurationError(f"anchor policy {name!r} must be an AnchorPolicy dataclass of its settings named so")
     return cls
