@@ -28,7 +28,7 @@ class ReplicaConfig:
 
     bucket: str = dataclasses.field(default="./runs/bucket", metadata={"help": "bucket URL or path (read access to weights, write to rollouts/ and status/)"})
     replica_id: str = dataclasses.field(default="", metadata={"help": "unique id (default host-pid)"})
-    engine: str = dataclasses.field(default="auto", metadata={"help": f"{', '.join(map(repr, names(Kind.ENGINE)))}, or 'auto' (the accelerator engine on a GPU when installed, the fp8 chain's for it)"})
+    engine: str = dataclasses.field(default="auto", metadata={"help": f"{', '.join(map(repr, names(Kind.ENGINE)))}, or 'auto' (vllm on a GPU when installed, or for the fp8 chain)"})
     model: str = dataclasses.field(default="", metadata={"help": "model name or folder (default: Qwen/Qwen3-0.6B on a GPU, the tiny offline model on CPU)"})
     chain: str = dataclasses.field(default="bf16", metadata={"help": "weights chain to follow: 'bf16', or 'fp8' (the trainer's FP8 chain, TRAINER_FP8=1; served by vLLM from the model quantized to block FP8, docs/fp8.md)"})
     device: str = dataclasses.field(default="auto", metadata={"help": "torch device for the transformers engine ('auto': cuda if available)"})
