@@ -5,10 +5,10 @@ An entry is one top-level call in the module that implements it, naming what to 
 
 >>> register(Kind.CODEC, "gapzz", "rlsync.codecs.gapzz:GapZigzagCodec", summary="gaps, zigzag varints")
 
-Each kind has home packages (:func:`add_home`). The registry *reads* those calls from the homes' files with
-:mod:`ast` (literal arguments only) and imports a module only when its entry is first used
+The extensions live in home packages (:func:`add_home`). The registry *reads* those calls from the homes'
+files with :mod:`ast` (literal arguments only) and imports a module only when its entry is first used
 (:meth:`Entry.load`): names, help texts, panel choices, CLI choices and validation need none of the
-packages a backend imports (huggingface_hub, vLLM, boto3, reasoning-gym), and a new backend is one new file
+packages a backend imports (huggingface_hub, vLLM, reasoning-gym), and a new backend is one new file
 in its kind's home. Running the module registers the same entry again, which is harmless.
 
 The library's homes are listed here; the Space packages add theirs (``env_space``, ``env_space.sources``,
