@@ -48,6 +48,7 @@ from rlsync.spaces.metrics import ReplicaStatus
 from rlsync.spaces.settings import resolve_device
 from rlsync.spaces.tiny_model import model_or_default
 from rlsync.supervised import SupervisedThread
+from rlsync.vllm.support import check_fp8_serving
 
 from env_space.environments import get_environment
 
@@ -79,6 +80,7 @@ class Replica:
 
     Raises:
         ValueError: An unknown ``config.chain``, or the FP8 chain with an engine other than vLLM or with LoRA.
+        UnsupportedHardwareError: The FP8 chain where vLLM cannot serve it (:mod:`rlsync.vllm.support`).
     """
 
     def __init__(self, config: ReplicaConfig, bucket: Bucket | None = None, engine: Engine | None = None) -> None:
@@ -88,6 +90,8 @@ class Replica:
         kind = config.engine if config.engine != "auto" else "vllm" if self.chain is Chain.FP8 else _auto_engine(device)
         if self.chain is Chain.FP8 and ((engine.name if engine is not None else kind) != "vllm" or config.lora):
             raise ValueError(f"the fp8 chain is served by the vllm engine without LoRA (engine {kind!r}, lora {config.lora})")
+        if self.chain is Chain.FP8 and engine is None:
+            check_fp8_serving(device)  # before any model is built or loaded: one line, not a worker's traceback
         self.replica_id = check_id(config.replica_id or default_replica_id())
         self.bucket = open_role_bucket(Role.ROLLOUT, config.bucket, bucket)
         self._owns_watch = self.bucket is not bucket  # close() stops the watch this role made

@@ -24,6 +24,7 @@ __all__ = [
     "RetryableError",
     "StopRoleError",
     "ConfigurationError",
+    "UnsupportedHardwareError",
     "SyncError",
     "FormatError",
     "HashMismatchError",
@@ -68,6 +69,11 @@ class StopRoleError(RlsyncError):
 
 class ConfigurationError(RlsyncError, ValueError):
     """The caller's settings are invalid or inconsistent; fix them."""
+
+
+class UnsupportedHardwareError(ConfigurationError):
+    """This machine lacks a processor feature or device the chosen setting needs (:mod:`rlsync.cpu`);
+    the message names what is missing and what to choose instead."""
 
 
 # -- the publish/subscribe protocol -----------------------------------------------------------------

@@ -25,6 +25,7 @@ ENTRY_POINTS = {
     "commands.py": "the rlsync command (an entry point)",
     "cli.py": "the rlsync command (an entry point)",
     "vllm/transfer.py": "the vLLM plug-in's entry (vLLM builds the engine; $ROLLOUT_BUCKET)",
+    "vllm/serve.py": "python -m rlsync.vllm.serve (an entry point; $ROLLOUT_CHAIN)",
     "workers.py": "RLSYNC_THREADS sizes the process-wide thread pool, like OMP_NUM_THREADS",
 }
 

@@ -10,6 +10,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from ..errors import ConfigurationError
 from ..roles import Role
 from ..supervised import SupervisedThread
 from .snapshots import redact
@@ -105,7 +106,8 @@ class RoleRunner:
             self.objects = objects
             logger.info("%s started (%d object(s)) in %.1fs", self.name, len(objects), time.perf_counter() - t0)
         except Exception as exc:  # shown in the panel; the panel keeps working
-            self.error = redact(f"{type(exc).__name__}: {exc}")
+            # a refused setting's message is the line to show; anything else is named by its type
+            self.error = redact(str(exc) if isinstance(exc, ConfigurationError) else f"{type(exc).__name__}: {exc}")
             logger.error("%s failed to start: %s", self.name, redact(traceback.format_exc()))
             _close(objects)  # nothing of a failed start keeps running or holds its model
         finally:

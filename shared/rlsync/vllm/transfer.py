@@ -82,7 +82,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rlsync.bucket import Bucket, BucketSettings, open_bucket
-from rlsync.fp8 import Chain
+from rlsync.fp8 import CHAIN_ENV, Chain
 from rlsync.protocol import Subscriber, Update
 from rlsync.roles import Role
 
@@ -96,8 +96,6 @@ logger = logging.getLogger(__name__)
 
 #: Environment variable holding the default bucket URL.
 BUCKET_ENV = "ROLLOUT_BUCKET"
-#: Environment variable holding the default chain (``bf16`` or ``fp8``, :class:`~rlsync.fp8.Chain`).
-CHAIN_ENV = "ROLLOUT_CHAIN"
 
 
 @dataclasses.dataclass
