@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from ..roles import Role
 from ..supervised import SupervisedThread
+from .desired import Wanted, record_wanted
 from .snapshots import redact
 
 logger = logging.getLogger(__name__)
@@ -67,12 +68,14 @@ class RoleRunner:
             return "failed"
         return "finished" if self.objects and not self._stopped else "stopped"
 
-    def start(self, config: Any, wait: bool = False) -> str:
+    def start(self, config: Any, wait: bool = False, record: bool = True) -> str:
         """Build the role objects from ``config`` and start them (in a background thread).
 
         Args:
             config: The role's config dataclass.
             wait: Block until started (or failed).
+            record: Once started, record in the bucket that the owner wants it running, with ``config``
+                (:mod:`.desired`: a restart resumes it); ``False`` for the resume at boot itself.
 
         Returns:
             A status line.
@@ -84,13 +87,13 @@ class RoleRunner:
             self._stopped = False
             self.error = ""
             self.config = config
-        thread = SupervisedThread(self._start, args=(config,), name=f"start-{self.name}", restart=False)
+        thread = SupervisedThread(self._start, args=(config, record), name=f"start-{self.name}", restart=False)
         thread.start()
         if wait:
             thread.join()
         return self.status()
 
-    def _start(self, config: Any) -> None:
+    def _start(self, config: Any, record: bool) -> None:
         t0 = time.perf_counter()
         objects: list[Any] = []
         try:
@@ -103,6 +106,8 @@ class RoleRunner:
             for obj in objects:
                 obj.start()
             self.objects = objects
+            if record:
+                record_wanted(self.name, Wanted.RUNNING, config, objects)
             logger.info("%s started (%d object(s)) in %.1fs", self.name, len(objects), time.perf_counter() - t0)
         except Exception as exc:  # shown in the panel; the panel keeps working
             self.error = redact(f"{type(exc).__name__}: {exc}")
@@ -111,15 +116,19 @@ class RoleRunner:
         finally:
             self._starting = False
 
-    def stop(self, wait: bool = True) -> str:
+    def stop(self, wait: bool = True, record: bool = True) -> str:
         """Stop the role objects; returns a status line.
 
         Args:
             wait: Wait for their threads to end; otherwise stop them in a background
                 thread (the state reads "stopping" meanwhile), as the panel's Stop does.
+            record: Record in the bucket that the owner wants it stopped (:mod:`.desired`: a restart leaves it
+                stopped); ``False`` for a stop the owner did not ask for (the runtime's SIGTERM before a restart).
         """
         self._stopped = True
         objects = list(self.objects)
+        if record:
+            record_wanted(self.name, Wanted.STOPPED, self.config, objects)
 
         def stop_all() -> None:
             _close(objects)

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..roles import Role
 from . import components, forms
+from .restarts import resume_at_boot, stop_on_sigterm
 from .role_control import RoleRunner
 from .snapshots import BucketSource
 
@@ -123,5 +124,13 @@ class RoleSpace:
         return components.space_page(self.title, self.description, lambda: self.build_panel(runner, config, **options))
 
     def main(self) -> None:
-        """Launch the page (``GRADIO_SERVER_NAME``, ``PORT``, ``PANEL_AUTH``: :func:`.components.serve`)."""
-        components.serve(self.build_app)
+        """Launch the page (``GRADIO_SERVER_NAME``, ``PORT``, ``PANEL_AUTH``: :func:`.components.serve`). A role the
+        owner left running resumes first, and the runtime's SIGTERM stops it cleanly (:mod:`.restarts`)."""
+        config, runner = self.read_config(), self.make_runner()
+        stop_on_sigterm(runner)
+
+        def boot() -> Any:  # serve() configures the logging first
+            resume_at_boot(runner, config)
+            return self.build_app(config, runner)
+
+        components.serve(boot)
