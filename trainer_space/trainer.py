@@ -38,6 +38,7 @@ from rlsync.bucket.watch import meter_of
 from rlsync.checkpoint_layout import CheckpointLayout, expert_changed_pct
 from rlsync.codecs import default_codec
 from rlsync.protocol import PublishRecord
+from rlsync.protocol.run import new_run_id
 from rlsync.roles import Role
 from rlsync.spaces.anchor_policy import ControlledPolicy
 from rlsync.spaces.demand import Pacing
@@ -88,6 +89,16 @@ class BucketFigures(TrainerCallback):
         self.owner.opt_steps = state.global_step
         if self.owner.stop_requested:
             control.should_training_stop = True
+            control.should_save = True
+        return control
+
+
+class FirstStepCheckpoint(TrainerCallback):
+    """Saves a checkpoint after a run's first optimizer step, before TRL's every ``checkpoint_every``: a Space that
+    restarts soon after Start (hardware change, update, sleep) resumes from it instead of losing the run."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
             control.should_save = True
         return control
 
@@ -148,6 +159,7 @@ class Trainer:
         )  # fmt: skip
         self.trl.add_callback(self.flow)
         self.trl.add_callback(BucketFigures(self))
+        self.trl.add_callback(FirstStepCheckpoint())
         self.summary = IntervalLog(logger, self._summary_line)
         self._flow_at_summary = dict(self.worker.counts)
         logger.info(
@@ -242,7 +254,16 @@ class Trainer:
         folder = self.sync.prepare()
         if self.sync.checkpoint_step is not None:
             self.opt_steps = self.sync.checkpoint_step
+        self.trl.args.run_name = self.run_name  # Trackio resumes the run of that name across restarts
         return folder
+
+    @property
+    def run_name(self) -> str:
+        """The bucket's run id (fixed now for a run not yet published): the Trackio run's name, the same after
+        every restart of the run (TRL's Trackio callback opens it with ``resume="allow"``)."""
+        ownership = self.publisher.ownership
+        ownership.run_id = ownership.run_id or new_run_id()
+        return ownership.run_id
 
     # -- lifecycle ------------------------------------------------------------
 
