@@ -59,7 +59,7 @@ class TrainerConfig:
     keep_anchors: int = dataclasses.field(default=2, metadata={"help": "anchors retained in the bucket"})
     codec: str = dataclasses.field(default=DEFAULT_CODEC, metadata={"help": "delta codec: 'classrice', 'classgap', 'gapzz', 'trl' or 'auto' (the default for the device)"})
     max_steps: int = dataclasses.field(default=0, metadata={"help": "stop after this many optimizer steps (0: never) (max_steps)"})
-    checkpoint_every: int = dataclasses.field(default=50, metadata={"help": "optimizer steps per bucket checkpoint, also saved on stop (save_steps)"})
+    checkpoint_every: int = dataclasses.field(default=50, metadata={"help": "optimizer steps per bucket checkpoint, also saved after the first step, on stop and on SIGTERM (save_steps)"})
     keep_checkpoints: int = dataclasses.field(default=2, metadata={"help": "checkpoints retained in the bucket"})
     poll_s: float = poll_field()
     metrics_every_s: float = metrics_every_field()

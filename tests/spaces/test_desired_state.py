@@ -13,6 +13,7 @@ import pytest
 from rlsync.bucket import LocalBucket
 from rlsync.errors import FormatError
 from rlsync.layout import desired_key
+from rlsync.limits import MAX_DESIRED_BYTES
 from rlsync.roles import Role
 from rlsync.spaces import desired
 from rlsync.spaces.desired import Wanted, config_from_desired, instance_id, read_desired, write_desired
@@ -114,7 +115,7 @@ def test_a_boot_on_a_missing_bucket_creates_nothing_and_resumes_nothing(tmp_path
 
 
 HOSTILE = {
-    "oversized": b"{" + b'"x": "' + b"y" * (desired.MAX_DESIRED_BYTES + 10) + b'"}',
+    "oversized": b"{" + b'"x": "' + b"y" * (MAX_DESIRED_BYTES + 10) + b'"}',
     "not json": b"\xff\xfe running",
     "a list": b"[]",
     "deep": b'{"role": "trainer", "wanted": "running", "at": 1, "settings": {"lr": [[[[1]]]]}}',

@@ -100,3 +100,46 @@ def test_sigterm_after_3_steps_then_a_restart_resumes_from_the_checkpoint_and_pu
     sub.sync()
     assert sub.run_id == manifest.run_id and sub.state_hash == manifest.state_hash
     assert [o for o in bucket.list(CHECKPOINTS_PREFIX) if o.key.endswith("COMPLETE.json")]
+
+
+def test_the_trainer_space_left_running_resumes_at_boot_and_its_sigterm_keeps_it_wanted(bucket, tmp_path):
+    """The Space's page (``python -m trainer_space.app``, as the runtime starts it): the bucket records the owner's
+    Start, so the page starts training at boot with that Start's settings, no click; the runtime's SIGTERM saves a
+    checkpoint and leaves it wanted; the next boot resumes from that checkpoint and publishes on."""
+    from rlsync.roles import Role
+    from rlsync.spaces.desired import Wanted, instance_id, read_desired, write_desired
+    from tests.helpers import free_port
+    from trainer_space.config import TrainerConfig
+
+    started = TrainerConfig(bucket=str(bucket.root), batch_size=16, poll_s=0.1, lr=1e-3, report_to="none", device="cpu")
+    write_desired(bucket, Role.TRAINER, Wanted.RUNNING, started, instance=instance_id(SPACE_ENV))
+    env = {
+        **os.environ, **SPACE_ENV, "PYTHONPATH": os.pathsep.join([str(ROOT / "shared"), str(ROOT)]), "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1", "TRAINER_BUCKET": str(bucket.root), "GRADIO_SERVER_NAME": "127.0.0.1",
+    }  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_path(environments=get_environment)))
+    checkpoints = BucketCheckpoints(bucket)
+    logs = []
+    with ScoreFeeder(bucket, tokenizer):
+        for boot in range(2):
+            logs.append(log := tmp_path / f"boot{boot}.log")
+            page = subprocess.Popen(
+                [sys.executable, "-m", "trainer_space.app"], cwd=ROOT, env={**env, "PORT": str(free_port())},
+                stdout=log.open("w"), stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            try:
+                floor = -1 if boot == 0 else stopped.step
+                wait_for(lambda: True if (m := read_manifest(bucket)) is not None and m.step >= floor + 2 else None, page, log)
+                page.send_signal(signal.SIGTERM)
+                page.wait(300)
+            finally:
+                page.kill() if page.poll() is None else None
+            stopped = read_manifest(bucket)
+            assert read_desired(bucket, Role.TRAINER, instance_id(SPACE_ENV)).wanted is Wanted.RUNNING
+            saved = checkpoints.steps()[-1]
+            assert checkpoints.marker(saved)["published_version"] == stopped.step, log.read_text()[-4000:]
+    first, second = (log.read_text() for log in logs)
+    assert "was running before the restart; resumed" in first and "resumed" in second
+    assert "stopping trainer before the restart" in first  # the SIGTERM handler, not a kill
+    assert "resuming from checkpoint" in second and "RunExistsError" not in first + second
+    assert read_manifest(bucket).run_id == stopped.run_id

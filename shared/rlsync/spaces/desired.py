@@ -34,6 +34,7 @@ from ..bucket import Bucket, open_bucket
 from ..errors import BucketError, FormatError, ObjectNotFoundError, ObjectTooLargeError
 from ..jsonlimits import loads_bounded
 from ..layout import desired_key
+from ..limits import MAX_DESIRED_BYTES
 from ..roles import Role
 
 __all__ = [
@@ -43,8 +44,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: The largest desired-state object read.
-MAX_DESIRED_BYTES = 16 * 1024
 #: The longest string setting accepted.
 MAX_SETTING_CHARS = 4096
 #: Desired-state objects refused (malformed, oversized, hostile), counted for the panels and tests.

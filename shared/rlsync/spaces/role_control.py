@@ -51,6 +51,7 @@ class RoleRunner:
         self._stopped = False
         self._stopper: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._recording = threading.Lock()  # orders the desired-state writes of a Start and a Stop
 
     @property
     def running(self) -> bool:
@@ -106,15 +107,17 @@ class RoleRunner:
             for obj in objects:
                 obj.start()
             self.objects = objects
-            if record:
-                record_wanted(self.name, Wanted.RUNNING, config, objects)
             logger.info("%s started (%d object(s)) in %.1fs", self.name, len(objects), time.perf_counter() - t0)
         except Exception as exc:  # shown in the panel; the panel keeps working
             self.error = redact(f"{type(exc).__name__}: {exc}")
             logger.error("%s failed to start: %s", self.name, redact(traceback.format_exc()))
             _close(objects)  # nothing of a failed start keeps running or holds its model
+            return
         finally:
             self._starting = False
+        with self._recording:  # a Stop pressed meanwhile records after this, or this sees it and records nothing
+            if record and not self._stopped:
+                record_wanted(self.name, Wanted.RUNNING, config, objects)
 
     def stop(self, wait: bool = True, record: bool = True) -> str:
         """Stop the role objects; returns a status line.
@@ -126,11 +129,12 @@ class RoleRunner:
                 stopped); ``False`` for a stop the owner did not ask for (the runtime's SIGTERM before a restart).
         """
         self._stopped = True
-        objects = list(self.objects)
-        if record:
-            record_wanted(self.name, Wanted.STOPPED, self.config, objects)
+        objects, config = list(self.objects), self.config
 
         def stop_all() -> None:
+            if record:
+                with self._recording:
+                    record_wanted(self.name, Wanted.STOPPED, config, objects)
             _close(objects)
             logger.info("%s stopped", self.name)
 
