@@ -12,7 +12,9 @@ with resume and new-run handling, and with ``lora_rank`` set the adapter chain
 - the anchor policy follows the bucket's control object
   (:class:`~rlsync.spaces.anchor_policy.ControlledPolicy`), so any panel can change it
   while the run goes on; the trainer always resumes from the newest checkpoint that
-  verifies, and refuses to publish over the bucket's run without one unless ``new_run``;
+  verifies (saved after the first step, every ``checkpoint_every`` steps and on every stop, SIGTERM
+  included), and refuses to publish over the bucket's run without one unless ``new_run`` or its
+  weights are still the run's newest version;
 - :class:`~trainer_space.flow.FlowControl` writes ``control/demand.json`` once per step
   (pacing ``demand``: the env issues tasks at the rate the trainer consumes) and counts
   trained samples and the trainer's waiting time.
@@ -240,8 +242,9 @@ class Trainer:
     def prepare(self) -> str | None:
         """Take the run lock and find where to continue (:meth:`rlsync.trl.BucketSync.prepare`).
 
-        A bucket that holds a run is continued from its newest checkpoint that verifies. Without
-        one, the trainer refuses (:class:`~rlsync.protocol.RunExistsError`, naming both ways on)
+        A bucket that holds a run is continued from its newest checkpoint that verifies, or, without one,
+        when the model is bit for bit the run's newest version (a restart before the first checkpoint,
+        saved after the first step). Otherwise the trainer refuses (:class:`~rlsync.protocol.RunExistsError`, naming both ways on)
         unless ``new_run`` is set, which starts a new run: a new run id, its first version an
         anchor, which replicas notice and re-bootstrap from.
 
@@ -254,16 +257,12 @@ class Trainer:
         folder = self.sync.prepare()
         if self.sync.checkpoint_step is not None:
             self.opt_steps = self.sync.checkpoint_step
-        self.trl.args.run_name = self.run_name  # Trackio resumes the run of that name across restarts
-        return folder
-
-    @property
-    def run_name(self) -> str:
-        """The bucket's run id (fixed now for a run not yet published): the Trackio run's name, the same after
-        every restart of the run (TRL's Trackio callback opens it with ``resume="allow"``)."""
+        # The Trackio run is named by the bucket's run id (fixed now for a run not published yet): the same after
+        # every restart of the run, which TRL's Trackio callback opens with resume="allow".
         ownership = self.publisher.ownership
         ownership.run_id = ownership.run_id or new_run_id()
-        return ownership.run_id
+        self.trl.args.run_name = ownership.run_id
+        return folder
 
     # -- lifecycle ------------------------------------------------------------
 

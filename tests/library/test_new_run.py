@@ -92,18 +92,20 @@ def test_trl_restart_without_a_checkpoint_refuses_and_publishes_nothing(bucket):
 def test_trl_restart_without_a_checkpoint_continues_only_when_it_holds_the_published_weights(bucket):
     master = published_run(bucket)
     before = read_manifest(bucket)
-    refused = BucketWeightTransfer(publisher=Publisher(bucket, owner="t"))
-    refused.holds_published = lambda published: False
+    lock = bucket.get("lock.json")
+    refused = BucketWeightTransfer(publisher=Publisher(bucket, owner="other"))
+    refused.holds_published = lambda pointer: False
     with pytest.raises(RunExistsError):
         refused.init_weight_transfer()
     refused.close()
+    assert bucket.get("lock.json") == lock  # refused before taking the run lock
     seen = []
     transfer = BucketWeightTransfer(publisher=Publisher(bucket, owner="t"))
-    transfer.holds_published = lambda published: seen.append(state_hash(published)) or True
+    transfer.holds_published = lambda pointer: seen.append(pointer) or True
     transfer.send_weights(iter(master.items()))
     transfer.close()
     manifest = read_manifest(bucket)
-    assert seen == [before.state_hash]  # asked about the newest published state, replayed and verified
+    assert seen == [before]  # asked about the run's newest version
     assert manifest.step == 3 and manifest.run_id == "first-run" and manifest.deltas[-1].base_step == 2
 
 

@@ -10,10 +10,9 @@ import functools
 import logging
 from typing import Any
 
-import torch
-
 from ..detect import serving_copy
-from ..protocol import read_manifest
+from ..hashing import StateLanes
+from ..protocol import Manifest, read_manifest
 from .checkpoint_checks import CheckpointExpectations
 from .checkpoints import BucketCheckpoints
 
@@ -87,25 +86,14 @@ def resume_point(trainer: Any, checkpoints: BucketCheckpoints, transfer: Any, *,
     return ResumePoint(step, str(folder), notice)
 
 
-def holds_weights(trainer: Any, transfer: Any, published: dict[str, torch.Tensor]) -> bool:
+def holds_weights(trainer: Any, transfer: Any, manifest: Manifest) -> bool:
     """Whether the trainer's model, as its weight sync streams it (in the checkpoint layout, cast to the serving
-    dtype), is bit for bit ``published`` (names the publisher ties to another aside). A trainer restarted before
-    its first checkpoint holds the weights it started from: when they are the run's newest version (version 0, its
-    cold sync), continuing the run loses and regresses nothing.
+    dtype), has the state hash of the run's newest version (names, shapes, dtypes and every bit; one tensor at a
+    time, nothing downloaded). A trainer restarted before its first checkpoint holds the weights it started from:
+    when they are the run's newest version (its cold sync, version 0), continuing the run loses and regresses nothing.
     """
     pairs = trainer._streaming_iter()  # what TRL's weight sync sends
     if transfer.layout is not None:
         pairs = transfer.layout.stream(pairs)
-    tied, dtype, seen = transfer.publisher.aliases, transfer.publisher.dtype, set()
-    for name, tensor in pairs:
-        if name not in published:
-            if name in tied:
-                continue
-            return False
-        mine, theirs = serving_copy(tensor, dtype).cpu(), published[name]
-        if mine.dtype != theirs.dtype or mine.shape != theirs.shape:
-            return False
-        if not torch.equal(mine.reshape(-1).view(torch.uint8), theirs.contiguous().reshape(-1).view(torch.uint8)):
-            return False
-        seen.add(name)
-    return seen == set(published)
+    dtype = transfer.publisher.dtype
+    return StateLanes.of_items((name, serving_copy(t, dtype)) for name, t in pairs).hexdigest() == manifest.state_hash

@@ -33,7 +33,7 @@ from ..bucket import Bucket
 from ..checkpoint_layout import CheckpointLayout
 from ..errors import NonFiniteError
 from ..fp8 import quantize_stream
-from ..protocol import Publisher, PublishRecord, read_manifest
+from ..protocol import Manifest, Publisher, PublishRecord, read_manifest
 from ..protocol.background import BackgroundPublisher
 from ..protocol.run import run_exists_error
 
@@ -116,9 +116,10 @@ class BucketWeightTransfer:
         self.fp8 = fp8
         self.fp8_records: list[PublishRecord] = []
         self._initialised = False
-        #: Without a checkpoint, ``holds_published(newest published state)`` tells whether the trainer holds exactly
-        #: those weights (a restart before the first checkpoint: nothing trained was lost), which continues the run.
-        self.holds_published: Callable[[dict[str, torch.Tensor]], bool] | None = None
+        #: Without a checkpoint, ``holds_published(pointer)`` tells whether the trainer holds exactly the weights of
+        #: the run's newest version (a restart before the first checkpoint: nothing trained was lost), which
+        #: continues the run; asked before the run lock is taken.
+        self.holds_published: Callable[[Manifest], bool] | None = None
 
     @property
     def version(self) -> int | None:
@@ -153,11 +154,11 @@ class BucketWeightTransfer:
         else:
             existing = read_manifest(self.publisher.bucket)
             if existing is not None and not self.publisher.ownership.new_run:
-                state = self.publisher.resume() if self.holds_published is not None else None
-                continued = state is not None and self.holds_published(state)
+                continued = self.holds_published is not None and self.holds_published(existing)
                 if not continued:
                     raise run_exists_error(self.publisher.bucket, existing, TRL_WAYS_ON)
-                logger.info("no checkpoint, but the trainer holds the newest published weights: continuing the run")
+                logger.info("no checkpoint, but the trainer holds version %d's weights: continuing the run", existing.step)
+                state = self.publisher.resume()
             elif existing is not None:
                 self.publisher.start_new_run()
             else:
