@@ -162,3 +162,30 @@ def test_a_failed_record_leaves_the_role_running(tmp_path, caplog):
     runner.stop(record=False)
     write_desired(LocalBucket(tmp_path / "ok"), Role.TRAINER, Wanted.STOPPED)
     assert read_desired(LocalBucket(tmp_path / "ok"), Role.TRAINER).settings == {}
+
+
+def test_the_rollout_space_records_the_settings_of_its_config_and_count_and_resumes_one_replica(store):
+    from rollout_space.app import SPACE
+
+    config = Settings(bucket=str(store.root), steps=5)
+    assert SPACE.config_of((config, 3)) is config and SPACE.start_with(config) == (config, 1)
+    built: list[tuple[Settings, int]] = []
+
+    def build(spec: tuple[Settings, int]) -> list[Role1]:
+        built.append(spec)
+        return [Role1(spec[0], store) for _ in range(spec[1])]
+
+    rollout = dataclasses.replace(SPACE, build_roles=build)
+    runner = rollout.make_runner()
+    runner.start((config, 2), wait=True)
+    runner.stop(record=False)
+    assert read_desired(store, Role.ROLLOUT).settings == dataclasses.asdict(config)
+    again = rollout.make_runner()
+    assert "resumed" in resume_at_boot(again, Settings(bucket=str(store.root)), start_with=rollout.start_with)
+    for _ in range(500):
+        if again.running:
+            break
+        threading.Event().wait(0.01)
+    assert built[-1] == (config, 1) and again.state == "running"
+    again.stop()
+    assert read_desired(store, Role.ROLLOUT).wanted is Wanted.STOPPED

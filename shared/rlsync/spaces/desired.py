@@ -117,9 +117,11 @@ def record_wanted(role: Role, wanted: Wanted, config: Any, objects: typing.Seque
     Args:
         role: The role.
         wanted: What the owner asked for.
-        config: The role's settings (``None`` or without a ``bucket``: nothing is recorded).
+        config: The role's settings dataclass (anything else, or one without a ``bucket``: nothing is recorded).
         objects: The role's objects (their ``bucket``).
     """
+    if not dataclasses.is_dataclass(config):
+        return
     bucket = next((o.bucket for o in objects if isinstance(getattr(o, "bucket", None), Bucket)), None)
     url = getattr(config, "bucket", None)
     opened = None

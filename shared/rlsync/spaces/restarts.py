@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from typing import Any
+from typing import Any, Callable
 
 from ..bucket import open_bucket
 from ..errors import BucketError, FormatError
@@ -23,7 +23,9 @@ __all__ = ["resume_at_boot", "stop_on_sigterm"]
 logger = logging.getLogger(__name__)
 
 
-def resume_at_boot(runner: Any, config: Any, instance: str | None = None) -> str:
+def resume_at_boot(
+    runner: Any, config: Any, instance: str | None = None, start_with: Callable[[Any], Any] = lambda c: c
+) -> str:
     """At a Space's boot: start ``runner`` again when its role is recorded ``running`` in the bucket ``config``
     names (with the recorded settings), without recording anything.
 
@@ -31,6 +33,7 @@ def resume_at_boot(runner: Any, config: Any, instance: str | None = None) -> str
         runner: The role's :class:`~rlsync.spaces.role_control.RoleRunner`.
         config: The role's config from its environment (its ``bucket`` is where the record is read).
         instance: This Space's id (default :func:`~rlsync.spaces.desired.instance_id`).
+        start_with: What the runner starts with, from the settings (the rollout's ``(config, 1)``).
 
     Returns:
         What happened, one line (also logged).
@@ -52,7 +55,7 @@ def resume_at_boot(runner: Any, config: Any, instance: str | None = None) -> str
         getattr(bucket, "close", lambda: None)()
     if resumed is None:
         return _said(f"{role}: {'stopped by its owner' if state else 'never started'}; not resumed")
-    runner.start(resumed, record=False)
+    runner.start(start_with(resumed), record=False)
     return _said(f"{role}: was running before the restart; resumed")
 
 
