@@ -1,4 +1,4 @@
-"""Learning on free hardware: the three Space pages on the tiny model, started with no click, until the mean reward rises.
+"""Learning on free hardware: the three Space pages on the tiny model, started with no click, until the reward rises.
 
 Launches ``python -m trainer_space.app``, ``env_space.app`` and ``rollout_space.app`` as the Spaces runtime starts
 duplicates (``SYSTEM=spaces``, a ``SPACE_ID`` of another owner, only the bucket set), on a fresh local bucket in which
@@ -44,7 +44,8 @@ def space_env(role: Role, bucket: Path, port: int) -> dict[str, str]:
     """The variables the Spaces runtime gives a duplicate of ``role`` by the owner ``bench``."""
     return {
         **os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT / "shared"), str(ROOT))), "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1", "SYSTEM": "spaces", "SPACE_ID": f"bench/rl-sync-{role}", "SPACE_AUTHOR_NAME": "bench",
+        "TRANSFORMERS_OFFLINE": "1", "SYSTEM": "spaces", "SPACE_ID": f"bench/rl-sync-{role}",
+        "SPACE_AUTHOR_NAME": "bench",
         "SPACE_HOST": f"bench-rl-sync-{role}.hf.space", "GRADIO_SERVER_NAME": "127.0.0.1", "PORT": str(port),
         f"{role.env_prefix}_BUCKET": str(bucket), "TRAINER_REPORT_TO": "none", "OMP_NUM_THREADS": str(CORES_PER_SPACE),
     }  # fmt: skip

@@ -35,8 +35,8 @@ from .roles import Role
 
 __all__ = [
     "POINTER_KEY", "LOCK_KEY", "ANCHOR_PREFIX", "DELTA_PREFIX", "CHECKPOINTS_PREFIX", "CHECKPOINT_MARKER",
-    "ADAPTER_PREFIX", "FP8_PREFIX", "CONTROL_PREFIX", "CONTROL_KEY", "DEMAND_KEY", "DESIRED_PREFIX", "TASKS_PREFIX", "ROLLOUTS_PREFIX",
-    "SCORES_PREFIX", "CLAIMS_PREFIX", "STATUS_PREFIX", "METRICS_PREFIX", "REPORT_PREFIXES", "MAX_BATCH",
+    "ADAPTER_PREFIX", "FP8_PREFIX", "CONTROL_PREFIX", "CONTROL_KEY", "DEMAND_KEY", "DESIRED_PREFIX", "TASKS_PREFIX",
+    "ROLLOUTS_PREFIX", "SCORES_PREFIX", "CLAIMS_PREFIX", "STATUS_PREFIX", "METRICS_PREFIX", "REPORT_PREFIXES", "MAX_BATCH",
     "ANCHOR_FILE", "DELTA_FILE", "TRAINER_READS", "ROLLOUT_READS", "ENV_READS", "ROLE_READS",
     "anchor_folder", "delta_key", "part_name", "delta_part_key", "checkpoint_folder", "check_id", "is_id", "task_key",
     "rollout_key", "score_key", "claim_key", "status_key", "metrics_key", "desired_key", "batch_of", "replica_of",

@@ -2,8 +2,9 @@
 
 A Space restarts on a hardware change, an update or after sleeping, and its container's memory is gone. Start
 and Stop on a panel record here whether the owner wants the role running, with the settings Start was given;
-at boot (:func:`rlsync.spaces.restarts.resume_at_boot`) a role recorded ``running`` starts again by itself, with those settings. A stop
-that the owner did not ask for (the runtime's SIGTERM before a restart) records nothing, so the role comes back.
+at boot (:func:`rlsync.spaces.restarts.resume_at_boot`) a role recorded ``running`` starts again by itself, with
+those settings. A stop that the owner did not ask for (the runtime's SIGTERM before a restart) records nothing,
+so the role comes back.
 
 The object is read from the bucket, so it is untrusted like every other: bounded in size, parsed strictly,
 every setting checked against its field's type (unknown fields, wrong types, non-finite numbers are refused),

@@ -45,7 +45,8 @@ def resume_at_boot(
         return _said(f"{role}: not resumed: the bucket cannot be opened: {exc}")
     try:
         state = read_desired(bucket, role, instance)
-        resumed = None if state is None or state.wanted is Wanted.STOPPED else config_from_desired(config, state.settings, url)
+        wanted = state is not None and state.wanted is Wanted.RUNNING
+        resumed = config_from_desired(config, state.settings, url) if wanted else None
     except FormatError as exc:
         REFUSED[role.value] += 1
         return _said(f"{role}: not resumed: refused the desired state: {exc}", logging.WARNING)

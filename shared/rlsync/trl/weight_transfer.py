@@ -157,7 +157,7 @@ class BucketWeightTransfer:
                 continued = self.holds_published is not None and self.holds_published(existing)
                 if not continued:
                     raise run_exists_error(self.publisher.bucket, existing, TRL_WAYS_ON)
-                logger.info("no checkpoint, but the trainer holds version %d's weights: continuing the run", existing.step)
+                logger.info("no checkpoint, but the trainer holds version %d's weights: continuing", existing.step)
                 state = self.publisher.resume()
             elif existing is not None:
                 self.publisher.start_new_run()
