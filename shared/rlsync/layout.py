@@ -11,6 +11,7 @@ Layout of a bucket::
     fp8/...                                      an FP8 serving chain of the bf16 weights: the same layout under this prefix
     control/publisher.json                       the anchor policy, set from any panel
     control/demand.json                          what the trainer asks the env for
+    control/desired/<role>/<instance>.json       what the owner wants running on one Space (Start / Stop)
     tasks/0000000005.json                        a batch of tasks
     rollouts/0000000005/<replica>.json           a replica's answers to it
     scores/0000000005/<replica>.json             their scores
@@ -34,11 +35,11 @@ from .roles import Role
 
 __all__ = [
     "POINTER_KEY", "LOCK_KEY", "ANCHOR_PREFIX", "DELTA_PREFIX", "CHECKPOINTS_PREFIX", "CHECKPOINT_MARKER",
-    "ADAPTER_PREFIX", "FP8_PREFIX", "CONTROL_PREFIX", "CONTROL_KEY", "DEMAND_KEY", "TASKS_PREFIX", "ROLLOUTS_PREFIX",
-    "SCORES_PREFIX", "CLAIMS_PREFIX", "STATUS_PREFIX", "METRICS_PREFIX", "REPORT_PREFIXES", "MAX_BATCH",
+    "ADAPTER_PREFIX", "FP8_PREFIX", "CONTROL_PREFIX", "CONTROL_KEY", "DEMAND_KEY", "DESIRED_PREFIX", "TASKS_PREFIX",
+    "ROLLOUTS_PREFIX", "SCORES_PREFIX", "CLAIMS_PREFIX", "STATUS_PREFIX", "METRICS_PREFIX", "REPORT_PREFIXES", "MAX_BATCH",
     "ANCHOR_FILE", "DELTA_FILE", "TRAINER_READS", "ROLLOUT_READS", "ENV_READS", "ROLE_READS",
     "anchor_folder", "delta_key", "part_name", "delta_part_key", "checkpoint_folder", "check_id", "is_id", "task_key",
-    "rollout_key", "score_key", "claim_key", "status_key", "metrics_key", "batch_of", "replica_of",
+    "rollout_key", "score_key", "claim_key", "status_key", "metrics_key", "desired_key", "batch_of", "replica_of",
 ]  # fmt: skip
 
 # -- the weights chain (rlsync.protocol) -------------------------------------------------------------
@@ -58,6 +59,8 @@ FP8_PREFIX = "fp8/"
 CONTROL_PREFIX = "control/"
 CONTROL_KEY = f"{CONTROL_PREFIX}publisher.json"
 DEMAND_KEY = f"{CONTROL_PREFIX}demand.json"
+#: What the owner of each Space wants running, one object per role and Space (rlsync.spaces.desired).
+DESIRED_PREFIX = f"{CONTROL_PREFIX}desired/"
 
 # -- the RL loop's exchange (rlsync.spaces.exchange, rlsync.trl.rollout_worker) ---------------------
 TASKS_PREFIX = "tasks/"
@@ -186,6 +189,12 @@ def status_key(replica: str) -> str:
 
 def metrics_key(role: str) -> str:
     return f"{METRICS_PREFIX}{check_id(role)}.json"
+
+
+def desired_key(role: Role, instance: str) -> str:
+    """``control/desired/<role>/<instance>.json``: what the owner wants of one Space's role (its instance id,
+    :func:`check_id`)."""
+    return f"{DESIRED_PREFIX}{Role(role).value}/{check_id(instance)}.json"
 
 
 def batch_of(key: str) -> int | None:

@@ -13,6 +13,8 @@ MAX_POINTER_BYTES = 16 * 1024 * 1024
 MAX_LOCK_BYTES = 64 * 1024
 #: The anchor policy's control object (``control/publisher.json``).
 MAX_CONTROL_BYTES = 64 * 1024
+#: What the owner wants running on one Space (``control/desired/<role>/<instance>.json``).
+MAX_DESIRED_BYTES = 16 * 1024
 #: A checkpoint's ``COMPLETE.json`` marker.
 MAX_MARKER_BYTES = 1 << 20
 #: An exchange object of the RL loop (tasks, rollouts, scores, status, metrics, demand).
