@@ -45,10 +45,11 @@ def put_json(bucket: Bucket, key: str, doc: Any) -> None:
     bucket.put(validate_key(key), json.dumps(doc, separators=(",", ":")).encode())
 
 
-def get_json(bucket: Bucket, key: str, refusals: "Refusals | None" = None) -> Any | None:
-    """Read a JSON object; ``None`` if missing, too large or malformed (logged, and counted in ``refusals``)."""
+def get_json(bucket: Bucket, key: str, refusals: "Refusals | None" = None, max_bytes: int = MAX_OBJECT_BYTES) -> Any | None:
+    """Read a JSON object; ``None`` if missing, larger than ``max_bytes`` or malformed (logged, and counted
+    in ``refusals``)."""
     try:
-        return loads_bounded(bucket.get_limited(key, MAX_OBJECT_BYTES), what=key, max_bytes=MAX_OBJECT_BYTES)
+        return loads_bounded(bucket.get_limited(key, max_bytes), what=key, max_bytes=max_bytes)
     except ObjectNotFoundError:
         return None
     except (ObjectTooLargeError, FormatError) as exc:
@@ -68,13 +69,13 @@ class Refusals:
         self.last = ""
         self._lock = threading.Lock()
 
-    def add(self, key: str, reason: str) -> None:
-        """Count one refused object (logged as a warning)."""
+    def add(self, key: str, reason: str, count: int = 1) -> None:
+        """Count ``count`` refused objects (``key`` the first; one warning)."""
         kind = key.split("/", 1)[0]
         with self._lock:
-            self.counts[kind] += 1
+            self.counts[kind] += count
             self.last = f"{key}: {reason}"[:300]
-        logger.warning("refused %s: %s", key, reason)
+        logger.warning("refused %s%s: %s", key, f" and {count - 1} more" if count > 1 else "", reason)
 
     @property
     def total(self) -> int:
