@@ -34,7 +34,9 @@ from typing import TYPE_CHECKING, Callable, Mapping, TypeVar
 if TYPE_CHECKING:
     from huggingface_hub.utils import RateLimitInfo
 
-__all__ = ["MAX_RATELIMIT_NUMBER", "MAX_SERVER_WAIT_S", "RetryPolicy", "call_with_retries", "ratelimit_info", "retry_after_seconds"]
+__all__ = [
+    "MAX_RATELIMIT_NUMBER", "MAX_SERVER_WAIT_S", "RetryPolicy", "call_with_retries", "ratelimit_info", "retry_after_seconds",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,9 @@ def put_json(bucket: Bucket, key: str, doc: Any) -> None:
     bucket.put(validate_key(key), json.dumps(doc, separators=(",", ":")).encode())
 
 
-def get_json(bucket: Bucket, key: str, refusals: "Refusals | None" = None, max_bytes: int = MAX_OBJECT_BYTES) -> Any | None:
+def get_json(
+    bucket: Bucket, key: str, refusals: "Refusals | None" = None, max_bytes: int = MAX_OBJECT_BYTES
+) -> Any | None:
     """Read a JSON object; ``None`` if missing, larger than ``max_bytes`` or malformed (logged, and counted
     in ``refusals``)."""
     try:

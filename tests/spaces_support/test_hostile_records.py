@@ -10,7 +10,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlsync.bucket import BucketWrapper
 from rlsync.bucket.budget import Tier
 from rlsync.layout import metrics_key, status_key
 from rlsync.limits import MAX_STATUS_BYTES, MAX_STATUS_OBJECTS
@@ -30,6 +29,7 @@ from rlsync.spaces.metrics import (
 )
 from rlsync.spaces.records import Record
 from rlsync.spaces.snapshots import read_snapshot
+from testing.faulty import ReadCountingBucket
 
 
 def _records(cls: type = Record) -> list[type[Record]]:
@@ -107,22 +107,8 @@ def test_the_largest_status_a_replica_writes_fits_the_bound_readers_apply_with_l
     assert MAX_STATUS_BYTES // 2 < size < MAX_STATUS_BYTES  # a bound near a real status's size
 
 
-class CountingBucket(BucketWrapper):
-    """Counts the object reads and the bytes they return."""
-
-    def __init__(self, inner) -> None:
-        super().__init__(inner)
-        self.reads = self.bytes = 0
-
-    def get_limited(self, key: str, max_bytes: int) -> bytes:
-        self.reads += 1
-        data = self.inner.get_limited(key, max_bytes)
-        self.bytes += len(data)
-        return data
-
-
 def _snapshot_cost(bucket) -> tuple[int, int, list[str]]:
-    counting = CountingBucket(bucket)
+    counting = ReadCountingBucket(bucket)
     snap = read_snapshot(counting)
     return counting.reads, counting.bytes, [s.replica_id for s in snap.statuses]
 
@@ -147,10 +133,12 @@ def test_hostile_status_objects_cost_a_snapshot_at_most_twice_a_clean_one(bucket
             bucket.put(status_key(f"a{i:04d}"), junk)
     else:  # garbage and wrong kinds, under the bound
         for i in range(MAX_STATUS_OBJECTS):
-            bucket.put(status_key(f"a{i}"), b"\x00garbage" if i % 2 else json.dumps({"replica_id": "z", "recent_syncs": [{"step": 1, "kind": {}}]}).encode())
+            wrong = {"replica_id": "z", "recent_syncs": [{"step": 1, "kind": {}}]}
+            bucket.put(status_key(f"a{i}"), b"\x00garbage" if i % 2 else json.dumps(wrong).encode())
     reads, nbytes, shown = _snapshot_cost(bucket)
     assert reads <= clean_reads and nbytes <= 2 * clean_bytes, (reads, clean_reads, nbytes, clean_bytes)
-    assert read_snapshot(bucket).refused == {"large": 15, "many": 10 * MAX_STATUS_OBJECTS, "junk": MAX_STATUS_OBJECTS * 3 // 2}[attack]
+    refused = {"large": 15, "many": 10 * MAX_STATUS_OBJECTS, "junk": MAX_STATUS_OBJECTS * 3 // 2}  # junk: 32 garbage, the fleet's 64 past the count
+    assert read_snapshot(bucket).refused == refused[attack]
     if attack == "large":
         assert shown == fleet and (reads, nbytes) == (clean_reads, clean_bytes)  # refused from the listing, never read
 

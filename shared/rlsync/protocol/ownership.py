@@ -218,7 +218,7 @@ class RunOwnership:
         self.check_pointer(published)
         next_step = self.next_step(published.step if published else None)
         if step > MAX_STEP:
-            raise SyncError(f"version {step} is past the largest a key holds ({MAX_STEP}); publish a new run to a new bucket")
+            raise SyncError(f"version {step} is past the largest a key holds ({MAX_STEP}); publish to a new bucket")
         if step < next_step:
             raise SyncError(
                 f"step {step} does not advance past the published step {next_step - 1}"

@@ -367,7 +367,9 @@ def read_status(
     return _read(bucket, key, ReplicaStatus, refusals, max_bytes)
 
 
-def _read(bucket: Bucket, key: str, kind: type[Any], refusals: Refusals | None, max_bytes: int = MAX_OBJECT_BYTES) -> Any:
+def _read(
+    bucket: Bucket, key: str, kind: type[Any], refusals: Refusals | None, max_bytes: int = MAX_OBJECT_BYTES
+) -> Any:
     doc = get_json(bucket, key, refusals, max_bytes)
     try:
         return None if doc is None else kind.from_json(doc)

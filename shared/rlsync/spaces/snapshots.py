@@ -129,8 +129,9 @@ def _read_statuses(bucket: Bucket, refusals: Refusals) -> list[ReplicaStatus]:
     if large:
         refusals.add(large[0], f"more than the {MAX_STATUS_BYTES:,} bytes allowed", len(large))
     keys = [o.key for o in listed if o.size <= MAX_STATUS_BYTES]
-    if len(keys) > MAX_STATUS_OBJECTS:
-        refusals.add(keys[MAX_STATUS_OBJECTS], f"more than {MAX_STATUS_OBJECTS} status objects", len(keys) - MAX_STATUS_OBJECTS)
+    excess = keys[MAX_STATUS_OBJECTS:]
+    if excess:
+        refusals.add(excess[0], f"more than {MAX_STATUS_OBJECTS} status objects", len(excess))
     statuses = (read_status(bucket, key, refusals) for key in keys[:MAX_STATUS_OBJECTS])
     return [status for status in statuses if status is not None]
 
