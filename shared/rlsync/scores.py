@@ -45,13 +45,12 @@ def put_json(bucket: Bucket, key: str, doc: Any) -> None:
     bucket.put(validate_key(key), json.dumps(doc, separators=(",", ":")).encode())
 
 
-def get_json(
-    bucket: Bucket, key: str, refusals: "Refusals | None" = None, max_bytes: int = MAX_OBJECT_BYTES
-) -> Any | None:
-    """Read a JSON object; ``None`` if missing, larger than ``max_bytes`` or malformed (logged, and counted
-    in ``refusals``)."""
+def get_json(bucket: Bucket, key: str, refusals: "Refusals | None" = None, max_bytes: int | None = None) -> Any | None:
+    """Read a JSON object; ``None`` if missing, larger than ``max_bytes`` (default :data:`MAX_OBJECT_BYTES`) or
+    malformed (logged, and counted in ``refusals``)."""
+    limit = MAX_OBJECT_BYTES if max_bytes is None else max_bytes
     try:
-        return loads_bounded(bucket.get_limited(key, max_bytes), what=key, max_bytes=max_bytes)
+        return loads_bounded(bucket.get_limited(key, limit), what=key, max_bytes=limit)
     except ObjectNotFoundError:
         return None
     except (ObjectTooLargeError, FormatError) as exc:

@@ -30,7 +30,7 @@ from ..bucket import Bucket
 from ..bucket.budget import Tier
 from ..errors import BucketError
 from ..layout import is_id, metrics_key
-from ..limits import MAX_OBJECT_BYTES, MAX_STATUS_BYTES
+from ..limits import MAX_STATUS_BYTES
 from ..roles import Role
 from ..scores import Refusals, get_json, put_json
 from .demand import Pacing
@@ -367,9 +367,7 @@ def read_status(
     return _read(bucket, key, ReplicaStatus, refusals, max_bytes)
 
 
-def _read(
-    bucket: Bucket, key: str, kind: type[Any], refusals: Refusals | None, max_bytes: int = MAX_OBJECT_BYTES
-) -> Any:
+def _read(bucket: Bucket, key: str, kind: type[Any], refusals: Refusals | None, max_bytes: int | None = None) -> Any:
     doc = get_json(bucket, key, refusals, max_bytes)
     try:
         return None if doc is None else kind.from_json(doc)
