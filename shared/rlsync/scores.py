@@ -63,11 +63,16 @@ def get_json(bucket: Bucket, key: str, refusals: "Refusals | None" = None, max_b
 
 class Refusals:
     """Counts refused exchange objects per top-level prefix (thread-safe); roles put
-    :meth:`as_dict` into their metrics, and the panels show it."""
+    :meth:`as_dict` into their metrics, and the panels show it.
 
-    def __init__(self) -> None:
+    Args:
+        log: Log each refusal as a warning (off: the owner logs a summary, e.g. once per panel snapshot).
+    """
+
+    def __init__(self, log: bool = True) -> None:
         self.counts: collections.Counter[str] = collections.Counter()
         self.last = ""
+        self.log = log
         self._lock = threading.Lock()
 
     def add(self, key: str, reason: str, count: int = 1) -> None:
@@ -76,7 +81,8 @@ class Refusals:
         with self._lock:
             self.counts[kind] += count
             self.last = f"{key}: {reason}"[:300]
-        logger.warning("refused %s%s: %s", key, f" and {count - 1} more" if count > 1 else "", reason)
+        if self.log:
+            logger.warning("refused %s%s: %s", key, f" and {count - 1} more" if count > 1 else "", reason)
 
     @property
     def total(self) -> int:

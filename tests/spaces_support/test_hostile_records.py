@@ -155,3 +155,11 @@ def test_an_env_metrics_object_of_wrong_kinds_is_read_without_its_bad_figures(bu
     put_json(bucket, metrics_key("env"), {"format_version": 1, "rows": [{"version": [], "mean_reward": {}}],
                                           "pacing": ["queue"], "by_type": {"a": {"count": {}}}, "env": []})  # fmt: skip
     assert read_metrics(bucket, EnvMetrics) == EnvMetrics()
+
+
+def test_a_snapshot_logs_its_refusals_in_one_line(bucket, caplog):
+    for i in range(MAX_STATUS_OBJECTS + 5):
+        bucket.put(status_key(f"a{i:03d}"), b"\x00garbage")
+    caplog.set_level("WARNING")
+    assert read_snapshot(bucket).refused == MAX_STATUS_OBJECTS + 5
+    assert [r.getMessage()[:40] for r in caplog.records] == ["the snapshot refused 69 objects {'status"]

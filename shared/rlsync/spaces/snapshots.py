@@ -66,8 +66,8 @@ class Snapshot:
         policy: The anchor policy of the control object, or ``None`` if there is none.
         read_at: ``time.time()`` of the read.
         error: A read problem to show (already redacted), or ``""``.
-        refused: The objects this read refused (logged): invalid, too large, or status objects past
-            :data:`~rlsync.limits.MAX_STATUS_OBJECTS`.
+        refused: The objects this read refused (one warning per snapshot): invalid, too large, or status
+            objects past :data:`~rlsync.limits.MAX_STATUS_OBJECTS`.
     """
 
     trainer: TrainerMetrics = dataclasses.field(default_factory=TrainerMetrics)
@@ -91,7 +91,7 @@ def read_snapshot(bucket: Bucket) -> Snapshot:
     :data:`~rlsync.limits.MAX_STATUS_BYTES`.
     """
     snap = Snapshot(read_at=time.time())
-    refusals = Refusals()
+    refusals = Refusals(log=False)  # one line per snapshot, not one per object
     try:
         snap.trainer = read_metrics(bucket, TrainerMetrics, refusals) or TrainerMetrics()
         snap.env = read_metrics(bucket, EnvMetrics, refusals) or EnvMetrics()
@@ -118,6 +118,8 @@ def read_snapshot(bucket: Bucket) -> Snapshot:
     if stale and not snap.error:
         snap.error = redact(f"bucket listing failed (showing the last good one): {stale}")
     snap.refused = refusals.total
+    if snap.refused:
+        logger.warning("the snapshot refused %d objects %s; the last: %s", snap.refused, dict(refusals.counts), refusals.last)
     return snap
 
 
