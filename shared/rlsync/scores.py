@@ -45,10 +45,12 @@ def put_json(bucket: Bucket, key: str, doc: Any) -> None:
     bucket.put(validate_key(key), json.dumps(doc, separators=(",", ":")).encode())
 
 
-def get_json(bucket: Bucket, key: str, refusals: "Refusals | None" = None) -> Any | None:
-    """Read a JSON object; ``None`` if missing, too large or malformed (logged, and counted in ``refusals``)."""
+def get_json(bucket: Bucket, key: str, refusals: "Refusals | None" = None, max_bytes: int | None = None) -> Any | None:
+    """Read a JSON object; ``None`` if missing, larger than ``max_bytes`` (default :data:`MAX_OBJECT_BYTES`) or
+    malformed (logged, and counted in ``refusals``)."""
+    limit = MAX_OBJECT_BYTES if max_bytes is None else max_bytes
     try:
-        return loads_bounded(bucket.get_limited(key, MAX_OBJECT_BYTES), what=key, max_bytes=MAX_OBJECT_BYTES)
+        return loads_bounded(bucket.get_limited(key, limit), what=key, max_bytes=limit)
     except ObjectNotFoundError:
         return None
     except (ObjectTooLargeError, FormatError) as exc:
@@ -61,20 +63,26 @@ def get_json(bucket: Bucket, key: str, refusals: "Refusals | None" = None) -> An
 
 class Refusals:
     """Counts refused exchange objects per top-level prefix (thread-safe); roles put
-    :meth:`as_dict` into their metrics, and the panels show it."""
+    :meth:`as_dict` into their metrics, and the panels show it.
 
-    def __init__(self) -> None:
+    Args:
+        log: Log each refusal as a warning (off: the owner logs a summary, e.g. once per panel snapshot).
+    """
+
+    def __init__(self, log: bool = True) -> None:
         self.counts: collections.Counter[str] = collections.Counter()
         self.last = ""
+        self.log = log
         self._lock = threading.Lock()
 
-    def add(self, key: str, reason: str) -> None:
-        """Count one refused object (logged as a warning)."""
+    def add(self, key: str, reason: str, count: int = 1) -> None:
+        """Count ``count`` refused objects (``key`` the first; one warning)."""
         kind = key.split("/", 1)[0]
         with self._lock:
-            self.counts[kind] += 1
+            self.counts[kind] += count
             self.last = f"{key}: {reason}"[:300]
-        logger.warning("refused %s: %s", key, reason)
+        if self.log:
+            logger.warning("refused %s%s: %s", key, f" and {count - 1} more" if count > 1 else "", reason)
 
     @property
     def total(self) -> int:
