@@ -391,6 +391,12 @@ class ModelWeights:
         _check_tied_head(self.model)
         return out
 
+    @property
+    def reads_through_kernels(self) -> bool:
+        """Whether :meth:`read` runs the CPU backend's serving kernels (prepacked modules): not while the engine
+        runs them too (two callers of a kernel at once read wrong values)."""
+        return any(_is_prepacked(module) for module in self.model.modules())
+
     def lanes(self, names: Iterable[str] | None = None) -> StateLanes:
         """The state hash (:class:`rlsync.hashing.StateLanes`) of :meth:`read`, 16 tensors read back at a time."""
         from rlsync.hashing import StateLanes  # noqa: F811 - at run time only where hashing is needed
