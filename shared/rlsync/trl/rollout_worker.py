@@ -106,12 +106,14 @@ class _TakenQueue(queue.Queue):
 
 
 def usable_sample(sample: Sample, *, newest_version: int, vocab_size: int, max_tokens: int) -> bool:
-    """Whether a scored sample may be trained on: a published version, a finite reward, prompt and completion
+    """Whether a scored sample may be trained on: published versions (its first, and its last when it spans an
+    update), a finite reward, prompt and completion
     ids in the vocabulary and within ``max_tokens`` (0: no limit), one sampled log-probability per token."""
     ids = list(sample.prompt_ids) + list(sample.token_ids)
     return (
         type(sample.version) is int
         and 0 <= sample.version <= newest_version
+        and (sample.last_version is None or sample.version <= sample.last_version <= newest_version)
         and sample.reward is not None
         and math.isfinite(sample.reward)
         and len(sample.token_ids) > 0
