@@ -17,7 +17,8 @@ per-token log-probabilities, reward, policy version):
   advantage is the reward minus the group mean over the group's std (plus 1e-8),
   as in TRL's own worker. Degenerate groups (one member, or more than
   ``max_group_size``: see :mod:`rlsync.sampling`) are dropped and counted.
-- ``model_version`` is the bucket version that generated the sample, shifted into
+- ``model_version`` is the bucket version that generated the sample (its first, the
+  oldest, when its generation spanned an update: ``Sample.last_version``), shifted into
   the trainer's numbering (``AsyncGRPOTrainer.model_version``), so TRL's staleness
   check compares like with like after a restart.
 

@@ -14,8 +14,8 @@ when, and keeps vLLM's pause to the write of one verified update:
    (checked: stale KV must not be served), ``/resume``; once per update, so a server several versions
    behind takes one short pause per version;
 3. with ``verify``, ``collective_rpc('sync_verify')``: the workers re-hash the served weights (read back
-   in checkpoint names) against the verified hash in the background while the server generates; a
-   mismatch is raised.
+   in checkpoint names) against the verified hash, in the background while the server generates (in
+   vLLM's engine loop where the read-back runs the CPU backend's prepacked kernels); a mismatch is raised.
 
 The pause (:class:`PauseMode`) is ``keep`` by default, as TRL's async GRPO pauses: in-flight requests
 are frozen where they stand, so the server is idle for the apply alone, not for the tail of the batch
