@@ -233,7 +233,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         against the subscriber's verified hash, off the pause: in a background thread while vLLM
         generates at tensor parallelism 1; in the calling thread above it (the read-back gathers over
         the tensor-parallel group, a collective that must not run beside the engine's own), and where the
-        read-back runs the CPU backend's prepacked kernels (:attr:`ModelWeights.reads_through_kernels`: a
+        read-back runs the CPU backend's prepacked kernels (``ModelWeights.reads_through_kernels``: a
         kernel run beside the engine's own steps reads wrong values).
 
         Returns:

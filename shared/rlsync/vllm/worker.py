@@ -176,9 +176,9 @@ class ModelWeights:
             checkpoint_names = checkpoint_names_of(model_config.model, getattr(model_config, "revision", None))
         names = list(checkpoint_names)
         self._experts = {n: loc for n in names if (loc := expert_location(model, n))}  # fused MoE experts
-        self._locations = {name: self._locate(name) for name in names}
-        self._locations = {n: loc for n, loc in self._locations.items() if loc is not None}
+        self._locations = {name: loc for name in names if (loc := self._locate(name)) is not None}
         self._aliases = _parameter_aliases(model)
+        self.reads_through_kernels = any(map(_is_prepacked, model.modules()))  # read() runs the CPU's prepacked kernels
 
     # -- layout -------------------------------------------------------------------
 
@@ -390,12 +390,6 @@ class ModelWeights:
             out[name] = full.contiguous().clone()
         _check_tied_head(self.model)
         return out
-
-    @property
-    def reads_through_kernels(self) -> bool:
-        """Whether :meth:`read` runs the CPU backend's serving kernels (prepacked modules): not while the engine
-        runs them too (two callers of a kernel at once read wrong values)."""
-        return any(_is_prepacked(module) for module in self.model.modules())
 
     def lanes(self, names: Iterable[str] | None = None) -> StateLanes:
         """The state hash (:class:`rlsync.hashing.StateLanes`) of :meth:`read`, 16 tensors read back at a time."""
