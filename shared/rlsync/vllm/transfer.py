@@ -230,7 +230,9 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         """Start re-hashing the served weights (read back in checkpoint names, :meth:`ModelWeights.lanes`)
         against the subscriber's verified hash, off the pause: in a background thread while vLLM
         generates at tensor parallelism 1; in the calling thread above it (the read-back gathers over
-        the tensor-parallel group, a collective that must not run beside the engine's own).
+        the tensor-parallel group, a collective that must not run beside the engine's own), and where the
+        read-back runs the CPU backend's prepacked kernels (``ModelWeights.reads_through_kernels``: a
+        kernel run beside the engine's own steps reads wrong values).
 
         Returns:
             :meth:`status`; its ``rehash`` is ``{"step", "expected", "served"}`` once done.
@@ -242,7 +244,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
             return self.status()
         expected, step, weights = sub.state_hash, sub.step, self._model_weights()
         self._rehash.start(lambda: {"step": step, "expected": expected, "served": weights.lanes().hexdigest()})
-        if get_tensor_model_parallel_world_size() != 1:
+        if get_tensor_model_parallel_world_size() != 1 or weights.reads_through_kernels:
             self._rehash.wait()
         return self.status()
 
