@@ -92,10 +92,11 @@ def build_panel(
 
 
 #: The rollout Space's page: a Start runs ``count`` replicas (the runner starts with ``(ReplicaConfig, count)``;
-#: ``build_app(count=...)`` sets the form's default count).
+#: ``build_app(count=...)`` sets the form's default count); a resume at boot, one.
 SPACE = RoleSpace(
     Role.ROLLOUT, "rollout", "Replicas following the trainer's weights bit-exactly and answering task batches.",
     ReplicaConfig.from_env, lambda spec: build_replicas(*spec), build_panel,
+    config_of=lambda spec: spec[0], start_with=lambda config: (config, 1),
 )  # fmt: skip
 make_runner, build_app, main = SPACE.make_runner, SPACE.build_app, SPACE.main
 

@@ -30,7 +30,7 @@ class ReplicaConfig:
     replica_id: str = dataclasses.field(default="", metadata={"help": "unique id (default host-pid)"})
     engine: str = dataclasses.field(default="auto", metadata={"help": f"{', '.join(map(repr, names(Kind.ENGINE)))}, or 'auto' (vllm on a GPU when installed, or for the fp8 chain)"})
     model: str = dataclasses.field(default="", metadata={"help": "model name or folder (default: Qwen/Qwen3-0.6B on a GPU, the tiny offline model on CPU)"})
-    chain: str = dataclasses.field(default="bf16", metadata={"help": "weights chain to follow: 'bf16', or 'fp8' (the trainer's FP8 chain, TRAINER_FP8=1; served by vLLM from the model quantized to block FP8, docs/fp8.md)"})
+    chain: str = dataclasses.field(default="bf16", metadata={"help": "weights chain to follow: 'bf16', or 'fp8' (the trainer's FP8 chain, TRAINER_FP8=1; served by vLLM from the model quantized to block FP8: a GPU, or a CPU with AMX; docs/fp8.md)"})
     device: str = dataclasses.field(default="auto", metadata={"help": "torch device for the transformers engine ('auto': cuda if available)"})
     samples_per_task: int = dataclasses.field(default=4, metadata={"help": "G completions per task"})
     max_new_tokens: int = dataclasses.field(default=0, metadata={"help": "completion length limit (0: 8 for the tiny offline CPU model, 64 for a real model)"})

@@ -50,6 +50,7 @@ from rlsync.spaces.metrics import ReplicaStatus, Sync
 from rlsync.spaces.settings import resolve_device
 from rlsync.spaces.tiny_model import model_or_default
 from rlsync.supervised import SupervisedThread
+from rlsync.vllm.support import check_fp8_serving
 
 from env_space.environments import get_environment
 
@@ -82,6 +83,7 @@ class Replica:
     Raises:
         ValueError: An unknown ``config.chain`` or ``config.engine``, or the FP8 chain with an engine that does not
             serve it (:class:`~rlsync.errors.ConfigurationError`) or with LoRA.
+        UnsupportedHardwareError: The FP8 chain where vLLM cannot serve it (:mod:`rlsync.vllm.support`).
     """
 
     def __init__(self, config: ReplicaConfig, bucket: Bucket | None = None, engine: Engine | None = None) -> None:
@@ -96,6 +98,8 @@ class Replica:
             raise ConfigurationError(
                 "ROLLOUT_CHAIN=fp8 serves no LoRA adapters: unset ROLLOUT_LORA (or ROLLOUT_CHAIN=bf16)"
             )
+        if fp8 and engine is None:
+            check_fp8_serving(device)  # before any model is built or loaded: one line, not a worker's traceback
         self.replica_id = check_id(config.replica_id or default_replica_id())
         self.bucket = open_role_bucket(Role.ROLLOUT, config.bucket, bucket)
         self._owns_watch = self.bucket is not bucket  # close() stops the watch this role made

@@ -32,7 +32,7 @@ from typing import Iterable
 from rlsync.bucket import Bucket, BucketWrapper, ObjectInfo, validate_key
 from rlsync.errors import TransientBucketError
 
-__all__ = ["FaultyBucket"]
+__all__ = ["FaultyBucket", "ReadCountingBucket"]
 
 logger = logging.getLogger(__name__)
 
@@ -206,3 +206,18 @@ class FaultyBucket(BucketWrapper):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r}, seed={self.seed})"
+
+
+class ReadCountingBucket(BucketWrapper):
+    """Wrap a bucket and count the size-limited reads (``get_limited``) and the bytes they returned: a
+    deterministic measure of what a reader costs (each read is a request on the Hub)."""
+
+    def __init__(self, inner: Bucket) -> None:
+        super().__init__(inner)
+        self.reads = self.bytes = 0
+
+    def get_limited(self, key: str, max_bytes: int) -> bytes:
+        self.reads += 1
+        data = self.inner.get_limited(key, max_bytes)
+        self.bytes += len(data)
+        return data

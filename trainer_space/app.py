@@ -24,6 +24,8 @@ from rlsync.protocol.policy import policy_names
 from rlsync.spaces import components, forms, frames, role_control
 from rlsync.roles import Role
 from rlsync.spaces.role_panel import PanelPlace, RolePanel, RoleSpace
+from rlsync.spaces.trackio_link import trackio_url
+from trainer_space.config import ReportTo
 from trainer_space.trainer import Trainer, TrainerConfig
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,8 @@ def build_panel(
         summary = components.summary_line(live, frames.trainer_summary, elem_id=f"{prefix}trainer-summary")
         components.summary_line(live, frames.adapter_summary, elem_id=f"{prefix}adapter-summary")
         components.summary_line(live, frames.hub_requests_summary, elem_id=f"{prefix}hub-requests")
+        if link := trackio_link(config):
+            gr.Markdown(link, elem_id=f"{prefix}trackio-link")
         gr.Markdown("### Anchor policy")
         anchor = components.anchor_policy_controls(live, default=config.policy(), prefix=prefix)
         gr.Markdown("### Weight sync")
@@ -82,6 +86,14 @@ def build_panel(
         "fleet": fleet,
         "live": live,
     }
+
+
+def trackio_link(config: TrainerConfig) -> str:
+    """The panel's line linking to the run's Trackio dashboard ('' when the run does not log to a Trackio Space)."""
+    space = config.trackio_space() if ReportTo.TRACKIO.value in config.report_targets() else None
+    if not space:
+        return ""
+    return f"Training curves in Trackio: [{space}, project {config.trackio_project}]({trackio_url(space, config.trackio_project)})"
 
 
 #: The trainer Space's page: a Start runs one :class:`Trainer`.

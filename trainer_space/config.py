@@ -61,7 +61,7 @@ class TrainerConfig:
     keep_anchors: int = dataclasses.field(default=2, metadata={"help": "anchors retained in the bucket"})
     codec: str = dataclasses.field(default=DEFAULT_CODEC, metadata={"help": f"delta codec: {', '.join(map(repr, names(Kind.CODEC)))} or 'auto' (the default for the device)"})
     max_steps: int = dataclasses.field(default=0, metadata={"help": "stop after this many optimizer steps (0: never) (max_steps)"})
-    checkpoint_every: int = dataclasses.field(default=50, metadata={"help": "optimizer steps per bucket checkpoint, also saved on stop (save_steps)"})
+    checkpoint_every: int = dataclasses.field(default=50, metadata={"help": "optimizer steps per bucket checkpoint, also saved after the first step, on stop and on SIGTERM (save_steps)"})
     keep_checkpoints: int = dataclasses.field(default=2, metadata={"help": "checkpoints retained in the bucket"})
     poll_s: float = poll_field()
     metrics_every_s: float = metrics_every_field()
@@ -74,7 +74,7 @@ class TrainerConfig:
     fp8: bool = dataclasses.field(default=False, metadata={"help": "also publish an FP8 serving chain under fp8/: 128x128-block e4m3 weights quantized from each bf16 version, for replicas serving FP8 (docs/fp8.md)"})
     report_to: str = dataclasses.field(default=ReportTo.AUTO.value, metadata={"help": "'trackio', 'none' or 'auto' (trackio on a Space, i.e. SPACE_ID set; none elsewhere); TRL's logs and the sync figures go there (report_to)"})
     trackio_project: str = dataclasses.field(default="rlsync", metadata={"help": "Trackio project (project)"})
-    trackio_space_id: str = dataclasses.field(default="", metadata={"help": "Trackio Space to log to, e.g. 'user/trackio' (empty: local Trackio database only) (trackio_space_id)"})
+    trackio_space_id: str = dataclasses.field(default="", metadata={"help": "Trackio Space to log to, e.g. 'user/trackio' (empty: on a Space, the owner's 'rl-sync-trackio', so the run outlives restarts; elsewhere the local Trackio database) (trackio_space_id)"})
     trackio_bucket_id: str = dataclasses.field(default="", metadata={"help": "Hugging Face Bucket keeping the Trackio database (empty: Trackio's default) (trackio_bucket_id)"})
 
     def __post_init__(self) -> None:
@@ -113,6 +113,13 @@ class TrainerConfig:
             target = ReportTo.TRACKIO if os.environ.get("SPACE_ID") else ReportTo.NONE
         return [] if target is ReportTo.NONE else [target.value]
 
+    def trackio_space(self) -> str | None:
+        """The Trackio Space the run logs to: ``trackio_space_id``, else on a Space the owner's ``rl-sync-trackio``
+        (:func:`~rlsync.spaces.trackio_link.default_trackio_space`: a restart wipes the container's disk)."""
+        from rlsync.spaces.trackio_link import default_trackio_space
+
+        return self.trackio_space_id or default_trackio_space()
+
     def policy(self) -> AnchorPolicy:
         """The anchor policy these settings name (settings another policy has are ignored).
 
@@ -147,6 +154,6 @@ class TrainerConfig:
             max_steps=self.max_steps or UNLIMITED_STEPS, bf16=on_gpu, use_cpu=not on_gpu, seed=self.seed,
             save_strategy="steps", save_steps=max(1, self.checkpoint_every or UNLIMITED_STEPS), save_total_limit=None,
             logging_steps=1, report_to=self.report_targets(), disable_tqdm=True, dataloader_num_workers=0,
-            project=self.trackio_project, trackio_space_id=self.trackio_space_id or None,
+            project=self.trackio_project, trackio_space_id=self.trackio_space(),
             trackio_bucket_id=self.trackio_bucket_id or None, trackio_static_space_id=False,
         )  # fmt: skip

@@ -12,7 +12,9 @@ with resume and new-run handling, and with ``lora_rank`` set the adapter chain
 - the anchor policy follows the bucket's control object
   (:class:`~rlsync.spaces.anchor_policy.ControlledPolicy`), so any panel can change it
   while the run goes on; the trainer always resumes from the newest checkpoint that
-  verifies, and refuses to publish over the bucket's run without one unless ``new_run``;
+  verifies (saved after the first step, every ``checkpoint_every`` steps and on every stop, SIGTERM
+  included), and refuses to publish over the bucket's run without one unless ``new_run`` or its
+  weights are still the run's newest version;
 - :class:`~trainer_space.flow.FlowControl` writes ``control/demand.json`` once per step
   (pacing ``demand``: the env issues tasks at the rate the trainer consumes) and counts
   trained samples and the trainer's waiting time.
@@ -38,6 +40,7 @@ from rlsync.bucket.watch import meter_of
 from rlsync.checkpoint_layout import CheckpointLayout, expert_changed_pct
 from rlsync.codecs import default_codec
 from rlsync.protocol import PublishRecord
+from rlsync.protocol.run import new_run_id
 from rlsync.roles import Role
 from rlsync.spaces.anchor_policy import ControlledPolicy
 from rlsync.spaces.demand import Pacing
@@ -88,6 +91,16 @@ class BucketFigures(TrainerCallback):
         self.owner.opt_steps = state.global_step
         if self.owner.stop_requested:
             control.should_training_stop = True
+            control.should_save = True
+        return control
+
+
+class FirstStepCheckpoint(TrainerCallback):
+    """Saves a checkpoint after a run's first optimizer step, before TRL's every ``checkpoint_every``: a Space that
+    restarts soon after Start (hardware change, update, sleep) resumes from it instead of losing the run."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
             control.should_save = True
         return control
 
@@ -148,6 +161,7 @@ class Trainer:
         )  # fmt: skip
         self.trl.add_callback(self.flow)
         self.trl.add_callback(BucketFigures(self))
+        self.trl.add_callback(FirstStepCheckpoint())
         self.summary = IntervalLog(logger, self._summary_line)
         self._flow_at_summary = dict(self.worker.counts)
         logger.info(
@@ -228,8 +242,9 @@ class Trainer:
     def prepare(self) -> str | None:
         """Take the run lock and find where to continue (:meth:`rlsync.trl.BucketSync.prepare`).
 
-        A bucket that holds a run is continued from its newest checkpoint that verifies. Without
-        one, the trainer refuses (:class:`~rlsync.protocol.RunExistsError`, naming both ways on)
+        A bucket that holds a run is continued from its newest checkpoint that verifies, or, without one,
+        when the model is bit for bit the run's newest version (a restart before the first checkpoint,
+        saved after the first step). Otherwise the trainer refuses (:class:`~rlsync.protocol.RunExistsError`, naming both ways on)
         unless ``new_run`` is set, which starts a new run: a new run id, its first version an
         anchor, which replicas notice and re-bootstrap from.
 
@@ -242,6 +257,11 @@ class Trainer:
         folder = self.sync.prepare()
         if self.sync.checkpoint_step is not None:
             self.opt_steps = self.sync.checkpoint_step
+        # The Trackio run is named by the bucket's run id (fixed now for a run not published yet): the same after
+        # every restart of the run, which TRL's Trackio callback opens with resume="allow".
+        ownership = self.publisher.ownership
+        ownership.run_id = ownership.run_id or new_run_id()
+        self.trl.args.run_name = ownership.run_id
         return folder
 
     # -- lifecycle ------------------------------------------------------------

@@ -33,7 +33,9 @@ import torch
 
 from .bucket import Bucket, PrefixedBucket
 from .errors import FormatError
+from .jsonlimits import loads_bounded
 from .layout import ADAPTER_PREFIX
+from .limits import MAX_METADATA_BYTES
 from .protocol import Manifest, Publisher, Subscriber
 
 #: Name of an adapter's tensor file and config in a peft / vLLM adapter folder.
@@ -94,8 +96,8 @@ class LoraSpec:
         Raises:
             FormatError: not such a JSON object, or invalid settings.
         """
+        doc = loads_bounded(text, what="LoRA settings", max_bytes=MAX_METADATA_BYTES)
         try:
-            doc = json.loads(text)
             return cls(doc["rank"], doc["alpha"], tuple(doc["target_modules"]))
         except (ValueError, KeyError, TypeError) as exc:
             raise FormatError(f"invalid LoRA settings in the adapter chain: {exc}") from None

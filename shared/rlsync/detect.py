@@ -21,6 +21,7 @@ from typing import Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
+from .device_changes import ComparePath, device_changes
 from .dtypes import bits_to_numpy, int_view
 from .errors import SyncError
 from .format import Change
@@ -85,11 +86,17 @@ class ChangeDetector:
         dtype: Serving dtype for floating-point tensors (e.g. ``torch.bfloat16``);
             ``None`` publishes tensors in their own dtype.
         chunk_elements: Elements compared at once; bounds temporary memory.
+        compare_path: Where bits are compared (:class:`~rlsync.device_changes.ComparePath`): by default numpy
+            for CPU tensors and torch on the device for the others (only the changed elements cross to the host).
     """
 
-    def __init__(self, dtype: torch.dtype | None = torch.bfloat16, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> None:
+    def __init__(
+        self, dtype: torch.dtype | None = torch.bfloat16, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+        compare_path: ComparePath = ComparePath.AUTO,
+    ) -> None:  # fmt: skip
         self.dtype = dtype
         self.chunk_elements = chunk_elements
+        self.compare_path = ComparePath(compare_path)
         self.published: dict[str, torch.Tensor] | None = None
 
     def reset(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -125,7 +132,7 @@ class ChangeDetector:
 
     def _diff_tensor(self, published: torch.Tensor, current: torch.Tensor) -> Change | None:
         shadow = int_view(published)
-        on_cpu = current.device.type == "cpu"
+        on_cpu = current.device.type == "cpu" and self.compare_path is ComparePath.AUTO
         step = min(self.chunk_elements, CPU_CHUNK_ELEMENTS) if on_cpu else self.chunk_elements
         parts = []
         for start in range(0, shadow.numel(), step):
@@ -133,8 +140,7 @@ class ChangeDetector:
             if on_cpu:
                 idx, old, new = changed_elements(bits_to_numpy(old_bits), bits_to_numpy(new_bits))
             else:
-                found = torch.nonzero(old_bits != new_bits).squeeze(1)
-                idx, old, new = found.cpu().numpy(), bits_to_numpy(old_bits[found]), bits_to_numpy(new_bits[found])
+                idx, old, new = device_changes(old_bits, new_bits)
             if idx.size:
                 parts.append((idx + start, old, new))
         if not parts:

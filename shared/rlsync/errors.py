@@ -25,6 +25,7 @@ __all__ = [
     "StopRoleError",
     "ConfigurationError",
     "UnknownNameError",
+    "UnsupportedHardwareError",
     "SyncError",
     "FormatError",
     "HashMismatchError",
@@ -75,6 +76,11 @@ class UnknownNameError(ConfigurationError, KeyError):
     """A setting names no registered codec, backend, policy, source, environment or engine (the message lists them)."""
 
     __str__ = Exception.__str__  # the message as written, not quoted as a KeyError's key
+
+
+class UnsupportedHardwareError(ConfigurationError):
+    """This machine lacks a processor feature or device the chosen setting needs (:mod:`rlsync.cpu`);
+    the message names what is missing and what to choose instead."""
 
 
 # -- the publish/subscribe protocol -----------------------------------------------------------------

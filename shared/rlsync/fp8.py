@@ -41,14 +41,16 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 import torch
 
 from .bucket import Bucket, PrefixedBucket
 from .errors import FormatError
 from .layout import FP8_PREFIX, POINTER_KEY
-from .protocol import Publisher, Subscriber
+
+if TYPE_CHECKING:  # imported where used: the chain's names stay cheap to import (no numba) for `rlsync.vllm.serve`
+    from .protocol import Publisher, Subscriber
 
 FP8_DTYPE = torch.float8_e4m3fn
 SCALE_DTYPE = torch.float32
@@ -224,6 +226,8 @@ class Chain(str, enum.Enum):
             bucket: The run's bucket.
             **kwargs: Further :class:`~rlsync.protocol.Subscriber` arguments.
         """
+        from .protocol import Subscriber
+
         return Subscriber(bucket, **kwargs) if self is Chain.BF16 else fp8_subscriber(bucket, **kwargs)
 
 
@@ -240,6 +244,8 @@ def fp8_publisher(bucket: Bucket, **kwargs: Any) -> Publisher:
         bucket: The run's bucket (the chain goes under :data:`~rlsync.layout.FP8_PREFIX`).
         **kwargs: Further :class:`~rlsync.protocol.Publisher` arguments (policy, codec, owner...).
     """
+    from .protocol import Publisher
+
     return Publisher(fp8_bucket(bucket), dtype=None, metadata=chain_metadata(), **kwargs)
 
 
@@ -247,6 +253,8 @@ def fp8_subscriber(bucket: Bucket, **kwargs: Any) -> Subscriber:
     """A :class:`~rlsync.protocol.Subscriber` of the FP8 chain of ``bucket``: a chain of another scheme is
     refused before any download, and every value is checked (:func:`check_fp8_values`) before it is applied."""
     expect = {Fp8Metadata.SCHEME.value: SCHEME}
+    from .protocol import Subscriber
+
     return Subscriber(fp8_bucket(bucket), expect_metadata=expect, check_values=check_fp8_values, **kwargs)
 
 

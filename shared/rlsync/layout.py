@@ -11,6 +11,7 @@ Layout of a bucket::
     fp8/...                                      an FP8 serving chain of the bf16 weights: the same layout under this prefix
     control/publisher.json                       the anchor policy, set from any panel
     control/demand.json                          what the trainer asks the env for
+    control/desired/<role>/<instance>.json       what the owner wants running on one Space (Start / Stop)
     tasks/0000000005.json                        a batch of tasks
     rollouts/0000000005/<replica>.json           a replica's answers to it
     scores/0000000005/<replica>.json             their scores
@@ -34,11 +35,12 @@ from .roles import Role
 
 __all__ = [
     "POINTER_KEY", "LOCK_KEY", "ANCHOR_PREFIX", "DELTA_PREFIX", "CHECKPOINTS_PREFIX", "CHECKPOINT_MARKER",
-    "ADAPTER_PREFIX", "FP8_PREFIX", "CONTROL_PREFIX", "CONTROL_KEY", "DEMAND_KEY", "TASKS_PREFIX", "ROLLOUTS_PREFIX",
-    "SCORES_PREFIX", "CLAIMS_PREFIX", "STATUS_PREFIX", "METRICS_PREFIX", "REPORT_PREFIXES", "MAX_BATCH",
+    "ADAPTER_PREFIX", "FP8_PREFIX", "CONTROL_PREFIX", "CONTROL_KEY", "DEMAND_KEY", "DESIRED_PREFIX", "TASKS_PREFIX",
+    "ROLLOUTS_PREFIX", "SCORES_PREFIX", "CLAIMS_PREFIX", "STATUS_PREFIX", "METRICS_PREFIX", "REPORT_PREFIXES", "MAX_BATCH",
+    "MAX_STEP", "MAX_EPOCH", "MAX_BASE_STEP", "MAX_BASE_EPOCH",
     "ANCHOR_FILE", "DELTA_FILE", "TRAINER_READS", "ROLLOUT_READS", "ENV_READS", "ROLE_READS",
     "anchor_folder", "delta_key", "part_name", "delta_part_key", "checkpoint_folder", "check_id", "is_id", "task_key",
-    "rollout_key", "score_key", "claim_key", "status_key", "metrics_key", "batch_of", "replica_of",
+    "rollout_key", "score_key", "claim_key", "status_key", "metrics_key", "desired_key", "batch_of", "replica_of",
 ]  # fmt: skip
 
 # -- the weights chain (rlsync.protocol) -------------------------------------------------------------
@@ -58,6 +60,8 @@ FP8_PREFIX = "fp8/"
 CONTROL_PREFIX = "control/"
 CONTROL_KEY = f"{CONTROL_PREFIX}publisher.json"
 DEMAND_KEY = f"{CONTROL_PREFIX}demand.json"
+#: What the owner of each Space wants running, one object per role and Space (rlsync.spaces.desired).
+DESIRED_PREFIX = f"{CONTROL_PREFIX}desired/"
 
 # -- the RL loop's exchange (rlsync.spaces.exchange, rlsync.trl.rollout_worker) ---------------------
 TASKS_PREFIX = "tasks/"
@@ -92,6 +96,18 @@ ROLE_READS: dict[Role, tuple[str, ...]] = {
     Role.TRAINER: TRAINER_READS, Role.ROLLOUT: ROLLOUT_READS, Role.ENV: ENV_READS
 }
 
+#: The largest version a key holds (twenty digits).
+MAX_STEP = 10**20 - 1
+#: The largest run-lock epoch a trainer writes, in the lock and in keys (exact in any JSON reader's double);
+#: readers parse the sixteen digits the key grammar allows.
+MAX_EPOCH = 2**53 - 1
+#: A version or epoch read from the bucket above these leaves no room, and a trainer never builds on it (a new
+#: run's first version after the old run's newest, the next run-lock epoch after the lock's or the pointer's):
+#: a planted pointer or lock near the largest could otherwise leave no number to write. Such an object is
+#: refused and counted like a garbage lock or an unreadable pointer.
+MAX_BASE_STEP = MAX_STEP // 2
+MAX_BASE_EPOCH = MAX_EPOCH // 2
+
 _STEP = r"(\d{12,20})"
 _EPOCH = r"(?:-e(\d{4,16}))?"  # format version 1 had no epoch
 #: An anchor's file; groups: step, epoch, file name.
@@ -109,14 +125,25 @@ _BATCH_KEY = re.compile(
 )
 
 
+def _version(step: int, epoch: int) -> str:
+    """``<step>-e<epoch>`` of a key; a number readers would refuse is never written.
+
+    Raises:
+        ValueError: ``step`` is not in ``[0, MAX_STEP]`` or ``epoch`` not in ``[0, MAX_EPOCH]``.
+    """
+    if not (0 <= step <= MAX_STEP and 0 <= epoch <= MAX_EPOCH):
+        raise ValueError(f"version {step} of epoch {epoch} is past the keys' [0, {MAX_STEP}] and [0, {MAX_EPOCH}]")
+    return f"{step:012d}-e{epoch:04d}"
+
+
 def anchor_folder(step: int, epoch: int) -> str:
-    """Key prefix of the anchor of ``step`` written under run-lock epoch ``epoch``."""
-    return f"{ANCHOR_PREFIX}{step:012d}-e{epoch:04d}"
+    """Key prefix of the anchor of ``step`` written under run-lock epoch ``epoch`` (see :func:`_version`)."""
+    return f"{ANCHOR_PREFIX}{_version(step, epoch)}"
 
 
 def delta_key(step: int, epoch: int) -> str:
-    """Key of the delta producing ``step``, written under run-lock epoch ``epoch``."""
-    return f"{DELTA_PREFIX}{step:012d}-e{epoch:04d}.safetensors"
+    """Key of the delta producing ``step``, written under run-lock epoch ``epoch`` (see :func:`_version`)."""
+    return f"{DELTA_PREFIX}{_version(step, epoch)}.safetensors"
 
 
 def part_name(part: int, parts: int) -> str:
@@ -126,7 +153,7 @@ def part_name(part: int, parts: int) -> str:
 
 def delta_part_key(step: int, epoch: int, part: int, parts: int) -> str:
     """Key of one part of the sharded delta producing ``step``."""
-    return f"{DELTA_PREFIX}{step:012d}-e{epoch:04d}/{part_name(part, parts)}"
+    return f"{DELTA_PREFIX}{_version(step, epoch)}/{part_name(part, parts)}"
 
 
 def checkpoint_folder(step: int, prefix: str = CHECKPOINTS_PREFIX) -> str:
@@ -186,6 +213,12 @@ def status_key(replica: str) -> str:
 
 def metrics_key(role: str) -> str:
     return f"{METRICS_PREFIX}{check_id(role)}.json"
+
+
+def desired_key(role: Role, instance: str) -> str:
+    """``control/desired/<role>/<instance>.json``: what the owner wants of one Space's role (its instance id,
+    :func:`check_id`)."""
+    return f"{DESIRED_PREFIX}{Role(role).value}/{check_id(instance)}.json"
 
 
 def batch_of(key: str) -> int | None:

@@ -16,6 +16,9 @@ A server's answer is untrusted like every other input: a wait it asks for is bou
 rate-limit window (:data:`MAX_SERVER_WAIT_S` unless the caller knows a shorter one), since no
 limit of the Hub lasts longer than its window; ``Retry-After: 1e9`` or ``t=999999999`` holds a
 role for at most that long, and a value that is not a finite number counts as none.
+:func:`ratelimit_info` reads the ``RateLimit`` headers for both: a header with a number
+above :data:`MAX_RATELIMIT_NUMBER` (``t=`` of 400 digits, which overflowed a ``float``) is
+ignored, as if the server had not sent it, so the request is retried as usual.
 """
 
 from __future__ import annotations
@@ -26,9 +29,14 @@ import logging
 import math
 import random
 import time
-from typing import Callable, Mapping, TypeVar
+from typing import TYPE_CHECKING, Callable, Mapping, TypeVar
 
-__all__ = ["MAX_SERVER_WAIT_S", "RetryPolicy", "call_with_retries", "retry_after_seconds"]
+if TYPE_CHECKING:
+    from huggingface_hub.utils import RateLimitInfo
+
+__all__ = [
+    "MAX_RATELIMIT_NUMBER", "MAX_SERVER_WAIT_S", "RetryPolicy", "call_with_retries", "ratelimit_info", "retry_after_seconds",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +44,9 @@ _T = TypeVar("_T")
 
 #: The longest wait a server's answer may impose: the Hub's rate-limit window (5 minutes).
 MAX_SERVER_WAIT_S = 300.0
+#: The largest number a ``RateLimit`` header may carry (requests left, the limit, seconds to the reset, the
+#: window); the Hub's are below 10**6.
+MAX_RATELIMIT_NUMBER = 10**12
 
 
 def _bounded(seconds: float, most: float) -> float | None:
@@ -70,15 +81,27 @@ def retry_after_seconds(
             when = None
         if when is not None and when.tzinfo is not None:
             return _bounded(when.timestamp() - now(), window_s)
-    from huggingface_hub.utils import parse_ratelimit_headers
-
-    try:
-        info = parse_ratelimit_headers(lower)
-    except (ValueError, OverflowError):
-        return None
+    info = ratelimit_info(lower)
     if info is not None and info.remaining == 0:
         return _bounded(float(info.reset_in_seconds), window_s)
     return None
+
+
+def ratelimit_info(headers: Mapping[str, str]) -> "RateLimitInfo | None":
+    """The Hub's ``RateLimit`` / ``RateLimit-Policy`` headers; ``None`` when absent, malformed, or holding a
+    number above :data:`MAX_RATELIMIT_NUMBER` (unusable: ignored, logged at debug level)."""
+    from huggingface_hub.utils import parse_ratelimit_headers
+
+    try:
+        info = parse_ratelimit_headers(headers)
+        numbers = (info.remaining, info.reset_in_seconds, info.limit, info.window_seconds) if info else ()
+        usable = all(n is None or n <= MAX_RATELIMIT_NUMBER for n in numbers)
+    except ValueError:  # a number past int()'s digit limit
+        usable = False
+    if not usable:
+        logger.debug("ignoring a RateLimit header with a number above %d", MAX_RATELIMIT_NUMBER)
+        return None
+    return info
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 ``scores/<batch>/<replica>.json`` (and ``rollouts/``, the same samples before rewards) hold a
 header (with ``format_version``, :data:`SAMPLES_FORMAT_VERSION`) and a list of samples: prompt and completion token ids, the sampler's per-token
-log-probabilities, the policy version that made them and the reward. Every object is
+log-probabilities, the policy version that made them (the first and, for a completion generated across
+an update, the last) and the reward. Every object is
 untrusted: :func:`read_samples` checks it (bounded size and nesting, exact types, finite
 numbers, token ids in ``[0, vocab)``, non-empty and length-capped sequences, versions no
 newer than the newest published) and treats a refused object as absent, logging it and
@@ -45,10 +46,12 @@ def put_json(bucket: Bucket, key: str, doc: Any) -> None:
     bucket.put(validate_key(key), json.dumps(doc, separators=(",", ":")).encode())
 
 
-def get_json(bucket: Bucket, key: str, refusals: "Refusals | None" = None) -> Any | None:
-    """Read a JSON object; ``None`` if missing, too large or malformed (logged, and counted in ``refusals``)."""
+def get_json(bucket: Bucket, key: str, refusals: "Refusals | None" = None, max_bytes: int | None = None) -> Any | None:
+    """Read a JSON object; ``None`` if missing, larger than ``max_bytes`` (default :data:`MAX_OBJECT_BYTES`) or
+    malformed (logged, and counted in ``refusals``)."""
+    limit = MAX_OBJECT_BYTES if max_bytes is None else max_bytes
     try:
-        return loads_bounded(bucket.get_limited(key, MAX_OBJECT_BYTES), what=key, max_bytes=MAX_OBJECT_BYTES)
+        return loads_bounded(bucket.get_limited(key, limit), what=key, max_bytes=limit)
     except ObjectNotFoundError:
         return None
     except (ObjectTooLargeError, FormatError) as exc:
@@ -61,20 +64,26 @@ def get_json(bucket: Bucket, key: str, refusals: "Refusals | None" = None) -> An
 
 class Refusals:
     """Counts refused exchange objects per top-level prefix (thread-safe); roles put
-    :meth:`as_dict` into their metrics, and the panels show it."""
+    :meth:`as_dict` into their metrics, and the panels show it.
 
-    def __init__(self) -> None:
+    Args:
+        log: Log each refusal as a warning (off: the owner logs a summary, e.g. once per panel snapshot).
+    """
+
+    def __init__(self, log: bool = True) -> None:
         self.counts: collections.Counter[str] = collections.Counter()
         self.last = ""
+        self.log = log
         self._lock = threading.Lock()
 
-    def add(self, key: str, reason: str) -> None:
-        """Count one refused object (logged as a warning)."""
+    def add(self, key: str, reason: str, count: int = 1) -> None:
+        """Count ``count`` refused objects (``key`` the first; one warning)."""
         kind = key.split("/", 1)[0]
         with self._lock:
-            self.counts[kind] += 1
+            self.counts[kind] += count
             self.last = f"{key}: {reason}"[:300]
-        logger.warning("refused %s: %s", key, reason)
+        if self.log:
+            logger.warning("refused %s%s: %s", key, f" and {count - 1} more" if count > 1 else "", reason)
 
     @property
     def total(self) -> int:
@@ -140,7 +149,13 @@ def _finite(value: Any, what: str, low: float, high: float) -> float:
 
 @dataclasses.dataclass
 class Sample:
-    """One completion of one task, as the trainer needs it."""
+    """One completion of one task, as the trainer needs it.
+
+    ``version`` is the policy version that sampled its first token, the oldest: staleness counts from it.
+    A completion generated across an update (a server paused with ``keep``, :mod:`rlsync.vllm.versions`)
+    also records the version of its last token in ``last_version`` (``None``: one version made it all);
+    ``logprobs`` are the sampler's own, token by token, whichever version sampled each.
+    """
 
     task_id: str
     prompt: str
@@ -150,6 +165,7 @@ class Sample:
     logprobs: list[float]
     version: int
     reward: float | None = None
+    last_version: int | None = None
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any], limits: SampleLimits = DEFAULT_LIMITS) -> "Sample":
@@ -169,6 +185,10 @@ class Sample:
         newest = limits.max_version if limits.max_version is not None else (1 << 62)
         if type(version) is not int or not 0 <= version <= newest:
             raise ValueError(f"version must be an integer in [0, {newest}] (the newest published), got {version!r}"[:200])
+        last_version = doc.get("last_version")
+        if last_version is not None and (type(last_version) is not int or not version <= last_version <= newest):
+            raise ValueError(f"last_version must be an integer in [{version}, {newest}] (its first version to the newest "
+                             f"published), got {last_version!r}"[:200])  # fmt: skip
         reward = doc.get("reward")
         prompt_ids = _token_ids(doc, "prompt_ids", limits.max_prompt_tokens, limits.vocab_size)
         if limits.max_total_tokens is not None and len(prompt_ids) + len(token_ids) > limits.max_total_tokens:
@@ -182,6 +202,7 @@ class Sample:
             logprobs=[_finite(x, "a logprob", MIN_SAMPLED_LOGPROB, 0.0) for x in logprobs],
             version=version,
             reward=None if reward is None else _finite(reward, "reward", -MAX_REWARD, MAX_REWARD),
+            last_version=last_version,
         )
 
 

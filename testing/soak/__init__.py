@@ -75,6 +75,13 @@ Trial kinds (``--kinds``):
     completions are code (``__import__('os').system(...)``, ``9**9**9**9``) arrive: no code runs
     (a canary file), no file outside the bucket changes, no genuine batch is lost or unscored,
     both roles stay alive within bounded memory.
+``hostile_values``
+    The hostile writers of issue 41 between a publisher's versions: metrics and status objects with
+    values of the wrong JSON kind in typed fields, status objects past their size or in a flood,
+    ``RateLimit`` headers with numbers too large to use, and a lock epoch, a pointer epoch or a
+    pointer step that leaves no room (the trainer then restarts, continuing the run or starting a
+    new one): every reader goes on, a panel snapshot's reads stay bounded, the restarted trainer
+    takes the lock and publishes the next version, and the follower converges bit-exactly.
 
 Usage::
 

@@ -288,9 +288,11 @@ def test_a_restart_validates_every_pointer_entry_not_only_the_chain_it_replays(b
         Publisher(bucket, owner="trainer").resume()
 
 
-@pytest.mark.parametrize("kind", ["lock_garbage", "pointer_entries", "checkpoints", "hostile_positions", "sharded_checkpoints"])
+@pytest.mark.parametrize(
+    "kind", ["lock_garbage", "pointer_entries", "checkpoints", "hostile_positions", "sharded_checkpoints", "hostile_values"]
+)
 def test_soak_trials_of_the_new_hostile_classes_are_clean(tmp_path, kind):
-    """One seeded trial of each soak class added for issue 26 (a few seconds each)."""
+    """One seeded trial of each soak class added for issues 26 and 41 (a few seconds each)."""
     import random
 
     from testing.soak.kinds import TRIALS

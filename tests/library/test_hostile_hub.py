@@ -264,3 +264,39 @@ def test_soak_trial_hub_hostile(tmp_path):
     assert result.violations == [] and result.lost == 0
     assert sum(result.faults.values()) >= 5 and result.faults["hostile: takeover while the feed failed (fenced)"] == 1
     assert result.checks > 20
+
+
+# -- issue 41, finding 4: a RateLimit number that cannot be used is ignored -------------------------------
+
+_HUGE = "9" * 400
+_UNUSABLE = [
+    {"RateLimit": f'"api";r=0;t={_HUGE}'},  # float(t) overflowed
+    {"RateLimit": '"api";r=0;t=5', "RateLimit-Policy": f'"fixed window";"api";q={_HUGE};w=300'},  # q * target overflowed
+    {"RateLimit": f'"api";r={_HUGE};t=5', "RateLimit-Policy": '"fixed window";"api";q=1000;w=300'},
+    {"RateLimit": f'"api";r=0;t={"9" * 5000}'},  # past int()'s digit limit
+]
+
+
+@pytest.mark.parametrize("headers", _UNUSABLE, ids=["t", "q", "r", "digits"])
+def test_an_unusable_ratelimit_number_is_ignored_by_the_retry_and_the_meter(headers):
+    from rlsync.retry import ratelimit_info, retry_after_seconds
+
+    assert ratelimit_info(headers) is None and retry_after_seconds(headers) is None
+    clock = [0.0]
+    meter = RequestMeter(BudgetConfig(window_s=30.0), clock=lambda: clock[0], sleep=lambda s: clock.__setitem__(0, clock[0] + s))
+    for status in (200, 503, 429):
+        meter.record("GET", "/api/buckets/a/b/tree", status, headers)
+    assert meter.acquire(RequestClass.API) == 1.0  # the 429's default hold, not the header's
+    assert meter.throttled == 1
+
+
+@pytest.mark.parametrize("headers", _UNUSABLE[:2], ids=["t", "q"])
+def test_a_503_with_an_unusable_ratelimit_header_is_retried_as_usual(server, headers):
+    from rlsync.bucket.retry import RetryingBucket
+    from testing.hub.server import Fault
+
+    writer = hf(RequestMeter(BudgetConfig()))
+    writer.put("latest.json", b"{}")
+    server.inject("api", Fault(503, headers, path="/paths-info"), Fault(429, headers, path="/paths-info"))
+    reader = RetryingBucket(hf(RequestMeter(BudgetConfig())), base_delay=0.01, max_delay=0.05, max_total=20.0)
+    assert reader.get_limited("latest.json", 1024) == b"{}"

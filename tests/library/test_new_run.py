@@ -89,6 +89,26 @@ def test_trl_restart_without_a_checkpoint_refuses_and_publishes_nothing(bucket):
     assert bucket.get(POINTER_KEY) == before
 
 
+def test_trl_restart_without_a_checkpoint_continues_only_when_it_holds_the_published_weights(bucket):
+    master = published_run(bucket)
+    before = read_manifest(bucket)
+    lock = bucket.get("lock.json")
+    refused = BucketWeightTransfer(publisher=Publisher(bucket, owner="other"))
+    refused.holds_published = lambda pointer: False
+    with pytest.raises(RunExistsError):
+        refused.init_weight_transfer()
+    refused.close()
+    assert bucket.get("lock.json") == lock  # refused before taking the run lock
+    seen = []
+    transfer = BucketWeightTransfer(publisher=Publisher(bucket, owner="t"))
+    transfer.holds_published = lambda pointer: seen.append(pointer) or True
+    transfer.send_weights(iter(master.items()))
+    transfer.close()
+    manifest = read_manifest(bucket)
+    assert seen == [before]  # asked about the run's newest version
+    assert manifest.step == 3 and manifest.run_id == "first-run" and manifest.deltas[-1].base_step == 2
+
+
 def test_trl_restart_resuming_a_checkpoint_continues_and_a_new_run_starts_over(bucket):
     master = published_run(bucket)
     resumed = BucketWeightTransfer(publisher=Publisher(bucket, owner="t"), resume_from_checkpoint="out/checkpoint-2")
@@ -119,6 +139,8 @@ def test_trainer_space_restart_without_checkpoint_refuses_in_the_panel_then_new_
     config = TrainerConfig(bucket=str(tmp_path / "bucket"), device="cpu", trainer_id="t", checkpoint_every=1000)
     first = Trainer(config, bucket)
     first.prepare()
+    with torch.no_grad():  # trained since: the published weights are no longer those a fresh trainer holds
+        next(first.trl.model.parameters()).add_(0.5)
     first.trl._sync_weight()  # TRL's first weight sync: version 0 of a new run
     first.close()
     old = read_manifest(bucket)

@@ -38,7 +38,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from ..errors import ConfigurationError
-from ..retry import retry_after_seconds
+from ..retry import ratelimit_info, retry_after_seconds
 from ..roles import Role
 
 __all__ = [
@@ -324,9 +324,7 @@ class RequestMeter:
             logger.warning("%s: the Hub answered 429 to %s; holding requests", self.role or "bucket", kind)
 
     def _observe(self, headers: Mapping[str, str], now: float) -> None:
-        from huggingface_hub.utils import parse_ratelimit_headers
-
-        info = parse_ratelimit_headers(headers)
+        info = ratelimit_info(headers)  # None also for a number too large to use
         if info is None:
             return
         try:

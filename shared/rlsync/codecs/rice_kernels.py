@@ -8,15 +8,15 @@ memory stays bounded by its arguments. They are compiled on first use and cached
 
 from __future__ import annotations
 
-import platform
 import sys
 
 import numba
 import numpy as np
-from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
+
+from ..cpu import CpuFeature, has_feature
 
 _JIT = dict(cache=True, nogil=True, boundscheck=False)
 #: The largest Rice parameter the decoder reads: a remainder of up to 56 bits at any bit offset fits one 64-bit window.
@@ -30,11 +30,7 @@ DENSE = 12
 MASKS_IN_ORDER = sys.byteorder == "little"
 #: Whether the compiled code runs on this machine's x86-64 CPU with BMI2, whose ``pdep`` picks a mask's k-th set
 #: bit in one instruction (:func:`_select_by_deposit`); elsewhere a branch-free binary search does.
-HAS_PDEP = (
-    platform.machine().lower() in ("x86_64", "amd64")
-    and numba.config.CPU_NAME in (None, "host")
-    and bool(llvm.get_host_cpu_features().get("bmi2", False))
-)
+HAS_PDEP = numba.config.CPU_NAME in (None, "host") and has_feature(CpuFeature.BMI2)
 NEVER = np.int64(1) << 62  # "no further coded rank in this class"
 
 

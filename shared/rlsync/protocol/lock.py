@@ -19,6 +19,7 @@ the lock; fencing limits the damage to at most one publish.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -28,14 +29,13 @@ import time
 from ..bucket import Bucket
 from ..errors import FencedError, FormatError, ObjectNotFoundError, ObjectTooLargeError, RunLockedError
 from ..jsonlimits import loads_bounded
-from ..layout import LOCK_KEY
+from ..layout import LOCK_KEY, MAX_BASE_EPOCH, MAX_EPOCH
 from ..limits import MAX_LOCK_BYTES
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_LOCK_TTL_S = 600.0
 MAX_CLOCK_SKEW_S = 300.0
-MAX_EPOCH = 2**53
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,7 @@ def parse_lock(data: bytes) -> RunLock:
 
     Raises:
         FormatError: not JSON, wrong types, an owner of more than 256 characters,
-            an epoch outside [0, 2^53), a non-finite heartbeat.
+            an epoch outside ``[0, MAX_EPOCH]``, a non-finite heartbeat.
     """
     doc = loads_bounded(data, what=LOCK_KEY, max_bytes=MAX_LOCK_BYTES)
     if not isinstance(doc, dict):
@@ -58,7 +58,7 @@ def parse_lock(data: bytes) -> RunLock:
     owner, epoch, heartbeat = doc.get("owner"), doc.get("epoch"), doc.get("heartbeat")
     if not isinstance(owner, str) or not 0 < len(owner) <= 256:
         raise FormatError(f"{LOCK_KEY}: invalid owner")
-    if type(epoch) is not int or not 0 <= epoch < MAX_EPOCH:
+    if type(epoch) is not int or not 0 <= epoch <= MAX_EPOCH:
         raise FormatError(f"{LOCK_KEY}: invalid epoch {epoch!r}")
     if type(heartbeat) not in (int, float) or not math.isfinite(heartbeat):
         raise FormatError(f"{LOCK_KEY}: invalid heartbeat {heartbeat!r}")
@@ -92,23 +92,36 @@ def write_lock(bucket: Bucket, lock: RunLock) -> None:
     bucket.put(LOCK_KEY, json.dumps(dataclasses.asdict(lock)).encode())
 
 
-def acquire(bucket: Bucket, owner: str, ttl_s: float = DEFAULT_LOCK_TTL_S, *, floor: int = 0) -> RunLock:
+def acquire(
+    bucket: Bucket,
+    owner: str,
+    ttl_s: float = DEFAULT_LOCK_TTL_S,
+    *,
+    floor: int = 0,
+    refused: collections.Counter[str] | None = None,
+) -> RunLock:
     """Take the run lock for ``owner``.
 
     The new epoch is above the current lock's and above ``floor`` (the highest epoch the
-    pointer names). A garbage lock object counts as no lock, but the trainer that held it
-    may still run under its epoch, so the new epoch then also passes the clock in seconds:
-    the two never share an epoch (nor the keys written under it).
+    pointer names). A garbage lock object, or one whose epoch leaves no room (above
+    :data:`~rlsync.layout.MAX_BASE_EPOCH`), counts as no lock (counted in ``refused``), but the
+    trainer that held it may still run under its epoch, so the new epoch then also passes the
+    clock in seconds: the two never share an epoch (nor the keys written under it).
 
     Raises:
-        RunLockedError: another owner holds it and its heartbeat is younger than ``ttl_s``.
+        RunLockedError: another owner holds it and its heartbeat is younger than ``ttl_s``, or
+            ``floor`` leaves no epoch.
     """
     try:
         current: RunLock | None = _read_lock_strict(bucket)
+        if current.epoch > MAX_BASE_EPOCH:
+            raise FormatError(f"{LOCK_KEY}: epoch {current.epoch} leaves no room (above {MAX_BASE_EPOCH})")
     except ObjectNotFoundError:
         current = None
     except (FormatError, ObjectTooLargeError) as exc:
         logger.warning("ignoring malformed %s: %s", LOCK_KEY, exc)
+        if refused is not None:
+            refused[LOCK_KEY] += 1
         current, floor = None, max(floor, int(time.time()))
     now = time.time()
     if current is not None and current.owner != owner and is_fresh(current, ttl_s, now):
@@ -117,7 +130,7 @@ def acquire(bucket: Bucket, owner: str, ttl_s: float = DEFAULT_LOCK_TTL_S, *, fl
             f"stop it, or wait {ttl_s:.0f}s after it stops"
         )
     epoch = max(current.epoch if current else 0, floor) + 1
-    if epoch >= MAX_EPOCH:
+    if epoch > MAX_EPOCH:
         raise RunLockedError(f"{bucket.url}: no run-lock epoch is left above {epoch - 1}")
     lock = RunLock(owner, epoch, now)
     write_lock(bucket, lock)

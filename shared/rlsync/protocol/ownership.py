@@ -17,10 +17,10 @@ from typing import Mapping
 
 from ..bucket import Bucket
 from ..errors import FencedError, FormatError, SyncError
-from ..layout import LOCK_KEY
+from ..layout import LOCK_KEY, MAX_STEP
 from .lock import DEFAULT_LOCK_TTL_S, RunLock, acquire, check_fence, write_lock
 from .manifest import MAX_CHECKPOINT_PINS, CheckpointPin, Manifest
-from .run import check_takeover, check_writable, highest_epoch, new_run_id, read_manifest, run_exists_error
+from .run import base_step, check_takeover, check_writable, highest_epoch, new_run_id, read_manifest, run_exists_error
 from .subscriber import Subscriber
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,8 @@ class RunOwnership:
             FencedError: the lock was taken over since.
         """
         if self.lock is None:
-            self.lock = acquire(self.bucket, self.owner, self.lock_ttl_s, floor=highest_epoch(self.bucket))
+            floor = highest_epoch(self.bucket, self.refused)
+            self.lock = acquire(self.bucket, self.owner, self.lock_ttl_s, floor=floor, refused=self.refused)
         else:
             self.fence()
 
@@ -196,11 +197,11 @@ class RunOwnership:
             raise SyncError(f"a new run needs another run id than the bucket's run {old.run_id!r}")
         self.run_id = self.run_id or new_run_id()
         if old is not None:
-            self.floor = old.step
+            self.floor = base_step(self.bucket, old, self.refused)
             self.written = {(old.step, old.state_hash)}
             logger.warning(
                 "starting new run %r after run %r (version %d): its first publish is an anchor, version %d",
-                self.run_id, old.run_id, old.step, old.step + 1,
+                self.run_id, old.run_id, old.step, self.next_step(None),
             )  # fmt: skip
         return old
 
@@ -208,7 +209,7 @@ class RunOwnership:
         """The run's checks before every publish of version ``step`` after ``published`` (``None``: the first).
 
         Raises:
-            SyncError: ``step`` does not advance.
+            SyncError: ``step`` does not advance, or is past :data:`~rlsync.layout.MAX_STEP`.
             RunExistsError, RunLockedError, FencedError: as :meth:`settle`, :meth:`claim`, :meth:`check_pointer`.
         """
         if published is None:
@@ -216,6 +217,8 @@ class RunOwnership:
         self.claim()
         self.check_pointer(published)
         next_step = self.next_step(published.step if published else None)
+        if step > MAX_STEP:
+            raise SyncError(f"version {step} is past the largest a key holds ({MAX_STEP}); publish to a new bucket")
         if step < next_step:
             raise SyncError(
                 f"step {step} does not advance past the published step {next_step - 1}"

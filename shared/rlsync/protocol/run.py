@@ -3,6 +3,8 @@ taking it over."""
 
 from __future__ import annotations
 
+import collections
+import logging
 import secrets
 import time
 from typing import Mapping
@@ -10,9 +12,11 @@ from typing import Mapping
 from ..bucket import Bucket
 from ..errors import FormatError, ObjectNotFoundError, ObjectTooLargeError, RunExistsError, SyncError
 from ..format import FORMAT_VERSION
-from ..layout import ANCHOR_PREFIX, DELTA_PREFIX, POINTER_KEY
+from ..layout import ANCHOR_FILE, ANCHOR_PREFIX, DELTA_FILE, DELTA_PREFIX, MAX_BASE_EPOCH, MAX_BASE_STEP, POINTER_KEY
 from ..limits import MAX_POINTER_BYTES
 from .manifest import Manifest
+
+logger = logging.getLogger(__name__)
 
 #: How a :class:`Publisher` user goes on from a :class:`RunExistsError`.
 PUBLISHER_WAYS_ON = (
@@ -74,14 +78,39 @@ def check_writable(manifest: Manifest) -> None:
         )
 
 
-def highest_epoch(bucket: Bucket) -> int:
+def highest_epoch(bucket: Bucket, refused: collections.Counter[str] | None = None) -> int:
     """The highest run-lock epoch the pointer's files were written under (0 without a readable pointer),
-    so that a trainer taking a run whose lock object was deleted never reuses a writer's epoch."""
+    so that a trainer taking a run whose lock object was deleted never reuses a writer's epoch. Epochs
+    above :data:`~rlsync.layout.MAX_BASE_EPOCH` leave no room: they are left out, and the pointer counted
+    in ``refused``."""
     try:
         manifest = read_manifest(bucket)
     except FormatError:
         return 0
-    return max(manifest.epochs()) if manifest else 0
+    epochs = manifest.epochs() if manifest else set()
+    roomy = [epoch for epoch in epochs if epoch <= MAX_BASE_EPOCH]
+    if len(roomy) < len(epochs):
+        _refuse(POINTER_KEY, f"run-lock epoch {max(epochs)} leaves no room (above {MAX_BASE_EPOCH})", refused)
+    return max(roomy, default=0)
+
+
+def base_step(bucket: Bucket, manifest: Manifest, refused: collections.Counter[str] | None = None) -> int | None:
+    """The version a new run's versions follow: the replaced run's newest, ``manifest.step``. A step above
+    :data:`~rlsync.layout.MAX_BASE_STEP` leaves no room: the pointer is counted in ``refused`` and the
+    newest such step the bucket's anchor and delta keys hold is taken instead (the version replicas may
+    hold; ``None`` for none)."""
+    if manifest.step <= MAX_BASE_STEP:
+        return manifest.step
+    _refuse(POINTER_KEY, f"version {manifest.step} leaves no room (above {MAX_BASE_STEP})", refused)
+    keys = (o.key for prefix in (ANCHOR_PREFIX, DELTA_PREFIX) for o in bucket.list(prefix))
+    steps = (int(m.group(1)) for m in (ANCHOR_FILE.fullmatch(k) or DELTA_FILE.fullmatch(k) for k in keys) if m)
+    return max((step for step in steps if step <= MAX_BASE_STEP), default=None)
+
+
+def _refuse(key: str, reason: str, refused: collections.Counter[str] | None) -> None:
+    logger.warning("refusing %s: %s", key, reason)
+    if refused is not None:
+        refused[key] += 1
 
 
 def check_takeover(bucket: Bucket, manifest: Manifest, metadata: Mapping[str, str]) -> None:

@@ -285,7 +285,7 @@ def plain(value: Any) -> str:
 
 
 def trainer_summary(snap: Snapshot) -> str:
-    """One line: published version, optimizer steps, buffered groups, newest loss and reward."""
+    """One line: published version, optimizer steps, buffered groups, newest loss and reward, versions coalesced."""
     trainer = snap.trainer
     if snap.manifest is None and not trainer.rows:
         return "Trainer: nothing published yet."
@@ -303,6 +303,9 @@ def trainer_summary(snap: Snapshot) -> str:
             parts.append(f"loss {last.loss:.4f}")
         if last.mean_reward is not None:
             parts.append(f"batch reward {last.mean_reward:.3f}")
+    if trainer.publish is not None and trainer.publish.coalesced:
+        coalesced = trainer.publish.coalesced
+        parts.append(f"**{coalesced} version(s) coalesced** (the background publisher fell behind the steps)")
     parts += refused_parts(trainer.refused)
     return "Trainer: " + ", ".join(parts) + (f" ({plain(trainer.notice)})" if trainer.notice else "")
 

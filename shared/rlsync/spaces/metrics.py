@@ -32,6 +32,7 @@ from ..bucket import Bucket
 from ..bucket.budget import Tier
 from ..errors import BucketError
 from ..layout import is_id, metrics_key
+from ..limits import MAX_STATUS_BYTES
 from ..roles import Role
 from ..scores import Refusals, get_json, put_json
 from .demand import Pacing
@@ -349,27 +350,35 @@ class ReplicaStatus(Record):
 M = TypeVar("M", TrainerMetrics, EnvMetrics)
 
 
-def read_metrics(bucket: Bucket, kind: type[M]) -> M | None:
-    """A role's metrics object, or ``None`` when missing or refused (logged: a bad object never stops a reader).
+def read_metrics(bucket: Bucket, kind: type[M], refusals: Refusals | None = None) -> M | None:
+    """A role's metrics object, or ``None`` when missing or refused (logged, and counted in ``refusals``:
+    a bad object never stops a reader).
 
     Args:
         bucket: Where to read.
         kind: :class:`TrainerMetrics` or :class:`EnvMetrics`.
+        refusals: Where a refused object is counted.
     """
-    return _read(bucket, metrics_key(kind.ROLE), kind)
+    return _read(bucket, metrics_key(kind.ROLE), kind, refusals)
 
 
-def read_status(bucket: Bucket, key: str) -> ReplicaStatus | None:
-    """The replica status object at ``key``, or ``None`` when missing or refused (logged)."""
-    return _read(bucket, key, ReplicaStatus)
+def read_status(
+    bucket: Bucket, key: str, refusals: Refusals | None = None, max_bytes: int = MAX_STATUS_BYTES
+) -> ReplicaStatus | None:
+    """The replica status object at ``key``, or ``None`` when missing, larger than ``max_bytes`` or refused
+    (logged, and counted in ``refusals``)."""
+    return _read(bucket, key, ReplicaStatus, refusals, max_bytes)
 
 
-def _read(bucket: Bucket, key: str, kind: type[Any]) -> Any:
-    doc = get_json(bucket, key)
+def _read(bucket: Bucket, key: str, kind: type[Any], refusals: Refusals | None, max_bytes: int | None = None) -> Any:
+    doc = get_json(bucket, key, refusals, max_bytes)
     try:
         return None if doc is None else kind.from_json(doc)
-    except ValueError as exc:
-        logger.warning("ignoring %s: %s", key, exc)
+    except ValueError as exc:  # Record.from_json refuses any other JSON value with this one error
+        if refusals is not None:
+            refusals.add(key, str(exc))
+        else:
+            logger.warning("ignoring %s: %s", key, exc)
         return None
 
 

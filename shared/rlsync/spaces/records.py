@@ -13,7 +13,9 @@ at most ``max_key_chars``; bad entries are skipped), ``X | None`` and unions of 
 that reads). A field's ``metadata`` may narrow it (``minimum`` for numbers, ``check`` a predicate,
 the limits above). A field without a default is required: missing or invalid, the whole object is
 refused (:class:`ValueError`); a field with a default falls back to it when missing or invalid, so
-one bad figure never hides the rest. Unknown fields are ignored.
+one bad figure never hides the rest. Unknown fields are ignored. A JSON value of any other type, in any
+field (a list where a ``Literal`` is expected, ``10**400`` for a float), is refused with that same
+:class:`ValueError`, never another exception (a property test feeds every field every JSON type).
 """
 
 from __future__ import annotations
@@ -138,9 +140,10 @@ def _reader(tp: Any, meta: Any) -> Decode:
         return union
     if origin is typing.Literal:
         allowed = {(type(a), a) for a in args}
+        kinds = {type(a) for a in args}  # hashable: a list or an object is refused before the lookup
 
         def literal(value: Any) -> Any:
-            if (type(value), value) in allowed:
+            if type(value) in kinds and (type(value), value) in allowed:
                 return value
             raise ValueError(f"not one of {args}")
 
@@ -206,7 +209,8 @@ def _scalar_reader(tp: Any, meta: Any) -> Decode:
     elif tp is int:
         accept = lambda v: type(v) is int and abs(v) < 1 << 63  # noqa: E731
     elif tp is float:
-        accept = lambda v: type(v) in (int, float) and math.isfinite(v) and abs(v) < _MAX_NUMBER  # noqa: E731
+        # an int and a float compare exactly (no overflow: 10**400 is refused); NaN and inf fail the bound
+        accept = lambda v: type(v) in (int, float) and abs(v) < _MAX_NUMBER  # noqa: E731
     elif tp is str:
         accept = lambda v: isinstance(v, str) and len(v) <= chars  # noqa: E731
     else:

@@ -10,8 +10,10 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from ..errors import ConfigurationError
 from ..roles import Role
 from ..supervised import SupervisedThread
+from .desired import Wanted, record_wanted
 from .snapshots import redact
 
 logger = logging.getLogger(__name__)
@@ -38,11 +40,16 @@ class RoleRunner:
     Args:
         name: The role, shown in status lines and the controls' labels.
         build: ``build(config) -> list of role objects`` (one, or several replicas).
+        config_of: The settings dataclass in what :meth:`start` is given (the rollout's ``(config, count)``:
+            its first item), recorded in the bucket (:mod:`.desired`).
     """
 
-    def __init__(self, name: Role, build: Callable[[Any], Sequence[RoleObject]]) -> None:
+    def __init__(
+        self, name: Role, build: Callable[[Any], Sequence[RoleObject]], config_of: Callable[[Any], Any] = lambda c: c
+    ) -> None:
         self.name = name
         self._build = build
+        self._config_of = config_of
         self.objects: list[RoleObject] = []
         self.config: Any = None
         self.error = ""
@@ -50,6 +57,7 @@ class RoleRunner:
         self._stopped = False
         self._stopper: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._recording = threading.Lock()  # orders the desired-state writes of a Start and a Stop
 
     @property
     def running(self) -> bool:
@@ -67,12 +75,14 @@ class RoleRunner:
             return "failed"
         return "finished" if self.objects and not self._stopped else "stopped"
 
-    def start(self, config: Any, wait: bool = False) -> str:
+    def start(self, config: Any, wait: bool = False, record: bool = True) -> str:
         """Build the role objects from ``config`` and start them (in a background thread).
 
         Args:
             config: The role's config dataclass.
             wait: Block until started (or failed).
+            record: Once started, record in the bucket that the owner wants it running, with ``config``
+                (:mod:`.desired`: a restart resumes it); ``False`` for the resume at boot itself.
 
         Returns:
             A status line.
@@ -84,13 +94,13 @@ class RoleRunner:
             self._stopped = False
             self.error = ""
             self.config = config
-        thread = SupervisedThread(self._start, args=(config,), name=f"start-{self.name}", restart=False)
+        thread = SupervisedThread(self._start, args=(config, record), name=f"start-{self.name}", restart=False)
         thread.start()
         if wait:
             thread.join()
         return self.status()
 
-    def _start(self, config: Any) -> None:
+    def _start(self, config: Any, record: bool) -> None:
         t0 = time.perf_counter()
         objects: list[Any] = []
         try:
@@ -105,23 +115,33 @@ class RoleRunner:
             self.objects = objects
             logger.info("%s started (%d object(s)) in %.1fs", self.name, len(objects), time.perf_counter() - t0)
         except Exception as exc:  # shown in the panel; the panel keeps working
-            self.error = redact(f"{type(exc).__name__}: {exc}")
+            # a refused setting's message is the line to show; anything else is named by its type
+            self.error = redact(str(exc) if isinstance(exc, ConfigurationError) else f"{type(exc).__name__}: {exc}")
             logger.error("%s failed to start: %s", self.name, redact(traceback.format_exc()))
             _close(objects)  # nothing of a failed start keeps running or holds its model
+            return
         finally:
             self._starting = False
+        with self._recording:  # a Stop pressed meanwhile records after this, or this sees it and records nothing
+            if record and not self._stopped:
+                record_wanted(self.name, Wanted.RUNNING, self._config_of(config), objects)
 
-    def stop(self, wait: bool = True) -> str:
+    def stop(self, wait: bool = True, record: bool = True) -> str:
         """Stop the role objects; returns a status line.
 
         Args:
             wait: Wait for their threads to end; otherwise stop them in a background
                 thread (the state reads "stopping" meanwhile), as the panel's Stop does.
+            record: Record in the bucket that the owner wants it stopped (:mod:`.desired`: a restart leaves it
+                stopped); ``False`` for a stop the owner did not ask for (the runtime's SIGTERM before a restart).
         """
         self._stopped = True
-        objects = list(self.objects)
+        objects, config = list(self.objects), self._config_of(self.config) if self.config is not None else None
 
         def stop_all() -> None:
+            if record:
+                with self._recording:
+                    record_wanted(self.name, Wanted.STOPPED, config, objects)
             _close(objects)
             logger.info("%s stopped", self.name)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..roles import Role
 from . import components, forms
+from .restarts import resume_at_boot, stop_on_sigterm
 from .role_control import RoleRunner
 from .snapshots import BucketSource
 
@@ -97,6 +98,8 @@ class RoleSpace:
         read_config: Reads the form's defaults from the environment (e.g. ``TrainerConfig.from_env``).
         build_roles: What a Start builds: the role objects of what the form made (:class:`RoleRunner`).
         build_panel: ``build_panel(runner, config, **options)`` creates the panel in the current ``gr.Blocks``.
+        config_of: The settings dataclass in what a Start starts the runner with (default: that itself).
+        start_with: What a resume at boot starts the runner with, from the settings (default: those).
     """
 
     role: Role
@@ -105,10 +108,12 @@ class RoleSpace:
     read_config: Callable[[], Any]
     build_roles: Callable[[Any], list[Any]]
     build_panel: Callable[..., dict[str, Any]]
+    config_of: Callable[[Any], Any] = lambda spec: spec
+    start_with: Callable[[Any], Any] = lambda config: config
 
     def make_runner(self) -> RoleRunner:
         """A runner hosting the role (empty until a Start)."""
-        return RoleRunner(self.role, self.build_roles)
+        return RoleRunner(self.role, self.build_roles, self.config_of)
 
     def build_app(self, config: Any | None = None, runner: RoleRunner | None = None, **options: Any) -> Any:
         """The page as a ``gr.Blocks`` (not launched).
@@ -123,5 +128,13 @@ class RoleSpace:
         return components.space_page(self.title, self.description, lambda: self.build_panel(runner, config, **options))
 
     def main(self) -> None:
-        """Launch the page (``GRADIO_SERVER_NAME``, ``PORT``, ``PANEL_AUTH``: :func:`.components.serve`)."""
-        components.serve(self.build_app)
+        """Launch the page (``GRADIO_SERVER_NAME``, ``PORT``, ``PANEL_AUTH``: :func:`.components.serve`). A role the
+        owner left running resumes first, and the runtime's SIGTERM stops it cleanly (:mod:`.restarts`)."""
+        config, runner = self.read_config(), self.make_runner()
+        stop_on_sigterm(runner)
+
+        def boot() -> Any:  # serve() configures the logging first
+            resume_at_boot(runner, config, start_with=self.start_with)
+            return self.build_app(config, runner)
+
+        components.serve(boot)

@@ -25,8 +25,9 @@ from ..bucket import Bucket, open_bucket
 from ..bucket.watch import listing_error, watch
 from ..errors import BucketError, FormatError, ObjectNotFoundError
 from ..layout import CONTROL_KEY, STATUS_PREFIX
-from ..limits import MAX_CONTROL_BYTES
+from ..limits import MAX_CONTROL_BYTES, MAX_STATUS_BYTES, MAX_STATUS_OBJECTS
 from ..protocol import AnchorPolicy, Manifest, policy_from_json, read_manifest
+from ..scores import Refusals
 from .metrics import EnvMetrics, ReplicaStatus, Sync, TrainerMetrics, read_metrics, read_status
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class Snapshot:
         policy: The anchor policy of the control object, or ``None`` if there is none.
         read_at: ``time.time()`` of the read.
         error: A read problem to show (already redacted), or ``""``.
+        refused: The objects this read refused (one warning per snapshot): invalid, too large, or status
+            objects past :data:`~rlsync.limits.MAX_STATUS_OBJECTS`.
     """
 
     trainer: TrainerMetrics = dataclasses.field(default_factory=TrainerMetrics)
@@ -75,20 +78,24 @@ class Snapshot:
     policy: AnchorPolicy | None = None
     read_at: float = 0.0
     error: str = ""
+    refused: int = 0
 
 
 def read_snapshot(bucket: Bucket) -> Snapshot:
     """Read everything the panels show from ``bucket``.
 
     Bucket errors are logged and reported in :attr:`Snapshot.error`; what could
-    be read is still returned.
+    be read is still returned. Refused objects are counted in :attr:`Snapshot.refused`;
+    the status objects cost bounded time: at most :data:`~rlsync.limits.MAX_STATUS_OBJECTS`
+    of them, each refused from its listed size before any download when over
+    :data:`~rlsync.limits.MAX_STATUS_BYTES`.
     """
     snap = Snapshot(read_at=time.time())
+    refusals = Refusals(log=False)  # one line per snapshot, not one per object
     try:
-        snap.trainer = read_metrics(bucket, TrainerMetrics) or TrainerMetrics()
-        snap.env = read_metrics(bucket, EnvMetrics) or EnvMetrics()
-        statuses = (read_status(bucket, obj.key) for obj in sorted(bucket.list(STATUS_PREFIX), key=lambda o: o.key))
-        snap.statuses = [status for status in statuses if status is not None]
+        snap.trainer = read_metrics(bucket, TrainerMetrics, refusals) or TrainerMetrics()
+        snap.env = read_metrics(bucket, EnvMetrics, refusals) or EnvMetrics()
+        snap.statuses = _read_statuses(bucket, refusals)
         try:
             snap.manifest = read_manifest(bucket)
         except FormatError as exc:
@@ -110,7 +117,25 @@ def read_snapshot(bucket: Bucket) -> Snapshot:
     stale = listing_error(bucket)
     if stale and not snap.error:
         snap.error = redact(f"bucket listing failed (showing the last good one): {stale}")
+    snap.refused = refusals.total
+    if snap.refused:
+        logger.warning("the snapshot refused %d objects %s; the last: %s", snap.refused, dict(refusals.counts), refusals.last)
     return snap
+
+
+def _read_statuses(bucket: Bucket, refusals: Refusals) -> list[ReplicaStatus]:
+    """The readable status objects: any over :data:`~rlsync.limits.MAX_STATUS_BYTES` refused from its
+    listed size, then the first :data:`~rlsync.limits.MAX_STATUS_OBJECTS` by key read (a flood is one warning)."""
+    listed = sorted(bucket.list(STATUS_PREFIX), key=lambda o: o.key)
+    large = [o.key for o in listed if o.size > MAX_STATUS_BYTES]
+    if large:
+        refusals.add(large[0], f"more than the {MAX_STATUS_BYTES:,} bytes allowed", len(large))
+    keys = [o.key for o in listed if o.size <= MAX_STATUS_BYTES]
+    excess = keys[MAX_STATUS_OBJECTS:]
+    if excess:
+        refusals.add(excess[0], f"more than {MAX_STATUS_OBJECTS} status objects", len(excess))
+    statuses = (read_status(bucket, key, refusals) for key in keys[:MAX_STATUS_OBJECTS])
+    return [status for status in statuses if status is not None]
 
 
 class BucketView:

@@ -38,7 +38,8 @@ from transformers import TrainerCallback
 from transformers.trainer_pt_utils import safe_globals
 
 from ..bucket import Bucket
-from ..errors import BucketError, CheckpointError, ObjectNotFoundError, ObjectTooLargeError, SyncError
+from ..errors import BucketError, CheckpointError, FormatError, ObjectNotFoundError, ObjectTooLargeError, SyncError
+from ..jsonlimits import loads_bounded
 from ..layout import CHECKPOINT_MARKER as MARKER
 from ..layout import CHECKPOINTS_PREFIX, checkpoint_folder
 from ..limits import MAX_MARKER_BYTES
@@ -162,9 +163,9 @@ class BucketCheckpoints:
         except ObjectTooLargeError as exc:
             raise CheckpointError(f"checkpoint {step}: marker too large: {exc}") from None
         try:
-            marker = json.loads(data)
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            raise CheckpointError(f"checkpoint {step}: malformed marker: {exc}") from exc
+            marker = loads_bounded(data, what=f"checkpoint {step} marker", max_bytes=MAX_MARKER_BYTES)
+        except FormatError as exc:
+            raise CheckpointError(f"checkpoint {step}: {exc}") from None
         files = marker.get("files") if isinstance(marker, dict) else None
         if not isinstance(files, dict) or type(marker.get("step")) is not int or marker["step"] != step:
             raise CheckpointError(f"checkpoint {step}: marker lacks its files or names another step")

@@ -6,14 +6,17 @@ trainer's ``output_dir``, and the weight transfer told to continue from it (or t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any
 
-from ..protocol import read_manifest
+from ..detect import serving_copy
+from ..hashing import StateLanes
+from ..protocol import Manifest, read_manifest
 from .checkpoint_checks import CheckpointExpectations
 from .checkpoints import BucketCheckpoints
 
-__all__ = ["ResumePoint", "resume_point"]
+__all__ = ["ResumePoint", "resume_point", "holds_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +50,8 @@ def resume_point(trainer: Any, checkpoints: BucketCheckpoints, transfer: Any, *,
         The checkpoint downloaded, or an empty :class:`ResumePoint`.
 
     Raises:
-        RunExistsError: the bucket holds a run, no checkpoint is resumed from and the transfer starts no new run.
+        RunExistsError: the bucket holds a run, no checkpoint is resumed from, the model is not bit for bit the
+            run's newest version (:func:`holds_weights`) and the transfer starts no new run.
         RunLockedError: another trainer holds the run lock.
     """
     dest = trainer.args.output_dir
@@ -64,6 +68,8 @@ def resume_point(trainer: Any, checkpoints: BucketCheckpoints, transfer: Any, *,
     )  # fmt: skip
     restored = checkpoints.restore(dest, expect) if resume else None
     transfer.resume_from_checkpoint = restored[1] if restored else None
+    if resume:  # a restart before the first checkpoint, on weights that are still the published ones, goes on
+        transfer.holds_published = functools.partial(holds_weights, trainer, transfer)
     transfer.continue_run()
     if restored is None:
         return ResumePoint()
@@ -78,3 +84,16 @@ def resume_point(trainer: Any, checkpoints: BucketCheckpoints, transfer: Any, *,
         logger.warning(notice)
     logger.info("resuming from checkpoint %d", step)
     return ResumePoint(step, str(folder), notice)
+
+
+def holds_weights(trainer: Any, transfer: Any, manifest: Manifest) -> bool:
+    """Whether the trainer's model, as its weight sync streams it (in the checkpoint layout, cast to the serving
+    dtype), has the state hash of the run's newest version (names, shapes, dtypes and every bit; one tensor at a
+    time, nothing downloaded). A trainer restarted before its first checkpoint holds the weights it started from:
+    when they are the run's newest version (its cold sync, version 0), continuing the run loses and regresses nothing.
+    """
+    pairs = trainer._streaming_iter()  # what TRL's weight sync sends
+    if transfer.layout is not None:
+        pairs = transfer.layout.stream(pairs)
+    dtype = transfer.publisher.dtype
+    return StateLanes.of_items((name, serving_copy(t, dtype)) for name, t in pairs).hexdigest() == manifest.state_hash

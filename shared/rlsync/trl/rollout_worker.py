@@ -17,7 +17,8 @@ per-token log-probabilities, reward, policy version):
   advantage is the reward minus the group mean over the group's std (plus 1e-8),
   as in TRL's own worker. Degenerate groups (one member, or more than
   ``max_group_size``: see :mod:`rlsync.sampling`) are dropped and counted.
-- ``model_version`` is the bucket version that generated the sample, shifted into
+- ``model_version`` is the bucket version that generated the sample (its first, the
+  oldest, when its generation spanned an update: ``Sample.last_version``), shifted into
   the trainer's numbering (``AsyncGRPOTrainer.model_version``), so TRL's staleness
   check compares like with like after a restart.
 
@@ -106,12 +107,14 @@ class _TakenQueue(queue.Queue):
 
 
 def usable_sample(sample: Sample, *, newest_version: int, vocab_size: int, max_tokens: int) -> bool:
-    """Whether a scored sample may be trained on: a published version, a finite reward, prompt and completion
+    """Whether a scored sample may be trained on: published versions (its first, and its last when it spans an
+    update), a finite reward, prompt and completion
     ids in the vocabulary and within ``max_tokens`` (0: no limit), one sampled log-probability per token."""
     ids = list(sample.prompt_ids) + list(sample.token_ids)
     return (
         type(sample.version) is int
         and 0 <= sample.version <= newest_version
+        and (sample.last_version is None or sample.version <= sample.last_version <= newest_version)
         and sample.reward is not None
         and math.isfinite(sample.reward)
         and len(sample.token_ids) > 0

@@ -4,7 +4,9 @@ TRL's own logs (loss, reward, KL, ...) reach Trackio through transformers'
 ``TrackioCallback``; :class:`TrackioSyncFigures` adds what the bucket sync did at each
 publish (kind, bytes, % changed, publish time, catch-up bytes) to the same run, as
 ``sync/*`` metrics at the optimizer step the version was sent at (the step axis of TRL's rows),
-also when it is published in the background and its record arrives a step later.
+also when it is published in the background and its record arrives a step later. When the background
+publisher falls behind, versions sent while another waited are coalesced into the next (never published
+on their own): ``sync/coalesced`` counts them, so a publisher that cannot keep up with the step shows.
 """
 
 from __future__ import annotations
@@ -20,15 +22,17 @@ from rlsync.protocol import PublishRecord
 logger = logging.getLogger(__name__)
 
 
-def sync_figures(rec: PublishRecord) -> dict[str, float]:
+def sync_figures(rec: PublishRecord, coalesced: int = 0) -> dict[str, float]:
     """The Trackio metrics of one publish.
 
     Args:
         rec: What the publish wrote.
+        coalesced: Versions coalesced so far in the run (sent, then replaced before they were published).
 
     Returns:
         ``sync/*`` metrics: the version, bytes of the anchor or delta, % of elements changed, seconds
-        spent encoding, hashing and uploading, and the bytes a new replica downloads to catch up.
+        spent encoding, hashing and uploading, the bytes a new replica downloads to catch up, and the
+        versions coalesced so far.
     """
     return {
         "sync/version": rec.step,
@@ -37,6 +41,7 @@ def sync_figures(rec: PublishRecord) -> dict[str, float]:
         "sync/publish_s": rec.encode_s + rec.hash_s + rec.upload_s,
         "sync/upload_s": rec.upload_s,
         "sync/catchup_bytes": rec.catchup_bytes,
+        "sync/coalesced": coalesced,
     }
 
 
@@ -59,6 +64,8 @@ class TrackioSyncFigures(TrainerCallback):
         self._lock = threading.Lock()
         self.logged = 0
         self.failed = 0
+        #: Versions sent that a later version's record overtook: coalesced into it by a publisher behind.
+        self.coalesced = 0
         self._state: Any = None  # the trainer's TrainerState while it trains (its global_step is live)
 
     def install(self, trainer: Any) -> "TrackioSyncFigures":
@@ -82,14 +89,19 @@ class TrackioSyncFigures(TrainerCallback):
         """Note the optimizer step ``version`` is sent at (its figures are logged at that step)."""
         with self._lock:
             self._sent_at[version] = self._step()
-            while len(self._sent_at) > 8:  # the oldest were coalesced or refused: never recorded
+            while len(self._sent_at) > 8:  # never recorded (a failed publish's version is sent again)
                 del self._sent_at[next(iter(self._sent_at))]
 
     def record(self, rec: PublishRecord) -> None:
-        """Queue one publish's figures (at the step its version was sent at) and log what can be logged."""
+        """Queue one publish's figures (at the step its version was sent at) and log what can be logged.
+        Versions sent before ``rec``'s and still unrecorded were coalesced into it: counted."""
         with self._lock:
             step = self._sent_at.pop(rec.step, None)
-            self._pending.append((self._step() if step is None else step, sync_figures(rec)))
+            overtaken = [version for version in self._sent_at if version < rec.step]
+            for version in overtaken:
+                del self._sent_at[version]
+            self.coalesced += len(overtaken)
+            self._pending.append((self._step() if step is None else step, sync_figures(rec, self.coalesced)))
         self._drain()
 
     def _step(self) -> int:

@@ -33,7 +33,7 @@ from ..bucket import Bucket
 from ..checkpoint_layout import CheckpointLayout
 from ..errors import NonFiniteError
 from ..fp8 import quantize_stream
-from ..protocol import Publisher, PublishRecord, read_manifest
+from ..protocol import Manifest, Publisher, PublishRecord, read_manifest
 from ..protocol.background import BackgroundPublisher
 from ..protocol.run import run_exists_error
 
@@ -79,7 +79,8 @@ class BucketWeightTransfer:
     Runs: on an empty bucket the first send is version 0 of a new run. On a bucket that already
     holds a run, :meth:`init_weight_transfer` takes the run lock and, resuming from a checkpoint,
     verifies the published chain and continues after its newest version (none reused or skipped);
-    with ``new_run``, starts a new run whose versions follow the old run's; otherwise it raises
+    with ``new_run``, starts a new run whose versions follow the old run's; without either, it continues the run
+    when the trainer holds exactly its newest published weights (:attr:`holds_published`); otherwise it raises
     :class:`~rlsync.protocol.RunExistsError` naming both ways on, so a restart never publishes
     the untrained weights over a run.
     """
@@ -115,6 +116,10 @@ class BucketWeightTransfer:
         self.fp8 = fp8
         self.fp8_records: list[PublishRecord] = []
         self._initialised = False
+        #: Without a checkpoint, ``holds_published(pointer)`` tells whether the trainer holds exactly the weights of
+        #: the run's newest version (a restart before the first checkpoint: nothing trained was lost), which
+        #: continues the run; asked before the run lock is taken.
+        self.holds_published: Callable[[Manifest], bool] | None = None
 
     @property
     def version(self) -> int | None:
@@ -143,18 +148,23 @@ class BucketWeightTransfer:
         if self._initialised:
             return None
         state = None
-        if self.resume_from_checkpoint:
+        continued = bool(self.resume_from_checkpoint)
+        if continued:
             state = self.publisher.resume()
         else:
             existing = read_manifest(self.publisher.bucket)
             if existing is not None and not self.publisher.ownership.new_run:
-                raise run_exists_error(self.publisher.bucket, existing, TRL_WAYS_ON)
-            if existing is not None:
+                continued = self.holds_published is not None and self.holds_published(existing)
+                if not continued:
+                    raise run_exists_error(self.publisher.bucket, existing, TRL_WAYS_ON)
+                logger.info("no checkpoint, but the trainer holds version %d's weights: continuing", existing.step)
+                state = self.publisher.resume()
+            elif existing is not None:
                 self.publisher.start_new_run()
             else:
                 self.publisher.resume()  # the run lock; the bucket is empty
         if self.fp8 is not None:  # the FP8 chain follows the bf16 chain's decision
-            if self.resume_from_checkpoint or read_manifest(self.fp8.bucket) is None:
+            if continued or read_manifest(self.fp8.bucket) is None:
                 self.fp8.resume()
             else:
                 self.fp8.start_new_run()

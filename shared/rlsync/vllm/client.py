@@ -9,12 +9,22 @@ when, and keeps vLLM's pause to the write of one verified update:
    client polls ``sync_transfer_status`` until every worker is done. A refused update (corrupt, hostile,
    a hash mismatch) stops here: counted by the workers, raised here, generation never paused;
 2. ``/pause``, ``/start_weight_update``, ``/update_weights`` with ``prepared_only`` (the workers apply the
-   prepared update and nothing else: no bucket read, no decode), ``/finish_weight_update``,
-   ``/reset_prefix_cache`` (checked: stale KV must not be served), ``/resume``; once per update, so a
-   server several versions behind takes one short pause per version;
+   prepared update and nothing else: no bucket read, no decode), ``/finish_weight_update`` (the step as
+   vLLM's weight version, which labels every token generated after it), ``/reset_prefix_cache``
+   (checked: stale KV must not be served), ``/resume``; once per update, so a server several versions
+   behind takes one short pause per version;
 3. with ``verify``, ``collective_rpc('sync_verify')``: the workers re-hash the served weights (read back
-   in checkpoint names) against the verified hash in the background while the server generates; a
-   mismatch is raised.
+   in checkpoint names) against the verified hash, in the background while the server generates (in
+   vLLM's engine loop where the read-back runs the CPU backend's prepacked kernels); a mismatch is raised.
+
+The pause (:class:`PauseMode`) is ``keep`` by default, as TRL's async GRPO pauses: in-flight requests
+are frozen where they stand, so the server is idle for the apply alone, not for the tail of the batch
+it was generating. Their KV cache, computed with the old weights, is dropped with the prefix cache
+(``reset_running_requests``): they are recomputed with the new weights after the resume and go on
+generating, so a completion may span an update, its tokens labelled with the version that sampled
+each (:mod:`rlsync.vllm.versions` turns the labels into its first and last version). ``wait`` lets
+in-flight requests finish before the update (the server idles through the batch's tail, and every
+completion comes from one version).
 
 Requires ``VLLM_SERVER_DEV_MODE=1`` on the server (vLLM mounts its RL and ``collective_rpc`` routes only
 then) and ``--worker-extension-cls rlsync.vllm.worker.SyncWorkerExtension`` (the ``sync_*`` methods).
@@ -22,6 +32,7 @@ then) and ``--worker-extension-cls rlsync.vllm.worker.SyncWorkerExtension`` (the
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from typing import Any
@@ -34,7 +45,7 @@ from rlsync.retry import RetryPolicy, call_with_retries
 from .plugin import WORKER_EXTENSION
 from .status import TransferStatus
 
-__all__ = ["BucketSyncClient"]
+__all__ = ["BucketSyncClient", "PauseMode"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +53,15 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.05
 #: Updates one :meth:`BucketSyncClient.sync` applies at most (each in its own pause) before it returns.
 MAX_UPDATES_PER_SYNC = 64
+
+
+class PauseMode(str, enum.Enum):
+    """What vLLM's ``/pause`` does with the requests in flight while an update is applied."""
+
+    #: Freeze them where they stand; they go on with the new weights after the resume (their KV recomputed).
+    KEEP = "keep"
+    #: Stop admitting new requests and wait until every one in flight has finished.
+    WAIT = "wait"
 
 
 class BucketSyncClient:
@@ -57,6 +77,8 @@ class BucketSyncClient:
             while blocks are still held, and says callers may retry).
         settings: The bucket's Hub settings (default: the library defaults).
         chain: The chain the server follows (``fp8``: a server started from a block-FP8 checkpoint).
+        pause_mode: What the pause does with the requests in flight (see the module docstring):
+            ``keep`` (the default) freezes them for the apply alone; ``wait`` lets them finish first.
     """
 
     def __init__(
@@ -69,6 +91,7 @@ class BucketSyncClient:
         reset_attempts: int = 5,
         settings: BucketSettings | None = None,
         chain: Chain = Chain.BF16,
+        pause_mode: PauseMode = PauseMode.KEEP,
     ) -> None:
         import httpx
 
@@ -77,6 +100,7 @@ class BucketSyncClient:
         self.chain = Chain(chain)
         self.bucket = self.chain.bucket(open_bucket(bucket, settings=settings))
         self.verify = verify
+        self.pause_mode = PauseMode(pause_mode)
         self.timeout_s = timeout_s
         self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s)
         self.step: int | None = None
@@ -153,9 +177,37 @@ class BucketSyncClient:
             raise RuntimeError(f"the server's workers prepared different updates: {sorted(prepared, key=str)}")
         return statuses[0]
 
+    def _init_engine(self) -> None:
+        if not self._initialized:
+            info = {"bucket": self.bucket_url, "chain": self.chain.value}
+            self._post("/init_weight_transfer_engine", json={"init_info": info})
+            self._initialized = True
+
+    def prepare(self) -> int | None:
+        """Have the workers prepare the next update toward the bucket's newest step now, while the server
+        generates (step 1 of the module docstring), so that the next :meth:`sync` pauses without waiting for
+        the download and decode (it keeps an update prepared here while the bucket's pointer leads through it).
+
+        Returns:
+            The step of the update prepared (``None``: nothing published, or up to date).
+
+        Raises:
+            RuntimeError: As :meth:`sync` before any pause (a refused update, a server without the extension).
+        """
+        from rlsync.protocol import read_manifest
+
+        manifest = read_manifest(self.bucket)
+        if manifest is None or manifest.step == self.step:
+            return None
+        self._init_engine()
+        return self._prepare(manifest.step)["prepared_step"]
+
     def _reset_prefix_cache(self) -> None:
+        # kept requests hold KV blocks computed with the old weights: dropped too, recomputed after the resume
+        params = {"reset_running_requests": "true"} if self.pause_mode is PauseMode.KEEP else None
+
         def reset() -> None:
-            if not (self._post("/reset_prefix_cache") or {}).get("success"):
+            if not (self._post("/reset_prefix_cache", params=params) or {}).get("success"):
                 raise RetryableError("vLLM refused to reset its prefix cache (blocks are still held)")
 
         call_with_retries(
@@ -165,12 +217,12 @@ class BucketSyncClient:
         )  # fmt: skip
 
     def _apply_prepared(self, step: int) -> None:
-        """The pause: apply the prepared update (``prepared_only``: no download, no decode), reset the prefix
-        cache, resume (also after a failure)."""
+        """The pause (:attr:`pause_mode`): apply the prepared update (``prepared_only``: no download, no
+        decode), reset the prefix cache, resume (also after a failure)."""
         import httpx
 
         t0 = time.perf_counter()
-        self._post("/pause", params={"mode": "wait"})
+        self._post("/pause", params={"mode": self.pause_mode.value})
         try:
             self._post("/start_weight_update")
             self._post("/update_weights", json={"update_info": {"step": step, "prepared_only": True}})
@@ -220,9 +272,7 @@ class BucketSyncClient:
         self.pauses = []
         if manifest is None or manifest.step == self.step:
             return self.step
-        if not self._initialized:
-            self._post("/init_weight_transfer_engine", json={"init_info": {"bucket": self.bucket_url, "chain": self.chain.value}})
-            self._initialized = True
+        self._init_engine()
         for _ in range(MAX_UPDATES_PER_SYNC):
             status = self._prepare(manifest.step)
             if status.prepared is None:  # up to date, or waiting for an update it can verify

@@ -81,7 +81,6 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rlsync.bucket import Bucket, BucketSettings, open_bucket
-from rlsync.config import from_env
 from rlsync.errors import ConfigurationError
 from rlsync.fp8 import Chain
 from rlsync.protocol import Subscriber, Update
@@ -89,6 +88,7 @@ from rlsync.roles import Role
 
 from .plugin import BACKEND_NAME, register
 from .prepare import BackgroundJob
+from .settings import BackendDefaults
 from .status import Pause, Prepared, Rehash, TransferStatus
 from .worker import ModelWeights, plan_update
 
@@ -96,16 +96,6 @@ __all__ = ["BACKEND_NAME", "BucketInitInfo", "BucketUpdateInfo", "BucketWeightTr
 
 logger = logging.getLogger(__name__)
 
-#: The prefix of the variables a worker falls back on (``ROLLOUT_BUCKET``, ``ROLLOUT_CHAIN``), the replica's own.
-ENV_PREFIX = "ROLLOUT"
-
-
-@dataclasses.dataclass(frozen=True)
-class BackendDefaults:
-    """What a worker follows when ``init_info`` does not say: the bucket URL and the chain (``bf16``, ``fp8``)."""
-
-    bucket: str = ""
-    chain: str = ""
 
 
 @dataclasses.dataclass
@@ -168,10 +158,10 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         Raises:
             ConfigurationError: No bucket URL given and ``$ROLLOUT_BUCKET`` is unset (ValueError: an unknown chain).
         """
-        defaults = from_env(BackendDefaults, ENV_PREFIX)
+        defaults = BackendDefaults.from_env()
         url = init_info.bucket or defaults.bucket
         if not url:
-            raise ConfigurationError(f"bucket backend: pass init_info={{'bucket': URL}} or set ${ENV_PREFIX}_BUCKET")
+            raise ConfigurationError("bucket backend: pass init_info={'bucket': URL} or set $ROLLOUT_BUCKET")
         chain = Chain(init_info.chain or defaults.chain or Chain.BF16.value)
         self._drop_background()
         self._chain = chain
@@ -241,7 +231,9 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         """Start re-hashing the served weights (read back in checkpoint names, :meth:`ModelWeights.lanes`)
         against the subscriber's verified hash, off the pause: in a background thread while vLLM
         generates at tensor parallelism 1; in the calling thread above it (the read-back gathers over
-        the tensor-parallel group, a collective that must not run beside the engine's own).
+        the tensor-parallel group, a collective that must not run beside the engine's own), and where the
+        read-back runs the CPU backend's prepacked kernels (``ModelWeights.reads_through_kernels``: a
+        kernel run beside the engine's own steps reads wrong values).
 
         Returns:
             :meth:`status`; its ``rehash`` is a :class:`~rlsync.vllm.status.Rehash` once done.
@@ -253,7 +245,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
             return self.status()
         expected, step, weights = sub.state_hash, sub.step, self._model_weights()
         self._rehash.start(lambda: Rehash(step, expected, weights.lanes().hexdigest()))
-        if get_tensor_model_parallel_world_size() != 1:
+        if get_tensor_model_parallel_world_size() != 1 or weights.reads_through_kernels:
             self._rehash.wait()
         return self.status()
 

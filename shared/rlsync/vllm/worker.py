@@ -176,9 +176,9 @@ class ModelWeights:
             checkpoint_names = checkpoint_names_of(model_config.model, getattr(model_config, "revision", None))
         names = list(checkpoint_names)
         self._experts = {n: loc for n in names if (loc := expert_location(model, n))}  # fused MoE experts
-        self._locations = {name: self._locate(name) for name in names}
-        self._locations = {n: loc for n, loc in self._locations.items() if loc is not None}
+        self._locations = {name: loc for name in names if (loc := self._locate(name)) is not None}
         self._aliases = _parameter_aliases(model)
+        self.reads_through_kernels = any(map(_is_prepacked, model.modules()))  # read() runs the CPU's prepacked kernels
 
     # -- layout -------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from . import (
     hostile_positions,
     hostile_replicas,
     hostile_tasks,
+    hostile_values,
     hub_hostile,
     hub_storage,
     lock_garbage,
@@ -29,7 +30,7 @@ from . import (
 #: Trial kinds in the order a run draws their seeds.
 MODULES = (publisher_kill, subscriber_kill, apply_interrupt, bucket_damage, flaky_storage, two_trainers, hub_storage, hostile_replicas,
            lock_garbage, pointer_entries, checkpoints, hostile_tasks, hostile_positions,
-           sharded_checkpoints, hub_hostile)  # fmt: skip
+           sharded_checkpoints, hub_hostile, hostile_values)  # fmt: skip
 
 TRIALS: dict[str, Callable[[random.Random, Path], TrialResult]] = {
     m.__name__.rsplit(".", 1)[1]: getattr(m, "trial_" + m.__name__.rsplit(".", 1)[1]) for m in MODULES

@@ -83,3 +83,42 @@ def test_trackio_logs_a_background_publish_at_the_step_its_version_was_sent(gate
     transfer.close()
     by_version = {row["sync/version"]: step for step, row in logged}  # a coalesced version 1 is never logged
     assert {0, 2} <= by_version.keys() and all(step == version for version, step in by_version.items())
+
+
+def test_versions_coalesced_behind_a_slow_upload_show_in_trackio_and_on_the_trainer_panel(gated):
+    """The publisher falls behind (a delta's upload held): the versions sent meanwhile are coalesced into the
+    newest, and Trackio's ``sync/coalesced`` and the trainer panel's line say how many."""
+    from rlsync.spaces import frames
+    from rlsync.spaces.metrics import TrainerMetrics
+    from rlsync.spaces.snapshots import Snapshot
+    from trainer_space.trainer import Trainer
+
+    figures = TrackioSyncFigures()
+    logged: list[dict] = []
+    figures._run = types.SimpleNamespace(log=lambda row, step: logged.append(row))  # the trackio run
+    master = master_state()
+    transfer = BucketWeightTransfer(
+        publisher=Publisher(gated, policy=FixedInterval(100)), on_publish=figures.record, on_send=figures.sent
+    )
+    try:
+        transfer.send_weights(iter(master.items()))
+        transfer.flush()  # version 0, the anchor
+        gated.gate.clear()
+        try:
+            rl_step(master, 1)
+            transfer.send_weights(iter(master.items()))  # version 1: its upload is held
+            assert gated.waiting.wait(30)
+            for step in (2, 3, 4):  # each waits behind version 1; 2 and 3 are replaced by the next
+                rl_step(master, step)
+                transfer.send_weights(iter(master.items()))
+        finally:
+            gated.gate.set()
+        transfer.flush()
+        assert transfer.background.coalesced == 2 == figures.coalesced
+        shown = Trainer._publish_figures(types.SimpleNamespace(transfer=transfer))  # what the trainer writes
+    finally:
+        transfer.close()
+    assert [(row["sync/version"], row["sync/coalesced"]) for row in logged] == [(0, 0), (1, 0), (4, 2)]
+    metrics = TrainerMetrics.from_json(TrainerMetrics(version=4, publish=shown).to_json())  # as the panel reads it
+    line = frames.trainer_summary(Snapshot(trainer=metrics, manifest=read_manifest(gated)))
+    assert "**2 version(s) coalesced**" in line

@@ -3,6 +3,7 @@ version continuity across restarts, the final publish, and streaming memory."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -262,3 +263,23 @@ def test_trl_layout_estimate_matches_the_trl_codec(bucket):
     estimate = trl_layout_bytes(rec.changed, len(master))
     assert rec.kind == "delta" and rec.changed > 1000
     assert abs(estimate - rec.nbytes) <= 0.1 * rec.nbytes, (estimate, rec.nbytes)
+
+
+def test_a_sample_spanning_an_update_is_as_stale_as_its_first_version(bucket):
+    """A completion generated across an update (a server paused with ``keep``) records its first and last version:
+    the worker counts staleness from the first, the oldest, and refuses a last version out of order."""
+    Publisher(bucket).publish(10, bf16(master_state()))
+    worker = BucketRolloutWorker(bucket, read_samples, vocab_size=32, max_staleness=1)
+    worker.update_model_version(3)
+    worker.align_versions()  # bucket 10 is trainer version 3
+    spanning = [dataclasses.replace(sample("span", r, 8), last_version=10) for r in (1.0, 0.0)]  # 8 -> 10: two behind
+    write_samples(bucket, score_key(0, "r0"), [*spanning, sample("fresh", 1.0, 9), sample("fresh", 0.0, 9)])
+    assert worker.poll() == 2 and worker.counts["dropped_stale"] == 2
+    assert {s.model_version for s in drain(worker)} == {2}  # bucket 9, one behind
+    _, [read, *_] = read_samples(bucket, score_key(0, "r0"))
+    assert (read.version, read.last_version) == (8, 10)
+    for last in (7, 11, "10"):  # before the first, newer than the newest published, not an integer
+        bad = [dataclasses.replace(sample("s", r, 8), last_version=last) for r in (1.0, 0.0)]
+        write_samples(bucket, score_key(1, f"bad{last}"), bad)
+    worker.max_staleness = None
+    assert worker.poll() == 0 and worker.counts["invalid"] + worker.counts["unreadable"] >= 3

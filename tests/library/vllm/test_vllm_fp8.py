@@ -10,6 +10,10 @@ weights and scales read back from vLLM (the e4m3 weights out of the kernel's VNN
 quantization of the same bf16 version, tensor by tensor and by hash. The ``bucket`` weight-transfer backend
 (what ``vllm serve`` runs) then follows the FP8 chain the same way, and refuses a hostile scale before any
 weight is touched.
+
+The kernel needs AMX tiles: on a CPU without them the test skips with the line a replica refuses with
+(:func:`rlsync.vllm.support.fp8_serving_refusal`, which is checked here against vLLM's own kernel check); the
+FP8 chain stays tested bit-exact there without vLLM (``tests/library/test_fp8.py``).
 """
 
 from __future__ import annotations
@@ -28,16 +32,29 @@ from rlsync.fp8 import SCALE_SUFFIX, Chain, fp8_publisher, quantize_state, write
 from rlsync.hashing import state_hash  # noqa: E402
 from rlsync.protocol import FixedInterval, Publisher  # noqa: E402
 from rlsync.spaces.tiny_model import build_tiny_model  # noqa: E402
+from rlsync.vllm.support import fp8_serving_refusal  # noqa: E402
 from tests.helpers import bucket_backend_update, hostile_fp8_chain, sparse_rl_step  # noqa: E402
 
 DELTAS = 3
 ENGINE_KWARGS = dict(max_model_len=128, max_num_seqs=4, kv_cache_memory_bytes=32 << 20, block_size=32)
 
 
+#: Why this CPU cannot serve the FP8 chain (``None``: it can).
+REFUSAL = fp8_serving_refusal("cpu")
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+def test_the_refusal_agrees_with_vllms_own_kernel_check():
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUFp8BlockScaledMMKernel
+
+    supported, reason = CPUFp8BlockScaledMMKernel.is_supported()
+    assert supported == (REFUSAL is None), f"vLLM: {reason}; rlsync: {REFUSAL}"
+
+
+@pytest.mark.skipif(REFUSAL is not None, reason=REFUSAL or "")
 def test_a_vllm_replica_follows_the_fp8_chain_bit_exact_and_refuses_a_hostile_scale(vllm_cpu_env, tmp_path):
     from rlsync.trl import BucketWeightTransfer
     from rollout_space.engine import SamplingSettings

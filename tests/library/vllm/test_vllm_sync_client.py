@@ -13,8 +13,9 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed")
 
-from rlsync.vllm.client import BucketSyncClient  # noqa: E402
+from rlsync.vllm.client import BucketSyncClient, PauseMode  # noqa: E402
 from rlsync.vllm.status import Prepared, Rehash, TransferStatus  # noqa: E402
+from rlsync.vllm.versions import completion_versions  # noqa: E402
 from rlsync.bucket import LocalBucket  # noqa: E402
 from rlsync.protocol import Publisher  # noqa: E402
 
@@ -26,6 +27,7 @@ class FakeVllm:
 
     def __init__(self, state_hash: str, reset_success: bool = True, served_hash: str | None = None, error: str = "") -> None:
         self.calls: list[str] = []
+        self.queries: dict[str, str] = {}  # route -> its last query string
         self.reset_success = reset_success
         self.status = {
             "step": None, "state_hash": None, "preparing": False, "error": "", "prepared": None,
@@ -53,7 +55,8 @@ class FakeVllm:
 
             def do_POST(self) -> None:
                 raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                route = self.path.split("?")[0]
+                route, _, query = self.path.partition("?")
+                fake.queries[route] = query
                 body = {}
                 if route == "/reset_prefix_cache":
                     body = {"success": fake.reset_success}
@@ -102,6 +105,40 @@ def test_sync_prepares_before_the_pause_and_rehashes_after_it(published):
         "rpc:sync_transfer_status", "rpc:sync_verify",
     ]  # fmt: skip
     assert len(client.pauses) == 1
+
+
+@pytest.mark.parametrize(
+    ("pause_mode", "pause", "reset"),
+    [
+        # the default: in-flight requests frozen for the apply; their KV (old weights) dropped with the prefix cache
+        (None, "mode=keep", "reset_running_requests=true"),
+        (PauseMode.WAIT, "mode=wait", ""),  # the drain: no request in flight, so none holds KV
+        ("wait", "mode=wait", ""),
+    ],
+)
+def test_the_pause_keeps_requests_in_flight_by_default_and_waits_for_them_on_request(published, pause_mode, pause, reset):
+    bucket, state_hash = published
+    vllm = FakeVllm(state_hash)
+    try:
+        options = {} if pause_mode is None else {"pause_mode": pause_mode}
+        client = BucketSyncClient(vllm.url, bucket.url, **options)
+        assert client.sync() == 0
+    finally:
+        vllm.close()
+    assert vllm.queries["/pause"] == pause and vllm.queries["/reset_prefix_cache"] == reset
+    assert client.pause_mode is PauseMode(pause.removeprefix("mode="))
+
+
+def test_a_completion_spanning_an_update_gives_its_first_and_last_version():
+    spans = [{"version": "3", "start": 0, "end": 40}, {"version": "4", "start": 40, "end": 128}]
+    versions = completion_versions(spans)
+    assert (versions.first, versions.last, versions.spans_update) == (3, 4, True)
+    one = completion_versions(spans[1:])
+    assert (one.first, one.last, one.spans_update) == (4, 4, False)
+    for hostile in (None, [], ["3"], [{"version": "default"}], [{"version": 3}], [{"version": "-1"}], [{"version": "9" * 20}],
+                    [{"version": "٣"}], spans[::-1]):  # fmt: skip
+        with pytest.raises(ValueError):
+            completion_versions(hostile)
 
 
 def _failed_sync(published, match: str, **fake: object) -> list[str]:
