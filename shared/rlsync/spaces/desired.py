@@ -24,7 +24,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import re
 import socket
 import time
@@ -37,6 +36,7 @@ from ..jsonlimits import loads_bounded
 from ..layout import desired_key
 from ..limits import MAX_DESIRED_BYTES
 from ..roles import Role
+from .settings import SpaceIdentity
 
 __all__ = [
     "Wanted", "DesiredState", "REFUSED", "instance_id", "settings_of", "write_desired", "read_desired", "record_wanted",
@@ -83,8 +83,7 @@ class DesiredState:
 def instance_id(environ: typing.Mapping[str, str] | None = None) -> str:
     """This Space's id inside keys: ``SPACE_ID`` with ``/`` as ``--`` (else the host name), other characters
     outside ``A-Z a-z 0-9 _ . -`` as ``_``; one over 64 characters keeps 55 and a hash of the whole."""
-    environ = os.environ if environ is None else environ
-    raw = environ.get("SPACE_ID") or socket.gethostname() or "local"
+    raw = SpaceIdentity.from_env(environ).id or socket.gethostname() or "local"
     safe = _UNSAFE.sub("_", raw.replace("/", "--")).strip(".") or "local"
     if len(safe) > 64:
         safe = f"{safe[:55]}-{hashlib.sha256(raw.encode()).hexdigest()[:8]}"

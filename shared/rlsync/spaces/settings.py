@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from ..config import from_env, settings_table
 
 __all__ = [
-    "DEFAULT_PORT", "GPU_DEFAULT_MODEL", "default_model", "from_env", "metrics_every_field", "poll_field",
+    "DEFAULT_PORT", "GPU_DEFAULT_MODEL", "SpaceIdentity", "default_model", "from_env", "metrics_every_field", "poll_field",
     "resolve_device", "server_port", "settings_table", "space_owner",
 ]  # fmt: skip
 
@@ -47,9 +47,22 @@ def default_model(device: str) -> str | None:
     return GPU_DEFAULT_MODEL if device.startswith("cuda") else None
 
 
+@dataclasses.dataclass(frozen=True)
+class SpaceIdentity:
+    """Which Space this process runs in (``SPACE_ID``, ``SPACE_AUTHOR_NAME``, set by the Hub; empty elsewhere)."""
+
+    id: str = ""
+    author_name: str = ""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "SpaceIdentity":
+        """The identity from ``SPACE_<FIELD>`` (``environ``, default ``os.environ``)."""
+        return from_env(cls, "SPACE", environ)
+
+
 def space_owner() -> str:
     """This trainer's id for the run lock: the Space's id (``SPACE_ID``, kept across restarts), else the host name."""
-    return os.environ.get("SPACE_ID") or socket.gethostname()
+    return SpaceIdentity.from_env().id or socket.gethostname()
 
 
 def server_port(environ: Mapping[str, str] | None = None) -> int:
