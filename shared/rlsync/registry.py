@@ -32,23 +32,28 @@ from .errors import ConfigurationError, UnknownNameError
 __all__ = ["Entry", "Kind", "add_home", "check_choice", "entries", "get", "names", "register"]
 
 
-class Kind(str, enum.Enum):
-    """What an entry extends."""
+class Kind(enum.StrEnum):
+    """What an entry extends (its value is its name in lower case: ``Kind("engine")``).
 
-    CODEC = "codec"
-    BUCKET = "bucket"
-    ANCHOR_POLICY = "anchor_policy"
-    ENV_SOURCE = "env_source"
-    ENVIRONMENT = "environment"
-    ENGINE = "engine"
+    ``CODEC``: delta codecs (``TRAINER_CODEC``, ``rlsync diff --codec``); ``BUCKET``: bucket backends by URL scheme,
+    with their capabilities; ``ANCHOR_POLICY``: anchor policies (``TRAINER_ANCHOR_POLICY``, the control object);
+    ``ENV_SOURCE``: ``ENV_ENVIRONMENT=<source>:<argument>``; ``ENVIRONMENT``: ``ENV_ENVIRONMENT=<name>``;
+    ``ENGINE``: ``ROLLOUT_ENGINE``, with their capabilities.
+    """
 
-    @property
-    def label(self) -> str:
-        """The kind in messages (``"bucket backend"``)."""
-        return _LABELS.get(self.value, self.value.replace("_", " "))
+    CODEC = enum.auto()
+    BUCKET = enum.auto()
+    ANCHOR_POLICY = enum.auto()
+    ENV_SOURCE = enum.auto()
+    ENVIRONMENT = enum.auto()
+    ENGINE = enum.auto()
 
 
-_LABELS = {"bucket": "bucket backend", "env_source": "environment source", "engine": "rollout engine"}
+#: Each kind in messages ("unknown rollout engine 'x'").
+LABELS = {
+    Kind.CODEC: "codec", Kind.BUCKET: "bucket backend", Kind.ANCHOR_POLICY: "anchor policy",
+    Kind.ENV_SOURCE: "environment source", Kind.ENVIRONMENT: "environment", Kind.ENGINE: "rollout engine",
+}  # fmt: skip
 
 
 def _import(reference: str) -> Any:
@@ -153,13 +158,13 @@ def register(
     """
     kind = Kind(kind)
     if not isinstance(name, str) or not name:
-        raise ConfigurationError(f"a {kind.label} needs a non-empty name, got {name!r}")
+        raise ConfigurationError(f"a {LABELS[kind]} needs a non-empty name, got {name!r}")
     entry = Entry(kind, name, target, settings, env_prefix, frozenset(capabilities), summary, dict(details))
     with _lock:
         known = _entries.get((kind, name))
         if known is not None:
             if _key(known.target) != _key(target):
-                raise ConfigurationError(f"{kind.label} {name!r} is taken by {_key(known.target)}")
+                raise ConfigurationError(f"{LABELS[kind]} {name!r} is taken by {_key(known.target)}")
             if isinstance(known.target, str) and not isinstance(target, str):
                 _entries[(kind, name)] = entry  # the object itself, now that its module ran
             return _entries[(kind, name)]
@@ -254,7 +259,7 @@ def get(kind: Kind | str, name: str) -> Entry:
     try:
         return _entries[(kind, name)]
     except (KeyError, TypeError):
-        raise UnknownNameError(f"unknown {kind.label} {name!r}; known: {', '.join(names(kind))}") from None
+        raise UnknownNameError(f"unknown {LABELS[kind]} {name!r}; known: {', '.join(names(kind))}") from None
 
 
 def check_choice(kind: Kind | str, value: str, variable: str, also: tuple[str, ...] = ()) -> None:
@@ -271,4 +276,4 @@ def check_choice(kind: Kind | str, value: str, variable: str, also: tuple[str, .
     """
     known = [*also, *names(kind)]
     if value not in known:
-        raise UnknownNameError(f"{variable}={value!r} names no {Kind(kind).label}; use one of {', '.join(known)}")
+        raise UnknownNameError(f"{variable}={value!r} names no {LABELS[Kind(kind)]}; use one of {', '.join(known)}")

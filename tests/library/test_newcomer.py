@@ -17,7 +17,9 @@ import torch
 from rlsync.bucket import open_bucket
 from rlsync.hashing import state_hash
 from rlsync.protocol import FixedInterval, Publisher, Subscriber
+from rollout_space.config import ReplicaConfig  # imported before the scratch entries: their help lists the tree's
 from tests.helpers import bf16, master_state, rl_step
+from trainer_space.config import TrainerConfig
 
 FILES = {
     "wide_codec.py": '''
@@ -139,7 +141,6 @@ def newcomer(tmp_path, monkeypatch, scratch_registry):
 def test_a_codec_in_one_file_publishes_and_syncs_bit_exactly(newcomer, bucket):
     from rlsync.cli import build_parser
     from rlsync.codecs import list_codecs
-    from trainer_space.config import TrainerConfig
 
     assert "wide" in list_codecs() and TrainerConfig(codec="wide").codec == "wide"
     assert build_parser().parse_args(["diff", "a", "b", "-o", "c", "--codec", "wide"]).codec == "wide"
@@ -166,7 +167,6 @@ def test_a_bucket_backend_in_one_file_opens_by_url_and_carries_a_run(newcomer):
 def test_an_anchor_policy_with_its_own_settings_in_one_file(newcomer):
     from rlsync.protocol.policy import policy_from_json, policy_names, policy_to_json
     from rlsync.spaces.anchor_policy import make_policy, setting_fields
-    from trainer_space.config import TrainerConfig
 
     every = newcomer.get("anchor_policy", "every").settings_class()
     assert "every" in policy_names() and policy_from_json(policy_to_json(every(4, 1))) == every(4, 1)
@@ -176,7 +176,6 @@ def test_an_anchor_policy_with_its_own_settings_in_one_file(newcomer):
 
 
 def test_an_engine_in_one_file_is_chosen_by_its_name_and_given_what_it_declares(newcomer):
-    from rollout_space.config import ReplicaConfig
     from rollout_space.engine import EngineCapability, choose_engine, create_engine
     from rlsync.errors import ConfigurationError
 

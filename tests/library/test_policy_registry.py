@@ -12,6 +12,7 @@ from rlsync.errors import ConfigurationError
 from rlsync.protocol.policy import AnchorPolicy, policy_class, policy_from_json, policy_names, policy_to_json
 from rlsync.spaces.anchor_policy import current_policy, describe_policy, make_policy, setting_fields
 from rlsync.spaces.snapshots import Snapshot
+from trainer_space.config import TrainerConfig  # imported before a test registers a policy: its help lists the tree's
 
 
 @dataclasses.dataclass
@@ -38,8 +39,6 @@ def test_the_built_in_policies_are_found_in_their_package():
 
 
 def test_a_registered_policy_reaches_the_parser_the_form_and_the_trainer_settings(registered):
-    from trainer_space.config import TrainerConfig
-
     assert "every-other" in policy_names()
     assert policy_from_json(policy_to_json(EveryOther(5))) == EveryOther(5)
     with pytest.raises(FormatError):  # exactly its own keys

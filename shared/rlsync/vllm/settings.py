@@ -8,7 +8,7 @@ from typing import Mapping
 
 from ..config import from_env
 
-__all__ = ["ENV_PREFIX", "BackendDefaults"]
+__all__ = ["ENV_PREFIX", "BackendDefaults", "backend_defaults"]
 
 #: The prefix of the variables a worker falls back on, the rollout replica's.
 ENV_PREFIX = "ROLLOUT"
@@ -21,7 +21,7 @@ class BackendDefaults:
     bucket: str = ""
     chain: str = ""
 
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "BackendDefaults":
-        """The defaults from ``ROLLOUT_BUCKET`` and ``ROLLOUT_CHAIN`` (``environ``, default ``os.environ``)."""
-        return from_env(cls, ENV_PREFIX, environ)
+
+def backend_defaults(environ: Mapping[str, str] | None = None) -> BackendDefaults:
+    """The defaults from ``ROLLOUT_BUCKET`` and ``ROLLOUT_CHAIN`` (``environ``, default ``os.environ``)."""
+    return from_env(BackendDefaults, ENV_PREFIX, environ)

@@ -88,7 +88,7 @@ from rlsync.roles import Role
 
 from .plugin import BACKEND_NAME, register
 from .prepare import BackgroundJob
-from .settings import BackendDefaults
+from .settings import backend_defaults
 from .status import Pause, Prepared, Rehash, TransferStatus
 from .worker import ModelWeights, plan_update
 
@@ -158,7 +158,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         Raises:
             ConfigurationError: No bucket URL given and ``$ROLLOUT_BUCKET`` is unset (ValueError: an unknown chain).
         """
-        defaults = BackendDefaults.from_env()
+        defaults = backend_defaults()
         url = init_info.bucket or defaults.bucket
         if not url:
             raise ConfigurationError("bucket backend: pass init_info={'bucket': URL} or set $ROLLOUT_BUCKET")
