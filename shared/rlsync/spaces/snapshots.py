@@ -137,12 +137,19 @@ class BucketView:
 
     @property
     def bucket(self) -> Bucket:
+        """The bucket, to read: never created here, as a page view creates nothing (a role's Start does, when its
+        token can). Raises :class:`BucketError` while it does not exist."""
+        return self.open(create=False)
+
+    def open(self, create: bool) -> Bucket:
+        """The bucket, opened once (``create``: an action writing to it, e.g. the anchor policy's Apply, creates a
+        missing one)."""
         if self._bucket is None:
             from ..bucket.settings import BucketSettings
 
             settings = BucketSettings.from_env()  # the panel is an entry point: HF_BUCKET_*, HUB_*
             # on the Hub: listings from the feed, reads only on change
-            self._bucket = watch(open_bucket(self.url, settings=settings), settings.watch)
+            self._bucket = watch(open_bucket(self.url, create=create, settings=settings), settings.watch)
         return self._bucket
 
     def snapshot(self) -> Snapshot:
@@ -154,7 +161,7 @@ class BucketView:
             try:
                 snap = read_snapshot(self.bucket)
             except BucketError as exc:  # opening the bucket failed
-                snap = Snapshot(read_at=now, error=redact(f"cannot open bucket: {exc}"))
+                snap = Snapshot(read_at=now, error=redact(f"cannot open the bucket (a Start creates a missing one): {exc}"))
                 logger.warning("%s: %s", self.url, snap.error)
             self._remember_syncs(snap)
             self._snapshot = snap
