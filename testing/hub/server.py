@@ -11,9 +11,16 @@ huggingface_hub 2.4.0's bucket methods make:
 - ``POST /api/buckets/{id}/batch`` (batch_bucket_files' ndjson commit of add/delete operations);
 - ``HEAD /buckets/{id}/resolve/{path}`` (get_bucket_file_metadata: Xet hash and token refresh route);
 - ``GET /api/buckets/{id}/xet-{read,write}-token`` (the Xet token endpoint hf_xet calls itself);
+- ``GET /api/whoami-v2`` for the tokens of users (:mod:`testing.hub.accounts`: users and organisations, whose
+  tokens write only in their namespaces);
+- the OpenID Connect provider of "Sign in with Hugging Face" (:mod:`testing.hub.openid`);
 - ``GET /api/buckets/{id}/events?cursor=...|since=...`` (the live-follow feed of
   ``huggingface_hub._bucket_live_follow``: server-sent ``changes``, ``ready``, ``reset`` and
   ``reconnect`` events, keep-alive comments; :meth:`HubServer.feed` turns it off or forces a reset).
+
+A bucket create is atomic: of two concurrent creates of one id, one creates it and the other gets 409, as from
+the Hub (``create_bucket(exist_ok=True)`` takes a 409 for success). ``python -m testing.hub`` runs the stand-in as a
+process of its own that several processes share (:mod:`testing.hub.__main__`).
 
 Rate limits (:meth:`HubServer.limit`) are the Hub's: per token, in fixed windows, API requests (every
 ``/api/...`` endpoint, Xet token endpoints and the feed included) and resolver requests
@@ -57,6 +64,8 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from rlsync.bucket.budget import WINDOW_S, RequestClass, Tier, scaled_limit
+from testing.hub import control, openid
+from testing.hub.accounts import Accounts
 from testing.hub.events import serve_events
 
 #: Longest a stall may hold a request, whatever the test asked (keeps a broken test bounded).
@@ -133,8 +142,9 @@ class HubServer:
         self._httpd.hub = self  # type: ignore[attr-defined]
         self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="hub-server", daemon=True)
-        self._thread.start()
+        self.openid = openid.OpenIdProvider()
         self.reset()
+        self._thread.start()
 
     # -- test controls ---------------------------------------------------------------------------
 
@@ -172,6 +182,8 @@ class HubServer:
             self.feed_session_s = 300.0
             self.feed_ping_s = 15.0
             self._reset_pending = 0
+            self.accounts = Accounts()
+        self.openid.reset()
         self._release = threading.Event()
 
     def add_token(self, token: str, role: str = "write") -> None:
@@ -179,10 +191,19 @@ class HubServer:
         with self._lock:
             self.tokens[token] = role
 
-    def create_bucket(self, bucket_id: str) -> None:
+    def add_user(self, name: str, token: str, orgs: tuple[str, ...] = (), role: str = "write") -> None:
+        """Accept `token` as user `name`'s (in `orgs`): it writes only in their namespaces."""
+        self.accounts.add_user(name, token, orgs, role)
+        self.add_token(token, role)
+
+    def create_bucket(self, bucket_id: str) -> bool:
+        """Create `bucket_id`; whether it was created (``False``: it existed)."""
         with self._lock:
-            self.buckets.setdefault(bucket_id, {})
+            if bucket_id in self.buckets:
+                return False
+            self.buckets[bucket_id] = {}
             self.changes.setdefault(bucket_id, [])
+            return True
 
     def limit(self, tier: Tier | str | None, window_s: float = WINDOW_S) -> None:
         """Enforce `tier`'s limits per token in fixed windows of `window_s` seconds (the limits scaled
@@ -397,6 +418,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._limits = self.hub._count(token, cls, self.command, url.path)
             if "Retry-After" in self._limits:
                 return self._error(429, "You have exceeded our rate limits", self._limits)
+        if url.path in openid.PATHS:
+            return openid.serve(self, url.path, parse_qs(url.query), body)
+        if url.path.startswith(control.PREFIX):
+            return control.serve(self, url.path, body)
         if side == "storage":  # only reached through a grant that handed out a storage fault
             return self._apply_fault(self.hub.storage_fault)
         fault = self.hub._take_fault(side, self.command, url.path)
@@ -425,7 +450,7 @@ class _Handler(BaseHTTPRequestHandler):
         role = self._role(auth)
         if role is None:
             return self._error(401, "Invalid credentials in Authorization header")
-        if kind == "write" and role != "write":
+        if kind == "write" and not self._may_write(role, auth, bucket_id):
             return self._error(403, "You don't have write access to this bucket")
         if bucket_id not in self.hub.buckets:
             return self._error(404, "Bucket not found", {"X-Error-Code": "RepoNotFound"})
@@ -441,7 +466,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- Hub API --------------------------------------------------------------------------------
 
+    def _may_write(self, role: str, auth: str | None, bucket_id: str) -> bool:
+        token = auth[len("Bearer ") :] if auth and auth.startswith("Bearer ") else None
+        return role == "write" and self.hub.accounts.may_write(token, bucket_id.split("/")[0])
+
     def _api(self, path: str, raw_path: str, query: dict, body: bytes, role: str) -> None:
+        if raw_path == "/api/whoami-v2":
+            auth = self.headers.get("Authorization") or ""
+            found = self.hub.accounts.whoami(auth.removeprefix("Bearer "))
+            return self._send(200, found) if found else self._error(401, "Invalid credentials in Authorization header")
         match = re.fullmatch(r"/api/buckets/([^/]+)/([^/]+)", raw_path)
         if match:
             return self._bucket(f"{match[1]}/{match[2]}", role)
@@ -457,7 +490,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._tree(bucket_id, unquote((match[3] or "/")[1:]), query)
             if op == "paths-info":
                 return self._paths_info(bucket_id, json.loads(body or b"{}").get("paths", []))
-            if role != "write":
+            if not self._may_write(role, self.headers.get("Authorization"), bucket_id):
                 return self._error(403, "You don't have write access to this bucket")
             return self._batch(bucket_id, body)
         match = re.fullmatch(r"/buckets/([^/]+/[^/]+)/resolve/(.+)", raw_path)
@@ -468,11 +501,10 @@ class _Handler(BaseHTTPRequestHandler):
     def _bucket(self, bucket_id: str, role: str) -> None:
         exists = bucket_id in self.hub.buckets
         if self.command == "POST":
-            if role != "write":
+            if not self._may_write(role, self.headers.get("Authorization"), bucket_id):
                 return self._error(403, "You don't have the rights to create a bucket in this namespace")
-            if exists:
+            if not self.hub.create_bucket(bucket_id):  # checked and created at once: one of two racing creates wins
                 return self._error(409, "You already created this bucket")
-            self.hub.create_bucket(bucket_id)
             return self._send(200, {"url": f"{self.hub.url}/buckets/{bucket_id}", "id": bucket_id})
         if not exists:
             return self._error(404, "Bucket not found", {"X-Error-Code": "RepoNotFound"})

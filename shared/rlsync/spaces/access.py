@@ -162,10 +162,7 @@ class PanelAccess:
 
 def oauth_identity(request: Any) -> tuple[str | None, frozenset[str]]:
     """The Hugging Face user name and organisations of an OAuth session (``None`` when not logged in)."""
-    try:
-        info = request.session.get("oauth_info")
-    except Exception:  # noqa: BLE001 - no session middleware (OAuth off) or no request
-        return None, frozenset()
+    info = _session(request).get("oauth_info")
     if not isinstance(info, dict) or (info.get("expires_at") or float("inf")) < time.time():
         return None, frozenset()
     userinfo = info.get("userinfo") or {}
@@ -174,6 +171,19 @@ def oauth_identity(request: Any) -> tuple[str | None, frozenset[str]]:
     orgs = orgs if isinstance(orgs, list) else []
     names = frozenset(o.get("preferred_username", "") for o in orgs if isinstance(o, dict))
     return (name if isinstance(name, str) and name else None), names
+
+
+def _session(request: Any) -> Mapping[str, Any]:
+    """The session of a call: a ``gr.Request``'s Starlette request's, read from its scope (``gr.Request`` itself
+    hands attributes out as copies of another type, and Starlette asserts when no session middleware runs); a
+    plain ``session`` mapping otherwise (tests); empty without one."""
+    underlying = getattr(request, "request", None) or request
+    scope = getattr(underlying, "scope", None)
+    if isinstance(scope, dict):
+        session = scope.get("session")
+    else:
+        session = getattr(underlying, "session", None)
+    return session if isinstance(session, Mapping) else {}
 
 
 def launch_access(blocks: Any) -> PanelAccess:

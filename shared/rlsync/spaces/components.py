@@ -550,9 +550,10 @@ def space_page(title: str, description: str, build: Callable[[], Any]) -> Any:
         login_button()
         notice = gr.Markdown(PanelAccess.from_env().notice(), elem_id="controls-notice")
 
-        def on_load(request: gr.Request) -> str:
+        def on_load(request):  # annotated below with the real class: Gradio injects the request by type
             return control_notice(request)
 
+        on_load.__annotations__ = {"request": gr.Request}
         demo.load(on_load, outputs=notice, show_progress="hidden", api_visibility="private")
         build()
     return demo
