@@ -25,19 +25,17 @@ import os
 import re
 import secrets
 import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
 from huggingface_hub import SpaceCard
 
 from testing.hub.process import HubProcess
+from testing.served import LoggedProcess
 
 #: Variables of the test's own environment a Space never sees (the runtime starts from a clean one).
-_DROPPED = re.compile(r"^(SPACE_|OAUTH_|OPENID_|PANEL_|TRAINER_|ROLLOUT_|ENV_|GRADIO_|HF_|HUGGING_FACE_)|^(SYSTEM|PORT)$")
+_DROPPED = re.compile(r"^(SPACE_|OAUTH_|OPENID_|PANEL_|TRAINER_|ROLLOUT_|ENV_|GRADIO_|HF_|HUGGING_FACE_|TRANSFORMERS_)|^(SYSTEM|PORT)$")
 #: Scopes every Hugging Face sign-in gets.
 BASE_SCOPES = ("openid", "profile")
 
@@ -67,7 +65,7 @@ def template_variables(export: Path, name: str) -> dict[str, str]:
     return found
 
 
-class SpaceProcess:
+class SpaceProcess(LoggedProcess):
     """An exported Space's ``app.py`` run as the Spaces runtime runs a duplicate of it.
 
     Args:
@@ -102,9 +100,7 @@ class SpaceProcess:
                    SPACE_TITLE=SpaceCard.load(folder / "README.md").data.to_dict().get("title", name),
                    SPACE_HOST=self.host, PORT=str(self.port), GRADIO_SERVER_NAME="127.0.0.1", HF_ENDPOINT=hub.url)  # fmt: skip
         env.update(self._oauth(folder, hub))
-        self.log_path = log
-        self._log = open(log, "wb")  # noqa: SIM115 - held open for the process, closed in close()
-        self.proc = subprocess.Popen([sys.executable, "app.py"], cwd=folder, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        super().__init__([sys.executable, "app.py"], cwd=folder, env=env, log=log)
 
     def _oauth(self, folder: Path, hub: HubProcess) -> dict[str, str]:
         """The OAuth variables of a README with ``hf_oauth: true`` (none otherwise); the stand-in learns the app."""
@@ -124,35 +120,6 @@ class SpaceProcess:
             raise ValueError(f"{url} is not on {prefix}")
         return self.url + url[len(prefix) :]
 
-    def log_tail(self, n: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-n:]
-
     def wait_ready(self, timeout: float = 240.0) -> None:
-        """Wait until the page answers.
-
-        Raises:
-            AssertionError: the process exited or the page did not come up in time (with the log's tail).
-        """
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"{self.space_id} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url, timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"{self.space_id} did not come up in {timeout}s:\n{self.log_tail()}")
-
-    def close(self) -> None:
-        """SIGTERM (as the runtime stops a Space), then SIGKILL after 60 s."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
+        """Wait until the Space's page answers (:meth:`~testing.served.LoggedProcess.wait_served`)."""
+        self.wait_served(self.url, self.space_id, timeout)

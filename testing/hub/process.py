@@ -13,6 +13,8 @@ import sys
 import urllib.request
 from pathlib import Path
 
+from testing.served import stop
+
 ROOT = Path(__file__).resolve().parents[2]
 #: Seconds the stand-in may take to print its address.
 START_TIMEOUT_S = 60.0
@@ -65,13 +67,7 @@ class HubProcess:
         return self._call("signed-in")  # type: ignore[return-value]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop(self.proc, 30.0)
         if self.proc.stdout:
             self.proc.stdout.close()
         self._log.close()

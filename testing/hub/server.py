@@ -11,16 +11,14 @@ huggingface_hub 2.4.0's bucket methods make:
 - ``POST /api/buckets/{id}/batch`` (batch_bucket_files' ndjson commit of add/delete operations);
 - ``HEAD /buckets/{id}/resolve/{path}`` (get_bucket_file_metadata: Xet hash and token refresh route);
 - ``GET /api/buckets/{id}/xet-{read,write}-token`` (the Xet token endpoint hf_xet calls itself);
-- ``GET /api/whoami-v2`` for the tokens of users (:mod:`testing.hub.accounts`: users and organisations, whose
-  tokens write only in their namespaces);
-- the OpenID Connect provider of "Sign in with Hugging Face" (:mod:`testing.hub.openid`);
+- ``GET /api/whoami-v2`` (:mod:`testing.hub.accounts`: users' tokens write only in their namespaces), and the
+  OpenID Connect provider of "Sign in with Hugging Face" (:mod:`testing.hub.openid`);
 - ``GET /api/buckets/{id}/events?cursor=...|since=...`` (the live-follow feed of
   ``huggingface_hub._bucket_live_follow``: server-sent ``changes``, ``ready``, ``reset`` and
   ``reconnect`` events, keep-alive comments; :meth:`HubServer.feed` turns it off or forces a reset).
 
-A bucket create is atomic: of two concurrent creates of one id, one creates it and the other gets 409, as from
-the Hub (``create_bucket(exist_ok=True)`` takes a 409 for success). ``python -m testing.hub`` runs the stand-in as a
-process of its own that several processes share (:mod:`testing.hub.__main__`).
+Of concurrent creates of one bucket one wins, the others get 409 as from the Hub. ``python -m testing.hub`` runs
+the stand-in as a process that several processes share (:mod:`testing.hub.__main__`).
 
 Rate limits (:meth:`HubServer.limit`) are the Hub's: per token, in fixed windows, API requests (every
 ``/api/...`` endpoint, Xet token endpoints and the feed included) and resolver requests
