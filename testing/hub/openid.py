@@ -56,9 +56,9 @@ class OpenIdProvider:
     """Clients, codes and tokens of the provider; its signing key is made once per stand-in."""
 
     def __init__(self) -> None:
-        from authlib.jose import JsonWebKey
+        from joserfc.jwk import RSAKey
 
-        self.key = JsonWebKey.generate_key("RSA", 2048, is_private=True, options={"kid": "stand-in"})
+        self.key = RSAKey.generate_key(2048, parameters={"kid": "stand-in", "use": "sig", "alg": "RS256"})
         self._lock = threading.Lock()
         self.reset()
 
@@ -91,7 +91,7 @@ def serve(handler, path: str, query: dict, body: bytes) -> None:
     if path == "/.well-known/openid-configuration":
         return handler._send(200, metadata(hub.url))
     if path == "/oauth/jwks":
-        return handler._send(200, {"keys": [{**provider.key.as_dict(is_private=False), "use": "sig", "alg": "RS256"}]})
+        return handler._send(200, {"keys": [provider.key.as_dict(private=False)]})
     if path == "/oauth/authorize" and handler.command == "GET":
         return _page(handler, 200, _form({k: v[0] for k, v in query.items()}))
     if path == "/oauth/authorize" and handler.command == "POST":
@@ -161,7 +161,7 @@ def _client_credentials(handler, form: dict[str, str]) -> tuple[str, str]:
 
 
 def _token(handler, form: dict[str, str]) -> None:
-    from authlib.jose import jwt
+    from joserfc import jwt
 
     hub, provider = handler.hub, handler.hub.openid
     client_id, secret = _client_credentials(handler, form)
@@ -176,7 +176,7 @@ def _token(handler, form: dict[str, str]) -> None:
     claims = provider.claims(hub.url, grant.user, hub.accounts.users[grant.user].orgs, grant.scope)
     id_claims = {**claims, "iss": hub.url, "aud": client_id, "iat": now, "exp": now + TOKEN_TTL_S, "auth_time": now,
                  **({"nonce": grant.nonce} if grant.nonce else {})}  # fmt: skip
-    id_token = jwt.encode({"alg": "RS256", "kid": "stand-in"}, id_claims, provider.key).decode()
+    id_token = jwt.encode({"alg": "RS256", "kid": "stand-in"}, id_claims, provider.key)
     access_token = f"hf_oauth_{secrets.token_urlsafe(16)}"
     with provider._lock:
         provider.tokens[access_token] = claims

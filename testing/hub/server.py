@@ -53,7 +53,6 @@ import json
 import random
 import re
 import socket
-import struct
 import tempfile
 import threading
 import time
@@ -65,6 +64,7 @@ from rlsync.bucket.budget import WINDOW_S, RequestClass, Tier, scaled_limit
 from testing.hub import control, openid
 from testing.hub.accounts import Accounts
 from testing.hub.events import serve_events
+from testing.hub.shards import xet_file_size
 
 #: Longest a stall may hold a request, whatever the test asked (keeps a broken test bounded).
 MAX_STALL_SECONDS = 30.0
@@ -331,6 +331,11 @@ class HubServer:
         self._changed.notify_all()
 
 
+def _bearer(auth: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer`` header."""
+    return auth[len("Bearer ") :] if auth and auth.startswith("Bearer ") else None
+
+
 def _iso(t: float) -> str:
     return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
@@ -412,7 +417,7 @@ class _Handler(BaseHTTPRequestHandler):
         cls = RequestClass.RESOLVER if "/resolve/" in url.path else RequestClass.API if url.path.startswith("/api/") else None
         self._limits = {}
         if cls is not None:
-            token = auth[len("Bearer ") :] if auth and auth.startswith("Bearer ") else "anonymous"
+            token = _bearer(auth) or "anonymous"
             self._limits = self.hub._count(token, cls, self.command, url.path)
             if "Retry-After" in self._limits:
                 return self._error(429, "You have exceeded our rate limits", self._limits)
@@ -433,8 +438,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._api(path, url.path, parse_qs(url.query), body, role)
 
     def _role(self, auth: str | None) -> str | None:
-        token = auth[len("Bearer ") :] if auth and auth.startswith("Bearer ") else None
-        return self.hub.tokens.get(token or "")
+        return self.hub.tokens.get(_bearer(auth) or "")
 
     do_GET = do_POST = do_HEAD = do_DELETE = do_PUT = lambda self: self._dispatch()  # noqa: E731
 
@@ -465,13 +469,11 @@ class _Handler(BaseHTTPRequestHandler):
     # -- Hub API --------------------------------------------------------------------------------
 
     def _may_write(self, role: str, auth: str | None, bucket_id: str) -> bool:
-        token = auth[len("Bearer ") :] if auth and auth.startswith("Bearer ") else None
-        return role == "write" and self.hub.accounts.may_write(token, bucket_id.split("/")[0])
+        return role == "write" and self.hub.accounts.may_write(_bearer(auth), bucket_id.split("/")[0])
 
     def _api(self, path: str, raw_path: str, query: dict, body: bytes, role: str) -> None:
         if raw_path == "/api/whoami-v2":
-            auth = self.headers.get("Authorization") or ""
-            found = self.hub.accounts.whoami(auth.removeprefix("Bearer "))
+            found = self.hub.accounts.whoami(_bearer(self.headers.get("Authorization")))
             return self._send(200, found) if found else self._error(401, "Invalid credentials in Authorization header")
         match = re.fullmatch(r"/api/buckets/([^/]+)/([^/]+)", raw_path)
         if match:
@@ -502,7 +504,9 @@ class _Handler(BaseHTTPRequestHandler):
             if not self._may_write(role, self.headers.get("Authorization"), bucket_id):
                 return self._error(403, "You don't have the rights to create a bucket in this namespace")
             if not self.hub.create_bucket(bucket_id):  # checked and created at once: one of two racing creates wins
-                return self._error(409, "You already created this bucket")
+                message = "You already created this bucket"  # with its url, which create_bucket(exist_ok=True) reads
+                return self._send(409, {"error": message, "url": f"{self.hub.url}/buckets/{bucket_id}"},
+                                  {"X-Error-Message": message})  # fmt: skip
             return self._send(200, {"url": f"{self.hub.url}/buckets/{bucket_id}", "id": bucket_id})
         if not exists:
             return self._error(404, "Bucket not found", {"X-Error-Code": "RepoNotFound"})
@@ -544,7 +548,7 @@ class _Handler(BaseHTTPRequestHandler):
         with self.hub._lock:
             for op in operations:
                 if op["type"] == "addFile":
-                    size = _xet_file_size(self.hub.storage, op["xetHash"])
+                    size = xet_file_size(self.hub.storage, op["xetHash"])
                     if size is None:
                         failed.append({"path": op["path"], "error": "unknown xet hash"})
                         continue
@@ -569,31 +573,3 @@ class _Handler(BaseHTTPRequestHandler):
         refresh = f"{self.hub.url}/api/buckets/{bucket_id}/xet-read-token"
         self._send(200, b"", {"X-Xet-Hash": meta["xetHash"], "Link": f'<{refresh}>; rel="xet-auth"',
                               "X-Linked-Size": str(meta["size"])})
-
-
-def _xet_file_size(storage: Path, xet_hash: str) -> int | None:
-    """The size of the file `xet_hash` according to the shards in the ``local://`` CAS, or None.
-
-    A shard (xet-core's MDB format, version 2) starts with a 48-byte header, then one record per
-    file: a 48-byte header (file hash, flags, entry count, padding), 48-byte segment entries whose
-    unpacked byte counts add up to the file size, then optional verification entries (flag bit 31,
-    one per segment) and a metadata extension (flag bit 30); a hash of all 0xff bytes ends the list.
-    """
-    for shard in (storage / "xet" / "xorbs" / "shards").glob("*.mdb"):
-        data = shard.read_bytes()
-        pos = 48
-        while pos + 48 <= len(data):
-            raw = data[pos : pos + 32]
-            if raw == b"\xff" * 32:
-                break
-            flags, entries = struct.unpack_from("<II", data, pos + 32)
-            size = sum(struct.unpack_from("<I", data, pos + 48 + 48 * i + 36)[0] for i in range(entries))
-            if _hash_hex(raw) == xet_hash:
-                return size
-            pos += 48 * (1 + entries * (2 if flags & 1 << 31 else 1) + (1 if flags & 1 << 30 else 0))
-    return None
-
-
-def _hash_hex(raw: bytes) -> str:
-    """xet-core's hex form of a 32-byte hash: four little-endian u64 words, each as 16 hex digits."""
-    return "".join(f"{word:016x}" for word in struct.unpack("<4Q", raw))
