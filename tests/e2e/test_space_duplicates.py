@@ -10,7 +10,7 @@ stand-in's OpenID provider from headless Chromium, Start pressed on each page.
 4. bob's env duplicate that inherited the old template's ``ENV_BUCKET`` (rlsync's bucket) fails at Start with a
    message naming the variable, and stays failed: no "running", no retries against rlsync's bucket.
 5. bob signing in to alice's Space is refused: the page says so before any click, and the refusal of his Start
-   stays on the page across refreshes.
+   stays on the page across refreshes. A member of the organisation named in ``PANEL_OAUTH_ORG`` is let in.
 
 Needs the ``playwright`` package and Chromium (:mod:`testing.panel_browser`); skipped otherwise. Slow (processes,
 a browser, training): ``tests/conftest.py`` marks it.
@@ -36,7 +36,10 @@ from testing.spaces_runtime import SpaceProcess, template_variables  # noqa: E40
 if not os.path.exists(CHROMIUM):
     pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium)", allow_module_level=True)
 
-TOKENS = {"alice": "hf_alice_write_token", "bob": "hf_bob_write_token", "rlsync": "hf_rlsync_write_token"}
+TOKENS = {"alice": "hf_alice_write_token", "bob": "hf_bob_write_token", "rlsync": "hf_rlsync_write_token",
+          "carol": "hf_carol_write_token"}
+#: Organisations of the users (carol is in team).
+ORGS = {"carol": ("team",)}
 #: What the template's duplicates inherited before issue 39: its owner's bucket.
 TEMPLATE_BUCKET = "hf://buckets/rlsync/rl-sync"
 #: Seconds for the first version to land and the replica to apply it (three Spaces and a browser on 2 shared cores).
@@ -59,7 +62,7 @@ def hub(tmp_path_factory) -> Iterator[HubProcess]:
     process = HubProcess(tmp_path_factory.mktemp("hub"))
     try:
         for user, token in TOKENS.items():
-            process.add_user(user, token)
+            process.add_user(user, token, ORGS.get(user, ()))
         with pytest.MonkeyPatch.context() as mp:
             _point_at(mp, process.url)
             HfApi(endpoint=process.url, token=TOKENS["rlsync"]).create_bucket("rlsync/rl-sync")  # the template's
@@ -125,7 +128,7 @@ def wait_for(what: str, check: Callable[[], object], timeout: float, spaces: lis
 
 def sign_in(browser, space: SpaceProcess, user: str):
     """A page of ``space`` signed in as ``user`` through the stand-in's provider (the runtime's HTTPS proxy is a
-    route: ``https://<SPACE_HOST>/...`` goes to the Space's local address)."""
+    route: ``https://<SPACE_HOST>/...`` goes to the Space's local address), once the page names the user."""
     browser.route(f"https://{space.host}/**", lambda route: route.fulfill(
         status=302, headers={"Location": space.local(route.request.url)}))  # fmt: skip
     page = browser.new_page()
@@ -135,7 +138,8 @@ def sign_in(browser, space: SpaceProcess, user: str):
     page.fill("#username", user)
     page.click("#authorize")
     page.wait_for_url(f"{space.url}**", timeout=60_000)
-    page.get_by_role("button", name=f"Logout ({user})").wait_for(timeout=60_000)
+    # the page names who signed in: "Signed in as <user>", or "<user> may not use this panel's controls"
+    page.locator("#controls-notice").get_by_text(user).wait_for(timeout=60_000)
     return page
 
 
@@ -243,3 +247,18 @@ def test_three_duplicates_with_only_a_token_train_in_the_owners_bucket(spaces, h
     wait_for("both replicas in the fleet table", lambda: all(i in text(fleet, "fleet-table") for i in ids), 120,
              spaces.running)  # fmt: skip
     assert set(hub.buckets()) == {"rlsync/rl-sync", "alice/rl-sync"}  # nothing in rlsync's, nothing of bob's
+
+
+def test_a_member_of_the_panel_org_signs_in_and_starts(spaces, hub, browser) -> None:
+    """carol, a member of team, signs in to team's env duplicate (PANEL_OAUTH_ORG=team) and starts it: the
+    organisation's default bucket, hf://buckets/team/rl-sync, is created at that Start; Stop stops it."""
+    env = spaces.duplicate("rl-sync-env", "team/rl-sync-env", TOKENS["carol"], {"PANEL_OAUTH_ORG": "team"})
+    env.wait_ready()
+    page = sign_in(browser, env, "carol")
+    page.get_by_text("Signed in as carol").first.wait_for(timeout=60_000)
+    assert "team/rl-sync" not in hub.buckets()
+    start(page, "env")
+    wait_for("team's env running", lambda: "running" in text(page, "status-env"), 120, [env])
+    assert "team/rl-sync" in hub.buckets()
+    page.get_by_role("button", name="Stop env").click()
+    wait_for("team's env stopped", lambda: "stopped" in text(page, "status-env"), 120, [env])
