@@ -197,3 +197,16 @@ def test_a_page_view_creates_no_bucket_and_an_action_does(tmp_path):
         view.bucket  # noqa: B018 - the property opens it
     assert not (tmp_path / "bucket").exists()
     assert isinstance(view.open(create=True), object) and LocalBucket(tmp_path / "bucket", create=False)
+
+
+def test_a_panel_on_a_hub_bucket_not_created_yet_says_a_start_creates_it(hub):
+    hub.add_user("alice", "hf_alice")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_TOKEN", "hf_alice")
+        view = snapshots.BucketView("hf://buckets/alice/rl-sync")
+        try:
+            error = view.snapshot().error
+        finally:
+            view.close()
+    assert error.startswith("no bucket at hf://buckets/alice/rl-sync yet") and "a Start creates it" in error
+    assert "alice/rl-sync" not in hub.buckets  # the page view created nothing

@@ -105,12 +105,23 @@ def read_snapshot(bucket: Bucket) -> Snapshot:
         except FormatError as exc:
             logger.warning("invalid control object: %s", redact(str(exc)))
     except BucketError as exc:
-        snap.error = redact(f"bucket read failed: {exc}")
+        snap.error = redact(_missing_bucket(bucket) if _not_found(exc) else f"bucket read failed: {exc}")
         logger.warning("%s: %s", getattr(bucket, "url", "bucket"), snap.error)
     stale = listing_error(bucket)
     if stale and not snap.error:
         snap.error = redact(f"bucket listing failed (showing the last good one): {stale}")
     return snap
+
+
+def _not_found(exc: BucketError) -> bool:
+    """Whether the Hub answered that the bucket does not exist (or is not this token's to see)."""
+    from huggingface_hub.errors import BucketNotFoundError
+
+    return isinstance(exc.__cause__, BucketNotFoundError)
+
+
+def _missing_bucket(bucket: Bucket) -> str:
+    return f"no bucket at {getattr(bucket, 'url', 'this address')} yet (or this token cannot read it): a Start creates it"
 
 
 class BucketView:
