@@ -13,6 +13,7 @@ from rlsync.bucket.watch import meter_of
 from rlsync.errors import BucketError
 from rlsync.layout import status_key
 from rlsync.spaces.exchange import put_json
+from rlsync.spaces.settings import space_owner
 from rlsync.spaces.metrics import STATUS_SYNCS, HubCounts, ReplicaStatus, Sync
 from rlsync.supervised import crashes
 
@@ -28,6 +29,7 @@ def replica_status(replica) -> ReplicaStatus:
     applied, stats = replica.weights.step, replica.weights.stats
     return ReplicaStatus(
         replica_id=replica.replica_id,
+        host=space_owner(),
         engine=replica.engine.name,
         applied_step=applied,
         newest_step=newest,
