@@ -10,7 +10,7 @@ import dataclasses
 import os
 import socket
 
-from rlsync.spaces.settings import bucket_field, from_env, on_space, poll_field
+from rlsync.spaces.settings import bucket_field, from_env, instance_id, on_space, poll_field
 
 #: The tiny CPU demo's answers are a few tokens. A real model's must fit a worked answer: GSM8K's and reasoning-gym's
 #: are step-by-step solutions of a few hundred tokens on Qwen3-0.6B; at 64 most were cut before the final answer
@@ -22,7 +22,7 @@ def default_replica_id() -> str:
     """On a Space, its id with ``--`` for the slash (``alice/rl-sync-rollout`` -> ``alice--rl-sync-rollout``: two
     duplicates differ, a restart keeps it); elsewhere ``<host>-<pid>``. Sanitised for object keys."""
     if on_space():
-        return _key_safe(os.environ["SPACE_ID"].replace("/", "--"))[-64:]
+        return instance_id()
     return f"{_key_safe(socket.gethostname())[:40] or 'replica'}-{os.getpid()}"
 
 

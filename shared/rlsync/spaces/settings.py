@@ -12,7 +12,9 @@ Spaces' config modules.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
+import re
 import socket
 from collections.abc import Mapping
 from typing import Any
@@ -21,7 +23,8 @@ from ..config import from_env, settings_table
 
 __all__ = [
     "GPU_DEFAULT_MODEL", "LOCAL_BUCKET", "SPACE_BUCKET_NAME", "bucket_field", "default_bucket", "default_model",
-    "from_env", "metrics_every_field", "on_space", "poll_field", "resolve_device", "settings_table", "space_owner",
+    "from_env", "instance_id", "metrics_every_field", "on_space", "poll_field", "resolve_device", "settings_table",
+    "space_owner",
 ]  # fmt: skip
 
 GPU_DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
@@ -31,10 +34,25 @@ LOCAL_BUCKET = "./runs/bucket"
 SPACE_BUCKET_NAME = "rl-sync"
 
 
+#: Characters an id inside object keys may not hold (:func:`instance_id` writes ``_`` for them).
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
 def on_space(environ: Mapping[str, str] | None = None) -> bool:
     """Whether this process runs on a Space (the runtime sets ``SYSTEM=spaces`` and ``SPACE_ID``)."""
     env = os.environ if environ is None else environ
     return env.get("SYSTEM") == "spaces" and bool(env.get("SPACE_ID"))
+
+
+def instance_id(environ: Mapping[str, str] | None = None) -> str:
+    """This Space's id inside keys: ``SPACE_ID`` with ``/`` as ``--`` (else the host name), other characters
+    outside ``A-Z a-z 0-9 _ . -`` as ``_``; one over 64 characters keeps 55 and a hash of the whole."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get("SPACE_ID") or socket.gethostname() or "local"
+    safe = _UNSAFE.sub("_", raw.replace("/", "--")).strip(".") or "local"
+    if len(safe) > 64:
+        safe = f"{safe[:55]}-{hashlib.sha256(raw.encode()).hexdigest()[:8]}"
+    return safe
 
 
 def default_bucket(environ: Mapping[str, str] | None = None) -> str:
