@@ -267,11 +267,12 @@ def build_app(stack: Stack) -> gr.Blocks:
                     stop = gr.Button("Stop all", variant="stop", elem_id="stop-all")
                 status = gr.Markdown(stack.status(), elem_id="overview-status")
                 start.click(
-                    access.guarded(stack.start_all, lambda why: f"not started: {why}"), outputs=status, api_name="start_all"
+                    access.guarded(stack.start_all, lambda why: f"not started: {why}"), outputs=status, api_name="start_all",
+                    **access.CONTROL_EVENT,
                 )
                 stop.click(
                     access.guarded(lambda: stack.stop_all(wait=False), lambda why: f"not stopped: {why}"),
-                    outputs=status, api_name="stop_all",
+                    outputs=status, api_name="stop_all", **access.CONTROL_EVENT,
                 )  # fmt: skip
                 with components.Live(url, timers["overview"]) as live:
                     live.add(status, lambda view, snap: stack.status())

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from rlsync.spaces.settings import from_env, metrics_every_field, poll_field
+from rlsync.spaces.settings import bucket_field, from_env, metrics_every_field, poll_field
 
 
 @dataclasses.dataclass
 class EnvConfig:
     """Settings of the environment Space (environment variables ``ENV_<FIELD>``)."""
 
-    bucket: str = dataclasses.field(default="./runs/bucket", metadata={"help": "bucket URL or path"})
+    bucket: str = bucket_field("bucket URL or path")
     environment: str = dataclasses.field(
         default="reverse",
         metadata={"help": "reverse | arithmetic | reasoning_gym:NAME[=W],... | dataset:HUB_ID_OR_PATH | openenv:URL"},

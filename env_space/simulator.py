@@ -315,3 +315,8 @@ class EnvSimulator:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """The environment's thread, once started (the panel reads why it failed)."""
+        return [self._thread] if self._thread is not None else []

@@ -11,29 +11,38 @@ import os
 import socket
 
 from rlsync.registry import Kind, check_choice, names
-from rlsync.spaces.settings import from_env, poll_field
+from rlsync.spaces.settings import bucket_field, from_env, instance_id, on_space, poll_field
 
-TINY_MODEL_MAX_NEW_TOKENS, REAL_MODEL_MAX_NEW_TOKENS = 8, 64  # the CPU demo's answers are short; a chat model's are not
+#: The tiny CPU demo's answers are a few tokens. A real model's must fit a worked answer: GSM8K's and reasoning-gym's
+#: are step-by-step solutions of a few hundred tokens on Qwen3-0.6B; at 64 most were cut before the final answer
+#: (reward 0 for every sample of a group: no advantage, nothing to learn). rollout_space/README.md says more.
+TINY_MODEL_MAX_NEW_TOKENS, REAL_MODEL_MAX_NEW_TOKENS = 8, 512
 
 
 def default_replica_id() -> str:
-    """``<host>-<pid>``, sanitised for object keys."""
-    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40] or "replica"
-    return f"{host}-{os.getpid()}"
+    """On a Space, its id with ``--`` for the slash (``alice/rl-sync-rollout`` -> ``alice--rl-sync-rollout``: two
+    duplicates differ, a restart keeps it); elsewhere ``<host>-<pid>``. Sanitised for object keys."""
+    if on_space():
+        return instance_id()
+    return f"{_key_safe(socket.gethostname())[:40] or 'replica'}-{os.getpid()}"
+
+
+def _key_safe(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in text)
 
 
 @dataclasses.dataclass
 class ReplicaConfig:
     """Settings of a rollout replica (environment variables ``ROLLOUT_<FIELD>``)."""
 
-    bucket: str = dataclasses.field(default="./runs/bucket", metadata={"help": "bucket URL or path (read access to weights, write to rollouts/ and status/)"})
-    replica_id: str = dataclasses.field(default="", metadata={"help": "unique id (default host-pid)"})
+    bucket: str = bucket_field("bucket URL or path (read access to weights, write to rollouts/ and status/)")
+    replica_id: str = dataclasses.field(default="", metadata={"help": "unique id (default: on a Space its SPACE_ID, owner--name; elsewhere host-pid); a live status of this id written by another host refuses the start"})
     engine: str = dataclasses.field(default="auto", metadata={"help": f"{', '.join(map(repr, names(Kind.ENGINE)))}, or 'auto' (vllm on a GPU when installed, or for the fp8 chain)"})
     model: str = dataclasses.field(default="", metadata={"help": "model name or folder (default: Qwen/Qwen3-0.6B on a GPU, the tiny offline model on CPU)"})
     chain: str = dataclasses.field(default="bf16", metadata={"help": "weights chain to follow: 'bf16', or 'fp8' (the trainer's FP8 chain, TRAINER_FP8=1; served by vLLM from the model quantized to block FP8: a GPU, or a CPU with AMX; docs/fp8.md)"})
     device: str = dataclasses.field(default="auto", metadata={"help": "torch device for the transformers engine ('auto': cuda if available)"})
     samples_per_task: int = dataclasses.field(default=4, metadata={"help": "G completions per task"})
-    max_new_tokens: int = dataclasses.field(default=0, metadata={"help": "completion length limit (0: 8 for the tiny offline CPU model, 64 for a real model)"})
+    max_new_tokens: int = dataclasses.field(default=0, metadata={"help": "completion length limit (0: 8 for the tiny offline CPU model, 512 for a real model)"})
     max_prompt_tokens: int = dataclasses.field(default=0, metadata={"help": "longest prompt answered (0: the model's context less max_new_tokens)"})
     max_batch_tokens: int = dataclasses.field(default=1 << 20, metadata={"help": "most tokens (prompts and completions, all samples) one task batch may cost"})
     chunk_tokens: int = dataclasses.field(default=1 << 16, metadata={"help": "most padded tokens in one engine call"})

@@ -39,7 +39,7 @@ from typing import Any
 
 from rlsync.bucket import Bucket
 from rlsync.bucket.watch import generation, meter_of, wait_for_change
-from rlsync.errors import BucketError, ConfigurationError
+from rlsync.errors import BucketError, ConfigurationError, ReplicaIdInUseError
 from rlsync.fp8 import Chain, write_fp8_checkpoint
 from rlsync.layout import ROLLOUTS_PREFIX, SCORES_PREFIX, TASKS_PREFIX, check_id
 from rlsync.registry import Entry
@@ -47,7 +47,7 @@ from rlsync.roles import Role
 from rlsync.spaces.exchange import open_role_bucket
 from rlsync.spaces.interval_log import IntervalLog
 from rlsync.spaces.metrics import ReplicaStatus, Sync
-from rlsync.spaces.settings import resolve_device
+from rlsync.spaces.settings import resolve_device, space_owner
 from rlsync.spaces.tiny_model import model_or_default
 from rlsync.supervised import SupervisedThread
 from rlsync.vllm.support import check_fp8_serving
@@ -59,6 +59,7 @@ from .answerer import TaskAnswerer
 from .bucket_follower import BucketFollower
 from .config import ReplicaConfig, default_replica_id
 from .engine import BucketFollowingEngine, Engine, EngineCapability, choose_engine, create_engine
+from .identity import check_replica_id
 from .status import StatusWriter, replica_status, summary_line
 from .weights import Follower, WeightFollower, idle_wait_s
 
@@ -103,6 +104,12 @@ class Replica:
         self.replica_id = check_id(config.replica_id or default_replica_id())
         self.bucket = open_role_bucket(Role.ROLLOUT, config.bucket, bucket)
         self._owns_watch = self.bucket is not bucket  # close() stops the watch this role made
+        try:
+            check_replica_id(self.bucket, self.replica_id, space_owner(), config.status_every_s)
+        except ReplicaIdInUseError:
+            if self._owns_watch:
+                self.bucket.close()
+            raise
         self.meter = meter_of(self.bucket)
         self._since: int | None = None
         model = resolve_model(model_or_default(config.model, device, get_environment))
@@ -214,14 +221,17 @@ class Replica:
             thread = SupervisedThread(loop, args=(self._stop,), name=f"{name}-{self.replica_id}", stop=self._stop)
             thread.start()
             self.threads.append(thread)
-        while not self._stop.is_set():
-            try:
-                worked = self.step()
-            except BucketError as exc:
-                logger.warning("bucket error, retrying: %s", exc)
-                worked = False
-            if not worked:
-                self._idle()
+        try:
+            while not self._stop.is_set():
+                try:
+                    worked = self.step()
+                except BucketError as exc:
+                    logger.warning("bucket error, retrying: %s", exc)
+                    worked = False
+                if not worked:
+                    self._idle()
+        finally:
+            self._stop.set()  # a crash of this loop ends the fetch loops too: the replica is not left "running"
         self.batches.release()
         self.publish_status(force=True)
 

@@ -14,6 +14,7 @@ from rlsync.errors import BucketError
 from rlsync.layout import status_key
 from rlsync.spaces.exchange import put_json
 from rlsync.spaces.metrics import STATUS_SYNCS, HubCounts, ReplicaStatus
+from rlsync.spaces.settings import space_owner
 from rlsync.supervised import crashes
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ def replica_status(replica) -> ReplicaStatus:
     applied, stats = replica.weights.step, replica.weights.stats
     return ReplicaStatus(
         replica_id=replica.replica_id,
+        host=space_owner(),
         engine=replica.engine.name,
         applied_step=applied,
         newest_step=newest,

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-CHROMIUM = "/usr/bin/chromium"
+#: Debian's Chromium, or the executable named by ``RLSYNC_CHROMIUM`` (a Chromium unpacked elsewhere).
+CHROMIUM = os.environ.get("RLSYNC_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = (
     "--headless",
     "--no-sandbox",

@@ -34,7 +34,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # soak; SLOW_TESTS names the slow tests of otherwise fast modules. The full suite (no -m) runs them all.
 SLOW_MODULES = frozenset({
     "test_adapter_serving", "test_app_lora", "test_browser", "test_checkpoint_chain", "test_codec_classgap", "test_hub_budget",
-    "test_space_export", "test_space_restarts",
+    "test_space_export", "test_space_restarts", "test_space_duplicates",
     "test_e2e", "test_e2e_lora", "test_env_openenv", "test_env_panel", "test_hub_fleet", "test_sharded", "test_sharded_background",
     "test_trackio", "test_transformers_engine", "test_trl_adapter_sync", "test_trl_bucket_sync", "test_trl_example",
     "test_trl_sharded", "test_trl_trainer", "test_vllm_engine", "test_vllm_gpu_path", "test_vllm_lora",

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from rlsync.defaults import DEFAULT_ANCHOR_INTERVAL, DEFAULT_CODEC, DEFAULT_MAX_CATCHUP_RATIO
 from rlsync.errors import ConfigurationError
 from rlsync.registry import Kind, check_choice, names
-from rlsync.spaces.settings import from_env, metrics_every_field, poll_field
+from rlsync.spaces.settings import bucket_field, from_env, metrics_every_field, poll_field
 
 if TYPE_CHECKING:
     from rlsync.adapters import LoraSpec
@@ -40,7 +40,7 @@ class ReportTo(str, enum.Enum):
 class TrainerConfig:
     """Settings of the trainer Space (environment variables ``TRAINER_<FIELD>``); they map onto TRL's ``AsyncGRPOConfig``."""
 
-    bucket: str = dataclasses.field(default="./runs/bucket", metadata={"help": "bucket URL or path (write access)"})
+    bucket: str = bucket_field("bucket URL or path (write access)")
     model: str = dataclasses.field(default="", metadata={"help": "model name or folder (default: Qwen/Qwen3-0.6B on a GPU, the tiny offline model on CPU)"})
     device: str = dataclasses.field(default="auto", metadata={"help": "torch device ('auto': cuda if available, else cpu)"})
     lr: float = dataclasses.field(default=0.0, metadata={"help": "learning rate (learning_rate); 0: 5e-4 for the tiny offline CPU model, 1e-6 for a real model (LoRA: 1e-3 and 1e-5)"})

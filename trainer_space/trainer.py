@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import shutil
 import tempfile
+import threading
 from typing import Any
 
 from transformers import TrainerCallback
@@ -314,3 +315,8 @@ class Trainer:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """The training thread, once started (the panel reads why it failed)."""
+        return [self._thread] if self._thread is not None else []

@@ -100,13 +100,14 @@ def from_env(
 
 
 def settings_table(cls: type, prefix: str) -> list[tuple[str, str, str]]:
-    """``(variable, default, description)`` rows for documentation (fields set from the environment only)."""
+    """``(variable, default, description)`` rows for documentation (fields set from the environment only; a default
+    computed when the settings are built shows its ``metadata["shown_default"]``)."""
     rows = []
     for field in dataclasses.fields(cls):
         var = env_name(field, prefix)
         if var is None:
             continue
-        default = field.default if field.default is not dataclasses.MISSING else ""
+        default = field.default if field.default is not dataclasses.MISSING else field.metadata.get("shown_default", "")
         rows.append((var, repr(default), field.metadata.get("help", "")))
     return rows
 

@@ -46,6 +46,8 @@ __all__ = [
     "CheckpointError",
     "DeployError",
     "StopRequested",
+    "BucketAccessError",
+    "ReplicaIdInUseError",
 ]
 
 
@@ -153,6 +155,11 @@ class TransientBucketError(BucketError, RetryableError):
         self.retry_after = retry_after
 
 
+class BucketAccessError(BucketError, ConfigurationError):
+    """The token may not write the bucket a role was given (another owner's namespace, a read-only token): the
+    message names the setting to change; retrying will not help."""
+
+
 class InvalidKeyError(BucketError, RefusedObjectError, ValueError):
     """An object key is not a safe relative path."""
 
@@ -189,6 +196,11 @@ class CheckpointError(RefusedObjectError, ValueError):
 
 class DeployError(ConfigurationError):
     """The deployment cannot be planned from this checkout (missing or inconsistent Space files)."""
+
+
+class ReplicaIdInUseError(ConfigurationError):
+    """Another host's replica writes a live status object under this replica's id: two replicas of one id would
+    overwrite each other's rollouts and status, so this one does not start."""
 
 
 class StopRequested(StopRoleError, RuntimeError):

@@ -11,9 +11,14 @@ huggingface_hub 2.4.0's bucket methods make:
 - ``POST /api/buckets/{id}/batch`` (batch_bucket_files' ndjson commit of add/delete operations);
 - ``HEAD /buckets/{id}/resolve/{path}`` (get_bucket_file_metadata: Xet hash and token refresh route);
 - ``GET /api/buckets/{id}/xet-{read,write}-token`` (the Xet token endpoint hf_xet calls itself);
+- ``GET /api/whoami-v2`` (:mod:`testing.hub.accounts`: users' tokens write only in their namespaces), and the
+  OpenID Connect provider of "Sign in with Hugging Face" (:mod:`testing.hub.openid`);
 - ``GET /api/buckets/{id}/events?cursor=...|since=...`` (the live-follow feed of
   ``huggingface_hub._bucket_live_follow``: server-sent ``changes``, ``ready``, ``reset`` and
   ``reconnect`` events, keep-alive comments; :meth:`HubServer.feed` turns it off or forces a reset).
+
+Of concurrent creates of one bucket one wins, the others get 409 as from the Hub. ``python -m testing.hub`` runs
+the stand-in as a process that several processes share (:mod:`testing.hub.__main__`).
 
 Rate limits (:meth:`HubServer.limit`) are the Hub's: per token, in fixed windows, API requests (every
 ``/api/...`` endpoint, Xet token endpoints and the feed included) and resolver requests
@@ -48,7 +53,6 @@ import json
 import random
 import re
 import socket
-import struct
 import tempfile
 import threading
 import time
@@ -57,7 +61,10 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from rlsync.bucket.budget import WINDOW_S, RequestClass, Tier, scaled_limit
+from testing.hub import control, openid
+from testing.hub.accounts import Accounts
 from testing.hub.events import serve_events
+from testing.hub.shards import xet_file_size
 
 #: Longest a stall may hold a request, whatever the test asked (keeps a broken test bounded).
 MAX_STALL_SECONDS = 30.0
@@ -133,8 +140,9 @@ class HubServer:
         self._httpd.hub = self  # type: ignore[attr-defined]
         self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="hub-server", daemon=True)
-        self._thread.start()
+        self.openid = openid.OpenIdProvider()
         self.reset()
+        self._thread.start()
 
     # -- test controls ---------------------------------------------------------------------------
 
@@ -172,6 +180,8 @@ class HubServer:
             self.feed_session_s = 300.0
             self.feed_ping_s = 15.0
             self._reset_pending = 0
+            self.accounts = Accounts()
+        self.openid.reset()
         self._release = threading.Event()
 
     def add_token(self, token: str, role: str = "write") -> None:
@@ -179,10 +189,19 @@ class HubServer:
         with self._lock:
             self.tokens[token] = role
 
-    def create_bucket(self, bucket_id: str) -> None:
+    def add_user(self, name: str, token: str, orgs: tuple[str, ...] = (), role: str = "write") -> None:
+        """Accept `token` as user `name`'s (in `orgs`): it writes only in their namespaces."""
+        self.accounts.add_user(name, token, orgs, role)
+        self.add_token(token, role)
+
+    def create_bucket(self, bucket_id: str) -> bool:
+        """Create `bucket_id`; whether it was created (``False``: it existed)."""
         with self._lock:
-            self.buckets.setdefault(bucket_id, {})
+            if bucket_id in self.buckets:
+                return False
+            self.buckets[bucket_id] = {}
             self.changes.setdefault(bucket_id, [])
+            return True
 
     def limit(self, tier: Tier | str | None, window_s: float = WINDOW_S) -> None:
         """Enforce `tier`'s limits per token in fixed windows of `window_s` seconds (the limits scaled
@@ -312,6 +331,11 @@ class HubServer:
         self._changed.notify_all()
 
 
+def _bearer(auth: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer`` header."""
+    return auth[len("Bearer ") :] if auth and auth.startswith("Bearer ") else None
+
+
 def _iso(t: float) -> str:
     return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
@@ -393,10 +417,14 @@ class _Handler(BaseHTTPRequestHandler):
         cls = RequestClass.RESOLVER if "/resolve/" in url.path else RequestClass.API if url.path.startswith("/api/") else None
         self._limits = {}
         if cls is not None:
-            token = auth[len("Bearer ") :] if auth and auth.startswith("Bearer ") else "anonymous"
+            token = _bearer(auth) or "anonymous"
             self._limits = self.hub._count(token, cls, self.command, url.path)
             if "Retry-After" in self._limits:
                 return self._error(429, "You have exceeded our rate limits", self._limits)
+        if url.path in openid.PATHS:
+            return openid.serve(self, url.path, parse_qs(url.query), body)
+        if url.path.startswith(control.PREFIX):
+            return control.serve(self, url.path, body)
         if side == "storage":  # only reached through a grant that handed out a storage fault
             return self._apply_fault(self.hub.storage_fault)
         fault = self.hub._take_fault(side, self.command, url.path)
@@ -410,8 +438,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._api(path, url.path, parse_qs(url.query), body, role)
 
     def _role(self, auth: str | None) -> str | None:
-        token = auth[len("Bearer ") :] if auth and auth.startswith("Bearer ") else None
-        return self.hub.tokens.get(token or "")
+        return self.hub.tokens.get(_bearer(auth) or "")
 
     do_GET = do_POST = do_HEAD = do_DELETE = do_PUT = lambda self: self._dispatch()  # noqa: E731
 
@@ -425,7 +452,7 @@ class _Handler(BaseHTTPRequestHandler):
         role = self._role(auth)
         if role is None:
             return self._error(401, "Invalid credentials in Authorization header")
-        if kind == "write" and role != "write":
+        if kind == "write" and not self._may_write(role, auth, bucket_id):
             return self._error(403, "You don't have write access to this bucket")
         if bucket_id not in self.hub.buckets:
             return self._error(404, "Bucket not found", {"X-Error-Code": "RepoNotFound"})
@@ -441,7 +468,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- Hub API --------------------------------------------------------------------------------
 
+    def _may_write(self, role: str, auth: str | None, bucket_id: str) -> bool:
+        return role == "write" and self.hub.accounts.may_write(_bearer(auth), bucket_id.split("/")[0])
+
     def _api(self, path: str, raw_path: str, query: dict, body: bytes, role: str) -> None:
+        if raw_path == "/api/whoami-v2":
+            found = self.hub.accounts.whoami(_bearer(self.headers.get("Authorization")))
+            return self._send(200, found) if found else self._error(401, "Invalid credentials in Authorization header")
         match = re.fullmatch(r"/api/buckets/([^/]+)/([^/]+)", raw_path)
         if match:
             return self._bucket(f"{match[1]}/{match[2]}", role)
@@ -457,7 +490,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._tree(bucket_id, unquote((match[3] or "/")[1:]), query)
             if op == "paths-info":
                 return self._paths_info(bucket_id, json.loads(body or b"{}").get("paths", []))
-            if role != "write":
+            if not self._may_write(role, self.headers.get("Authorization"), bucket_id):
                 return self._error(403, "You don't have write access to this bucket")
             return self._batch(bucket_id, body)
         match = re.fullmatch(r"/buckets/([^/]+/[^/]+)/resolve/(.+)", raw_path)
@@ -468,11 +501,12 @@ class _Handler(BaseHTTPRequestHandler):
     def _bucket(self, bucket_id: str, role: str) -> None:
         exists = bucket_id in self.hub.buckets
         if self.command == "POST":
-            if role != "write":
+            if not self._may_write(role, self.headers.get("Authorization"), bucket_id):
                 return self._error(403, "You don't have the rights to create a bucket in this namespace")
-            if exists:
-                return self._error(409, "You already created this bucket")
-            self.hub.create_bucket(bucket_id)
+            if not self.hub.create_bucket(bucket_id):  # checked and created at once: one of two racing creates wins
+                message = "You already created this bucket"  # with its url, which create_bucket(exist_ok=True) reads
+                return self._send(409, {"error": message, "url": f"{self.hub.url}/buckets/{bucket_id}"},
+                                  {"X-Error-Message": message})  # fmt: skip
             return self._send(200, {"url": f"{self.hub.url}/buckets/{bucket_id}", "id": bucket_id})
         if not exists:
             return self._error(404, "Bucket not found", {"X-Error-Code": "RepoNotFound"})
@@ -514,7 +548,7 @@ class _Handler(BaseHTTPRequestHandler):
         with self.hub._lock:
             for op in operations:
                 if op["type"] == "addFile":
-                    size = _xet_file_size(self.hub.storage, op["xetHash"])
+                    size = xet_file_size(self.hub.storage, op["xetHash"])
                     if size is None:
                         failed.append({"path": op["path"], "error": "unknown xet hash"})
                         continue
@@ -539,31 +573,3 @@ class _Handler(BaseHTTPRequestHandler):
         refresh = f"{self.hub.url}/api/buckets/{bucket_id}/xet-read-token"
         self._send(200, b"", {"X-Xet-Hash": meta["xetHash"], "Link": f'<{refresh}>; rel="xet-auth"',
                               "X-Linked-Size": str(meta["size"])})
-
-
-def _xet_file_size(storage: Path, xet_hash: str) -> int | None:
-    """The size of the file `xet_hash` according to the shards in the ``local://`` CAS, or None.
-
-    A shard (xet-core's MDB format, version 2) starts with a 48-byte header, then one record per
-    file: a 48-byte header (file hash, flags, entry count, padding), 48-byte segment entries whose
-    unpacked byte counts add up to the file size, then optional verification entries (flag bit 31,
-    one per segment) and a metadata extension (flag bit 30); a hash of all 0xff bytes ends the list.
-    """
-    for shard in (storage / "xet" / "xorbs" / "shards").glob("*.mdb"):
-        data = shard.read_bytes()
-        pos = 48
-        while pos + 48 <= len(data):
-            raw = data[pos : pos + 32]
-            if raw == b"\xff" * 32:
-                break
-            flags, entries = struct.unpack_from("<II", data, pos + 32)
-            size = sum(struct.unpack_from("<I", data, pos + 48 + 48 * i + 36)[0] for i in range(entries))
-            if _hash_hex(raw) == xet_hash:
-                return size
-            pos += 48 * (1 + entries * (2 if flags & 1 << 31 else 1) + (1 if flags & 1 << 30 else 0))
-    return None
-
-
-def _hash_hex(raw: bytes) -> str:
-    """xet-core's hex form of a 32-byte hash: four little-endian u64 words, each as 16 hex digits."""
-    return "".join(f"{word:016x}" for word in struct.unpack("<4Q", raw))

@@ -21,10 +21,8 @@ import json
 import os
 import re
 import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -50,6 +48,7 @@ pytest.importorskip("playwright.sync_api", reason="the playwright package is not
 from playwright.sync_api import TimeoutError as PlaywrightTimeout  # noqa: E402
 
 from testing.panel_browser import CHROMIUM, TABS, ConsoleLog, open_browser  # noqa: E402
+from testing.served import LoggedProcess, poll_until  # noqa: E402
 
 if not os.path.exists(CHROMIUM):
     pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium)", allow_module_level=True)
@@ -83,39 +82,20 @@ class App:
             "--replicas",
             "1",
         ]
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 (held open for the subprocess; closed in close())
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.process = LoggedProcess(cmd, cwd=ROOT, env=env, log=self.log_path)
 
     def log_tail(self, n: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-n:]
+        return self.process.log_tail(n)
 
     def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"app.py exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url, timeout=5) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"the panel did not come up in {timeout}s:\n{self.log_tail()}")
+        self.process.wait_served(self.url, "app.py", timeout)
 
     def manifest(self) -> dict | None:
         path = self.bucket / "latest.json"
         return json.loads(path.read_bytes()) if path.exists() else None
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()  # SIGTERM: app.py stops the roles and exits
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
+        self.process.close()  # SIGTERM: app.py stops the roles and exits
 
 
 @pytest.fixture
@@ -131,21 +111,17 @@ def app(tmp_path: Path) -> Iterator[App]:
 
 def wait_for(what: str, check: Callable[[], object], timeout: float, app: App, page=None, every: float = 0.5) -> object:
     """Poll ``check`` until it returns something truthy; fail with the page's state and the app's log otherwise."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(every)
-    shown = ""
-    if page is not None:
-        page.screenshot(path=TIMEOUT_SCREENSHOT, full_page=True)
-        selected = page.get_by_role("tab", selected=True).all_inner_texts()
-        table = page.locator("#trainer-recent-publishes").inner_text()[:600]
-        shown = f"\nselected tab: {selected}; trainer table: {table!r}; screenshot: {TIMEOUT_SCREENSHOT}"
-    raise AssertionError(
-        f"timed out after {timeout}s waiting for {what}{shown}\n--- app.py log tail ---\n{app.log_tail()}"
-    )
+
+    def describe() -> str:
+        shown = ""
+        if page is not None:
+            page.screenshot(path=TIMEOUT_SCREENSHOT, full_page=True)
+            selected = page.get_by_role("tab", selected=True).all_inner_texts()
+            table = page.locator("#trainer-recent-publishes").inner_text()[:600]
+            shown = f"selected tab: {selected}; trainer table: {table!r}; screenshot: {TIMEOUT_SCREENSHOT}\n"
+        return f"{shown}--- app.py log tail ---\n{app.log_tail()}"
+
+    return poll_until(what, check, timeout, describe, every)
 
 
 def show_tab(page, label: str) -> None:

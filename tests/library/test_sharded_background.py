@@ -101,11 +101,13 @@ def test_a_worker_failing_alone_surfaces_on_every_rank_once_the_peer_times_out_w
 
 def test_rank_killed_mid_background_publish_leaves_the_previous_version_and_a_restarted_group_continues(tmp_path):
     bucket_dir = tmp_path / "bucket"
-    with pytest.raises(mp.ProcessExitedException):  # rank 1's worker dies as it uploads its part of delta 2
-        _spawn(bucket_dir, tmp_path / "r1.json", 4, fault_rank=1, die_on="deltas/000000000002")
+    # rank 1's worker dies as it uploads its part of the first delta, whichever version that is: on a loaded
+    # machine the background workers fall behind and coalesce versions, so a named step may never be uploaded
+    with pytest.raises(mp.ProcessExitedException):
+        _spawn(bucket_dir, tmp_path / "r1.json", 4, fault_rank=1, die_on="deltas/")
     bucket = LocalBucket(bucket_dir)
     before = read_manifest(bucket)
-    assert before.step < 2 and verify_bucket(bucket).ok
+    assert before.step == 0 and before.newest_anchor.step == 0 and verify_bucket(bucket).ok  # the anchor alone
     follower = Subscriber(bucket)
     follower.sync()
     assert follower.step == before.step and follower.fetch() is None  # nothing half-written shows

@@ -176,8 +176,7 @@ def hub(monkeypatch) -> type[RecordingHfApi]:
 
 def run(*argv: str) -> tuple[int, str]:
     out = io.StringIO()
-    login = () if os.environ.get("PANEL_AUTH") else ("--allow-no-login",)  # refused without either
-    rc = deploy.main(["--namespace", NS, *login, *argv], out=out)
+    rc = deploy.main(["--namespace", NS, *argv], out=out)
     return rc, out.getvalue()
 
 
@@ -199,12 +198,10 @@ def test_deploy_makes_the_exact_calls(hub):
     assert rc == 0, out
     [api] = hub.instances
     assert api.token == TOKEN
-    bucket = f"hf://buckets/{NS}/rl-sync"
-    expected_vars = {
-        f"{NS}/rl-sync-trainer": {"TRAINER_BUCKET": bucket, "TRAINER_MODEL": "Qwen/Qwen3-0.6B"},
-        f"{NS}/rl-sync-rollout": {"ROLLOUT_BUCKET": bucket, "ROLLOUT_MODEL": "Qwen/Qwen3-0.6B",
-                                  "ROLLOUT_REPLICA_ID": "rl-sync-rollout"},
-        f"{NS}/rl-sync-env": {"ENV_BUCKET": bucket},
+    expected_vars = {  # the default bucket and replica ids are the Spaces' own: nothing a duplicate would inherit
+        f"{NS}/rl-sync-trainer": {"TRAINER_MODEL": "Qwen/Qwen3-0.6B"},
+        f"{NS}/rl-sync-rollout": {"ROLLOUT_MODEL": "Qwen/Qwen3-0.6B"},
+        f"{NS}/rl-sync-env": {},
     }  # fmt: skip
     hardware = {f"{NS}/rl-sync-trainer": "a10g-small", f"{NS}/rl-sync-rollout": "l4x1", f"{NS}/rl-sync-env": None}
 
@@ -269,10 +266,7 @@ def test_no_space_settings_without_gpu_hardware(hub):
     rc, out = run()
     assert rc == 0, out
     [api] = hub.instances
-    variables = {(c.args[0], c.args[1]) for c in api.of("add_space_variable")}
-    assert variables == {(f"{NS}/rl-sync-trainer", "TRAINER_BUCKET"), (f"{NS}/rl-sync-rollout", "ROLLOUT_BUCKET"),
-                         (f"{NS}/rl-sync-rollout", "ROLLOUT_REPLICA_ID"),
-                         (f"{NS}/rl-sync-env", "ENV_BUCKET")}  # fmt: skip
+    assert not api.of("add_space_variable")  # nothing owner-specific: the defaults of a Space of NS are right
     assert not api.of("request_space_hardware")
     assert "hardware: unchanged" in out
 
@@ -284,10 +278,9 @@ def test_replicas_make_one_rollout_space_each(hub):
     rollout = [f"{NS}/exp-rollout-{i}" for i in (1, 2, 3)]
     assert [c.args[0] for c in api.of("create_repo")] == [f"{NS}/exp-trainer", *rollout, f"{NS}/exp-env"]
     assert [c.args[0] for c in api.of("request_space_hardware")] == rollout
-    ids = [c.args[2] for c in api.of("add_space_variable") if c.args[1] == "ROLLOUT_REPLICA_ID"]
-    assert ids == ["exp-rollout-1", "exp-rollout-2", "exp-rollout-3"]
-    buckets = {c.args[2] for c in api.of("add_space_variable") if c.args[1].endswith("_BUCKET")}
-    assert buckets == {f"hf://buckets/{NS}/shared-bkt"}
+    assert not [c for c in api.of("add_space_variable") if c.args[1] == "ROLLOUT_REPLICA_ID"]  # from each SPACE_ID
+    buckets = {(c.args[0], c.args[2]) for c in api.of("add_space_variable") if c.args[1].endswith("_BUCKET")}
+    assert buckets == {(s, f"hf://buckets/{NS}/shared-bkt") for s in [f"{NS}/exp-trainer", *rollout, f"{NS}/exp-env"]}
     assert api.of("create_bucket")[0].args == (f"{NS}/shared-bkt",)
 
 
@@ -441,6 +434,7 @@ def _checkout(tmp_path: Path) -> Path:
     [
         (lambda t: t.replace("app_file: app.py", "app_file: missing.py"), "app_file"),
         (lambda t: t.replace("sdk: gradio", "sdk: docker"), "sdk: gradio"),
+        (lambda t: t.replace("hf_oauth: true\n", ""), "hf_oauth: true"),  # the owner's sign-in to the panel
     ],
 )
 def test_inconsistent_space_files_are_refused(tmp_path, edit, message):
@@ -492,8 +486,16 @@ def test_readme_front_matter(role):
     assert data["suggested_hardware"] in {h.value for h in SpaceHardware}
     assert deploy.is_gpu(data["suggested_hardware"]) == bool(role.uses_model)
     if role.uses_model:
-        assert data["preload_from_hub"] == [deploy.DEFAULT_MODEL]
+        assert data["models"] == [deploy.DEFAULT_MODEL]
+        [preload] = data["preload_from_hub"]
+        repo, files, revision = preload.split()  # pinned: every replica starts from the trainer's weights
+        assert repo == deploy.DEFAULT_MODEL and "model.safetensors" in files.split(",") and re.fullmatch("[0-9a-f]{40}", revision)
+    assert ("startup_duration_timeout" in data) == (role.name == "rollout")  # vLLM's first start is long
+    assert data["hf_oauth"] is True and "hf_oauth_scopes" not in data  # "openid profile" only: who signed in
     assert "HF_TOKEN" in card.text and "duplicate_repo" in card.text
+    steps = card.text.split("## Duplicate this Space\n", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"^(\d)\. \*\*(.+?)\*\*", steps, re.M) == [
+        ("1", "Duplicate"), ("2", "Set `HF_TOKEN`"), ("3", "Sign in and press Start")]
 
 
 @pytest.mark.parametrize("gpu", [False, True])
@@ -506,16 +508,16 @@ def test_deployed_variables_are_real_settings(gpu):
         known = {variable for variable, _, _ in settings_table(cls, space.role.env_prefix)}
         assert set(space.variables) <= known
         config = from_env(cls, space.role.env_prefix, environ=space.variables)
-        assert config.bucket == f"hf://buckets/{NS}/rl-sync"
+        assert config.bucket == "./runs/bucket"  # off a Space; on one, the owner's bucket (test_settings.py)
         if space.role.name == "rollout":
-            assert config.engine == "auto" and config.replica_id == "rl-sync-rollout"  # auto: vLLM on a GPU
+            assert config.engine == "auto" and config.replica_id == ""  # auto: vLLM on a GPU; the id from SPACE_ID
         if space.role.uses_model:
             assert config.device == "auto"  # auto: cuda when the Space has a GPU
             assert config.model == ("/models/Qwen3-0.6B" if gpu else "")
             # the rest comes from the role's own defaults for that model: the same for a duplicated Space
             resolved = config.with_model_defaults("cuda" if gpu else "cpu")
             if space.role.name == "rollout":
-                assert resolved.max_new_tokens == (64 if gpu else 8)
+                assert resolved.max_new_tokens == (512 if gpu else 8)
             else:
                 assert (resolved.lr, resolved.adam_epsilon) == ((1e-6, 1e-8) if gpu else (5e-4, 3e-3))
 
@@ -650,15 +652,9 @@ def test_requirements_pin_the_tested_versions(role):
     assert "torch" in names
 
 
-def test_deploy_refuses_spaces_without_a_panel_login(hub, capsys):
-    """Without PANEL_AUTH the Spaces' panels would refuse every control: deploy says how to set it and
-    calls nothing, unless --allow-no-login."""
-    for extra in ((), ("--dry-run",)):
-        out = io.StringIO()
-        assert deploy.main(["--namespace", NS, *extra], out=out) == 2
-        err = capsys.readouterr().err
-        assert "PANEL_AUTH is not set" in err and "export PANEL_AUTH=admin:" in err and "--allow-no-login" in err
-    assert [api.names() for api in hub.instances] == []
-    assert deploy.main(["--namespace", NS, "--allow-no-login"], out=io.StringIO()) == 0
+def test_deploy_needs_no_panel_auth(hub):
+    """Every Space signs its owner in with Hugging Face (hf_oauth: true, checked by space_files), so deploy needs no
+    PANEL_AUTH: HF_TOKEN is the only secret it sets then."""
+    assert deploy.main(["--namespace", NS], out=io.StringIO()) == 0
     [api] = hub.instances
     assert {c.args[1] for c in api.of("add_space_secret")} == {"HF_TOKEN"}

@@ -85,10 +85,29 @@ def panel(tmp_path, clean_env):
         demo.close()
 
 
-def call(client, name: str):
+def call(client, name: str, demo=None):
+    """Call a control by API name. The controls are off the API page (``api_visibility="undocumented"``), so the
+    client knows no defaults for their inputs: the form's values are sent, read from ``demo``."""
     if name == "trainer_apply_anchor_policy":
         return client.predict("fixed", 3, 2.0, api_name=f"/{name}")
-    return client.predict(api_name=f"/{name}")
+    values = [] if demo is None else control_inputs(demo, name)
+    return client.predict(*values, api_name=f"/{name}")
+
+
+def control_inputs(demo, name: str) -> list:
+    """The initial values of the inputs of the event ``name`` of ``demo``."""
+    [fn] = [fn for fn in demo.fns.values() if fn.api_name == name]
+    return [component.value for component in fn.inputs]
+
+
+def test_controls_are_off_the_api_page_and_still_refused(panel):
+    demo, url, started, stack = panel("0.0.0.0")
+    client = gradio_client.Client(url, verbose=False)
+    info = httpx.get(f"{url}gradio_api/info", timeout=10).json()
+    documented = set(info["named_endpoints"]) | set(info.get("unnamed_endpoints", {}))
+    assert not {f"/{name}" for name in CONTROLS} & documented, documented
+    assert "/trainer_start_trainer" in {f"/{fn.api_name}" for fn in demo.fns.values()}  # still an endpoint
+    assert "PANEL_AUTH" in str(call(client, "trainer_start_trainer", demo)) and started == []
 
 
 def test_default_bind_is_loopback_and_a_space_listens_everywhere(clean_env):
@@ -111,7 +130,7 @@ def test_loopback_panel_controls_work_without_login(panel):
     demo, url, started, stack = panel()
     assert demo.server_name == "127.0.0.1"
     client = gradio_client.Client(url, verbose=False)
-    assert "running" in call(client, "trainer_start_trainer")
+    assert "running" in call(client, "trainer_start_trainer", demo)
     assert started == ["trainer"]
 
 
@@ -119,7 +138,7 @@ def test_exposed_panel_without_login_refuses_every_control(panel, tmp_path):
     demo, url, started, stack = panel("0.0.0.0")
     client = gradio_client.Client(url, verbose=False)
     for name in CONTROLS:
-        assert "PANEL_AUTH" in str(call(client, name)), name
+        assert "PANEL_AUTH" in str(call(client, name, demo)), name
     assert started == [] and not any(r.objects for r in stack.runners)
     assert not LocalBucket(tmp_path / "bucket").exists(CONTROL_KEY)  # the anchor policy was not written
     assert sum(access.REFUSED.values()) >= len(CONTROLS)
@@ -138,9 +157,9 @@ def test_panel_auth_applies_wherever_it_is_set(panel, clean_env, tmp_path, host)
     client = gradio_client.Client(url, auth=LOGIN, verbose=False)
     assert "Applied" in call(client, "trainer_apply_anchor_policy")
     assert json.loads(LocalBucket(tmp_path / "bucket").get(CONTROL_KEY))["interval"] == 3
-    assert "running" in call(client, "env_start_env")
+    assert "running" in call(client, "env_start_env", demo)
     assert started == ["env"]
-    call(client, "env_stop_env")
+    call(client, "env_stop_env", demo)
 
 
 def test_space_panel_without_login_refuses_and_says_how(clean_env):

@@ -76,7 +76,8 @@ def test_export_writes_each_space_exactly_as_deploy_uploads_it(exported):
         written = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
         assert written == set(files)
         assert all((folder / path).read_bytes() == local.read_bytes() for path, local in files.items())
-    assert "ROLLOUT_REPLICA_ID=rl-sync-rollout" in (exported / VARIABLES_FILE).read_text()
+    variables = (exported / VARIABLES_FILE).read_text()
+    assert "_BUCKET=" not in variables and "REPLICA_ID" not in variables  # nothing of the template's owner
 
 
 def _requirements(folder: Path, drop: tuple[str, ...]) -> Path:

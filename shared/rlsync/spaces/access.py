@@ -36,12 +36,9 @@ HOW_TO_LOGIN = (
 )
 
 
-#: Why ``python -m rlsync.spaces.deploy`` refuses to deploy without ``PANEL_AUTH``.
-DEPLOY_REFUSAL = (
-    f"error: {AUTH_ENV} is not set, so the Spaces' panels would have no login and refuse every control (Start, Stop, "
-    f"anchor policy, settings). Set it first, e.g. export {AUTH_ENV}=admin:$(openssl rand -hex 12), and it becomes each "
-    f"Space's {AUTH_ENV} secret; or pass --allow-no-login to deploy anyway and add the secret (or OAuth) later"
-)
+#: Options of every control's event: off the page's API documentation ("Use via API"), still callable, and
+#: still refused server-side to whoever :func:`check_control` refuses.
+CONTROL_EVENT: dict[str, Any] = {"api_visibility": "undocumented"}
 
 
 class Login(enum.Enum):
@@ -149,12 +146,23 @@ class PanelAccess:
         return f"this panel is reachable by others and has no login, so its controls are off: {HOW_TO_LOGIN}"
 
 
+    def notice(self, request: Any = None) -> str:
+        """The line a panel shows above its controls before any click: whether they are on for this visitor, and
+        how to turn them on ("" when there is nothing to say: a local panel, or a password login already passed)."""
+        if not self.exposed or self.auth is not None:
+            return ""
+        if not self.oauth:
+            return f":no_entry: **Controls are off**: this panel is reachable by others and has no login. To turn them on, {HOW_TO_LOGIN}."
+        reason = self.refusal(request)
+        if reason is None:
+            name, _ = oauth_identity(request)
+            return f"Signed in as **{name}**: the controls are on."
+        return f":lock: **Controls are off**: {reason}."
+
+
 def oauth_identity(request: Any) -> tuple[str | None, frozenset[str]]:
     """The Hugging Face user name and organisations of an OAuth session (``None`` when not logged in)."""
-    try:
-        info = request.session.get("oauth_info")
-    except Exception:  # noqa: BLE001 - no session middleware (OAuth off) or no request
-        return None, frozenset()
+    info = _session(request).get("oauth_info")
     if not isinstance(info, dict) or (info.get("expires_at") or float("inf")) < time.time():
         return None, frozenset()
     userinfo = info.get("userinfo") or {}
@@ -163,6 +171,19 @@ def oauth_identity(request: Any) -> tuple[str | None, frozenset[str]]:
     orgs = orgs if isinstance(orgs, list) else []
     names = frozenset(o.get("preferred_username", "") for o in orgs if isinstance(o, dict))
     return (name if isinstance(name, str) and name else None), names
+
+
+def _session(request: Any) -> Mapping[str, Any]:
+    """The session of a call: a ``gr.Request``'s Starlette request's, read from its scope (``gr.Request`` itself
+    hands attributes out as copies of another type, and Starlette asserts when no session middleware runs); a
+    plain ``session`` mapping otherwise (tests); empty without one."""
+    underlying = getattr(request, "request", None) or request
+    scope = getattr(underlying, "scope", None)
+    if isinstance(scope, dict):
+        session = scope.get("session")
+    else:
+        session = getattr(underlying, "session", None)
+    return session if isinstance(session, Mapping) else {}
 
 
 def launch_access(blocks: Any) -> PanelAccess:
@@ -174,15 +195,25 @@ def launch_access(blocks: Any) -> PanelAccess:
     return dataclasses.replace(access, host=getattr(blocks, "server_name", None) or access.host, auth=auth)
 
 
-def check_control(request: Any) -> str | None:
-    """Why a control call is refused (logged, counted per reason), or ``None``; reads the access of the
-    ``gr.Blocks`` that serves ``request`` (so the bind address it was really launched with counts)."""
+def served_access(request: Any) -> PanelAccess:
+    """The access of the ``gr.Blocks`` that serves ``request`` (so the bind address it was really launched with
+    counts); the environment's for a call not served by Gradio."""
     blocks = None
     try:
         blocks = request.request.app.get_blocks()
     except Exception:  # noqa: BLE001 - not served by Gradio (a direct call in-process): the environment decides
         pass
-    reason = launch_access(blocks).refusal(request)
+    return launch_access(blocks)
+
+
+def control_notice(request: Any) -> str:
+    """:meth:`PanelAccess.notice` for the visitor of ``request`` (a page-load event's)."""
+    return served_access(request).notice(request)
+
+
+def check_control(request: Any) -> str | None:
+    """Why a control call is refused (logged, counted per reason), or ``None`` (:func:`served_access`)."""
+    reason = served_access(request).refusal(request)
     if reason is not None:
         REFUSED[reason] = REFUSED.get(reason, 0) + 1
         if REFUSED[reason] in (1, 10, 100, 1000):

@@ -20,7 +20,7 @@ import pandas as pd
 
 from ..errors import BucketError
 from ..protocol import AnchorPolicy
-from .access import Login, LoginGate, PanelAccess, guarded
+from .access import CONTROL_EVENT, Login, LoginGate, PanelAccess, control_notice, guarded
 from ..protocol.policy import policy_names
 from .anchor_policy import current_policy, describe_policy, make_policy, setting_fields, write_policy
 from .charts import Chart, Labels, Mark, Scale
@@ -217,7 +217,11 @@ TRAINING_CHARTS = training_charts()
 
 
 def chart_plot(
-    source: BucketSource | Live, chart: Chart, frame: Callable[[BucketView, Snapshot], pd.DataFrame], elem_id: str
+    source: BucketSource | Live,
+    chart: Chart,
+    frame: Callable[[BucketView, Snapshot], pd.DataFrame],
+    elem_id: str,
+    hide_empty: bool = False,
 ) -> Any:
     """A ``gr.Plot`` of ``chart`` drawing ``frame(view, snapshot)`` at every refresh.
 
@@ -226,11 +230,18 @@ def chart_plot(
         chart: What to draw (:mod:`.charts`).
         frame: The plot's data from the bucket's view and snapshot (:mod:`.frames`).
         elem_id: The plot's ``elem_id``.
+        hide_empty: Leave the plot out of the page while it has nothing to draw (a chart that stays empty for
+            some runs, as the MoE chart of a dense model), instead of an empty box.
     """
     import gradio as gr
 
-    plot = gr.Plot(None, show_label=False, elem_id=elem_id)
-    _show(source, plot, lambda view, snap: plot_data(chart, frame(view, snap)))
+    plot = gr.Plot(None, show_label=False, elem_id=elem_id, visible=not hide_empty)
+
+    def render(view: BucketView, snap: Snapshot) -> Any:
+        data = plot_data(chart, frame(view, snap))
+        return gr.update(value=data, visible=data is not None) if hide_empty else data
+
+    _show(source, plot, render)
     return plot
 
 
@@ -329,8 +340,10 @@ def training_plots(source: BucketSource | Live, prefix: str = "") -> list[Any]:
 
 
 def expert_plot(source: BucketSource | Live, prefix: str = "") -> Any:
-    """A MoE run's changed percentage of each expert per delta (empty for a dense model; docs/moe.md)."""
-    return chart_plot(source, EXPERT_CHART, lambda view, snap: expert_change_frame(snap), f"{prefix}plot-experts")
+    """A MoE run's changed percentage of each expert per delta (docs/moe.md); not drawn for a dense model."""
+    return chart_plot(
+        source, EXPERT_CHART, lambda view, snap: expert_change_frame(snap), f"{prefix}plot-experts", hide_empty=True
+    )
 
 
 def frame_table(source: BucketSource | Live, frame: Callable[[Snapshot], Any], label: str, elem_id: str, **options: Any) -> Any:
@@ -440,7 +453,7 @@ def anchor_policy_controls(
     def on_apply(kind: str, *values: float | None) -> str:
         try:
             new = make_policy(kind, dict(zip(inputs, values)))
-            write_policy(bucket_view(live.source).bucket, new)
+            write_policy(bucket_view(live.source).open(create=True), new)
         except (ValueError, BucketError) as exc:
             logger.warning("anchor policy not applied: %s", redact(str(exc)))
             return redact(f":x: not applied: {exc}")
@@ -452,7 +465,7 @@ def anchor_policy_controls(
 
     apply.click(
         guarded(on_apply, lambda why: f":no_entry: not applied: {why}"), inputs=[policy, *inputs.values()],
-        outputs=result, api_name=f"{prefix}apply_anchor_policy".replace("-", "_"),
+        outputs=result, api_name=f"{prefix}apply_anchor_policy".replace("-", "_"), **CONTROL_EVENT,
     )  # fmt: skip
     live.add(current, lambda view, snap: describe_policy(current_policy(snap, default)))
     root = gr.context.Context.root_block
@@ -477,7 +490,8 @@ def role_controls(
     on_started: Callable[[Any], None] | None = None,
     prefix: str = "",
 ) -> dict[str, Any]:
-    """Start / Stop buttons and a status line for a :class:`RoleRunner`.
+    """Start / Stop buttons, the role's status line (refreshed) and the last action's result (a refusal or an
+    invalid setting stays shown until the next Start or Stop, which the refresh does not overwrite).
 
     Args:
         runner: The role this panel hosts.
@@ -488,7 +502,7 @@ def role_controls(
         prefix: Prepended to the components' ``elem_id`` (``<prefix>start-<name>``, ...).
 
     Returns:
-        ``{"start", "stop", "status"}`` components.
+        ``{"start", "stop", "status", "result"}`` components.
     """
     import gradio as gr
 
@@ -497,6 +511,7 @@ def role_controls(
         start = gr.Button(f"Start {name}", variant="primary", elem_id=f"{prefix}start-{name}")
         stop = gr.Button(f"Stop {name}", variant="stop", elem_id=f"{prefix}stop-{name}")
     status = gr.Markdown(runner.status(), elem_id=f"{prefix}status-{name}")
+    result = gr.Markdown("", elem_id=f"{prefix}result-{name}")
 
     def on_start(*values: Any) -> str:
         try:
@@ -508,15 +523,15 @@ def role_controls(
         return runner.start(config)
 
     start.click(
-        guarded(on_start, lambda why: f"**{name}**: not started: {why}"), inputs=list(inputs), outputs=status,
-        api_name=f"{prefix}start_{name}".replace("-", "_"),
+        guarded(on_start, lambda why: f":no_entry: **{name}**: not started: {why}"), inputs=list(inputs),
+        outputs=result, api_name=f"{prefix}start_{name}".replace("-", "_"), **CONTROL_EVENT,
     )  # fmt: skip
     stop.click(
-        guarded(lambda: runner.stop(wait=False), lambda why: f"**{name}**: not stopped: {why}"), outputs=status,
-        api_name=f"{prefix}stop_{name}".replace("-", "_"),
+        guarded(lambda: runner.stop(wait=False), lambda why: f":no_entry: **{name}**: not stopped: {why}"),
+        outputs=result, api_name=f"{prefix}stop_{name}".replace("-", "_"), **CONTROL_EVENT,
     )  # fmt: skip
     live.add(status, lambda view, snap: runner.status())
-    return {"start": start, "stop": stop, "status": status}
+    return {"start": start, "stop": stop, "status": status, "result": result}
 
 
 def login_button() -> Any | None:
@@ -527,7 +542,9 @@ def login_button() -> Any | None:
 
 
 def space_page(title: str, description: str, build: Callable[[], Any]) -> Any:
-    """A Space's page as a ``gr.Blocks`` (not launched): its heading, the login button, then what ``build`` adds.
+    """A Space's page as a ``gr.Blocks`` (not launched): its heading, the login button, whether the controls are on
+    for this visitor (:func:`~.access.control_notice`, in the page as served and again at each page load), then what
+    ``build`` adds.
 
     Args:
         title: The role, e.g. ``"trainer"`` (the page is titled ``RL Sync: <title>``).
@@ -539,6 +556,13 @@ def space_page(title: str, description: str, build: Callable[[], Any]) -> Any:
     with gr.Blocks(title=f"RL Sync: {title}") as demo:
         gr.Markdown(f"# RL Sync: {title}\n{description}")
         login_button()
+        notice = gr.Markdown(PanelAccess.from_env().notice(), elem_id="controls-notice")
+
+        def on_load(request):  # annotated below with the real class: Gradio injects the request by type
+            return control_notice(request)
+
+        on_load.__annotations__ = {"request": gr.Request}
+        demo.load(on_load, outputs=notice, show_progress="hidden", api_visibility="private")
         build()
     return demo
 

@@ -11,9 +11,11 @@ updates the deployment in place):
 2. For each Space (``<prefix>-trainer``, ``<prefix>-env``, and ``<prefix>-rollout`` or
    ``<prefix>-rollout-1`` .. ``-N`` for ``--replicas N``):
    ``create_repo(repo_type="space", space_sdk="gradio", exist_ok=True)``; the ``HF_TOKEN`` secret;
-   the ``<ROLE>_BUCKET`` variable (plus the model when the Space gets GPU hardware, and
-   ``ROLLOUT_REPLICA_ID`` on rollout Spaces; every other default, e.g. device, engine, learning rate,
-   completion length, is the role's own for its hardware and model, the same for a duplicated Space); volumes when asked for
+   the model variable when the Space gets GPU hardware, and ``<ROLE>_BUCKET`` only for a bucket other than
+   the Space default (``hf://buckets/<namespace>/rl-sync``, :func:`.settings.default_bucket`). Nothing
+   owner-specific otherwise: a duplicate inherits the variables, and the defaults (the owner's bucket, a replica id
+   from the Space's id; device, engine, learning rate, completion length for the hardware and model) are right
+   for whoever owns it; volumes when asked for
    (``set_space_volumes``); the hardware when one is given; and last one commit with the Space's
    files, so the first build already sees its settings.
 
@@ -32,10 +34,10 @@ The commit adds and overwrites files; a file deleted from the checkout stays in 
 
 The access token is read from ``HF_TOKEN`` only. It is sent as the Spaces' ``HF_TOKEN`` secret and
 never printed or logged; use a fine-grained token that can write to the namespace's repos and
-the bucket. ``PANEL_AUTH`` (``user:password``) becomes every Space's ``PANEL_AUTH`` secret, so
-the panels' Start/Stop, policy and settings controls ask for that login. Without it the command
-refuses to deploy (a Space's panel without a login refuses every control call), unless
-``--allow-no-login`` says to go on anyway.
+the bucket. Every Space signs its owner in with Hugging Face (``hf_oauth: true`` in each README, checked here), so
+its panel's Start/Stop, policy and settings controls work for the owner (and ``PANEL_OAUTH_ORG``'s members) with no
+secret but ``HF_TOKEN``. ``PANEL_AUTH`` (``user:password``), when set, becomes every Space's ``PANEL_AUTH`` secret:
+a password login besides.
 ``--dry-run`` prints the calls it would make and calls nothing. ``--export DIR`` writes each Space's
 folder exactly as it would be uploaded (:mod:`.export`) and exits; ``--namespace`` defaults to
 :data:`TEMPLATE_NAMESPACE` there.
@@ -61,10 +63,9 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from ..errors import DeployError
-from ..layout import check_id
 from ..roles import Role
-from .access import AUTH_ENV, DEPLOY_REFUSAL
 from .checkout import tracked_files
+from .settings import SPACE_BUCKET_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -239,7 +240,7 @@ def space_files(role: SpaceRole, root: Path = REPO_ROOT) -> tuple[tuple[str, Pat
 
     Raises:
         DeployError: A folder, the README or requirements is missing; the README front matter is
-            not a Gradio Space's, or its ``app_file`` is not among the uploaded files.
+            not a Gradio Space's, its ``app_file`` is not among the uploaded files, or it lacks ``hf_oauth: true``.
     """
     readme = root / role.folder / "README.md"
     requirements = root / role.folder / "requirements.txt"
@@ -258,6 +259,8 @@ def space_files(role: SpaceRole, root: Path = REPO_ROOT) -> tuple[tuple[str, Pat
         raise DeployError(f"{role.folder}/README.md: front matter needs sdk: {SPACE_SDK}, has {card.data.sdk!r}")
     if card.data.app_file not in {path for path, _ in files}:
         raise DeployError(f"{role.folder}/README.md: app_file {card.data.app_file!r} is not among the Space's files")
+    if card.data.to_dict().get("hf_oauth") is not True:
+        raise DeployError(f"{role.folder}/README.md: front matter needs hf_oauth: true (the owner's sign-in to the panel)")
     return tuple(files)
 
 
@@ -335,13 +338,13 @@ def plan_deployment(
         files = space_files(role, root)
         flavor = hardware[role_name]
         for name in names[role_name]:
-            variables = {role.variable("bucket"): bucket_url}
+            # No owner-specific variable: a duplicate inherits every variable, and the Space defaults (the owner's
+            # hf://buckets/<owner>/rl-sync, a replica id from the Space's id) are right for whoever owns it.
+            variables = {} if bucket_id == f"{namespace}/{SPACE_BUCKET_NAME}" else {role.variable("bucket"): bucket_url}
             volumes = bucket_volumes
             if is_gpu(flavor) and role.uses_model:
                 variables[role.variable("model")] = model_setting
                 volumes = model_volumes + volumes
-            if role_name is Role.ROLLOUT:
-                variables[role.variable("replica_id")] = check_id(name)
             repo_id = _check_name(f"{namespace}/{name}", "Space id")
             spaces.append(SpacePlan(role, repo_id, flavor, variables, files, volumes))
     return DeployPlan(bucket_id, private, tuple(spaces), sleep_time=sleep_time)
@@ -530,7 +533,6 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--sleep-time", type=int, help="seconds of inactivity before upgraded hardware sleeps")
     p.add_argument("--mount-bucket", metavar="PATH", help="also mount the bucket read-only at PATH in every Space")
-    p.add_argument("--allow-no-login", action="store_true", help="deploy without PANEL_AUTH (the controls stay off)")
     p.add_argument("--dry-run", action="store_true", help="print the planned calls, call nothing")
     p.add_argument("--export", metavar="DIR", help="write each Space's folder as it would be uploaded, then exit")
     p.add_argument("--sync-readmes", action="store_true", help="regenerate the READMEs' settings tables and exit")
@@ -566,9 +568,6 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return 2
     secrets = {key: os.environ.get(key, "") for key in SECRETS}
     secrets = {key: value for key, value in secrets.items() if value or key == TOKEN_SECRET}
-    if AUTH_ENV not in secrets and not (args.allow_no_login or args.export):  # an export creates no Space
-        print(DEPLOY_REFUSAL, file=sys.stderr)
-        return 2
     try:
         plan = plan_deployment(
             args.namespace, bucket=args.bucket, prefix=args.prefix, private=args.private,

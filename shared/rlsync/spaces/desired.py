@@ -20,12 +20,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import hashlib
 import json
 import logging
 import math
-import re
-import socket
 import time
 import typing
 from typing import Any
@@ -36,7 +33,7 @@ from ..jsonlimits import loads_bounded
 from ..layout import desired_key
 from ..limits import MAX_DESIRED_BYTES
 from ..roles import Role
-from .settings import SpaceIdentity
+from .settings import instance_id
 
 __all__ = [
     "Wanted", "DesiredState", "REFUSED", "instance_id", "settings_of", "write_desired", "read_desired", "record_wanted",
@@ -49,7 +46,6 @@ logger = logging.getLogger(__name__)
 MAX_SETTING_CHARS = 4096
 #: Desired-state objects refused (malformed, oversized, hostile), counted for the panels and tests.
 REFUSED: collections.Counter[str] = collections.Counter()
-_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
 class Wanted(enum.StrEnum):
@@ -78,16 +74,6 @@ class DesiredState:
     def to_json(self) -> bytes:
         doc = {"role": self.role.value, "wanted": self.wanted.value, "settings": self.settings, "at": self.at}
         return json.dumps(doc, sort_keys=True).encode()
-
-
-def instance_id(environ: typing.Mapping[str, str] | None = None) -> str:
-    """This Space's id inside keys: ``SPACE_ID`` with ``/`` as ``--`` (else the host name), other characters
-    outside ``A-Z a-z 0-9 _ . -`` as ``_``; one over 64 characters keeps 55 and a hash of the whole."""
-    raw = SpaceIdentity.from_env(environ).id or socket.gethostname() or "local"
-    safe = _UNSAFE.sub("_", raw.replace("/", "--")).strip(".") or "local"
-    if len(safe) > 64:
-        safe = f"{safe[:55]}-{hashlib.sha256(raw.encode()).hexdigest()[:8]}"
-    return safe
 
 
 def settings_of(config: Any) -> dict[str, Any]:

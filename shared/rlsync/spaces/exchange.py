@@ -33,6 +33,7 @@ from ..layout import (
     batch_of,
 )
 from ..roles import Role
+from .bucket_access import check_write_access
 from ..scores import (  # noqa: F401 - the scores format lives in the library; re-exported for the Spaces
     DEFAULT_LIMITS,
     MAX_REWARD,
@@ -66,11 +67,14 @@ def open_role_bucket(role: Role, url: str, bucket: Bucket | None = None) -> Buck
 
     Raises:
         ValueError: a bucket setting in the environment is invalid.
+        BucketAccessError: the token may not write the Hub bucket ``url`` (:mod:`.bucket_access`).
     """
     from ..bucket.settings import BucketSettings
 
     reads = ROLE_READS[role]
     settings = BucketSettings.from_env(role)
+    if bucket is None:
+        check_write_access(role, url)
     opened = bucket if bucket is not None else open_bucket(url, settings=settings)
     return watch(opened, dataclasses.replace(settings.watch, prefixes=reads, quiet_prefixes=REPORT_PREFIXES))
 

@@ -307,6 +307,7 @@ class ReplicaStatus(Record):
     FORMAT_VERSION = 1
 
     replica_id: str = dataclasses.field(metadata=limits(check=is_id))
+    host: str = dataclasses.field(default="", metadata=_HASH)  #: the writer (its Space id, else its host name)
     engine: str = dataclasses.field(default="", metadata=_HASH)
     applied_step: int | None = None
     newest_step: int | None = None

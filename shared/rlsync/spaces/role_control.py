@@ -26,6 +26,8 @@ class RoleObject(Protocol):
     def stop(self) -> None: ...
     @property
     def running(self) -> bool: ...
+    @property
+    def threads(self) -> Sequence[threading.Thread]: ...
 
 
 _BUILD_LOCK = threading.Lock()
@@ -71,9 +73,20 @@ class RoleRunner:
             return "stopping"
         if self.running:
             return "running"
-        if self.error:
+        if self.error or self.crash:
             return "failed"
         return "finished" if self.objects and not self._stopped else "stopped"
+
+    @property
+    def crash(self) -> str:
+        """Why a role's thread ended with an exception, redacted ("" when none did, or after a Stop)."""
+        if self._stopped:
+            return ""
+        for obj in self.objects:
+            for thread in getattr(obj, "threads", ()):
+                if isinstance(thread, SupervisedThread) and thread.error and not thread.is_alive():
+                    return redact(thread.error)
+        return ""
 
     def start(self, config: Any, wait: bool = False, record: bool = True) -> str:
         """Build the role objects from ``config`` and start them (in a background thread).
@@ -155,8 +168,8 @@ class RoleRunner:
     def status(self) -> str:
         """One status line."""
         line = f"**{self.name}**: {self.state}"
-        if self.error:
-            line += f": {self.error}"
+        if self.error or self.crash:
+            line += f": {self.error or self.crash}"
         return line
 
 

@@ -112,7 +112,7 @@ def read_snapshot(bucket: Bucket) -> Snapshot:
         except FormatError as exc:
             logger.warning("invalid control object: %s", redact(str(exc)))
     except BucketError as exc:
-        snap.error = redact(f"bucket read failed: {exc}")
+        snap.error = redact(_missing_bucket(bucket) if _not_found(exc) else f"bucket read failed: {exc}")
         logger.warning("%s: %s", getattr(bucket, "url", "bucket"), snap.error)
     stale = listing_error(bucket)
     if stale and not snap.error:
@@ -136,6 +136,17 @@ def _read_statuses(bucket: Bucket, refusals: Refusals) -> list[ReplicaStatus]:
         refusals.add(excess[0], f"more than {MAX_STATUS_OBJECTS} status objects", len(excess))
     statuses = (read_status(bucket, key, refusals) for key in keys[:MAX_STATUS_OBJECTS])
     return [status for status in statuses if status is not None]
+
+
+def _not_found(exc: BucketError) -> bool:
+    """Whether the Hub answered that the bucket does not exist (or is not this token's to see)."""
+    from huggingface_hub.errors import BucketNotFoundError
+
+    return isinstance(exc.__cause__, BucketNotFoundError)
+
+
+def _missing_bucket(bucket: Bucket) -> str:
+    return f"no bucket at {getattr(bucket, 'url', 'this address')} yet (or this token cannot read it): a Start creates it"
 
 
 class BucketView:
@@ -162,12 +173,19 @@ class BucketView:
 
     @property
     def bucket(self) -> Bucket:
+        """The bucket, to read: never created here, as a page view creates nothing (a role's Start does, when its
+        token can). Raises :class:`BucketError` while it does not exist."""
+        return self.open(create=False)
+
+    def open(self, create: bool) -> Bucket:
+        """The bucket, opened once (``create``: an action writing to it, e.g. the anchor policy's Apply, creates a
+        missing one)."""
         if self._bucket is None:
             from ..bucket.settings import BucketSettings
 
             settings = BucketSettings.from_env()  # the panel is an entry point: HF_BUCKET_*, HUB_*
             # on the Hub: listings from the feed, reads only on change
-            self._bucket = watch(open_bucket(self.url, settings=settings), settings.watch)
+            self._bucket = watch(open_bucket(self.url, create=create, settings=settings), settings.watch)
         return self._bucket
 
     def snapshot(self) -> Snapshot:
@@ -179,7 +197,7 @@ class BucketView:
             try:
                 snap = read_snapshot(self.bucket)
             except BucketError as exc:  # opening the bucket failed
-                snap = Snapshot(read_at=now, error=redact(f"cannot open bucket: {exc}"))
+                snap = Snapshot(read_at=now, error=redact(f"cannot open the bucket (a Start creates a missing one): {exc}"))
                 logger.warning("%s: %s", self.url, snap.error)
             self._remember_syncs(snap)
             self._snapshot = snap
