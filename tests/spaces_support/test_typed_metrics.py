@@ -162,7 +162,7 @@ def test_a_new_plot_of_a_trl_figure_is_one_train_row_field():
         grad_norm: float | None = _log("grad_norm", chart="Gradient norm per optimizer step", format=".3g")
 
     assert WithGradNorm.from_logs({"grad_norm": 1.5}, opt_step=1).grad_norm == 1.5  # the trainer copies it
-    charts = components.training_charts(WithGradNorm)
+    charts = frames.training_charts(WithGradNorm)
     assert charts[: len(components.TRAINING_CHARTS)] == components.TRAINING_CHARTS
     assert (charts[-1].title, charts[-1].y, dict(charts[-1].formats)) == ("Gradient norm per optimizer step", "grad_norm", {"grad_norm": ".3g"})
 

@@ -9,7 +9,6 @@ combined app uses ``"trainer-"``, ``"overview-"``, ...).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import traceback
@@ -26,6 +25,7 @@ from .anchor_policy import current_policy, describe_policy, make_policy, setting
 from .charts import Chart, Labels, Mark, Scale
 from .frames import (
     RATIO_SERIES,
+    TRAINING_CHARTS,
     changed_frame,
     delta_ratio_frame,
     delta_size_frame,
@@ -40,7 +40,6 @@ from .frames import (
     timing_frame,
     train_frame,
 )
-from .metrics import TrainRow
 from .role_control import RoleRunner
 from .settings import server_port
 from .snapshots import BucketSource, BucketView, Snapshot, bucket_view, redact
@@ -199,21 +198,6 @@ STALENESS_CHART = Chart(
     "Staleness of trained samples (versions behind)", x="staleness", y="samples", mark=Mark.BAR,
     series={"samples": "#ff7f0e"},
 )
-
-
-def training_charts(row: type[TrainRow] = TrainRow) -> tuple[Chart, ...]:
-    """A chart per optimizer step of every figure of ``row`` that names one (``_log(..., chart=TITLE)``)."""
-    return tuple(
-        Chart(f.metadata["chart"], x="opt_step", y=f.name, x_title="optimizer step",
-              formats={f.name: f.metadata["format"]} if f.metadata.get("format") else {})
-        for f in dataclasses.fields(row) if f.metadata.get("chart")
-    )  # fmt: skip
-
-
-#: The trainer panel's plots of its per-step figures, in field order: each draws a field of
-#: :class:`~.metrics.TrainRow` (a column of :func:`~.frames.train_frame`) against the optimizer step. A new
-#: plot of a TRL figure is one ``TrainRow`` field naming its log entry and its chart's title.
-TRAINING_CHARTS = training_charts()
 
 
 def chart_plot(

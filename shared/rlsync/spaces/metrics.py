@@ -16,7 +16,7 @@ are the library's format (:mod:`rlsync.scores`).
 A new plot of a figure TRL logs is one :class:`TrainRow` field naming its log entry and its plot's title
 (``_log("grad_norm", chart="Gradient norm per optimizer step")``): the trainer copies it
 (:meth:`TrainRow.from_logs`), and the trainer panel draws every field with a chart
-(:func:`~.components.training_charts`).
+(:func:`~.frames.training_charts`).
 """
 
 from __future__ import annotations
