@@ -45,6 +45,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from env_space.config import EnvConfig
+from rlsync.config import process_settings
+from rlsync.spaces.settings import server_port
 from rollout_space.config import ReplicaConfig
 from trainer_space.config import TrainerConfig
 
@@ -67,11 +69,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--bucket", default=os.environ.get("RLSYNC_BUCKET") or DEFAULT_BUCKET, help="bucket URL or folder"
+        "--bucket", default=process_settings().bucket or DEFAULT_BUCKET, help="bucket URL or folder"
     )
     parser.add_argument("--replicas", type=int, default=2, help="rollout replicas in this process")
     parser.add_argument(
-        "--port", type=int, default=int(os.environ.get("PORT") or os.environ.get("GRADIO_SERVER_PORT") or 7860)
+        "--port", type=int, default=server_port()
     )
     parser.add_argument(
         "--host", default=None, help="panel address (default $GRADIO_SERVER_NAME or 127.0.0.1)"
@@ -151,10 +153,8 @@ class Stack:
         if lora and not self.trainer_config.lora_rank:
             self.trainer_config = dataclasses.replace(self.trainer_config, lora_rank=DEFAULT_LORA_RANK)
         self.env_config = EnvConfig.from_env(bucket=bucket, environment=environment)
-        self.replica_config = ReplicaConfig.from_env(
-            bucket=bucket, replica_id=os.environ.get("ROLLOUT_REPLICA_ID") or "replica",
-            model=model, **({"lora": True} if lora else {}),
-        )  # fmt: skip
+        replicas = ReplicaConfig.from_env(bucket=bucket, model=model, **({"lora": True} if lora else {}))
+        self.replica_config = dataclasses.replace(replicas, replica_id=replicas.replica_id or "replica")
         self.trainer = trainer_app.make_runner()
         self.env = env_app.make_runner()
         self.rollout = rollout_app.make_runner()

@@ -186,7 +186,7 @@ def replica(cfg: dict) -> dict:
         assert rep.apply_pending(), f"update {update.step} refused"
         bootstrap_rss = bootstrap_rss or peak_rss()  # after the first anchor's download, hash and copy
         row = {"step": update.step, "kind": update.kind, "nbytes": update.nbytes, "decode_s": update.decode_s,
-               "fetch_cpu_s": cpu, "pause_s": rep.syncs[-1]["idle_s"], "changed": update.changed, "peak_rss": peak_rss()}  # fmt: skip
+               "fetch_cpu_s": cpu, "pause_s": rep.syncs[-1].idle_s, "changed": update.changed, "peak_rss": peak_rss()}  # fmt: skip
         if update.kind == "delta":  # the engine's bare scatter of the same patch (the values are already there)
             t0 = time.perf_counter()
             engine.apply_patches(update.patches or {})

@@ -218,12 +218,14 @@ def _backend_update(llm: Any, step: int | None, *, prepared: bool) -> float:
 
 def _prepare(llm: Any, step: int) -> float:
     """``sync_prepare`` and wait until the workers are done (generation could run meanwhile); returns seconds."""
+    from rlsync.vllm.status import TransferStatus
+
     t0 = time.perf_counter()
-    status = llm.collective_rpc("sync_prepare", args=(step,))[0]
-    while status["preparing"]:
+    status = TransferStatus.from_wire(llm.collective_rpc("sync_prepare", args=(step,))[0])
+    while status.preparing:
         time.sleep(0.01)
-        status = llm.collective_rpc("sync_transfer_status")[0]
-    if status["error"] or status["prepared_step"] != step:
+        status = TransferStatus.from_wire(llm.collective_rpc("sync_transfer_status")[0])
+    if status.error or status.prepared is None or status.prepared.step != step:
         raise RuntimeError(f"prepare of step {step} failed: {status}")
     return time.perf_counter() - t0
 
@@ -231,6 +233,8 @@ def _prepare(llm: Any, step: int) -> float:
 def pause_rows(engine: Any, bucket: Any, pub: Any, sub: Any, states: Any, args: argparse.Namespace, n_params: int) -> list[dict[str, Any]]:
     """The ``bucket`` backend's pause with and without a prepare, alternating, against the bare scatter and
     the engine's write of the same patch (see the module docstring)."""
+    from rlsync.vllm.status import TransferStatus
+
     llm = engine.llm
     llm.init_weight_transfer_engine({"init_info": {"bucket": bucket.url}})
     _backend_update(llm, None, prepared=False)  # the backend's subscriber catches up (anchor and deltas), untimed
@@ -244,7 +248,7 @@ def pause_rows(engine: Any, bucket: Any, pub: Any, sub: Any, states: Any, args: 
         prepared = (step - args.deltas) % 2 == 0
         prepare_s = _prepare(llm, step) if prepared else 0.0
         pause_s = _backend_update(llm, step, prepared=prepared)
-        status = llm.collective_rpc("sync_transfer_status")[0]
+        pause = TransferStatus.from_wire(llm.collective_rpc("sync_transfer_status")[0]).pause
         if engine.state_hash() != record.state_hash:
             raise AssertionError(f"step {step}: the bucket backend's weights do not hash equal to the publisher's")
         write_s = []
@@ -254,7 +258,7 @@ def pause_rows(engine: Any, bucket: Any, pub: Any, sub: Any, states: Any, args: 
             write_s.append(time.perf_counter() - t0)
         rows.append({
             "step": step, "mode": "before" if prepared else "inside", "changed_pct": 100.0 * update.changed / n_params,
-            "prepare_s": prepare_s, "pause_s": pause_s, "worker_s": status["pause"]["s"], "pause_reads": status["pause"]["reads"],
+            "prepare_s": prepare_s, "pause_s": pause_s, "worker_s": pause.s, "pause_reads": pause.reads,
             "scatter_s": scatter_s, "engine_write_s": min(write_s),
         })  # fmt: skip
     return rows

@@ -221,7 +221,7 @@ def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
             versions = [completion_versions(c["weight_versions"]) for c in batch.choices]
             assert all(len(c["token_ids"]) == args.tokens for c in batch.choices)
             rows.append({
-                "mode": mode.value, "step": step, "idle_s": idle_s, "apply_s": status["pause"]["s"], "sync_s": sync_s,
+                "mode": mode.value, "step": step, "idle_s": idle_s, "apply_s": status.pause.s, "sync_s": sync_s,
                 "batch_s": wall_s, "requests": len(batch.choices), "in_flight": in_flight,
                 "spanning": sum(v.spans_update for v in versions),
                 "first": min(v.first for v in versions), "last": max(v.last for v in versions), "pause_ms": pause_calls,

@@ -30,7 +30,7 @@ import gradio as gr
 
 from env_space.environments import list_environments
 from env_space.simulator import EnvConfig, EnvSimulator
-from env_space.sources.settings import SOURCES
+from env_space.sources.settings import sources
 from rlsync.spaces import components, forms, frames, role_control
 from rlsync.roles import Role
 from rlsync.spaces.role_panel import PanelPlace, RolePanel, RoleSpace
@@ -52,7 +52,7 @@ def build_panel(runner: role_control.RoleRunner, config: EnvConfig, place: Panel
     """
     panel, prefix = RolePanel(runner, config, place), place.prefix
     live = panel.live
-    choices = [*list_environments(), *(source.example for source in SOURCES.values())]
+    choices = [*list_environments(), *(source.details["example"] for source in sources())]
     choices += [config.environment] if config.environment not in choices else []
 
     def selector(**kw: Any) -> Any:
@@ -61,8 +61,8 @@ def build_panel(runner: role_control.RoleRunner, config: EnvConfig, place: Panel
     with gr.Accordion("Environment settings", open=place.bucket_url is None):
         form = panel.form(overrides={"environment": selector}, skip=("source_settings",))
         source_forms: dict[str, tuple[Any, dict[str, Any], Any]] = {}  # source -> (defaults, form, accordion)
-        for source, entry in SOURCES.items():  # one form per registered source, from its settings
-            defaults = entry.read()
+        for entry in sources():  # one form per registered source, from its settings
+            source, defaults = entry.name, entry.read_settings()
             with gr.Accordion(f"{source} settings", visible=config.environment.startswith(f"{source}:")) as box:
                 fields = forms.config_form(defaults, prefix=f"{prefix}{source}-")
             source_forms[source] = (defaults, fields, box)

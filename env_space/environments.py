@@ -4,11 +4,12 @@ An environment hands out :class:`Task` objects (a plain-text prompt plus the
 reference answer) and scores a completion in ``[0, 1]``. Prompts use only
 characters the tiny model's tokenizer knows (see ``rlsync.spaces.tiny_model.CHARACTERS``).
 
-Adding an environment takes one class::
+Adding an environment takes one class and its entry in :mod:`rlsync.registry` (``Kind.ENVIRONMENT``; the registry
+reads the ``register(...)`` lines of every module of ``env_space``, so a new file here needs no other edit)::
 
-    from env_space.environments import Environment, Task, get_environment, register_environment
+    from env_space.environments import Environment, Task, get_environment
+    from rlsync.registry import Kind, register
 
-    @register_environment
     class Echo(Environment):
         name = "echo"
 
@@ -21,6 +22,7 @@ Adding an environment takes one class::
         def score(self, task, completion):
             return float(completion.strip() == task.answer)
 
+    register(Kind.ENVIRONMENT, "echo", Echo)  # in a module of env_space: "env_space.my_module:Echo"
     get_environment("echo").tasks(4, seed=0)
 """
 
@@ -31,8 +33,10 @@ import dataclasses
 import enum
 import random
 import re
-from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
+
+from rlsync.errors import ConfigurationError
+from rlsync.registry import Kind, get, names, register
 
 __all__ = [
     "ArithmeticEnvironment",
@@ -43,7 +47,6 @@ __all__ = [
     "get_environment",
     "last_integer",
     "list_environments",
-    "register_environment",
 ]
 
 
@@ -111,26 +114,6 @@ class Environment(abc.ABC):
         return random.Random(seed)
 
 
-_E = TypeVar("_E", bound=type[Environment])
-_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
-
-
-def register_environment(cls: _E) -> _E:
-    """Register an :class:`Environment` subclass under its ``name``; usable as a decorator.
-
-    Raises:
-        ValueError: The class has no ``name`` or another class already uses it.
-    """
-    name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{cls.__name__} must set a non-empty class attribute `name`")
-    existing = _ENVIRONMENTS.get(name)
-    if existing is not None and existing is not cls:
-        raise ValueError(f"environment {name!r} is already registered by {existing!r}")
-    _ENVIRONMENTS[name] = cls
-    return cls
-
-
 def get_environment(name: str, **kwargs: Any) -> Environment:
     """Instantiate the environment registered as ``name``.
 
@@ -139,21 +122,21 @@ def get_environment(name: str, **kwargs: Any) -> Environment:
         **kwargs: Passed to the environment's constructor.
 
     Raises:
-        KeyError: No environment has that name.
+        UnknownNameError: No environment has that name (a ``KeyError``).
+        ConfigurationError: It is registered to a class of another ``name``.
     """
-    try:
-        factory = _ENVIRONMENTS[name]
-    except KeyError:
-        raise KeyError(f"unknown environment {name!r}; known: {list_environments()}") from None
-    return factory(**kwargs)
+    cls = get(Kind.ENVIRONMENT, name).load()
+    if getattr(cls, "name", None) != name:
+        named = getattr(cls, "name", None)
+        raise ConfigurationError(f"environment {name!r} is registered to {cls!r}, whose name is {named!r}")
+    return cls(**kwargs)
 
 
 def list_environments() -> list[str]:
     """Names of the registered environments, sorted."""
-    return sorted(_ENVIRONMENTS)
+    return names(Kind.ENVIRONMENT)
 
 
-@register_environment
 class ReverseEnvironment(Environment):
     """Reverse a short digit string: ``"reverse 3817 ="`` -> ``"7183"``.
 
@@ -199,7 +182,6 @@ def last_integer(text: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-@register_environment
 class ArithmeticEnvironment(Environment):
     """Small addition and multiplication word problems.
 
@@ -255,3 +237,7 @@ class ArithmeticEnvironment(Environment):
         if value is None:
             return 0.0
         return 1.0 if value == int(task.answer) else self.FORMAT_CREDIT
+
+
+register(Kind.ENVIRONMENT, "reverse", "env_space.environments:ReverseEnvironment", summary="reverse a digit string")
+register(Kind.ENVIRONMENT, "arithmetic", "env_space.environments:ArithmeticEnvironment", summary="small word problems")

@@ -19,6 +19,7 @@ from typing import Any
 import gradio as gr
 from rlsync.fp8 import Chain
 from rlsync.spaces import components, forms, frames, role_control
+from rlsync.registry import Kind, names
 from rlsync.roles import Role
 from rlsync.spaces.role_panel import PanelPlace, RolePanel, RoleSpace
 
@@ -68,7 +69,7 @@ def build_panel(
             count, precision=0, minimum=1, label="replicas in this process", elem_id=f"{prefix}cfg-replicas"
         )
         form = panel.form(overrides={
-            "engine": lambda **kw: gr.Dropdown(["auto", "transformers", "vllm"], **kw),
+            "engine": lambda **kw: gr.Dropdown(["auto", *names(Kind.ENGINE)], **kw),
             "chain": lambda **kw: gr.Dropdown([c.value for c in Chain], **kw),
         })  # fmt: skip
 

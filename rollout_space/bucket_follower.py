@@ -23,22 +23,22 @@ report them) and the counters of its status.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from rlsync.bucket import Bucket
 from rlsync.fp8 import Chain
 from rlsync.protocol import SubscriberStats
 from rlsync.spaces.interval_log import IntervalLog
+from rlsync.vllm.status import Prepared, TransferStatus
 
 from .config import ReplicaConfig
 from .engine import BucketFollowingEngine
 from .weights import Follower
 
-__all__ = ["BucketFollower", "PreparedUpdate"]
+__all__ = ["BucketFollower"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,19 +46,6 @@ logger = logging.getLogger(__name__)
 POLL_MIN_S, POLL_MAX_S = 0.02, 1.0
 #: The workers' counters the status reports, summed over their subscribers (one per follow_bucket).
 WORKER_COUNTERS = ("reads", "bytes_downloaded", "refused")
-
-
-@dataclasses.dataclass(frozen=True)
-class PreparedUpdate:
-    """An update the engine's workers prepared (downloaded, decoded, verified), waiting for the pause: what
-    the replica's process holds of it."""
-
-    step: int
-    kind: str
-    state_hash: str
-    nbytes: int
-    download_s: float
-    decode_s: float
 
 
 class BucketFollower(Follower):
@@ -110,30 +97,30 @@ class BucketFollower(Follower):
             self._seen = {}  # a new subscriber in the workers: its counters start at 0
             self._call(lambda: self.engine.follow_bucket(self.bucket.url, self.chain.value))
 
-    def _call(self, call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    def _call(self, call: Callable[[], TransferStatus]) -> TransferStatus:
         """Call the engine and take where it stands and its counters from the status it returns."""
         with self._lock:
             status = call()
-            self._step, self._state_hash = status["step"], status["state_hash"]
-            if status["newest_step"] is not None:
-                self.newest_step = status["newest_step"]
+            self._step, self._state_hash = status.step, status.state_hash
+            if status.newest_step is not None:
+                self.newest_step = status.newest_step
             for key in WORKER_COUNTERS:
-                now = int(status[key])
+                now = int(getattr(status, key))
                 setattr(self._stats, key, getattr(self._stats, key) + max(0, now - self._seen.get(key, 0)))
                 self._seen[key] = now
         return status
 
-    def _wait(self, stop: threading.Event, busy: str, call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    def _wait(self, stop: threading.Event, busy: str, call: Callable[[], TransferStatus]) -> TransferStatus:
         """``call`` the engine, then read the workers' status until they are no longer ``busy`` (``preparing``,
         ``rehashing``) or ``stop``, waiting longer between reads the longer the work takes."""
         status, delay = self._call(call), POLL_MIN_S
-        while status[busy] and not stop.is_set():
+        while getattr(status, busy) and not stop.is_set():
             stop.wait(delay)
             delay = min(2 * delay, POLL_MAX_S)
             status = self._call(self.engine.transfer_status)
         return status
 
-    def fetch_next(self, stop: threading.Event) -> PreparedUpdate | None:
+    def fetch_next(self, stop: threading.Event) -> Prepared | None:
         """Have the workers prepare the next update, while the engine generates.
 
         Returns:
@@ -141,20 +128,14 @@ class BucketFollower(Follower):
             its version), the bucket unavailable, or ``stop``.
         """
         status = self._wait(stop, "preparing", self.engine.prepare_update)
-        if status["error"]:
+        if status.error:
             with self._lock:
-                self._stats.last_error = status["error"]
-            logger.warning("replica %s: update refused or unavailable: %s", self.name, status["error"])
+                self._stats.last_error = status.error
+            logger.warning("replica %s: update refused or unavailable: %s", self.name, status.error)
             return None
-        if status["preparing"] or status["prepared_step"] is None:
-            return None
-        return PreparedUpdate(
-            step=status["prepared_step"], kind=status["prepared_kind"], state_hash=status["prepared_hash"],
-            nbytes=status["prepared_nbytes"], download_s=status["prepared_download_s"],
-            decode_s=status["prepared_decode_s"],
-        )  # fmt: skip
+        return None if status.preparing else status.prepared
 
-    def _apply(self, update: PreparedUpdate) -> bool:
+    def _apply(self, update: Prepared) -> bool:
         """The pause: the workers write the prepared update (and the prefix cache is reset)."""
         with self._lock:
             t0 = time.perf_counter()
@@ -184,19 +165,20 @@ class BucketFollower(Follower):
             return
         t0 = time.perf_counter()
         status = self._wait(stop, "rehashing", self.engine.verify_served)
-        rehash = status["rehash"]
-        if status["rehashing"]:
+        rehash = status.rehash
+        if status.rehashing:
             return
-        if status["rehash_error"] or not rehash:
-            logger.warning("replica %s: could not re-hash the weights: %s", self.name, status["rehash_error"] or "no result")
+        if status.rehash_error or rehash is None:
+            why = status.rehash_error or "no result"
+            logger.warning("replica %s: could not re-hash the weights: %s", self.name, why)
             return
-        if rehash["served"] == rehash["expected"]:
+        if not rehash.mismatch:
             with self._lock:
                 self._stats.rehashes += 1
                 self._stats.last_rehash_s = time.perf_counter() - t0
-                self._stats.verified_step, self._stats.verified_hash = rehash["step"], rehash["served"]
+                self._stats.verified_step, self._stats.verified_hash = rehash.step, rehash.served
             return
-        error = f"the served weights of step {rehash['step']} do not hash equal to its verified state"
+        error = f"the served weights of step {rehash.step} do not hash equal to its verified state"
         with self._lock:
             self._stats.rehash_mismatches += 1
             self._stats.refused += 1

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import socket
 
+from rlsync.registry import Kind, check_choice, names
 from rlsync.spaces.settings import bucket_field, from_env, instance_id, on_space, poll_field
 
 #: The tiny CPU demo's answers are a few tokens. A real model's must fit a worked answer: GSM8K's and reasoning-gym's
@@ -36,7 +37,7 @@ class ReplicaConfig:
 
     bucket: str = bucket_field("bucket URL or path (read access to weights, write to rollouts/ and status/)")
     replica_id: str = dataclasses.field(default="", metadata={"help": "unique id (default: on a Space its SPACE_ID, owner--name; elsewhere host-pid); a live status of this id written by another host refuses the start"})
-    engine: str = dataclasses.field(default="auto", metadata={"help": "'transformers', 'vllm', or 'auto' (vllm on a GPU when installed, or for the fp8 chain)"})
+    engine: str = dataclasses.field(default="auto", metadata={"help": f"{', '.join(map(repr, names(Kind.ENGINE)))}, or 'auto' (vllm on a GPU when installed, or for the fp8 chain)"})
     model: str = dataclasses.field(default="", metadata={"help": "model name or folder (default: Qwen/Qwen3-0.6B on a GPU, the tiny offline model on CPU)"})
     chain: str = dataclasses.field(default="bf16", metadata={"help": "weights chain to follow: 'bf16', or 'fp8' (the trainer's FP8 chain, TRAINER_FP8=1; served by vLLM from the model quantized to block FP8: a GPU, or a CPU with AMX; docs/fp8.md)"})
     device: str = dataclasses.field(default="auto", metadata={"help": "torch device for the transformers engine ('auto': cuda if available)"})
@@ -54,6 +55,9 @@ class ReplicaConfig:
     lora_window: int = dataclasses.field(default=3, metadata={"help": "adapter versions served at once (the trainer's max_staleness + 1)"})
     lora_max_rank: int = dataclasses.field(default=16, metadata={"help": "largest adapter rank the vLLM engine accepts (1, 8, 16, 32, 64...)"})
     max_model_bytes: int = dataclasses.field(default=0, metadata={"help": "largest model the bucket's first anchor may hold, in bytes (0: the size of the model's weights files)"})
+
+    def __post_init__(self) -> None:
+        check_choice(Kind.ENGINE, self.engine, "ROLLOUT_ENGINE", also=("auto",))
 
     @classmethod
     def from_env(cls, **overrides) -> "ReplicaConfig":

@@ -5,18 +5,38 @@ serving tensors (:meth:`Engine.weights`) has them written in place by the replic
 :class:`~rlsync.protocol.Subscriber`; the others receive each verified update from the
 subscriber's own copy, unless they follow the bucket themselves (:class:`BucketFollowingEngine`:
 their own subscriber, where the weights live, verifies each update; the replica only says when).
-Engines live in ``rollout_space/engines/``, one file per engine, and register by name.
+Engines live in ``rollout_space/engines/``, one file per engine, each registered in :mod:`rlsync.registry`
+(``Kind.ENGINE``) with what it can do (:class:`EngineCapability`) and the modules it needs (``requires=``); the
+replica, its settings' help and the panel's dropdown follow the registry.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+import enum
+import importlib.util
+from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
 from rlsync.adapters import AdapterChain
+from rlsync.errors import ConfigurationError
 from rlsync.patch import TensorPatch
+from rlsync.registry import Entry, Kind, entries, get
+from rlsync.vllm.status import TransferStatus
+
+
+class EngineCapability(str, enum.Enum):
+    """What an engine declares it can do where it registers (``capabilities=``)."""
+
+    #: Created with ``device=`` (a torch device): it runs anywhere torch does; ``auto`` picks it off an accelerator.
+    DEVICE = "device"
+    #: ``auto`` picks it on an accelerator, when the modules it requires are installed.
+    ACCELERATOR = "accelerator"
+    #: Serves the FP8 chain (``ROLLOUT_CHAIN=fp8``) from a block-FP8 checkpoint.
+    FP8 = "fp8"
+    #: Serves LoRA adapters in slots sized at start (``max_loras=``, ``max_lora_rank=``).
+    LORA_SLOTS = "lora_slots"
 
 
 @dataclasses.dataclass
@@ -116,53 +136,68 @@ class BucketFollowingEngine(Protocol):
     """An engine that follows the bucket itself, where its weights live (vLLM's ``bucket`` weight-transfer
     backend: :mod:`rlsync.vllm.transfer`), driven by a :class:`~rollout_space.bucket_follower.BucketFollower`.
 
-    Each call returns the engine's transfer status (:meth:`rlsync.vllm.transfer.BucketWeightTransferEngine.status`:
-    ``step``, ``state_hash``, ``preparing``, ``prepared_step``, ``error``, ``rehashing``, ``rehash``...).
+    Each call returns the engine's transfer status (:class:`rlsync.vllm.status.TransferStatus`: ``step``,
+    ``state_hash``, ``preparing``, ``prepared``, ``error``, ``rehashing``, ``rehash``...).
     """
 
     #: Whether it was started able to follow the bucket (else the replica feeds it from a subscriber).
     follows_bucket: bool
 
-    def follow_bucket(self, url: str, chain: str) -> dict[str, Any]:
+    def follow_bucket(self, url: str, chain: str) -> TransferStatus:
         """Follow ``chain`` of the bucket at ``url`` from its newest anchor (again: the served weights are
         replaced by the next anchor)."""
 
-    def prepare_update(self) -> dict[str, Any]:
+    def prepare_update(self) -> TransferStatus:
         """Start downloading, decoding and verifying the next update in the background, while generating."""
 
-    def transfer_status(self) -> dict[str, Any]:
+    def transfer_status(self) -> TransferStatus:
         """Where the engine stands."""
 
     def apply_prepared(self, step: int) -> None:
         """Write the prepared update toward ``step`` (a pause of generation; nothing downloaded or decoded), then
         drop the KV computed with the old weights."""
 
-    def verify_served(self) -> dict[str, Any]:
+    def verify_served(self) -> TransferStatus:
         """Start re-hashing the served weights against the verified state hash in the background."""
 
 
-_ENGINES: dict[str, Callable[..., Engine]] = {}
+def installed(entry: Entry) -> bool:
+    """Whether the modules engine ``entry`` requires (its ``requires=`` detail) are installed."""
+    return all(importlib.util.find_spec(name) is not None for name in entry.details.get("requires", ()))
 
 
-def register_engine(name: str, factory: Callable[..., Engine]) -> None:
-    """Register an engine factory under ``name``."""
-    _ENGINES[name] = factory
+def choose_engine(name: str, device: str, fp8: bool) -> Entry:
+    """The engine ``ROLLOUT_ENGINE=name`` selects: ``auto`` is the engine of the FP8 chain for ``fp8``, else an
+    installed accelerator engine on ``cuda``, else the first that takes a device.
+
+    Raises:
+        UnknownNameError: no engine has that name.
+        ConfigurationError: ``fp8`` with an engine that does not serve the FP8 chain.
+    """
+    if name != "auto":
+        entry = get(Kind.ENGINE, name)
+    else:
+        wanted = EngineCapability.FP8 if fp8 else EngineCapability.ACCELERATOR if device.startswith("cuda") else None
+        found = [e for e in entries(Kind.ENGINE) if wanted is not None and e.has(wanted) and (fp8 or installed(e))]
+        entry = found[0] if found else next(e for e in entries(Kind.ENGINE) if e.has(EngineCapability.DEVICE))
+    if fp8 and not entry.has(EngineCapability.FP8):
+        served = [e.name for e in entries(Kind.ENGINE) if e.has(EngineCapability.FP8)]
+        raise ConfigurationError(
+            f"ROLLOUT_CHAIN=fp8 is served by ROLLOUT_ENGINE={' or '.join(served)}, not {entry.name!r}"
+        )
+    return entry
 
 
 def create_engine(name: str, **kwargs) -> Engine:
     """Create the engine registered as ``name``.
 
     Raises:
-        ValueError: no engine has that name.
+        UnknownNameError: no engine has that name (a ``ValueError``).
+        ValueError: its modules are not installed.
     """
-    if name not in _ENGINES:
-        # engines register on import; import the known ones lazily
-        import importlib
-
-        try:
-            importlib.import_module(f"rollout_space.engines.{name}_engine")
-        except ImportError as exc:
-            raise ValueError(f"unknown or unavailable engine {name!r}: {exc}") from exc
-    if name not in _ENGINES:
-        raise ValueError(f"unknown engine {name!r}; known: {sorted(_ENGINES)}")
-    return _ENGINES[name](**kwargs)
+    entry = get(Kind.ENGINE, name)
+    try:
+        factory = entry.load()
+    except ImportError as exc:
+        raise ConfigurationError(f"the {name!r} engine is unavailable: {exc}") from exc
+    return factory(**kwargs)

@@ -35,16 +35,18 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from rlsync.bucket import Bucket
 from rlsync.bucket.watch import generation, meter_of, wait_for_change
-from rlsync.errors import BucketError, ReplicaIdInUseError
+from rlsync.errors import BucketError, ConfigurationError, ReplicaIdInUseError
 from rlsync.fp8 import Chain, write_fp8_checkpoint
 from rlsync.layout import ROLLOUTS_PREFIX, SCORES_PREFIX, TASKS_PREFIX, check_id
+from rlsync.registry import Entry
 from rlsync.roles import Role
 from rlsync.spaces.exchange import open_role_bucket
 from rlsync.spaces.interval_log import IntervalLog
-from rlsync.spaces.metrics import ReplicaStatus
+from rlsync.spaces.metrics import ReplicaStatus, Sync
 from rlsync.spaces.settings import resolve_device, space_owner
 from rlsync.spaces.tiny_model import model_or_default
 from rlsync.supervised import SupervisedThread
@@ -56,7 +58,7 @@ from .adapters import AdapterFollower
 from .answerer import TaskAnswerer
 from .bucket_follower import BucketFollower
 from .config import ReplicaConfig, default_replica_id
-from .engine import BucketFollowingEngine, Engine, create_engine
+from .engine import BucketFollowingEngine, Engine, EngineCapability, choose_engine, create_engine
 from .identity import check_replica_id
 from .status import StatusWriter, replica_status, summary_line
 from .weights import Follower, WeightFollower, idle_wait_s
@@ -80,7 +82,8 @@ class Replica:
         engine: Inference engine (default: created from ``config.engine`` and ``config.model``).
 
     Raises:
-        ValueError: An unknown ``config.chain``, or the FP8 chain with an engine other than vLLM or with LoRA.
+        ValueError: An unknown ``config.chain`` or ``config.engine``, or the FP8 chain with an engine that does not
+            serve it (:class:`~rlsync.errors.ConfigurationError`) or with LoRA.
         UnsupportedHardwareError: The FP8 chain where vLLM cannot serve it (:mod:`rlsync.vllm.support`).
     """
 
@@ -88,10 +91,15 @@ class Replica:
         device = resolve_device(config.device)
         self.config = config = config.with_model_defaults(device)
         self.chain = Chain(config.chain)
-        kind = config.engine if config.engine != "auto" else "vllm" if self.chain is Chain.FP8 else _auto_engine(device)
-        if self.chain is Chain.FP8 and ((engine.name if engine is not None else kind) != "vllm" or config.lora):
-            raise ValueError(f"the fp8 chain is served by the vllm engine without LoRA (engine {kind!r}, lora {config.lora})")
-        if self.chain is Chain.FP8 and engine is None:
+        fp8 = self.chain is Chain.FP8
+        chosen = choose_engine(config.engine, device, fp8) if engine is None else None
+        if fp8 and engine is not None:
+            choose_engine(engine.name, device, fp8)  # refuses an engine that does not serve the FP8 chain
+        if fp8 and config.lora:
+            raise ConfigurationError(
+                "ROLLOUT_CHAIN=fp8 serves no LoRA adapters: unset ROLLOUT_LORA (or ROLLOUT_CHAIN=bf16)"
+            )
+        if fp8 and engine is None:
             check_fp8_serving(device)  # before any model is built or loaded: one line, not a worker's traceback
         self.replica_id = check_id(config.replica_id or default_replica_id())
         self.bucket = open_role_bucket(Role.ROLLOUT, config.bucket, bucket)
@@ -108,10 +116,7 @@ class Replica:
         self._fp8_dir: Path | None = None
         if self.chain is Chain.FP8:
             model = self._fp8_checkpoint(model)
-        engine_kwargs = {"device": device} if kind == "transformers" else {}
-        if config.lora and kind == "vllm":
-            engine_kwargs.update(max_loras=config.lora_window + 1, max_lora_rank=config.lora_max_rank)
-        self.engine = engine or create_engine(kind, model_path=model, **engine_kwargs)
+        self.engine = engine or self._create_engine(chosen, model, device)
         self.summary = IntervalLog(logger, functools.partial(summary_line, self.replica_id))
         max_state_bytes = config.max_model_bytes or weights_bytes(model)  # bounds the first anchor (or adapter)
         self.weights: Follower
@@ -142,6 +147,13 @@ class Replica:
         #: The replica's threads (its main loop's and its background loops').
         self.threads: list[threading.Thread] = []
 
+    def _create_engine(self, chosen: Entry, model: str, device: str) -> Engine:
+        """The engine ``chosen`` names, given what it declares it takes (a device, adapter slots)."""
+        kwargs: dict[str, Any] = {"device": device} if chosen.has(EngineCapability.DEVICE) else {}
+        if self.config.lora and chosen.has(EngineCapability.LORA_SLOTS):
+            kwargs.update(max_loras=self.config.lora_window + 1, max_lora_rank=self.config.lora_max_rank)
+        return create_engine(chosen.name, model_path=model, **kwargs)
+
     def _fp8_checkpoint(self, model: str) -> str:
         """The block-FP8 checkpoint of ``model`` the engine starts from when the replica follows the FP8 chain
         (its first anchor replaces every weight and scale; the folder goes with :meth:`close`)."""
@@ -149,7 +161,7 @@ class Replica:
         return str(write_fp8_checkpoint(model, self._fp8_dir))
 
     @property
-    def syncs(self) -> list[dict]:
+    def syncs(self) -> list[Sync]:
         """The updates applied, the newest last (:attr:`rollout_space.weights.Follower.syncs`)."""
         return self.weights.syncs
 
@@ -263,13 +275,6 @@ class Replica:
     def running(self) -> bool:
         """Whether any of the replica's threads is alive."""
         return any(t.is_alive() for t in self.threads)
-
-
-def _auto_engine(device: str) -> str:
-    """vLLM on a GPU when it is installed, else transformers."""
-    import importlib.util
-
-    return "vllm" if device.startswith("cuda") and importlib.util.find_spec("vllm") is not None else "transformers"
 
 
 def weights_bytes(model: str) -> int | None:

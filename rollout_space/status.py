@@ -13,8 +13,8 @@ from rlsync.bucket.watch import meter_of
 from rlsync.errors import BucketError
 from rlsync.layout import status_key
 from rlsync.spaces.exchange import put_json
+from rlsync.spaces.metrics import STATUS_SYNCS, HubCounts, ReplicaStatus
 from rlsync.spaces.settings import space_owner
-from rlsync.spaces.metrics import STATUS_SYNCS, HubCounts, ReplicaStatus, Sync
 from rlsync.supervised import crashes
 
 logger = logging.getLogger(__name__)
@@ -24,8 +24,7 @@ def replica_status(replica) -> ReplicaStatus:
     """The status object `replica` (a :class:`~rollout_space.replica.Replica`) publishes: its weights, syncs,
     work and refusals."""
     syncs, newest, tasks = replica.weights.syncs, replica.weights.newest_step, replica.tasks
-    last = syncs[-1] if syncs else {}
-    deltas = [s for s in syncs if s["kind"] == "delta"]
+    deltas = [s.idle_s for s in syncs if s.kind == "delta" and s.idle_s is not None]
     applied, stats = replica.weights.step, replica.weights.stats
     return ReplicaStatus(
         replica_id=replica.replica_id,
@@ -34,8 +33,8 @@ def replica_status(replica) -> ReplicaStatus:
         applied_step=applied,
         newest_step=newest,
         lag=None if applied is None or newest is None else newest - applied,
-        apply_s=last.get("idle_s"),
-        idle_per_sync_s=sum(s["idle_s"] for s in deltas) / len(deltas) if deltas else None,
+        apply_s=syncs[-1].idle_s if syncs else None,
+        idle_per_sync_s=sum(deltas) / len(deltas) if deltas else None,
         bytes_downloaded=stats.bytes_downloaded,
         reads=stats.reads,
         refused=stats.refused,
@@ -52,10 +51,7 @@ def replica_status(replica) -> ReplicaStatus:
         rehashes=stats.rehashes,
         rehash_mismatches=stats.rehash_mismatches,
         last_rehash_s=stats.last_rehash_s,
-        recent_syncs=[
-            Sync(**{k: s[k] for k in ("step", "kind", "nbytes", "download_s", "idle_s", "time")})
-            for s in syncs[-STATUS_SYNCS:]
-        ],
+        recent_syncs=syncs[-STATUS_SYNCS:],
         **(replica.adapters.status() if replica.adapters is not None else {}),
         updated_at=time.time(),
     )

@@ -10,7 +10,7 @@ __all__ = ["UpdateSlot"]
 
 class UpdateSlot:
     """At most one fetched, validated update (an :class:`~rlsync.protocol.Update`, or what a follower holds of
-    one: :class:`~rollout_space.bucket_follower.PreparedUpdate`), waiting to be applied.
+    one: :class:`~rlsync.vllm.status.Prepared`), waiting to be applied.
 
     The fetch thread waits for the slot to be empty before it fetches the next update: that one
     is validated against the state this one produces.

@@ -31,6 +31,7 @@ from rlsync.errors import BucketError, SyncError
 from rlsync.fp8 import Chain
 from rlsync.protocol import SubscriberStats, Update
 from rlsync.spaces.interval_log import IntervalLog
+from rlsync.spaces.metrics import Sync
 
 from .config import ReplicaConfig
 from .engine import Engine
@@ -64,8 +65,8 @@ class Follower(abc.ABC):
         self.name = name
         self.summary = summary
         self.slot = UpdateSlot()
-        #: One dict per applied update (step, kind, nbytes, download_s, decode_s, idle_s, time), the newest last.
-        self.syncs: list[dict] = []
+        #: One record per applied update (step, kind, nbytes, download_s, idle_s, time), the newest last.
+        self.syncs: list[Sync] = []
         #: The newest version the pointer named at the last fetch (``None`` before one).
         self.newest_step: int | None = None
         self._rehash_now = threading.Event()  # set after an anchor: re-hash the weights it wrote
@@ -129,14 +130,11 @@ class Follower(abc.ABC):
         return self.slot.apply(self._apply)
 
     def _record(self, update: Any, idle: float) -> None:
-        """Count an applied update (its ``step``, ``kind``, ``nbytes``, ``download_s``, ``decode_s``) and the
-        pause ``idle`` it took; after an anchor, wake the re-hash thread."""
+        """Count an applied update (its ``step``, ``kind``, ``nbytes``, ``download_s``) and the pause ``idle`` it
+        took; after an anchor, wake the re-hash thread."""
         if update.kind == "anchor":
             self._rehash_now.set()
-        self.syncs.append({
-            "step": update.step, "kind": update.kind, "nbytes": update.nbytes, "download_s": update.download_s,
-            "decode_s": update.decode_s, "idle_s": idle, "time": time.time(),
-        })  # fmt: skip
+        self.syncs.append(Sync(update.step, update.kind, update.nbytes, update.download_s, idle, time.time()))
         del self.syncs[:-KEPT_SYNCS]
         logger.debug("replica %s: applied %s %d, idle %.3fs", self.name, update.kind, update.step, idle)
         self.summary.add(applied=1, anchors=update.kind == "anchor", idle_s=idle)

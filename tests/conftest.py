@@ -92,6 +92,19 @@ def vllm_cpu_env():
 
 
 @pytest.fixture
+def scratch_registry(monkeypatch):
+    """:mod:`rlsync.registry` with every home read; what the test registers is gone after it."""
+    from rlsync import registry
+
+    for kind in registry.Kind:
+        registry.entries(kind)
+    monkeypatch.setattr(registry, "_entries", {**registry._entries})
+    monkeypatch.setattr(registry, "_homes", [*registry._homes])
+    monkeypatch.setattr(registry, "_read", {*registry._read})
+    return registry
+
+
+@pytest.fixture
 def bucket(tmp_path):
     """An empty local bucket."""
     from rlsync.bucket import LocalBucket

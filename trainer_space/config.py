@@ -12,6 +12,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from rlsync.defaults import DEFAULT_ANCHOR_INTERVAL, DEFAULT_CODEC, DEFAULT_MAX_CATCHUP_RATIO
+from rlsync.errors import ConfigurationError
+from rlsync.registry import Kind, check_choice, names
 from rlsync.spaces.settings import bucket_field, from_env, metrics_every_field, poll_field
 
 if TYPE_CHECKING:
@@ -52,12 +54,12 @@ class TrainerConfig:
     clip_eps: float = dataclasses.field(default=0.2, metadata={"help": "importance-ratio clip (epsilon)"})
     temperature: float = dataclasses.field(default=1.0, metadata={"help": "sampling temperature of the replicas (temperature)"})
     max_grad_norm: float = dataclasses.field(default=1.0, metadata={"help": "gradient clipping (max_grad_norm)"})
-    anchor_policy: str = dataclasses.field(default="fixed", metadata={"help": "a registered anchor policy (rlsync/protocol/policies/: 'fixed', 'adaptive', ...)"})
+    anchor_policy: str = dataclasses.field(default="fixed", metadata={"help": f"anchor policy: {', '.join(map(repr, names(Kind.ANCHOR_POLICY)))} (rlsync/protocol/policies/)"})
     anchor_interval: int = dataclasses.field(default=DEFAULT_ANCHOR_INTERVAL, metadata={"help": "publishes per anchor (fixed policy)"})
     max_catchup_ratio: float = dataclasses.field(default=DEFAULT_MAX_CATCHUP_RATIO, metadata={"help": "adaptive policy bound, in anchors"})
     anchor_settings: str = dataclasses.field(default="", metadata={"help": "the anchor policy's settings as a JSON object (any policy's; over the two above), e.g. {\"interval\": 5}"})
     keep_anchors: int = dataclasses.field(default=2, metadata={"help": "anchors retained in the bucket"})
-    codec: str = dataclasses.field(default=DEFAULT_CODEC, metadata={"help": "delta codec: 'classrice', 'classgap', 'gapzz', 'trl' or 'auto' (the default for the device)"})
+    codec: str = dataclasses.field(default=DEFAULT_CODEC, metadata={"help": f"delta codec: {', '.join(map(repr, names(Kind.CODEC)))} or 'auto' (the default for the device)"})
     max_steps: int = dataclasses.field(default=0, metadata={"help": "stop after this many optimizer steps (0: never) (max_steps)"})
     checkpoint_every: int = dataclasses.field(default=50, metadata={"help": "optimizer steps per bucket checkpoint, also saved after the first step, on stop and on SIGTERM (save_steps)"})
     keep_checkpoints: int = dataclasses.field(default=2, metadata={"help": "checkpoints retained in the bucket"})
@@ -74,6 +76,10 @@ class TrainerConfig:
     trackio_project: str = dataclasses.field(default="rlsync", metadata={"help": "Trackio project (project)"})
     trackio_space_id: str = dataclasses.field(default="", metadata={"help": "Trackio Space to log to, e.g. 'user/trackio' (empty: on a Space, the owner's 'rl-sync-trackio', so the run outlives restarts; elsewhere the local Trackio database) (trackio_space_id)"})
     trackio_bucket_id: str = dataclasses.field(default="", metadata={"help": "Hugging Face Bucket keeping the Trackio database (empty: Trackio's default) (trackio_bucket_id)"})
+
+    def __post_init__(self) -> None:
+        check_choice(Kind.CODEC, self.codec, "TRAINER_CODEC", also=("auto",))
+        check_choice(Kind.ANCHOR_POLICY, self.anchor_policy, "TRAINER_ANCHOR_POLICY")
 
     @classmethod
     def from_env(cls, **overrides) -> "TrainerConfig":
@@ -118,7 +124,7 @@ class TrainerConfig:
         """The anchor policy these settings name (settings another policy has are ignored).
 
         Raises:
-            ValueError: an unknown policy, invalid settings, or ``anchor_settings`` not a JSON object.
+            ConfigurationError: an unknown policy, invalid settings, or ``anchor_settings`` not a JSON object.
         """
         from rlsync.errors import FormatError
         from rlsync.jsonlimits import loads_bounded
@@ -132,7 +138,7 @@ class TrainerConfig:
             settings = {"interval": self.anchor_interval, "max_catchup_ratio": self.max_catchup_ratio, **extra}
             return policy_from_settings({**settings, "policy": self.anchor_policy})
         except FormatError as exc:
-            raise ValueError(str(exc)) from None
+            raise ConfigurationError(str(exc)) from None
 
     def grpo_config(self, output_dir: str) -> Any:
         """These settings as TRL's ``AsyncGRPOConfig``."""

@@ -10,24 +10,27 @@
 - ``openenv:http://host:8000``: an OpenEnv environment server, one step per episode
   (:mod:`env_space.sources.openenv_client`, ``ENV_OPENENV_*``).
 
-Each source is one module of this package that registers itself with
-:func:`~env_space.sources.settings.register_source` (name, package, example, settings and their form);
-the registry (:mod:`env_space.sources.settings`) finds it. A source imports its packages only when
+Each source is one module of this package that registers itself in :mod:`rlsync.registry`
+(``Kind.ENV_SOURCE``: name, ``from_spec``, settings and their form, package, example); the registry reads
+this package's files (:func:`rlsync.registry.add_home`) and finds it. A source imports its packages only when
 selected, so the toy tasks and the panel's forms need none of them; a missing package gives an error
 naming what to install.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from typing import Any
 
 from env_space.environments import Environment, get_environment
+from rlsync.errors import UnknownNameError
+from rlsync.registry import Kind, add_home, get
 
 from .prompts import render_prompt
 
 __all__ = ["open_environment", "parse_weighted"]
+
+add_home(__name__)  # the environment sources, one module each
 
 def parse_weighted(text: str) -> dict[str, float]:
     """Parse ``"a=2,b,c=0.5"`` into ``{"a": 2.0, "b": 1.0, "c": 0.5}`` (weight 1 when omitted).
@@ -68,16 +71,15 @@ def open_environment(spec: str, *, chat_template: str = "", settings: Any | None
         return get_environment(spec)
     if chat_template:  # fail at start, not at the first batch
         render_prompt([{"role": "user", "content": "check"}], chat_template)
-    from .settings import SOURCES  # the registry (light: settings only)
-
-    if source not in SOURCES:
-        raise KeyError(f"unknown environment source {source!r}; known: {sorted(SOURCES)}")
-    entry = SOURCES[source]
     try:
-        missing = [name for name in entry.requires if importlib.util.find_spec(name) is None]
+        entry = get(Kind.ENV_SOURCE, source)
+    except UnknownNameError as exc:
+        raise UnknownNameError(f"unknown environment source {source!r}; {str(exc).partition('; ')[2]}") from None
+    try:
+        missing = [name for name in entry.details.get("requires", ()) if importlib.util.find_spec(name) is None]
         if missing:
             raise ImportError(f"no module named {missing[0]!r}")
-        module = importlib.import_module(entry.module)
+        from_spec = entry.load()
     except ImportError as exc:
-        raise ImportError(f"the {source!r} source needs `pip install {entry.package}` ({exc})") from exc
-    return module.from_spec(argument, chat_template=chat_template, settings=settings)
+        raise ImportError(f"the {source!r} source needs `pip install {entry.details['package']}` ({exc})") from exc
+    return from_spec(argument, chat_template=chat_template, settings=settings)

@@ -27,11 +27,12 @@ from typing import TYPE_CHECKING, Any
 from env_space.bounded import ScoringFailure, finite_reward
 from env_space.isolation import call_bounded
 from env_space.environments import Environment, Scoring, Task
+from rlsync.registry import Kind, register
 
 from . import parse_weighted
 from .prompts import render_prompt
 from .reward_worker import RewardWorker
-from .settings import SOURCES, register_source
+from .settings import read_source_settings
 
 if TYPE_CHECKING:  # imported when used: the registry imports this module for its settings only
     import datasets
@@ -43,10 +44,6 @@ __all__ = ["DatasetEnvironment", "DatasetSourceConfig", "from_spec", "load_split
 _NOT_COLUMNS = ("prompt", "completion", "completion_ids", "prompts", "completions")  # as TRL: not passed by name
 
 
-@register_source(
-    "dataset", package="datasets math-verify", requires=("datasets", "math_verify"), example="dataset:openai/gsm8k",
-    env_prefix="ENV_DATASET",
-)  # fmt: skip
 @dataclasses.dataclass
 class DatasetSourceConfig:
     """Settings of the dataset source (environment variables ``ENV_DATASET_<FIELD>``)."""
@@ -194,5 +191,11 @@ def from_spec(
     argument: str, *, chat_template: str = "", settings: DatasetSourceConfig | None = None
 ) -> DatasetEnvironment:
     """Build the source from ``ENV_ENVIRONMENT=dataset:<name or path>``."""
-    config = settings or SOURCES["dataset"].read()
+    config = settings or read_source_settings("dataset")
     return DatasetEnvironment(load_split(argument, config.subset, config.split), argument, config, chat_template)
+
+
+register(Kind.ENV_SOURCE, "dataset", "env_space.sources.datasets_source:from_spec", env_prefix="ENV_DATASET",
+         settings="env_space.sources.datasets_source:DatasetSourceConfig", package="datasets math-verify",
+         summary="a Hub dataset or one saved with save_to_disk, scored by TRL-style reward functions",
+         requires=("datasets", "math_verify"), example="dataset:openai/gsm8k")

@@ -32,18 +32,15 @@ from typing import Any
 from env_space.bounded import ScoringFailure
 from rlsync.spaces.exchange import DEFAULT_LIMITS
 from env_space.environments import Environment, Scoring, Task
+from rlsync.registry import Kind, register
 
-from .settings import SOURCES, register_source
+from .settings import read_source_settings
 
 __all__ = ["OpenEnvConfig", "OpenEnvEnvironment", "from_spec"]
 
 _MAX_BACKOFF_S = 60.0
 
 
-@register_source(
-    "openenv", package="openenv-core", requires=("openenv",), example="openenv:http://127.0.0.1:8000",
-    env_prefix="ENV_OPENENV",
-)  # fmt: skip
 @dataclasses.dataclass
 class OpenEnvConfig:
     """Settings of the OpenEnv source (environment variables ``ENV_OPENENV_<FIELD>``)."""
@@ -163,4 +160,9 @@ class OpenEnvEnvironment(Environment):
 
 def from_spec(argument: str, *, chat_template: str = "", settings: OpenEnvConfig | None = None) -> OpenEnvEnvironment:
     """Build the source from ``ENV_ENVIRONMENT=openenv:<url>`` (the server formats its own prompts)."""
-    return OpenEnvEnvironment(argument, settings or SOURCES["openenv"].read())
+    return OpenEnvEnvironment(argument, settings or read_source_settings("openenv"))
+
+
+register(Kind.ENV_SOURCE, "openenv", "env_space.sources.openenv_client:from_spec", env_prefix="ENV_OPENENV",
+         settings="env_space.sources.openenv_client:OpenEnvConfig", package="openenv-core", requires=("openenv",),
+         summary="an OpenEnv environment server, one step per episode", example="openenv:http://127.0.0.1:8000")

@@ -22,18 +22,15 @@ import json
 from typing import Any
 
 from env_space.environments import Environment, Task
+from rlsync.registry import Kind, register
 
 from . import parse_weighted
 from .prompts import render_prompt
-from .settings import SOURCES, register_source
+from .settings import read_source_settings
 
 __all__ = ["ReasoningGymConfig", "ReasoningGymEnvironment", "from_spec"]
 
 
-@register_source(
-    "reasoning_gym", package="reasoning-gym", requires=("reasoning_gym", "sympy"),
-    example="reasoning_gym:leg_counting=2,basic_arithmetic", env_prefix="ENV_RG",
-)  # fmt: skip
 @dataclasses.dataclass
 class ReasoningGymConfig:
     """Settings of the reasoning-gym source (environment variables ``ENV_RG_<FIELD>``)."""
@@ -142,4 +139,11 @@ def from_spec(
     argument: str, *, chat_template: str = "", settings: ReasoningGymConfig | None = None
 ) -> ReasoningGymEnvironment:
     """Build the source from ``ENV_ENVIRONMENT=reasoning_gym:<argument>``."""
-    return ReasoningGymEnvironment(parse_weighted(argument), settings or SOURCES["reasoning_gym"].read(), chat_template)
+    config = settings or read_source_settings("reasoning_gym")
+    return ReasoningGymEnvironment(parse_weighted(argument), config, chat_template)
+
+
+register(Kind.ENV_SOURCE, "reasoning_gym", "env_space.sources.reasoning_gym:from_spec", env_prefix="ENV_RG",
+         settings="env_space.sources.reasoning_gym:ReasoningGymConfig", summary="reasoning-gym generators with weights",
+         package="reasoning-gym", requires=("reasoning_gym", "sympy"),
+         example="reasoning_gym:leg_counting=2,basic_arithmetic")

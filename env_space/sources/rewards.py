@@ -21,16 +21,17 @@ Built-ins (see :data:`BUILTIN_REWARDS`):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.util
-import os
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from math_verify import parse, verify
+from rlsync.config import from_env
 
 from .evaluators import guard_evaluators
 
@@ -118,6 +119,16 @@ BUILTIN_REWARDS: dict[str, RewardFunction] = {
 ALLOW_ENV = "ENV_REWARD_ALLOW"
 #: The operator's own reward setting; the dotted paths it names are allowed too.
 REWARDS_ENV = "ENV_DATASET_REWARDS"
+
+
+@dataclasses.dataclass(frozen=True)
+class _AllowedRewards:
+    """The two variables (prefix ``ENV``) that name the dotted reward functions the operator allows."""
+
+    reward_allow: str = ""  #: ``ALLOW_ENV``
+    dataset_rewards: str = ""  #: ``REWARDS_ENV``
+
+
 #: The Space's repo: modules found here (outside the project's packages and any installed ones) are its own code.
 SPACE_REPO = Path(__file__).resolve().parents[2]
 PROJECT_PACKAGES = frozenset(
@@ -128,8 +139,8 @@ PROJECT_PACKAGES = frozenset(
 def allowed_reward_paths(environ: Mapping[str, str] | None = None) -> frozenset[str]:
     """The dotted reward paths the operator allowed: ``ENV_REWARD_ALLOW`` (comma-separated) and the
     dotted names in ``ENV_DATASET_REWARDS`` (environment variables, never a panel's form)."""
-    env = os.environ if environ is None else environ
-    names = env.get(ALLOW_ENV, "").split(",") + [n.split("=")[0] for n in env.get(REWARDS_ENV, "").split(",")]
+    allowed = from_env(_AllowedRewards, "ENV", environ)
+    names = allowed.reward_allow.split(",") + [n.split("=")[0] for n in allowed.dataset_rewards.split(",")]
     return frozenset(n.strip() for n in names if "." in n.strip())
 
 

@@ -35,8 +35,9 @@ from rlsync.checkpoint_layout import CheckpointLayout
 from rlsync.hashing import state_hash
 from rlsync.lora import peft_config
 from rlsync.patch import TensorPatch
+from rlsync.registry import Kind, register
 
-from rollout_space.engine import Completion, Engine, SamplingSettings, register_engine
+from rollout_space.engine import Completion, Engine, SamplingSettings
 from rollout_space.engines.sampling import generate_completions
 
 logger = logging.getLogger(__name__)
@@ -328,4 +329,5 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
 
 
-register_engine("transformers", TransformersEngine)
+register(Kind.ENGINE, "transformers", "rollout_space.engines.transformers_engine:TransformersEngine",
+         capabilities=("device",), summary="transformers generate() on any torch device; adapters through PEFT")

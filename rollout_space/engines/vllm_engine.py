@@ -52,11 +52,12 @@ import torch
 from rlsync.adapters import ADAPTER_WEIGHTS_FILE, AdapterChain, write_adapter_folder
 from rlsync.hashing import state_hash
 from rlsync.patch import TensorPatch
+from rlsync.registry import Kind, register
 from rlsync.vllm.payload import pack_patches, pack_tensors, unpack_tensors
 from rlsync.vllm.plugin import WORKER_EXTENSION
 from rlsync.vllm.worker import WeightLayout, plan_update
 
-from rollout_space.engine import Completion, Engine, SamplingSettings, register_engine
+from rollout_space.engine import Completion, Engine, SamplingSettings
 
 from .vllm_follow import BUCKET_BACKEND, VllmBucketCalls
 
@@ -326,4 +327,6 @@ def _completion(output: Any) -> Completion:
     return Completion(text=output.text, token_ids=token_ids, logprobs=logprobs)
 
 
-register_engine("vllm", VllmEngine)
+register(Kind.ENGINE, "vllm", "rollout_space.engines.vllm_engine:VllmEngine", requires=("vllm",),
+         capabilities=("accelerator", "fp8", "lora_slots"),
+         summary="vLLM, following the bucket in its own workers when it can (the FP8 chain too)")

@@ -18,6 +18,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
+from rlsync.vllm.status import TransferStatus
+
 __all__ = ["BUCKET_BACKEND", "VllmBucketCalls"]
 
 #: ``weight_transfer_config`` of an engine that follows the bucket itself.
@@ -33,7 +35,7 @@ class VllmBucketCalls:
     follows_bucket: bool
     _after_weight_change: Callable[[], None]
 
-    def follow_bucket(self, url: str, chain: str) -> dict[str, Any]:
+    def follow_bucket(self, url: str, chain: str) -> TransferStatus:
         """Have the workers follow ``chain`` of the bucket at ``url`` (``init_weight_transfer_engine``); their
         subscriber starts again: the next update is the newest anchor.
 
@@ -49,7 +51,7 @@ class VllmBucketCalls:
             self.llm.init_weight_transfer_engine({"init_info": {"bucket": url, "chain": chain}})
         return self.transfer_status()
 
-    def prepare_update(self) -> dict[str, Any]:
+    def prepare_update(self) -> TransferStatus:
         """Start preparing the next update toward the newest version in the workers' background
         (``sync_prepare``: download, decode, the O(changed) hash check); a refused update is refused here.
 
@@ -58,7 +60,7 @@ class VllmBucketCalls:
         """
         return self._status_rpc("sync_prepare")
 
-    def transfer_status(self) -> dict[str, Any]:
+    def transfer_status(self) -> TransferStatus:
         """The workers' transfer status (:meth:`rlsync.vllm.transfer.BucketWeightTransferEngine.status`), one
         for all: ``error`` any worker's, ``preparing``/``rehashing`` while any is, a failed ``rehash`` first.
 
@@ -67,13 +69,12 @@ class VllmBucketCalls:
         """
         return self._status_rpc("sync_transfer_status")
 
-    def verify_served(self) -> dict[str, Any]:
+    def verify_served(self) -> TransferStatus:
         """Start re-hashing the served weights against the workers' verified hash in their background
         (``sync_verify``).
 
         Returns:
-            The transfer status (poll until ``rehashing`` is false; then ``rehash`` is
-            ``{"step", "expected", "served"}``).
+            The transfer status (poll until ``rehashing`` is false; then ``rehash`` holds the result).
         """
         return self._status_rpc("sync_verify")
 
@@ -92,20 +93,7 @@ class VllmBucketCalls:
             self.llm.finish_weight_update(weight_version=str(step))
             self._after_weight_change()
 
-    def _status_rpc(self, method: str) -> dict[str, Any]:
+    def _status_rpc(self, method: str) -> TransferStatus:
         with self._lock:
             statuses = self.llm.collective_rpc(method)
-        status = dict(statuses[0])
-        status["error"] = next((s["error"] for s in statuses if s["error"]), "")
-        status["preparing"] = any(s["preparing"] for s in statuses)
-        status["rehashing"] = any(s["rehashing"] for s in statuses)
-        status["rehash"] = next((s["rehash"] for s in statuses if _mismatch(s["rehash"])), status["rehash"])
-        prepared = {(s["prepared_step"], s["prepared_hash"]) for s in statuses}
-        if not status["preparing"] and len(prepared) != 1:
-            raise RuntimeError(f"vLLM's workers prepared different updates: {sorted(prepared, key=str)}")
-        return status
-
-
-def _mismatch(rehash: dict[str, Any] | None) -> bool:
-    """Whether a worker's re-hash found served weights that differ from its verified state."""
-    return rehash is not None and rehash["served"] != rehash["expected"]
+        return TransferStatus.merge(TransferStatus.from_wire(status) for status in statuses)

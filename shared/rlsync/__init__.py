@@ -27,7 +27,8 @@ _EXPORTS = {
     "RetryingBucket": "rlsync.bucket",
     "HfBucket": "rlsync.bucket",
     "open_bucket": "rlsync.bucket",
-    "register_backend": "rlsync.bucket",
+    "register": "rlsync.registry",
+    "Kind": "rlsync.registry",
     "Publisher": "rlsync.protocol",
     "PublishRecord": "rlsync.protocol",
     "ShardedPublisher": "rlsync.protocol.sharded",
@@ -62,7 +63,8 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 if TYPE_CHECKING:
-    from .bucket import Bucket, HfBucket, LocalBucket, RetryingBucket, open_bucket, register_backend
+    from .bucket import Bucket, HfBucket, LocalBucket, RetryingBucket, open_bucket
+    from .registry import Kind, register
     from .detect import ChangeDetector
     from .errors import (
         BucketError,

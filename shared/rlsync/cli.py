@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .errors import BucketError, SyncError
+from .registry import Kind, names
 
 MAX_ERROR_CHARS = 600  # hostile files can make messages long (names, shapes); the error stays one readable line
 
@@ -31,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("old", type=Path)
     p.add_argument("new", type=Path)
     p.add_argument("-o", "--output", type=Path, required=True)
-    p.add_argument("--codec", metavar="NAME", help="delta codec (default: the library's default codec; an unknown name lists the known ones)")
+    p.add_argument("--codec", choices=names(Kind.CODEC), help="delta codec (default: the library's default codec)")
     p.add_argument("--step", type=int, help="step recorded for NEW (default: its anchor metadata's step, else base step + 1)")
     p.add_argument("--base-step", type=int, help="step recorded for OLD (default: its anchor metadata's step, else step - 1, else 0)")
     p.set_defaults(command_name="diff")
@@ -56,10 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from . import commands
-    from .codecs import list_codecs
 
-    if args.command_name == "diff" and args.codec is not None and args.codec not in list_codecs():
-        parser.error(f"argument --codec: invalid choice: {args.codec!r} (choose from {', '.join(list_codecs())})")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.CRITICAL, format="%(levelname)s %(name)s: %(message)s")
     try:
         getattr(commands, f"cmd_{args.command_name}")(args)

@@ -20,7 +20,9 @@ import types
 import typing
 from typing import Any, Mapping, Sequence, TypeVar
 
-__all__ = ["env_name", "from_env", "settings_table"]
+from .errors import ConfigurationError
+
+__all__ = ["ProcessSettings", "env_name", "from_env", "process_settings", "settings_table"]
 
 T = TypeVar("T")
 
@@ -37,18 +39,18 @@ def _convert(raw: str, kind: Any, name: str) -> Any:
             return True
         if raw.lower() in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"{name}: expected a boolean, got {raw!r}")
+        raise ConfigurationError(f"{name}: expected a boolean, got {raw!r}")
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         for value in (raw, raw.lower()):
             if value in kind._value2member_map_:
                 return kind(value)
         choices = ", ".join(repr(m.value) for m in kind)
-        raise ValueError(f"{name}: expected one of {choices}, got {raw!r}")
+        raise ConfigurationError(f"{name}: expected one of {choices}, got {raw!r}")
     if kind in (int, float, str):
         try:
             return kind(raw)
         except ValueError:
-            raise ValueError(f"{name}: expected {kind.__name__}, got {raw!r}") from None
+            raise ConfigurationError(f"{name}: expected {kind.__name__}, got {raw!r}") from None
     raise TypeError(f"{name}: unsupported setting type {kind}")
 
 
@@ -82,8 +84,8 @@ def from_env(
         The settings.
 
     Raises:
-        ValueError: a variable cannot be converted to its field's type (the message names the variable),
-            or the dataclass refuses the values.
+        ConfigurationError: a variable cannot be converted to its field's type (the message names the variable).
+        ValueError: the dataclass refuses the values (a ``ConfigurationError`` where it says which settings clash).
     """
     environ = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
@@ -108,3 +110,21 @@ def settings_table(cls: type, prefix: str) -> list[tuple[str, str, str]]:
         default = field.default if field.default is not dataclasses.MISSING else field.metadata.get("shown_default", "")
         rows.append((var, repr(default), field.metadata.get("help", "")))
     return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSettings:
+    """Settings of the whole process rather than of one component (variables ``RLSYNC_<FIELD>``)."""
+
+    threads: int = dataclasses.field(default=0, metadata={"help": "the library's worker threads (0: one per CPU)"})
+    cache: str = dataclasses.field(default="", metadata={"help": "cache root of built models ('': ~/.cache/rl-sync)"})
+    bucket: str = dataclasses.field(default="", metadata={"help": "the combined app's bucket (app.py --bucket)"})
+
+
+def process_settings(environ: Mapping[str, str] | None = None) -> ProcessSettings:
+    """The :class:`ProcessSettings` from ``RLSYNC_<FIELD>`` variables (``environ``, default ``os.environ``).
+
+    Raises:
+        ConfigurationError: a variable does not parse (the message names it).
+    """
+    return from_env(ProcessSettings, "RLSYNC", environ)

@@ -24,6 +24,7 @@ __all__ = [
     "RetryableError",
     "StopRoleError",
     "ConfigurationError",
+    "UnknownNameError",
     "UnsupportedHardwareError",
     "SyncError",
     "FormatError",
@@ -71,6 +72,12 @@ class StopRoleError(RlsyncError):
 
 class ConfigurationError(RlsyncError, ValueError):
     """The caller's settings are invalid or inconsistent; fix them."""
+
+
+class UnknownNameError(ConfigurationError, KeyError):
+    """A setting names no registered codec, backend, policy, source, environment or engine (the message lists them)."""
+
+    __str__ = Exception.__str__  # the message as written, not quoted as a KeyError's key
 
 
 class UnsupportedHardwareError(ConfigurationError):

@@ -204,10 +204,6 @@ def check_fp8_values(name: str, values: torch.Tensor) -> None:
             raise FormatError(f"{name}: {nan} FP8 value(s) encode NaN; refused before applying")
 
 
-#: Environment variable holding the chain a replica or ``vllm serve`` follows by default (a :class:`Chain` value).
-CHAIN_ENV = "ROLLOUT_CHAIN"
-
-
 class Chain(str, enum.Enum):
     """The weight chain a replica follows: the trainer's bf16 weights, or their FP8 serving chain."""
 

@@ -6,9 +6,11 @@ import concurrent.futures
 import functools
 import os
 
+from .config import process_settings
+
 
 @functools.lru_cache(maxsize=1)
 def worker_pool() -> concurrent.futures.ThreadPoolExecutor:
     """A process-wide thread pool sized by ``RLSYNC_THREADS`` or the CPU count."""
-    workers = int(os.environ.get("RLSYNC_THREADS", "0")) or os.cpu_count() or 1
+    workers = process_settings().threads or os.cpu_count() or 1
     return concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rlsync")

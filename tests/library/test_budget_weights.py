@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from rlsync.errors import ConfigurationError
 from rlsync.roles import Role
 from rlsync.bucket import BucketSettings
 from rlsync.bucket.budget import TRAINER_WEIGHT, BudgetConfig, RequestClass, RequestMeter, Tier
@@ -78,6 +79,19 @@ def test_the_roles_weights_from_the_environment():
         role_weight(Role.TRAINER, {"TRAINER_HUB_WEIGHT": "most"})
     with pytest.raises(ValueError, match="weight"):
         BudgetConfig(share=4, weight=5)  # more than the whole fleet's budget
+
+
+def test_a_share_smaller_than_the_roles_weight_is_refused_at_start_naming_the_variables_and_a_share_that_works():
+    with pytest.raises(ConfigurationError) as info:
+        BucketSettings.from_env(Role.TRAINER, {"HUB_SHARE": "1"})  # the trainer's default weight is 2
+    message = str(info.value)
+    assert "invalid budget" in message and "HUB_WEIGHT or TRAINER_HUB_WEIGHT, default 2" in message
+    assert message.endswith("more than HUB_SHARE=1, the weights of every role on the token added up: set HUB_SHARE=2 or more")
+    assert BucketSettings.from_env(Role.TRAINER, {"HUB_SHARE": "2"}).budget.share == 2  # the value it names works
+    with pytest.raises(ConfigurationError, match="HUB_SHARE=3 or more"):
+        BucketSettings.from_env(Role.ROLLOUT, {"HUB_SHARE": "2", "ROLLOUT_HUB_WEIGHT": "2.5"})
+    with pytest.raises(ConfigurationError, match="^invalid budget: weight -1.0 of share 5"):
+        BucketSettings.from_env(Role.ENV, {"HUB_WEIGHT": "-1"})  # nothing to suggest: the plain refusal
 
 
 def test_the_panel_shows_the_trainers_larger_part():

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlsync.codecs import DecodeTarget, GapZigzagCodec, get_codec, list_codecs, register_codec
-from rlsync.codecs import base as codecs_base
+from rlsync.codecs import DecodeTarget, GapZigzagCodec, get_codec, list_codecs
 from rlsync.codecs.checks import check_index, require_entry
 from rlsync.detect import ChangeDetector, changed_elements
 from rlsync.errors import FormatError, SyncError
@@ -87,11 +86,10 @@ def test_registered_codecs_are_the_codec_objects() -> None:
     assert str(list_codecs()) in str(info.value)
 
 
-def test_a_registered_codec_is_what_get_codec_returns(monkeypatch) -> None:
-    monkeypatch.setattr(codecs_base, "_CODECS", dict(codecs_base._CODECS))
+def test_a_registered_codec_is_what_get_codec_returns(scratch_registry) -> None:
     codec = GapZigzagCodec(level=3)
     codec.name = "gapzz-level3"
-    assert register_codec(codec) is codec
+    assert scratch_registry.register(scratch_registry.Kind.CODEC, "gapzz-level3", codec).load() is codec
     assert get_codec("gapzz-level3") is codec and "gapzz-level3" in list_codecs()
 
 

@@ -8,10 +8,11 @@ import dataclasses
 import pytest
 
 from rlsync.errors import FormatError
-from rlsync.protocol.policies import base as registry
-from rlsync.protocol.policy import AnchorPolicy, policy_from_json, policy_names, policy_to_json, register_policy
+from rlsync.errors import ConfigurationError
+from rlsync.protocol.policy import AnchorPolicy, policy_class, policy_from_json, policy_names, policy_to_json
 from rlsync.spaces.anchor_policy import current_policy, describe_policy, make_policy, setting_fields
 from rlsync.spaces.snapshots import Snapshot
+from trainer_space.config import TrainerConfig  # imported before a test registers a policy: its help lists the tree's
 
 
 @dataclasses.dataclass
@@ -29,10 +30,8 @@ class EveryOther(AnchorPolicy):
 
 
 @pytest.fixture
-def registered(monkeypatch):
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    policy_names()  # the built-ins discovered first
-    return register_policy(EveryOther)
+def registered(scratch_registry):
+    return scratch_registry.register(scratch_registry.Kind.ANCHOR_POLICY, "every-other", EveryOther).load()
 
 
 def test_the_built_in_policies_are_found_in_their_package():
@@ -40,8 +39,6 @@ def test_the_built_in_policies_are_found_in_their_package():
 
 
 def test_a_registered_policy_reaches_the_parser_the_form_and_the_trainer_settings(registered):
-    from trainer_space.config import TrainerConfig
-
     assert "every-other" in policy_names()
     assert policy_from_json(policy_to_json(EveryOther(5))) == EveryOther(5)
     with pytest.raises(FormatError):  # exactly its own keys
@@ -58,7 +55,7 @@ def test_a_registered_policy_reaches_the_parser_the_form_and_the_trainer_setting
         TrainerConfig(anchor_policy="no-such").policy()
 
 
-def test_a_name_is_taken_once():
+def test_a_name_is_taken_once(scratch_registry):
     @dataclasses.dataclass
     class Impostor(AnchorPolicy):
         name = "fixed"
@@ -69,5 +66,15 @@ def test_a_name_is_taken_once():
         def describe(self) -> str:
             return "impostor"
 
-    with pytest.raises(ValueError, match="taken"):
-        register_policy(Impostor)
+    with pytest.raises(ConfigurationError, match="taken"):
+        scratch_registry.register(scratch_registry.Kind.ANCHOR_POLICY, "fixed", Impostor)
+
+
+def test_a_policy_that_is_not_a_dataclass_of_its_name_is_refused_when_used(scratch_registry):
+    scratch_registry.register(scratch_registry.Kind.ANCHOR_POLICY, "plain", AnchorPolicy)  # not a dataclass
+    scratch_registry.register(scratch_registry.Kind.ANCHOR_POLICY, "alias", EveryOther)  # named "every-other"
+    for name in ("plain", "alias"):
+        with pytest.raises(ConfigurationError, match="dataclass of its settings named so"):
+            policy_class(name)
+    with pytest.raises(FormatError, match="unknown anchor policy"):
+        policy_class("none-such")

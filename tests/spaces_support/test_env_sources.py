@@ -396,26 +396,31 @@ def test_trl_reward_helper_by_dotted_path_scores_as_trl_does(tmp_path, monkeypat
         assert env.score(task, f"so \\boxed{{{task.answer}}}") == 1.0
 
 
-def test_a_source_registers_once_its_name_module_package_example_and_settings(monkeypatch):
+def test_a_source_registers_once_its_name_module_package_example_and_settings(monkeypatch, scratch_registry):
     """One registry: the settings form, the spec's module and the install hint all come from the entry."""
     import dataclasses
 
     from env_space.sources import open_environment
     from env_space.sources import settings as registry
+    from rlsync.errors import ConfigurationError
 
-    monkeypatch.setattr(registry, "SOURCES", dict(registry.SOURCES))
-
-    @registry.register_source("fake", module="no_such_module_xyz", package="fake-pkg", example="fake:1", env_prefix="ENV_FAKE")
     @dataclasses.dataclass
     class FakeConfig:
         size: int = 1
 
+    kind = scratch_registry.Kind.ENV_SOURCE
+    scratch_registry.register(
+        kind, "fake", "no_such_module_xyz:from_spec", settings=FakeConfig, env_prefix="ENV_FAKE", package="fake-pkg",
+        example="fake:1",
+    )  # fmt: skip
     monkeypatch.setenv("ENV_FAKE_SIZE", "2")
-    assert registry.SOURCES["fake"].read() == FakeConfig(2)
+    assert registry.read_source_settings("fake") == FakeConfig(2)
     assert registry.source_settings("fake:1", '{"size": 3}') == FakeConfig(3)
     with pytest.raises(ImportError, match="pip install fake-pkg"):
         open_environment("fake:1", settings=FakeConfig())
-    with pytest.raises(ValueError, match="registered already"):
-        registry.register_source("fake", module="m", package="p", example="fake:2", env_prefix="E")(type("Other", (), {}))
-    names = [s.name for s in registry.SOURCES.values()]
-    assert set(names[:3]) == {"reasoning_gym", "dataset", "openenv"} and names[3:] == ["fake"]
+    with pytest.raises(ConfigurationError, match="taken"):
+        scratch_registry.register(kind, "fake", "m:from_spec", package="p", example="fake:2", env_prefix="E")
+    with pytest.raises(KeyError, match="unknown environment source 'nope'"):
+        open_environment("nope:1")
+    names = [s.name for s in registry.sources()]
+    assert {"reasoning_gym", "dataset", "openenv", "fake"} <= set(names)

@@ -16,16 +16,16 @@ from env_space.environments import (
     get_environment,
     last_integer,
     list_environments,
-    register_environment,
 )
+from rlsync.errors import ConfigurationError
 
 BUILTIN = ["reverse", "arithmetic"]
 
 
 @pytest.fixture
-def registry(monkeypatch):
+def registry(scratch_registry):
     """A private copy of the registry, so tests can register environments freely."""
-    monkeypatch.setattr(environments, "_ENVIRONMENTS", dict(environments._ENVIRONMENTS))
+    return scratch_registry
 
 
 @pytest.mark.parametrize("name", BUILTIN)
@@ -105,7 +105,6 @@ def test_registry_lists_gets_and_rejects(registry):
     with pytest.raises(KeyError, match="unknown environment"):
         get_environment("nope")
 
-    @register_environment
     class Copy(Environment):
         name = "copy"
 
@@ -115,20 +114,24 @@ def test_registry_lists_gets_and_rejects(registry):
         def score(self, task, completion):
             return float(completion.strip() == task.answer)
 
+    entry = registry.register(registry.Kind.ENVIRONMENT, "copy", Copy)
     assert "copy" in list_environments() and isinstance(get_environment("copy"), Copy)
-    assert register_environment(Copy) is Copy  # re-registering the same class is harmless
+    assert registry.register(registry.Kind.ENVIRONMENT, "copy", Copy) == entry  # re-registering the same is harmless
 
     class Clash(Copy):
         name = "copy"
 
-    with pytest.raises(ValueError, match="already registered"):
-        register_environment(Clash)
+    with pytest.raises(ConfigurationError, match="taken"):
+        registry.register(registry.Kind.ENVIRONMENT, "copy", Clash)
 
     class Nameless(Copy):
         name = ""
 
-    with pytest.raises(ValueError, match="name"):
-        register_environment(Nameless)
+    with pytest.raises(ConfigurationError, match="name"):
+        registry.register(registry.Kind.ENVIRONMENT, "", Nameless)
+    registry.register(registry.Kind.ENVIRONMENT, "nameless", Nameless)
+    with pytest.raises(ConfigurationError, match="whose name is ''"):
+        get_environment("nameless")
 
 
 def test_module_docstring_example_runs(registry):

@@ -5,9 +5,12 @@ The FP8 chain is served by the vLLM engine (``tests/test_vllm_fp8.py`` runs it);
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from rlsync.bucket import LocalBucket
+from rlsync.errors import ConfigurationError
 from rlsync.fp8 import Chain, fp8_bucket, fp8_publisher, quantize_state
 from rlsync.protocol import FixedInterval
 from rollout_space.config import ReplicaConfig
@@ -35,7 +38,9 @@ def test_a_replica_on_the_fp8_chain_needs_the_vllm_engine(tmp_path):
     from rollout_space.replica import Replica
 
     config = ReplicaConfig(bucket=str(tmp_path / "bucket"), engine="transformers", chain=Chain.FP8.value)
-    with pytest.raises(ValueError, match="fp8 chain is served by the vllm engine"):
+    with pytest.raises(ConfigurationError, match="ROLLOUT_CHAIN=fp8 is served by ROLLOUT_ENGINE=vllm, not 'transformers'"):
         Replica(config)
+    with pytest.raises(ConfigurationError, match="serves no LoRA"):
+        Replica(dataclasses.replace(config, engine="vllm", lora=True))
     with pytest.raises(ValueError):
         Replica(ReplicaConfig(bucket=str(tmp_path / "bucket"), chain="fp16"))

@@ -82,6 +82,8 @@ def test_engine_weights_follow_anchor_and_deltas_bit_exactly(bucket, model_dir):
     assert status.applied_step == 2 and status.refused == 0
     assert status.engine_state_hash == records[-1].state_hash and status.engine_verified_step == 2
     assert status.rehashes == 1 and status.rehash_mismatches == 0
+    assert [(s.step, s.kind) for s in replica.syncs] == [(0, "anchor"), (1, "delta"), (2, "delta")]  # typed records
+    assert status.recent_syncs == replica.syncs and status.apply_s == replica.syncs[-1].idle_s
     replica.close()
 
 

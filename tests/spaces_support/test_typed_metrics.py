@@ -154,6 +154,19 @@ def test_every_training_chart_draws_a_figure_of_the_train_rows():
         assert [r[chart.y] for r in spec["data"]["values"]] == [0.5, 0.5], chart.title
 
 
+def test_a_new_plot_of_a_trl_figure_is_one_train_row_field():
+    from rlsync.spaces.metrics import _log
+
+    @dataclasses.dataclass(frozen=True)
+    class WithGradNorm(TrainRow):
+        grad_norm: float | None = _log("grad_norm", chart="Gradient norm per optimizer step", format=".3g")
+
+    assert WithGradNorm.from_logs({"grad_norm": 1.5}, opt_step=1).grad_norm == 1.5  # the trainer copies it
+    charts = frames.training_charts(WithGradNorm)
+    assert charts[: len(components.TRAINING_CHARTS)] == components.TRAINING_CHARTS
+    assert (charts[-1].title, charts[-1].y, dict(charts[-1].formats)) == ("Gradient norm per optimizer step", "grad_norm", {"grad_norm": ".3g"})
+
+
 def read_snapshot_of(trainer: TrainerMetrics):
     from rlsync.spaces.snapshots import Snapshot
 

@@ -7,11 +7,18 @@
 
 from __future__ import annotations
 
-import inspect
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any
 
-from ..errors import BucketError, InvalidKeyError, ObjectNotFoundError, ObjectTooLargeError, TransientBucketError
-from .base import Bucket, BucketWrapper, ObjectInfo, validate_key
+from ..errors import (
+    BucketError,
+    InvalidKeyError,
+    ObjectNotFoundError,
+    ObjectTooLargeError,
+    TransientBucketError,
+    UnknownNameError,
+)
+from ..registry import Kind, get, names
+from .base import Bucket, BucketWrapper, Capability, ObjectInfo, backend_of, validate_key
 from .local import LocalBucket
 from .prefixed import PrefixedBucket
 from .retry import RetryingBucket
@@ -21,6 +28,7 @@ __all__ = [
     "BucketError",
     "BucketSettings",
     "BucketWrapper",
+    "Capability",
     "HfBucket",
     "InvalidKeyError",
     "LocalBucket",
@@ -30,8 +38,8 @@ __all__ = [
     "PrefixedBucket",
     "RetryingBucket",
     "TransientBucketError",
+    "backend_of",
     "open_bucket",
-    "register_backend",
     "validate_key",
 ]
 
@@ -54,48 +62,18 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-_BACKENDS: dict[str, Callable[[str], Bucket]] = {}
-
-
-def register_backend(scheme: str, factory: Callable[[str], Bucket]) -> None:
-    """Register ``factory(url)`` as the backend for URLs starting with ``scheme://`` (a factory with a
-    ``create`` or ``settings`` parameter is also given :func:`open_bucket`'s)."""
-    _BACKENDS[scheme] = factory
-
-
-def _open_local(url: str, create: bool = True) -> Bucket:
-    from urllib.parse import unquote, urlparse
-
-    if url.startswith("file://"):
-        parsed = urlparse(url)
-        if parsed.netloc not in ("", "localhost"):
-            raise BucketError(f"file URL with a remote host is not supported: {url}")
-        return LocalBucket(unquote(parsed.path), create=create)
-    return LocalBucket(url, create=create)
-
-
-def _open_hf(url: str, create: bool = False, settings: BucketSettings | None = None) -> Bucket:
-    from .hf import HfBucket
-
-    options = {} if settings is None else {"transfer": settings.transfer, "meter": settings.meter()}
-    hub = HfBucket.from_url(url, create=create, **options)
-    return RetryingBucket(hub)  # the Hub throttles (429) and has bad moments (5xx)
-
-
-register_backend("file", _open_local)
-register_backend("hf", _open_hf)
-
-
-def open_bucket(url: str, *, create: bool = True, settings: BucketSettings | None = None) -> Bucket:
-    """Open a bucket from a URL or path.
+def open_bucket(url: str, *, create: bool = True, settings: Any = None) -> Bucket:
+    """Open a bucket from a URL or path, with the backend registered for its scheme
+    (:mod:`rlsync.registry`, ``Kind.BUCKET``; a path without a scheme is a local folder).
 
     Args:
-        url: A local path or ``file://`` URL, or ``hf://buckets/OWNER/NAME[/PREFIX]``.
+        url: A local path or ``file://`` URL, ``hf://buckets/OWNER/NAME[/PREFIX]``, or another registered scheme.
         create: Create a bucket that does not exist yet (a local folder; a Hub bucket when the token
             can write to its namespace, else a :class:`BucketError` says how to create it); ``False``
             for read-only use (a mistyped path then fails instead of creating a folder).
-        settings: A Hub bucket's timeouts and request budget (default: ``BucketSettings()``, the
-            library defaults; entry points pass :meth:`BucketSettings.from_env`). Local folders have none.
+        settings: The backend's settings (its entry's settings class, e.g. the Hub's ``BucketSettings``:
+            timeouts and request budget; entry points pass ``from_env``). Settings of another backend's class
+            are not passed on (a local folder has none); ``None``: the backend's defaults.
 
     Returns:
         The bucket backend for that URL.
@@ -103,15 +81,12 @@ def open_bucket(url: str, *, create: bool = True, settings: BucketSettings | Non
     Raises:
         BucketError: the URL scheme has no registered backend.
     """
-    if "://" not in url or url.startswith("file://"):
-        return _open_local(url, create)
-    scheme = url.split("://", 1)[0]
+    scheme = url.split("://", 1)[0] if "://" in url else "file"
     try:
-        factory = _BACKENDS[scheme]
-    except KeyError:
-        raise BucketError(
-            f"unsupported bucket URL {url!r}: use a local path, file://PATH or hf://buckets/OWNER/NAME"
-        ) from None
-    accepted = inspect.signature(factory).parameters
-    options = {"create": create, "settings": settings}
-    return factory(url, **{name: value for name, value in options.items() if name in accepted})
+        entry = get(Kind.BUCKET, scheme)
+    except UnknownNameError:
+        known = ", ".join(f"{name}://" for name in names(Kind.BUCKET))
+        raise BucketError(f"unsupported bucket URL {url!r}: use a local path or one of {known}") from None
+    cls = entry.settings_class()
+    own = settings if cls is not None and isinstance(settings, cls) else None
+    return entry.load()(url, create=create, settings=own)

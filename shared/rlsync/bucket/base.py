@@ -11,24 +11,49 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import enum
 import re
 import uuid
 from pathlib import Path
-from typing import Iterable
+from typing import ClassVar, Iterable
 
 from ..errors import BucketError, InvalidKeyError, ObjectNotFoundError, ObjectTooLargeError, TransientBucketError
 
 __all__ = [
     "Bucket",
     "BucketError",
+    "Capability",
     "BucketWrapper",
     "ObjectInfo",
     "ObjectNotFoundError",
     "ObjectTooLargeError",
     "TransientBucketError",
     "InvalidKeyError",
+    "backend_of",
     "validate_key",
 ]
+
+
+class Capability(str, enum.Enum):
+    """What a bucket backend can do beyond the interface, declared where it registers (``capabilities=``)."""
+
+    #: Its requests cost (a budget per token and window): it has a ``meter`` counting them, and roles follow it
+    #: through a watched listing (:func:`rlsync.bucket.watch.watch`) instead of listing in loops.
+    METERED = "metered"
+    #: It announces changes live (:mod:`rlsync.bucket.watch_feed` follows them; :meth:`Bucket.local_key`).
+    CHANGE_FEED = "change_feed"
+    #: :meth:`Bucket.get_limited` refuses an oversized object before reading its bytes.
+    SIZE_LIMITED_READS = "size_limited_reads"
+    #: The store can write an object only where none exists (S3's ``If-None-Match: *``); no backend here uses it
+    #: yet, the run lock (:mod:`rlsync.protocol.lock`) would take it over its fence where one declares it.
+    CONDITIONAL_WRITES = "conditional_writes"
+
+    @classmethod
+    def declared(cls, scheme: str) -> frozenset["Capability"]:
+        """The capabilities the backend registered for ``scheme`` declares (:mod:`rlsync.registry`)."""
+        from ..registry import Kind, get
+
+        return frozenset(cls(name) for name in get(Kind.BUCKET, scheme).capabilities)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +122,8 @@ class Bucket(abc.ABC):
 
     #: The URL this bucket was opened from (``file:///...``, ``hf://buckets/...``).
     url: str
+    #: What the backend can do (:meth:`Capability.declared` reads its registration); wrappers have none.
+    capabilities: ClassVar[frozenset[Capability]] = frozenset()
 
     @abc.abstractmethod
     def put(self, key: str, data: bytes) -> None:
@@ -200,8 +227,23 @@ class Bucket(abc.ABC):
     def close(self) -> None:
         """Release what the bucket holds (background threads, open sessions); the default holds nothing."""
 
+    def local_key(self, remote_path: str) -> str | None:
+        """The key of a path its change feed reports (``None``: not this bucket's); the default: the path."""
+        return remote_path
+
+    def scrub(self, text: str) -> str:
+        """``text`` safe to log (a backend holding a secret removes it); the default: unchanged."""
+        return text
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+
+def backend_of(bucket: Bucket) -> Bucket:
+    """The backend under ``bucket``'s wrappers (retries, prefixes, a watched listing)."""
+    while isinstance(bucket, BucketWrapper):
+        bucket = bucket.inner
+    return bucket
 
 
 class BucketWrapper(Bucket):

@@ -37,6 +37,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
+from ..errors import ConfigurationError
 from ..retry import ratelimit_info, retry_after_seconds
 from ..roles import Role
 
@@ -152,7 +153,7 @@ class BudgetConfig:
     def __post_init__(self) -> None:
         self.tier = Tier(self.tier)
         if self.share < 1 or not 0 < self.weight <= self.share or not 0 < self.target <= 1 or self.window_s <= 0:
-            raise ValueError(
+            raise ConfigurationError(
                 f"invalid budget: weight {self.weight} of share {self.share}, target {self.target}, "
                 f"window {self.window_s}s"
             )

@@ -39,20 +39,30 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from huggingface_hub import HfApi
 from huggingface_hub.errors import BucketNotFoundError
 from huggingface_hub.utils import parse_hf_uri
 
 from ..errors import BucketError, TransientBucketError
-from .base import Bucket, ObjectInfo, validate_key
+from ..registry import Kind, register
+from .base import Bucket, Capability, ObjectInfo, validate_key
 from .budget import RequestMeter
 from .hf_errors import HubCalls
 from .hf_reads import HubReader
 from .hf_transport import HfTransferConfig, install
 
-__all__ = ["HfBucket"]
+if TYPE_CHECKING:
+    from .settings import BucketSettings
+
+__all__ = ["HfBucket", "open_hf"]
+
+register(
+    Kind.BUCKET, "hf", "rlsync.bucket.hf:open_hf", settings="rlsync.bucket.settings:BucketSettings", env_prefix="HUB",
+    capabilities=("metered", "change_feed", "size_limited_reads"),
+    summary="a Hugging Face Bucket, hf://buckets/OWNER/NAME[/PREFIX] (timeouts HF_BUCKET_*, budget and watch HUB_*)",
+)  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +95,8 @@ class HfBucket(Bucket):
         [`BucketError`]: `bucket_id` is not `"namespace/name"`, the prefix is not a valid key, or
             creating the bucket failed.
     """
+
+    capabilities = Capability.declared("hf")
 
     def __init__(
         self,
@@ -299,3 +311,12 @@ class HfBucket(Bucket):
             [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
         return self._reader.remote(key) in self._reader.existing("exists", [key])
+
+
+def open_hf(url: str, *, create: bool = False, settings: BucketSettings | None = None) -> Bucket:
+    """The Hub bucket at ``url`` with ``settings`` (timeouts and request budget), behind retries (the Hub
+    throttles with 429 and has bad moments)."""
+    from .retry import RetryingBucket
+
+    options = {} if settings is None else {"transfer": settings.transfer, "meter": settings.meter()}
+    return RetryingBucket(HfBucket.from_url(url, create=create, **options))

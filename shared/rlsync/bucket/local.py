@@ -30,8 +30,14 @@ from ..errors import (
     ObjectTooLargeError,
 )
 from ..files import TMP_MARK, TMP_TOKEN_CHARS, copy_regular, create_new, open_regular
+from ..registry import Kind, register
 from ..retry import RetryPolicy, call_with_retries
-from .base import Bucket, ObjectInfo, part_path, validate_key, validate_prefix
+from .base import Bucket, Capability, ObjectInfo, part_path, validate_key, validate_prefix
+
+register(
+    Kind.BUCKET, "file", "rlsync.bucket.local:open_local", capabilities=("size_limited_reads",),
+    summary="a local folder (a path or file://PATH): the embedded default, or a Space's mounted volume",
+)  # fmt: skip
 
 #: A write whose folder a concurrent delete removed (once it was empty) is tried again at once, this often.
 _WRITE_RETRIES = RetryPolicy.at_once(5)
@@ -50,6 +56,8 @@ class LocalBucket(Bucket):
         create: Create ``root`` if missing; ``False`` (read-only use) raises
             :class:`BucketError` instead.
     """
+
+    capabilities = Capability.declared("file")
 
     def __init__(self, root: str | Path, *, create: bool = True) -> None:
         self.root = Path(root).expanduser().resolve()
@@ -258,3 +266,19 @@ def _unlink_if_old(path: Path, cutoff: float) -> int:
         return 1
     except OSError:
         return 0
+
+
+def open_local(url: str, *, create: bool = True, settings: None = None) -> LocalBucket:
+    """The folder a path or ``file://`` URL names (a local folder has no settings).
+
+    Raises:
+        BucketError: a ``file://`` URL with a remote host.
+    """
+    from urllib.parse import unquote, urlparse
+
+    if url.startswith("file://"):
+        parsed = urlparse(url)
+        if parsed.netloc not in ("", "localhost"):
+            raise BucketError(f"file URL with a remote host is not supported: {url}")
+        return LocalBucket(unquote(parsed.path), create=create)
+    return LocalBucket(url, create=create)

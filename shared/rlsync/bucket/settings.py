@@ -1,4 +1,5 @@
-"""A Hub bucket's settings in one object, and the one call that reads them from the environment.
+"""The Hub backend's settings (its registry entry's ``settings``: ``rlsync.bucket.hf``) in one object, and the one
+call that reads them from the environment, refusing settings that cannot work together at start.
 
 >>> settings = BucketSettings.from_env(Role.ROLLOUT)   # at an entry point: HF_BUCKET_*, HUB_*, ROLLOUT_HUB_*
 >>> bucket = watch(open_bucket(url, settings=settings), settings.watch)
@@ -10,9 +11,11 @@ Library code never reads the environment: without settings, a bucket has the def
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping
 
 from ..config import from_env
+from ..errors import ConfigurationError
 from ..roles import Role
 from .budget import TRAINER_WEIGHT, BudgetConfig, RequestMeter
 from .hf_transport import HfTransferConfig
@@ -38,6 +41,31 @@ class _WeightVariable:
     """`HUB_WEIGHT` / `<ROLE>_HUB_WEIGHT` alone, `None` where neither is set."""
 
     weight: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShareVariable:
+    """`HUB_SHARE` / `<ROLE>_HUB_SHARE` alone."""
+
+    share: int = BudgetConfig.share
+
+
+def _budget(role: Role | None, environ: Mapping[str, str] | None) -> BudgetConfig:
+    """The role's budget, or a :class:`ConfigurationError` that names the variables and a share that works."""
+    prefixes = _prefixes(role)
+    weight = role_weight(role, environ)
+    try:
+        return from_env(BudgetConfig, prefixes, environ, weight=weight)
+    except ConfigurationError as exc:
+        share = from_env(_ShareVariable, prefixes, environ).share
+        if weight > share:
+            who, weights = role.value if role else "process", " or ".join(f"{p}_WEIGHT" for p in prefixes)
+            raise ConfigurationError(
+                f"{exc}: the {who}'s weight {weight:g} ({weights}, default {ROLE_WEIGHTS.get(role, 1.0):g}) is more"
+                f" than {HUB_ENV_PREFIX}_SHARE={share}, the weights of every role on the token added up:"
+                f" set {HUB_ENV_PREFIX}_SHARE={max(1, math.ceil(weight))} or more"
+            ) from None
+        raise
 
 
 def role_weight(role: Role | None, environ: Mapping[str, str] | None = None) -> float:
@@ -95,7 +123,8 @@ class BucketSettings:
             [`BucketSettings`]: the settings.
 
         Raises:
-            `ValueError`: a variable has an invalid value (the message names it), or the budget is invalid.
+            `ConfigurationError`: a variable has an invalid value (the message names it), or the budget is invalid
+                (a role's weight over the share: the message names the variables and a share that works).
             `TypeError`: `role` is not a [`~rlsync.roles.Role`] (a plain name: parse it first).
         """
         if role is not None and not isinstance(role, Role):
@@ -103,7 +132,7 @@ class BucketSettings:
         prefixes = _prefixes(role)
         return cls(
             transfer=from_env(HfTransferConfig, TRANSFER_ENV_PREFIX, environ),
-            budget=from_env(BudgetConfig, prefixes, environ, weight=role_weight(role, environ)),
+            budget=_budget(role, environ),
             watch=from_env(WatchConfig, prefixes, environ),
             role=role,
         )

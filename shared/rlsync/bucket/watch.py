@@ -4,7 +4,8 @@
 of the whole bucket kept fresh in a background thread, and :meth:`~WatchedBucket.wait` blocks until
 something under the given prefixes changed (or a timeout), so an idle role makes no request:
 
-- **feed** (:attr:`WatchMode.FEED`): on a Hub bucket it follows the Hub's live-follow events feed
+- **feed** (:attr:`WatchMode.FEED`): on a backend that declares a change feed
+  (:attr:`~rlsync.bucket.base.Capability.CHANGE_FEED`: the Hub) it follows the Hub's live-follow events feed
   (``huggingface_hub``'s ``BucketFollower``: one long-lived request per session, a listing only to
   reconcile when the feed cannot replay);
 - **adaptive polling** (:attr:`WatchMode.POLL`), the fallback when the feed is off or unavailable:
@@ -39,13 +40,13 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-from ..errors import ObjectNotFoundError, ObjectTooLargeError
+from ..errors import ConfigurationError, ObjectNotFoundError, ObjectTooLargeError
 from ..supervised import SupervisedThread
-from .base import Bucket, BucketWrapper, ObjectInfo, validate_prefix
+from .base import Bucket, BucketWrapper, Capability, ObjectInfo, backend_of, validate_prefix
 from .watch_feed import ViewUpdater, WatchMode, change_info
 
 __all__ = [
-    "IDLE_WAIT_S", "WatchConfig", "WatchMode", "WatchedBucket", "generation", "hub_backend", "listing_error", "meter_of",
+    "IDLE_WAIT_S", "WatchConfig", "WatchMode", "WatchedBucket", "generation", "listing_error", "meter_of",
     "wait_for_change", "watch",
 ]  # fmt: skip
 
@@ -98,7 +99,7 @@ class WatchConfig:
         for prefix in self.prefixes:
             validate_prefix(prefix)
         if not self.prefixes or min(self.max_listing_keys, self.max_changes, self.feed_failures) < 1 or self.cache_bytes < 0:
-            raise ValueError(f"invalid watch settings: {self}")
+            raise ConfigurationError(f"invalid watch settings: {self}")
 
 
 class _HashCache:
@@ -139,13 +140,6 @@ class _HashCache:
             self.bytes -= len(entry[1])
 
 
-def hub_backend(bucket: Bucket):
-    """The :class:`~rlsync.bucket.hf.HfBucket` under `bucket` (through retry/watch wrappers), or `None`."""
-    while isinstance(bucket, BucketWrapper):
-        bucket = bucket.inner
-    return bucket if type(bucket).__name__ == "HfBucket" else None
-
-
 class WatchedBucket(BucketWrapper):
     """A bucket whose listings come from a live view (see the module docstring).
 
@@ -157,8 +151,9 @@ class WatchedBucket(BucketWrapper):
     def __init__(self, inner: Bucket, config: WatchConfig | None = None) -> None:
         super().__init__(inner)
         self.config = config if config is not None else WatchConfig()
-        self._hub = hub_backend(inner)
-        self.meter = getattr(self._hub, "meter", None)
+        #: The backend under the wrappers: its capabilities decide metering and the feed.
+        self.backend = backend_of(inner)
+        self.meter = self.backend.meter if Capability.METERED in self.backend.capabilities else None
         self._cond = threading.Condition()
         self._view: dict[str, ObjectInfo] | None = None
         #: key -> generation of its last change, oldest first, at most `config.max_changes` of them.
@@ -168,7 +163,7 @@ class WatchedBucket(BucketWrapper):
         self._cache = _HashCache(self.config.cache_bytes)
         self._stop = threading.Event()
         self._poke = threading.Event()
-        use_feed = self.config.feed and self._hub is not None
+        use_feed = self.config.feed and Capability.CHANGE_FEED in self.backend.capabilities
         self.mode = WatchMode.FEED if use_feed else WatchMode.POLL
         self.polls = 0
         #: Why the newest listing failed (the view is as of the last good one), or ``None``.
@@ -266,7 +261,7 @@ class WatchedBucket(BucketWrapper):
     def _apply_changes(self, changes) -> None:
         """Apply a batch of the feed's changes (``BucketFileChange``); malformed ones are skipped and counted."""
         skipped = 0
-        local_key = self._hub.local_key if self._hub is not None else (lambda path: path)
+        local_key = self.backend.local_key
         with self._cond:
             for change in changes:
                 try:
@@ -396,7 +391,7 @@ class WatchedBucket(BucketWrapper):
 
 
 def watch(bucket: Bucket, config: WatchConfig | None = None) -> Bucket:
-    """`bucket` as a :class:`WatchedBucket` when it is on the Hub (where requests are counted), else itself.
+    """`bucket` as a :class:`WatchedBucket` when its backend is metered (requests are counted), else itself.
 
     Args:
         bucket ([`Bucket`]): A role's bucket.
@@ -405,13 +400,13 @@ def watch(bucket: Bucket, config: WatchConfig | None = None) -> Bucket:
     Returns:
         [`Bucket`]: the watched bucket, or `bucket` unchanged (a local folder lists for free).
     """
-    if isinstance(bucket, WatchedBucket) or hub_backend(bucket) is None:
+    if isinstance(bucket, WatchedBucket) or Capability.METERED not in backend_of(bucket).capabilities:
         return bucket
     return WatchedBucket(bucket, config)
 
 
 def meter_of(bucket: Bucket):
-    """The :class:`~rlsync.bucket.budget.RequestMeter` of a watched Hub bucket, else `None`."""
+    """The :class:`~rlsync.bucket.budget.RequestMeter` of a watched metered bucket, else `None`."""
     return bucket.meter if isinstance(bucket, WatchedBucket) else None
 
 

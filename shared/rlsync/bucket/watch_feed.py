@@ -95,8 +95,7 @@ class ViewUpdater:
     def feed_failed(self, what: str) -> None:
         """Count a failed feed session or batch; after `config.feed_failures` in a row, stop following."""
         watched = self.watched
-        hub = watched._hub
-        what = hub.scrub(what) if hub is not None else what  # a server may echo the token
+        what = watched.backend.scrub(what)  # a server may echo the token
         watched.feed_errors += 1
         self.errors_in_row += 1
         logger.warning("watch %s: the events feed failed (%s, %d in a row)", watched.url, what, self.errors_in_row)
@@ -110,7 +109,7 @@ class ViewUpdater:
         from .hf_transport import metering
 
         watched = self.watched
-        hub = watched._hub
+        hub = watched.backend
         updater = self
 
         class _Follower(BucketFollower):

@@ -1,16 +1,18 @@
-"""Delta codecs, selectable by name: ``classrice``, ``classgap`` and ``gapzz`` (ours) and ``trl`` (baseline)."""
+"""Delta codecs, selectable by name (:func:`list_codecs`: each codec's module registers it in :mod:`rlsync.registry`,
+``Kind.CODEC``; a new codec is one new file in this package)."""
 
 import torch
 
 from ..defaults import DEFAULT_CODEC
-from .base import Codec, Decoded, DecodeTarget, EncodedTensor, get_codec, list_codecs, register_codec
+from ..registry import Kind, entries
+from .base import Codec, Decoded, DecodeTarget, EncodedTensor, get_codec, list_codecs
 from .classgap import ClassGapCodec
 from .classrice import ClassRiceCodec
 from .gapzz import GapZigzagCodec
 from .trl import TrlCodec
 
-#: The codec for weights on an accelerator (the same: its ranks come from the class order built there).
-ACCELERATOR_CODEC = ClassRiceCodec.name
+#: The capability of the codec for weights on an accelerator (its ranks come from the class order built there).
+ACCELERATOR = "accelerator"
 
 
 def default_codec(device: str | torch.device) -> str:
@@ -19,10 +21,12 @@ def default_codec(device: str | torch.device) -> str:
     Args:
         device: Where the trainer's weights are (``"cpu"``, ``"cuda"``, ``"cuda:1"``...).
     """
-    return DEFAULT_CODEC if torch.device(device).type == "cpu" else ACCELERATOR_CODEC
+    if torch.device(device).type == "cpu":
+        return DEFAULT_CODEC
+    return next(entry.name for entry in entries(Kind.CODEC) if entry.has(ACCELERATOR))
 
 __all__ = [
-    "ACCELERATOR_CODEC",
+    "ACCELERATOR",
     "DEFAULT_CODEC",
     "ClassGapCodec",
     "ClassRiceCodec",
@@ -35,5 +39,4 @@ __all__ = [
     "default_codec",
     "get_codec",
     "list_codecs",
-    "register_codec",
 ]

@@ -15,6 +15,9 @@ from typing import Any, Callable, Mapping, NamedTuple
 import numpy as np
 import torch
 
+from ..errors import ConfigurationError, UnknownNameError
+from ..registry import Kind, get, names
+
 
 @dataclasses.dataclass
 class EncodedTensor:
@@ -108,17 +111,11 @@ class Codec(abc.ABC):
         """
 
 
-_CODECS: dict[str, Codec] = {}
-
-
-def register_codec(codec: Codec) -> Codec:
-    """Make ``codec`` available under ``codec.name``."""
-    _CODECS[codec.name] = codec
-    return codec
+_INSTANCES: dict[int, Codec] = {}
 
 
 def get_codec(name: str) -> Codec:
-    """The codec registered under ``name``.
+    """The codec registered under ``name`` (:data:`rlsync.registry.Kind.CODEC`), one instance per entry.
 
     Raises:
         FormatError: no codec has that name.
@@ -126,11 +123,16 @@ def get_codec(name: str) -> Codec:
     from ..errors import FormatError
 
     try:
-        return _CODECS[name]
-    except KeyError:
-        raise FormatError(f"unknown codec {name!r}; known codecs: {sorted(_CODECS)}") from None
+        entry = get(Kind.CODEC, name)
+    except UnknownNameError:
+        raise FormatError(f"unknown codec {name!r}; known codecs: {list_codecs()}") from None
+    found = entry.load()
+    codec = found if isinstance(found, Codec) else _INSTANCES.setdefault(id(found), found())
+    if codec.name != name:
+        raise ConfigurationError(f"codec {name!r} is registered to a codec named {codec.name!r}")
+    return codec
 
 
 def list_codecs() -> list[str]:
     """Names of all registered codecs."""
-    return sorted(_CODECS)
+    return names(Kind.CODEC)

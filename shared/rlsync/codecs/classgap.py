@@ -34,7 +34,8 @@ import torch
 
 from ..dtypes import dtype_name, int_view
 from ..errors import FormatError
-from .base import DecodeTarget, register_codec
+from ..registry import Kind, register
+from .base import DecodeTarget
 from .checks import require_entry
 from .gapzz import GapZigzagCodec, join_planes, split_planes
 
@@ -241,4 +242,5 @@ def value_error(name: str, fault: ValueFault) -> FormatError:
     return FormatError(f"entry {name + '.sign'!r}: padding bits after the last sign are set")
 
 
-register_codec(ClassGapCodec())
+register(Kind.CODEC, "classgap", "rlsync.codecs.classgap:ClassGapCodec",
+         summary="gapzz in an order the receiver rebuilds from the old weights")

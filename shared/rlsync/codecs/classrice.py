@@ -33,7 +33,8 @@ import torch
 
 from ..dtypes import dtype_name, int_view, uint_dtype
 from ..errors import FormatError
-from .base import Decoded, DecodeTarget, EncodedTensor, register_codec
+from ..registry import Kind, register
+from .base import Decoded, DecodeTarget, EncodedTensor
 from .checks import require_entry
 from .classgap import CHUNK, EXPONENT_FIELDS, ClassGapCodec, ClassOrder, ValueFault, signed_view, value_error
 
@@ -283,4 +284,5 @@ def _old_bits(target: DecodeTarget) -> np.ndarray:
     return out
 
 
-register_codec(ClassRiceCodec())
+register(Kind.CODEC, "classrice", "rlsync.codecs.classrice:ClassRiceCodec", capabilities=("accelerator",),
+         summary="positions Golomb-Rice coded per exponent class of the old weights")

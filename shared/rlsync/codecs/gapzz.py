@@ -24,7 +24,8 @@ import zstandard
 
 from ..dtypes import uint_dtype
 from ..errors import FormatError
-from .base import Codec, Decoded, DecodeTarget, EncodedTensor, register_codec
+from ..registry import Kind, register
+from .base import Codec, Decoded, DecodeTarget, EncodedTensor
 from .checks import decompress_frame, require_entry
 
 ZSTD_LEVEL = 1
@@ -151,4 +152,4 @@ class GapZigzagCodec(Codec):
         return _unzigzag(join_planes(raw, width))
 
 
-register_codec(GapZigzagCodec())
+register(Kind.CODEC, "gapzz", "rlsync.codecs.gapzz:GapZigzagCodec", summary="gaps and zigzag varints, zstd-compressed")

@@ -15,7 +15,8 @@ import torch
 
 from ..dtypes import int_view, uint_dtype
 from ..errors import FormatError
-from .base import Codec, Decoded, DecodeTarget, EncodedTensor, register_codec
+from ..registry import Kind, register
+from .base import Codec, Decoded, DecodeTarget, EncodedTensor
 from .checks import check_index, require_entry
 
 _INT32_LIMIT = 2**31 - 1
@@ -56,4 +57,5 @@ class TrlCodec(Codec):
         return Decoded(index, int_view(values).numpy().view(uint_dtype(target.itemsize)))
 
 
-register_codec(TrlCodec())
+register(Kind.CODEC, "trl", "rlsync.codecs.trl:TrlCodec",
+         summary="the plain layout of the public TRL delta-sync design (baseline)")

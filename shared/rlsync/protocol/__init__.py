@@ -12,7 +12,6 @@ from .policy import (
     policy_from_settings,
     policy_names,
     policy_to_json,
-    register_policy,
 )
 from .publisher import Publisher, PublishRecord
 from .retention import prune, sweep_orphans
@@ -48,7 +47,6 @@ __all__ = [
     "policy_from_settings",
     "policy_names",
     "policy_to_json",
-    "register_policy",
     "prune",
     "read_manifest",
     "sweep_orphans",

@@ -5,8 +5,8 @@ Policies are plain objects whose settings may be changed while a run goes on
 the policy at every publish, so a change takes effect at the next one.
 
 Every policy is a dataclass in its own module of :mod:`rlsync.protocol.policies`, registered under its
-``name`` with :func:`~rlsync.protocol.policies.base.register_policy` (the interface and the registry live in
-``policies/base.py``; this module is the policies' serialized form). Its dataclass fields are its settings, and their metadata
+``name`` in :mod:`rlsync.registry` (``Kind.ANCHOR_POLICY``; the interface lives in ``policies/base.py``, this
+module is the policies' serialized form). Its dataclass fields are its settings, and their metadata
 (``label``, ``minimum``, ``step``, ``help``) is what a form shows for them: the control object's
 parser, the panels' form and the trainer's settings are built from the registry, so adding a policy
 is one new file in that package (discovered on first use of the registry).
@@ -21,7 +21,7 @@ from ..errors import FormatError
 from ..jsonlimits import loads_bounded
 from ..limits import MAX_CONTROL_BYTES
 from .policies.adaptive import Adaptive
-from .policies.base import DEFAULT_POLICY, AnchorPolicy, policy_class, policy_names, register_policy
+from .policies.base import DEFAULT_POLICY, AnchorPolicy, policy_class, policy_names
 from .policies.fixed import FixedInterval
 
 def policy_from_settings(settings: Mapping[str, Any]) -> AnchorPolicy:
@@ -84,5 +84,5 @@ def policy_from_json(data: bytes) -> AnchorPolicy:
 
 __all__ = [
     "DEFAULT_POLICY", "Adaptive", "AnchorPolicy", "FixedInterval", "policy_class", "policy_from_form", "policy_from_json",
-    "policy_from_settings", "policy_names", "policy_to_json", "register_policy",
+    "policy_from_settings", "policy_names", "policy_to_json",
 ]  # fmt: skip

@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from ..bucket import Bucket
-from ..errors import FormatError, ObjectNotFoundError, ObjectTooLargeError
+from ..errors import ConfigurationError, FormatError, ObjectNotFoundError, ObjectTooLargeError
 from ..layout import CONTROL_KEY
 from ..limits import MAX_CONTROL_BYTES
 from ..protocol import AnchorPolicy, Manifest, policy_from_json, policy_to_json
@@ -55,12 +55,12 @@ def make_policy(policy: str, values: dict[str, Any]) -> AnchorPolicy:
     """Build a policy from form values (:func:`~rlsync.protocol.policy.policy_from_form`).
 
     Raises:
-        ValueError: invalid values (e.g. interval < 1, ratio <= 1, unknown policy).
+        ConfigurationError: invalid values (e.g. interval < 1, ratio <= 1, unknown policy).
     """
     try:
         return policy_from_form(policy, values)
     except FormatError as exc:
-        raise ValueError(str(exc)) from None
+        raise ConfigurationError(str(exc)) from None
 
 
 def write_policy(bucket: Bucket, policy: AnchorPolicy) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Self
@@ -26,6 +25,7 @@ from .anchor_policy import current_policy, describe_policy, make_policy, setting
 from .charts import Chart, Labels, Mark, Scale
 from .frames import (
     RATIO_SERIES,
+    TRAINING_CHARTS,
     changed_frame,
     delta_ratio_frame,
     delta_size_frame,
@@ -41,6 +41,7 @@ from .frames import (
     train_frame,
 )
 from .role_control import RoleRunner
+from .settings import server_port
 from .snapshots import BucketSource, BucketView, Snapshot, bucket_view, redact
 
 logger = logging.getLogger(__name__)
@@ -196,15 +197,6 @@ EXPERT_CHART = Chart(
 STALENESS_CHART = Chart(
     "Staleness of trained samples (versions behind)", x="staleness", y="samples", mark=Mark.BAR,
     series={"samples": "#ff7f0e"},
-)
-
-
-#: The trainer panel's plots of its per-step figures, in this order: each draws a field of
-#: :class:`~.metrics.TrainRow` (a column of :func:`~.frames.train_frame`) against the optimizer step. A new
-#: plot of a TRL figure is a ``TrainRow`` field naming its log entry, and a chart here.
-TRAINING_CHARTS = (
-    Chart("Loss per optimizer step", x="opt_step", y="loss", x_title="optimizer step", formats={"loss": ".4f"}),
-    Chart("KL to the sampler per optimizer step", x="opt_step", y="kl", x_title="optimizer step", formats={"kl": ".4g"}),
 )
 
 
@@ -582,7 +574,7 @@ def launch_options(host: str | None = None) -> dict[str, Any]:
     access = PanelAccess.from_env(host)
     options: dict[str, Any] = {
         "server_name": access.host,
-        "server_port": int(os.environ.get("PORT") or os.environ.get("GRADIO_SERVER_PORT") or 7860),
+        "server_port": server_port(),
         # Gradio's run history mounts /gradio_api/run-history/* outside the login, acting with the
         # operator's HF_TOKEN (creating and listing Hub buckets): a panel has no use for it.
         "run_history": False,

@@ -14,6 +14,7 @@ from typing import Any
 import pandas as pd
 
 from ..roles import Role
+from .charts import Chart
 from .metrics import EnvMetrics, RefusalCounts, ReplicaStatus, TrainRow
 from .snapshots import BucketView, Snapshot
 
@@ -82,6 +83,21 @@ def delta_ratio_frame(snap: Snapshot) -> pd.DataFrame:
 
 #: The figures of a :class:`~.metrics.TrainRow` that :func:`train_frame` holds (each a float column).
 TRAIN_FIGURES = tuple(f.name for f in dataclasses.fields(TrainRow) if f.name not in ("kind", "opt_step"))
+
+
+def training_charts(row: type[TrainRow] = TrainRow) -> tuple[Chart, ...]:
+    """A chart per optimizer step of every figure of ``row`` that names one (``_log(..., chart=TITLE)``)."""
+    return tuple(
+        Chart(f.metadata["chart"], x="opt_step", y=f.name, x_title="optimizer step",
+              formats={f.name: f.metadata["format"]} if f.metadata.get("format") else {})
+        for f in dataclasses.fields(row) if f.metadata.get("chart")
+    )  # fmt: skip
+
+
+#: The trainer panel's plots of its per-step figures, in field order: each draws a field of
+#: :class:`~.metrics.TrainRow` (a column of :func:`train_frame`) against the optimizer step. A new
+#: plot of a TRL figure is one ``TrainRow`` field naming its log entry and its chart's title.
+TRAINING_CHARTS = training_charts()
 
 
 def train_frame(snap: Snapshot) -> pd.DataFrame:

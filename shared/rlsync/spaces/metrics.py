@@ -13,8 +13,10 @@ an object, a required field missing or invalid, or one too large or malformed
 (:func:`~rlsync.scores.get_json`); a bad optional figure falls back to its default. The scored samples
 are the library's format (:mod:`rlsync.scores`).
 
-A new plot of a figure TRL logs: a :class:`TrainRow` field naming its log entry (``_log("grad_norm")``:
-the trainer copies it, :meth:`TrainRow.from_logs`), and its chart in :data:`~.components.TRAINING_CHARTS`.
+A new plot of a figure TRL logs is one :class:`TrainRow` field naming its log entry and its plot's title
+(``_log("grad_norm", chart="Gradient norm per optimizer step")``): the trainer copies it
+(:meth:`TrainRow.from_logs`), and the trainer panel draws every field with a chart
+(:func:`~.frames.training_charts`).
 """
 
 from __future__ import annotations
@@ -122,9 +124,10 @@ class PublishRow(Record):
     time: float | None = None
 
 
-def _log(name: str) -> Any:
-    """An optional figure copied from TRL's log entry ``name`` (:meth:`TrainRow.from_logs`)."""
-    return dataclasses.field(default=None, metadata={"log": name})
+def _log(name: str, chart: str | None = None, format: str | None = None) -> Any:
+    """An optional figure copied from TRL's log entry ``name`` (:meth:`TrainRow.from_logs`), drawn per optimizer
+    step on the trainer panel under the title ``chart`` (``None``: not drawn), its values shown with ``format``."""
+    return dataclasses.field(default=None, metadata={"log": name, "chart": chart, "format": format})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,13 +137,13 @@ class TrainRow(Record):
     kind: Literal["train"]
     opt_step: int | None = None
     version: int | None = None  #: the newest published version when the step ran
-    loss: float | None = _log("loss")
+    loss: float | None = _log("loss", chart="Loss per optimizer step", format=".4f")
     mean_reward: float | None = _log("reward")
     samples: float | None = _log("batch/samples_per_step")
     groups: float | None = _log("batch/groups_per_step")
     clipped: float | None = _log("clip_ratio/region_mean")
     ratio: float | None = _log("ratio")
-    kl: float | None = _log("kl")
+    kl: float | None = _log("kl", chart="KL to the sampler per optimizer step", format=".4g")
     entropy: float | None = _log("entropy")
     staleness: float | None = _log("sample/staleness_mean")
     step_s: float | None = _log("perf/step_s")

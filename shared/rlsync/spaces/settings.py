@@ -22,12 +22,14 @@ from typing import Any
 from ..config import from_env, settings_table
 
 __all__ = [
-    "GPU_DEFAULT_MODEL", "LOCAL_BUCKET", "SPACE_BUCKET_NAME", "bucket_field", "default_bucket", "default_model",
-    "from_env", "instance_id", "metrics_every_field", "on_space", "poll_field", "resolve_device", "settings_table",
-    "space_owner",
+    "DEFAULT_PORT", "GPU_DEFAULT_MODEL", "LOCAL_BUCKET", "SPACE_BUCKET_NAME", "SpaceIdentity", "bucket_field",
+    "default_bucket", "default_model", "from_env", "instance_id", "metrics_every_field", "on_space", "poll_field",
+    "resolve_device", "server_port", "settings_table", "space_owner",
 ]  # fmt: skip
 
 GPU_DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
+#: A panel's port where neither ``PORT`` nor ``GRADIO_SERVER_PORT`` says (the one a Space serves).
+DEFAULT_PORT = 7860
 #: The bucket of a role run outside a Space: a folder beside the working directory.
 LOCAL_BUCKET = "./runs/bucket"
 #: The name of the bucket every Space of one owner uses unless told otherwise.
@@ -93,6 +95,35 @@ def default_model(device: str) -> str | None:
     return GPU_DEFAULT_MODEL if device.startswith("cuda") else None
 
 
+@dataclasses.dataclass(frozen=True)
+class SpaceIdentity:
+    """Which Space this process runs in (``SPACE_ID``, ``SPACE_AUTHOR_NAME``, set by the Hub; empty elsewhere)."""
+
+    id: str = ""
+    author_name: str = ""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "SpaceIdentity":
+        """The identity from ``SPACE_<FIELD>`` (``environ``, default ``os.environ``)."""
+        return from_env(cls, "SPACE", environ)
+
+
 def space_owner() -> str:
     """This trainer's id for the run lock: the Space's id (``SPACE_ID``, kept across restarts), else the host name."""
-    return os.environ.get("SPACE_ID") or socket.gethostname()
+    return SpaceIdentity.from_env().id or socket.gethostname()
+
+
+def server_port(environ: Mapping[str, str] | None = None) -> int:
+    """A panel's port: ``PORT`` (a Space's), else ``GRADIO_SERVER_PORT``, else :data:`DEFAULT_PORT`.
+
+    Raises:
+        ConfigurationError: the variable is not a whole number.
+    """
+    from ..errors import ConfigurationError
+
+    environ = os.environ if environ is None else environ
+    raw = environ.get("PORT") or environ.get("GRADIO_SERVER_PORT") or str(DEFAULT_PORT)
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigurationError(f"PORT / GRADIO_SERVER_PORT: expected a port number, got {raw!r}") from None

@@ -56,6 +56,8 @@ from typing import Any
 
 import torch
 
+from ..config import process_settings
+
 logger = logging.getLogger(__name__)
 
 #: Environment name -> an environment whose ``tasks(n, seed=...)`` returns tasks with
@@ -298,8 +300,8 @@ def tiny_model_hash(
 
 def default_cache_dir() -> Path:
     """Cache root: ``$RLSYNC_CACHE`` if set, else ``~/.cache/rl-sync``."""
-    env = os.environ.get("RLSYNC_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "rl-sync"
+    cache = process_settings().cache
+    return Path(cache) if cache else Path.home() / ".cache" / "rl-sync"
 
 
 #: Warm-up used by :func:`tiny_model_path` by default: 75 supervised steps on

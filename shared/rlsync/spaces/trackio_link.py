@@ -10,9 +10,10 @@ same run.
 
 from __future__ import annotations
 
-import os
 import urllib.parse
 from typing import Mapping
+
+from .settings import SpaceIdentity
 
 __all__ = ["TRACKIO_SPACE_NAME", "default_trackio_space", "trackio_url"]
 
@@ -23,8 +24,8 @@ TRACKIO_SPACE_NAME = "rl-sync-trackio"
 def default_trackio_space(environ: Mapping[str, str] | None = None) -> str | None:
     """``<owner>/rl-sync-trackio`` on a Space (the owner: ``SPACE_AUTHOR_NAME``, else ``SPACE_ID``'s namespace);
     ``None`` elsewhere (Trackio's local database)."""
-    environ = os.environ if environ is None else environ
-    owner = environ.get("SPACE_AUTHOR_NAME") or (environ.get("SPACE_ID") or "").partition("/")[0]
+    space = SpaceIdentity.from_env(environ)
+    owner = space.author_name or space.id.partition("/")[0]
     return f"{owner}/{TRACKIO_SPACE_NAME}" if owner else None
 
 

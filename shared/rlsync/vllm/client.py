@@ -43,6 +43,7 @@ from rlsync.fp8 import Chain
 from rlsync.retry import RetryPolicy, call_with_retries
 
 from .plugin import WORKER_EXTENSION
+from .status import TransferStatus
 
 __all__ = ["BucketSyncClient", "PauseMode"]
 
@@ -141,33 +142,37 @@ class BucketSyncClient:
             raise RuntimeError("collective_rpc('sync_state_hash') returned no result")
         return results[0]
 
-    def transfer_status(self) -> list[dict[str, Any]]:
+    def transfer_status(self) -> list[TransferStatus]:
         """Each worker's :meth:`~rlsync.vllm.transfer.BucketWeightTransferEngine.status`."""
-        return self._rpc("sync_transfer_status")
+        return self._statuses("sync_transfer_status")
 
-    def _wait(self, statuses: list[dict[str, Any]], busy: str) -> list[dict[str, Any]]:
+    def _statuses(self, method: str, *args: str) -> list[TransferStatus]:
+        """Call ``method`` on every worker and read the statuses they return."""
+        return [TransferStatus.from_wire(status) for status in self._rpc(method, *args)]
+
+    def _wait(self, statuses: list[TransferStatus], busy: str) -> list[TransferStatus]:
         """Poll the workers' status until none is ``busy`` (``preparing``, ``rehashing``)."""
         deadline = time.monotonic() + self.timeout_s
-        while any(s[busy] for s in statuses):
+        while any(getattr(s, busy) for s in statuses):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the server's workers are still {busy} after {self.timeout_s} s")
             time.sleep(POLL_S)
             statuses = self.transfer_status()
         return statuses
 
-    def _prepare(self, step: int) -> dict[str, Any]:
+    def _prepare(self, step: int) -> TransferStatus:
         """Have every worker prepare the next update toward ``step``, while the server generates.
 
         Raises:
             RuntimeError: A worker refused the update or could not fetch it (nothing applied, no pause),
                 or the workers prepared different updates.
         """
-        statuses = self._wait(self._rpc("sync_prepare", str(step)), "preparing")
-        errors = [s["error"] for s in statuses if s["error"]]
+        statuses = self._wait(self._statuses("sync_prepare", str(step)), "preparing")
+        errors = [s.error for s in statuses if s.error]
         if errors:
             raise RuntimeError(f"the server refused or could not fetch the update toward step {step} "
                                f"before pausing (nothing applied): {errors[0]}")  # fmt: skip
-        prepared = {(s["prepared_step"], s["prepared_hash"]) for s in statuses}
+        prepared = {s.prepared for s in statuses}
         if len(prepared) != 1:
             raise RuntimeError(f"the server's workers prepared different updates: {sorted(prepared, key=str)}")
         return statuses[0]
@@ -238,14 +243,14 @@ class BucketSyncClient:
         Raises:
             RuntimeError: The served weights differ from the verified state or from the bucket's.
         """
-        statuses = self._wait(self._rpc("sync_verify"), "rehashing")
+        statuses = self._wait(self._statuses("sync_verify"), "rehashing")
         for status in statuses:
-            rehash = status["rehash"]
-            if status["rehash_error"] or not rehash:
-                raise RuntimeError(f"the server could not re-hash its weights: {status['rehash_error'] or 'no result'}")
-            wanted = manifest_hash if rehash["step"] == manifest_step else rehash["expected"]
-            if rehash["served"] != wanted or rehash["expected"] != wanted:
-                raise RuntimeError(f"the server's weights do not hash equal to bucket step {rehash['step']}")
+            rehash = status.rehash
+            if status.rehash_error or rehash is None:
+                raise RuntimeError(f"the server could not re-hash its weights: {status.rehash_error or 'no result'}")
+            wanted = manifest_hash if rehash.step == manifest_step else rehash.expected
+            if rehash.served != wanted or rehash.expected != wanted:
+                raise RuntimeError(f"the server's weights do not hash equal to bucket step {rehash.step}")
 
     def sync(self) -> int | None:
         """Bring the server to the bucket's newest step if it is behind: prepare, pause, apply, resume, once
@@ -270,11 +275,11 @@ class BucketSyncClient:
         self._init_engine()
         for _ in range(MAX_UPDATES_PER_SYNC):
             status = self._prepare(manifest.step)
-            if status["prepared_step"] is None:  # up to date, or waiting for an update it can verify
-                self.step = status["step"]
+            if status.prepared is None:  # up to date, or waiting for an update it can verify
+                self.step = status.step
                 break
-            self._apply_prepared(status["prepared_step"])
-            self.step = self.transfer_status()[0]["step"]  # a prepared update found stale was dropped: prepare again
+            self._apply_prepared(status.prepared.step)
+            self.step = self.transfer_status()[0].step  # a prepared update found stale was dropped: prepare again
             if self.step == manifest.step:
                 break
         if self.verify and self.step is not None:

@@ -91,7 +91,8 @@ class BackgroundJob(Generic[T]):
 
 class BucketBackendCalls:
     """The ``bucket`` backend's ``collective_rpc`` calls before vLLM's pause, mixed into the worker extension
-    (:class:`~rlsync.vllm.worker.SyncWorkerExtension`); each returns the backend's status, JSON-friendly."""
+    (:class:`~rlsync.vllm.worker.SyncWorkerExtension`); each returns the backend's status as
+    :meth:`~rlsync.vllm.status.TransferStatus.to_wire` writes it (the caller reads it with ``from_wire``)."""
 
     def _bucket_engine(self) -> Any:
         """The ``bucket`` weight-transfer backend of this worker.
@@ -110,20 +111,20 @@ class BucketBackendCalls:
         the form ``collective_rpc`` over HTTP passes arguments in; ``None`` or ``""``: the newest).
 
         Returns:
-            The backend's status (JSON-friendly).
+            The backend's status, on the wire.
         """
-        return self._bucket_engine().prepare(None if step in (None, "", "None") else int(step))
+        return self._bucket_engine().prepare(None if step in (None, "", "None") else int(step)).to_wire()
 
     def sync_verify(self) -> dict[str, Any]:
         """Start re-hashing the served weights against the verified state, off the pause
         (:meth:`~rlsync.vllm.transfer.BucketWeightTransferEngine.verify`).
 
         Returns:
-            The backend's status (JSON-friendly).
+            The backend's status, on the wire.
         """
-        return self._bucket_engine().verify()
+        return self._bucket_engine().verify().to_wire()
 
     def sync_transfer_status(self) -> dict[str, Any]:
         """The ``bucket`` backend's status (:meth:`~rlsync.vllm.transfer.BucketWeightTransferEngine.status`)."""
-        return self._bucket_engine().status()
+        return self._bucket_engine().status().to_wire()
 

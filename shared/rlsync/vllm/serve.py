@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from rlsync.fp8 import CHAIN_ENV, Chain
+from rlsync.fp8 import Chain
 
+from .settings import backend_defaults
 from .support import fp8_serving_refusal
 
 #: The distributions that install the ``vllm`` package, with the suffix vLLM's platform code gives each.
@@ -88,7 +88,7 @@ def serving_refusal(args: Sequence[str]) -> str | None:
     if not vllm_version().endswith("+cpu"):
         return None
     model = args[0] if args and not args[0].startswith("-") else ""
-    if os.environ.get(CHAIN_ENV) == Chain.FP8.value or is_block_fp8(model):
+    if backend_defaults().chain == Chain.FP8.value or is_block_fp8(model):
         return fp8_serving_refusal("cpu")
     return None
 

@@ -15,7 +15,7 @@ decodes the next update and checks the state hash it makes (the current hash upd
 elements, old values gathered from the weights the subscriber writes: O(changed)) against the
 published one, while vLLM keeps generating. ``update_weights`` with ``prepared_only`` then writes that
 update and nothing else: no bucket read, no decode (:class:`~rlsync.vllm.client.BucketSyncClient` drives
-it; ``status()['pause']`` counts the bucket reads inside the last pause). A prepared update that no longer
+it; ``status().pause`` counts the bucket reads inside the last pause). A prepared update that no longer
 follows the served state by then (the model's tensors were replaced, another update was applied, it
 passes the step asked for) is dropped, counted (``discarded``), and prepared again. A refused update is
 refused while preparing, before any pause, and counted by the subscriber. Without ``prepared_only`` (a
@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from typing import Any
 
@@ -82,20 +81,21 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rlsync.bucket import Bucket, BucketSettings, open_bucket
-from rlsync.fp8 import CHAIN_ENV, Chain
+from rlsync.errors import ConfigurationError
+from rlsync.fp8 import Chain
 from rlsync.protocol import Subscriber, Update
 from rlsync.roles import Role
 
 from .plugin import BACKEND_NAME, register
 from .prepare import BackgroundJob
+from .settings import backend_defaults
+from .status import Pause, Prepared, Rehash, TransferStatus
 from .worker import ModelWeights, plan_update
 
 __all__ = ["BACKEND_NAME", "BucketInitInfo", "BucketUpdateInfo", "BucketWeightTransferEngine", "register"]
 
 logger = logging.getLogger(__name__)
 
-#: Environment variable holding the default bucket URL.
-BUCKET_ENV = "ROLLOUT_BUCKET"
 
 
 @dataclasses.dataclass
@@ -148,7 +148,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         self._views: dict[str, torch.Tensor] = {}  # the model's own tensors the subscriber writes
         self._diverged = False
         self._prepared: BackgroundJob[tuple[Subscriber, Update | None]] = BackgroundJob("rlsync-vllm-prepare")
-        self._rehash: BackgroundJob[dict[str, Any]] = BackgroundJob("rlsync-vllm-rehash")
+        self._rehash: BackgroundJob[Rehash] = BackgroundJob("rlsync-vllm-rehash")
         self._pause = PauseRecord()
 
     def init_transfer_engine(self, init_info: BucketInitInfo) -> None:
@@ -156,12 +156,13 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         prepared for the previous bucket is dropped.
 
         Raises:
-            ValueError: No bucket URL given and ``$ROLLOUT_BUCKET`` is unset, or an unknown chain.
+            ConfigurationError: No bucket URL given and ``$ROLLOUT_BUCKET`` is unset (ValueError: an unknown chain).
         """
-        url = init_info.bucket or os.environ.get(BUCKET_ENV, "")
+        defaults = backend_defaults()
+        url = init_info.bucket or defaults.bucket
         if not url:
-            raise ValueError(f"bucket backend: pass init_info={{'bucket': URL}} or set ${BUCKET_ENV}")
-        chain = Chain(init_info.chain or os.environ.get(CHAIN_ENV) or Chain.BF16.value)
+            raise ConfigurationError("bucket backend: pass init_info={'bucket': URL} or set $ROLLOUT_BUCKET")
+        chain = Chain(init_info.chain or defaults.chain or Chain.BF16.value)
         self._drop_background()
         self._chain = chain
         self._bucket = open_bucket(url, settings=BucketSettings.from_env(Role.ROLLOUT))
@@ -192,7 +193,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
 
     # -- before the pause: prepare, re-hash, report ------------------------------------
 
-    def prepare(self, step: int | None = None) -> dict[str, Any]:
+    def prepare(self, step: int | None = None) -> TransferStatus:
         """Start fetching the next update toward ``step`` (``None``: the newest) in a background thread:
         download, validate, decode, and the O(changed) hash check (old values gathered from the weights
         the subscriber writes), while vLLM keeps generating. Does nothing while one is in flight. An
@@ -226,7 +227,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
             logger.info("bucket weight transfer: dropped prepared %s %d: the bucket moved on", held.kind, held.step)
         return None if _reached(sub, step) else sub.fetch()
 
-    def verify(self) -> dict[str, Any]:
+    def verify(self) -> TransferStatus:
         """Start re-hashing the served weights (read back in checkpoint names, :meth:`ModelWeights.lanes`)
         against the subscriber's verified hash, off the pause: in a background thread while vLLM
         generates at tensor parallelism 1; in the calling thread above it (the read-back gathers over
@@ -235,7 +236,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         kernel run beside the engine's own steps reads wrong values).
 
         Returns:
-            :meth:`status`; its ``rehash`` is ``{"step", "expected", "served"}`` once done.
+            :meth:`status`; its ``rehash`` is a :class:`~rlsync.vllm.status.Rehash` once done.
         """
         from vllm.distributed import get_tensor_model_parallel_world_size
 
@@ -243,38 +244,30 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         if sub is None or sub.step is None or self._rehash.running:
             return self.status()
         expected, step, weights = sub.state_hash, sub.step, self._model_weights()
-        self._rehash.start(lambda: {"step": step, "expected": expected, "served": weights.lanes().hexdigest()})
+        self._rehash.start(lambda: Rehash(step, expected, weights.lanes().hexdigest()))
         if get_tensor_model_parallel_world_size() != 1 or weights.reads_through_kernels:
             self._rehash.wait()
         return self.status()
 
-    def status(self) -> dict[str, Any]:
-        """Where the engine stands, JSON-friendly (``collective_rpc('sync_transfer_status')``).
-
-        Returns:
-            ``step``/``state_hash`` (the verified state the weights hold), ``preparing``, the prepared
-            update (``prepared_step``, ``prepared_kind``, ``prepared_hash``) or the ``error`` that refused
-            it, ``refused`` (the subscriber's count), ``discarded`` (prepared updates dropped as stale),
-            ``pause`` (the last :meth:`receive_weights`: seconds, bucket reads inside it, updates applied),
-            ``rehashing`` and ``rehash`` (:meth:`verify`; ``rehash_error``); for a caller's own report,
-            ``newest_step`` (the pointer's), ``prepared_nbytes``/``_download_s``/``_decode_s``, ``reads``, ``bytes_downloaded``.
-        """
+    def status(self) -> TransferStatus:
+        """Where the engine stands (:class:`~rlsync.vllm.status.TransferStatus`; the ``sync_transfer_status`` RPC
+        sends its :meth:`~rlsync.vllm.status.TransferStatus.to_wire`)."""
         sub = self.subscriber
         held = self._prepared.result
         update = held[1] if held is not None else None
-        return {
-            "step": sub.step if sub is not None else None, "state_hash": sub.state_hash if sub is not None else None,
-            "preparing": self._prepared.running, "error": _describe(self._prepared.error),
-            "prepared_step": update.step if update else None, "prepared_kind": update.kind if update else None,
-            "prepared_hash": update.state_hash if update else None,
-            "refused": sub.stats.refused if sub is not None else 0, "discarded": self._pause.discarded,
-            "pause": self._pause.last, "rehashing": self._rehash.running, "rehash": self._rehash.result,
-            "rehash_error": _describe(self._rehash.error),
-            "newest_step": sub.manifest.step if sub is not None and sub.manifest is not None else None,
-            "prepared_nbytes": update.nbytes if update else 0, "prepared_download_s": update.download_s if update else 0.0,
-            "prepared_decode_s": update.decode_s if update else 0.0, "reads": sub.stats.reads if sub is not None else 0,
-            "bytes_downloaded": sub.stats.bytes_downloaded if sub is not None else 0,
-        }  # fmt: skip
+        return TransferStatus(
+            step=sub.step if sub is not None else None, state_hash=sub.state_hash if sub is not None else None,
+            preparing=self._prepared.running, error=_describe(self._prepared.error),
+            prepared=Prepared(
+                update.step, update.kind, update.state_hash, update.nbytes, update.download_s, update.decode_s
+            ) if update else None,
+            refused=sub.stats.refused if sub is not None else 0, discarded=self._pause.discarded,
+            pause=self._pause.last, rehashing=self._rehash.running, rehash=self._rehash.result,
+            rehash_error=_describe(self._rehash.error),
+            newest_step=sub.manifest.step if sub is not None and sub.manifest is not None else None,
+            reads=sub.stats.reads if sub is not None else 0,
+            bytes_downloaded=sub.stats.bytes_downloaded if sub is not None else 0,
+        )  # fmt: skip
 
     # -- the pause ------------------------------------------------------------------------------
 
@@ -328,7 +321,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
             weights.apply({}, self._copied(weights, sub.state))
             self._diverged = False
         elapsed = time.perf_counter() - t0
-        self._pause.last = {"s": elapsed, "reads": sub.stats.reads - reads, "applied": applied}
+        self._pause.last = Pause(elapsed, sub.stats.reads - reads, applied)
         if not update_info.prepared_only and target is not None and sub.step != target:
             raise RuntimeError(f"bucket backend: asked for step {target}, reached {sub.step}")
         logger.info("bucket weight transfer: %d updates to step %s in %.3f s", applied, sub.step, elapsed)
@@ -388,7 +381,7 @@ class PauseRecord:
     """What :meth:`BucketWeightTransferEngine.receive_weights` did in the last pause (``last``: seconds,
     bucket reads, updates applied) and the prepared updates it dropped as stale (``discarded``)."""
 
-    last: dict[str, float | int] = dataclasses.field(default_factory=dict)
+    last: Pause | None = None
     discarded: int = 0
 
 

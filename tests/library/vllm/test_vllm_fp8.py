@@ -82,7 +82,7 @@ def test_a_vllm_replica_follows_the_fp8_chain_bit_exact_and_refuses_a_hostile_sc
             update = replica.weights.fetch_next(threading.Event())  # prepared by the engine's workers
             assert update.kind == ("anchor" if version == 0 else "delta") and update.step == version
             if version:  # a delta carries changed e4m3 bytes (and scales), never the whole model
-                assert update.nbytes < replica.syncs[0]["nbytes"]
+                assert update.nbytes < replica.syncs[0].nbytes
             replica.slot.put(update)
             assert replica.apply_pending() and replica.weights.step == version
             served = engine.read_state()

@@ -96,13 +96,13 @@ def test_a_vllm_replica_follows_through_the_bucket_backend_bit_exact_holding_no_
         record = pub.publish(step, master)
         _sync_once(replica, "anchor" if step == 0 else "delta", step)
         assert engine.state_hash() == record.state_hash == replica.weights.state_hash  # whole state, read back
-        assert replica.weights.step == step and engine.transfer_status()["pause"]["reads"] == 0  # the pause read nothing
+        assert replica.weights.step == step and engine.transfer_status().pause.reads == 0  # the pause read nothing
     syncs = replica.syncs
-    assert [s["kind"] for s in syncs] == ["anchor"] + ["delta"] * DELTAS
-    assert all(s["nbytes"] < syncs[0]["nbytes"] for s in syncs[1:])  # deltas, not the model again
+    assert [s.kind for s in syncs] == ["anchor"] + ["delta"] * DELTAS
+    assert all(s.nbytes < syncs[0].nbytes for s in syncs[1:])  # deltas, not the model again
     status = replica.status()
     assert status.applied_step == DELTAS and status.state_hash == record.state_hash and status.refused == 0
-    assert status.reads > 0 and status.bytes_downloaded >= sum(s["nbytes"] for s in syncs)
+    assert status.reads > 0 and status.bytes_downloaded >= sum(s.nbytes for s in syncs)
 
     # the replica's process holds where the engine stands, not the model: the workers' subscriber writes the
     # served tensors (on CPU only the prepacked modules keep their checkpoint tensors, in the worker)

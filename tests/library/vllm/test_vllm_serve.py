@@ -86,8 +86,8 @@ def test_served_weights_follow_the_bucket_with_only_the_write_in_the_pause(serve
             assert client.sync() == step
             assert client.served_state_hash() == record.state_hash
             [status] = client.transfer_status()
-            assert len(client.pauses) == 1 and status["pause"]["applied"] == 1
-            assert status["pause"]["reads"] == 0  # downloaded and decoded before the pause, none inside it
+            assert len(client.pauses) == 1 and status.pause.applied == 1
+            assert status.pause.reads == 0  # downloaded and decoded before the pause, none inside it
             outputs.append(_greedy(url, model))
 
         # vLLM's routes alone, without a prepare: the update is fetched and decoded inside the pause
@@ -97,25 +97,25 @@ def test_served_weights_follow_the_bucket_with_only_the_write_in_the_pause(serve
             body = {"update_info": {"step": 3}} if route == "/update_weights" else None
             httpx.post(f"{url}{route}", json=body, timeout=120).raise_for_status()
         [status] = client.transfer_status()
-        assert status["step"] == 3 and status["pause"]["reads"] > 0  # the probe sees reads inside a pause
+        assert status.step == 3 and status.pause.reads > 0  # the probe sees reads inside a pause
         assert client.served_state_hash() == record.state_hash
-        refused = status["refused"]
+        refused = status.refused
 
         # delta 4 prepared, then the bucket moves on (a new run's anchor): the prepared delta is dropped, counted,
         # and the anchor applied in its stead
         sparse_rl_step(master, seed=51)
         publisher.publish(4, master)
         httpx.post(f"{url}/collective_rpc", json={"method": "sync_prepare", "args": ["4"]}, timeout=60).raise_for_status()
-        while (status := client.transfer_status()[0])["preparing"]:
+        while (status := client.transfer_status()[0]).preparing:
             time.sleep(0.05)
-        assert status["prepared_step"] == 4 and status["discarded"] == 0
+        assert status.prepared.step == 4 and status.discarded == 0
         publisher = Publisher(LocalBucket(bucket_dir), policy=FixedInterval(10), new_run=True)
         sparse_rl_step(master, seed=52)
         record = publisher.publish(5, master)
         assert record.kind == "anchor" and record.step == 5
         assert client.sync() == 5 and len(client.pauses) == 1
         [status] = client.transfer_status()
-        assert status["discarded"] == 1 and status["pause"]["reads"] == 0
+        assert status.discarded == 1 and status.pause.reads == 0
         assert client.served_state_hash() == record.state_hash
 
         # a corrupt delta (one byte flipped, its size kept): refused while preparing, counted, no pause
@@ -129,7 +129,7 @@ def test_served_weights_follow_the_bucket_with_only_the_write_in_the_pause(serve
         with pytest.raises(RuntimeError, match="before pausing"):
             client.sync()
         [status] = client.transfer_status()
-        assert client.pauses == [] and status["refused"] == refused + 1 and status["step"] == 5
+        assert client.pauses == [] and status.refused == refused + 1 and status.step == 5
         assert client.served_state_hash() == record.state_hash  # untouched
     finally:
         client.close()

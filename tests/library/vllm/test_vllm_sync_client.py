@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed")
 
 from rlsync.vllm.client import BucketSyncClient, PauseMode  # noqa: E402
+from rlsync.vllm.status import Prepared, Rehash, TransferStatus  # noqa: E402
 from rlsync.vllm.versions import completion_versions  # noqa: E402
 from rlsync.bucket import LocalBucket  # noqa: E402
 from rlsync.protocol import Publisher  # noqa: E402
@@ -29,8 +30,8 @@ class FakeVllm:
         self.queries: dict[str, str] = {}  # route -> its last query string
         self.reset_success = reset_success
         self.status = {
-            "step": None, "state_hash": None, "preparing": False, "error": "", "prepared_step": None,
-            "prepared_hash": None, "rehashing": False, "rehash": None, "rehash_error": "",
+            "step": None, "state_hash": None, "preparing": False, "error": "", "prepared": None,
+            "rehashing": False, "rehash": None, "rehash_error": "",
         }  # fmt: skip
         fake = self
 
@@ -42,11 +43,11 @@ class FakeVllm:
                 status["polls"] += 1
                 if status["polls"] == 2:
                     ready = status["step"] is None  # one update: step 0
-                    status.update(preparing=False, error=error, prepared_step=0 if ready and not error else None,
-                                  prepared_hash=state_hash if ready and not error else None)  # fmt: skip
+                    prepared = Prepared(0, "anchor", state_hash) if ready and not error else None
+                    status.update(preparing=False, error=error, prepared=prepared)
             elif method == "sync_verify":
-                status.update(rehash={"step": status["step"], "expected": status["state_hash"], "served": served_hash or state_hash})
-            return dict(status)
+                status.update(rehash=Rehash(status["step"], status["state_hash"], served_hash or state_hash))
+            return TransferStatus(**{k: v for k, v in status.items() if k != "polls"}).to_wire()  # as a worker sends it
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args) -> None:
@@ -61,7 +62,7 @@ class FakeVllm:
                     body = {"success": fake.reset_success}
                 elif route == "/update_weights":
                     assert json.loads(raw)["update_info"] == {"step": 0, "prepared_only": True}
-                    fake.status.update(step=0, state_hash=state_hash, prepared_step=None, prepared_hash=None)
+                    fake.status.update(step=0, state_hash=state_hash, prepared=None)
                 elif route == "/collective_rpc":
                     request = json.loads(raw)
                     route = f"rpc:{request['method']}"

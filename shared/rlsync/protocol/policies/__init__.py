@@ -1,2 +1,2 @@
-"""The anchor policies, one module each; every module here is imported by the registry
-(:func:`rlsync.protocol.policy.policy_names`), so a new policy is one new file."""
+"""The anchor policies, one module each; each registers itself in :mod:`rlsync.registry` (``Kind.ANCHOR_POLICY``),
+which reads this package's modules, so a new policy is one new file."""

@@ -6,14 +6,18 @@ import dataclasses
 import math
 
 from ...defaults import DEFAULT_MAX_CATCHUP_RATIO
+from ...registry import Kind, register
 from ..manifest import Manifest
-from .base import AnchorPolicy, register_policy
+from .base import AnchorPolicy
 
 #: Largest bound: catching up costs the newest anchor plus every delta since, so at most this many anchors' worth.
 MAX_CATCHUP_RATIO = 100.0
 
+register(Kind.ANCHOR_POLICY, "adaptive", "rlsync.protocol.policies.adaptive:Adaptive",
+         summary="an anchor when catching up from the newest anchor costs more than `max_catchup_ratio` anchors",
+         settings="rlsync.protocol.policies.adaptive:Adaptive")
 
-@register_policy
+
 @dataclasses.dataclass
 class Adaptive(AnchorPolicy):
     """An anchor when catching up would cost a new replica too much.

@@ -1,25 +1,20 @@
-"""The anchor-policy interface and its registry: each policy registers its name once, with
-:func:`register_policy`, in its own module of this package (discovered on first use of the registry)."""
+"""The anchor-policy interface, and its entries in :mod:`rlsync.registry` (``Kind.ANCHOR_POLICY``): each policy
+registers its name once, in its own module of this package (read, not imported, until it is used)."""
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-import importlib
-import pkgutil
-from pathlib import Path
 from typing import Any
 
-from ...errors import FormatError
+from ...errors import ConfigurationError, FormatError, UnknownNameError
+from ...registry import Kind, get, names
 from ..manifest import Manifest
 
-__all__ = ["DEFAULT_POLICY", "AnchorPolicy", "policy_class", "policy_names", "register_policy"]
+__all__ = ["DEFAULT_POLICY", "AnchorPolicy", "policy_class", "policy_names"]
 
 #: The policy used when none is named.
 DEFAULT_POLICY = "fixed"
-
-_REGISTRY: dict[str, type["AnchorPolicy"]] = {}
-_discovered = False
 
 
 class AnchorPolicy(abc.ABC):
@@ -45,36 +40,9 @@ class AnchorPolicy(abc.ABC):
         return {"policy": self.name, **{f.name: getattr(self, f.name) for f in self.setting_fields()}}
 
 
-def register_policy(cls: type[AnchorPolicy]) -> type[AnchorPolicy]:
-    """Class decorator: register an anchor policy under its ``name``.
-
-    Raises:
-        ValueError: the name is taken by another class, or the class is not a dataclass.
-    """
-    if not dataclasses.is_dataclass(cls):
-        raise ValueError(f"anchor policy {cls.__name__} must be a dataclass of its settings")
-    known = _REGISTRY.get(cls.name)
-    if known is not None and known.__qualname__ != cls.__qualname__:
-        raise ValueError(f"anchor policy name {cls.name!r} is taken by {known.__name__}")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def _discover() -> None:
-    """Import every module of this package once (each registers its policy)."""
-    global _discovered
-    if _discovered:
-        return
-    _discovered = True
-    for module in pkgutil.iter_modules([str(Path(__file__).parent)]):
-        if module.name != "base":
-            importlib.import_module(f"{__package__}.{module.name}")
-
-
 def policy_names() -> list[str]:
     """The registered policies' names, the default first."""
-    _discover()
-    return sorted(_REGISTRY, key=lambda name: (name != DEFAULT_POLICY, name))
+    return sorted(names(Kind.ANCHOR_POLICY), key=lambda name: (name != DEFAULT_POLICY, name))
 
 
 def policy_class(name: str) -> type[AnchorPolicy]:
@@ -82,11 +50,13 @@ def policy_class(name: str) -> type[AnchorPolicy]:
 
     Raises:
         FormatError: no such policy.
+        ConfigurationError: its class is not an :class:`AnchorPolicy` dataclass of that name.
     """
-    _discover()
     try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):
+        cls = get(Kind.ANCHOR_POLICY, name).load()
+    except UnknownNameError:
         raise FormatError(f"unknown anchor policy {name!r}; use one of {policy_names()}") from None
-
-
+    is_policy = isinstance(cls, type) and issubclass(cls, AnchorPolicy) and dataclasses.is_dataclass(cls)
+    if not is_policy or cls.name != name:
+        raise ConfigurationError(f"anchor policy {name!r} must be an AnchorPolicy dataclass of its settings named so")
+    return cls

@@ -5,15 +5,18 @@ from __future__ import annotations
 import dataclasses
 
 from ...defaults import DEFAULT_ANCHOR_INTERVAL
+from ...registry import Kind, register
 from ..manifest import Manifest
-from .base import AnchorPolicy, register_policy
+from .base import AnchorPolicy
 
 #: Longest interval: the pointer lists every retained delta (~300 bytes each, more for sharded parts)
 #: and must stay under its 16 MiB (the publisher also anchors early when it passes its share).
 MAX_INTERVAL = 1_000
 
+register(Kind.ANCHOR_POLICY, "fixed", "rlsync.protocol.policies.fixed:FixedInterval",
+         settings="rlsync.protocol.policies.fixed:FixedInterval", summary="an anchor every `interval` publishes")
 
-@register_policy
+
 @dataclasses.dataclass
 class FixedInterval(AnchorPolicy):
     """An anchor every ``interval`` publishes (the others are deltas).
