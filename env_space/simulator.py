@@ -37,6 +37,7 @@ from rlsync.layout import DEMAND_KEY, ROLLOUTS_PREFIX, replica_of, score_key, ta
 from rlsync.roles import Role
 from rlsync.spaces.demand import Demand, Pacing
 from rlsync.spaces.interval_log import IntervalLog
+from rlsync.spaces.role_control import OneThreadRole
 from rlsync.spaces.exchange import (
     Refusals,
     SampleLimits,
@@ -71,7 +72,7 @@ _EPISODE_CHARS = 400  # prompt tail / completion head kept per recent episode fo
 _MAX_BACKOFF_S = 60.0  # longest wait between steps after failures in a row
 
 
-class EnvSimulator:
+class EnvSimulator(OneThreadRole):
     """Publishes task batches and scores the completions replicas write back: it joins a
     :class:`~env_space.issuer.TaskIssuer` (numbering, pacing, pruning) and a :class:`~env_space.scoring.Scorer`
     (bounded scoring), and keeps the figures.
@@ -311,12 +312,3 @@ class EnvSimulator:
         self.stop()
         if self._owns_watch:
             self.bucket.close()
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    @property
-    def threads(self) -> list[threading.Thread]:
-        """The environment's thread, once started (the panel reads why it failed)."""
-        return [self._thread] if self._thread is not None else []

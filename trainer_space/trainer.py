@@ -30,7 +30,6 @@ import dataclasses
 import logging
 import shutil
 import tempfile
-import threading
 from typing import Any
 
 from transformers import TrainerCallback
@@ -44,6 +43,7 @@ from rlsync.protocol import PublishRecord
 from rlsync.protocol.run import new_run_id
 from rlsync.roles import Role
 from rlsync.spaces.anchor_policy import ControlledPolicy
+from rlsync.spaces.role_control import OneThreadRole
 from rlsync.spaces.demand import Pacing
 from rlsync.spaces.exchange import open_role_bucket
 from rlsync.spaces.interval_log import IntervalLog
@@ -106,7 +106,7 @@ class FirstStepCheckpoint(TrainerCallback):
         return control
 
 
-class Trainer:
+class Trainer(OneThreadRole):
     """The trainer Space's role: ``AsyncGRPOTrainer`` joined to the bucket by :class:`~rlsync.trl.BucketSync`, in a thread.
 
     Args:
@@ -311,12 +311,3 @@ class Trainer:
     def finished(self) -> bool:
         """Whether ``max_steps`` optimizer steps were trained."""
         return bool(self.config.max_steps) and self.trl.state.global_step >= self.config.max_steps
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    @property
-    def threads(self) -> list[threading.Thread]:
-        """The training thread, once started (the panel reads why it failed)."""
-        return [self._thread] if self._thread is not None else []

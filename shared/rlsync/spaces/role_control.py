@@ -30,6 +30,21 @@ class RoleObject(Protocol):
     def threads(self) -> Sequence[threading.Thread]: ...
 
 
+class OneThreadRole:
+    """A role object whose work runs on one thread, ``_thread`` (``None`` until started): the ``running`` and
+    ``threads`` of :class:`RoleObject` (the runner reads a crash from the thread)."""
+
+    _thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        return [self._thread] if self._thread is not None else []
+
+
 _BUILD_LOCK = threading.Lock()
 
 
