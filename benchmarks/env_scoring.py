@@ -30,6 +30,7 @@ import uvicorn
 from math_verify import parse, verify
 from reasoning_gym.utils import extract_answer
 
+from env_space.isolation import modules_of, start_scoring_server
 from env_space.simulator import EnvConfig, EnvSimulator
 from env_space.sources import open_environment
 from env_space.sources.openenv_server import build_app
@@ -50,6 +51,7 @@ def _per_sample_us(fn: Callable[[int], object], n: int) -> float:
 
 
 def _simulator(environment, root: str) -> EnvSimulator:
+    start_scoring_server(modules_of(environment.score))  # as the env does for its environment (the first one counts)
     simulator = EnvSimulator(EnvConfig(bucket=root, environment="reverse"), bucket=LocalBucket(root))
     simulator.environment = environment
     return simulator

@@ -184,8 +184,10 @@ spawn.get_preparation_data = _without_main(spawn.get_preparation_data)
 
 def modules_of(obj: Any) -> list[str]:
     """The modules unpickling `obj` imports, to preload (:func:`start_scoring_server`): its own (a function's, a
-    partial's or bound method's, an instance's class's) and those of its attributes' values and their items."""
-    owners = [o for o in (obj, getattr(obj, "func", None), getattr(obj, "__self__", None)) if o is not None]
+    partial's and its arguments', a bound method's, an instance's class's) and those of their attributes' values
+    and their items."""
+    parts = (obj, getattr(obj, "func", None), getattr(obj, "__self__", None), *getattr(obj, "args", ()))
+    owners = [o for o in parts if o is not None]
     found = list(owners)
     for owner in owners:
         for value in getattr(owner, "__dict__", {}).values():

@@ -42,7 +42,7 @@ class Scorer:
         self.environment = environment
         self.failures = failures
         if environment.scoring is Scoring.CONFINED:  # the helper its scoring children come from, warm
-            start_scoring_server(modules_of(environment.score))
+            start_scoring_server(modules_of(functools.partial(_score, environment)))
 
     def batch_tasks(self, batch: int, doc: dict) -> dict[str, Task]:
         """The tasks of a batch, regenerated from its environment and seed.
