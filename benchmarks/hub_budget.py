@@ -18,7 +18,9 @@ prints one JSON object: versions per minute, the highest share of each limit use
 429s, the largest replica lag seen, and requests per published version, per replica per rollout
 batch (as each role's client counts them: hf_xet's own Xet token requests are not seen there; the
 ``by_kind`` totals are the stand-in's, which sees them), and per idle minute (the trainer then
-stopped and no new task batches for ``--idle-s`` seconds).
+stopped and no new task batches for ``--idle-s`` seconds). The run fails (exit status 1) on any update a
+replica refused, or when a replica lagged more than ``--max-lag`` versions (sampled every 2 s; a replica
+still loading counts from version 0; ``max_lag_by_minute`` shows when).
 """
 
 from __future__ import annotations
@@ -120,10 +122,15 @@ def main(argv: list[str] | None = None) -> dict:
             published.append(time.time())
             step, since_publish = step + 1, 0
 
+    lag_by_minute: dict[int, int] = {}
+
     def watch_lag() -> None:
         while not stop.wait(2.0):
             if publisher.step is not None and not idle.is_set():
-                lag[0] = max(lag[0], max(publisher.step - (r.subscriber.step or 0) for r in replicas))
+                now = max(publisher.step - (r.subscriber.step or 0) for r in replicas)
+                lag[0] = max(lag[0], now)
+                minute = int((time.time() - started) // 60)
+                lag_by_minute[minute] = max(lag_by_minute.get(minute, 0), now)
 
     started = time.time()
     threads = [threading.Thread(target=f, daemon=True) for f in (train, watch_lag)]
@@ -161,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
         "governor": not args.no_governor, "tier": args.tier, "replicas": args.replicas, "seconds": args.seconds,
         "versions": len(published), "versions_per_min": round(60 * len(published) / (busy_end - started), 2),
         "coalesced_steps": coalesced[0], "max_lag": lag[0], "max_lag_allowed": args.max_lag,
+        "max_lag_by_minute": [lag_by_minute.get(m, 0) for m in range(int(args.seconds // 60) + 1)],
         "max_api_share_of_limit": round(_max_window([r.time for r in server.usage("api", TOKEN)], 300) / scaled_limit(Tier(args.tier), RequestClass.API, 300), 3),
         "max_resolver_share_of_limit": round(_max_window([r.time for r in server.usage("resolver", TOKEN)], 300) / scaled_limit(Tier(args.tier), RequestClass.RESOLVER, 300), 3),
         "throttled_429": server.throttled(TOKEN),
