@@ -103,7 +103,8 @@ def main() -> None:
     path = f"{root}/math"
     values = [str(v) for v in range(50)]
     datasets.Dataset.from_dict({"prompt": [f"What is {v}?" for v in values], "answer": values}).save_to_disk(path)
-    rows += [_dataset_row(path, isolation, n, root) for isolation in ("thread", "process") if f"dataset-{isolation}" in wanted]
+    isolations = [i for i in ("thread", "process") if f"dataset-{i}" in wanted]
+    rows += [_dataset_row(path, isolation, n, root) for isolation in isolations]
 
     if "openenv" in wanted:
         rows.append(("openenv (reasoning_gym over 127.0.0.1)", direct, _openenv_row(rg, n, root)))

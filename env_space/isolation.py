@@ -207,7 +207,8 @@ def _child(conn: Connection, payload: bytes, count: int, confinement: Confinemen
             replies = (_reply(fn, item) for item in items)
         except BaseException as exc:  # noqa: BLE001 - e.g. a module the function needs is missing here
             replies = iter([("error", f"error:{type(exc).__name__}")] * count)
-        confine([conn.fileno()], memory_mb=confinement.memory_mb, network=confinement.network, cpu_s=confinement.budget_s)
+        memory_mb, cpu_s = confinement.memory_mb, confinement.budget_s
+        confine([conn.fileno()], memory_mb=memory_mb, network=confinement.network, cpu_s=cpu_s)
         conn.send(_READY)
         for reply in replies:
             try:
@@ -223,7 +224,8 @@ def _child(conn: Connection, payload: bytes, count: int, confinement: Confinemen
 def _start(payload: bytes, count: int, confinement: Confinement) -> tuple[BaseProcess, Connection]:
     start_scoring_server()
     ours, theirs = _CONTEXT.Pipe()
-    process = _CONTEXT.Process(target=_child, args=(theirs, payload, count, confinement), name=_PROCESS_NAME, daemon=True)
+    args = (theirs, payload, count, confinement)
+    process = _CONTEXT.Process(target=_child, args=args, name=_PROCESS_NAME, daemon=True)
     process.start()
     theirs.close()
     return process, ours

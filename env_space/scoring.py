@@ -22,7 +22,7 @@ from .isolation import Confinement, modules_of, run_confined, start_scoring_serv
 
 
 def _score(environment: Environment, pair: tuple[Task, str]) -> float:
-    """``environment.score(task, completion)`` (module level: a confined child gets it pickled, with the environment)."""
+    """``environment.score(task, completion)``: module level, pickled to a confined child with the environment."""
     return environment.score(*pair)
 
 

@@ -219,7 +219,7 @@ def test_429_with_retry_after_is_retried_once_per_layer_within_a_bounded_total(b
     started = time.monotonic()
     assert retrying(bucket).get("k") == b"value"
     elapsed = time.monotonic() - started
-    assert server.count("api", "/resolve/") - before == 2  # one refusal, one retry: no library retries (a read's one request is the resolve)
+    assert server.count("api", "/resolve/") - before == 2  # one refusal, one retry (a read's one request)
     assert 1.0 <= elapsed < 1.0 + 2 * HUB_TIMEOUT_SECONDS
 
 

@@ -4,7 +4,8 @@ never downloading it, at every repeated read of that version; a new, smaller ver
 ``HfBucket`` learns the version and its size with the one resolve request a read makes anyway (no
 Xet token, no download); a watched bucket holds the version (size and Xet hash) in its view and refuses a
 repeated read with no request at all. Issue 41 item 5b: the size check costs no request of its own, a read
-within the limit is one resolve request and no API request. Against the Hub stand-in with the real huggingface_hub + hf_xet client.
+within the limit is one resolve request and no API request. Against the Hub stand-in with the real huggingface_hub +
+hf_xet client.
 """
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ class Subscriber:
             return self._fetch()
 
     def _fetch(self, again: bool = True) -> Update | None:
-        """:meth:`fetch`; with `again`, an update retention dropped meanwhile is looked for once more in the new pointer."""
+        """:meth:`fetch`; with `again`, an update retention dropped meanwhile is looked for again in the new pointer."""
         manifest, held = self.read_manifest(), self._held
         if manifest is None:
             return None
@@ -218,7 +218,8 @@ class Subscriber:
         if not held.resync:
             raise self._refuse(ChainError(f"no retained delta or anchor continues step {held.step}"))
         if entry is not None and self._refused_at != (manifest.step, manifest.state_hash):
-            return self._fetch_delta(entry, again)  # a pointer changed since the refusal: verified by its base and result hashes
+            # a pointer changed since the refusal: verified by its base and result hashes
+            return self._fetch_delta(entry, again)
         return None
 
     def _fetch_delta(self, entry: DeltaEntry, again: bool = False) -> Update | None:
