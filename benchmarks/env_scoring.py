@@ -3,8 +3,9 @@
 For each source, ``--samples`` scripted completions (half correct, half wrong) are
 scored twice in the same run (each after one untimed warm-up pass): by calling the library directly (reasoning-gym's
 ``score_answer``, math-verify's ``verify(parse(...))``), and through the env
-simulator's ``score_sample`` (a confined forked child per call; reward functions in
-the worker process or in a forked child per call). Printed: microseconds per sample and the ratio
+simulator's ``score_sample`` (a confined child per call, forked from the scoring server:
+:func:`env_space.isolation.start_scoring_server`; reward functions in the worker process or
+in such a child per call). Printed: microseconds per sample and the ratio
 to the direct call, which is what the time bound and the isolation cost. The
 OpenEnv row is one WebSocket ``reset`` + ``step`` round trip per sample to a server
 on 127.0.0.1 serving the same reasoning-gym generators (its direct baseline is the
@@ -12,6 +13,7 @@ reasoning-gym call).
 
     python -m benchmarks.env_scoring                 # 400 samples per source
     python -m benchmarks.env_scoring --samples 1000
+    python -m benchmarks.env_scoring --rows dataset-thread   # one source per process, as in an env Space
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import uvicorn
 from math_verify import parse, verify
 from reasoning_gym.utils import extract_answer
 
+from env_space.isolation import modules_of, start_scoring_server
 from env_space.simulator import EnvConfig, EnvSimulator
 from env_space.sources import open_environment
 from env_space.sources.openenv_server import build_app
@@ -48,6 +51,7 @@ def _per_sample_us(fn: Callable[[int], object], n: int) -> float:
 
 
 def _simulator(environment, root: str) -> EnvSimulator:
+    start_scoring_server(modules_of(environment.score))  # as the env does for its environment (the first one counts)
     simulator = EnvSimulator(EnvConfig(bucket=root, environment="reverse"), bucket=LocalBucket(root))
     simulator.environment = environment
     return simulator
@@ -69,10 +73,16 @@ def _dataset_row(path: str, isolation: str, n: int, root: str) -> tuple[str, flo
     return f"dataset math_verify ({isolation})", direct, bounded
 
 
+ROWS = ("reasoning_gym", "dataset-thread", "dataset-process", "openenv")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=400)
-    n = parser.parse_args().samples
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"rows to run, of {','.join(ROWS)} (an env process "
+                        "scores one source: its scoring server preloads that source's modules only)")
+    args = parser.parse_args()
+    n, wanted = args.samples, set(args.rows.split(","))
     root = tempfile.mkdtemp(prefix="env-scoring-")
     rows = []
 
@@ -86,14 +96,26 @@ def main() -> None:
         return verifiers[entry["metadata"]["source_dataset"]].score_answer(extract_answer(texts[i]), entry)
 
     direct = _per_sample_us(rg_direct, n)
-    simulator = _simulator(rg, root)
-    rows.append(("reasoning_gym", direct, _per_sample_us(lambda i: simulator.score_sample(tasks[i], texts[i]), n)))
+    if "reasoning_gym" in wanted:
+        simulator = _simulator(rg, root)
+        rows.append(("reasoning_gym", direct, _per_sample_us(lambda i: simulator.score_sample(tasks[i], texts[i]), n)))
 
     path = f"{root}/math"
     values = [str(v) for v in range(50)]
     datasets.Dataset.from_dict({"prompt": [f"What is {v}?" for v in values], "answer": values}).save_to_disk(path)
-    rows += [_dataset_row(path, isolation, n, root) for isolation in ("thread", "process")]
+    isolations = [i for i in ("thread", "process") if f"dataset-{i}" in wanted]
+    rows += [_dataset_row(path, isolation, n, root) for isolation in isolations]
 
+    if "openenv" in wanted:
+        rows.append(("openenv (reasoning_gym over 127.0.0.1)", direct, _openenv_row(rg, n, root)))
+
+    print(f"{'source':42s} {'direct us':>10s} {'bounded us':>11s} {'ratio':>7s}")
+    for name, direct, bounded in rows:
+        print(f"{name:42s} {direct:10.0f} {bounded:11.0f} {bounded / direct:7.1f}")
+
+
+def _openenv_row(rg, n: int, root: str) -> float:
+    """Microseconds per sample scored through an OpenEnv server of the same generators on 127.0.0.1."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -108,14 +130,10 @@ def main() -> None:
     oe_texts = [f"<answer>{a}</answer>" if i % 2 == 0 else "<answer>-1</answer>" for i, a in enumerate(answers)]
     simulator = _simulator(openenv, root)
     oe = _per_sample_us(lambda i: simulator.score_sample(oe_tasks[i], oe_texts[i]), len(oe_tasks))
-    rows.append(("openenv (reasoning_gym over 127.0.0.1)", rows[0][1], oe))
     openenv.close()
     server.should_exit = True
     thread.join(10)
-
-    print(f"{'source':42s} {'direct us':>10s} {'bounded us':>11s} {'ratio':>7s}")
-    for name, direct, bounded in rows:
-        print(f"{name:42s} {direct:10.0f} {bounded:11.0f} {bounded / direct:7.1f}")
+    return oe
 
 
 if __name__ == "__main__":

@@ -18,16 +18,20 @@ prints one JSON object: versions per minute, the highest share of each limit use
 429s, the largest replica lag seen, and requests per published version, per replica per rollout
 batch (as each role's client counts them: hf_xet's own Xet token requests are not seen there; the
 ``by_kind`` totals are the stand-in's, which sees them), and per idle minute (the trainer then
-stopped and no new task batches for ``--idle-s`` seconds).
+stopped and no new task batches for ``--idle-s`` seconds). The run fails (exit status 1) on any update a
+replica refused, or when a replica lagged more than ``--max-lag`` versions (sampled every 2 s; a replica
+still loading counts from version 0; ``max_lag_by_minute`` shows when).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import tempfile
+import sys
 import threading
 import time
 from pathlib import Path
@@ -53,7 +57,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--idle-s", type=float, default=60.0)
     parser.add_argument("--step-s", type=float, default=2.0, help="seconds between trainer steps")
     parser.add_argument("--no-governor", action="store_true")
+    parser.add_argument("--max-lag", type=int, default=3, help="the largest lag (versions) a passing run may show")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(threadName)s %(name)s: %(message)s")
 
     from rlsync.bucket.settings import role_weight
     from rlsync.roles import Role
@@ -116,10 +122,15 @@ def main(argv: list[str] | None = None) -> dict:
             published.append(time.time())
             step, since_publish = step + 1, 0
 
+    lag_by_minute: dict[int, int] = {}
+
     def watch_lag() -> None:
         while not stop.wait(2.0):
             if publisher.step is not None and not idle.is_set():
-                lag[0] = max(lag[0], max(publisher.step - (r.subscriber.step or 0) for r in replicas))
+                now = max(publisher.step - (r.subscriber.step or 0) for r in replicas)
+                lag[0] = max(lag[0], now)
+                minute = int((time.time() - started) // 60)
+                lag_by_minute[minute] = max(lag_by_minute.get(minute, 0), now)
 
     started = time.time()
     threads = [threading.Thread(target=f, daemon=True) for f in (train, watch_lag)]
@@ -156,7 +167,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "governor": not args.no_governor, "tier": args.tier, "replicas": args.replicas, "seconds": args.seconds,
         "versions": len(published), "versions_per_min": round(60 * len(published) / (busy_end - started), 2),
-        "coalesced_steps": coalesced[0], "max_lag": lag[0],
+        "coalesced_steps": coalesced[0], "max_lag": lag[0], "max_lag_allowed": args.max_lag,
+        "max_lag_by_minute": [lag_by_minute.get(m, 0) for m in range(int(args.seconds // 60) + 1)],
         "max_api_share_of_limit": round(_max_window([r.time for r in server.usage("api", TOKEN)], 300) / scaled_limit(Tier(args.tier), RequestClass.API, 300), 3),
         "max_resolver_share_of_limit": round(_max_window([r.time for r in server.usage("resolver", TOKEN)], 300) / scaled_limit(Tier(args.tier), RequestClass.RESOLVER, 300), 3),
         "throttled_429": server.throttled(TOKEN),
@@ -166,11 +178,22 @@ def main(argv: list[str] | None = None) -> dict:
         "replica_api_per_batch": round(replica_api / max(1, batches), 2),
         "fleet_api_per_idle_min": round(60 * api(idle_from, idle_to) / (idle_to - idle_from), 2),
         "by_kind": dict(by_kind.most_common()),
+        "refused": sum(r.subscriber.stats.refused for r in replicas),
+        "refusals": sorted({r.subscriber.stats.last_error for r in replicas if r.subscriber.stats.refused}),
     }  # fmt: skip
     print(json.dumps(result))
     server.close()
     return result
 
 
+def failures(result: dict) -> list[str]:
+    """Why a run failed: any refused update, or a replica lagging more than ``--max-lag`` versions."""
+    found = [f"{result['refused']} updates refused: {result['refusals']}"] if result["refused"] else []
+    if result["max_lag"] > result["max_lag_allowed"]:
+        found.append(f"a replica lagged {result['max_lag']} versions (at most {result['max_lag_allowed']})")
+    return found
+
+
 if __name__ == "__main__":
-    main()
+    failed = failures(main())
+    sys.exit("FAILED: " + "; ".join(failed) if failed else 0)

@@ -8,6 +8,7 @@ rollouts object by ``score_budget_s``. An exception, a timeout, a non-finite rew
 
 from __future__ import annotations
 
+import functools
 import time
 
 from rlsync.bucket import Bucket
@@ -17,7 +18,12 @@ from rlsync.spaces.exchange import MAX_REWARD, MAX_TASKS, SampleLimits
 from .bounded import BoundedResult, FailureCounts, ScoringFailure, finite_reward
 from .config import EnvConfig
 from .environments import Environment, Scoring, Task
-from .isolation import Confinement, run_confined
+from .isolation import Confinement, modules_of, run_confined, start_scoring_server
+
+
+def _score(environment: Environment, pair: tuple[Task, str]) -> float:
+    """``environment.score(task, completion)``: module level, pickled to a confined child with the environment."""
+    return environment.score(*pair)
 
 
 class Scorer:
@@ -35,6 +41,8 @@ class Scorer:
         self.bucket = bucket
         self.environment = environment
         self.failures = failures
+        if environment.scoring is Scoring.CONFINED:  # the helper its scoring children come from, warm
+            start_scoring_server(modules_of(functools.partial(_score, environment)))
 
     def batch_tasks(self, batch: int, doc: dict) -> dict[str, Task]:
         """The tasks of a batch, regenerated from its environment and seed.
@@ -75,7 +83,7 @@ class Scorer:
         config = self.config
         if self.environment.scoring is Scoring.CONFINED:
             confinement = Confinement(config.score_timeout_s, config.score_budget_s, config.score_memory_mb)
-            results = run_confined(lambda pair: self.environment.score(*pair), pairs, confinement)
+            results = run_confined(functools.partial(_score, self.environment), pairs, confinement)
         else:
             results = self._score_in_process(pairs)
         return [self._reward(result) for result in results]

@@ -25,7 +25,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from env_space.bounded import ScoringFailure, finite_reward
-from env_space.isolation import call_bounded
+from env_space.isolation import call_bounded, modules_of, start_scoring_server
 from env_space.environments import Environment, Scoring, Task
 from rlsync.registry import Kind, register
 
@@ -129,6 +129,8 @@ class DatasetEnvironment(Environment):
             if self.config.reward_isolation == "process"
             else None
         )
+        if self.worker is None:  # each call's confined child comes from the scoring server, warm
+            start_scoring_server([m for _, _, fn in self.rewards for m in modules_of(fn)])
 
     def _messages(self, prompt: Any) -> list[dict[str, Any]]:
         system = [{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []

@@ -25,7 +25,7 @@ from openenv.core.env_server import Action, Observation, State, create_app
 from openenv.core.env_server import Environment as OpenEnvEnvironment
 
 from env_space.bounded import finite_reward
-from env_space.isolation import call_bounded
+from env_space.isolation import call_bounded, modules_of, start_scoring_server
 from env_space.environments import Environment, Task
 
 __all__ = ["CompletionAction", "PromptObservation", "SingleStepEpisode", "build_app", "main"]
@@ -94,6 +94,7 @@ class SingleStepEpisode(OpenEnvEnvironment):
 
 def build_app(environment: Environment, *, score_timeout_s: float = 10.0, max_sessions: int = 64) -> Any:
     """The FastAPI app serving ``environment`` with OpenEnv's server (``uvicorn.run(app)``)."""
+    start_scoring_server(modules_of(environment.score))  # each score's confined child comes from it, warm
     return create_app(
         lambda: SingleStepEpisode(environment, score_timeout_s),
         CompletionAction,

@@ -104,6 +104,11 @@ class ChainError(SyncError, RefusedObjectError):
     """A delta does not follow the state it would be applied to (gap, replay, out of order)."""
 
 
+class MissingUpdateError(ChainError):
+    """An object the pointer names is not in the bucket (retention dropped it since the pointer was read, or it was
+    never written)."""
+
+
 class NonFiniteError(SyncError, RefusedObjectError):
     """A publish would turn finite published values into NaN or Inf (see ``Publisher(allow_non_finite=...)``)."""
 

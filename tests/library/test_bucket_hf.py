@@ -214,24 +214,24 @@ def test_open_bucket_hf_url_uses_hf_token_and_retries(server, monkeypatch):
 
 def test_429_with_retry_after_is_retried_once_per_layer_within_a_bounded_total(bucket, server):
     bucket.put("k", b"value")
-    server.inject("api", Fault(429, {"Retry-After": "1"}, path="/paths-info"))
-    before = server.count("api", "/paths-info")
+    server.inject("api", Fault(429, {"Retry-After": "1"}, path="/resolve/"))
+    before = server.count("api", "/resolve/")
     started = time.monotonic()
     assert retrying(bucket).get("k") == b"value"
     elapsed = time.monotonic() - started
-    assert server.count("api", "/paths-info") - before == 2  # one refusal, one retry: no library retries
+    assert server.count("api", "/resolve/") - before == 2  # one refusal, one retry (a read's one request)
     assert 1.0 <= elapsed < 1.0 + 2 * HUB_TIMEOUT_SECONDS
 
 
 def test_retry_after_beyond_the_total_budget_fails_at_once(bucket, server):
     bucket.put("k", b"value")
-    server.inject("api", Fault(429, {"Retry-After": "30"}, path="/paths-info"))
-    before = server.count("api", "/paths-info")
+    server.inject("api", Fault(429, {"Retry-After": "30"}, path="/resolve/"))
+    before = server.count("api", "/resolve/")
     started = time.monotonic()
     with pytest.raises(BucketError, match="would pass the 5s limit"):
         retrying(bucket, max_total=5.0).get("k")
     assert time.monotonic() - started < 2.0
-    assert server.count("api", "/paths-info") - before == 1  # refused once, and not retried by any layer
+    assert server.count("api", "/resolve/") - before == 1  # refused once, and not retried by any layer
 
 
 def test_retry_after_as_http_date_is_understood(bucket, server):
@@ -256,7 +256,7 @@ def test_transient_api_failures_are_retried_by_one_layer(bucket, server, fault):
 
 def test_stalled_api_fails_within_the_timeout(bucket, server):
     bucket.put("k", b"v")
-    server.inject("api", Fault(stall=20, path="/paths-info"))
+    server.inject("api", Fault(stall=20, path="/resolve/"))
     started = time.monotonic()
     with pytest.raises(TransientBucketError):
         bucket.get("k")

@@ -15,7 +15,7 @@ import pytest
 from rlsync.bucket.budget import BudgetConfig, RequestClass, RequestMeter
 from rlsync.bucket.watch import WatchConfig, WatchedBucket, WatchMode, watch
 from rlsync.errors import ObjectTooLargeError
-from tests.library.test_hub_budget import BUCKET, api_kinds, hf, server, wait_until  # noqa: F401 - server is a fixture
+from tests.library.test_hub_budget import BUCKET, TOKEN, api_kinds, hf, server, wait_until  # noqa: F401 - server is a fixture
 
 
 # -- item 3: size-limited reads refuse from the listed size ----------------------------------------------
@@ -31,7 +31,8 @@ def test_an_oversized_object_is_refused_before_any_byte_is_downloaded(server, tm
     with pytest.raises(ObjectTooLargeError):
         reader.get_file_limited("control/publisher.json", tmp_path / "out", 64 << 10)
     assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
-    assert api_kinds(server, since) == ["POST paths-info"] * 2  # the size was enough: no Xet token, no download
+    assert api_kinds(server, since) == []  # the resolve's size was enough: no Xet token, no download
+    assert len(server.usage("resolver", TOKEN, since)) == 2
     assert reader.get_limited("control/publisher.json", 1 << 20) == b"\0" * (256 << 10)
 
 
@@ -197,7 +198,7 @@ def test_an_absurd_retry_after_from_the_stand_in_holds_the_role_for_one_window_a
     from rlsync.errors import BucketError
 
     hf().put("a.json", b"{}")
-    server.inject("api", Fault(429, {"Retry-After": "1000000000"}, path="/paths-info"))
+    server.inject("api", Fault(429, {"Retry-After": "1000000000"}, path="/resolve/"))
     bucket = RetryingBucket(hf(RequestMeter(BudgetConfig(window_s=2.0, enabled=False))), max_total=5.0)
     with pytest.raises(BucketError, match="429"):  # the first answer
         bucket.inner.get("a.json")

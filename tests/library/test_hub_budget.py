@@ -109,10 +109,9 @@ def test_meter_counts_every_request_of_a_bucket_by_class_and_kind(server):
     snap = meter.snapshot()
     registry = snap["by_kind"].pop("GET agent-registry", 0)  # huggingface_hub's once-a-day fetch, telemetry on
     assert snap["by_kind"] == {
-        "GET xet-write-token": 1, "POST batch": 2, "POST paths-info": 2, "HEAD resolve": 2, "GET xet-read-token": 1,
-        "GET tree": 1,
-    }  # fmt: skip  (one Xet token per kind, reused: rlsync.bucket.hf_xet_grants)
-    assert snap["api"] == 7 + registry and snap["resolver"] == 2  # the Xet token requests counted too
+        "GET xet-write-token": 1, "POST batch": 2, "HEAD resolve": 2, "GET xet-read-token": 1, "GET tree": 1,
+    }  # fmt: skip  (one Xet token per kind, reused: rlsync.bucket.hf_xet_grants; a read is one resolve)
+    assert snap["api"] == 5 + registry and snap["resolver"] == 2  # the Xet token requests counted too
     assert snap["api"] - registry == len(server.usage("api", TOKEN))  # as the stand-in saw them
     assert snap["api_limit"] == 1000 and snap["resolver_limit"] == 5000 and snap["tier"] == "free"
 
@@ -228,7 +227,7 @@ def test_watched_bucket_lists_from_the_feed_and_reads_pointers_only_when_changed
             assert [o.key for o in watched.list("")] == ["latest.json"]
         with pytest.raises(ObjectNotFoundError):
             watched.get_limited("missing.json", 100)
-        assert api_kinds(server, since) == ["POST paths-info", "GET xet-read-token"]  # one read, the rest from view and cache
+        assert api_kinds(server, since) == ["GET xet-read-token"]  # one read (a resolve), the rest from view and cache
         stop = threading.Event()
         gen = watched.generation
         threading.Timer(0.3, lambda: writer.put("tasks/0000000001.json", b"{}")).start()

@@ -39,8 +39,8 @@ PREFIX = "runs/secret/"
 
 def transient_errors(path: str) -> list[Fault]:
     """Retryable failures: the token echoed in the message, or only in the request's headers, or a dropped
-    connection. Two per path: a `get` meets two paths (paths-info, resolve), and must succeed within the
-    retries of one operation."""
+    connection. Two per path: a `get` meets them on its one request (the resolve), a `delete` on its
+    paths-info, and must succeed within the retries of one operation."""
     last = Fault(drop=True, path=path) if path in ("/batch$", "/tree") else Fault(503, path=path)
     return [Fault(429, {"Retry-After": "0"}, message=f"slow down, token {TOKEN}", path=path), last]
 

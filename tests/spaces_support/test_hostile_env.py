@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -116,6 +117,7 @@ def test_the_scoring_child_has_no_network_descriptors_secrets_or_memory(tmp_path
     port = server.getsockname()[1]
     monkeypatch.setenv("HF_TOKEN", "hf_secret")
     held = open(tmp_path / "held", "wb")  # noqa: SIM115 - a descriptor the parent holds
+    held_fd = held.fileno()
 
     def connect(_):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
@@ -123,7 +125,7 @@ def test_the_scoring_child_has_no_network_descriptors_secrets_or_memory(tmp_path
 
     probes = [
         connect,
-        lambda _: os.fstat(held.fileno()) and "descriptor",
+        lambda _: os.fstat(held_fd) and "descriptor",
         lambda _: os.environ.get("HF_TOKEN", "no token"),
         lambda _: len(bytearray(3 << 30)),
         lambda _: open(tmp_path / "written", "wb", buffering=0).write(b"x" * 10),
@@ -140,6 +142,38 @@ def test_the_scoring_child_has_no_network_descriptors_secrets_or_memory(tmp_path
     assert results[3].failure in ("error:MemoryError", "worker_died")
     assert results[4].failure == "error:OSError"  # RLIMIT_FSIZE: no file writes
     assert (tmp_path / "written").stat().st_size == 0
+
+
+#: Held by a thread of the test's process while it scores (module level: the scoring child imports its own).
+HELD = threading.Lock()
+
+
+def _take_held(_) -> bool:
+    if not HELD.acquire(timeout=1):
+        return False
+    HELD.release()
+    return True
+
+
+def test_scoring_never_inherits_a_lock_another_thread_holds():
+    """Issue 41 item 6: a fork of the env's process would copy a lock one of its threads holds, held for good
+    in the child; the scoring child comes from the fork server, a process that runs no thread."""
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with HELD:
+            taken.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        taken.wait(10)
+        results = run_confined(_take_held, [None, None], Confinement(timeout_s=10, budget_s=20))
+    finally:
+        release.set()
+        holder.join()
+    assert [r.value for r in results] == [True, True]
 
 
 def test_a_hanging_object_is_bounded_and_other_objects_are_still_scored(bucket, monkeypatch):

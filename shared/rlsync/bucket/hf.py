@@ -2,8 +2,8 @@
 
 Objects are uploaded with :meth:`huggingface_hub.HfApi.batch_bucket_files` (the bytes go to Xet
 storage first, then one ``/batch`` call makes them visible, so readers see either the old or the
-new object), downloaded with :meth:`~huggingface_hub.HfApi.download_bucket_files`, and listed with
-:meth:`~huggingface_hub.HfApi.list_bucket_tree`.
+new object), downloaded through hf_xet after one resolve request (:mod:`rlsync.bucket.hf_reads`), and
+listed with :meth:`~huggingface_hub.HfApi.list_bucket_tree`.
 
 Errors from ``huggingface_hub`` are mapped onto the bucket error types:
 
@@ -226,7 +226,8 @@ class HfBucket(Bucket):
         return self._reader.read(key, None)
 
     def get_limited(self, key: str, max_bytes: int) -> bytes:
-        """[`get`], refusing an object larger than `max_bytes` from its listed size, before any byte is downloaded.
+        """[`get`], refusing an object larger than `max_bytes` from the size its resolve answer gives, before any
+        byte is downloaded.
 
         Raises:
             [`ObjectTooLargeError`]: the object holds more than `max_bytes` bytes.
@@ -245,7 +246,8 @@ class HfBucket(Bucket):
         self._reader.read_file(key, path, None)
 
     def get_file_limited(self, key: str, path: str | Path, max_bytes: int) -> None:
-        """[`get_file`], refusing an object larger than `max_bytes` from its listed size, before any byte is downloaded.
+        """[`get_file`], refusing an object larger than `max_bytes` from the size its resolve answer gives, before
+        any byte is downloaded.
 
         Raises:
             [`ObjectTooLargeError`]: the object holds more than `max_bytes` bytes.

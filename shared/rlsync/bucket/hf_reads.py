@@ -1,5 +1,10 @@
 """Reading a Hub bucket for :class:`~rlsync.bucket.hf.HfBucket` (:class:`HubReader`): objects, bounded
 before any byte is downloaded, and listings, bounded in pages.
+
+A read costs one resolver request (``HEAD /buckets/{id}/resolve/{path}``: the object's Xet hash, its size
+and the Xet token route) and the Xet transfer; the size limit is checked on that answer's headers, so it
+costs no request of its own. (``download_bucket_files`` would ask ``paths-info``, an API request, then
+make that resolve request itself.)
 """
 
 from __future__ import annotations
@@ -8,7 +13,9 @@ import logging
 import tempfile
 from pathlib import Path
 
-from huggingface_hub import BucketFile
+from hf_xet import XetFileInfo
+from huggingface_hub import BucketFile, BucketFileMetadata
+from huggingface_hub.utils import _xet, build_hf_headers
 
 from ..errors import BucketError, ObjectNotFoundError, ObjectTooLargeError
 from .base import ObjectInfo, part_path, validate_key, validate_prefix
@@ -48,34 +55,41 @@ class HubReader:
             return None
         return remote_path[len(self.path_prefix) :]
 
-    def _fetch(self, source: str | BucketFile, dest: Path) -> None:
-        self.calls.api.download_bucket_files(
-            self.calls.bucket_id, [(source, str(dest))], raise_on_missing_files=True, token=self.calls.token
-        )
-
-    def _download(self, key: str, source: str | BucketFile, dest: Path) -> None:
-        self.calls.transfer("get", key, lambda: self._fetch(source, dest))
-        if not dest.is_file():  # the client skipped it: treat as missing rather than return garbage
-            raise ObjectNotFoundError(f"get {key!r} in {self.calls.url} failed: no such object")
-
-    def _limited_source(self, key: str, max_bytes: int | None) -> str | BucketFile:
-        """What to download for `key`: its path, or, under a limit, the version `paths-info` lists (the
-        request the download would make anyway), refused from its listed size before any byte is read.
+    def _resolve(self, key: str, max_bytes: int | None) -> BucketFileMetadata:
+        """The version of `key` the Hub serves now (its Xet hash and size), from the one resolve request
+        a download needs anyway (its Xet token route); refused from the size in that answer's headers,
+        before any byte is read or any Xet token asked for.
 
         Raises:
-            [`ObjectTooLargeError`]: the listed size is over `max_bytes` (counted in :attr:`refused_too_large`).
+            [`ObjectTooLargeError`]: the size is over `max_bytes` (counted in :attr:`refused_too_large`).
             [`ObjectNotFoundError`]: no object has that key.
         """
         remote = self.remote(key)
-        if max_bytes is None:
-            return remote
         api, bucket_id, token = self.calls.api, self.calls.bucket_id, self.calls.token
-        infos = self.calls.call("get", key, lambda: list(api.get_bucket_paths_info(bucket_id, [remote], token=token)))
-        info = next((i for i in infos if isinstance(i, BucketFile) and i.path == remote), None)
-        if info is None:
+        metadata = self.calls.call("get", key, lambda: api.get_bucket_file_metadata(bucket_id, remote, token=token))
+        if metadata.size < 0:
+            raise BucketError(f"get {key!r} in {self.calls.url} failed: the Hub answered a negative size")
+        self._check_size(key, metadata.size, max_bytes)
+        return metadata
+
+    def _fetch(self, metadata: BucketFileMetadata, dest: Path) -> None:
+        """Download the version `metadata` names into `dest`: what ``download_bucket_files`` does once it
+        has the file's metadata, without asking for it again (a second resolve request)."""
+        if metadata.size == 0:
+            dest.write_bytes(b"")
+            return
+        headers = build_hf_headers(token=self.calls.token)
+        with _xet.get_xet_session().new_file_download_group(
+            token_refresh_url=metadata.xet_file_data.refresh_route,
+            token_refresh_headers=headers,
+            custom_headers=_xet.xet_headers_without_auth(headers),
+        ) as group:
+            group.start_download_file(XetFileInfo(metadata.xet_file_data.file_hash, metadata.size), str(dest))
+
+    def _download(self, key: str, metadata: BucketFileMetadata, dest: Path) -> None:
+        self.calls.transfer("get", key, lambda: self._fetch(metadata, dest))
+        if not dest.is_file():  # the client skipped it: treat as missing rather than return garbage
             raise ObjectNotFoundError(f"get {key!r} in {self.calls.url} failed: no such object")
-        self._check_size(key, int(info.size), max_bytes)
-        return info
 
     def _check_size(self, key: str, size: int, max_bytes: int | None) -> None:
         if max_bytes is not None and size > max_bytes:
@@ -88,11 +102,11 @@ class HubReader:
         Raises:
             ObjectTooLargeError, ObjectNotFoundError, InvalidKeyError, TransientBucketError, BucketError
         """
-        source = self._limited_source(key, max_bytes)
+        metadata = self._resolve(key, max_bytes)
         logger.debug("get %s from %s", key, self.calls.url)
         with tempfile.TemporaryDirectory(prefix="hfbucket-") as tmp:
             dest = Path(tmp, "object")
-            self._download(key, source, dest)
+            self._download(key, metadata, dest)
             self._check_size(key, dest.stat().st_size, max_bytes)  # what came is what was listed, or refused
             return dest.read_bytes()
 
@@ -102,12 +116,12 @@ class HubReader:
         Raises:
             ObjectTooLargeError, ObjectNotFoundError, InvalidKeyError, TransientBucketError, BucketError
         """
-        source = self._limited_source(key, max_bytes)
+        metadata = self._resolve(key, max_bytes)
         target = Path(path)
         tmp = part_path(target)
         logger.debug("get_file %s from %s -> %s", key, self.calls.url, path)
         try:
-            self._download(key, source, tmp)
+            self._download(key, metadata, tmp)
             self._check_size(key, tmp.stat().st_size, max_bytes)
             tmp.replace(target)
         finally:

@@ -29,7 +29,7 @@ import torch
 from ..aliases import aliases_from_metadata
 from ..bucket import Bucket
 from ..dtypes import numpy_to_values, tensor_bits
-from ..errors import ChainError, FormatError, HashMismatchError, ObjectNotFoundError, ObjectTooLargeError
+from ..errors import FormatError, HashMismatchError, MissingUpdateError, ObjectNotFoundError, ObjectTooLargeError
 from ..files import age_out
 from ..format import decode_delta, load_anchor
 from ..hashing import StateLanes, changes_lanes, schema_of, slice_lanes, structure_digest, zero_lanes
@@ -145,7 +145,7 @@ class UpdateFetcher:
         try:
             blobs = list(self._downloads.map(lambda f: self.get(f.key, f.size), entry.files))
         except ObjectNotFoundError as exc:
-            raise ChainError(f"delta {entry.step} is missing: {exc}") from None
+            raise MissingUpdateError(f"delta {entry.step} is missing: {exc}") from None
         t1 = time.perf_counter()
         patches, old, changed = self._decode(entry, blobs)
         if self.check_values is not None:
@@ -243,7 +243,7 @@ class UpdateFetcher:
         try:
             self.bucket.get_file_limited(file.key, path, file.size)
         except ObjectNotFoundError as exc:
-            raise ChainError(f"anchor {entry.step} is missing a file: {exc}") from None
+            raise MissingUpdateError(f"anchor {entry.step} is missing a file: {exc}") from None
         except ObjectTooLargeError as exc:
             raise FormatError(str(exc)) from None
         self._count_read(path.stat().st_size)

@@ -27,7 +27,11 @@ A sharded trainer's update has one file per rank: the files download
 concurrently (at most ``max_parallel_downloads`` at a time) and are validated
 and merged in the pointer's order.
 
-On a missing, truncated or corrupt delta, or a hash mismatch, the subscriber
+An update whose object is gone because retention dropped it after the subscriber read
+the pointer (a reader slowed by pacing or retries while the trainer published on) is
+not refused: the subscriber reads the pointer again and, when it no longer names that
+version, continues from it (the newer anchor). On a missing object the pointer still
+names, a truncated or corrupt delta, or a hash mismatch, the subscriber
 refuses the update, keeps its last good state, and resynchronises from the next
 pointer it can verify: an anchor newer than its state, or, once the pointer has
 changed since the refusal (e.g. a replayed old pointer was replaced by the genuine
@@ -46,7 +50,7 @@ import torch
 
 from ..aliases import with_aliases
 from ..bucket import Bucket
-from ..errors import ChainError, FormatError, SyncError
+from ..errors import ChainError, FormatError, MissingUpdateError, SyncError
 from ..format import check_version
 from ..hashing import StateLanes
 from .applier import UpdateApplier
@@ -176,7 +180,8 @@ class Subscriber:
         with self._held.lock:
             return self._fetch()
 
-    def _fetch(self) -> Update | None:
+    def _fetch(self, again: bool = True) -> Update | None:
+        """:meth:`fetch`; with `again`, an update retention dropped meanwhile is looked for again in the new pointer."""
         manifest, held = self.read_manifest(), self._held
         if manifest is None:
             return None
@@ -188,7 +193,7 @@ class Subscriber:
         except FormatError as exc:
             raise self._refuse(exc) from None
         if held.rebootstrap:  # the weights are not the verified state: only an anchor can repair them
-            return self._fetch_anchor(manifest.anchors[-1])
+            return self._fetch_anchor(manifest.anchors[-1], again)
         if manifest.step == held.step:
             if manifest.state_hash == held.state_hash:
                 held.resync = False  # the pointer names exactly this state again
@@ -206,23 +211,36 @@ class Subscriber:
             )  # fmt: skip
         entry = manifest.delta_after(held.step) if held.step is not None and not run_changed else None
         if entry is not None and not held.resync:
-            return self._fetch_delta(entry)
+            return self._fetch_delta(entry, again)
         newer = [a for a in manifest.anchors if held.step is None or a.step > held.step]
         if newer:
-            return self._fetch_anchor(newer[-1])
+            return self._fetch_anchor(newer[-1], again)
         if not held.resync:
             raise self._refuse(ChainError(f"no retained delta or anchor continues step {held.step}"))
         if entry is not None and self._refused_at != (manifest.step, manifest.state_hash):
-            return self._fetch_delta(entry)  # a pointer changed since the refusal: verified by its base and result hashes
+            # a pointer changed since the refusal: verified by its base and result hashes
+            return self._fetch_delta(entry, again)
         return None
 
-    def _fetch_delta(self, entry: DeltaEntry) -> Update:
+    def _fetch_delta(self, entry: DeltaEntry, again: bool = False) -> Update | None:
         try:
             return self._fetcher.delta(entry)
         except SyncError as exc:
+            if again and isinstance(exc, MissingUpdateError) and self._dropped(entry):
+                return self._fetch(again=False)
             raise self._refuse(exc) from None
 
-    def _fetch_anchor(self, entry: AnchorEntry) -> Update:
+    def _dropped(self, entry: DeltaEntry | AnchorEntry) -> bool:
+        """Whether the pointer, read again, no longer names `entry`: retention dropped it while it was being
+        read (one pointer read; an object the pointer still names is missing for real)."""
+        manifest = self.read_manifest()
+        if manifest is None or entry in (manifest.deltas if isinstance(entry, DeltaEntry) else manifest.anchors):
+            return False
+        logger.info("%s %d was dropped by retention while it was read: continuing from the pointer of step %d",
+                    "delta" if isinstance(entry, DeltaEntry) else "anchor", entry.step, manifest.step)  # fmt: skip
+        return True
+
+    def _fetch_anchor(self, entry: AnchorEntry, again: bool = False) -> Update | None:
         try:
             self._fetcher.check_size("anchor", entry.step, entry.nbytes)
         except FormatError as exc:
@@ -230,6 +248,8 @@ class Subscriber:
         try:
             return self._fetcher.anchor(entry, self.manifest.run_id if self.manifest else "")
         except SyncError as exc:
+            if again and isinstance(exc, MissingUpdateError) and self._dropped(entry):
+                return self._fetch(again=False)
             logger.error("refused anchor %d: %s", entry.step, exc)
             raise self._refuse(exc, wait=False)
 
