@@ -7,10 +7,15 @@ are therefore always relative to what replicas hold, so publishing every k
 optimizer steps stays exact: sub-threshold updates accumulate in the fp32
 master weights until they flip a bf16 bit.
 
+On CPU the chunks (:data:`CPU_CHUNK_ELEMENTS`) of every tensor are spread over the
+worker threads, and each is one pass of a compiled kernel that compares 64 elements
+at once; on an accelerator torch compares them there.
+
 Memory cost: the shadow holds one serving-dtype copy of every parameter (2 bytes
-per parameter for bf16) on the parameters' device; detection adds at most
-``chunk_elements`` x (serving itemsize + 1 byte mask + 8 bytes per changed index)
-of temporary memory, independent of model size.
+per parameter for bf16) on the parameters' device; detection adds, per worker
+thread, at most a chunk x (serving itemsize for the cast + 12 bytes per changed
+element: its index and its old and new bits) of temporary memory, and the changes
+found, independent of model size.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ import numpy as np
 import torch
 
 from .bitops import LANES, MASKS_IN_ORDER, differ_mask, lowest_bit
-from .dtypes import bits_to_numpy, int_view
+from .dtypes import bits_to_numpy, int_view, numpy_to_values
 from .errors import SyncError
 from .format import Change
+from .patch import scatter_
 from .workers import worker_pool
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 24
@@ -213,18 +219,15 @@ class ChangeDetector:
         return changes
 
     def commit(self, changes: Mapping[str, Change]) -> None:
-        """Write published changes into the shadow copy."""
-        assert self.published is not None
-        for name, ch in changes.items():
-            apply_change(self.published[name], ch)
+        """Write published changes into the shadow copy (tensors spread over the worker threads)."""
+        published = self.published
+        assert published is not None
+        list(worker_pool().map(lambda name: apply_change(published[name], changes[name]), changes))
 
 
 def apply_change(tensor: torch.Tensor, change: Change) -> None:
     """Write a change's new bits into ``tensor`` (in place)."""
-    flat = int_view(tensor)
-    idx = torch.from_numpy(change.index).to(flat.device)
-    new = torch.from_numpy(change.new_bits.view(np.dtype(f"int{8 * change.new_bits.itemsize}"))).to(flat.device)
-    flat[idx] = new
+    scatter_(tensor, torch.from_numpy(change.index), numpy_to_values(change.new_bits, tensor.dtype))
 
 
 class PatchedState(Mapping[str, torch.Tensor]):
