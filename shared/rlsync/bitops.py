@@ -22,6 +22,8 @@ from numba.extending import intrinsic
 LANES = 64
 #: Classes whose members :func:`class_masks` finds a block at a time.
 DENSE = 12
+#: Entries of :func:`class_masks`' per-class arrays: the dense classes, the others' mask, and padding to a vector.
+SLOTS = 16
 #: Whether a vector of comparisons cast to an integer puts its first element in the lowest bit
 #: (little-endian targets); elsewhere the callers take every element one at a time.
 MASKS_IN_ORDER = sys.byteorder == "little"
@@ -64,23 +66,29 @@ leading_zeros = zero_count("leading_zeros", "llvm.ctlz", "Zero bits above the hi
 
 
 @intrinsic
-def class_masks(typingctx, bits, start, shift, mask, dense, out):  # pragma: no cover - compiled
-    """``out[k]``: bit ``j`` set where the class ``(bits[start + j] >> shift) & mask`` is ``dense[k]``,
-    for the :data:`LANES` elements from ``start`` and each of the :data:`DENSE` classes (``mask <= 0xFF``).
+def class_masks(typingctx, bits, start, shift, mask, dense, out, left):  # pragma: no cover - compiled
+    """The members of the :data:`DENSE` classes ``dense`` (``mask <= 0xFF``) among the :data:`LANES` elements
+    from ``start``, their counts taken from ``left``, and which counts fell below zero.
 
-    One vector load, shift and mask of the block, then one vector comparison per class: what a
-    compiled loop over the elements did not vectorize.
+    ``out[k]`` gets bit ``j`` set where the class ``(bits[start + j] >> shift) & mask`` is ``dense[k]``,
+    and ``out[DENSE]`` the elements of no dense class; ``left[k]`` (``int64``) loses the members of
+    ``dense[k]``. Returns a mask of the ``k`` whose ``left[k]`` is now below zero. ``out`` and ``left``
+    hold :data:`SLOTS` entries, the last ones zero.
+
+    One vector load, shift and mask of the block, one vector comparison per class, then the counts as one
+    vector: what a compiled loop over the elements did not vectorize.
     """
-    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in (bits, dense, out)):
-        return None  # the vector is read from the data pointer: contiguous arrays only
+    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in (bits, dense, out, left)):
+        return None  # the vectors are read from the data pointers: contiguous arrays only
 
     def codegen(context, builder, signature, args):
-        bits_type, _, _, _, dense_type, out_type = signature.args
+        bits_type, _, _, _, dense_type, out_type, left_type = signature.args
         data = context.make_array(bits_type)(context, builder, args[0]).data
         classes = context.make_array(dense_type)(context, builder, args[4]).data
         masks = context.make_array(out_type)(context, builder, args[5]).data
+        counts = context.make_array(left_type)(context, builder, args[6]).data
         lane, i32, i64 = ir.IntType(bits_type.dtype.bitwidth), ir.IntType(32), ir.IntType(64)
-        wide, narrow = ir.VectorType(lane, LANES), ir.VectorType(ir.IntType(8), LANES)
+        wide, narrow, slots = ir.VectorType(lane, LANES), ir.VectorType(ir.IntType(8), LANES), ir.VectorType(i64, SLOTS)
 
         def splat(value, vector):
             one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(i32, 0))
@@ -91,13 +99,22 @@ def class_masks(typingctx, bits, start, shift, mask, dense, out):  # pragma: no 
         block = builder.lshr(block, splat(builder.trunc(args[2], lane), wide))
         block = builder.and_(block, splat(builder.trunc(args[3], lane), wide))
         block = builder.trunc(block, narrow)
+        members, anyone = ir.Constant(slots, [0] * SLOTS), ir.Constant(i64, 0)
         for k in range(DENSE):
             cls = builder.load(builder.gep(classes, [ir.Constant(i64, k)]))
-            equal = builder.icmp_unsigned("==", block, splat(cls, narrow))
-            builder.store(builder.bitcast(equal, i64), builder.gep(masks, [ir.Constant(i64, k)]))
-        return context.get_dummy_value()
+            found = builder.bitcast(builder.icmp_unsigned("==", block, splat(cls, narrow)), i64)
+            members = builder.insert_element(members, found, ir.Constant(i32, k))
+            anyone = builder.or_(anyone, found)
+        builder.store(members, builder.bitcast(masks, slots.as_pointer()), align=8)
+        builder.store(builder.not_(anyone), builder.gep(masks, [ir.Constant(i64, DENSE)]))
+        ctpop = builder.module.declare_intrinsic(f"llvm.ctpop.v{SLOTS}i64", fnty=ir.FunctionType(slots, [slots]))
+        left_at = builder.bitcast(counts, slots.as_pointer())
+        now = builder.sub(builder.load(left_at, align=8), builder.call(ctpop, [members]))
+        builder.store(now, left_at, align=8)
+        below = builder.icmp_signed("<", now, ir.Constant(slots, [0] * SLOTS))
+        return builder.zext(builder.bitcast(below, ir.IntType(SLOTS)), i64)
 
-    return types.void(bits, types.intp, types.intp, types.intp, dense, out), codegen
+    return types.uint64(bits, types.intp, types.intp, types.intp, dense, out, left), codegen
 
 
 @intrinsic

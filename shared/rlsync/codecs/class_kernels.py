@@ -15,7 +15,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ..bitops import DENSE, HAS_PDEP, LANES, MASKS_IN_ORDER  # noqa: F401 - the codec reads the block geometry here
+from ..bitops import DENSE, HAS_PDEP, LANES, MASKS_IN_ORDER, SLOTS  # noqa: F401 - the codec reads the block geometry here
 from ..bitops import class_masks as _class_masks
 from ..bitops import lowest_bit as _lowest_bit
 from ..bitops import popcount as _popcount
@@ -84,21 +84,20 @@ def class_ranks(bits, shift, mask, dense, index, ranks, classes, members):  # pr
     slot = np.full(members.size, -1, np.int64)
     for d in range(dense.size):
         slot[dense[d]] = d
-    masks = np.zeros(DENSE, np.uint64)
+    masks = np.zeros(SLOTS, np.uint64)
+    passed = np.zeros(SLOTS, np.int64)  # minus the members of each dense class up to the block's end
     one = np.uint64(1)
     k = 0
     whole = bits.size - bits.size % LANES if dense.size else 0
     for block in range(0, whole, LANES):
-        _class_masks(bits, block, shift, mask, dense, masks)
-        others = ~np.uint64(0)
-        for d in range(DENSE):
-            others &= ~masks[d]
+        _class_masks(bits, block, shift, mask, dense, masks, passed)
+        others = masks[DENSE]
         while k < index.size and index[k] < block + LANES:
             bit = index[k] - block
             c = _class_of(bits, index[k], shift, mask)
             below = (one << np.uint64(bit)) - one
-            if slot[c] >= 0:
-                rank = members[c] + _popcount(masks[slot[c]] & below)
+            if slot[c] >= 0:  # the members up to the block's end, less those from this element on
+                rank = -passed[slot[c]] - _popcount(masks[slot[c]] & ~below)
             else:  # the block's members of a rare class below it, one at a time
                 rank = members[c]
                 todo = others & below
@@ -109,11 +108,11 @@ def class_ranks(bits, shift, mask, dense, index, ranks, classes, members):  # pr
             ranks[k] = rank
             classes[k] = c
             k += 1
-        for d in range(DENSE):
-            members[dense[d]] += _popcount(masks[d])
         while others:
             members[_class_of(bits, block + _lowest_bit(others), shift, mask)] += 1
             others &= others - one
+    for d in range(dense.size):
+        members[dense[d]] -= passed[d]
     for i in range(whole, bits.size):
         c = _class_of(bits, i, shift, mask)
         if k < index.size and index[k] == i:
@@ -262,10 +261,10 @@ def class_positions(  # pragma: no cover - compiled
             left[c] = coded[starts[c]]
     # a dense class's ``left`` is kept by its slot in ``dense`` while whole blocks are read; an
     # inverted one's is below zero whatever the block, so that every block looks at its members
-    dense_left = np.zeros(DENSE, np.int64)
+    dense_left = np.zeros(SLOTS, np.int64)
     for d in range(dense.size):
         dense_left[d] = -NEVER if inverted[dense[d]] != 0 else left[dense[d]]
-    masks = np.zeros(DENSE, np.uint64)
+    masks = np.zeros(SLOTS, np.uint64)
     event_class = np.zeros(LANES, np.int64)  # per bit of a block's changes: class and ordinal in it
     event_ordinal = np.zeros(LANES, np.int64)
     one = np.uint64(1)
@@ -274,14 +273,9 @@ def class_positions(  # pragma: no cover - compiled
     whole = bits.size - bits.size % LANES if dense.size else 0  # elements read a block of masks at a time
     for block in range(0, bits.size, LANES):
         if block < whole:
-            _class_masks(bits, block, shift, mask, dense, masks)
-            others = ~np.uint64(0)
-            hits = np.uint64(0)
-            for d in range(DENSE):  # the common case: count the members, no change among them
-                others &= ~masks[d]
-                todo = dense_left[d] - _popcount(masks[d])
-                dense_left[d] = todo
-                hits |= np.uint64(todo < 0) << np.uint64(d)
+            # the common case: the dense classes' members counted, no change among them
+            hits = _class_masks(bits, block, shift, mask, dense, masks, dense_left)
+            others = masks[DENSE]
             events = np.uint64(0)
             while hits:
                 d = _lowest_bit(hits)
