@@ -69,7 +69,8 @@ def class_ranks(bits, shift, mask, dense, index, ranks, classes, members):  # pr
     One pass over the old bits, :data:`LANES` elements at a time as :func:`class_positions` reads them:
     the block's members of each ``dense`` class come as one bit mask, so a changed element's rank is its
     class's count before the block plus the members below it in the mask, and the block adds each dense
-    class's members at once; the members of the other classes are counted one at a time.
+    class's members at once; the members of the other classes are counted one at a time, in flat order
+    with the changed elements.
 
     Args:
         bits: The old bit patterns of the whole tensor (signed ints).
@@ -96,15 +97,15 @@ def class_ranks(bits, shift, mask, dense, index, ranks, classes, members):  # pr
             bit = index[k] - block
             c = _class_of(bits, index[k], shift, mask)
             below = (one << np.uint64(bit)) - one
+            todo = others & below  # the rare classes' members below it, counted once, in order
+            others ^= todo
+            while todo:
+                members[_class_of(bits, block + _lowest_bit(todo), shift, mask)] += 1
+                todo &= todo - one
             if slot[c] >= 0:  # the members up to the block's end, less those from this element on
                 rank = -passed[slot[c]] - _popcount(masks[slot[c]] & ~below)
-            else:  # the block's members of a rare class below it, one at a time
+            else:
                 rank = members[c]
-                todo = others & below
-                while todo:
-                    if _class_of(bits, block + _lowest_bit(todo), shift, mask) == c:
-                        rank += 1
-                    todo &= todo - one
             ranks[k] = rank
             classes[k] = c
             k += 1

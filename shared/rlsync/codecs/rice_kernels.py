@@ -47,9 +47,8 @@ def add_differences(planes, signs, olds, slots, out):  # pragma: no cover - comp
             magnitude |= np.uint64(planes[plane * count + s]) << np.uint64(8 * plane)
         if magnitude >= top:
             return 1
-        step = magnitude + np.uint64(1)
-        if (signs[s >> 3] >> (s & 7)) & 1:
-            step = np.uint64(0) - step
+        negative = np.uint64((signs[s >> 3] >> (s & 7)) & 1)  # signs are random: negated without a branch
+        step = ((magnitude + np.uint64(1)) ^ (np.uint64(0) - negative)) + negative
         out[i] = np.uint64(olds[i]) + step  # wraps, and keeps the low bits of the dtype's width
     return 0
 
@@ -74,10 +73,9 @@ def value_streams(olds, news, order, planes, signs):  # pragma: no cover - compi
     for i in range(count):
         j = order[i]
         diff = (np.uint64(news[j]) - np.uint64(olds[j])) & ones
-        if diff & top:
-            diff = (np.uint64(0) - diff) & ones
-            signs[i >> 3] |= np.uint8(1 << (i & 7))
-        magnitude = (diff - np.uint64(1)) & ones
+        negative = (diff & top) >> (bits - np.uint64(1))  # signs are random: negated without a branch
+        signs[i >> 3] |= np.uint8(negative << np.uint64(i & 7))
+        magnitude = (((diff ^ (np.uint64(0) - negative)) + negative) - np.uint64(1)) & ones
         for plane in range(width):
             planes[plane * count + i] = np.uint8((magnitude >> np.uint64(8 * plane)) & np.uint64(0xFF))
 
