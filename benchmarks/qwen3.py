@@ -7,11 +7,20 @@ head listed once (as a publisher ships it).
 
 from __future__ import annotations
 
+def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, tied: bool) -> dict:
+    """A Qwen3 release's ``Qwen3Config`` arguments (every size has 8 KV heads of 128 and the same vocabulary)."""
+    return dict(
+        vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=8, head_dim=128, tie_word_embeddings=tied,
+    )  # fmt: skip
+
+
 MODELS = {
-    "qwen3-0.6b": dict(
-        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-    ),  # fmt: skip
+    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, tied=True),
+    "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, tied=True),
+    "qwen3-4b": _qwen3(2560, 9728, 36, 32, tied=True),
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, tied=False),
+    "qwen3-32b": _qwen3(5120, 25600, 64, 64, tied=False),
 }
 
 

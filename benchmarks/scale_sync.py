@@ -10,17 +10,21 @@ and replica run in their own processes, one after the other, so each peak RSS is
 
 Per codec, in one run, it prints: bytes and bytes per changed element; the trainer's stall per step
 (the send: the cast into the staging buffer) against a bare bf16 cast of the same weights; the
+background publish of each version (change detection, encode, state hash, write to the local bucket;
+the trainer flushes it before its next step, so it runs alone) against the bare compare of the same
+two bf16 states (numpy ``count_nonzero(a != b)`` over int16 views, as :mod:`benchmarks.sync`); the
 replica's decode (``Update.decode_s``, off the pause); the replica's pause (``idle_s`` of its own
 apply) against the engine's bare scatter of the same patch and a whole-state load and copy; peak RSS
 on both sides (the replica's also once its first anchor is in, and the model alone: the engine loaded
 and every weight read once, which a serving engine has done; loading maps them lazily). The
 whole-snapshot row is what publishing every version as an anchor costs: its bytes, the anchor's load
-and copy as the pause. Last, one line per issue 29 target and row, met or
-missed: pause <= 1.5x the bare scatter, stall <= 1.5x the bf16 cast, the replica's peak RSS while it
+and copy as the pause. Last, one line per issue 29 and 42 target and row, met or
+missed: pause <= 1.5x the bare scatter, stall <= 1.5x the bf16 cast, publish <= 3x the bare compare, the replica's peak RSS while it
 fetches and applies the measured deltas (the peak restarted before them) <= the model alone + 2x their
 decoded size + 200 MB, its peak over the whole run (the anchor's bootstrap and AdamW's denser first
 deltas included) <= the model alone + 2x the largest decoded delta + 200 MB, and the default codec's
-decode of the first learning rate's delta (about 1% changed at 1e-6) <= 0.5 s. The default learning rates give the
+decode of the first learning rate's delta (about 1.8% changed at 1e-6) <= 0.2 s with at most 0.83 bytes per
+changed element. The default learning rates give the
 3e-6 row too (default codec), so one invocation covers them all.
 
 Memory: the AdamW moments are kept in bf16 (the update rule is AdamW's, computed in fp32 one chunk
@@ -44,6 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from benchmarks.qwen3 import MODELS, model_config
@@ -51,9 +56,11 @@ from benchmarks.qwen3 import MODELS, model_config
 #: A decoded delta's bytes per changed element: its int64 position and bf16 value, and the bf16 old
 #: value kept for the rollback.
 DECODED_BYTES_PER_CHANGED = 8 + 2 + 2
-#: The issue's targets (issue 29): pause / bare scatter, stall / bf16 cast, the replica's RSS above the
-#: model alone (MB, besides twice the decoded delta), and the decode of a 1% delta (s).
-MAX_PAUSE_RATIO, MAX_STALL_RATIO, RSS_SLACK_MB, MAX_DECODE_S = 1.5, 1.5, 200, 0.5
+#: The issues' targets (29 and 42): pause / bare scatter, stall / bf16 cast, the replica's RSS above the
+#: model alone (MB, besides twice the decoded delta), the decode of the first row's delta (s), the background
+#: publish / the bare compare, and the first row's bytes per changed element.
+MAX_PAUSE_RATIO, MAX_STALL_RATIO, RSS_SLACK_MB, MAX_DECODE_S = 1.5, 1.5, 200, 0.2
+MAX_PUBLISH_RATIO, MAX_BYTES_PER_CHANGED = 3.0, 0.83
 CHUNK = 1 << 22  # elements per AdamW chunk (fp32 temporaries of 16 MB)
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 0.0
 
@@ -120,6 +127,20 @@ def bare_cast_s(params: list[torch.Tensor], buffer: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
+def bare_compare_s(model: torch.nn.Module, shadow: dict[str, torch.Tensor], buffer: torch.Tensor) -> float:
+    """Seconds of numpy ``count_nonzero(a != b)`` over int16 views of the published bf16 state and the current
+    weights cast to bf16 (as :mod:`benchmarks.sync`): the memory-bound floor of change detection. Only the
+    compares are timed, not the casts into ``buffer``."""
+    current, total = model.state_dict(), 0.0
+    for name, published in shadow.items():
+        cast = buffer[: published.numel()].view(published.shape)
+        cast.copy_(current[name])
+        t0 = time.perf_counter()
+        np.count_nonzero(cast.view(torch.int16).numpy() != published.view(torch.int16).numpy())
+        total += time.perf_counter() - t0
+    return total
+
+
 def trainer(cfg: dict) -> dict:
     """Train ``cfg['steps']`` steps, publishing each; returns the figures."""
     from rlsync.bucket import LocalBucket
@@ -138,15 +159,19 @@ def trainer(cfg: dict) -> dict:
     transfer.init_weight_transfer()
     steps = []
     transfer.send_weights(iter(model.state_dict().items()))  # version 0: the anchor
+    transfer.flush()
     for _ in range(cfg["steps"]):
         t0 = time.perf_counter()
         rule.step()
         compute_s = time.perf_counter() - t0
         cast_s = bare_cast_s(params, buffer)
+        compare_s = bare_compare_s(model, publisher.detector.published, buffer)
         t1 = time.perf_counter()
         transfer.send_weights(iter(model.state_dict().items()))
         stall_s = time.perf_counter() - t1
-        steps.append({"compute_s": compute_s, "cast_s": cast_s, "stall_s": stall_s, "wait_s": transfer.background.wait_s})
+        transfer.flush()  # the publish runs alone (not beside the next step's update): against the bare compare
+        steps.append({"compute_s": compute_s, "cast_s": cast_s, "compare_s": compare_s, "stall_s": stall_s,
+                      "wait_s": transfer.background.wait_s})  # fmt: skip
     transfer.flush()
     records = [
         {"step": r.step, "kind": r.kind, "nbytes": r.nbytes, "changed": r.changed, "total": r.total,
@@ -231,6 +256,8 @@ def summarize(codec: str, lr: float, measured: int, trained: dict, followed: dic
         "nbytes": statistics.mean(r["nbytes"] for r in deltas), "bytes_per_changed": statistics.mean(r["nbytes"] / r["changed"] for r in deltas),
         "stall_s": min(s["stall_s"] for s in steps), "cast_s": min(s["cast_s"] for s in steps),
         "publish_s": min(r["encode_s"] + r["hash_s"] + r["upload_s"] for r in deltas),
+        "compare_s": min(s["compare_s"] for s in steps),
+        "publish_ratio": min((r["encode_s"] + r["hash_s"] + r["upload_s"]) / s["compare_s"] for r, s in zip(deltas, steps)),
         "decode_s": min(u["decode_s"] for u in mine), "fetch_cpu_s": min(u["fetch_cpu_s"] for u in mine),
         "pause_s": min(u["pause_s"] for u in mine),
         "scatter_s": min(u["scatter_s"] for u in mine), "load_copy_s": followed["load_copy_s"],
@@ -245,12 +272,13 @@ def summarize(codec: str, lr: float, measured: int, trained: dict, followed: dic
 
 def print_table(rows: list[dict]) -> None:
     gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
-    print("| lr (changed) | codec | bytes | B/changed | trainer stall / bf16 cast | decode (CPU of all threads) | replica pause / bare scatter / load+copy | peak RSS trainer / replica (model alone; at the anchor) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| lr (changed) | codec | bytes | B/changed | trainer stall / bf16 cast | background publish / bare compare | decode (CPU of all threads) | replica pause / bare scatter / load+copy | peak RSS trainer / replica (model alone; at the anchor) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['lr']:g} ({r['changed_pct']:.2f}%) | {r['codec']} | {r['nbytes'] / 1e6:.1f} MB | {r['bytes_per_changed']:.2f} "
-            f"| {r['stall_s']:.2f} s / {r['cast_s']:.2f} s ({r['stall_s'] / r['cast_s']:.2f}x) | {r['decode_s']:.2f} s ({r['fetch_cpu_s']:.2f} s) "
+            f"| {r['stall_s']:.2f} s / {r['cast_s']:.2f} s ({r['stall_s'] / r['cast_s']:.2f}x) "
+            f"| {r['publish_s']:.2f} s / {r['compare_s']:.2f} s ({r['publish_ratio']:.2f}x) | {r['decode_s']:.2f} s ({r['fetch_cpu_s']:.2f} s) "
             f"| {r['pause_s']:.2f} s / {r['scatter_s']:.2f} s ({r['pause_s'] / r['scatter_s']:.1f}x) / {r['load_copy_s']:.2f} s "
             f"| {gb(r['trainer_rss'])} / {gb(r['replica_rss'])} ({gb(r['model_rss'])}; {gb(r['bootstrap_rss'])}) |"
         )
@@ -258,13 +286,15 @@ def print_table(rows: list[dict]) -> None:
         changed = r["nbytes"] / r["bytes_per_changed"]
         print(
             f"| every version an anchor | snapshot | {r['anchor_bytes'] / 1e6:.1f} MB | {r['anchor_bytes'] / changed:.1f} "
-            f"| as above | (a load) | {r['load_copy_s']:.2f} s (load + copy) | |"
+            f"| as above | | (a load) | {r['load_copy_s']:.2f} s (load + copy) | |"
         )
 
 
 def targets(rows: list[dict]) -> list[str]:
-    """One line per row and target of issue 29: the measured figure against its bound, met or missed.
-    The decode target is for the default codec (the first) at the first learning rate (about 1% changed)."""
+    """One line per row and target of issues 29 and 42: the measured figure against its bound, met or missed.
+    The decode and size targets are for the default codec (the first) at the first learning rate (about 1.8%
+    changed at 1e-6 on Qwen3-0.6B); the publish ratio is the best measured version's (publish over the bare
+    compare of the same two states)."""
     lines = []
     for r in rows:
         rss_bound = r["model_rss"] + 2 * r["decoded_bytes"] + RSS_SLACK_MB * 1e6
@@ -273,13 +303,15 @@ def targets(rows: list[dict]) -> list[str]:
         checks = [
             ("pause <= 1.5x bare scatter", r["pause_s"] / r["scatter_s"], MAX_PAUSE_RATIO, "x"),
             ("stall <= 1.5x bf16 cast", r["stall_s"] / r["cast_s"], MAX_STALL_RATIO, "x"),
+            ("background publish <= 3x bare compare", r["publish_ratio"], MAX_PUBLISH_RATIO, "x"),
             (f"replica peak RSS over the measured deltas <= model + 2x their decoded size ({r['changed_pct']:.2f}%) + 200 MB",
              r["window_rss"] / 1e9, rss_bound / 1e9, " GB"),
             (f"replica peak RSS over the run <= model + 2x the largest decoded delta ({100 * largest / r['params']:.2f}%) + 200 MB",
              r["replica_rss"] / 1e9, run_bound / 1e9, " GB"),
         ]  # fmt: skip
         if r is rows[0]:
-            checks.append((f"decode of a {r['changed_pct']:.2f}% delta <= 0.5 s", r["decode_s"], MAX_DECODE_S, " s"))
+            checks.append((f"decode of a {r['changed_pct']:.2f}% delta <= 0.2 s", r["decode_s"], MAX_DECODE_S, " s"))
+            checks.append(("bytes per changed element <= 0.83", r["bytes_per_changed"], MAX_BYTES_PER_CHANGED, " B"))
         for name, value, bound, unit in checks:
             verdict = "met" if value <= bound else "MISSED"
             lines.append(f"{r['codec']} lr {r['lr']:g}: {name}: {value:.2f}{unit} (bound {bound:.2f}{unit}) {verdict}")
@@ -322,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(work, ignore_errors=True)
     print(f"model: Qwen3 ({rows[0]['params'] / 1e6:.0f}M parameters) {json.dumps(config)}")
     print_table(rows)
-    print("\n".join(["", "targets (issue 29):", *targets(rows)]))
+    print("\n".join(["", "targets (issues 29 and 42):", *targets(rows)]))
     if args.json:
         args.json.write_text(json.dumps({"config": config, "rows": rows}, indent=1))
 

@@ -91,9 +91,9 @@ def corpus_digests(root: Path) -> dict[str, str]:
 def main(root: str) -> None:
     import numba
 
-    from rlsync.codecs import rice_kernels
+    from rlsync import bitops
 
-    report = {"cpu_name": numba.config.CPU_NAME, "has_pdep": rice_kernels.HAS_PDEP, "digests": corpus_digests(Path(root))}
+    report = {"cpu_name": numba.config.CPU_NAME, "has_pdep": bitops.HAS_PDEP, "digests": corpus_digests(Path(root))}
     print(json.dumps(report))
 
 

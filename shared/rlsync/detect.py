@@ -7,24 +7,31 @@ are therefore always relative to what replicas hold, so publishing every k
 optimizer steps stays exact: sub-threshold updates accumulate in the fp32
 master weights until they flip a bf16 bit.
 
+On CPU the chunks (:data:`CPU_CHUNK_ELEMENTS`) of every tensor are spread over the
+worker threads, and each is one pass of a compiled kernel that compares 64 elements
+at once; on an accelerator torch compares them there.
+
 Memory cost: the shadow holds one serving-dtype copy of every parameter (2 bytes
-per parameter for bf16) on the parameters' device; detection adds at most
-``chunk_elements`` x (serving itemsize + 1 byte mask + 8 bytes per changed index)
-of temporary memory, independent of model size.
+per parameter for bf16) on the parameters' device; detection adds, per worker
+thread, at most a chunk x (serving itemsize for the cast + 12 bytes per changed
+element: its index and its old and new bits) of temporary memory, and the changes
+found, independent of model size.
 """
 
 from __future__ import annotations
 
+from typing import Iterable, Iterator, Mapping, NamedTuple
 
-from typing import Iterable, Iterator, Mapping
-
+import numba
 import numpy as np
 import torch
 
+from .bitops import LANES, MASKS_IN_ORDER, differ_mask, lowest_bit
 from .device_changes import ComparePath, device_changes
-from .dtypes import bits_to_numpy, int_view
+from .dtypes import bits_to_numpy, int_view, numpy_to_values
 from .errors import SyncError
 from .format import Change
+from .patch import scatter_
 from .workers import worker_pool
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 24
@@ -51,32 +58,56 @@ def serving_copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tenso
     return cast.contiguous()
 
 
-def changed_elements(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Positions, old bits and new bits of the elements whose bits differ (1-D uint arrays).
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _changed(old, new, index, old_out, new_out):  # pragma: no cover - compiled
+    """Write the positions, old and new bits of the elements whose bits differ; returns their number.
 
-    Narrow dtypes are compared 8 bytes at a time first: at RL densities most
-    64-bit words are unchanged, so the scan for changes touches 4 (bf16) or 8
-    (fp8) times fewer entries, and only changed words are split into elements.
+    One vector comparison per :data:`~rlsync.bitops.LANES` elements (:func:`~rlsync.bitops.differ_mask`);
+    at RL densities most blocks hold one change or none, so the scan runs at the speed of reading both.
     """
-    lanes = 8 // old.itemsize
-    usable = old.size - old.size % lanes
-    if lanes == 1 or usable == 0:
-        idx = np.flatnonzero(old != new)
-        return idx, old[idx], new[idx]
-    old_words, new_words = old[:usable].view(np.uint64), new[:usable].view(np.uint64)
-    words = np.flatnonzero(old_words != new_words)
-    old_lanes = old_words[words].view(old.dtype).reshape(-1, lanes)
-    new_lanes = new_words[words].view(old.dtype).reshape(-1, lanes)
-    hits = np.flatnonzero(old_lanes != new_lanes)
-    shift = lanes.bit_length() - 1  # lanes is 2, 4 or 8
-    idx = (words[hits >> shift] << shift) | (hits & (lanes - 1))
-    old_bits, new_bits = old_lanes.reshape(-1)[hits], new_lanes.reshape(-1)[hits]
-    if usable < old.size:  # the last few elements that do not fill a word
-        tail = np.flatnonzero(old[usable:] != new[usable:])
-        idx = np.concatenate([idx, tail + usable])
-        old_bits = np.concatenate([old_bits, old[usable:][tail]])
-        new_bits = np.concatenate([new_bits, new[usable:][tail]])
-    return idx, old_bits, new_bits
+    k = 0
+    whole = old.size - old.size % LANES if MASKS_IN_ORDER else 0
+    for block in range(0, whole, LANES):
+        differ = differ_mask(old, new, block)
+        while differ:
+            i = block + lowest_bit(differ)
+            differ &= differ - np.uint64(1)
+            index[k], old_out[k], new_out[k] = i, old[i], new[i]
+            k += 1
+    for i in range(whole, old.size):
+        if old[i] != new[i]:
+            index[k], old_out[k], new_out[k] = i, old[i], new[i]
+            k += 1
+    return k
+
+
+def changed_elements(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Positions, old bits and new bits of the elements whose bits differ (1-D contiguous uint arrays of one dtype)."""
+    index, old_out, new_out = np.empty(old.size, np.int64), np.empty_like(old), np.empty_like(new)  # untouched past the changes
+    count = _changed(old, new, index, old_out, new_out)
+    return index[:count].copy(), old_out[:count].copy(), new_out[:count].copy()
+
+
+class _Task(NamedTuple):
+    """One chunk of one tensor to compare."""
+
+    name: str
+    published: torch.Tensor
+    current: torch.Tensor  # flat
+    start: int
+    step: int
+    dtype: torch.dtype | None
+    on_cpu: bool  # compared by the compiled kernel; else by torch on the tensor's device
+
+
+def _compare(task: _Task) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The changed elements of one chunk: positions within it, old bits, new bits."""
+    stop = task.start + task.step
+    old_bits = int_view(task.published)[task.start : stop]
+    new_bits = int_view(cast_chunk(task.current[task.start : stop], task.dtype))
+    if task.on_cpu:
+        return changed_elements(bits_to_numpy(old_bits), bits_to_numpy(new_bits))
+    return device_changes(old_bits, new_bits)
 
 
 class ChangeDetector:
@@ -86,8 +117,9 @@ class ChangeDetector:
         dtype: Serving dtype for floating-point tensors (e.g. ``torch.bfloat16``);
             ``None`` publishes tensors in their own dtype.
         chunk_elements: Elements compared at once; bounds temporary memory.
-        compare_path: Where bits are compared (:class:`~rlsync.device_changes.ComparePath`): by default numpy
-            for CPU tensors and torch on the device for the others (only the changed elements cross to the host).
+        compare_path: Where bits are compared (:class:`~rlsync.device_changes.ComparePath`): by default the
+            compiled kernel for CPU tensors and torch on the device for the others (only the changed elements
+            cross to the host).
     """
 
     def __init__(
@@ -116,8 +148,9 @@ class ChangeDetector:
         """Changed elements of ``state`` relative to the published state.
 
         Does not modify the published state; call :meth:`commit` once the delta is published.
-        CPU tensors are compared with numpy in cache-sized chunks, tensors spread over
-        the worker threads; tensors on an accelerator are compared there with torch.
+        CPU tensors are compared by a compiled kernel in cache-sized chunks, the chunks of
+        every tensor spread over the worker threads; tensors on an accelerator are compared
+        there with torch.
 
         Raises:
             SyncError: nothing published yet, or ``state`` is not :meth:`compatible`.
@@ -125,34 +158,36 @@ class ChangeDetector:
         if not self.compatible(state):
             raise SyncError("state does not match the published state's names, shapes and dtypes; publish an anchor")
         assert self.published is not None
-        names = list(state)
-        found = worker_pool().map(lambda n: self._diff_tensor(self.published[n], state[n].detach().reshape(-1)), names)
-        changes = {name: change for name, change in zip(names, found) if change is not None}
-        return changes
+        tasks = [task for name in state for task in self._tasks(name, state[name])]
+        return self._gather(tasks, worker_pool().map(_compare, tasks))
 
-    def _diff_tensor(self, published: torch.Tensor, current: torch.Tensor) -> Change | None:
-        shadow = int_view(published)
+    def _tasks(self, name: str, tensor: torch.Tensor) -> list[_Task]:
+        """The comparisons of one tensor: cache-sized chunks on CPU, large ones on an accelerator."""
+        published, current = self.published[name], tensor.detach().reshape(-1)  # type: ignore[index]
         on_cpu = current.device.type == "cpu" and self.compare_path is ComparePath.AUTO
         step = min(self.chunk_elements, CPU_CHUNK_ELEMENTS) if on_cpu else self.chunk_elements
-        parts = []
-        for start in range(0, shadow.numel(), step):
-            old_bits, new_bits = shadow[start : start + step], int_view(cast_chunk(current[start : start + step], self.dtype))
-            if on_cpu:
-                idx, old, new = changed_elements(bits_to_numpy(old_bits), bits_to_numpy(new_bits))
-            else:
-                idx, old, new = device_changes(old_bits, new_bits)
+        starts = range(0, published.numel(), step)
+        return [_Task(name, published, current, start, step, self.dtype, on_cpu) for start in starts]
+
+    @staticmethod
+    def _gather(tasks: list[_Task], found: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> dict[str, Change]:
+        """Each tensor's :class:`Change` from its chunks' changes (in flat order), for the tensors that changed."""
+        parts: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+        for task, (idx, old, new) in zip(tasks, found):
             if idx.size:
-                parts.append((idx + start, old, new))
-        if not parts:
-            return None
-        return Change(
-            index=np.concatenate([p[0] for p in parts]).astype(np.int64, copy=False),
-            old_bits=np.concatenate([p[1] for p in parts]),
-            new_bits=np.concatenate([p[2] for p in parts]),
-            dtype=published.dtype,
-            shape=tuple(published.shape),
-            base=published,
-        )
+                parts.setdefault(task.name, []).append((idx + task.start, old, new))
+        published = {task.name: task.published for task in tasks}
+        return {
+            name: Change(
+                index=np.concatenate([p[0] for p in found_parts]).astype(np.int64, copy=False),
+                old_bits=np.concatenate([p[1] for p in found_parts]),
+                new_bits=np.concatenate([p[2] for p in found_parts]),
+                dtype=published[name].dtype,
+                shape=tuple(published[name].shape),
+                base=published[name],
+            )
+            for name, found_parts in parts.items()
+        }
 
     def diff_tensor(self, name: str, tensor: torch.Tensor) -> Change | None:
         """Changed elements of one tensor relative to its published copy (``None``: unchanged).
@@ -163,7 +198,8 @@ class ChangeDetector:
         published = (self.published or {}).get(name)
         if published is None or tensor.shape != published.shape or serving_dtype_of(tensor, self.dtype) != published.dtype:
             raise SyncError(f"{name!r} does not match the published state's names, shapes and dtypes; publish an anchor")
-        return self._diff_tensor(published, tensor.detach().reshape(-1))
+        tasks = self._tasks(name, tensor)
+        return self._gather(tasks, worker_pool().map(_compare, tasks)).get(name)
 
     def diff_stream(self, tensors: Iterable[tuple[str, torch.Tensor]], *, what: str = "the state") -> dict[str, Change]:
         """:meth:`diff` of ``(name, tensor)`` pairs compared as they arrive (each released after), which must
@@ -193,18 +229,15 @@ class ChangeDetector:
         return changes
 
     def commit(self, changes: Mapping[str, Change]) -> None:
-        """Write published changes into the shadow copy."""
-        assert self.published is not None
-        for name, ch in changes.items():
-            apply_change(self.published[name], ch)
+        """Write published changes into the shadow copy (tensors spread over the worker threads)."""
+        published = self.published
+        assert published is not None
+        list(worker_pool().map(lambda name: apply_change(published[name], changes[name]), changes))
 
 
 def apply_change(tensor: torch.Tensor, change: Change) -> None:
     """Write a change's new bits into ``tensor`` (in place)."""
-    flat = int_view(tensor)
-    idx = torch.from_numpy(change.index).to(flat.device)
-    new = torch.from_numpy(change.new_bits.view(np.dtype(f"int{8 * change.new_bits.itemsize}"))).to(flat.device)
-    flat[idx] = new
+    scatter_(tensor, torch.from_numpy(change.index), numpy_to_values(change.new_bits, tensor.dtype))
 
 
 class PatchedState(Mapping[str, torch.Tensor]):

@@ -53,7 +53,7 @@ def test_any_dense_classes_decode_the_same(monkeypatch, numel: int, dense: str) 
 def test_both_ways_of_selecting_a_masks_kth_member_agree() -> None:
     """The block kernel picks a class's k-th member in a mask with ``pdep`` where the CPU has it, by a binary
     search elsewhere: both give the k-th set bit, for the first, middle and last members of random masks."""
-    from rlsync.codecs import rice_kernels as kernels
+    from rlsync.codecs import class_kernels as kernels
 
     rng = np.random.default_rng(0)
     masks = [np.uint64(1), np.uint64(1 << 63), ~np.uint64(0)] + [np.uint64(m) for m in rng.integers(1, 2**63, 200, dtype=np.uint64)]

@@ -10,6 +10,7 @@ bounded on RL-like data (whole file); and malformed class tables and Rice stream
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -270,7 +271,15 @@ def test_the_largest_rice_parameter_decodes(monkeypatch) -> None:
     """Every parameter the table can hold (0-40) is valid: a class coded with the largest round-trips."""
     import rlsync.codecs.classrice as classrice
 
-    monkeypatch.setattr(classrice, "_rice_parameter", lambda gaps: classrice.MAX_RICE_K)
+    kernels = classrice._kernels()
+
+    def largest(ranks, order, bounds, members, max_k, gaps, ks, counts, inverted):  # the plan, every class at max_k
+        kernels.rice_plan(ranks, order, bounds, members, max_k, gaps, ks, counts, inverted)
+        ks[counts > 0] = max_k
+        used = gaps[: counts.sum()]
+        return int(used.size + (used >> np.uint64(max_k)).sum()), int(used.size * max_k)
+
+    monkeypatch.setattr(classrice, "_kernels", lambda: SimpleNamespace(**{**vars(kernels), "rice_plan": largest}))
     old, old_all, new_all, index = _case(np.random.default_rng(3), torch.bfloat16, 500, 30)
     encoded = KERNEL.encode("w", index, old_all[index], new_all[index], base=old)
     assert set(_table(encoded.entries["w.pos"].numpy(), encoded.params["classes"])["flags"] & 0x3F) == {classrice.MAX_RICE_K}

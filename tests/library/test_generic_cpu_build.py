@@ -26,6 +26,7 @@ CODEC_TESTS = [
     "tests/library/test_classrice_blocks.py",
     "tests/library/test_codec_classgap.py",
     "tests/library/test_state_hash.py",
+    "tests/library/test_codec_threads.py",
 ]
 
 

@@ -37,7 +37,7 @@ from ..errors import FormatError
 from ..registry import Kind, register
 from .base import DecodeTarget
 from .checks import require_entry
-from .gapzz import GapZigzagCodec, join_planes, split_planes
+from .gapzz import GapZigzagCodec, join_planes
 
 #: Elements per class-ordering chunk; part of the format (changing it needs a new version).
 CHUNK = 1 << 20
@@ -194,20 +194,22 @@ class ClassGapCodec(GapZigzagCodec):
         flat_order = np.argsort(positions, kind="stable")
         return positions[flat_order], flat_order
 
-    def _encode_values(self, name: str, old_bits: np.ndarray, new_bits: np.ndarray) -> dict[str, torch.Tensor]:
-        """Magnitude minus one of each wrapping difference as ``{name}.val`` (zstd), its sign as ``{name}.sign``.
+    def _encode_values(
+        self, name: str, old_bits: np.ndarray, new_bits: np.ndarray, order: np.ndarray | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Magnitude minus one of each wrapping difference as ``{name}.val`` (zstd), its sign as ``{name}.sign``,
+        in the order ``order`` (default: as given).
 
         RL steps move values up and down about equally often, so a sign costs one
         bit whatever the coder; stored apart, the magnitudes (mostly 0: one unit in
         the last place) compress far better than zigzag codes mixing both.
         """
-        diff = new_bits - old_bits
-        negative = signed_view(diff) < 0
-        magnitude = np.where(negative, diff.dtype.type(0) - diff, diff) - diff.dtype.type(1)
-        return {
-            f"{name}.val": self._compress(split_planes(magnitude)),
-            f"{name}.sign": torch.from_numpy(np.packbits(negative, bitorder="little")),
-        }
+        from .rice_kernels import value_streams
+
+        order = np.arange(old_bits.size) if order is None else order
+        planes, signs = np.empty(order.size * old_bits.itemsize, np.uint8), np.zeros((order.size + 7) // 8, np.uint8)
+        value_streams(old_bits, new_bits, order, planes, signs)
+        return {f"{name}.val": self._compress(planes), f"{name}.sign": torch.from_numpy(signs)}
 
     def _value_streams(self, name: str, entries: Mapping[str, torch.Tensor], target: DecodeTarget) -> tuple[np.ndarray, np.ndarray]:
         """The magnitudes' byte planes (decompressed) and the packed signs, each checked for its size."""

@@ -16,7 +16,7 @@ and "inverted" flag, count; ``classes`` rows of :data:`TABLE`), then the unary q
 (``unary_bytes`` bytes), then the remainders; ``{name}.val`` and ``{name}.sign`` the values.
 
 Speed: the ranks within classes need one pass over the old weights on each side. On CPU that pass
-is a compiled kernel (:mod:`.rice_kernels`; the decoder's reads 64 elements at a time, the common
+is a compiled kernel (:mod:`.class_kernels`; both read 64 elements at a time, the common
 classes' members as bit masks), a few times the cost of reading the tensor; on an accelerator
 the ranks come from :class:`~rlsync.codecs.classgap.ClassOrder` on the tensor's own device, and only
 the changed elements' ranks come back. Both give the same ranks, so the files are identical.
@@ -39,8 +39,15 @@ from .checks import require_entry
 from .classgap import CHUNK, EXPONENT_FIELDS, ClassGapCodec, ClassOrder, ValueFault, signed_view, value_error
 
 def _kernels():
-    """The compiled kernels, imported (and numba with them) on first use."""
+    """The compiled Rice kernels, imported (and numba with them) on first use."""
     import rlsync.codecs.rice_kernels as kernels
+
+    return kernels
+
+
+def _class_kernels():
+    """The compiled passes over the exponent classes, imported on first use."""
+    import rlsync.codecs.class_kernels as kernels
 
     return kernels
 
@@ -61,7 +68,7 @@ def _class_ranks(base: torch.Tensor, index: np.ndarray, field: tuple[int, int], 
         bits = int_view(base.detach()).cpu().numpy()
         ranks, classes = np.empty(index.size, np.int64), np.empty(index.size, np.int64)
         members = np.zeros(mask + 1, np.int64)
-        _kernels().class_ranks(bits, shift, mask, index, ranks, classes, members)
+        _class_kernels().class_ranks(bits, shift, mask, _dense_classes(bits, field), index, ranks, classes, members)
         return ranks, classes, members
     order = ClassOrder.of_tensor(base, field)
     rank, position = order.ranks_of(torch.from_numpy(index).to(base.device))
@@ -72,16 +79,21 @@ def _class_ranks(base: torch.Tensor, index: np.ndarray, field: tuple[int, int], 
     return within[by_position].cpu().numpy(), cls[by_position].cpu().numpy(), members.cpu().numpy()
 
 
-def _rice_parameter(gaps: np.ndarray) -> int:
-    return int(np.argmin(_kernels().rice_cost(gaps, MAX_RICE_K))) if gaps.size else 0
-
-
-def _gaps(ranks: np.ndarray) -> np.ndarray:
-    gaps = np.empty(ranks.size, np.uint64)
-    if ranks.size:
-        gaps[0] = ranks[0]
-        gaps[1:] = ranks[1:] - ranks[:-1] - 1
-    return gaps
+def _rice_code(
+    classes: np.ndarray, ranks: np.ndarray, order: np.ndarray, bounds: np.ndarray, members: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The class table and the unary and remainder streams of the coded classes ``classes``: class
+    ``classes[j]`` of ``members[j]`` members changed at the increasing ranks ``ranks[order[bounds[j]:bounds[j + 1]]]``."""
+    kernels = _kernels()
+    rows = classes.size
+    gaps, ks = np.empty(ranks.size, np.uint64), np.zeros(rows, np.int64)
+    counts, inverted = np.zeros(rows, np.int64), np.zeros(rows, np.uint8)
+    unary_bits, rem_bits = kernels.rice_plan(ranks, order, bounds, members, MAX_RICE_K, gaps, ks, counts, inverted)
+    unary, rem = np.zeros((unary_bits + 7) // 8, np.uint8), np.zeros((rem_bits + 7) // 8, np.uint8)
+    kernels.rice_write(gaps, ks, counts, unary, rem)
+    table = np.zeros(rows, TABLE)
+    table["cls"], table["flags"], table["count"] = classes, ks | (inverted * INVERTED), counts
+    return table, unary, rem
 
 
 class ClassRiceCodec(ClassGapCodec):
@@ -107,39 +119,23 @@ class ClassRiceCodec(ClassGapCodec):
             order = None
         else:
             ranks, classes, members = _class_ranks(base, index, field, compiled=self._use_kernel(base))
-            order = np.argsort(classes, kind="stable")  # class by class, flat (= rank) order within
-            present, starts = np.unique(classes[order], return_index=True)
-            bounds = [*starts.tolist(), index.size]
-            groups = [(int(c), ranks[order[lo:hi]], int(members[c])) for c, lo, hi in zip(present, bounds, bounds[1:])]
-            rows, streams = self._encode_classes(groups), {"order": "exponent"}
+            order, starts = np.empty(index.size, np.int64), np.zeros(field[1] + 2, np.int64)
+            _kernels().group_by_class(classes, order, starts)  # class by class, flat (= rank) order within
+            present = np.flatnonzero(np.diff(starts))
+            bounds = np.append(starts[present], index.size)
+            rows, streams = _rice_code(present, ranks, order, bounds, members[present]), {"order": "exponent"}
         table, unary, rem = rows
-        if order is not None:
-            old_bits, new_bits = old_bits[order], new_bits[order]
         pos = np.concatenate([table.view(np.uint8), unary, rem])
-        entries = {f"{name}.pos": torch.from_numpy(pos), **self._encode_values(name, old_bits, new_bits)}
+        entries = {f"{name}.pos": torch.from_numpy(pos), **self._encode_values(name, old_bits, new_bits, order)}
         return EncodedTensor(entries=entries, params={**streams, "classes": int(table.size), "unary_bytes": int(unary.size)})
 
     @staticmethod
     def _encode_classes(groups: list[tuple[int, np.ndarray, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Rice-code each ``(class, sorted ranks of its changed elements, class size)``."""
-        coded = []
-        for cls, ranks, members in groups:
-            inverted = 2 * ranks.size > members
-            if inverted:
-                keep = np.ones(members, bool)
-                keep[ranks] = False
-                ranks = np.flatnonzero(keep)
-            gaps = _gaps(ranks)
-            coded.append((cls, gaps, _rice_parameter(gaps), inverted))
-        table = np.zeros(len(coded), TABLE)
-        unary_bits = sum(int(g.size) + int((g >> np.uint64(k)).sum()) for _, g, k, _ in coded)
-        rem_bits = sum(int(g.size) * k for _, g, k, _ in coded)
-        unary, rem = np.zeros((unary_bits + 7) // 8, np.uint8), np.zeros((rem_bits + 7) // 8, np.uint8)
-        at_unary = at_rem = 0
-        for row, (cls, gaps, k, inverted) in enumerate(coded):
-            table[row] = (cls, k | (INVERTED if inverted else 0), gaps.size)
-            at_unary, at_rem = _kernels().rice_encode(gaps, k, unary, at_unary, rem, at_rem)
-        return table, unary, rem
+        ranks = np.concatenate([np.asarray(g[1], np.int64) for g in groups])
+        bounds = np.cumsum([0, *(len(g[1]) for g in groups)])
+        classes, members = np.array([g[0] for g in groups], np.int64), np.array([g[2] for g in groups], np.int64)
+        return _rice_code(classes, ranks, np.arange(ranks.size), bounds, members)
 
     def decode(self, name: str, entries: Mapping[str, torch.Tensor], params: Mapping[str, Any], target: DecodeTarget) -> Decoded:
         """See the base class; the old bits come with the result (the class order reads them anyway)."""
@@ -220,7 +216,7 @@ class ClassRiceCodec(ClassGapCodec):
             return index, target.bits_at(index), slots
         bits = int_view(base.detach()).numpy() if base is not None else _old_bits(target)
         positions, olds, slots = np.empty(count, np.int64), np.empty(count, bits.dtype), np.empty(count, np.int64)
-        written = _kernels().class_positions(
+        written = _class_kernels().class_positions(
             bits, shift, mask, _dense_classes(bits, field), starts, ends, coded, inverted,
             positions, olds, np.empty(count, np.int16), slots, np.zeros(mask + 1, np.int64),
         )  # fmt: skip
@@ -255,10 +251,11 @@ class ClassRiceCodec(ClassGapCodec):
 
 
 def _dense_classes(bits: np.ndarray, field: tuple[int, int]) -> np.ndarray:
-    """The classes :func:`~.rice_kernels.class_positions` takes a block at a time: the most common ones in
+    """The classes :func:`~.class_kernels.class_ranks` and :func:`~.class_kernels.class_positions` take a block
+    at a time: the most common ones in
     a sample of ``bits`` (any distinct classes decode the same; the sample only makes it fast), or none
     where masks cannot hold the classes."""
-    kernels = _kernels()
+    kernels = _class_kernels()
     shift, mask = field
     if not kernels.MASKS_IN_ORDER or mask > 0xFF or mask + 1 < kernels.DENSE or bits.size < kernels.LANES:
         return np.empty(0, np.uint8)

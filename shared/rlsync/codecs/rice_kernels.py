@@ -1,400 +1,21 @@
-"""Compiled kernels of the ``classrice`` codec (numba, CPU): ranks within exponent classes, and
-Golomb-Rice coding of gaps.
+"""Compiled kernels of the ``classrice`` codec (numba, CPU): Golomb-Rice coding of gaps, and the values.
 
-Each kernel is one pass over its input and allocates nothing it was not given, so the codec's
-memory stays bounded by its arguments. They are compiled on first use and cached on disk
-(``NUMBA_CACHE_DIR`` picks the folder where the package's own is not writable).
+The passes over a tensor's exponent classes are :mod:`.class_kernels`'. Each kernel is one pass over
+its input and allocates nothing it was not given, so the codec's memory stays bounded by its
+arguments. They are compiled on first use and cached on disk (``NUMBA_CACHE_DIR`` picks the folder
+where the package's own is not writable).
 """
 
 from __future__ import annotations
 
-import sys
-
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
 
-from ..cpu import CpuFeature, has_feature
+from ..bitops import leading_zeros as _leading_zeros
 
 _JIT = dict(cache=True, nogil=True, boundscheck=False)
 #: The largest Rice parameter the decoder reads: a remainder of up to 56 bits at any bit offset fits one 64-bit window.
 MAX_K = 56
-#: Elements per block of :func:`class_positions`: one bit each in a ``uint64`` mask.
-LANES = 64
-#: Classes whose members :func:`class_positions` finds a block at a time (the rest one at a time).
-DENSE = 12
-#: Whether a vector of comparisons cast to an integer puts its first element in the lowest bit
-#: (little-endian targets); elsewhere :func:`class_positions` takes every element one at a time.
-MASKS_IN_ORDER = sys.byteorder == "little"
-#: Whether the compiled code runs on this machine's x86-64 CPU with BMI2, whose ``pdep`` picks a mask's k-th set
-#: bit in one instruction (:func:`_select_by_deposit`); elsewhere a branch-free binary search does.
-HAS_PDEP = numba.config.CPU_NAME in (None, "host") and has_feature(CpuFeature.BMI2)
-NEVER = np.int64(1) << 62  # "no further coded rank in this class"
-
-
-@numba.njit(**_JIT)
-def class_ranks(bits, shift, mask, index, ranks, classes, members):  # pragma: no cover - compiled
-    """Rank within its class, and class, of each element at sorted flat positions ``index``.
-
-    Args:
-        bits: The old bit patterns of the whole tensor (signed ints).
-        shift, mask: The dtype's exponent field.
-        index: Strictly increasing flat positions.
-        ranks: Out: each element's number of same-class elements before it.
-        classes: Out: each element's class.
-        members: Out, zeroed, one slot per class: the class sizes over the whole tensor.
-    """
-    # Four interleaved histograms: neighbours often share a class, and one histogram would make
-    # every increment wait for the previous one.
-    n_classes = members.size
-    counts = np.zeros((4, n_classes), np.int64)
-    start = 0
-    for k in range(index.size + 1):
-        stop = index[k] if k < index.size else bits.size
-        i = start
-        while i + 4 <= stop:
-            counts[0, (bits[i] >> shift) & mask] += 1
-            counts[1, (bits[i + 1] >> shift) & mask] += 1
-            counts[2, (bits[i + 2] >> shift) & mask] += 1
-            counts[3, (bits[i + 3] >> shift) & mask] += 1
-            i += 4
-        while i < stop:
-            counts[0, (bits[i] >> shift) & mask] += 1
-            i += 1
-        if k < index.size:
-            c = (bits[stop] >> shift) & mask
-            ranks[k] = counts[0, c] + counts[1, c] + counts[2, c] + counts[3, c]
-            classes[k] = c
-            counts[0, c] += 1
-            start = stop + 1
-    for c in range(n_classes):
-        members[c] = counts[0, c] + counts[1, c] + counts[2, c] + counts[3, c]
-
-
-@intrinsic
-def _popcount(typingctx, x):  # pragma: no cover - compiled
-    """Set bits of a ``uint64``, as an ``int64``."""
-
-    def codegen(context, builder, signature, args):
-        return builder.call(builder.module.declare_intrinsic("llvm.ctpop", [ir.IntType(64)]), args)
-
-    return types.int64(types.uint64), codegen
-
-
-def _zero_count(name: str, llvm_name: str, doc: str):
-    """An intrinsic that counts the zero bits of a nonzero ``uint64`` with LLVM's ``llvm_name``
-    (``llvm.cttz``: below its lowest set bit, ``llvm.ctlz``: above its highest), as an ``int64``."""
-
-    def typer(typingctx, x):  # pragma: no cover - compiled
-        def codegen(context, builder, signature, args):
-            count = builder.module.declare_intrinsic(llvm_name, [ir.IntType(64), ir.IntType(1)])
-            return builder.call(count, [args[0], ir.Constant(ir.IntType(1), 0)])
-
-        return types.int64(types.uint64), codegen
-
-    typer.__name__, typer.__qualname__, typer.__doc__ = name, name, doc
-    return intrinsic(typer)
-
-
-_lowest_bit = _zero_count("_lowest_bit", "llvm.cttz", "Index of the lowest set bit of a nonzero ``uint64``.")
-_leading_zeros = _zero_count("_leading_zeros", "llvm.ctlz", "Zero bits above the highest set bit of a nonzero ``uint64``.")
-
-
-@intrinsic
-def _class_masks(typingctx, bits, start, shift, mask, dense, out):  # pragma: no cover - compiled
-    """``out[k]``: bit ``j`` set where the class ``(bits[start + j] >> shift) & mask`` is ``dense[k]``,
-    for the :data:`LANES` elements from ``start`` and each of the :data:`DENSE` classes (``mask <= 0xFF``).
-
-    One vector load, shift and mask of the block, then one vector comparison per class: what a
-    compiled loop over the elements did not vectorize.
-    """
-    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in (bits, dense, out)):
-        return None  # the vector is read from the data pointer: contiguous arrays only
-
-    def codegen(context, builder, signature, args):
-        bits_type, _, _, _, dense_type, out_type = signature.args
-        data = context.make_array(bits_type)(context, builder, args[0]).data
-        classes = context.make_array(dense_type)(context, builder, args[4]).data
-        masks = context.make_array(out_type)(context, builder, args[5]).data
-        lane, i32, i64 = ir.IntType(bits_type.dtype.bitwidth), ir.IntType(32), ir.IntType(64)
-        wide, narrow = ir.VectorType(lane, LANES), ir.VectorType(ir.IntType(8), LANES)
-
-        def splat(value, vector):
-            one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(i32, 0))
-            first = ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
-            return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), first)
-
-        block = builder.load(builder.bitcast(builder.gep(data, [args[1]]), wide.as_pointer()), align=1)
-        block = builder.lshr(block, splat(builder.trunc(args[2], lane), wide))
-        block = builder.and_(block, splat(builder.trunc(args[3], lane), wide))
-        block = builder.trunc(block, narrow)
-        for k in range(DENSE):
-            cls = builder.load(builder.gep(classes, [ir.Constant(i64, k)]))
-            equal = builder.icmp_unsigned("==", block, splat(cls, narrow))
-            builder.store(builder.bitcast(equal, i64), builder.gep(masks, [ir.Constant(i64, k)]))
-        return context.get_dummy_value()
-
-    return types.void(bits, types.intp, types.intp, types.intp, dense, out), codegen
-
-
-@numba.njit(**_JIT, inline="always")
-def _select_by_search(members, k):  # pragma: no cover - compiled
-    """The lowest set bit of ``members`` that has ``k`` set bits below it (``k`` below their count), as a
-    one-bit mask: a binary search on the halves' bit counts, without a branch to mispredict."""
-    at = np.int64(0)
-    for width in (32, 16, 8, 4, 2, 1):
-        low = _popcount((members >> np.uint64(at)) & ((np.uint64(1) << np.uint64(width)) - np.uint64(1)))
-        up = k >= low
-        k -= low if up else 0
-        at += width if up else 0
-    return np.uint64(1) << np.uint64(at)
-
-
-@intrinsic
-def _deposit(typingctx, x, m):  # pragma: no cover - compiled
-    """BMI2's ``pdep``: the low bits of ``x`` placed, in order, at the set bits of ``m`` (both ``uint64``)."""
-
-    def codegen(context, builder, signature, args):
-        pdep = ir.FunctionType(ir.IntType(64), [ir.IntType(64), ir.IntType(64)])
-        return builder.call(builder.module.declare_intrinsic("llvm.x86.bmi.pdep.64", fnty=pdep), args)
-
-    return types.uint64(types.uint64, types.uint64), codegen
-
-
-@numba.njit(**_JIT, inline="always")
-def _select_by_deposit(members, k):  # pragma: no cover - compiled
-    """:func:`_select_by_search` in one instruction, where the CPU has ``pdep``."""
-    return _deposit(np.uint64(1) << np.uint64(k), members)
-
-
-_select = _select_by_deposit if HAS_PDEP else _select_by_search
-
-
-@numba.njit(**_JIT, inline="always")
-def _next_gap(coded, nxt, ends, c):  # pragma: no cover - compiled
-    """Move class ``c`` (not inverted) past its current coded rank; returns the members to pass before
-    its next one (:data:`NEVER` after its last), or -1 when its ranks do not increase."""
-    p = nxt[c] + 1
-    nxt[c] = p
-    if p < ends[c]:
-        return coded[p] - coded[p - 1] - 1  # -1 or less: not increasing
-    return NEVER
-
-
-@numba.njit(**_JIT, inline="always")
-def _record(c, bit, changed, event_class, event_ordinal):  # pragma: no cover - compiled
-    """Note a change of class ``c`` at ``bit`` of the block (its ordinal: the class's changes before it)."""
-    event_class[bit] = c
-    event_ordinal[bit] = changed[c]
-    changed[c] += 1
-
-
-@numba.njit(**_JIT, inline="always")
-def _changes_of_class(members, todo, c, coded, nxt, ends, changed, event_class, event_ordinal):  # pragma: no cover
-    """The changed ones among ``members`` (a block's members of class ``c``, not inverted), the first
-    after ``todo`` others; returns them and the members to pass after the block (-1: ranks not increasing)."""
-    found = np.uint64(0)
-    count = _popcount(members)
-    while todo < count:
-        member = _select(members, todo)
-        members &= ~(member - np.uint64(1))  # it and the members after it
-        members ^= member
-        found |= member
-        _record(c, _lowest_bit(member), changed, event_class, event_ordinal)
-        todo = _next_gap(coded, nxt, ends, c)
-        if todo < 0:
-            return found, np.int64(-1)
-        count = _popcount(members)
-    return found, todo - count
-
-
-@numba.njit(**_JIT, inline="always")
-def _changes_of_inverted(members, c, seen, coded, nxt, ends, changed, event_class, event_ordinal):  # pragma: no cover
-    """The changed ones among ``members`` (a block's members of class ``c``, inverted: every member but
-    the coded ranks); returns them and whether the coded ranks increase."""
-    count = _popcount(members)
-    first = seen[c]  # rank of the block's first member of the class
-    seen[c] = first + count
-    p, rank, kept = nxt[c], first, members
-    while p < ends[c] and coded[p] < first + count:  # an unchanged member in this block
-        if coded[p] < rank:
-            return np.uint64(0), False  # not increasing, or a rank already passed
-        unchanged = _select(kept, coded[p] - rank)
-        members ^= unchanged
-        kept &= ~(unchanged - np.uint64(1))  # the members after it
-        kept ^= unchanged
-        rank = coded[p] + 1
-        p += 1
-    nxt[c] = p
-    found = members
-    while members:
-        _record(c, _lowest_bit(members), changed, event_class, event_ordinal)
-        members &= members - np.uint64(1)
-    return found, True
-
-
-@numba.njit(**_JIT, inline="always")
-def _changes_one_at_a_time(  # pragma: no cover - compiled
-    todo_bits, block, bits, shift, mask, left, seen, inverted, coded, nxt, ends, changed, event_class, event_ordinal
-):
-    """The changed ones among the elements ``todo_bits`` of a block, taken one at a time; returns them,
-    and whether the coded ranks increase."""
-    found = np.uint64(0)
-    while todo_bits:
-        bit = _lowest_bit(todo_bits)
-        todo_bits &= todo_bits - np.uint64(1)
-        c = (bits[block + bit] >> shift) & mask
-        todo = left[c]
-        if todo > 0:
-            left[c] = todo - 1
-            continue
-        if inverted[c] != 0:  # a coded rank is an unchanged member, any other member changed
-            r = seen[c]
-            seen[c] = r + 1
-            p = nxt[c]
-            if p < ends[c] and coded[p] == r:
-                nxt[c] = p + 1
-                continue
-        else:  # the class's next coded rank
-            todo = _next_gap(coded, nxt, ends, c)
-            if todo < 0:
-                return found, False
-            left[c] = todo
-        found |= np.uint64(1) << np.uint64(bit)
-        _record(c, bit, changed, event_class, event_ordinal)
-    return found, True
-
-
-@numba.njit(**_JIT)
-def class_positions(  # pragma: no cover - compiled
-    bits, shift, mask, dense, starts, ends, coded, inverted, positions, olds, classes, slots, changed
-):
-    """Inverse of :func:`class_ranks`: flat positions of the changed elements, in flat order.
-
-    One pass over the old bits, :data:`LANES` elements at a time. The block's members of each of
-    the ``dense`` classes come as one bit mask (:func:`_class_masks`), so a class whose next coded
-    rank is not in the block costs one count of its members; the members of every other class are
-    taken one at a time. Per class, ``left`` counts the members still to pass before its next
-    coded rank; a class whose coded ranks list its unchanged members ("inverted") makes every
-    other member a change.
-
-    Args:
-        bits: The old bit patterns of the whole tensor (signed ints).
-        shift, mask: The dtype's exponent field.
-        dense: :data:`DENSE` distinct classes (``uint8``; speed only: any distinct classes give the
-            same result), or an empty array to take every element one at a time (``mask > 0xFF``).
-        starts, ends: Per class, the slice of ``coded`` holding its strictly increasing ranks.
-        coded: Per class the ranks of its changed elements, or of its unchanged ones where
-            ``inverted`` is set.
-        inverted: Per class, 1 when ``coded`` lists the unchanged elements.
-        positions: Out: flat positions, increasing.
-        olds: Out: the old bit pattern at each position.
-        classes: Out: work space, one per position.
-        slots: Out: the slot of each position's value (values are stored class by class, in flat
-            order within a class).
-        changed: Out, zeroed, one slot per class: its number of changed elements.
-
-    Returns:
-        The number of positions written, or -1 when the ranks do not fit the tensor (a rank
-        beyond its class, ranks not increasing, or more changed elements than ``positions`` holds).
-    """
-    n_classes = starts.size
-    left = np.full(n_classes, NEVER, np.int64)  # members to pass before the class's next change
-    seen = np.zeros(n_classes, np.int64)  # members seen, kept for inverted classes only
-    nxt = starts.copy()
-    for c in range(n_classes):
-        if inverted[c] != 0:
-            left[c] = 0  # every member of an inverted class is a change, but for its coded ranks
-        elif starts[c] < ends[c]:
-            left[c] = coded[starts[c]]
-    # a dense class's ``left`` is kept by its slot in ``dense`` while whole blocks are read; an
-    # inverted one's is below zero whatever the block, so that every block looks at its members
-    dense_left = np.zeros(DENSE, np.int64)
-    for d in range(dense.size):
-        dense_left[d] = -NEVER if inverted[dense[d]] != 0 else left[dense[d]]
-    masks = np.zeros(DENSE, np.uint64)
-    event_class = np.zeros(LANES, np.int64)  # per bit of a block's changes: class and ordinal in it
-    event_ordinal = np.zeros(LANES, np.int64)
-    one = np.uint64(1)
-    k = 0
-    limit = positions.size
-    whole = bits.size - bits.size % LANES if dense.size else 0  # elements read a block of masks at a time
-    for block in range(0, bits.size, LANES):
-        if block < whole:
-            _class_masks(bits, block, shift, mask, dense, masks)
-            others = ~np.uint64(0)
-            hits = np.uint64(0)
-            for d in range(DENSE):  # the common case: count the members, no change among them
-                others &= ~masks[d]
-                todo = dense_left[d] - _popcount(masks[d])
-                dense_left[d] = todo
-                hits |= np.uint64(todo < 0) << np.uint64(d)
-            events = np.uint64(0)
-            while hits:
-                d = _lowest_bit(hits)
-                hits &= hits - one
-                c = np.int64(dense[d])
-                if inverted[c] == 0:
-                    todo = dense_left[d] + _popcount(masks[d])
-                    found, todo = _changes_of_class(
-                        masks[d], todo, c, coded, nxt, ends, changed, event_class, event_ordinal
-                    )
-                    if todo < 0:
-                        return -1
-                    dense_left[d] = todo
-                else:
-                    found, ok = _changes_of_inverted(
-                        masks[d], c, seen, coded, nxt, ends, changed, event_class, event_ordinal
-                    )
-                    if not ok:
-                        return -1
-                    dense_left[d] = -NEVER
-                events |= found
-            if block + LANES == whole:  # the last whole block: the classes' state leaves the slots
-                for d in range(DENSE):
-                    if inverted[dense[d]] == 0:
-                        left[dense[d]] = dense_left[d]
-        else:
-            others = (one << np.uint64(bits.size - block)) - one if bits.size - block < LANES else ~np.uint64(0)
-            events = np.uint64(0)
-        if others:
-            found, ok = _changes_one_at_a_time(
-                others, block, bits, shift, mask, left, seen, inverted, coded, nxt, ends, changed,
-                event_class, event_ordinal,
-            )  # fmt: skip
-            if not ok:
-                return -1
-            events |= found
-        # the block's changes, in flat order: mostly none, one or two, written without a branch on their
-        # number (a slot past the last change is written and then overwritten), then any others
-        if _popcount(events) > limit - k:
-            return -1
-        if limit - k >= 2:
-            for _ in range(2):
-                bit = _lowest_bit(events) & (LANES - 1)
-                positions[k] = block + bit
-                olds[k] = bits[block + bit]
-                classes[k] = event_class[bit]
-                slots[k] = event_ordinal[bit]
-                k += np.int64(events != 0)
-                events &= events - one
-        while events:
-            bit = _lowest_bit(events)
-            events &= events - one
-            positions[k] = block + bit
-            olds[k] = bits[block + bit]
-            classes[k] = event_class[bit]
-            slots[k] = event_ordinal[bit]
-            k += 1
-    for c in range(n_classes):
-        if nxt[c] != ends[c]:
-            return -1
-    first_slot = np.cumsum(changed) - changed  # a class's first slot: the changes of the classes before it
-    for i in range(k):
-        slots[i] += first_slot[classes[i]]
-    return k
 
 
 @numba.njit(**_JIT)
@@ -426,43 +47,176 @@ def add_differences(planes, signs, olds, slots, out):  # pragma: no cover - comp
             magnitude |= np.uint64(planes[plane * count + s]) << np.uint64(8 * plane)
         if magnitude >= top:
             return 1
-        step = magnitude + np.uint64(1)
-        if (signs[s >> 3] >> (s & 7)) & 1:
-            step = np.uint64(0) - step
+        negative = np.uint64((signs[s >> 3] >> (s & 7)) & 1)  # signs are random: negated without a branch
+        step = ((magnitude + np.uint64(1)) ^ (np.uint64(0) - negative)) + negative
         out[i] = np.uint64(olds[i]) + step  # wraps, and keeps the low bits of the dtype's width
     return 0
 
 
 @numba.njit(**_JIT)
-def rice_cost(gaps, max_k):  # pragma: no cover - compiled
-    """Bits of each Rice parameter ``0..max_k`` for ``gaps``, as an array."""
-    cost = np.zeros(max_k + 1, np.int64)
-    for g in gaps:
-        for k in range(max_k + 1):
-            cost[k] += (g >> k) + 1 + k
-    return cost
+def value_streams(olds, news, order, planes, signs):  # pragma: no cover - compiled
+    """``classgap``'s value streams, the inverse of :func:`add_differences`: for the ``i``-th element of
+    ``order``, the magnitude minus one of its wrapping difference (new bits minus old) as byte planes
+    (low byte first) and its sign as bit ``i`` of ``signs`` (set where negative).
+
+    Args:
+        olds, news: Old and new bit patterns (unsigned ints of one width).
+        order: The elements in the order their values are stored.
+        planes: Out: ``olds.itemsize`` planes of ``order.size`` bytes.
+        signs: Out, zeroed: one bit per element, low bit first.
+    """
+    count = order.size
+    width = olds.itemsize
+    bits = np.uint64(8 * width)
+    ones = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
+    top = np.uint64(1) << (bits - np.uint64(1))
+    for i in range(count):
+        j = order[i]
+        diff = (np.uint64(news[j]) - np.uint64(olds[j])) & ones
+        negative = (diff & top) >> (bits - np.uint64(1))  # signs are random: negated without a branch
+        signs[i >> 3] |= np.uint8(negative << np.uint64(i & 7))
+        magnitude = (((diff ^ (np.uint64(0) - negative)) + negative) - np.uint64(1)) & ones
+        for plane in range(width):
+            planes[plane * count + i] = np.uint8((magnitude >> np.uint64(8 * plane)) & np.uint64(0xFF))
+
+
+@numba.njit(**_JIT)
+def group_by_class(classes, order, starts):  # pragma: no cover - compiled
+    """A stable counting sort: ``order`` lists the indices of ``classes`` class by class (ascending
+    index within a class), and class ``c``'s slice of it is ``starts[c]:starts[c + 1]``.
+
+    Args:
+        classes: Each element's class, below ``starts.size - 1``.
+        order: Out, one slot per element.
+        starts: Out, zeroed, one slot per class and one more.
+    """
+    for c in classes:
+        starts[c + 1] += 1
+    for c in range(1, starts.size):
+        starts[c] += starts[c - 1]
+    at = starts[:-1].copy()
+    for i in range(classes.size):
+        c = classes[i]
+        order[at[c]] = i
+        at[c] += 1
+
+
+@numba.njit(**_JIT, inline="always")
+def _rice_bits(gaps, lo, hi, k):  # pragma: no cover - compiled
+    """Bits of ``gaps[lo:hi]`` Rice-coded with parameter ``k``."""
+    total = np.int64(0)
+    for i in range(lo, hi):
+        total += np.int64(gaps[i] >> np.uint64(k))
+    return total + (hi - lo) * (1 + k)
+
+
+@numba.njit(**_JIT)
+def rice_parameter(gaps, lo, hi, max_k):  # pragma: no cover - compiled
+    """The smallest of the Rice parameters ``0..max_k`` that code ``gaps[lo:hi]`` in the fewest bits (0 for none).
+
+    The cost is convex in the parameter (each step up saves the gaps' halved quotients, fewer at each step,
+    and costs one bit a gap), so a walk from the mean's bit length finds the first minimum in a few passes.
+    """
+    if hi == lo:
+        return 0
+    mean = np.uint64(0)
+    for i in range(lo, hi):
+        mean += gaps[i]
+    mean //= np.uint64(hi - lo)
+    k = 0
+    while k < max_k and (mean >> np.uint64(k + 1)) != 0:
+        k += 1
+    cost = _rice_bits(gaps, lo, hi, k)
+    moved = False
+    while k > 0:
+        left = _rice_bits(gaps, lo, hi, k - 1)
+        if left > cost:
+            break
+        k, cost, moved = k - 1, left, True
+    while not moved and k < max_k:
+        right = _rice_bits(gaps, lo, hi, k + 1)
+        if right >= cost:
+            break
+        k, cost = k + 1, right
+    return k
+
+
+@numba.njit(**_JIT)
+def rice_plan(ranks, order, bounds, members, max_k, gaps, ks, counts, inverted):  # pragma: no cover - compiled
+    """The gaps and Rice parameter of every coded class of a tensor.
+
+    Class ``j``'s changed elements have the increasing ranks ``ranks[order[bounds[j]:bounds[j + 1]]]``
+    among its ``members[j]`` members. Where more than half the members changed, the class is coded
+    inverted: the gaps are those of its unchanged members.
+
+    Args:
+        gaps: Out, one slot per changed element (an inverted class has fewer gaps than changes): every
+            class's gaps, one class after the other.
+        ks, counts, inverted: Out, per class: its Rice parameter (:func:`rice_parameter`), its number of
+            gaps, and 1 where it is inverted.
+
+    Returns:
+        The bits of the unary stream and of the remainders.
+    """
+    at = 0
+    unary_bits = rem_bits = np.int64(0)
+    for j in range(bounds.size - 1):
+        lo, hi, start = bounds[j], bounds[j + 1], at
+        prev = -1
+        if 2 * (hi - lo) > members[j]:
+            inverted[j] = 1
+            p = lo
+            for r in range(members[j]):
+                if p < hi and ranks[order[p]] == r:
+                    p += 1
+                    continue
+                gaps[at] = r - prev - 1
+                prev = r
+                at += 1
+        else:
+            for p in range(lo, hi):
+                r = ranks[order[p]]
+                gaps[at] = r - prev - 1
+                prev = r
+                at += 1
+        k = rice_parameter(gaps, start, at, max_k)
+        ks[j], counts[j] = k, at - start
+        unary_bits += _rice_bits(gaps, start, at, k) - (at - start) * k
+        rem_bits += (at - start) * k
+    return unary_bits, rem_bits
 
 
 @numba.njit(**_JIT)
 def rice_encode(gaps, k, unary, unary_bit, rem, rem_bit):  # pragma: no cover - compiled
-    """Append ``gaps`` Rice-coded with parameter ``k``: quotients in unary (zeros ended by a one)
-    to ``unary``, remainders (``k`` bits, high bit first) to ``rem``; both zeroed, bit offsets given.
+    """Append ``gaps`` Rice-coded with parameter ``k`` (at most :data:`MAX_K`): quotients in unary
+    (zeros ended by a one) to ``unary``, remainders (``k`` bits, high bit first) to ``rem``; both
+    zeroed, bit offsets given.
 
     Returns:
         The two bit offsets after the last gap.
     """
     low = (np.uint64(1) << np.uint64(k)) - np.uint64(1)
     for g in gaps:
-        q = g >> np.uint64(k)
-        unary_bit += np.int64(q)
+        unary_bit += np.int64(g >> np.uint64(k))
         unary[unary_bit >> 3] |= np.uint8(0x80 >> (unary_bit & 7))
         unary_bit += 1
-        r = g & low
-        for j in range(k - 1, -1, -1):
-            if (r >> np.uint64(j)) & np.uint64(1):
-                rem[rem_bit >> 3] |= np.uint8(0x80 >> (rem_bit & 7))
-            rem_bit += 1
+        if k:  # the remainder's bits, high first, OR-ed into the bytes they span
+            at, used = rem_bit >> 3, rem_bit & 7
+            word = (g & low) << np.uint64(64 - k - used)
+            for j in range((used + k + 7) >> 3):
+                rem[at + j] |= np.uint8((word >> np.uint64(56 - 8 * j)) & np.uint64(0xFF))
+            rem_bit += k
     return unary_bit, rem_bit
+
+
+@numba.njit(**_JIT)
+def rice_write(gaps, ks, counts, unary, rem):  # pragma: no cover - compiled
+    """:func:`rice_encode` of every class of :func:`rice_plan`, one after the other, from bit 0."""
+    unary_bit = rem_bit = np.int64(0)
+    at = 0
+    for j in range(ks.size):
+        unary_bit, rem_bit = rice_encode(gaps[at : at + counts[j]], ks[j], unary, unary_bit, rem, rem_bit)
+        at += counts[j]
 
 
 @numba.njit(**_JIT, inline="always")
