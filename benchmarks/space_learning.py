@@ -221,11 +221,11 @@ def run_hub(minutes: float, rise: float, logs: Path | None = None) -> dict:
 
 
 def _counts(hub: HubCounts | None) -> dict | None:
-    """A role's own Hub request counts (its meter's): this window's, its share's limits, the run's by kind."""
+    """A role's own Hub request counts (its meter's): this window's and the limits it reports, the run's by kind, as of its last metrics write."""
     if hub is None:
         return None
     return {"api_this_window": hub.api, "resolver_this_window": hub.resolver,
-            "share_limits": [hub.api_limit, hub.resolver_limit], "run_total_by_kind": hub.by_kind,
+            "limits": [hub.api_limit, hub.resolver_limit], "run_total_by_kind": hub.by_kind,
             "throttled": hub.throttled, "waited_s": round(hub.waited_s, 1)}  # fmt: skip
 
 
