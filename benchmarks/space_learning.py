@@ -221,7 +221,8 @@ def run_hub(minutes: float, rise: float, logs: Path | None = None) -> dict:
 
 
 def _counts(hub: HubCounts | None) -> dict | None:
-    """A role's own Hub request counts (its meter's): this window's and the limits it reports, the run's by kind, as of its last metrics write."""
+    """A role's own Hub request counts (its meter's), as of its last metrics write: this window's and the limits it
+    reports, the run's by kind."""
     if hub is None:
         return None
     return {"api_this_window": hub.api, "resolver_this_window": hub.resolver,
