@@ -62,6 +62,10 @@ class HubProcess:
         """Every bucket's keys."""
         return self._call("buckets")  # type: ignore[return-value]
 
+    def usage(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Per token and request class (``api``, ``resolver``): ``{"requests": counted, "throttled": 429s}``."""
+        return self._call("usage")  # type: ignore[return-value]
+
     def signed_in(self) -> list[str]:
         """The users who completed a sign-in, in order."""
         return self._call("signed-in")  # type: ignore[return-value]

@@ -64,6 +64,17 @@ def test_stand_in_enforces_the_tier_per_token_in_fixed_windows_with_headers(serv
     assert httpx2.get(f"{server.url}/api/buckets/{BUCKET}", headers=headers).status_code == 200
 
 
+def test_stand_in_reports_each_tokens_requests_and_429s_on_its_control_route(server):
+    """``GET /_standin/usage``: what a benchmark reads of a stand-in in another process (``HubProcess.usage``)."""
+    server.limit(Tier.FREE, window_s=3)  # 10 API requests per 3 s
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    codes = [httpx2.get(f"{server.url}/api/buckets/{BUCKET}", headers=headers).status_code for _ in range(11)]
+    httpx2.head(f"{server.url}/buckets/{BUCKET}/resolve/missing", headers=headers)
+    assert codes.count(429) == 1
+    usage = httpx2.get(f"{server.url}/_standin/usage").json()
+    assert usage[TOKEN] == {"api": {"requests": 11, "throttled": 1}, "resolver": {"requests": 1, "throttled": 0}}
+
+
 def test_feed_replays_changes_then_follows_live_and_resets(server):
     from huggingface_hub._bucket_live_follow import BucketFollower
 
