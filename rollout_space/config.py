@@ -9,9 +9,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+from pathlib import Path
 
 from rlsync.registry import Kind, check_choice, names
 from rlsync.spaces.settings import bucket_field, from_env, instance_id, on_space, poll_field
+
+from .token_budget import context_length
 
 #: The tiny CPU demo's answers are a few tokens. A real model's must fit a worked answer: GSM8K's and reasoning-gym's
 #: are step-by-step solutions of a few hundred tokens on Qwen3-0.6B; at 64 most were cut before the final answer
@@ -65,8 +68,13 @@ class ReplicaConfig:
 
     def with_model_defaults(self, device: str) -> "ReplicaConfig":
         """``max_new_tokens`` left at 0 takes the default of the model that will run (the same for a Space made
-        by the deploy command or duplicated by hand)."""
+        by the deploy command or duplicated by hand), at most half the context of a model folder (a completion
+        length the context cannot hold would leave every prompt too long)."""
         from rlsync.spaces.tiny_model import is_tiny_model  # torch: not at import (--help stays light)
 
-        tiny = is_tiny_model(self.model, device)
-        return dataclasses.replace(self, max_new_tokens=self.max_new_tokens or (TINY_MODEL_MAX_NEW_TOKENS if tiny else REAL_MODEL_MAX_NEW_TOKENS))
+        if self.max_new_tokens:
+            return self
+        default = TINY_MODEL_MAX_NEW_TOKENS if is_tiny_model(self.model, device) else REAL_MODEL_MAX_NEW_TOKENS
+        if self.model and Path(self.model, "config.json").is_file():  # a model folder: half its context stays for prompts
+            default = min(default, max(1, context_length(self.model) // 2))
+        return dataclasses.replace(self, max_new_tokens=default)

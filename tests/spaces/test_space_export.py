@@ -174,7 +174,9 @@ def test_each_space_readme_links_its_template_and_orders_the_steps():
     for space in plan_deployment(TEMPLATE_NAMESPACE).spaces:
         text = (ROOT / space.role.folder / "README.md").read_text()
         assert f"https://huggingface.co/spaces/{space.repo_id})" in text  # the Space deploy creates for the template
-        steps = text[text.index("## Duplicate this Space, step by step"):]
-        positions = [steps.index(f"{i}. **{name}**") for i, name in enumerate(("Duplicate", "Secrets", "Variables", "Hardware", "Bucket"), 1)]
-        assert positions == sorted(positions)
-        assert space.role.variable("bucket") in steps and "hf buckets create" in steps
+        steps = text[text.index("## Duplicate this Space"):]
+        steps = steps[: steps.index("\n## ", 1)]
+        names = ("Duplicate", "Set `HF_TOKEN`", "Sign in and press Start")
+        positions = [steps.index(f"{i}. **{name}**") for i, name in enumerate(names, 1)]
+        assert positions == sorted(positions) and "4. **" not in steps  # three steps, in this order
+        assert "hf://buckets/<owner>/rl-sync" in steps and space.role.variable("bucket") in steps

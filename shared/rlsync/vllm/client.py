@@ -200,7 +200,8 @@ class BucketSyncClient:
         if manifest is None or manifest.step == self.step:
             return None
         self._init_engine()
-        return self._prepare(manifest.step)["prepared_step"]
+        prepared = self._prepare(manifest.step).prepared
+        return prepared.step if prepared is not None else None
 
     def _reset_prefix_cache(self) -> None:
         # kept requests hold KV blocks computed with the old weights: dropped too, recomputed after the resume
