@@ -31,7 +31,7 @@ import torch
 
 from ..bucket import Bucket
 from ..checkpoint_layout import CheckpointLayout
-from ..errors import NonFiniteError
+from ..errors import BucketError, NonFiniteError
 from ..fp8 import quantize_stream
 from ..protocol import Manifest, Publisher, PublishRecord, read_manifest
 from ..protocol.background import BackgroundPublisher
@@ -75,6 +75,9 @@ class BucketWeightTransfer:
             ``fp8`` chain, quantized as the tensors stream past).
         on_send: Called with the version number of every send, as it is sent (a background publish
             reaches ``on_publish`` later, at the next send or flush).
+        max_failed_publishes: Background publishes that may fail in a row (a bucket error, after the bucket's
+            own retries) before a send raises. Each is logged and counted (:attr:`failed_publishes`); the bucket
+            keeps its last good version, and the next version is a delta against it. ``0``: every one raises.
 
     Runs: on an empty bucket the first send is version 0 of a new run. On a bucket that already
     holds a run, :meth:`init_weight_transfer` takes the run lock and, resuming from a checkpoint,
@@ -98,6 +101,7 @@ class BucketWeightTransfer:
         fp8: Publisher | None = None,
         background: bool = True,
         on_send: Callable[[int], None] | None = None,
+        max_failed_publishes: int = 3,
     ) -> None:
         if publisher is None:
             if bucket is None:
@@ -111,6 +115,10 @@ class BucketWeightTransfer:
         self.on_send = on_send
         self.on_non_finite = on_non_finite
         self.non_finite_refused = 0
+        self.max_failed_publishes = max_failed_publishes
+        #: Background publishes that failed (each survived while no more than ``max_failed_publishes`` in a row).
+        self.failed_publishes = 0
+        self._failed_in_a_row = 0
         self.records: list[PublishRecord] = []
         self.layout = layout
         self.fp8 = fp8
@@ -202,7 +210,24 @@ class BucketWeightTransfer:
             self._publish(lambda step: [self.publisher.publish_stream(step, pairs)])
         else:
             background = self.background
-            self._publish(lambda step: background.stage(pairs)[1])
+            self._publish(lambda step: self._stage(background, pairs))
+
+    def _stage(self, background: BackgroundPublisher, pairs: Iterator[tuple[str, torch.Tensor]]) -> list[PublishRecord]:
+        """Stage the version. A background publish that failed since the last send is raised here once, nothing
+        staged: it is counted and, while at most ``max_failed_publishes`` failed in a row, survived (this version
+        is staged after it, a delta against the bucket's last good version)."""
+        try:
+            return background.stage(pairs)[1]
+        except BucketError as exc:
+            self.failed_publishes += 1
+            self._failed_in_a_row += 1
+            if self._failed_in_a_row > self.max_failed_publishes:
+                raise
+            logger.error(
+                "a background publish failed (%d in a row, %d allowed): %s; the bucket keeps its last good version "
+                "and the next version is a delta against it", self._failed_in_a_row, self.max_failed_publishes, exc,
+            )  # fmt: skip
+            return background.stage(pairs)[1]
 
     def _send_with_fp8(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Publish the bf16 version within the send, quantizing each tensor for the FP8 chain as it streams
@@ -254,6 +279,8 @@ class BucketWeightTransfer:
             return None
         if send and self.on_send is not None and self.version is not None:
             self.on_send(self.version)
+        if records:
+            self._failed_in_a_row = 0
         for record in records:
             self.records.append(record)
             del self.records[:-100]

@@ -3,10 +3,12 @@ a version is sent but not yet in the bucket (the demand's version, the trackio s
 
 from __future__ import annotations
 
+import contextlib
 import time
 import types
 
 import pytest
+import torch
 
 from rlsync.bucket import LocalBucket
 from rlsync.protocol import FixedInterval, Publisher, read_manifest
@@ -122,3 +124,60 @@ def test_versions_coalesced_behind_a_slow_upload_show_in_trackio_and_on_the_trai
     metrics = TrainerMetrics.from_json(TrainerMetrics(version=4, publish=shown).to_json())  # as the panel reads it
     line = frames.trainer_summary(Snapshot(trainer=metrics, manifest=read_manifest(gated)))
     assert "**2 version(s) coalesced**" in line
+
+
+def _wait_for_failures(transfer: BucketWeightTransfer, count: int) -> None:
+    deadline = time.monotonic() + 60
+    while transfer.background.errors < count:
+        assert time.monotonic() < deadline, "the background publish never failed"
+        time.sleep(0.01)
+
+
+def test_a_failed_background_publish_is_counted_and_the_next_version_follows_the_last_good_one(gated):
+    from rlsync.errors import BucketError
+    from rlsync.hashing import state_hash
+    from rlsync.protocol import Subscriber
+
+    master = master_state()
+    transfer = BucketWeightTransfer(publisher=Publisher(gated, policy=FixedInterval(100)))
+    try:
+        transfer.send_weights(iter(master.items()))
+        transfer.flush()  # version 0, the anchor
+        gated.fail = BucketError("injected: the upload failed after the bucket's retries")
+        rl_step(master, 1)
+        transfer.send_weights(iter(master.items()))  # version 1: its delta upload fails in the worker
+        _wait_for_failures(transfer, 1)
+        gated.fail = None
+        rl_step(master, 2)
+        transfer.send_weights(iter(master.items()))  # survives the failure: counted, this version staged after it
+        transfer.flush()
+        assert transfer.failed_publishes == 1 and read_manifest(gated).step == transfer.published_version
+        follower = Subscriber(gated)
+        follower.sync()
+        expected = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in master.items()}
+        assert follower.step == transfer.published_version and follower.state_hash == state_hash(expected)
+    finally:
+        transfer.close()
+
+
+def test_more_failed_background_publishes_in_a_row_than_allowed_stop_the_send(gated):
+    from rlsync.errors import BucketError
+
+    master = master_state()
+    transfer = BucketWeightTransfer(publisher=Publisher(gated, policy=FixedInterval(100)), max_failed_publishes=1)
+    try:
+        transfer.send_weights(iter(master.items()))
+        transfer.flush()
+        gated.fail = BucketError("injected: the bucket refuses every upload")
+        for seed in (1, 2):
+            rl_step(master, seed)
+            transfer.send_weights(iter(master.items()))  # the second send survives the first failure
+            _wait_for_failures(transfer, seed)
+        rl_step(master, 3)
+        with pytest.raises(BucketError, match="refuses every upload"):
+            transfer.send_weights(iter(master.items()))  # two in a row: more than allowed
+        assert transfer.failed_publishes == 2 and read_manifest(gated).step == 0  # the last good version stays
+    finally:
+        gated.fail = None
+        with contextlib.suppress(BucketError):
+            transfer.close()
