@@ -23,6 +23,7 @@ background is raised by the next send or flush.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Callable, Iterator
@@ -47,6 +48,32 @@ TRL_WAYS_ON = (
     "and trainer.train(resume_from_checkpoint=folder); the trainer Space does this by itself), or start a new run "
     "explicitly (BucketSync(bucket, new_run=True); TRAINER_NEW_RUN=1 in the trainer Space)"
 )
+
+
+@dataclasses.dataclass
+class PublishFailures:
+    """Background publishes that failed (a bucket error after the bucket's own retries), and how many may fail in a
+    row before a send raises. Each is logged and counted; the bucket keeps its last good version, and the next
+    version is a delta against it.
+
+    Attributes:
+        allowed: Failures in a row a send survives.
+        total: Failures so far.
+        in_a_row: Failures since the last publish that succeeded.
+    """
+
+    allowed: int = 3
+    total: int = 0
+    in_a_row: int = 0
+
+    def survive(self, exc: BucketError) -> None:
+        """Count ``exc``; raise it when more than :attr:`allowed` failed in a row."""
+        self.total += 1
+        self.in_a_row += 1
+        if self.in_a_row > self.allowed:
+            raise exc
+        logger.error("a background publish failed (%d in a row, %d allowed): %s; the bucket keeps its last good "
+                     "version and the next version is a delta against it", self.in_a_row, self.allowed, exc)
 
 
 class BucketWeightTransfer:
@@ -76,8 +103,7 @@ class BucketWeightTransfer:
         on_send: Called with the version number of every send, as it is sent (a background publish
             reaches ``on_publish`` later, at the next send or flush).
         max_failed_publishes: Background publishes that may fail in a row (a bucket error, after the bucket's
-            own retries) before a send raises. Each is logged and counted (:attr:`failed_publishes`); the bucket
-            keeps its last good version, and the next version is a delta against it. ``0``: every one raises.
+            own retries) before a send raises (:class:`PublishFailures`, :attr:`failures`). ``0``: every one raises.
 
     Runs: on an empty bucket the first send is version 0 of a new run. On a bucket that already
     holds a run, :meth:`init_weight_transfer` takes the run lock and, resuming from a checkpoint,
@@ -115,10 +141,7 @@ class BucketWeightTransfer:
         self.on_send = on_send
         self.on_non_finite = on_non_finite
         self.non_finite_refused = 0
-        self.max_failed_publishes = max_failed_publishes
-        #: Background publishes that failed (each survived while no more than ``max_failed_publishes`` in a row).
-        self.failed_publishes = 0
-        self._failed_in_a_row = 0
+        self.failures = PublishFailures(max_failed_publishes)
         self.records: list[PublishRecord] = []
         self.layout = layout
         self.fp8 = fp8
@@ -213,20 +236,12 @@ class BucketWeightTransfer:
             self._publish(lambda step: self._stage(background, pairs))
 
     def _stage(self, background: BackgroundPublisher, pairs: Iterator[tuple[str, torch.Tensor]]) -> list[PublishRecord]:
-        """Stage the version. A background publish that failed since the last send is raised here once, nothing
-        staged: it is counted and, while at most ``max_failed_publishes`` failed in a row, survived (this version
-        is staged after it, a delta against the bucket's last good version)."""
+        """Stage the version; a background publish that failed since the last send is raised here once, nothing
+        staged: :attr:`failures` decides whether to go on (this version is then staged after it)."""
         try:
             return background.stage(pairs)[1]
         except BucketError as exc:
-            self.failed_publishes += 1
-            self._failed_in_a_row += 1
-            if self._failed_in_a_row > self.max_failed_publishes:
-                raise
-            logger.error(
-                "a background publish failed (%d in a row, %d allowed): %s; the bucket keeps its last good version "
-                "and the next version is a delta against it", self._failed_in_a_row, self.max_failed_publishes, exc,
-            )  # fmt: skip
+            self.failures.survive(exc)
             return background.stage(pairs)[1]
 
     def _send_with_fp8(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -280,7 +295,7 @@ class BucketWeightTransfer:
         if send and self.on_send is not None and self.version is not None:
             self.on_send(self.version)
         if records:
-            self._failed_in_a_row = 0
+            self.failures.in_a_row = 0
         for record in records:
             self.records.append(record)
             del self.records[:-100]

@@ -151,7 +151,7 @@ def test_a_failed_background_publish_is_counted_and_the_next_version_follows_the
         rl_step(master, 2)
         transfer.send_weights(iter(master.items()))  # survives the failure: counted, this version staged after it
         transfer.flush()
-        assert transfer.failed_publishes == 1 and read_manifest(gated).step == transfer.published_version
+        assert transfer.failures.total == 1 and read_manifest(gated).step == transfer.published_version
         follower = Subscriber(gated)
         follower.sync()
         expected = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in master.items()}
@@ -176,7 +176,7 @@ def test_more_failed_background_publishes_in_a_row_than_allowed_stop_the_send(ga
         rl_step(master, 3)
         with pytest.raises(BucketError, match="refuses every upload"):
             transfer.send_weights(iter(master.items()))  # two in a row: more than allowed
-        assert transfer.failed_publishes == 2 and read_manifest(gated).step == 0  # the last good version stays
+        assert transfer.failures.total == 2 and read_manifest(gated).step == 0  # the last good version stays
     finally:
         gated.fail = None
         with contextlib.suppress(BucketError):
