@@ -120,10 +120,17 @@ def spaces(export, hub, tmp_path_factory) -> Iterator[Spaces]:
         running.close()
 
 
-def wait_for(what: str, check: Callable[[], object], timeout: float, spaces: list[SpaceProcess], every: float = 1.0):
-    """:func:`~testing.served.poll_until`, failing with the tails of the Spaces' logs."""
-    tails = lambda: "\n".join(f"--- {s.space_id} ---\n{s.log_tail(2000)}" for s in spaces)  # noqa: E731
-    return poll_until(what, check, timeout, tails, every)
+def wait_for(what: str, check: Callable[[], object], timeout: float, spaces: list[SpaceProcess], every: float = 1.0,
+             page=None):  # fmt: skip
+    """:func:`~testing.served.poll_until`, failing with the tails of the Spaces' logs (and the status lines of
+    ``page``: what the panel showed instead)."""
+
+    def describe() -> str:
+        shown = "" if page is None else "\n".join(f"#{e.get_attribute('id')}: {e.inner_text()}" for e in
+                                                   page.locator("[id^=status-], [id^=result-]").all())
+        return shown + "\n" + "\n".join(f"--- {s.space_id} ---\n{s.log_tail(6000)}" for s in spaces)
+
+    return poll_until(what, check, timeout, describe, every)
 
 
 def sign_in(browser, space: SpaceProcess, user: str):
@@ -229,7 +236,7 @@ def test_three_duplicates_with_only_a_token_train_in_the_owners_bucket(spaces, h
         page = pages[space.space_id] = sign_in(browser, space, "alice")
         page.get_by_text("Signed in as alice").first.wait_for(timeout=60_000)
         start(page, role)
-        wait_for(f"{space.space_id} running", lambda: "running" in text(page, f"status-{role}"), 300, [space])
+        wait_for(f"{space.space_id} running", lambda: "running" in text(page, f"status-{role}"), 300, [space], page=page)
     with pytest.MonkeyPatch.context() as mp:
         _point_at(mp, hub.url)
         bucket = open_hub_bucket(hub, "alice/rl-sync", TOKENS["alice"])

@@ -45,6 +45,43 @@ def sync_figures(rec: PublishRecord, coalesced: int = 0) -> dict[str, float]:
     }
 
 
+#: Publishes kept for a Trackio run that has not started (the newest).
+MAX_PENDING = 1000
+
+
+class OptionalCallback(TrainerCallback):
+    """Another callback whose first exception turns it off (logged) instead of ending the training: a tracker
+    that cannot reach its server, e.g. Trackio whose Space cannot be created (the run trains on without it).
+
+    Args:
+        inner: The callback (transformers' ``TrackioCallback``).
+    """
+
+    def __init__(self, inner: TrainerCallback) -> None:
+        self.inner = inner
+        #: The exception that turned it off (``None``: on).
+        self.error: BaseException | None = None
+
+
+def _guarded(event: str):
+    def call(self: OptionalCallback, args, state, control, **kwargs):
+        if self.error is not None:
+            return None
+        try:
+            return getattr(self.inner, event)(args, state, control, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - a tracker's failure never ends the training
+            self.error = exc
+            logger.error("%s is off for the rest of this run (%s failed): %s", type(self.inner).__name__, event, exc)
+            return None
+
+    call.__name__ = event
+    return call
+
+
+for _event in [name for name in vars(TrainerCallback) if name.startswith("on_")]:
+    setattr(OptionalCallback, _event, _guarded(_event))
+
+
 class TrackioSyncFigures(TrainerCallback):
     """Logs each publish's :func:`sync_figures` to the current Trackio run.
 
@@ -82,7 +119,7 @@ class TrackioSyncFigures(TrainerCallback):
         trainer.add_callback(self)
         tracker = trainer.pop_callback(TrackioCallback)
         if tracker is not None:
-            trainer.add_callback(tracker)
+            trainer.add_callback(OptionalCallback(tracker))
         return self
 
     def sent(self, version: int) -> None:
@@ -102,6 +139,7 @@ class TrackioSyncFigures(TrainerCallback):
                 del self._sent_at[version]
             self.coalesced += len(overtaken)
             self._pending.append((self._step() if step is None else step, sync_figures(rec, self.coalesced)))
+            del self._pending[:-MAX_PENDING]  # no Trackio run (yet, or at all): the newest are kept
         self._drain()
 
     def _step(self) -> int:

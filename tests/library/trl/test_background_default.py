@@ -181,3 +181,45 @@ def test_more_failed_background_publishes_in_a_row_than_allowed_stop_the_send(ga
         gated.fail = None
         with contextlib.suppress(BucketError):
             transfer.close()
+
+
+def test_a_tracker_that_fails_is_turned_off_and_the_training_goes_on():
+    """transformers' TrackioCallback raises at train begin when its Space cannot be created (a Hub that refuses it):
+    wrapped by install(), it is logged and off, and every later event skips it."""
+    from transformers import TrainerCallback
+    from transformers.integrations import TrackioCallback
+
+    from rlsync.trl.trackio_sync import OptionalCallback, TrackioSyncFigures
+
+    calls = []
+
+    class Refused(TrackioCallback):
+        def __init__(self) -> None:  # no trackio import: only the events matter here
+            pass
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            calls.append("train_begin")
+            raise RuntimeError("404 Not Found for url '/api/spaces/alice/rl-sync-trackio'")
+
+        def on_log(self, args, state, control, **kwargs):
+            calls.append("log")
+
+    class Trainer:  # what install() uses of a transformers Trainer
+        def __init__(self) -> None:
+            self.callbacks: list[TrainerCallback] = [Refused()]
+
+        def add_callback(self, callback) -> None:
+            self.callbacks.append(callback)
+
+        def pop_callback(self, cls):
+            found = next((c for c in self.callbacks if isinstance(c, cls)), None)
+            if found is not None:
+                self.callbacks.remove(found)
+            return found
+
+    trainer = Trainer()
+    figures = TrackioSyncFigures().install(trainer)
+    assert trainer.callbacks[0] is figures and isinstance(trainer.callbacks[1], OptionalCallback)
+    tracker = trainer.callbacks[1]
+    assert tracker.on_train_begin(None, None, None) is None and "404" in str(tracker.error)
+    assert tracker.on_log(None, None, None, logs={}) is None and calls == ["train_begin"]  # off from then on

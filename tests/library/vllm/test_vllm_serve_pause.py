@@ -54,15 +54,18 @@ def _generate(url: str, model: str, prompt_ids: list[int], seed: int) -> dict:
     return choice
 
 
-def _wait_running(url: str, n: int) -> None:
-    """Until the server generates ``n`` requests at once (its ``vllm:num_requests_running`` gauge)."""
+def _wait_running(url: str, futures: list) -> bool:
+    """Until the server generates every request of ``futures`` at once (its ``vllm:num_requests_running`` gauge):
+    ``True``; ``False`` when they all finished before it was seen (a loaded machine: the batch is sent again)."""
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not all(f.done() for f in futures):
         running = re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", httpx.get(f"{url}/metrics").text, re.M)
-        if running and sum(float(r) for r in running) >= n:
-            return
+        if running and sum(float(r) for r in running) >= len(futures):
+            return True
         time.sleep(0.01)
-    raise AssertionError(f"the server never generated {n} requests at once")
+    if all(f.done() for f in futures):
+        return False
+    raise AssertionError(f"the server never generated {len(futures)} requests at once")
 
 
 def test_the_pause_keeps_requests_in_flight_which_span_the_update_and_wait_drains_them(tmp_path, monkeypatch):
@@ -86,8 +89,12 @@ def test_the_pause_keeps_requests_in_flight_which_span_the_update_and_wait_drain
                 client.pause_mode = mode
                 assert client.prepare() == step  # downloaded and decoded now: the sync pauses at once
                 with ThreadPoolExecutor(REQUESTS) as pool:
-                    futures = [pool.submit(_generate, url, str(model), prompt_ids, seed) for seed in range(REQUESTS)]
-                    _wait_running(url, REQUESTS)  # each has sampled tokens with the old weights
+                    for _ in range(3):  # each has sampled tokens with the old weights when the sync pauses
+                        futures = [pool.submit(_generate, url, str(model), prompt_ids, seed) for seed in range(REQUESTS)]
+                        if _wait_running(url, futures):
+                            break
+                    else:
+                        raise AssertionError(f"{REQUESTS} requests never ran at once in 3 tries")
                     assert client.sync() == step and len(client.pauses) == 1
                     choices = [f.result() for f in futures]
                 versions = [completion_versions(c["weight_versions"]) for c in choices]
