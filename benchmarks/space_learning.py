@@ -40,8 +40,9 @@ from rlsync.errors import BucketError
 from rlsync.layout import status_key
 from rlsync.protocol import read_manifest
 from rlsync.roles import Role
-from rlsync.spaces.desired import Wanted, instance_id, write_desired
+from rlsync.spaces.desired import Wanted, write_desired
 from rlsync.spaces.metrics import EnvMetrics, HubCounts, read_metrics
+from rlsync.spaces.settings import instance_id
 from rlsync.spaces.tiny_model import tiny_model_path
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,9 +16,10 @@ from rlsync.layout import desired_key
 from rlsync.limits import MAX_DESIRED_BYTES
 from rlsync.roles import Role
 from rlsync.spaces import desired
-from rlsync.spaces.desired import Wanted, config_from_desired, instance_id, read_desired, write_desired
+from rlsync.spaces.desired import Wanted, config_from_desired, read_desired, write_desired
 from rlsync.spaces.restarts import resume_at_boot
 from rlsync.spaces.role_control import RoleRunner
+from rlsync.spaces.settings import instance_id
 
 
 @dataclasses.dataclass

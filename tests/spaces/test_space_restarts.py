@@ -107,7 +107,8 @@ def test_the_trainer_space_left_running_resumes_at_boot_and_its_sigterm_keeps_it
     Start, so the page starts training at boot with that Start's settings, no click; the runtime's SIGTERM saves a
     checkpoint and leaves it wanted; the next boot resumes from that checkpoint and publishes on."""
     from rlsync.roles import Role
-    from rlsync.spaces.desired import Wanted, instance_id, read_desired, write_desired
+    from rlsync.spaces.desired import Wanted, read_desired, write_desired
+    from rlsync.spaces.settings import instance_id
     from tests.helpers import free_port
     from trainer_space.config import TrainerConfig
 

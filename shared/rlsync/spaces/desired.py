@@ -36,7 +36,7 @@ from ..roles import Role
 from .settings import instance_id
 
 __all__ = [
-    "Wanted", "DesiredState", "REFUSED", "instance_id", "settings_of", "write_desired", "read_desired", "record_wanted",
+    "Wanted", "DesiredState", "REFUSED", "settings_of", "write_desired", "read_desired", "record_wanted",
     "config_from_desired",
 ]  # fmt: skip
 

@@ -32,7 +32,7 @@ def resume_at_boot(
     Args:
         runner: The role's :class:`~rlsync.spaces.role_control.RoleRunner`.
         config: The role's config from its environment (its ``bucket`` is where the record is read).
-        instance: This Space's id (default :func:`~rlsync.spaces.desired.instance_id`).
+        instance: This Space's id (default :func:`~rlsync.spaces.settings.instance_id`).
         start_with: What the runner starts with, from the settings (the rollout's ``(config, 1)``).
 
     Returns:
