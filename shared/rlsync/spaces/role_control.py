@@ -183,8 +183,8 @@ class RoleRunner:
     def status(self) -> str:
         """One status line."""
         line = f"**{self.name}**: {self.state}"
-        if self.error or self.crash:
-            line += f": {self.error or self.crash}"
+        if reason := self.error or self.crash:
+            line += f": {reason}"
         return line
 
 
