@@ -148,13 +148,12 @@ class Stack:
         from trainer_space import app as trainer_app
 
         self.bucket = bucket
-        self.replicas = replicas
         self.trainer_config = TrainerConfig.from_env(bucket=bucket, max_steps=max_steps, model=model)
         if lora and not self.trainer_config.lora_rank:
             self.trainer_config = dataclasses.replace(self.trainer_config, lora_rank=DEFAULT_LORA_RANK)
         self.env_config = EnvConfig.from_env(bucket=bucket, environment=environment)
-        replicas = ReplicaConfig.from_env(bucket=bucket, model=model, **({"lora": True} if lora else {}))
-        self.replica_config = dataclasses.replace(replicas, replica_id=replicas.replica_id or "replica")
+        rollout = ReplicaConfig.from_env(bucket=bucket, model=model, replicas=replicas, **({"lora": True} if lora else {}))
+        self.replica_config = dataclasses.replace(rollout, replica_id=rollout.replica_id or "replica")
         self.trainer = trainer_app.make_runner()
         self.env = env_app.make_runner()
         self.rollout = rollout_app.make_runner()
@@ -165,10 +164,10 @@ class Stack:
 
     def start_all(self) -> str:
         """Start every role that is not running, with the default settings."""
-        logger.info("starting trainer, env and %d replica(s) on %s", self.replicas, self.bucket)
+        logger.info("starting trainer, env and %d replica(s) on %s", self.replica_config.replicas, self.bucket)
         self.trainer.start(self.trainer_config)
         self.env.start(self.env_config)
-        self.rollout.start((self.replica_config, self.replicas))
+        self.rollout.start(self.replica_config)
         return self.status()
 
     def stop_all(self, wait: bool = True) -> str:
@@ -297,7 +296,7 @@ def build_app(stack: Stack) -> gr.Blocks:
                 )
             with gr.Tab("Rollout", id="rollout", elem_id="tab-rollout") as rollout_tab:
                 place = PanelPlace(url, timers[Role.ROLLOUT], "rollout-")
-                rollout_app.build_panel(stack.rollout, stack.replica_config, stack.replicas, place)
+                rollout_app.build_panel(stack.rollout, stack.replica_config, place)
             with gr.Tab("Environment", id="env", elem_id="tab-env") as env_tab:
                 env_app.build_panel(stack.env, stack.env_config, PanelPlace(url, timers[Role.ENV], "env-"))
         for name, tab in zip(names, (overview, trainer_tab, rollout_tab, env_tab)):

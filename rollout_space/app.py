@@ -28,18 +28,15 @@ from rollout_space.replica import Replica, ReplicaConfig, default_replica_id
 logger = logging.getLogger(__name__)
 
 
-def build_replicas(config: ReplicaConfig, count: int = 1) -> list[Replica]:
-    """``count`` replicas of ``config``; with several, their ids get ``-0``, ``-1``, ... suffixes.
-
-    Raises:
-        ValueError: ``count`` is below 1.
-    """
-    if count < 1:
-        raise ValueError(f"need at least one replica, got {count}")
-    if count == 1:
+def build_replicas(config: ReplicaConfig) -> list[Replica]:
+    """``config.replicas`` replicas of ``config``; with several, their ids get ``-0``, ``-1``, ... suffixes."""
+    if config.replicas == 1:
         return [Replica(config)]
     base = config.replica_id or default_replica_id()
-    return [Replica(dataclasses.replace(config, replica_id=f"{base}-{i}", seed=config.seed + i)) for i in range(count)]
+    return [
+        Replica(dataclasses.replace(config, replica_id=f"{base}-{i}", seed=config.seed + i, replicas=1))
+        for i in range(config.replicas)
+    ]
 
 
 def hosted_ids(runner: role_control.RoleRunner) -> list[str]:
@@ -47,16 +44,13 @@ def hosted_ids(runner: role_control.RoleRunner) -> list[str]:
     return [obj.replica_id for obj in runner.objects if isinstance(obj, Replica)]
 
 
-def build_panel(
-    runner: role_control.RoleRunner, config: ReplicaConfig, count: int = 1, place: PanelPlace = PanelPlace()
-) -> dict[str, Any]:
-    """Create the rollout panel's components in the current ``gr.Blocks`` context (:class:`RolePanel` with a
-    replica count, then this Space's replicas and the fleet).
+def build_panel(runner: role_control.RoleRunner, config: ReplicaConfig, place: PanelPlace = PanelPlace()) -> dict[str, Any]:
+    """Create the rollout panel's components in the current ``gr.Blocks`` context (:class:`RolePanel`, then this
+    Space's replicas and the fleet).
 
     Args:
         runner: The replicas this panel starts and stops (from :func:`make_runner`).
-        config: Defaults of the settings form.
-        count: Default number of replicas started in this process.
+        config: Defaults of the settings form (``replicas``: how many a Start runs in this process).
         place: Where the panel stands.
 
     Returns:
@@ -65,21 +59,16 @@ def build_panel(
     panel, prefix = RolePanel(runner, config, place), place.prefix
     live = panel.live
     with gr.Accordion("Replica settings", open=False):
-        replicas = gr.Number(
-            count, precision=0, minimum=1, label="replicas in this process", elem_id=f"{prefix}cfg-replicas"
-        )
         form = panel.form(overrides={
             "engine": lambda **kw: gr.Dropdown(["auto", *names(Kind.ENGINE)], **kw),
             "chain": lambda **kw: gr.Dropdown([c.value for c in Chain], **kw),
         })  # fmt: skip
 
-    def make_config(n: float | None, *values: Any) -> tuple[ReplicaConfig, int]:
-        if n is None or n < 1 or float(n) != int(n):
-            raise ValueError(f"replicas must be a whole number >= 1, got {n!r}")
-        return forms.config_from_form(config, list(form), values), int(n)
+    def make_config(*values: Any) -> ReplicaConfig:
+        return forms.config_from_form(config, list(form), values)
 
     with live:
-        controls = panel.controls(make_config, [replicas, *form.values()], bucket_of=lambda c: c[0].bucket)
+        controls = panel.controls(make_config, list(form.values()))
         gr.Markdown("### This Space's replicas")
         mine = components.fleet_table(
             live, replicas=lambda: hosted_ids(runner), label="Replicas hosted here", prefix=f"{prefix}own-"
@@ -88,15 +77,13 @@ def build_panel(
         gr.Markdown("### Fleet")
         fleet = components.fleet_table(live, prefix=prefix)
         components.summary_line(live, frames.hub_requests_summary, elem_id=f"{prefix}hub-requests")
-    return {**controls, "form": form, "replicas": replicas, "own": mine, "apply": apply, "fleet": fleet, "live": live}
+    return {**controls, "form": form, "replicas": form["replicas"], "own": mine, "apply": apply, "fleet": fleet, "live": live}
 
 
-#: The rollout Space's page: a Start runs ``count`` replicas (the runner starts with ``(ReplicaConfig, count)``;
-#: ``build_app(count=...)`` sets the form's default count); a resume at boot, one.
+#: The rollout Space's page: a Start (and a resume at boot) runs ``ReplicaConfig.replicas`` replicas.
 SPACE = RoleSpace(
     Role.ROLLOUT, "rollout", "Replicas following the trainer's weights bit-exactly and answering task batches.",
-    ReplicaConfig.from_env, lambda spec: build_replicas(*spec), build_panel,
-    config_of=lambda spec: spec[0], start_with=lambda config: (config, 1),
+    ReplicaConfig.from_env, build_replicas, build_panel,
 )  # fmt: skip
 make_runner, build_app, main = SPACE.make_runner, SPACE.build_app, SPACE.main
 

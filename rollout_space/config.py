@@ -11,6 +11,7 @@ import os
 import socket
 from pathlib import Path
 
+from rlsync.errors import ConfigurationError
 from rlsync.registry import Kind, check_choice, names
 from rlsync.spaces.settings import bucket_field, from_env, instance_id, on_space, poll_field
 
@@ -39,6 +40,7 @@ class ReplicaConfig:
     """Settings of a rollout replica (environment variables ``ROLLOUT_<FIELD>``)."""
 
     bucket: str = bucket_field("bucket URL or path (read access to weights, write to rollouts/ and status/)")
+    replicas: int = dataclasses.field(default=1, metadata={"help": "replicas in this process, each with its own engine (several: ids get -0, -1, ... suffixes); a restart resumes as many"})
     replica_id: str = dataclasses.field(default="", metadata={"help": "unique id (default: on a Space its SPACE_ID, owner--name; elsewhere host-pid); a live status of this id written by another host refuses the start"})
     engine: str = dataclasses.field(default="auto", metadata={"help": f"{', '.join(map(repr, names(Kind.ENGINE)))}, or 'auto' (vllm on a GPU when installed, or for the fp8 chain)"})
     model: str = dataclasses.field(default="", metadata={"help": "model name or folder (default: Qwen/Qwen3-0.6B on a GPU, the tiny offline model on CPU)"})
@@ -61,6 +63,8 @@ class ReplicaConfig:
 
     def __post_init__(self) -> None:
         check_choice(Kind.ENGINE, self.engine, "ROLLOUT_ENGINE", also=("auto",))
+        if type(self.replicas) is not int or self.replicas < 1:
+            raise ConfigurationError(f"ROLLOUT_REPLICAS must be a whole number >= 1, got {self.replicas!r}")
 
     @classmethod
     def from_env(cls, **overrides) -> "ReplicaConfig":

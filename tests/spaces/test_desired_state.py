@@ -165,28 +165,37 @@ def test_a_failed_record_leaves_the_role_running(tmp_path, caplog):
     assert read_desired(LocalBucket(tmp_path / "ok"), Role.TRAINER).settings == {}
 
 
-def test_the_rollout_space_records_the_settings_of_its_config_and_count_and_resumes_one_replica(store):
+def test_the_rollout_space_records_its_replica_count_and_a_restart_resumes_as_many(store):
     from rollout_space.app import SPACE
+    from rollout_space.config import ReplicaConfig
 
-    config = Settings(bucket=str(store.root), steps=5)
-    assert SPACE.config_of((config, 3)) is config and SPACE.start_with(config) == (config, 1)
-    built: list[tuple[Settings, int]] = []
+    built: list[ReplicaConfig] = []
 
-    def build(spec: tuple[Settings, int]) -> list[Role1]:
-        built.append(spec)
-        return [Role1(spec[0], store) for _ in range(spec[1])]
+    def build(config: ReplicaConfig) -> list[Role1]:
+        built.append(config)
+        return [Role1(config, store) for _ in range(config.replicas)]
 
     rollout = dataclasses.replace(SPACE, build_roles=build)
     runner = rollout.make_runner()
-    runner.start((config, 2), wait=True)
-    runner.stop(record=False)
-    assert read_desired(store, Role.ROLLOUT).settings == dataclasses.asdict(config)
+    started = ReplicaConfig(bucket=str(store.root), replicas=3, samples_per_task=2)
+    runner.start(started, wait=True)
+    assert len(runner.objects) == 3
+    runner.stop(record=False)  # the runtime's SIGTERM: the owner still wants 3 running
+    recorded = read_desired(store, Role.ROLLOUT).settings
+    assert recorded["replicas"] == 3 and recorded == desired.settings_of(started)
     again = rollout.make_runner()
-    assert "resumed" in resume_at_boot(again, Settings(bucket=str(store.root)), start_with=rollout.start_with)
+    assert "resumed" in resume_at_boot(again, ReplicaConfig(bucket=str(store.root)))
     for _ in range(500):
         if again.running:
             break
         threading.Event().wait(0.01)
-    assert built[-1] == (config, 1) and again.state == "running"
+    assert built[-1] == started and len(again.objects) == 3 and again.state == "running"
     again.stop()
     assert read_desired(store, Role.ROLLOUT).wanted is Wanted.STOPPED
+
+
+def test_a_recorded_replica_count_below_one_is_refused(store):
+    from rollout_space.config import ReplicaConfig
+
+    with pytest.raises(FormatError, match="ROLLOUT_REPLICAS"):
+        config_from_desired(ReplicaConfig(bucket=str(store.root)), {"replicas": 0}, str(store.root))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from typing import Any, Callable
+from typing import Any
 
 from ..bucket import open_bucket
 from ..errors import BucketError, FormatError
@@ -23,9 +23,7 @@ __all__ = ["resume_at_boot", "stop_on_sigterm"]
 logger = logging.getLogger(__name__)
 
 
-def resume_at_boot(
-    runner: Any, config: Any, instance: str | None = None, start_with: Callable[[Any], Any] = lambda c: c
-) -> str:
+def resume_at_boot(runner: Any, config: Any, instance: str | None = None) -> str:
     """At a Space's boot: start ``runner`` again when its role is recorded ``running`` in the bucket ``config``
     names (with the recorded settings), without recording anything.
 
@@ -33,7 +31,6 @@ def resume_at_boot(
         runner: The role's :class:`~rlsync.spaces.role_control.RoleRunner`.
         config: The role's config from its environment (its ``bucket`` is where the record is read).
         instance: This Space's id (default :func:`~rlsync.spaces.settings.instance_id`).
-        start_with: What the runner starts with, from the settings (the rollout's ``(config, 1)``).
 
     Returns:
         What happened, one line (also logged).
@@ -56,7 +53,7 @@ def resume_at_boot(
         getattr(bucket, "close", lambda: None)()
     if resumed is None:
         return _said(f"{role}: {'stopped by its owner' if state else 'never started'}; not resumed")
-    runner.start(start_with(resumed), record=False)
+    runner.start(resumed, record=False)
     return _said(f"{role}: was running before the restart; resumed")
 
 

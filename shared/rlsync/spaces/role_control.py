@@ -56,17 +56,13 @@ class RoleRunner:
 
     Args:
         name: The role, shown in status lines and the controls' labels.
-        build: ``build(config) -> list of role objects`` (one, or several replicas).
-        config_of: The settings dataclass in what :meth:`start` is given (the rollout's ``(config, count)``:
-            its first item), recorded in the bucket (:mod:`.desired`).
+        build: ``build(config) -> list of role objects`` (one, or several replicas). ``config`` is the role's
+            settings dataclass, recorded in the bucket at a Start (:mod:`.desired`).
     """
 
-    def __init__(
-        self, name: Role, build: Callable[[Any], Sequence[RoleObject]], config_of: Callable[[Any], Any] = lambda c: c
-    ) -> None:
+    def __init__(self, name: Role, build: Callable[[Any], Sequence[RoleObject]]) -> None:
         self.name = name
         self._build = build
-        self._config_of = config_of
         self.objects: list[RoleObject] = []
         self.config: Any = None
         self.error = ""
@@ -152,7 +148,7 @@ class RoleRunner:
             self._starting = False
         with self._recording:  # a Stop pressed meanwhile records after this, or this sees it and records nothing
             if record and not self._stopped:
-                record_wanted(self.name, Wanted.RUNNING, self._config_of(config), objects)
+                record_wanted(self.name, Wanted.RUNNING, config, objects)
 
     def stop(self, wait: bool = True, record: bool = True) -> str:
         """Stop the role objects; returns a status line.
@@ -164,7 +160,7 @@ class RoleRunner:
                 stopped); ``False`` for a stop the owner did not ask for (the runtime's SIGTERM before a restart).
         """
         self._stopped = True
-        objects, config = list(self.objects), self._config_of(self.config) if self.config is not None else None
+        objects, config = list(self.objects), self.config
 
         def stop_all() -> None:
             if record:

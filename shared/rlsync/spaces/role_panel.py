@@ -68,22 +68,20 @@ class RolePanel:
         self,
         make_config: Callable[..., Any],
         inputs: Sequence[Any],
-        bucket_of: Callable[[Any], str] = lambda c: c.bucket,
     ) -> dict[str, Any]:
         """Start / Stop and the status line (:func:`~rlsync.spaces.components.role_controls`), built inside
         :attr:`live`; a Start makes the panel follow the bucket it names.
 
         Args:
-            make_config: ``make_config(*values of inputs) -> what the runner starts with`` (may raise ``ValueError``).
+            make_config: ``make_config(*values of inputs) -> the role's config`` (may raise ``ValueError``).
             inputs: The form components passed to ``make_config``.
-            bucket_of: The bucket URL of what ``make_config`` returned.
 
         Returns:
             ``{"start", "stop", "status"}`` components.
         """
         follow = self._follow
         return components.role_controls(
-            self.runner, make_config, inputs, self.live, on_started=lambda c: follow(bucket_of(c)), prefix=self.prefix
+            self.runner, make_config, inputs, self.live, on_started=lambda c: follow(c.bucket), prefix=self.prefix
         )
 
 
@@ -96,10 +94,8 @@ class RoleSpace:
         title: The page's title (``RL Sync: <title>``).
         description: One line under the title.
         read_config: Reads the form's defaults from the environment (e.g. ``TrainerConfig.from_env``).
-        build_roles: What a Start builds: the role objects of what the form made (:class:`RoleRunner`).
+        build_roles: What a Start builds: the role objects of the config the form made (:class:`RoleRunner`).
         build_panel: ``build_panel(runner, config, **options)`` creates the panel in the current ``gr.Blocks``.
-        config_of: The settings dataclass in what a Start starts the runner with (default: that itself).
-        start_with: What a resume at boot starts the runner with, from the settings (default: those).
     """
 
     role: Role
@@ -108,12 +104,10 @@ class RoleSpace:
     read_config: Callable[[], Any]
     build_roles: Callable[[Any], list[Any]]
     build_panel: Callable[..., dict[str, Any]]
-    config_of: Callable[[Any], Any] = lambda spec: spec
-    start_with: Callable[[Any], Any] = lambda config: config
 
     def make_runner(self) -> RoleRunner:
         """A runner hosting the role (empty until a Start)."""
-        return RoleRunner(self.role, self.build_roles, self.config_of)
+        return RoleRunner(self.role, self.build_roles)
 
     def build_app(self, config: Any | None = None, runner: RoleRunner | None = None, **options: Any) -> Any:
         """The page as a ``gr.Blocks`` (not launched).
@@ -134,7 +128,7 @@ class RoleSpace:
         stop_on_sigterm(runner)
 
         def boot() -> Any:  # serve() configures the logging first
-            resume_at_boot(runner, config, start_with=self.start_with)
+            resume_at_boot(runner, config)
             return self.build_app(config, runner)
 
         components.serve(boot)
