@@ -76,6 +76,18 @@ def test_opened_by_url_behind_retries_with_its_declared_capabilities(s3):
     assert watch(bucket) is bucket  # not metered: nothing to pace or cache
 
 
+def test_an_entry_point_passing_the_hubs_settings_reaches_the_store_boto3s_variables_name(s3, monkeypatch):
+    """Roles and the CLI open every URL with the Hub's settings (``BucketSettings.from_env``): an ``s3://`` bucket
+    then has its defaults, and boto3's chain finds the endpoint and region (``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``)."""
+    from rlsync.bucket.settings import BucketSettings
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.endpoint_url)
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    name = fresh()
+    open_bucket(f"s3://{name}/run", settings=BucketSettings()).put("latest.json", b"{}")
+    assert s3.client().get_object(Bucket=name, Key="run/latest.json")["Body"].read() == b"{}"
+
+
 @pytest.mark.parametrize(
     ("url", "error"),
     [
