@@ -156,6 +156,34 @@ def hub(hub_server, monkeypatch):
     hub_server.reset()
 
 
+@pytest.fixture(scope="session")
+def s3_server():
+    """The URL of moto's S3 stand-in in server mode (HTTP on a free port of 127.0.0.1), one per test session."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    """:class:`rlsync.bucket.s3.S3Settings` reaching the S3 stand-in, with made-up credentials in the environment
+    (boto3's chain reads them), none of this machine's AWS configuration read."""
+    from rlsync.bucket.s3 import S3Settings
+
+    for name in ("PROFILE", "SESSION_TOKEN", "ENDPOINT_URL", "ENDPOINT_URL_S3", "REGION", "DEFAULT_REGION"):
+        monkeypatch.delenv(f"AWS_{name}", raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/aws-config")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/aws-credentials")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    return S3Settings(endpoint_url=s3_server, region="us-east-1", connect_timeout=2.0, read_timeout=5.0)
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_role_threads():
     """Fail a test that leaves a role's background thread running (a watched bucket's poller, a replica's

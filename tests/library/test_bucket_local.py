@@ -297,8 +297,8 @@ def test_open_bucket_hf_url_that_is_not_a_bucket_is_rejected(url):
 
 
 def test_open_bucket_unknown_scheme():
-    with pytest.raises(BucketError, match="unsupported bucket URL 's3://b/k'"):
-        open_bucket("s3://b/k")
+    with pytest.raises(BucketError, match="unsupported bucket URL 'gs://b/k': use a local path or one of file://, hf://, s3://"):
+        open_bucket("gs://b/k")
 
 
 def test_object_not_found_reads_as_its_message_not_as_a_quoted_key():

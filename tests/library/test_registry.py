@@ -21,12 +21,12 @@ def test_every_kind_is_listed_without_importing_what_its_entries_need():
         import env_space, env_space.sources, rollout_space
         from rlsync import registry
         print({kind.value: registry.names(kind) for kind in registry.Kind})
-        print(sorted(m for m in ("torch", "huggingface_hub", "vllm", "reasoning_gym", "datasets") if m in sys.modules))
+        print(sorted(m for m in ("torch", "huggingface_hub", "boto3", "vllm", "reasoning_gym", "datasets") if m in sys.modules))
     """)  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     listed = eval(out[0])  # noqa: S307 - our own child's dict
     assert listed == {
-        "codec": ["classgap", "classrice", "gapzz", "trl"], "bucket": ["file", "hf"],
+        "codec": ["classgap", "classrice", "gapzz", "trl"], "bucket": ["file", "hf", "s3"],
         "anchor_policy": ["adaptive", "fixed"], "env_source": ["dataset", "openenv", "reasoning_gym"],
         "environment": ["arithmetic", "reverse"], "engine": ["transformers", "vllm"],
     }  # fmt: skip

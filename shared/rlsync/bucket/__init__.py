@@ -2,6 +2,7 @@
 
 >>> bucket = open_bucket("./runs/demo")               # local folder
 >>> bucket = open_bucket("hf://buckets/me/rl-sync")   # Hugging Face Bucket
+>>> bucket = open_bucket("s3://my-bucket/run", settings=S3Settings(endpoint_url="http://127.0.0.1:9000"))  # S3, MinIO
 >>> bucket = open_bucket(url, settings=BucketSettings.from_env(Role.ROLLOUT))  # at an entry point
 """
 
@@ -67,7 +68,8 @@ def open_bucket(url: str, *, create: bool = True, settings: Any = None) -> Bucke
     (:mod:`rlsync.registry`, ``Kind.BUCKET``; a path without a scheme is a local folder).
 
     Args:
-        url: A local path or ``file://`` URL, ``hf://buckets/OWNER/NAME[/PREFIX]``, or another registered scheme.
+        url: A local path or ``file://`` URL, ``hf://buckets/OWNER/NAME[/PREFIX]``, ``s3://BUCKET[/PREFIX]``, or
+            another registered scheme.
         create: Create a bucket that does not exist yet (a local folder; a Hub bucket when the token
             can write to its namespace, else a :class:`BucketError` says how to create it); ``False``
             for read-only use (a mistyped path then fails instead of creating a folder).

@@ -44,8 +44,9 @@ class Capability(str, enum.Enum):
     CHANGE_FEED = "change_feed"
     #: :meth:`Bucket.get_limited` refuses an oversized object before reading its bytes.
     SIZE_LIMITED_READS = "size_limited_reads"
-    #: The store can write an object only where none exists (S3's ``If-None-Match: *``); no backend here uses it
-    #: yet, the run lock (:mod:`rlsync.protocol.lock`) would take it over its fence where one declares it.
+    #: The store can write an object only where none exists (S3's ``If-None-Match: *``:
+    #: :meth:`rlsync.bucket.s3.S3Bucket.put_if_absent`); the run lock (:mod:`rlsync.protocol.lock`) does not use it
+    #: yet, it would take it over its fence where a backend declares it.
     CONDITIONAL_WRITES = "conditional_writes"
 
     @classmethod
@@ -151,7 +152,7 @@ class Bucket(abc.ABC):
     def get_limited(self, key: str, max_bytes: int) -> bytes:
         """:meth:`get`, refusing an object larger than ``max_bytes``.
 
-        Backends that can learn the size first (local folder, Hugging Face Bucket)
+        Backends that can learn the size first (local folder, Hugging Face Bucket, S3)
         refuse before reading; this default checks after the download.
 
         Raises:
