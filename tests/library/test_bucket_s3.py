@@ -76,15 +76,24 @@ def test_opened_by_url_behind_retries_with_its_declared_capabilities(s3):
     assert watch(bucket) is bucket  # not metered: nothing to pace or cache
 
 
-def test_an_entry_point_passing_the_hubs_settings_reaches_the_store_boto3s_variables_name(s3, monkeypatch):
-    """Roles and the CLI open every URL with the Hub's settings (``BucketSettings.from_env``): an ``s3://`` bucket
-    then has its defaults, and boto3's chain finds the endpoint and region (``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``)."""
+@pytest.mark.parametrize("variable", ["S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"])
+def test_an_entry_point_passing_the_hubs_settings_reaches_the_store_its_variables_name(variable, s3, monkeypatch):
+    """Roles and the CLI open every URL with the Hub's settings (``BucketSettings.from_env``): for an ``s3://``
+    bucket, the S3 entry's own settings are read from its variables instead (``S3_ENDPOINT_URL``...), and
+    boto3's chain fills what they leave unset (``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``)."""
     from rlsync.bucket.settings import BucketSettings
 
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.endpoint_url)
+    monkeypatch.setenv(variable, s3.endpoint_url)
     monkeypatch.setenv("AWS_REGION", "us-east-1")
     name = fresh()
     open_bucket(f"s3://{name}/run", settings=BucketSettings()).put("latest.json", b"{}")
+    assert s3.client().get_object(Bucket=name, Key="run/latest.json")["Body"].read() == b"{}"
+
+
+def test_s3_settings_an_entry_point_passes_are_used_as_given(s3, monkeypatch):
+    monkeypatch.setenv("S3_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there: the given settings win
+    name = fresh()
+    open_bucket(f"s3://{name}/run", settings=s3).put("latest.json", b"{}")
     assert s3.client().get_object(Bucket=name, Key="run/latest.json")["Body"].read() == b"{}"
 
 

@@ -74,8 +74,10 @@ def open_bucket(url: str, *, create: bool = True, settings: Any = None) -> Bucke
             can write to its namespace, else a :class:`BucketError` says how to create it); ``False``
             for read-only use (a mistyped path then fails instead of creating a folder).
         settings: The backend's settings (its entry's settings class, e.g. the Hub's ``BucketSettings``:
-            timeouts and request budget; entry points pass ``from_env``). Settings of another backend's class
-            are not passed on (a local folder has none); ``None``: the backend's defaults.
+            timeouts and request budget; entry points pass ``from_env``). Given settings of another backend's
+            class (an entry point's Hub settings, for an ``s3://`` URL), the backend's own are read from its
+            variables instead (``<env_prefix>_<FIELD>``, e.g. ``S3_ENDPOINT_URL``); ``None``: the backend's
+            defaults.
 
     Returns:
         The bucket backend for that URL.
@@ -90,5 +92,8 @@ def open_bucket(url: str, *, create: bool = True, settings: Any = None) -> Bucke
         known = ", ".join(f"{name}://" for name in names(Kind.BUCKET))
         raise BucketError(f"unsupported bucket URL {url!r}: use a local path or one of {known}") from None
     cls = entry.settings_class()
-    own = settings if cls is not None and isinstance(settings, cls) else None
+    if cls is None or settings is None:
+        own = None
+    else:
+        own = settings if isinstance(settings, cls) else entry.read_settings()
     return entry.load()(url, create=create, settings=own)
