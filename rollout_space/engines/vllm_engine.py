@@ -55,7 +55,7 @@ from rlsync.patch import TensorPatch
 from rlsync.registry import Kind, register
 from rlsync.vllm.payload import pack_patches, pack_tensors, unpack_tensors
 from rlsync.vllm.plugin import WORKER_EXTENSION
-from rlsync.vllm.worker import WeightLayout, plan_update
+from rlsync.vllm.plan import WeightLayout, plan_update
 
 from rollout_space.engine import Completion, Engine, SamplingSettings
 

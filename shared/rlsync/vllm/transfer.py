@@ -6,7 +6,7 @@ vLLM's RL weight-sync API (``init_weight_transfer_engine``, ``start_weight_updat
 ``WeightTransferEngine`` chosen by ``--weight-transfer-config '{"backend": NAME}'``
 from ``WeightTransferEngineFactory``. This module adds one named ``bucket``: inside
 each vLLM worker it runs a :class:`~rlsync.protocol.Subscriber` on the bucket, through the same code
-as the offline engine (:class:`~rlsync.vllm.worker.ModelWeights`). No tensor crosses HTTP.
+as the offline engine (:class:`~rlsync.vllm.model_weights.ModelWeights`). No tensor crosses HTTP.
 
 Prepare, then pause. vLLM calls ``update_weights`` inside its pause of generation, and has no call
 for work before it. So the worker extension adds one (``collective_rpc('sync_prepare', step)``,
@@ -22,7 +22,7 @@ refused while preparing, before any pause, and counted by the subscriber. Withou
 caller that never prepared) ``update_weights`` still fetches what it needs itself, inside the pause.
 
 The model's weights are the subscriber's state. Where a checkpoint tensor is a plain view of a
-served parameter (:meth:`~rlsync.vllm.worker.ModelWeights.views`: every module on a GPU at tensor
+served parameter (:meth:`~rlsync.vllm.model_weights.ModelWeights.views`: every module on a GPU at tensor
 parallelism 1), the subscriber copies anchors and scatters deltas straight into it, and updates the
 state hash from the changed elements alone; no second copy exists, and the pause is that scatter. The
 other modules keep the smallest copy that works, their checkpoint tensors only, reloaded through vLLM
@@ -90,7 +90,8 @@ from .plugin import BACKEND_NAME, register
 from .prepare import BackgroundJob
 from .settings import backend_defaults
 from .status import Pause, Prepared, Rehash, TransferStatus
-from .worker import ModelWeights, plan_update
+from .model_weights import ModelWeights
+from .plan import plan_update
 
 __all__ = ["BACKEND_NAME", "BucketInitInfo", "BucketUpdateInfo", "BucketWeightTransferEngine", "register"]
 
