@@ -19,7 +19,7 @@ from typing import Any
 from ..roles import Role
 from . import forms
 from .controls import role_controls
-from .live import REFRESH_S, panel_live
+from .live import panel_live
 from .page import serve, space_page
 from .restarts import resume_at_boot, stop_on_sigterm
 from .role_control import RoleRunner
@@ -35,7 +35,7 @@ class PanelPlace:
     Args:
         bucket_url: The bucket the panel reads (fixed, e.g. in the combined app); ``None``: the form has a bucket
             field and the panel follows the bucket of the last Start.
-        timer: The ``gr.Timer`` refreshing the panel (default: a new one, ticking every ``REFRESH_S``).
+        timer: The ``gr.Timer`` refreshing the panel (default: a new one, ticking every :data:`~.live.REFRESH_S`).
         prefix: Prepended to the components' ``elem_id`` (several panels on one page).
     """
 
