@@ -112,24 +112,11 @@ class VllmEngine(VllmBucketCalls, Engine):
         self.spool_dir = spool_dir
         if current_platform.is_cpu():
             os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-            if kv_cache_memory_bytes is None:
-                kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
-        kwargs: dict[str, Any] = dict(
-            model=self.model_path,
-            dtype=dtype,
-            seed=seed,
-            enforce_eager=enforce_eager,
-            worker_extension_cls=WORKER_EXTENSION,
-            logprobs_mode="processed_logprobs",
-            weight_transfer_config=dict(BUCKET_BACKEND),
-        )
-        if max_model_len is not None:
-            kwargs["max_model_len"] = max_model_len
-        if kv_cache_memory_bytes is not None:
-            kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
-        if max_loras:
-            kwargs.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
-        kwargs.update(llm_kwargs)
+        kwargs = llm_arguments(
+            self.model_path, on_cpu=current_platform.is_cpu(), dtype=dtype, seed=seed, max_model_len=max_model_len,
+            enforce_eager=enforce_eager, kv_cache_memory_bytes=kv_cache_memory_bytes, max_loras=max_loras,
+            max_lora_rank=max_lora_rank, **llm_kwargs,
+        )  # fmt: skip
         transfer = kwargs["weight_transfer_config"]
         backend = transfer.get("backend") if isinstance(transfer, dict) else getattr(transfer, "backend", None)
         self.follows_bucket = backend == BUCKET_BACKEND["backend"]
@@ -276,6 +263,44 @@ class VllmEngine(VllmBucketCalls, Engine):
             llm.llm_engine.engine_core.shutdown()
         if getattr(self, "adapters", None) is not None:
             self.adapters.close()
+
+
+def llm_arguments(
+    model_path: str,
+    /,
+    *,
+    on_cpu: bool,
+    dtype: str,
+    seed: int,
+    max_model_len: int | None,
+    enforce_eager: bool,
+    kv_cache_memory_bytes: int | None,
+    max_loras: int,
+    max_lora_rank: int,
+    **llm_kwargs: Any,
+) -> dict[str, Any]:
+    """``vllm.LLM``'s arguments for a :class:`VllmEngine` (its arguments, ``on_cpu``: vLLM's CPU platform): the
+    worker extension, the sampled log-probabilities, the ``bucket`` backend unless ``llm_kwargs`` names another,
+    LoRA slots with ``max_loras``, and on CPU a KV cache of :data:`DEFAULT_CPU_KV_CACHE_BYTES` unless given."""
+    if on_cpu and kv_cache_memory_bytes is None:
+        kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+    kwargs: dict[str, Any] = dict(
+        model=model_path,
+        dtype=dtype,
+        seed=seed,
+        enforce_eager=enforce_eager,
+        worker_extension_cls=WORKER_EXTENSION,
+        logprobs_mode="processed_logprobs",
+        weight_transfer_config=dict(BUCKET_BACKEND),
+    )
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
+    if kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+    if max_loras:
+        kwargs.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
+    kwargs.update(llm_kwargs)
+    return kwargs
 
 
 def _completion(output: Any) -> Completion:
