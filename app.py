@@ -243,8 +243,11 @@ def build_app(stack: Stack) -> gr.Blocks:
     import gradio as gr
 
     from env_space import app as env_app
-    from rlsync.spaces import access, components, frames
     from rlsync.roles import Role
+    from rlsync.spaces import access, frames
+    from rlsync.spaces.live import REFRESH_S, Live
+    from rlsync.spaces.plots import apply_plot, fleet_lag_plot, ratio_plot, reward_plot, size_plot, staleness_plot
+    from rlsync.spaces.tables import fleet_table, summary_line
     from rlsync.spaces.role_panel import PanelPlace
     from rollout_space import app as rollout_app
     from trainer_space import app as trainer_app
@@ -258,7 +261,7 @@ def build_app(stack: Stack) -> gr.Blocks:
             "rollout replicas follow them bit-exactly; an environment hands out tasks and scores completions. "
             f"Bucket: `{url}`."
         )
-        timers = {name: gr.Timer(components.REFRESH_S, active=(name == "overview")) for name in names}
+        timers = {name: gr.Timer(REFRESH_S, active=(name == "overview")) for name in names}
         with gr.Tabs():
             with gr.Tab("Overview", id="overview", elem_id="tab-overview") as overview:
                 with gr.Row():
@@ -273,23 +276,23 @@ def build_app(stack: Stack) -> gr.Blocks:
                     access.guarded(lambda: stack.stop_all(wait=False), lambda why: f"not stopped: {why}"),
                     outputs=status, api_name="stop_all", **access.CONTROL_EVENT,
                 )  # fmt: skip
-                with components.Live(url, timers["overview"]) as live:
+                with Live(url, timers["overview"]) as live:
                     live.add(status, lambda view, snap: stack.status())
-                    components.summary_line(live, frames.trainer_summary, elem_id="overview-trainer-summary")
-                    components.summary_line(live, frames.env_summary, elem_id="overview-env-summary")
-                    components.summary_line(live, frames.flow_summary, elem_id="overview-flow-summary")
-                    components.summary_line(live, frames.adapter_summary, elem_id="overview-adapter-summary")
-                    components.summary_line(live, frames.hub_requests_summary, elem_id="overview-hub-requests")
+                    summary_line(live, frames.trainer_summary, elem_id="overview-trainer-summary")
+                    summary_line(live, frames.env_summary, elem_id="overview-env-summary")
+                    summary_line(live, frames.flow_summary, elem_id="overview-flow-summary")
+                    summary_line(live, frames.adapter_summary, elem_id="overview-adapter-summary")
+                    summary_line(live, frames.hub_requests_summary, elem_id="overview-hub-requests")
                     with gr.Row():
-                        components.reward_plot(live, prefix="overview-")
-                        components.size_plot(live, prefix="overview-")
+                        reward_plot(live, prefix="overview-")
+                        size_plot(live, prefix="overview-")
                     with gr.Row():
-                        components.ratio_plot(live, prefix="overview-")
-                        components.staleness_plot(live, prefix="overview-")
+                        ratio_plot(live, prefix="overview-")
+                        staleness_plot(live, prefix="overview-")
                     with gr.Row():
-                        components.fleet_lag_plot(live, prefix="overview-")
-                        components.apply_plot(live, prefix="overview-")
-                    components.fleet_table(live, prefix="overview-")
+                        fleet_lag_plot(live, prefix="overview-")
+                        apply_plot(live, prefix="overview-")
+                    fleet_table(live, prefix="overview-")
             with gr.Tab("Trainer", id="trainer", elem_id="tab-trainer") as trainer_tab:
                 trainer_app.build_panel(
                     stack.trainer, stack.trainer_config, PanelPlace(url, timers[Role.TRAINER], "trainer-")
@@ -317,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from rlsync.bucket import BucketSettings, open_bucket
     from rlsync.bucket.settings import role_weight
     from rlsync.roles import Role
-    from rlsync.spaces import components
+    from rlsync.spaces.page import launch_options
     from rlsync.supervised import SupervisedThread
 
     # The roles and the panel share the token's Hub budget: each paces itself to its weight's part of the
@@ -333,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.bucket, args.replicas, environment=args.environment, max_steps=args.max_steps, lora=args.lora, model=args.model
     )
     demo = build_app(stack)
-    options: dict[str, Any] = {**components.launch_options(args.host), "server_port": args.port}
+    options: dict[str, Any] = {**launch_options(args.host), "server_port": args.port}
     demo.launch(prevent_thread_lock=True, **options)  # first, so a busy port stops us before any role runs
     logger.info(
         "panel on http://%s:%d",

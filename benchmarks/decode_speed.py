@@ -5,8 +5,8 @@ tied head once: 596M elements, 1.19 GB; weights N(0, 0.02), norms 1) takes one A
 element moves by ``lr * |g|`` (g ~ N(0, 1)) stochastically rounded to whole ulps of its own bf16 value,
 so, as with AdamW on a bf16 copy, small weights change far more often than large ones and the tiniest
 by several ulps. ``--lr`` sets the share that changes (3e-7: 1.21%, 6.4 MB with classrice). The delta
-is encoded once with the codec (``format.encode_delta``, as the publisher does), then
-``format.decode_delta`` (the replica's decode, on the library's worker threads) runs ``--repeat``
+is encoded once with the codec (``delta_format.encode_delta``, as the publisher does), then
+``delta_format.decode_delta`` (the replica's decode, on the library's worker threads) runs ``--repeat``
 times against the state; each run prints its wall time and the CPU time of all the process's
 threads (``RLSYNC_THREADS`` sets how many decode tensors at once). ``--profile`` adds one
 single-threaded run under cProfile, timed in CPU time.
@@ -54,7 +54,7 @@ def build(cache: Path, lr: float, codec: str, seed: int) -> None:
     import safetensors.torch
 
     from rlsync.dtypes import bits_to_numpy
-    from rlsync.format import Change, encode_delta
+    from rlsync.delta_format import Change, encode_delta
 
     g = torch.Generator().manual_seed(seed)
     state, changes = {}, {}
@@ -110,7 +110,7 @@ def main() -> None:
 
     import safetensors.torch
 
-    import rlsync.format as fmt
+    import rlsync.delta_format as fmt
 
     delta_file = args.cache / f"delta-{args.codec}.safetensors"
     if args.rebuild or not delta_file.exists():

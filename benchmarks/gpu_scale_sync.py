@@ -127,7 +127,7 @@ def publish_stages(
     from rlsync.detect import DEFAULT_CHUNK_ELEMENTS
     from rlsync.device_changes import compare, copy_to_host, extract_positions
     from rlsync.dtypes import int_view
-    from rlsync.format import Change, encode_delta
+    from rlsync.delta_format import Change, encode_delta
 
     times = dict.fromkeys(STAGES, 0.0)
     changes, host_bytes = {}, 0

@@ -36,7 +36,7 @@ import torch
 from benchmarks.vllm_apply import QWEN3_0_6B, random_qwen3_state, write_model_folder
 from rlsync.detect import ChangeDetector
 from rlsync.dtypes import int_view
-from rlsync.format import decode_delta, encode_delta
+from rlsync.delta_format import decode_delta, encode_delta
 from rlsync.hashing import state_hash
 
 

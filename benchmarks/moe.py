@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     from env_space.environments import get_environment
     from rlsync.bucket import LocalBucket
     from rlsync.checkpoint_layout import CheckpointLayout, expert_of
-    from rlsync.format import encode_delta
+    from rlsync.delta_format import encode_delta
     from rlsync.protocol import FixedInterval, Publisher
     from rlsync.spaces.tiny_model import TinyModel, tiny_model_path
     from transformers import AutoModelForCausalLM, AutoTokenizer

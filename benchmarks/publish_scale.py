@@ -17,7 +17,7 @@ Per version it gives, measured in this run:
 - **compare**: the bare compare of the same two bf16 states, numpy ``count_nonzero(a != b)`` over int16
   views, tensor by tensor (as :mod:`benchmarks.sync`): the memory-bound floor of change detection;
 - **decode**: the delta read back from the bucket and decoded against the old state
-  (:func:`~rlsync.format.decode_delta`, every check of a replica) plus its state-hash update;
+  (:func:`~rlsync.delta_format.decode_delta`, every check of a replica) plus its state-hash update;
 - **apply**: the scatter of the decoded values into the state (:func:`rlsync.patch.scatter_`, tensors over the
   worker threads: a CPU replica's pause);
 - **bytes** per changed element. Every decoded patch is checked equal to the update, element for element.
@@ -48,7 +48,7 @@ import torch
 from benchmarks.qwen3 import MODELS, qwen3_shapes
 from rlsync.bucket import LocalBucket
 from rlsync.dtypes import int_view
-from rlsync.format import decode_delta
+from rlsync.delta_format import decode_delta
 from rlsync.hashing import changes_lanes
 from rlsync.patch import scatter_
 from rlsync.protocol import FixedInterval, Publisher

@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 
 from benchmarks.sync import init_weights, model_shapes
 from rlsync.bucket import LocalBucket
-from rlsync.format import Change, encode_delta
+from rlsync.delta_format import Change, encode_delta
 from rlsync.protocol import FixedInterval, Publisher
 from rlsync.protocol.sharded import ShardedPublisher
 

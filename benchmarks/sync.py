@@ -27,7 +27,7 @@ import zstandard
 from benchmarks.entropy import delta_entropy
 from rlsync.detect import ChangeDetector
 from rlsync.dtypes import int_view
-from rlsync.format import decode_delta, encode_delta
+from rlsync.delta_format import decode_delta, encode_delta
 from rlsync.hashing import state_hash
 
 logger = logging.getLogger("benchmarks.sync")

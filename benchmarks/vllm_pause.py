@@ -141,17 +141,18 @@ def timed_client(url: str, bucket: str, mode: Any) -> Any:
     """A :class:`~rlsync.vllm.client.BucketSyncClient` that also times each HTTP call it makes (``calls``)."""
     from rlsync.vllm.client import BucketSyncClient
 
-    class TimedClient(BucketSyncClient):
-        calls: list[tuple[str, float]] = []
+    client = BucketSyncClient(url, bucket, pause_mode=mode, verify=False)
+    client.calls, post = [], client.server.post
 
-        def _post(self, path: str, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return super()._post(path, **kwargs)
-            finally:
-                self.calls.append((path, time.perf_counter() - t0))
+    def timed_post(path: str, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return post(path, **kwargs)
+        finally:
+            client.calls.append((path, time.perf_counter() - t0))
 
-    return TimedClient(url, bucket, pause_mode=mode, verify=False)
+    client.server.post = timed_post
+    return client
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,7 +31,9 @@ import gradio as gr
 from env_space.environments import list_environments
 from env_space.simulator import EnvConfig, EnvSimulator
 from env_space.sources.settings import sources
-from rlsync.spaces import components, forms, frames, role_control
+from rlsync.spaces import forms, frames, role_control
+from rlsync.spaces.plots import reward_plot
+from rlsync.spaces.tables import episodes_table, frame_table, summary_line
 from rlsync.roles import Role
 from rlsync.spaces.role_panel import PanelPlace, RolePanel, RoleSpace
 
@@ -86,17 +88,17 @@ def build_panel(runner: role_control.RoleRunner, config: EnvConfig, place: Panel
 
     with live:
         controls = panel.controls(make_config, [*form.values(), *source_inputs])
-        summary = components.summary_line(live, frames.env_summary, elem_id=f"{prefix}env-summary")
-        components.summary_line(live, frames.hub_requests_summary, elem_id=f"{prefix}hub-requests")
-        reward = components.reward_plot(live, prefix=prefix)
+        summary = summary_line(live, frames.env_summary, elem_id=f"{prefix}env-summary")
+        summary_line(live, frames.hub_requests_summary, elem_id=f"{prefix}hub-requests")
+        reward = reward_plot(live, prefix=prefix)
         with gr.Row():
-            by_type = components.frame_table(
+            by_type = frame_table(
                 live, frames.task_type_frame, "Reward per source and task type", f"{prefix}env-by-type", wrap=True
             )
-            failures = components.frame_table(
+            failures = frame_table(
                 live, frames.failures_frame, "Scoring failures by reason", f"{prefix}env-failures", wrap=True
             )
-        episodes = components.episodes_table(live, prefix=prefix)
+        episodes = episodes_table(live, prefix=prefix)
     return {
         **controls, "form": form, "source_forms": {s: f for s, (_, f, _) in source_forms.items()}, "summary": summary,
         "reward": reward, "by_type": by_type, "failures": failures, "episodes": episodes, "live": live,

@@ -19,8 +19,8 @@ simulator wrote, counts on from there in memory, and never takes a planted key a
 next number; keys beyond its numbering are deleted as refused.
 
 The jobs live in parts: :class:`~env_space.issuer.TaskIssuer` (numbering, publishing, pacing,
-pruning) and :class:`~env_space.scoring.Scorer` (bounded scoring); :class:`EnvSimulator` joins them,
-keeps the figures and runs the loop.
+pruning), :class:`~env_space.scoring.Scorer` (bounded scoring) and :class:`~env_space.figures.EnvFigures` (the
+figures and the summary line); :class:`EnvSimulator` joins them, routes the rollouts and runs the loop.
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ from rlsync.bucket.watch import IDLE_WAIT_S, generation, meter_of, wait_for_chan
 from rlsync.errors import BucketError
 from rlsync.layout import DEMAND_KEY, ROLLOUTS_PREFIX, replica_of, score_key, task_key
 from rlsync.roles import Role
-from rlsync.spaces.demand import Demand, Pacing
-from rlsync.spaces.interval_log import IntervalLog
+from rlsync.spaces.demand import Demand
 from rlsync.spaces.role_control import OneThreadRole
 from rlsync.spaces.exchange import (
     Refusals,
@@ -47,35 +46,25 @@ from rlsync.spaces.exchange import (
     read_samples,
     write_samples,
 )
-from rlsync.spaces.metrics import (
-    EPISODES,
-    EnvMetrics,
-    Episode,
-    HubCounts,
-    MetricsLog,
-    RefusalCounts,
-    RewardRow,
-    TypeReward,
-)
 from rlsync.supervised import SupervisedThread
 
 from .bounded import FailureCounts
 from .config import EnvConfig
 from .environments import Environment, Task
+from .figures import EnvFigures
 from .issuer import TaskIssuer
 from .scoring import Scorer
 from .sources import open_environment
 from .sources.settings import source_settings
 
 logger = logging.getLogger(__name__)
-_EPISODE_CHARS = 400  # prompt tail / completion head kept per recent episode for the panel
 _MAX_BACKOFF_S = 60.0  # longest wait between steps after failures in a row
 
 
 class EnvSimulator(OneThreadRole):
     """Publishes task batches and scores the completions replicas write back: it joins a
-    :class:`~env_space.issuer.TaskIssuer` (numbering, pacing, pruning) and a :class:`~env_space.scoring.Scorer`
-    (bounded scoring), and keeps the figures.
+    :class:`~env_space.issuer.TaskIssuer` (numbering, pacing, pruning), a :class:`~env_space.scoring.Scorer`
+    (bounded scoring) and :class:`~env_space.figures.EnvFigures`.
 
     Args:
         config: Settings.
@@ -90,18 +79,12 @@ class EnvSimulator(OneThreadRole):
         settings = source_settings(config.environment, config.source_settings)
         environment = open_environment(config.environment, chat_template=config.chat_template, settings=settings)
         self.failures = FailureCounts()
-        self.by_type: dict[str, list[float]] = {}  # "<source> / <task type>" -> [reward sum, count]
-        self.metrics = MetricsLog(self.bucket, EnvMetrics, every_s=config.metrics_every_s if self.meter is not None else 0.0)
-        self.episodes: list[Episode] = []
+        self.figures = EnvFigures(self.bucket, self.meter, config.metrics_every_s, logger, lambda: self.environment.name)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._scored = 0
-        self._cancelled = 0
-        self._t0 = time.time()
         self.refusals = Refusals()
-        self.summary = IntervalLog(logger, self._summary_line)
         self.issuer = TaskIssuer(
-            config, self.bucket, environment, failures=self.failures, refusals=self.refusals, summary=self.summary
+            config, self.bucket, environment, failures=self.failures, refusals=self.refusals, summary=self.figures.summary
         )
         self.scorer = Scorer(config, self.bucket, environment, self.failures)
 
@@ -181,8 +164,7 @@ class EnvSimulator(OneThreadRole):
                 if len(kept) < len(samples):
                     self.failures.add("rollouts", "unknown task or changed prompt", len(samples) - len(kept))
                 fresh = [s for s in kept if self.demand is None or s.version >= self.demand.min_version]
-                self._cancelled += len(kept) - len(fresh)
-                self.summary.add(cancelled=len(kept) - len(fresh))
+                self.figures.cancel(len(kept) - len(fresh))
                 if not fresh:  # nothing the trainer would still take: cancelled, not scored
                     self.issuer.closed.add(batch)
                     self.bucket.delete([key])
@@ -195,7 +177,7 @@ class EnvSimulator(OneThreadRole):
                     **({"issued_at": issued_at} if type(issued_at) in (int, float) and math.isfinite(issued_at) else {}),
                 )  # fmt: skip
                 self.bucket.delete([key])
-                self._record(tasks, fresh)
+                self.figures.record(tasks, fresh)
                 self.issuer.count_batch(batch, len(fresh))
                 scored += len(fresh)
         return scored
@@ -208,28 +190,6 @@ class EnvSimulator(OneThreadRole):
         """Score ``(task, completion)`` pairs within bounds (:meth:`Scorer.score_samples`); one reward per pair."""
         return self.scorer.score_samples(pairs)
 
-    def _record(self, tasks: dict[str, Task], samples) -> None:
-        if not samples:
-            return
-        source = self.environment.name.partition(":")[0]
-        for s in samples:
-            total = self.by_type.setdefault(f"{source} / {tasks[s.task_id].meta.get('type', source)}", [0.0, 0])
-            total[0] += s.reward
-            total[1] += 1
-        versions = sorted({s.version for s in samples})
-        for v in versions:
-            rewards = [s.reward for s in samples if s.version == v]
-            self.metrics.add(RewardRow(version=v, mean_reward=sum(rewards) / len(rewards), count=len(rewards)))
-        self.summary.add(scored=len(samples), reward=sum(s.reward for s in samples))
-        self.summary.note(version=versions[-1])
-        for s in samples[:4]:
-            self.episodes.append(Episode(
-                version=s.version, type=tasks[s.task_id].meta.get("type", source),
-                prompt=s.prompt[-_EPISODE_CHARS:], completion=s.completion[:_EPISODE_CHARS], reward=round(s.reward, 3),
-            ))  # fmt: skip
-        del self.episodes[:-EPISODES]
-        self._scored += len(samples)
-
     # -- housekeeping -------------------------------------------------------
 
     def step(self) -> None:
@@ -237,32 +197,9 @@ class EnvSimulator(OneThreadRole):
         self.issue_tasks()
         self.score_rollouts()
         self.prune()
-        elapsed = max(time.time() - self._t0, 1e-9)
-        self.metrics.state = EnvMetrics(
-            env=self.environment.name,
-            episodes=list(self.episodes),
-            tasks_per_s=self.issuer.tasks_made / elapsed,
-            scores_per_s=self._scored / elapsed,
-            scored=self._scored,
-            cancelled_stale=self._cancelled,
-            pacing=Pacing.QUEUE if self.demand is None else Pacing.DEMAND,
-            refused=RefusalCounts.of(self.refusals),
-            failures=self.failures.as_dict(),
-            by_type={k: TypeReward(mean_reward=s / n, count=n) for k, (s, n) in self.by_type.items()},
-            hub=HubCounts(**self.meter.snapshot()) if self.meter is not None else None,
+        self.figures.publish(
+            tasks_made=self.issuer.tasks_made, demand=self.demand, refusals=self.refusals, failures=self.failures
         )
-        self.metrics.flush()
-        self.summary.flush()
-
-    def _summary_line(self, counts, latest: dict, seconds: float) -> str:
-        """The env's line per interval: batches issued, samples scored and their mean reward, cancellations."""
-        parts = [f"issued {int(counts['batches'])} task batches"]
-        if counts["scored"]:
-            parts.append(f"scored {int(counts['scored'])} samples (mean reward {counts['reward'] / counts['scored']:.3f}, "
-                         f"newest version {latest.get('version')})")  # fmt: skip
-        if counts["cancelled"]:
-            parts.append(f"cancelled {int(counts['cancelled'])} stale")
-        return f"env {self.environment.name} ({seconds:.0f}s): " + ", ".join(parts)
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -288,14 +225,14 @@ class EnvSimulator(OneThreadRole):
             timeout = self.config.poll_s if since is None else IDLE_WAIT_S
             # rollouts to score, or the trainer's demand for more tasks
             wait_for_change(self.bucket, self._stop, timeout, (ROLLOUTS_PREFIX, DEMAND_KEY), since)
-        self.metrics.flush(force=True)
+        self.figures.metrics.flush(force=True)
 
     def start(self) -> None:
         """Run in a background thread."""
         if self.running:
             return
         self._stop.clear()
-        self._t0 = time.time()
+        self.figures.t0 = time.time()
         self._thread = SupervisedThread(self.run, name="env", stop=self._stop, restart=False)
         self._thread.start()
 

@@ -18,7 +18,9 @@ from typing import Any
 
 import gradio as gr
 from rlsync.fp8 import Chain
-from rlsync.spaces import components, forms, frames, role_control
+from rlsync.spaces import forms, frames, role_control
+from rlsync.spaces.plots import apply_plot
+from rlsync.spaces.tables import fleet_table, summary_line
 from rlsync.registry import Kind, names
 from rlsync.roles import Role
 from rlsync.spaces.role_panel import PanelPlace, RolePanel, RoleSpace
@@ -70,13 +72,13 @@ def build_panel(runner: role_control.RoleRunner, config: ReplicaConfig, place: P
     with live:
         controls = panel.controls(make_config, list(form.values()))
         gr.Markdown("### This Space's replicas")
-        mine = components.fleet_table(
+        mine = fleet_table(
             live, replicas=lambda: hosted_ids(runner), label="Replicas hosted here", prefix=f"{prefix}own-"
         )
-        apply = components.apply_plot(live, replicas=lambda: hosted_ids(runner), prefix=prefix)
+        apply = apply_plot(live, replicas=lambda: hosted_ids(runner), prefix=prefix)
         gr.Markdown("### Fleet")
-        fleet = components.fleet_table(live, prefix=prefix)
-        components.summary_line(live, frames.hub_requests_summary, elem_id=f"{prefix}hub-requests")
+        fleet = fleet_table(live, prefix=prefix)
+        summary_line(live, frames.hub_requests_summary, elem_id=f"{prefix}hub-requests")
     return {**controls, "form": form, "replicas": form["replicas"], "own": mine, "apply": apply, "fleet": fleet, "live": live}
 
 

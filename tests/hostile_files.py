@@ -109,7 +109,7 @@ def _zero_difference_delta(old: dict[str, torch.Tensor], codec: str) -> bytes:
     import numpy as np
 
     from rlsync.dtypes import bits_to_numpy, int_view
-    from rlsync.format import Change, encode_delta
+    from rlsync.delta_format import Change, encode_delta
     from rlsync.hashing import state_hash
 
     changes = {}

@@ -4,7 +4,7 @@
 parallel). Each rank builds vLLM's model class directly (``initialize_model`` + ``load_weights``,
 as a GPU worker does; the CPU backend's prepacking step, ``process_weights_after_loading``, is
 never run), follows a local bucket with a Subscriber, applies every delta through
-:class:`~rlsync.vllm.worker.ModelWeights`' sparse path (vLLM's
+:class:`~rlsync.vllm.model_weights.ModelWeights`' sparse path (vLLM's
 ``load_checkpoint_weight_patches``), and records after each update whether the weights read back
 hash equal to the published state, then whether they equal a fresh load of the final state. Each
 rank writes ``rank{N}.json`` into the spec's ``out`` folder.
@@ -58,7 +58,8 @@ def run_case(case: dict[str, Any], world_size: int) -> dict[str, Any]:
     from rlsync.hashing import state_hash
     from rlsync.protocol import Subscriber
     from rlsync.vllm.payload import pack_patches, unpack_patches
-    from rlsync.vllm.worker import ModelWeights, plan_update
+    from rlsync.vllm.model_weights import ModelWeights
+    from rlsync.vllm.plan import plan_update
     from vllm.config import set_current_vllm_config
 
     model_config, vllm_config = _configs(case["model"], world_size)

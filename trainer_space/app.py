@@ -21,7 +21,10 @@ from typing import Any
 import gradio as gr
 
 from rlsync.protocol.policy import policy_names
-from rlsync.spaces import components, forms, frames, role_control
+from rlsync.spaces import forms, frames, role_control
+from rlsync.spaces.controls import anchor_policy_controls
+from rlsync.spaces.plots import expert_plot, reward_plot, sync_plots, training_plots
+from rlsync.spaces.tables import fleet_table, publishes_table, summary_line
 from rlsync.roles import Role
 from rlsync.spaces.role_panel import PanelPlace, RolePanel, RoleSpace
 from rlsync.spaces.trackio_link import trackio_url
@@ -55,24 +58,24 @@ def build_panel(
 
     with live:
         controls = panel.controls(make_config, list(form.values()))
-        summary = components.summary_line(live, frames.trainer_summary, elem_id=f"{prefix}trainer-summary")
-        components.summary_line(live, frames.adapter_summary, elem_id=f"{prefix}adapter-summary")
-        components.summary_line(live, frames.hub_requests_summary, elem_id=f"{prefix}hub-requests")
+        summary = summary_line(live, frames.trainer_summary, elem_id=f"{prefix}trainer-summary")
+        summary_line(live, frames.adapter_summary, elem_id=f"{prefix}adapter-summary")
+        summary_line(live, frames.hub_requests_summary, elem_id=f"{prefix}hub-requests")
         if link := trackio_link(config):
             gr.Markdown(link, elem_id=f"{prefix}trackio-link")
         gr.Markdown("### Anchor policy")
-        anchor = components.anchor_policy_controls(live, default=config.policy(), prefix=prefix)
+        anchor = anchor_policy_controls(live, default=config.policy(), prefix=prefix)
         gr.Markdown("### Weight sync")
-        plots = components.sync_plots(live, prefix=prefix)
-        experts = components.expert_plot(live, prefix=prefix)
+        plots = sync_plots(live, prefix=prefix)
+        experts = expert_plot(live, prefix=prefix)
         gr.Markdown("### Training")
-        training = components.training_plots(live, prefix=prefix)
+        training = training_plots(live, prefix=prefix)
         with gr.Row():
             with gr.Column(scale=3):
-                reward = components.reward_plot(live, prefix=prefix)
+                reward = reward_plot(live, prefix=prefix)
             with gr.Column(scale=2):
-                publishes = components.publishes_table(live, prefix=prefix)
-        fleet = components.fleet_table(live, prefix=prefix)
+                publishes = publishes_table(live, prefix=prefix)
+        fleet = fleet_table(live, prefix=prefix)
     return {
         **controls,
         "form": form,

@@ -152,9 +152,10 @@ class Trainer(OneThreadRole):
         # the parts, for the figures and the tests
         self.transfer, self.worker, self.publisher = self.sync.transfer, self.sync.worker, self.sync.publisher
         self.checkpoints, self.refusals, self.adapter_sync = self.sync.checkpoints, self.sync.refusals, self.sync.adapter_sync
-        self.step_guard, self.version_guard = self.sync.step_guard, self.sync.version_guard
+        callbacks = self.sync.callbacks
+        self.step_guard, self.version_guard = callbacks.step_guard, callbacks.version_guard
         self.checkpoint_callback, self.final_sync, self.coalescing = (
-            self.sync.checkpoint_callback, self.sync.final_sync, self.sync.coalescing
+            callbacks.checkpoint_callback, callbacks.final_sync, callbacks.coalescing
         )
         self.flow = FlowControl(
             self.bucket, self.worker, self.transfer, batch_size=config.batch_size,

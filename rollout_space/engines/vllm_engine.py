@@ -20,9 +20,7 @@ Generation and weight updates are serialised by a lock: an update waits for the
 running ``generate`` call and pauses the next one, which is the offline API's
 equivalent of ``pause_generation``/``resume_generation``.
 
-LoRA runs (``max_loras > 0``): each verified adapter version is written to a folder of its own
-(peft's layout), read back and hashed, and added to vLLM as a ``LoRARequest`` with a new id per
-version (``version + 1``, so vLLM's prefix cache never mixes two versions); ``generate`` sends
+LoRA runs (``max_loras > 0``): the adapter versions are :mod:`.vllm_adapters`'s; ``generate`` sends
 its requests with the version ``SamplingSettings.adapter`` names.
 
 Log-probabilities are vLLM's ``processed_logprobs``: those of the distribution
@@ -42,23 +40,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import torch
-from rlsync.adapters import ADAPTER_WEIGHTS_FILE, AdapterChain, write_adapter_folder
-from rlsync.hashing import state_hash
+from rlsync.adapters import AdapterChain
 from rlsync.patch import TensorPatch
 from rlsync.registry import Kind, register
 from rlsync.vllm.payload import pack_patches, pack_tensors, unpack_tensors
+from rlsync.vllm.plan import WeightLayout, plan_update
 from rlsync.vllm.plugin import WORKER_EXTENSION
-from rlsync.vllm.worker import WeightLayout, plan_update
 
 from rollout_space.engine import Completion, Engine, SamplingSettings
 
+from .vllm_adapters import VllmAdapters
 from .vllm_follow import BUCKET_BACKEND, VllmBucketCalls
 
 logger = logging.getLogger(__name__)
@@ -116,32 +112,17 @@ class VllmEngine(VllmBucketCalls, Engine):
         self.spool_dir = spool_dir
         if current_platform.is_cpu():
             os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-            if kv_cache_memory_bytes is None:
-                kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
-        kwargs: dict[str, Any] = dict(
-            model=self.model_path,
-            dtype=dtype,
-            seed=seed,
-            enforce_eager=enforce_eager,
-            worker_extension_cls=WORKER_EXTENSION,
-            logprobs_mode="processed_logprobs",
-            weight_transfer_config=dict(BUCKET_BACKEND),
-        )
-        if max_model_len is not None:
-            kwargs["max_model_len"] = max_model_len
-        if kv_cache_memory_bytes is not None:
-            kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
-        if max_loras:
-            kwargs.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
-        kwargs.update(llm_kwargs)
+        kwargs = llm_arguments(
+            self.model_path, on_cpu=current_platform.is_cpu(), dtype=dtype, seed=seed, max_model_len=max_model_len,
+            enforce_eager=enforce_eager, kv_cache_memory_bytes=kv_cache_memory_bytes, max_loras=max_loras,
+            max_lora_rank=max_lora_rank, **llm_kwargs,
+        )  # fmt: skip
         transfer = kwargs["weight_transfer_config"]
         backend = transfer.get("backend") if isinstance(transfer, dict) else getattr(transfer, "backend", None)
         self.follows_bucket = backend == BUCKET_BACKEND["backend"]
-        self.max_loras = max_loras
-        self._adapters: dict[int, Any] = {}  # version -> LoRARequest
-        self._adapter_dir: Path | None = None
         self._lock = threading.RLock()
         self.llm = LLM(**kwargs)
+        self.adapters = VllmAdapters(self.llm, self._lock, max_loras, spool_dir)
         self.layout = WeightLayout.from_json(self.llm.collective_rpc("sync_layout")[0])
         logger.info(
             "vllm engine: %s on %s, %d checkpoint tensors (%d modules patched in place, %d reloaded)",
@@ -227,45 +208,13 @@ class VllmEngine(VllmBucketCalls, Engine):
     # -- adapters ------------------------------------------------------------------
 
     def load_adapter(self, version: int, tensors: Mapping[str, torch.Tensor], chain: AdapterChain) -> str:
-        """Add adapter version ``version`` as a ``LoRARequest`` (see :meth:`Engine.load_adapter`).
-
-        The hash returned is that of the adapter file vLLM loads, read back from disk.
-
-        Raises:
-            RuntimeError: the engine was started without LoRA (``max_loras=0``), or vLLM refused the adapter.
-        """
-        from safetensors.torch import load_file
-        from vllm.lora.request import LoRARequest
-
-        if not self.max_loras:
-            raise RuntimeError("this vLLM engine was started without LoRA (give max_loras > 0)")
-        if self._adapter_dir is None:
-            self._adapter_dir = Path(tempfile.mkdtemp(prefix="rlsync-adapters-", dir=self.spool_dir))
-        folder = write_adapter_folder(self._adapter_dir / f"v{version}", tensors, chain)
-        served = state_hash(load_file(folder / ADAPTER_WEIGHTS_FILE))
-        request = LoRARequest(f"v{version}", version + 1, str(folder))
-        with self._lock:
-            added = False
-            try:
-                added = self.llm.llm_engine.add_lora(request)
-            except Exception as exc:  # noqa: BLE001 - vLLM's engine core reports a worker's refusal as a bare Exception
-                raise RuntimeError(f"vLLM refused adapter {version}: {exc}") from exc
-            finally:  # refused or raised: nothing of it stays
-                if not added:
-                    shutil.rmtree(folder, ignore_errors=True)
-            if not added:
-                raise RuntimeError(f"vLLM refused adapter {version}")
-            self._adapters[version] = request
-        return served
+        """Add adapter version ``version`` as a ``LoRARequest`` (see :meth:`Engine.load_adapter`,
+        :meth:`~.vllm_adapters.VllmAdapters.add`)."""
+        return self.adapters.add(version, tensors, chain)
 
     def drop_adapter(self, version: int) -> None:
         """Remove adapter version ``version`` from vLLM and delete its folder (see :meth:`Engine.drop_adapter`)."""
-        with self._lock:
-            request = self._adapters.pop(version, None)
-            if request is None:
-                return
-            self.llm.llm_engine.remove_lora(request.lora_int_id)
-        shutil.rmtree(request.lora_path, ignore_errors=True)
+        self.adapters.drop(version)
 
     # -- sampling ------------------------------------------------------------------
 
@@ -302,9 +251,7 @@ class VllmEngine(VllmBucketCalls, Engine):
             for _ in range(copies)
         ]
         with self._lock:
-            if sampling.adapter is not None and sampling.adapter not in self._adapters:
-                raise KeyError(f"adapter {sampling.adapter} is not loaded")
-            lora = None if sampling.adapter is None else self._adapters[sampling.adapter]
+            lora = self.adapters.request(sampling.adapter)
             outputs = self.llm.generate([p for p in prompts for _ in range(copies)], params, use_tqdm=False, lora_request=lora)
         flat = [_completion(c) for out in outputs for c in out.outputs]
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
@@ -314,8 +261,46 @@ class VllmEngine(VllmBucketCalls, Engine):
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
-        if getattr(self, "_adapter_dir", None) is not None:
-            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+        if getattr(self, "adapters", None) is not None:
+            self.adapters.close()
+
+
+def llm_arguments(
+    model_path: str,
+    /,
+    *,
+    on_cpu: bool,
+    dtype: str,
+    seed: int,
+    max_model_len: int | None,
+    enforce_eager: bool,
+    kv_cache_memory_bytes: int | None,
+    max_loras: int,
+    max_lora_rank: int,
+    **llm_kwargs: Any,
+) -> dict[str, Any]:
+    """``vllm.LLM``'s arguments for a :class:`VllmEngine` (its arguments, ``on_cpu``: vLLM's CPU platform): the
+    worker extension, the sampled log-probabilities, the ``bucket`` backend unless ``llm_kwargs`` names another,
+    LoRA slots with ``max_loras``, and on CPU a KV cache of :data:`DEFAULT_CPU_KV_CACHE_BYTES` unless given."""
+    if on_cpu and kv_cache_memory_bytes is None:
+        kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+    kwargs: dict[str, Any] = dict(
+        model=model_path,
+        dtype=dtype,
+        seed=seed,
+        enforce_eager=enforce_eager,
+        worker_extension_cls=WORKER_EXTENSION,
+        logprobs_mode="processed_logprobs",
+        weight_transfer_config=dict(BUCKET_BACKEND),
+    )
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
+    if kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+    if max_loras:
+        kwargs.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
+    kwargs.update(llm_kwargs)
+    return kwargs
 
 
 def _completion(output: Any) -> Completion:

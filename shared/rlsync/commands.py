@@ -24,7 +24,8 @@ from .detect import ChangeDetector
 from .dtypes import dtype_name
 from .errors import FormatError, SyncError
 from .files import read_regular, write_atomic
-from .format import decode_delta, encode_delta, file_kind, metadata_int, parse_header, read_header_file, shaped_nbytes
+from .delta_format import decode_delta, encode_delta
+from .format import file_kind, metadata_int, parse_header, read_header_file, shaped_nbytes
 from .hashing import state_hash
 from .jsonlimits import loads_bounded
 from .limits import MAX_HEADER_BYTES, MAX_METADATA_BYTES

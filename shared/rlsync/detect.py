@@ -30,7 +30,7 @@ from .bitops import LANES, MASKS_IN_ORDER, differ_mask, lowest_bit
 from .device_changes import ComparePath, device_changes
 from .dtypes import bits_to_numpy, int_view, numpy_to_values
 from .errors import SyncError
-from .format import Change
+from .delta_format import Change
 from .patch import scatter_
 from .workers import worker_pool
 

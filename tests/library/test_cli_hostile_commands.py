@@ -16,7 +16,8 @@ from rlsync import format as fmt
 from rlsync.cli import main
 from rlsync.commands import FILE_HASH_KEY, HEADER_KEY
 from rlsync.errors import FormatError
-from rlsync.format import MAX_HEADER_ENTRIES, encode_delta, parse_header
+from rlsync.delta_format import encode_delta
+from rlsync.format import MAX_HEADER_ENTRIES, parse_header
 
 
 @pytest.fixture

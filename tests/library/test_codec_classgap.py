@@ -26,7 +26,8 @@ from rlsync.codecs import DecodeTarget, get_codec
 from rlsync.codecs.classgap import EXPONENT_FIELDS, ClassOrder
 from rlsync.detect import ChangeDetector
 from rlsync.dtypes import dtype_name
-from rlsync.format import Change, encode_delta, parse_header
+from rlsync.delta_format import Change, encode_delta
+from rlsync.format import parse_header
 from tests.library.test_codecs import FLOAT_DTYPES, _rl_deltas, bits_of, from_bits, mutate, publish_and_follow, random_bits
 from tests.library.test_codecs import HYPOTHESIS as ROUND_TRIP_SETTINGS
 from tests.library.test_format_hostile import NAME, assert_refused, make_delta, rewrite, state  # noqa: F401 (fixture)

@@ -10,12 +10,13 @@ import pytest
 import safetensors.torch
 import torch
 
+import rlsync.delta_format
 import rlsync.detect
-import rlsync.format
 import rlsync.hashing
 from rlsync.detect import CPU_CHUNK_ELEMENTS, ChangeDetector
 from rlsync.dtypes import int_view
-from rlsync.format import decode_delta, encode_delta, parse_header
+from rlsync.delta_format import decode_delta, encode_delta
+from rlsync.format import parse_header
 from rlsync.protocol.publisher import lanes_of_changes
 
 
@@ -39,7 +40,7 @@ def test_one_thread_and_several_give_the_same_delta(monkeypatch, codec: str) -> 
     results = []
     for threads in (1, 3):
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            for module in (rlsync.detect, rlsync.format, rlsync.hashing):
+            for module in (rlsync.detect, rlsync.delta_format, rlsync.hashing):
                 monkeypatch.setattr(module, "worker_pool", lambda pool=pool: pool)
             detector = ChangeDetector(torch.bfloat16)
             detector.reset(old)

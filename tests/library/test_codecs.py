@@ -22,7 +22,8 @@ from rlsync.codecs import DecodeTarget, get_codec, list_codecs
 from rlsync.detect import ChangeDetector
 from rlsync.dtypes import bits_to_numpy, int_view, uint_dtype
 from rlsync.errors import FormatError
-from rlsync.format import Change, decode_delta, encode_delta, parse_header
+from rlsync.delta_format import Change, decode_delta, encode_delta
+from rlsync.format import parse_header
 from rlsync.hashing import state_hash
 
 CODECS = ["classgap", "classrice", "gapzz", "trl"]

@@ -26,21 +26,9 @@ from rlsync.codecs import get_codec
 from rlsync.detect import ChangeDetector
 from rlsync.dtypes import int_view
 from rlsync.errors import FormatError
-from rlsync.format import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    INDEX_FILE,
-    Change,
-    anchor_metadata,
-    decode_delta,
-    encode_delta,
-    file_kind,
-    load_anchor,
-    parse_header,
-    plan_shards,
-    read_header_file,
-    write_anchor,
-)
+from rlsync.anchor_format import INDEX_FILE, anchor_metadata, load_anchor, plan_shards, write_anchor
+from rlsync.delta_format import Change, decode_delta, encode_delta
+from rlsync.format import FORMAT_NAME, FORMAT_VERSION, file_kind, parse_header, read_header_file
 from rlsync.hashing import state_hash
 from rlsync.limits import MAX_HEADER_BYTES
 

@@ -17,7 +17,7 @@ import torch
 from rlsync.codecs import DecodeTarget, get_codec
 from rlsync.dtypes import bits_to_numpy, int_view
 from rlsync.errors import FormatError
-from rlsync.format import Change, decode_delta, encode_delta
+from rlsync.delta_format import Change, decode_delta, encode_delta
 
 # (gap, bytes per gap that must hold it)
 BOUNDARY_GAPS = [(2**8 - 1, 1), (2**8, 2), (2**16 - 1, 2), (2**16, 4), (2**32 - 1, 4), (2**32, 8)]

@@ -11,7 +11,7 @@ import torch
 
 from rlsync.bucket import LocalBucket
 from rlsync.errors import ChainError, FencedError, FormatError, HashMismatchError, SyncError
-from rlsync.format import encode_delta
+from rlsync.delta_format import encode_delta
 from rlsync.hashing import state_hash
 from rlsync.layout import CONTROL_KEY, POINTER_KEY, delta_key
 from rlsync.protocol import Adaptive, FixedInterval, Publisher, Subscriber, policy_to_json, read_manifest
@@ -381,7 +381,7 @@ def test_an_older_format_chain_is_refused_clearly_and_a_new_run_replaces_it(buck
     """Versions 1 and 2 hashed states with SHA-256 trees, which this reader cannot check: the
     subscriber refuses the chain before any download, naming the version and what to do; the
     publisher does not extend it; a new run replaces it."""
-    from rlsync.format import anchor_metadata
+    from rlsync.anchor_format import anchor_metadata
     from rlsync.protocol import AnchorEntry, FileEntry, Manifest
 
     master = master_state()

@@ -185,14 +185,14 @@ def test_a_failing_panel_render_is_logged_without_the_token(tmp_path, every_reco
     """A figure whose render raises an error naming the token: the panel logs the failure, redacted."""
     import gradio as gr
 
-    from rlsync.spaces import components
+    from rlsync.spaces.live import Live
 
     def broken(view, snap):
         raise BucketError(f"render failed: Authorization: Bearer {TOKEN}")
 
     with gr.Blocks():
-        live = components.Live(str(tmp_path / "b"), timer=gr.Timer(60))
+        live = Live(str(tmp_path / "b"), timer=gr.Timer(60))
         live.add(gr.Markdown(), broken)
     assert len(live.values()) == 1
-    texts = [record_text(r) for r in every_record if r.name == "rlsync.spaces.components"]
+    texts = [record_text(r) for r in every_record if r.name == "rlsync.spaces.live"]
     assert any("render failed" in t for t in texts) and all(shows_no_token(t) for t in texts)

@@ -235,7 +235,7 @@ def _exchange_one_round(hub, trainer, env, replica) -> None:
     with pytest.raises(BucketError) as info:
         env.step()
     assert TOKEN not in said(info.value)
-    for obj in (trainer.config, replica.config, env.config, replica.status(), trainer.metrics.rows, env.metrics.state,
+    for obj in (trainer.config, replica.config, env.config, replica.status(), trainer.metrics.rows, env.figures.metrics.state,
                 trainer.publisher.ownership.lock, replica.subscriber.stats):  # fmt: skip
         assert TOKEN not in said(obj)
     assert_nothing_stored_leaks(

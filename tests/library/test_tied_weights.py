@@ -11,7 +11,7 @@ import torch
 from rlsync.aliases import ALIASES_KEY, aliases_from_metadata
 from rlsync.bucket import LocalBucket
 from rlsync.errors import FormatError
-from rlsync.format import load_anchor
+from rlsync.anchor_format import load_anchor
 from rlsync.hashing import state_hash
 from rlsync.protocol import FixedInterval, Publisher, Subscriber, read_manifest
 from rlsync.protocol.background import BackgroundPublisher

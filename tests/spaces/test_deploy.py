@@ -53,7 +53,8 @@ from huggingface_hub.utils import hf_raise_for_status
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from rlsync.spaces import deploy
+from rlsync.errors import DeployError
+from rlsync.spaces import deploy, deploy_hub, deploy_plan, readme_settings, space_roles
 from rlsync.spaces.settings import from_env, settings_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -235,7 +236,7 @@ def test_deploy_makes_the_exact_calls(hub):
     assert f"hf://buckets/{NS}/rl-sync" in out and f"{ENDPOINT}/buckets/{NS}/rl-sync" in out
 
 
-@pytest.mark.parametrize("role", list(deploy.ROLES.values()), ids=list(deploy.ROLES))
+@pytest.mark.parametrize("role", list(space_roles.ROLES.values()), ids=list(space_roles.ROLES))
 def test_each_space_gets_its_role_folder_library_app_readme_and_requirements(hub, role):
     rc, out = run()
     assert rc == 0, out
@@ -355,7 +356,7 @@ def test_hub_error_is_reported_without_the_token(hub, capsys):
         rc, out = run()
     captured = capsys.readouterr()
     assert rc == 1
-    assert "403" in captured.err and deploy.REDACTED in captured.err
+    assert "403" in captured.err and deploy_hub.REDACTED in captured.err
     assert TOKEN not in out + captured.out + captured.err
 
 
@@ -417,12 +418,12 @@ def test_missing_token_stops_before_any_call(hub, monkeypatch, capsys):
 def test_bad_options_are_refused_before_any_call(kwargs, message):
     namespace = kwargs.pop("namespace", NS)
     with pytest.raises(ValueError, match=message):
-        deploy.plan_deployment(namespace, **kwargs)
+        deploy_plan.plan_deployment(namespace, **kwargs)
 
 
 def _checkout(tmp_path: Path) -> Path:
     """A git checkout of the Space folders (deploy ships the files git tracks)."""
-    for folder in [r.folder for r in deploy.ROLES.values()] + ["shared"]:
+    for folder in [r.folder for r in space_roles.ROLES.values()] + ["shared"]:
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     subprocess.run(["git", "-C", str(tmp_path), "add", "-A"], check=True)
@@ -441,14 +442,14 @@ def test_inconsistent_space_files_are_refused(tmp_path, edit, message):
     root = _checkout(tmp_path)
     readme = root / "trainer_space" / "README.md"
     readme.write_text(edit(readme.read_text()))
-    with pytest.raises(deploy.DeployError, match=message):
-        deploy.plan_deployment(NS, root=root)
+    with pytest.raises(DeployError, match=message):
+        deploy_plan.plan_deployment(NS, root=root)
     (root / "env_space" / "requirements.txt").unlink()
-    with pytest.raises(deploy.DeployError, match="requirements"):
-        deploy.space_files(deploy.ROLES["env"], root)
+    with pytest.raises(DeployError, match="requirements"):
+        space_roles.space_files(space_roles.ROLES["env"], root)
     (root / "rollout_space" / "app.py").unlink()
-    with pytest.raises(deploy.DeployError, match="rollout_space/app.py"):
-        deploy.space_files(deploy.ROLES["rollout"], root)
+    with pytest.raises(DeployError, match="rollout_space/app.py"):
+        space_roles.space_files(space_roles.ROLES["rollout"], root)
 
 
 # -- README and requirements checks ----------------------------------------------------------------
@@ -456,7 +457,7 @@ def test_inconsistent_space_files_are_refused(tmp_path, edit, message):
 
 def _table_rows(readme: str) -> list[tuple[str, str, str]]:
     """Rows of the settings table between the markers, parsed independently of the generator."""
-    block = readme.split(deploy.SETTINGS_BEGIN, 1)[1].split(deploy.SETTINGS_END, 1)[0]
+    block = readme.split(readme_settings.SETTINGS_BEGIN, 1)[1].split(readme_settings.SETTINGS_END, 1)[0]
     lines = [line for line in block.strip().splitlines()]
     assert lines[0].replace(" ", "") == "|Variable|Default|Description|" and set(lines[1]) <= set("|-: ")
     rows = []
@@ -466,14 +467,14 @@ def _table_rows(readme: str) -> list[tuple[str, str, str]]:
     return rows
 
 
-@pytest.mark.parametrize("role", list(deploy.ROLES.values()), ids=list(deploy.ROLES))
+@pytest.mark.parametrize("role", list(space_roles.ROLES.values()), ids=list(space_roles.ROLES))
 def test_readme_settings_table_matches_the_dataclass(role):
     text = (ROOT / role.folder / "README.md").read_text(encoding="utf-8")
     assert _table_rows(text) == settings_table(role.config_class(), role.env_prefix)
-    assert deploy.readme_with_settings(text, deploy.settings_markdown(role)) == text  # --sync-readmes is a no-op
+    assert readme_settings.readme_with_settings(text, readme_settings.settings_markdown(role)) == text  # --sync-readmes is a no-op
 
 
-@pytest.mark.parametrize("role", list(deploy.ROLES.values()), ids=list(deploy.ROLES))
+@pytest.mark.parametrize("role", list(space_roles.ROLES.values()), ids=list(space_roles.ROLES))
 def test_readme_front_matter(role):
     card = SpaceCard.load(ROOT / role.folder / "README.md")
     data = card.data.to_dict()
@@ -484,12 +485,12 @@ def test_readme_front_matter(role):
     assert data["colorFrom"] in COLORS and data["colorTo"] in COLORS
     assert len(data["short_description"]) <= 60
     assert data["suggested_hardware"] in {h.value for h in SpaceHardware}
-    assert deploy.is_gpu(data["suggested_hardware"]) == bool(role.uses_model)
+    assert deploy_plan.is_gpu(data["suggested_hardware"]) == bool(role.uses_model)
     if role.uses_model:
-        assert data["models"] == [deploy.DEFAULT_MODEL]
+        assert data["models"] == [deploy_plan.DEFAULT_MODEL]
         [preload] = data["preload_from_hub"]
         repo, files, revision = preload.split()  # pinned: every replica starts from the trainer's weights
-        assert repo == deploy.DEFAULT_MODEL and "model.safetensors" in files.split(",") and re.fullmatch("[0-9a-f]{40}", revision)
+        assert repo == deploy_plan.DEFAULT_MODEL and "model.safetensors" in files.split(",") and re.fullmatch("[0-9a-f]{40}", revision)
     assert ("startup_duration_timeout" in data) == (role.name == "rollout")  # vLLM's first start is long
     assert data["hf_oauth"] is True and "hf_oauth_scopes" not in data  # "openid profile" only: who signed in
     assert "HF_TOKEN" in card.text and "duplicate_repo" in card.text
@@ -501,7 +502,7 @@ def test_readme_front_matter(role):
 @pytest.mark.parametrize("gpu", [False, True])
 def test_deployed_variables_are_real_settings(gpu):
     """Every variable the deployment sets is a setting of its role and parses to the intended value."""
-    plan = deploy.plan_deployment(NS, trainer_hardware="a10g-small" if gpu else None,
+    plan = deploy_plan.plan_deployment(NS, trainer_hardware="a10g-small" if gpu else None,
                                   rollout_hardware="a10g-small" if gpu else None, mount_model=gpu)  # fmt: skip
     for space in plan.spaces:
         cls = space.role.config_class()
@@ -522,7 +523,7 @@ def test_deployed_variables_are_real_settings(gpu):
                 assert (resolved.lr, resolved.adam_epsilon) == ((1e-6, 1e-8) if gpu else (5e-4, 3e-3))
 
 
-_FIRST_PARTY = {r.folder for r in deploy.ROLES.values()} | {"rlsync"}
+_FIRST_PARTY = {r.folder for r in space_roles.ROLES.values()} | {"rlsync"}
 
 
 def _module_file(dotted: str) -> Path | None:
@@ -551,7 +552,7 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-def _space_imports(role: deploy.SpaceRole) -> tuple[set[str], set[str]]:
+def _space_imports(role: space_roles.SpaceRole) -> tuple[set[str], set[str]]:
     """Third-party top-level modules a Space's code imports, and first-party modules not uploaded to it."""
     queue = sorted((ROOT / role.folder).rglob("*.py"))
     seen: set[Path] = set()
@@ -603,16 +604,16 @@ def _installable(requirements: list[Requirement]) -> set[str]:
     return done
 
 
-def _requirement_lines(role: deploy.SpaceRole) -> list[str]:
+def _requirement_lines(role: space_roles.SpaceRole) -> list[str]:
     lines = (ROOT / role.folder / "requirements.txt").read_text().splitlines()
     return [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
 
 
-def _requirements(role: deploy.SpaceRole) -> list[Requirement]:
+def _requirements(role: space_roles.SpaceRole) -> list[Requirement]:
     return [Requirement(line) for line in _requirement_lines(role) if not line.startswith("-")]
 
 
-@pytest.mark.parametrize("role", list(deploy.ROLES.values()), ids=list(deploy.ROLES))
+@pytest.mark.parametrize("role", list(space_roles.ROLES.values()), ids=list(space_roles.ROLES))
 def test_requirements_cover_the_spaces_imports(role):
     third, foreign = _space_imports(role)
     missing_code = foreign - set(role.extra_files)
@@ -633,7 +634,7 @@ def _pins(path: Path) -> dict[str, str]:
     return {canonicalize_name(r.name): next(iter(r.specifier)).version for r in reqs}
 
 
-@pytest.mark.parametrize("role", list(deploy.ROLES.values()), ids=list(deploy.ROLES))
+@pytest.mark.parametrize("role", list(space_roles.ROLES.values()), ids=list(space_roles.ROLES))
 def test_requirements_pin_the_tested_versions(role):
     """Pins match the project's requirements (base, and vLLM for GPU), else the test venv."""
     project = _pins(ROOT / "requirements.txt") | _pins(ROOT / "requirements-vllm-gpu.txt")

@@ -12,7 +12,7 @@ import io
 import pytest
 from huggingface_hub import HfApi
 
-from rlsync.spaces import deploy
+from rlsync.spaces import deploy, deploy_hub, deploy_plan
 from testing.hub.server import Fault
 
 TOKEN = "hf_DEPLOYsecretTOKEN0123456789abcdef"
@@ -27,8 +27,8 @@ def server(hub, monkeypatch):
 
 
 def test_summary_shows_the_bucket_web_url_not_a_bucketurl_object(server):
-    plan = deploy.DeployPlan("someone/rl-sync", None, spaces=())
-    summary = deploy.apply_plan(plan, HfApi(token=TOKEN), {"HF_TOKEN": TOKEN})
+    plan = deploy_plan.DeployPlan("someone/rl-sync", None, spaces=())
+    summary = deploy_hub.apply_plan(plan, HfApi(token=TOKEN), {"HF_TOKEN": TOKEN})
     assert summary.bucket_web_url == f"{server.url}/buckets/someone/rl-sync"
     assert f"({server.url}/buckets/someone/rl-sync)" in summary.render() and "BucketUrl(" not in summary.render()
     assert "someone/rl-sync" in server.buckets  # the real create_bucket call reached the server

@@ -20,7 +20,8 @@ import pytest
 import app  # the combined panel (the repository root is on the path, as for every test)
 from rlsync.bucket import LocalBucket
 from rlsync.layout import CONTROL_KEY
-from rlsync.spaces import access, components, frames, role_control
+from rlsync.spaces import access, frames, role_control
+from rlsync.spaces.page import launch_options
 from rlsync.spaces.metrics import MetricsLog, TrainerMetrics, TrainRow
 from rlsync.spaces.snapshots import Snapshot
 
@@ -75,7 +76,7 @@ def panel(tmp_path, clean_env):
             setattr(stack, name, role_control.RoleRunner(name, lambda cfg, n=name: [FakeRole(started, n)]))
         demo = app.build_app(stack)
         port = free_port()
-        options = {**components.launch_options(host), "server_port": port}
+        options = {**launch_options(host), "server_port": port}
         demo.launch(prevent_thread_lock=True, quiet=True, **options)
         launched.append(demo)
         return demo, f"http://127.0.0.1:{port}/", started, stack
@@ -111,14 +112,14 @@ def test_controls_are_off_the_api_page_and_still_refused(panel):
 
 
 def test_default_bind_is_loopback_and_a_space_listens_everywhere(clean_env):
-    assert components.launch_options()["server_name"] == "127.0.0.1"
-    assert "auth" not in components.launch_options()
+    assert launch_options()["server_name"] == "127.0.0.1"
+    assert "auth" not in launch_options()
     clean_env.setenv("GRADIO_SERVER_NAME", "0.0.0.0")
-    assert components.launch_options()["server_name"] == "0.0.0.0"
-    assert components.launch_options("127.0.0.1")["server_name"] == "127.0.0.1"  # app.py --host wins
+    assert launch_options()["server_name"] == "0.0.0.0"
+    assert launch_options("127.0.0.1")["server_name"] == "127.0.0.1"  # app.py --host wins
     clean_env.delenv("GRADIO_SERVER_NAME")
     clean_env.setenv("SPACE_ID", "me/rl-sync-trainer")
-    assert components.launch_options()["server_name"] == "0.0.0.0"
+    assert launch_options()["server_name"] == "0.0.0.0"
     assert access.PanelAccess.from_env().exposed
 
 
@@ -217,7 +218,7 @@ def test_planted_notice_shows_as_text_in_the_browser(tmp_path, clean_env):
     log.flush()
     demo = trainer_app.build_app(TrainerConfig(bucket=str(tmp_path / "bucket")), runner=trainer_app.make_runner())
     port = free_port()
-    demo.launch(prevent_thread_lock=True, quiet=True, **{**components.launch_options(), "server_port": port})
+    demo.launch(prevent_thread_lock=True, quiet=True, **{**launch_options(), "server_port": port})
     try:
         with sync_api.sync_playwright() as pw:
             args = ["--headless", "--no-sandbox", "--disable-gpu"]

@@ -21,7 +21,10 @@ from rlsync.bucket import LocalBucket
 from rlsync.errors import BucketAccessError, BucketError, ReplicaIdInUseError
 from rlsync.layout import status_key
 from rlsync.roles import Role
-from rlsync.spaces import components, role_control, snapshots
+from rlsync.spaces import role_control, snapshots
+from rlsync.spaces.controls import role_controls
+from rlsync.spaces.live import Live
+from rlsync.spaces.plots import expert_plot
 from rlsync.spaces.access import PanelAccess
 from rlsync.spaces.bucket_access import check_write_access, writable_namespaces
 from rlsync.spaces.exchange import put_json
@@ -177,9 +180,9 @@ def test_a_refused_start_stays_shown_and_the_moe_chart_of_a_dense_run_is_not_dra
         monkeypatch.delenv(key, raising=False)
     runner = role_control.RoleRunner(Role.ENV, lambda config: [])
     with gr.Blocks():
-        with components.Live(str(tmp_path / "bucket")) as live:
-            controls = components.role_controls(runner, lambda: None, [], live)
-            experts = components.expert_plot(live)
+        with Live(str(tmp_path / "bucket")) as live:
+            controls = role_controls(runner, lambda: None, [], live)
+            experts = expert_plot(live)
     refresh_outputs = {id(output) for output in live._outputs}
     assert id(controls["status"]) in refresh_outputs and id(controls["result"]) not in refresh_outputs
     assert experts.visible is False

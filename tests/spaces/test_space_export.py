@@ -28,7 +28,7 @@ import pytest
 
 from rlsync.bucket import LocalBucket
 from rlsync.protocol import read_manifest
-from rlsync.spaces.deploy import ROLES, space_files
+from rlsync.spaces.space_roles import ROLES, space_files
 from rlsync.spaces.export import VARIABLES_FILE
 from tests.fresh_venv import ROOT, clean_env, make_venv
 
@@ -169,7 +169,7 @@ def test_rollout_space_on_transformers_applies_a_version(tmp_path, exported, ven
 
 
 def test_each_space_readme_links_its_template_and_orders_the_steps():
-    from rlsync.spaces.deploy import TEMPLATE_NAMESPACE, plan_deployment
+    from rlsync.spaces.deploy_plan import TEMPLATE_NAMESPACE, plan_deployment
 
     for space in plan_deployment(TEMPLATE_NAMESPACE).spaces:
         text = (ROOT / space.role.folder / "README.md").read_text()

@@ -153,12 +153,12 @@ def test_slower_replica_and_replica_stopping_mid_round_keep_counts_exact(bucket)
     assert bucket.list("rollouts/") == []
     slow.answer(2)  # a slow replica that had started before the trainer moved on answers late, at version 0
     env.step()
-    assert read_samples(bucket, score_key(2, "slow")) is None and env._cancelled == PER_BATCH  # cancelled, unscored
+    assert read_samples(bucket, score_key(2, "slow")) is None and env.figures.cancelled == PER_BATCH  # cancelled, unscored
     assert fast.step() and fast.step()  # batch 2 is unanswered again: the fast replica does it, then 3
     env.step()
     assert worker.poll() == 2 * PER_BATCH
     flow = worker.flow()
-    assert flow["read"] == env._scored == 4 * PER_BATCH and flow["dropped_stale"] == 0 and flow["queued"] == 4 * PER_BATCH
+    assert flow["read"] == env.figures.scored == 4 * PER_BATCH and flow["dropped_stale"] == 0 and flow["queued"] == 4 * PER_BATCH
     slow.publish_status()
     assert json.loads(bucket.get("status/slow.json"))["skipped_stale"] == 1
 

@@ -20,7 +20,8 @@ import pandas as pd
 import pytest
 
 import app
-from rlsync.spaces import components, frames
+from rlsync.spaces import frames
+from rlsync.spaces.plots import CHANGED_CHART, REWARD_CHART, SIZE_CHART, STALENESS_CHART, plot_data
 from rlsync.spaces.metrics import EnvMetrics, ReplicaStatus, TrainerMetrics
 from rlsync.spaces.snapshots import BucketView, Snapshot
 
@@ -37,7 +38,7 @@ def test_every_plot_of_the_combined_panel_is_a_vega_lite_chart(tmp_path):
 
 
 def test_spec_is_for_the_bundled_vega_lite_5_and_a_bar_chart_starts_at_zero():
-    spec = components.STALENESS_CHART.spec(pd.DataFrame({"staleness": [0, 1, 2], "samples": [700, 1200, 1190]}))
+    spec = STALENESS_CHART.spec(pd.DataFrame({"staleness": [0, 1, 2], "samples": [700, 1200, 1190]}))
     assert spec["$schema"].endswith("/vega-lite/v5.json")
     # One view on a continuous x: a layered chart, or a discrete x, laid out while its tab is hidden warns "fit-x".
     assert "layer" not in spec and spec["mark"]["type"] == "bar"
@@ -50,7 +51,7 @@ def test_spec_is_for_the_bundled_vega_lite_5_and_a_bar_chart_starts_at_zero():
 
 def test_published_size_is_on_a_log_axis_with_the_anchors_labelled():
     frame = pd.DataFrame({"version": [0, 1, 2, 3], "KB": [833.0, 41.0, 0.0, 833.0], "kind": ["anchor", "delta", "delta", "anchor"]})
-    spec = components.SIZE_CHART.spec(frame)
+    spec = SIZE_CHART.spec(frame)
     points, labels = spec["layer"]
     assert points["encoding"]["y"]["scale"]["type"] == "log"
     assert [r["version"] for r in spec["data"]["values"]] == [0, 1, 3]  # a log axis cannot draw 0 KB
@@ -61,14 +62,14 @@ def test_published_size_is_on_a_log_axis_with_the_anchors_labelled():
 
 def test_every_series_keeps_its_colour_and_missing_values_are_null():
     frame = pd.DataFrame({"version": [1, 2], "mean_reward": [0.25, float("nan")], "source": ["trainer", "trainer"]})
-    spec = components.REWARD_CHART.spec(frame)
+    spec = REWARD_CHART.spec(frame)
     assert spec["encoding"]["color"]["scale"]["domain"] == ["env", "trainer"]  # env before it appears
     assert spec["data"]["values"] == [{"version": 1, "mean_reward": 0.25, "source": "trainer"}]
-    json.loads(components.REWARD_CHART.to_json(frame))  # strict JSON: no NaN
+    json.loads(REWARD_CHART.to_json(frame))  # strict JSON: no NaN
 
 
 def test_plot_value_is_embedded_by_the_frontend_as_given():
-    value = components.plot_data(components.CHANGED_CHART, pd.DataFrame({"version": [1], "changed_pct": [9.5]}))
+    value = plot_data(CHANGED_CHART, pd.DataFrame({"version": [1], "changed_pct": [9.5]}))
     assert value.type == "altair" and value.chart == "vega-lite"  # the frontend fits it to the panel's width
     assert json.loads(value.plot)["encoding"]["y"]["field"] == "changed_pct"
 
@@ -159,6 +160,6 @@ def test_the_lora_adapter_chain_is_shown_when_the_run_has_one(bucket):
 
 def test_nothing_to_draw_is_an_empty_plot():
     empty = pd.DataFrame({"version": pd.Series([], dtype="int64"), "KB": pd.Series([], dtype="float64"), "kind": pd.Series([], dtype="str")})
-    assert components.plot_data(components.SIZE_CHART, empty) is None  # an axis without extent warns in the console
+    assert plot_data(SIZE_CHART, empty) is None  # an axis without extent warns in the console
     zero = pd.DataFrame({"version": [1], "KB": [0.0], "kind": ["delta"]})
-    assert components.plot_data(components.SIZE_CHART, zero) is None  # nothing a log axis can draw
+    assert plot_data(SIZE_CHART, zero) is None  # nothing a log axis can draw

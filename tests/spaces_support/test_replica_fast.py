@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 from rollout_space.replica import Replica, ReplicaConfig
 from rlsync.dtypes import bits_to_numpy, int_view
 from rlsync.errors import HashMismatchError
-from rlsync.format import Change, decode_delta, encode_delta, parse_header
+from rlsync.delta_format import Change, decode_delta, encode_delta
+from rlsync.format import parse_header
 from rlsync.hashing import state_hash
 from rlsync.protocol import POINTER_KEY, FixedInterval, Publisher, read_manifest
 from rlsync.spaces.tiny_model import build_tiny_model

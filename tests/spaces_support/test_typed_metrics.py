@@ -16,7 +16,7 @@ from rlsync.layout import metrics_key, score_key, status_key
 from rlsync.limits import MAX_OBJECT_BYTES
 from rlsync.protocol import FixedInterval, Publisher
 from rlsync.scores import Refusals
-from rlsync.spaces import components, frames
+from rlsync.spaces import frames
 from rlsync.spaces.demand import Pacing
 from rlsync.spaces.exchange import put_json
 from rlsync.spaces.metrics import (
@@ -148,7 +148,7 @@ def test_a_train_row_copies_every_figure_from_the_trl_log_it_names():
 def test_every_training_chart_draws_a_figure_of_the_train_rows():
     rows = [dataclasses.replace(TrainRow.from_logs({}, opt_step=s), **dict.fromkeys(frames.TRAIN_FIGURES, 0.5)) for s in (1, 2)]
     frame = frames.train_frame(read_snapshot_of(TrainerMetrics(rows=rows)))
-    for chart in components.TRAINING_CHARTS:
+    for chart in frames.TRAINING_CHARTS:
         assert chart.x == "opt_step" and chart.y in frames.TRAIN_FIGURES
         spec = chart.spec(frame)
         assert [r[chart.y] for r in spec["data"]["values"]] == [0.5, 0.5], chart.title
@@ -163,7 +163,7 @@ def test_a_new_plot_of_a_trl_figure_is_one_train_row_field():
 
     assert WithGradNorm.from_logs({"grad_norm": 1.5}, opt_step=1).grad_norm == 1.5  # the trainer copies it
     charts = frames.training_charts(WithGradNorm)
-    assert charts[: len(components.TRAINING_CHARTS)] == components.TRAINING_CHARTS
+    assert charts[: len(frames.TRAINING_CHARTS)] == frames.TRAINING_CHARTS
     assert (charts[-1].title, charts[-1].y, dict(charts[-1].formats)) == ("Gradient norm per optimizer step", "grad_norm", {"grad_norm": ".3g"})
 
 

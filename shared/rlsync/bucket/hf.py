@@ -26,7 +26,8 @@ Errors from ``huggingface_hub`` are mapped onto the bucket error types:
 Every request has a timeout and is made once; retries are :class:`RetryingBucket`'s alone (see
 :mod:`rlsync.bucket.hf_transport`). The jobs live in parts: :class:`~rlsync.bucket.hf_errors.HubCalls`
 (one metered call and its error mapping), :class:`~rlsync.bucket.hf_reads.HubReader` (downloads and
-listings), :mod:`~rlsync.bucket.hf_xet_grants` (the Xet tokens); :class:`HfBucket` joins them and writes.
+listings), :class:`~rlsync.bucket.hf_writes.HubWriter` (creating the bucket, uploads, deletes),
+:mod:`~rlsync.bucket.hf_xet_grants` (the Xet tokens); :class:`HfBucket` joins them.
 
 The access token comes from the ``token`` argument, else the ``HF_TOKEN`` environment variable,
 else ``huggingface_hub``'s own lookup (the saved login). None of these tokens ever appears in an
@@ -37,21 +38,20 @@ server echoed it.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
 from huggingface_hub import HfApi
-from huggingface_hub.errors import BucketNotFoundError
 from huggingface_hub.utils import parse_hf_uri
 
-from ..errors import BucketError, TransientBucketError
+from ..errors import BucketError
 from ..registry import Kind, register
 from .base import Bucket, Capability, ObjectInfo, validate_key
 from .budget import RequestMeter
 from .hf_errors import HubCalls
 from .hf_reads import HubReader
 from .hf_transport import HfTransferConfig, install
+from .hf_writes import HubWriter
 
 if TYPE_CHECKING:
     from .settings import BucketSettings
@@ -63,8 +63,6 @@ register(
     capabilities=("metered", "change_feed", "size_limited_reads"),
     summary="a Hugging Face Bucket, hf://buckets/OWNER/NAME[/PREFIX] (timeouts HF_BUCKET_*, budget and watch HUB_*)",
 )  # fmt: skip
-
-logger = logging.getLogger(__name__)
 
 
 class HfBucket(Bucket):
@@ -125,32 +123,9 @@ class HfBucket(Bucket):
         self.url = f"hf://buckets/{bucket_id}" + (f"/{prefix}" if prefix else "")
         self._hub = HubCalls(api=self._api, token=token, bucket_id=bucket_id, url=self.url, meter=self.meter)
         self._reader = HubReader(self._hub, self._path_prefix)
+        self._writer = HubWriter(self._hub, self._reader)
         if create:
-            self._create_if_missing()
-
-    def _create_if_missing(self) -> None:
-        """Create the bucket when the Hub has none of this id (a read-only token never tries to write)."""
-
-        def exists() -> bool:
-            try:
-                self._api.bucket_info(self.bucket_id, token=self._token)
-                return True
-            except BucketNotFoundError:
-                return False
-
-        if self._hub.call("bucket info", None, exists):
-            return
-        try:
-            self._hub.call("create bucket", None, lambda: self._api.create_bucket(self.bucket_id, exist_ok=True, token=self._token))
-        except TransientBucketError:
-            raise
-        except BucketError as err:
-            raise BucketError(
-                f"bucket {self.bucket_id!r} does not exist and this token cannot create it ({err}). Create it "
-                f"with a token that can write to {self.bucket_id.split('/')[0]!r}: `hf buckets create {self.bucket_id}`, "
-                "or `python -m rlsync.spaces.deploy`, or on the Hub's website; then start again"
-            ) from None
-        logger.info("created bucket %s", self.bucket_id)
+            self._writer.create_if_missing()
 
     @classmethod
     def from_url(cls, url: str, **kwargs) -> "HfBucket":
@@ -197,10 +172,7 @@ class HfBucket(Bucket):
         Raises:
             [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
-        remote = self._reader.remote(key)
-        logger.debug("put %s (%d bytes) to %s", remote, len(data), self.bucket_id)
-        payload = bytes(data)  # huggingface_hub tells raw content from a path by the `bytes` type
-        self._hub.transfer("put", key, lambda: self._upload(payload, remote))
+        self._writer.upload(key, bytes(data))  # huggingface_hub tells raw content from a path by the `bytes` type
 
     def put_file(self, key: str, path: str | Path) -> None:
         """Upload the local file `path` under `key` without reading it into memory.
@@ -208,13 +180,7 @@ class HfBucket(Bucket):
         Raises:
             [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
-        remote = self._reader.remote(key)
-        local = str(Path(path))
-        logger.debug("put_file %s -> %s in %s", local, remote, self.bucket_id)
-        self._hub.transfer("put", key, lambda: self._upload(local, remote))
-
-    def _upload(self, source: bytes | str, remote: str) -> None:
-        self._api.batch_bucket_files(self.bucket_id, add=[(source, remote)], token=self._token)
+        self._writer.upload(key, str(Path(path)))
 
     def get(self, key: str) -> bytes:
         """Download the object `key` (via a temporary file) and return its bytes.
@@ -283,28 +249,7 @@ class HfBucket(Bucket):
         Raises:
             [`InvalidKeyError`], [`TransientBucketError`], [`BucketError`]
         """
-        keys = [validate_key(key) for key in keys]
-        if not keys:
-            return
-        existing = self._reader.existing("delete", keys)
-        remotes = [self._reader.remote(key) for key in keys if self._reader.remote(key) in existing]
-        if not remotes:
-            return
-        logger.debug("delete %d objects from %s", len(remotes), self.url)
-        what = keys[0] if len(keys) == 1 else f"{len(keys)} keys"
-        try:
-            self._hub.call(
-                "delete",
-                what,
-                lambda: self._api.batch_bucket_files(self.bucket_id, delete=remotes, token=self._token),
-            )
-        except BucketError as err:
-            if isinstance(err, TransientBucketError):
-                raise
-            # A concurrent delete may have removed some paths first: fine if none is left.
-            left = self._reader.existing("delete", [self._reader.local_key(r) or r for r in remotes])
-            if left:
-                raise
+        self._writer.delete(keys)
 
     def exists(self, key: str) -> bool:
         """Whether an object with this key exists (metadata only, nothing is downloaded).

@@ -31,7 +31,8 @@ from ..bucket import Bucket
 from ..dtypes import numpy_to_values, tensor_bits
 from ..errors import FormatError, HashMismatchError, MissingUpdateError, ObjectNotFoundError, ObjectTooLargeError
 from ..files import age_out
-from ..format import decode_delta, load_anchor
+from ..anchor_format import load_anchor
+from ..delta_format import decode_delta
 from ..hashing import StateLanes, changes_lanes, schema_of, slice_lanes, structure_digest, zero_lanes
 from ..layout import POINTER_KEY
 from ..limits import MAX_HEADERS_BYTES, MAX_POINTER_BYTES

@@ -8,7 +8,7 @@ import torch
 
 from ..dtypes import numpy_to_values
 from ..errors import NonFiniteError
-from ..format import Change
+from ..delta_format import Change
 from ..workers import worker_pool
 
 

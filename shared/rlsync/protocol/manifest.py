@@ -15,7 +15,8 @@ from typing import Any, Mapping
 
 from ..bucket import validate_key
 from ..errors import FormatError, InvalidKeyError
-from ..format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, SINGLE_FILE, shard_names
+from ..anchor_format import INDEX_FILE, SINGLE_FILE, shard_names
+from ..format import FORMAT_NAME, FORMAT_VERSION
 from ..jsonlimits import loads_bounded
 from ..layout import (
     ANCHOR_FILE,
@@ -283,7 +284,7 @@ def _matches(pattern: re.Pattern, step: int, files: tuple[FileEntry, ...], what:
 
 def _check_anchor_keys(anchor: AnchorEntry) -> None:
     """Every file of an anchor is under ``anchor_folder(step, epoch)``, named as
-    :func:`~rlsync.format.write_anchor` names them: one ``model.safetensors``, or shards
+    :func:`~rlsync.anchor_format.write_anchor` names them: one ``model.safetensors``, or shards
     ``1..n`` of ``n`` (``n`` at least 2) in order with an optional index last."""
     names = [m.group(3) for m in _matches(ANCHOR_FILE, anchor.step, anchor.files, "anchor")]
     if names == [SINGLE_FILE]:

@@ -3,7 +3,7 @@
 A :class:`~rlsync.protocol.Publisher` owns one :class:`RunOwnership`, which holds everything about
 the run apart from encoding and committing versions: the run lock (taken before the first write),
 fencing (before every commit, the lock is still its own and the pointer names only versions it
-wrote), the run's identity and epochs, what happens on a bucket that already holds a run (continue
+wrote; :class:`~.fence.RunFence`, its base), the run's identity and epochs, what happens on a bucket that already holds a run (continue
 it with :meth:`~RunOwnership.resume`, start a new one, or refuse), the heartbeat and checkpoint pins.
 """
 
@@ -12,31 +12,28 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import time
 from typing import Mapping
 
 from ..bucket import Bucket
-from ..errors import FencedError, FormatError, SyncError
-from ..layout import LOCK_KEY, MAX_STEP
-from .lock import DEFAULT_LOCK_TTL_S, RunLock, acquire, check_fence, write_lock
+from ..errors import SyncError
+from ..layout import MAX_STEP
+from .fence import RunFence
+from .lock import DEFAULT_LOCK_TTL_S
 from .manifest import MAX_CHECKPOINT_PINS, CheckpointPin, Manifest
-from .run import base_step, check_takeover, check_writable, highest_epoch, new_run_id, read_manifest, run_exists_error
+from .run import base_step, check_takeover, check_writable, new_run_id, read_manifest, run_exists_error
 from .subscriber import Subscriber
 
 logger = logging.getLogger(__name__)
 
 
-class RunOwnership:
-    """The run lock, the run identity and the run's lifecycle of one publishing trainer.
+class RunOwnership(RunFence):
+    """The run identity and the run's lifecycle of one publishing trainer, on its fence (:class:`~.fence.RunFence`:
+    the run lock, the versions it wrote).
 
     Args:
-        bucket: The run's bucket.
-        owner: Stable id of this trainer (a restart with the same id takes the lock over at
-            once; another id is refused while the lock is fresh).
-        lock_ttl_s: Age after which another owner's lock may be taken over.
+        bucket, owner, lock_ttl_s, refused: As :class:`~.fence.RunFence`.
         new_run: On a bucket that holds a run this trainer does not continue, start a new run
             at the first publish instead of refusing with :class:`~rlsync.errors.RunExistsError`.
-        refused: Where invalid bucket objects met on the way are counted, by key.
         run_id: The run's id (empty: a fresh :func:`~rlsync.protocol.run.new_run_id` when a run
             starts; a resumed run keeps its own).
     """
@@ -51,25 +48,13 @@ class RunOwnership:
         refused: collections.Counter[str] | None = None,
         run_id: str = "",
     ) -> None:
-        self.bucket = bucket
-        self.owner = owner
-        self.lock_ttl_s = lock_ttl_s
+        super().__init__(bucket, owner=owner, lock_ttl_s=lock_ttl_s, refused=refused)
         self.new_run = new_run
-        self.refused = refused if refused is not None else collections.Counter()
         self.run_id = run_id
-        self.lock: RunLock | None = None
-        #: (step, hash) of the pointers this trainer wrote or tried to write.
-        self.written: set[tuple[int, str]] = set()
         #: The newest version of the run a new run replaces.
         self.floor: int | None = None
         #: Whether the bucket's run was adopted (resumed) or replaced (a new run) already.
         self.settled = False
-
-    @property
-    def epoch(self) -> int:
-        """The epoch of the held lock (the keys this trainer writes carry it)."""
-        assert self.lock is not None, "the run lock is taken before anything is written"
-        return self.lock.epoch
 
     def next_step(self, published: int | None) -> int:
         """The version the next publish should have: after ``published`` (the last published step), or
@@ -77,38 +62,6 @@ class RunOwnership:
         if published is not None:
             return published + 1
         return 0 if self.floor is None else self.floor + 1
-
-    def claim(self) -> None:
-        """Take the run lock once; after that, check that it is still ours (:meth:`fence`).
-
-        Raises:
-            RunLockedError: another trainer holds a fresh lock.
-            FencedError: the lock was taken over since.
-        """
-        if self.lock is None:
-            floor = highest_epoch(self.bucket, self.refused)
-            self.lock = acquire(self.bucket, self.owner, self.lock_ttl_s, floor=floor, refused=self.refused)
-        else:
-            self.fence()
-
-    def fence(self) -> None:
-        """Check the run lock is still ours; an unreadable lock object is written again and counted.
-
-        Raises:
-            FencedError: another owner or epoch holds the lock.
-        """
-        assert self.lock is not None
-        held = check_fence(self.bucket, self.lock)
-        if held is not self.lock:
-            self.refused[LOCK_KEY] += 1
-            self.lock = held
-
-    def heartbeat(self) -> None:
-        """Refresh the lock's heartbeat (while training without publishing for long)."""
-        if self.lock is not None:
-            self.fence()
-            self.lock = dataclasses.replace(self.lock, heartbeat=time.time())
-            write_lock(self.bucket, self.lock)
 
     def open_run(self) -> Manifest | None:
         """Take the run lock to continue the bucket's run, and read its pointer.
@@ -237,41 +190,3 @@ class RunOwnership:
         pins = tuple(p for p in published.checkpoints if p.step < step) + (CheckpointPin(step, weights_hash),)
         return dataclasses.replace(published, checkpoints=pins[-MAX_CHECKPOINT_PINS:])
 
-    def check_pointer(self, published: Manifest | None) -> None:
-        """Refuse to write when the pointer names a version this trainer did not write.
-
-        A trainer taken over while its publish was in flight can land that pointer after the
-        new trainer resumed; publishing on would overwrite the objects it names. An unreadable
-        pointer (an upload cut short) is ours to rewrite.
-
-        Args:
-            published: What this trainer last published (``None``: nothing yet, nothing to check).
-
-        Raises:
-            FencedError: the pointer moved to a version this trainer did not publish.
-        """
-        if published is None:
-            return
-        try:
-            current = read_manifest(self.bucket, uncached=True)  # a watched bucket's cached pointer may be stale
-        except FormatError:
-            return
-        if current is None or (current.step, current.state_hash) in self.written:
-            return
-        raise FencedError(
-            f"{self.bucket.url}: the pointer names step {current.step}, which this trainer did not publish "
-            f"(its last was {published.step}); another trainer wrote into the chain; resume() before publishing"
-        )
-
-    def before_commit(self, published: Manifest | None, pruned: Manifest) -> None:
-        """Right before the pointer for ``pruned`` is written: the lock is still ours (the data may
-        have taken long to upload), and both the published and the new version count as ours (a put
-        that failed may still have landed).
-
-        Raises:
-            FencedError: the lock was taken over during the upload.
-        """
-        if self.lock is not None:
-            self.fence()
-        self.written = {(published.step, published.state_hash)} if published is not None else set()
-        self.written.add((pruned.step, pruned.state_hash))

@@ -28,7 +28,8 @@ from ..bucket import Bucket
 from ..codecs import DEFAULT_CODEC, get_codec
 from ..detect import DEFAULT_CHUNK_ELEMENTS, ChangeDetector, PatchedState, serving_copy
 from ..errors import SyncError
-from ..format import DEFAULT_MAX_SHARD_BYTES, Change
+from ..anchor_format import DEFAULT_MAX_SHARD_BYTES
+from ..delta_format import Change
 from ..hashing import StateLanes, changes_lanes
 from .finite import check_finite_changes
 from .lock import DEFAULT_LOCK_TTL_S

@@ -28,7 +28,7 @@ balanced by bytes), every rank sends its slices straight to their owners
 writes ``model-0000k-of-0000n.safetensors`` with the whole tensors it owns, and
 once every file is confirmed rank 0 uploads
 ``model.safetensors.index.json`` and the pointer. Replicas read it as any
-sharded anchor (:func:`rlsync.format.load_anchor`).
+sharded anchor (:func:`rlsync.anchor_format.load_anchor`).
 
 A sharded trainer's process group is destroyed at interpreter exit, if its script has not done
 so (:func:`destroy_process_group_at_exit`): a gloo group still alive when the interpreter tears
@@ -57,7 +57,8 @@ import torch
 import torch.distributed as dist
 
 from ..detect import cast_chunk, serving_copy, serving_dtype_of
-from ..format import INDEX_FILE, Change, anchor_index, anchor_metadata, encode_delta, shard_names, write_anchor_shard
+from ..anchor_format import INDEX_FILE, anchor_index, anchor_metadata, shard_names, write_anchor_shard
+from ..delta_format import Change, encode_delta
 from ..hashing import StateLanes, add_lanes, slice_lanes, structure_digest
 from ..layout import anchor_folder, delta_part_key
 from ..shards import LocalSlice, local_slices

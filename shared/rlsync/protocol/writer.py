@@ -20,7 +20,8 @@ from typing import Mapping
 import torch
 
 from ..bucket import Bucket
-from ..format import Change, encode_delta, write_anchor
+from ..anchor_format import write_anchor
+from ..delta_format import Change, encode_delta
 from ..layout import POINTER_KEY, anchor_folder, delta_key
 from ..limits import MAX_POINTER_BYTES
 from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest

@@ -2,7 +2,7 @@
 
 Every plot of the panels is a :class:`Chart` (what to draw: marks, axes, series and their
 colours, labels) turned into a Vega-Lite spec by :meth:`Chart.spec` from a DataFrame of
-:mod:`.frames`. :func:`~.components.chart_plot` shows it in a ``gr.Plot``.
+:mod:`.frames`. :func:`~.plots.chart_plot` shows it in a ``gr.Plot``.
 
 Why not Gradio's ``LinePlot`` / ``ScatterPlot`` / ``BarPlot``: their frontend writes a fixed
 spec (schema v5.17 against its v6 runtime, a band scale with ``zero``, ``fit-x`` on a discrete

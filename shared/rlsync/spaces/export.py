@@ -1,6 +1,6 @@
 """``python -m rlsync.spaces.deploy --export DIR``: each Space's folder, exactly as deploy uploads it.
 
-Every Space of a deployment plan (:class:`~rlsync.spaces.deploy.DeployPlan`) becomes ``DIR/<space name>/`` holding the
+Every Space of a deployment plan (:class:`~rlsync.spaces.deploy_plan.DeployPlan`) becomes ``DIR/<space name>/`` holding the
 files of its one commit (the same ``(path_in_repo, local_file)`` pairs: regular files git tracks), byte for
 byte, and nothing else; the Space variables deploy would set go to ``DIR/variables.env``, outside the Space folders.
 Run an exported Space as the Hub does (``pip install -r requirements.txt`` then ``python app.py``), or
@@ -26,7 +26,7 @@ def export_spaces(
 
     Args:
         spaces: ``(space name, (path_in_repo, local_file) pairs, variables)`` per Space, as a
-            :class:`~rlsync.spaces.deploy.SpacePlan` has them.
+            :class:`~rlsync.spaces.deploy_plan.SpacePlan` has them.
         dest: The export folder; created if missing. A Space folder already in it is replaced.
         out: Where to list the Space folders and their variables (``None``: nowhere).
 

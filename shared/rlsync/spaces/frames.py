@@ -1,7 +1,7 @@
 """Plot and table data: pandas DataFrames and summary lines computed from a :class:`~.snapshots.Snapshot`.
 
 Plain functions, testable without a browser; the Gradio components in
-:mod:`.components` draw what they return.
+:mod:`.plots` and :mod:`.tables` draw what they return.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ TRAINING_CHARTS = training_charts()
 
 def train_frame(snap: Snapshot) -> pd.DataFrame:
     """One row per optimizer step: ``opt_step`` and every figure of a :class:`~.metrics.TrainRow`
-    (:data:`TRAIN_FIGURES`, ``NaN`` where the step logged none); what :data:`~.components.TRAINING_CHARTS` draw."""
+    (:data:`TRAIN_FIGURES`, ``NaN`` where the step logged none); what :func:`~.plots.training_plots` draw."""
     rows = [dataclasses.asdict(r) for r in snap.trainer.steps if r.opt_step is not None]
     frame = pd.DataFrame(rows, columns=["opt_step", *TRAIN_FIGURES])
     return frame.astype({"opt_step": "int64", **dict.fromkeys(TRAIN_FIGURES, "float64")})

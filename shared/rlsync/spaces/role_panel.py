@@ -4,7 +4,7 @@ its settings form and its Start / Stop controls.
 A role's panel (the trainer's, a replica's, the environment's) stands alone on its Space's page, following the
 bucket its last Start named, or as a tab of the combined app, reading that app's bucket on that app's timer with
 its ids prefixed (:class:`PanelPlace`). :class:`RolePanel` builds the part every panel shares on that place: the
-:class:`~rlsync.spaces.components.Live` that refreshes it, the settings form of the role's config (without the
+:class:`~rlsync.spaces.live.Live` that refreshes it, the settings form of the role's config (without the
 bucket field when the bucket is fixed), and the controls that start and stop the role; each Space's ``app.py``
 adds its own inputs and figures. :class:`RoleSpace` is a role's page: its settings read from the environment, its
 runner, its panel, and the launch.
@@ -17,7 +17,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..roles import Role
-from . import components, forms
+from . import forms
+from .controls import role_controls
+from .live import panel_live
+from .page import serve, space_page
 from .restarts import resume_at_boot, stop_on_sigterm
 from .role_control import RoleRunner
 from .snapshots import BucketSource
@@ -32,7 +35,7 @@ class PanelPlace:
     Args:
         bucket_url: The bucket the panel reads (fixed, e.g. in the combined app); ``None``: the form has a bucket
             field and the panel follows the bucket of the last Start.
-        timer: The ``gr.Timer`` refreshing the panel (default: a new one, ticking every ``components.REFRESH_S``).
+        timer: The ``gr.Timer`` refreshing the panel (default: a new one, ticking every :data:`~.live.REFRESH_S`).
         prefix: Prepended to the components' ``elem_id`` (several panels on one page).
     """
 
@@ -56,7 +59,7 @@ class RolePanel:
         self.prefix = place.prefix
         self._fixed = place.bucket_url is not None
         #: Refreshes the panel's outputs (enter it to build them).
-        self.live, self._follow = components.panel_live(config.bucket, place.bucket_url, place.timer)
+        self.live, self._follow = panel_live(config.bucket, place.bucket_url, place.timer)
 
     def form(self, overrides: dict[str, Callable[..., Any]] | None = None, skip: Sequence[str] = ()) -> dict[str, Any]:
         """The settings form of the config (:func:`~rlsync.spaces.forms.config_form`), less ``skip`` and, on a
@@ -69,7 +72,7 @@ class RolePanel:
         make_config: Callable[..., Any],
         inputs: Sequence[Any],
     ) -> dict[str, Any]:
-        """Start / Stop and the status line (:func:`~rlsync.spaces.components.role_controls`), built inside
+        """Start / Stop and the status line (:func:`~rlsync.spaces.controls.role_controls`), built inside
         :attr:`live`; a Start makes the panel follow the bucket it names.
 
         Args:
@@ -80,7 +83,7 @@ class RolePanel:
             ``{"start", "stop", "status"}`` components.
         """
         follow = self._follow
-        return components.role_controls(
+        return role_controls(
             self.runner, make_config, inputs, self.live, on_started=lambda c: follow(c.bucket), prefix=self.prefix
         )
 
@@ -119,10 +122,10 @@ class RoleSpace:
         """
         config = config or self.read_config()
         runner = runner or self.make_runner()
-        return components.space_page(self.title, self.description, lambda: self.build_panel(runner, config, **options))
+        return space_page(self.title, self.description, lambda: self.build_panel(runner, config, **options))
 
     def main(self) -> None:
-        """Launch the page (``GRADIO_SERVER_NAME``, ``PORT``, ``PANEL_AUTH``: :func:`.components.serve`). A role the
+        """Launch the page (``GRADIO_SERVER_NAME``, ``PORT``, ``PANEL_AUTH``: :func:`.page.serve`). A role the
         owner left running resumes first, and the runtime's SIGTERM stops it cleanly (:mod:`.restarts`)."""
         config, runner = self.read_config(), self.make_runner()
         stop_on_sigterm(runner)
@@ -131,4 +134,4 @@ class RoleSpace:
             resume_at_boot(runner, config)
             return self.build_app(config, runner)
 
-        components.serve(boot)
+        serve(boot)

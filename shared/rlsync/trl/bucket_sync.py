@@ -33,7 +33,6 @@ import logging
 from typing import Any, Callable
 
 from ..bucket import Bucket, open_bucket
-from ..bucket.watch import meter_of
 from ..checkpoint_layout import CheckpointLayout
 from ..defaults import DEFAULT_ANCHOR_INTERVAL, DEFAULT_CODEC
 from ..errors import NonFiniteError, StopRequested
@@ -42,13 +41,13 @@ from ..lora import LoraSpec, peft_config
 from ..protocol import AnchorPolicy, FixedInterval, Publisher, PublishRecord
 from ..protocol.retention import DEFAULT_KEEP_ANCHORS
 from .adapter_sync import BucketAdapterSync
-from .checkpoints import BucketCheckpoints, CheckpointCallback
+from .checkpoints import BucketCheckpoints
 from .cpu_compat import apply_cpu_compat
-from .final_sync import FinalWeightSync
-from .guards import NonFiniteStepGuard, VersionGuard, restore_weights
+from .guards import restore_published
 from .resume import resume_point
 from .rollout_worker import BucketRolloutWorker
 from .scores_reader import TrainerScores
+from .trainer_callbacks import SyncCallbacks
 from .weight_transfer import BucketWeightTransfer
 
 __all__ = ["BucketSync"]
@@ -95,6 +94,8 @@ class BucketSync:
         worker: The rollout worker (its ``counts`` are the flow figures).
         publisher: The publisher of the trained chain (the adapter chain's with ``lora``).
         checkpoints: The run's checkpoints in the bucket.
+        callbacks: The trainer's callbacks (:class:`~rlsync.trl.trainer_callbacks.SyncCallbacks`: the guards, the final
+            sync, checkpoints, coalescing), made by :meth:`attach`.
         read_scores: The scores reader (:class:`~rlsync.trl.scores_reader.TrainerScores`).
         refusals: Scores objects refused by the parser, by prefix.
         checkpoint: The local checkpoint folder to resume from (``None``: a fresh or new run), set by
@@ -142,11 +143,10 @@ class BucketSync:
             self.adapter_sync.transfer if self.adapter_sync is not None
             else _weight_transfer(self.bucket, chain, sharded=sharded, background=sharded_background, layout=layout, fp8=fp8)
         )  # fmt: skip
-        self.trackio = _trackio_figures() if trackio else None
-        self._on_publish = on_publish
-        self.transfer.on_publish, self.transfer.on_non_finite = self._published, self._restore_published
-        if self.trackio is not None:
-            self.transfer.on_send = self.trackio.sent
+        self.callbacks = SyncCallbacks(trackio=trackio, on_publish=on_publish)
+        self.transfer.on_publish, self.transfer.on_non_finite = self.callbacks.published, self._restore_published
+        if self.callbacks.trackio is not None:
+            self.transfer.on_send = self.callbacks.trackio.sent
         self.publisher = self.transfer.publisher
         self.checkpoints = BucketCheckpoints(self.bucket, keep=keep_checkpoints, chain=self.publisher)
         self.read_scores = TrainerScores(self._limits, lambda: self.publisher.replaced_step)
@@ -160,10 +160,7 @@ class BucketSync:
         self.checkpoint: str | None = None
         self.checkpoint_step: int | None = None
         self.notice = ""
-        self.step_guard = NonFiniteStepGuard()
-        self.version_guard: VersionGuard | None = None  # the callbacks that need the trainer: made by attach()
-        self.final_sync: FinalWeightSync | None = None
-        self.checkpoint_callback = self.coalescing = self.uses_sdpa = None
+        self.uses_sdpa = None
 
     @property
     def version(self) -> int | None:
@@ -205,24 +202,11 @@ class BucketSync:
         if self.adapter_sync is not None:
             self.adapter_sync.attach(trainer)
         if self.sharded:
-            from .sharded_checkpoints import ShardedCheckpointCallback
-
             self.transfer.attach(trainer)  # type: ignore[attr-defined]
-            self.checkpoint_callback = ShardedCheckpointCallback(self.checkpoints, info=self._checkpoint_info)
-        else:
-            self.checkpoint_callback = CheckpointCallback(self.checkpoints, info=self._checkpoint_info)
-        self.version_guard = VersionGuard(trainer, self.transfer, self.worker)
-        self.final_sync = FinalWeightSync(trainer, self.transfer)  # every rank flushes (TRL gives rank 0 the transfer)
-        meter = meter_of(self.bucket)
-        if meter is not None:
-            from .coalesce import PublishCoalescing
-
-            self.coalescing = PublishCoalescing(trainer, meter)
-        for callback in (self.step_guard, self.version_guard, self.checkpoint_callback, self.final_sync, self.coalescing):
-            if callback is not None:
-                trainer.add_callback(callback)  # after TRL's own weight-sync callback, which the guards follow
-        if self.trackio is not None:
-            self.trackio.install(trainer)
+        self.callbacks.install(
+            trainer, transfer=self.transfer, worker=self.worker, checkpoints=self.checkpoints, bucket=self.bucket,
+            sharded=self.sharded, info=self._checkpoint_info,
+        )  # fmt: skip
         if prepare:
             self.prepare()
         return self
@@ -257,11 +241,7 @@ class BucketSync:
         try:
             trainer.train(resume_from_checkpoint=self.checkpoint)
         except StopRequested:  # stopped while waiting for rollouts: save what the callbacks could not
-            step = trainer.state.global_step
-            if step and self.checkpoint_callback.last_step != step:
-                trainer._save_checkpoint(trainer.model, trial=None)
-                self.checkpoint_callback.upload(trainer.args.output_dir, step)
-            self.final_sync.sync(step)
+            self.callbacks.save_last(trainer)
 
     def request_stop(self) -> None:
         """End a ``train()`` that waits for rollouts (:class:`~rlsync.errors.StopRequested`)."""
@@ -280,28 +260,10 @@ class BucketSync:
     def _checkpoint_info(self) -> dict[str, Any]:
         return {"published_version": self.transfer.version}
 
-    def _published(self, record: PublishRecord) -> None:
-        if self.trackio is not None:
-            self.trackio.record(record)
-        if self._on_publish is not None:
-            self._on_publish(record)
-
     def _restore_published(self, exc: NonFiniteError) -> None:
         """Never train on from a poisoned model: back to the published weights, optimizer state reset."""
         logger.error("%s; restoring the published weights and resetting the optimizer", exc)
-        published = self.publisher.detector.published or {}
-        if self.adapter_sync is not None:
-            self.adapter_sync.restore(published)
-        else:
-            restore_weights(self.trainer.model, published, self.transfer.layout)
-        if self.trainer.optimizer is not None:
-            self.trainer.optimizer.state.clear()
-
-
-def _trackio_figures() -> Any:
-    from .trackio_sync import TrackioSyncFigures
-
-    return TrackioSyncFigures()
+        restore_published(self.trainer, self.publisher.detector.published or {}, self.adapter_sync, self.transfer.layout)
 
 
 def _weight_transfer(

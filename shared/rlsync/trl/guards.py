@@ -12,7 +12,8 @@
 Add both after constructing the trainer (``trainer.add_callback(...)``): TRL's
 own weight-sync callback must run first.
 
-- :func:`restore_weights`: a publish refused as non-finite puts the published weights back into the model.
+- :func:`restore_weights`: a publish refused as non-finite puts the published weights back into the model
+  (:func:`restore_published`: the adapter's with LoRA, and the optimizer state cleared).
 """
 
 from __future__ import annotations
@@ -102,3 +103,14 @@ def restore_weights(model: torch.nn.Module, published: Mapping[str, torch.Tensor
             if target.numel() != tensor.numel():
                 raise ValueError(f"{name}: published {tensor.numel()} elements, the parameter holds {target.numel()} here")
             target.copy_(tensor.reshape(target.shape).to(target.dtype))
+
+
+def restore_published(trainer: Any, published: Mapping[str, torch.Tensor], adapter_sync: Any, layout: CheckpointLayout | None) -> None:
+    """Put the published weights back into ``trainer``'s model (into its adapter through ``adapter_sync``, with LoRA)
+    and clear its optimizer state: training never goes on from a poisoned model."""
+    if adapter_sync is not None:
+        adapter_sync.restore(published)
+    else:
+        restore_weights(trainer.model, published, layout)
+    if trainer.optimizer is not None:
+        trainer.optimizer.state.clear()

@@ -10,7 +10,7 @@ versions old at dequeue).
 Mapping of one scored sample (prompt ids, completion ids, the sampler's
 per-token log-probabilities, reward, policy version):
 
-- ``input_ids`` = prompt ids + completion ids; ``completion_mask`` is 0 on the
+- (:mod:`rlsync.trl.rollout_samples`) ``input_ids`` = prompt ids + completion ids; ``completion_mask`` is 0 on the
   prompt and 1 on the completion; ``old_log_probs`` is 0 on the prompt and the
   sampler's log-probability of each completion token at that token's position.
 - samples of one task in one scores object form a group (one ``group_id``); the
@@ -40,13 +40,11 @@ are logged as one summary line per ``summary_s``, not one line per sample (the f
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 import time
 from typing import Any, Callable, Sequence
 
-import numpy as np
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from ..bucket import Bucket
@@ -55,10 +53,11 @@ from ..errors import BucketError, FormatError, StopRequested
 from ..layout import SCORES_PREFIX
 from ..protocol import read_manifest
 from ..supervised import SupervisedThread
-from ..sampling import MAX_GROUP_SIZE, degenerate_group, sampled_logprob_ok
+from ..sampling import MAX_GROUP_SIZE
 from ..scores import Sample
 from .logs import quiet_trl_lines
 from .rollout_flow import RolloutFlow
+from .rollout_samples import SampleGroups, usable_sample
 
 logger = logging.getLogger(__name__)
 
@@ -68,29 +67,6 @@ DEFAULT_MAX_TOKENS = 4096
 
 #: Reads one scores object: ``(header, samples)``, or ``None`` when it is unusable.
 ScoresReader = Callable[[Bucket, str], "tuple[dict[str, Any], Sequence[Sample]] | None"]
-
-
-def group_advantages(rewards: Sequence[float]) -> np.ndarray:
-    """Group-normalised advantages: reward minus the group mean, over the group std plus 1e-8."""
-    arr = np.asarray(rewards, dtype=np.float64)
-    return (arr - arr.mean()) / (arr.std() + 1e-8)
-
-
-def to_rollout_sample(sample: Sample, advantage: float, group_id: int, model_version: int) -> RolloutSample:
-    """One scored sample as a TRL ``RolloutSample`` (see the module docstring for the alignment)."""
-    prompt_len, completion_len = len(sample.prompt_ids), len(sample.token_ids)
-    return RolloutSample(
-        prompt=[{"role": "user", "content": sample.prompt}],
-        completion=[{"role": "assistant", "content": sample.completion}],
-        input_ids=np.asarray(list(sample.prompt_ids) + list(sample.token_ids), dtype=np.int64),
-        completion_mask=np.concatenate([np.zeros(prompt_len, np.int64), np.ones(completion_len, np.int64)]),
-        old_log_probs=np.concatenate([np.zeros(prompt_len, np.float32), np.asarray(sample.logprobs, np.float32)]),
-        advantage=float(advantage),
-        model_version=int(model_version),
-        group_id=int(group_id),
-        metrics={"reward": float(sample.reward or 0.0)},
-        enqueued_at=time.time(),
-    )
 
 
 class _TakenQueue(queue.Queue):
@@ -104,26 +80,6 @@ class _TakenQueue(queue.Queue):
         item = super().get(block, timeout)
         self._on_take(item)
         return item
-
-
-def usable_sample(sample: Sample, *, newest_version: int, vocab_size: int, max_tokens: int) -> bool:
-    """Whether a scored sample may be trained on: published versions (its first, and its last when it spans an
-    update), a finite reward, prompt and completion
-    ids in the vocabulary and within ``max_tokens`` (0: no limit), one sampled log-probability per token."""
-    ids = list(sample.prompt_ids) + list(sample.token_ids)
-    return (
-        type(sample.version) is int
-        and 0 <= sample.version <= newest_version
-        and (sample.last_version is None or sample.version <= sample.last_version <= newest_version)
-        and sample.reward is not None
-        and math.isfinite(sample.reward)
-        and len(sample.token_ids) > 0
-        and len(sample.prompt_ids) > 0
-        and len(sample.logprobs) == len(sample.token_ids)
-        and all(0 <= t < vocab_size for t in ids)
-        and all(sampled_logprob_ok(x) for x in sample.logprobs)
-        and (not max_tokens or len(ids) <= max_tokens)
-    )
 
 
 class BucketRolloutWorker:
@@ -178,7 +134,6 @@ class BucketRolloutWorker:
         self.max_staleness = max_staleness
         self.heartbeat = heartbeat
         self.heartbeat_s = heartbeat_s
-        self.max_group_size = max_group_size
         self.summary_s = summary_s
         self.on_poll = on_poll
         self.rollout_buffer: queue.Queue = _TakenQueue(queue_maxsize, self._taken)
@@ -189,7 +144,7 @@ class BucketRolloutWorker:
         self.counts = self.figures.counts
         self._newest_version = 0  # newest published bucket version, read at each poll that finds new objects
         self._consumed: set[str] = set()
-        self._next_group = 0
+        self.groups = SampleGroups(self.counts, max_group_size)
         self._stop = threading.Event()
         self._stop_training = threading.Event()
         self._thread: SupervisedThread | None = None
@@ -299,28 +254,12 @@ class BucketRolloutWorker:
         return self.figures.snapshot()
 
     def _queue_groups(self, samples: Sequence[Sample]) -> int:
-        groups: dict[str, list[Sample]] = {}
-        for s in samples:
-            if not usable_sample(s, newest_version=self._newest_version, vocab_size=self.vocab_size, max_tokens=self.max_tokens):
-                self.counts["invalid"] += 1
-                continue
-            version = self.trainer_version(s.version)
-            if self.max_staleness is not None and self.model_version - version > self.max_staleness:
-                self.counts["dropped_stale"] += 1
-                continue
-            groups.setdefault(s.task_id, []).append(s)
-        self.counts["read"] += len(samples)
+        usable = lambda s: usable_sample(s, newest_version=self._newest_version, vocab_size=self.vocab_size, max_tokens=self.max_tokens)  # noqa: E731
+        stale = lambda version: self.max_staleness is not None and self.model_version - version > self.max_staleness  # noqa: E731
         queued = 0
-        for group in groups.values():
-            if degenerate_group(len(group), self.max_group_size):
-                self.counts["degenerate_groups"] += 1
-                self.counts["dropped_degenerate"] += len(group)
-                continue
-            advantages = group_advantages([float(s.reward) for s in group])  # type: ignore[arg-type]
-            group_id, self._next_group = self._next_group, self._next_group + 1
-            for sample, advantage in zip(group, advantages):
-                self._put(to_rollout_sample(sample, advantage, group_id, self.trainer_version(sample.version)))
-                queued += 1
+        for sample in self.groups.rollouts(samples, usable=usable, version=self.trainer_version, stale=stale):
+            self._put(sample)
+            queued += 1
         self.counts["queued"] += queued
         return queued
 

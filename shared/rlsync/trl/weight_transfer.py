@@ -34,20 +34,11 @@ from ..bucket import Bucket
 from ..checkpoint_layout import CheckpointLayout
 from ..errors import BucketError, NonFiniteError
 from ..fp8 import quantize_stream
-from ..protocol import Manifest, Publisher, PublishRecord, read_manifest
+from ..protocol import Manifest, Publisher, PublishRecord
 from ..protocol.background import BackgroundPublisher
-from ..protocol.run import run_exists_error
+from .run_start import start_run
 
 logger = logging.getLogger(__name__)
-
-#: How a TRL script goes on from a :class:`~rlsync.protocol.RunExistsError`.
-TRL_WAYS_ON = (
-    "resume from its checkpoints/ (BucketSync(bucket, resume=True), then "
-    "trainer.train(resume_from_checkpoint=sync.checkpoint); with the plug-ins alone, "
-    "folder = BucketCheckpoints(bucket).restore(output_dir)[1], BucketWeightTransfer(..., resume_from_checkpoint=folder) "
-    "and trainer.train(resume_from_checkpoint=folder); the trainer Space does this by itself), or start a new run "
-    "explicitly (BucketSync(bucket, new_run=True); TRAINER_NEW_RUN=1 in the trainer Space)"
-)
 
 
 @dataclasses.dataclass
@@ -105,13 +96,7 @@ class BucketWeightTransfer:
         max_failed_publishes: Background publishes that may fail in a row (a bucket error, after the bucket's
             own retries) before a send raises (:class:`PublishFailures`, :attr:`failures`). ``0``: every one raises.
 
-    Runs: on an empty bucket the first send is version 0 of a new run. On a bucket that already
-    holds a run, :meth:`init_weight_transfer` takes the run lock and, resuming from a checkpoint,
-    verifies the published chain and continues after its newest version (none reused or skipped);
-    with ``new_run``, starts a new run whose versions follow the old run's; without either, it continues the run
-    when the trainer holds exactly its newest published weights (:attr:`holds_published`); otherwise it raises
-    :class:`~rlsync.protocol.RunExistsError` naming both ways on, so a restart never publishes
-    the untrained weights over a run.
+    Runs: :meth:`init_weight_transfer` continues the bucket's run, starts a new one or refuses (:mod:`.run_start`).
     """
 
     def __init__(
@@ -165,7 +150,7 @@ class BucketWeightTransfer:
         return self.publisher.step
 
     def continue_run(self) -> dict[str, torch.Tensor] | None:
-        """Take the run lock and continue the bucket's run or start a new one (idempotent).
+        """Take the run lock and continue the bucket's run or start a new one, once (:func:`~.run_start.start_run`).
 
         Returns:
             The newest published state (serving dtype) on the first call when the bucket's
@@ -178,30 +163,10 @@ class BucketWeightTransfer:
         """
         if self._initialised:
             return None
-        state = None
-        continued = bool(self.resume_from_checkpoint)
-        if continued:
-            state = self.publisher.resume()
-        else:
-            existing = read_manifest(self.publisher.bucket)
-            if existing is not None and not self.publisher.ownership.new_run:
-                continued = self.holds_published is not None and self.holds_published(existing)
-                if not continued:
-                    raise run_exists_error(self.publisher.bucket, existing, TRL_WAYS_ON)
-                logger.info("no checkpoint, but the trainer holds version %d's weights: continuing", existing.step)
-                state = self.publisher.resume()
-            elif existing is not None:
-                self.publisher.start_new_run()
-            else:
-                self.publisher.resume()  # the run lock; the bucket is empty
-        if self.fp8 is not None:  # the FP8 chain follows the bf16 chain's decision
-            if continued or read_manifest(self.fp8.bucket) is None:
-                self.fp8.resume()
-            else:
-                self.fp8.start_new_run()
+        state = start_run(
+            self.publisher, self.fp8, resume_from_checkpoint=self.resume_from_checkpoint, holds_published=self.holds_published
+        )
         self._initialised = True
-        if state is not None:
-            logger.info("continuing the bucket's run after version %d", self.publisher.step)
         return state
 
     def init_weight_transfer(self) -> None:
@@ -248,13 +213,8 @@ class BucketWeightTransfer:
         """Publish the bf16 version within the send, quantizing each tensor for the FP8 chain as it streams
         past, then the FP8 version under the same version number."""
         quantized: list[tuple[str, torch.Tensor]] = []
-
-        def quantizing() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in pairs:
-                yield name, tensor
-                quantized.extend(quantize_stream([(name, tensor)], self.publisher.dtype or tensor.dtype))
-
-        record = self._publish(lambda step: [self.publisher.publish_stream(step, quantizing())])
+        stream = _quantizing(pairs, self.publisher, quantized)
+        record = self._publish(lambda step: [self.publisher.publish_stream(step, stream)])
         if record is not None:
             self.fp8_records.append(self.fp8.publish_stream(record.step, quantized))
             del self.fp8_records[:-100]
@@ -315,3 +275,13 @@ class BucketWeightTransfer:
             self.flush()
         except Exception as exc:  # the background publisher logged and counted it
             logger.error("the last background publish failed: %s", exc)
+
+
+def _quantizing(
+    pairs: Iterator[tuple[str, torch.Tensor]], publisher: Publisher, out: list[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``pairs`` passed through, each tensor quantized for the FP8 chain into ``out`` as it streams past (in the
+    publisher's serving dtype, once it has one)."""
+    for name, tensor in pairs:
+        yield name, tensor
+        out.extend(quantize_stream([(name, tensor)], publisher.dtype or tensor.dtype))

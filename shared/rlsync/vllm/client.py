@@ -32,36 +32,20 @@ then) and ``--worker-extension-cls rlsync.vllm.worker.SyncWorkerExtension`` (the
 
 from __future__ import annotations
 
-import enum
 import logging
-import time
-from typing import Any
 
 from rlsync.bucket import BucketSettings, open_bucket
-from rlsync.errors import RetryableError
 from rlsync.fp8 import Chain
-from rlsync.retry import RetryPolicy, call_with_retries
 
-from .plugin import WORKER_EXTENSION
+from .server import PauseMode, VllmServer
 from .status import TransferStatus
 
 __all__ = ["BucketSyncClient", "PauseMode"]
 
 logger = logging.getLogger(__name__)
 
-#: Seconds between two polls of the workers' status while they prepare or re-hash.
-POLL_S = 0.05
 #: Updates one :meth:`BucketSyncClient.sync` applies at most (each in its own pause) before it returns.
 MAX_UPDATES_PER_SYNC = 64
-
-
-class PauseMode(str, enum.Enum):
-    """What vLLM's ``/pause`` does with the requests in flight while an update is applied."""
-
-    #: Freeze them where they stand; they go on with the new weights after the resume (their KV recomputed).
-    KEEP = "keep"
-    #: Stop admitting new requests and wait until every one in flight has finished.
-    WAIT = "wait"
 
 
 class BucketSyncClient:
@@ -93,42 +77,16 @@ class BucketSyncClient:
         chain: Chain = Chain.BF16,
         pause_mode: PauseMode = PauseMode.KEEP,
     ) -> None:
-        import httpx
-
-        self.reset_attempts = max(1, reset_attempts)
+        self.server = VllmServer(base_url, timeout_s=timeout_s, reset_attempts=reset_attempts)
         self.bucket_url = bucket
         self.chain = Chain(chain)
         self.bucket = self.chain.bucket(open_bucket(bucket, settings=settings))
         self.verify = verify
         self.pause_mode = PauseMode(pause_mode)
-        self.timeout_s = timeout_s
-        self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s)
         self.step: int | None = None
         #: Seconds the server was paused for each update of the last :meth:`sync` (``/pause`` to ``/resume``).
         self.pauses: list[float] = []
         self._initialized = False
-
-    def _post(self, path: str, **kwargs: Any) -> Any:
-        response = self.http.post(path, **kwargs)
-        response.raise_for_status()
-        return response.json() if response.content else None
-
-    def _rpc(self, method: str, *args: str) -> list[Any]:
-        """``collective_rpc`` of a worker-extension method; one result per worker.
-
-        Raises:
-            RuntimeError: The server has no such worker method (started without the worker extension):
-                vLLM fails the call or drops the connection.
-        """
-        import httpx
-
-        try:
-            return list(self._post("/collective_rpc", json={"method": method, "args": list(args)})["results"])
-        except (httpx.TransportError, httpx.HTTPStatusError, KeyError, TypeError) as exc:
-            raise RuntimeError(
-                f"the server did not answer collective_rpc({method!r}) ({type(exc).__name__}: {exc}); "
-                f"its workers lack the method: start vllm serve with --worker-extension-cls {WORKER_EXTENSION}"
-            ) from exc
 
     def served_state_hash(self) -> str:
         """The state hash of the weights the server's workers serve, read back now (in vLLM's engine loop:
@@ -137,28 +95,14 @@ class BucketSyncClient:
         Raises:
             RuntimeError: The server lacks the worker extension.
         """
-        results = self._rpc("sync_state_hash")
+        results = self.server.rpc("sync_state_hash")
         if not results:
             raise RuntimeError("collective_rpc('sync_state_hash') returned no result")
         return results[0]
 
     def transfer_status(self) -> list[TransferStatus]:
         """Each worker's :meth:`~rlsync.vllm.transfer.BucketWeightTransferEngine.status`."""
-        return self._statuses("sync_transfer_status")
-
-    def _statuses(self, method: str, *args: str) -> list[TransferStatus]:
-        """Call ``method`` on every worker and read the statuses they return."""
-        return [TransferStatus.from_wire(status) for status in self._rpc(method, *args)]
-
-    def _wait(self, statuses: list[TransferStatus], busy: str) -> list[TransferStatus]:
-        """Poll the workers' status until none is ``busy`` (``preparing``, ``rehashing``)."""
-        deadline = time.monotonic() + self.timeout_s
-        while any(getattr(s, busy) for s in statuses):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the server's workers are still {busy} after {self.timeout_s} s")
-            time.sleep(POLL_S)
-            statuses = self.transfer_status()
-        return statuses
+        return self.server.statuses("sync_transfer_status")
 
     def _prepare(self, step: int) -> TransferStatus:
         """Have every worker prepare the next update toward ``step``, while the server generates.
@@ -167,7 +111,7 @@ class BucketSyncClient:
             RuntimeError: A worker refused the update or could not fetch it (nothing applied, no pause),
                 or the workers prepared different updates.
         """
-        statuses = self._wait(self._statuses("sync_prepare", str(step)), "preparing")
+        statuses = self.server.wait(self.server.statuses("sync_prepare", str(step)), "preparing")
         errors = [s.error for s in statuses if s.error]
         if errors:
             raise RuntimeError(f"the server refused or could not fetch the update toward step {step} "
@@ -180,7 +124,7 @@ class BucketSyncClient:
     def _init_engine(self) -> None:
         if not self._initialized:
             info = {"bucket": self.bucket_url, "chain": self.chain.value}
-            self._post("/init_weight_transfer_engine", json={"init_info": info})
+            self.server.post("/init_weight_transfer_engine", json={"init_info": info})
             self._initialized = True
 
     def prepare(self) -> int | None:
@@ -203,48 +147,13 @@ class BucketSyncClient:
         prepared = self._prepare(manifest.step).prepared
         return prepared.step if prepared is not None else None
 
-    def _reset_prefix_cache(self) -> None:
-        # kept requests hold KV blocks computed with the old weights: dropped too, recomputed after the resume
-        params = {"reset_running_requests": "true"} if self.pause_mode is PauseMode.KEEP else None
-
-        def reset() -> None:
-            if not (self._post("/reset_prefix_cache", params=params) or {}).get("success"):
-                raise RetryableError("vLLM refused to reset its prefix cache (blocks are still held)")
-
-        call_with_retries(
-            reset, policy=RetryPolicy(max_attempts=self.reset_attempts, base_delay=0.1, max_delay=1.0, max_total=30.0),
-            retryable=RetryableError, describe="resetting vLLM's prefix cache",
-            give_up=lambda *_: RuntimeError("vLLM refused to reset its prefix cache after a weight update: stale KV would be served"),
-        )  # fmt: skip
-
-    def _apply_prepared(self, step: int) -> None:
-        """The pause (:attr:`pause_mode`): apply the prepared update (``prepared_only``: no download, no
-        decode), reset the prefix cache, resume (also after a failure)."""
-        import httpx
-
-        t0 = time.perf_counter()
-        self._post("/pause", params={"mode": self.pause_mode.value})
-        try:
-            self._post("/start_weight_update")
-            self._post("/update_weights", json={"update_info": {"step": step, "prepared_only": True}})
-            self._post("/finish_weight_update", json={"weight_version": str(step)})
-            self._reset_prefix_cache()
-        except Exception:
-            try:
-                self._post("/resume")
-            except httpx.HTTPError as exc:  # the sync's own error says more than a failed resume
-                logger.warning("could not resume the server after a failed sync: %s", exc)
-            raise
-        self._post("/resume")
-        self.pauses.append(time.perf_counter() - t0)
-
     def _verify(self, manifest_step: int, manifest_hash: str) -> None:
         """Re-hash the served weights in the background on the workers and compare (see the module docstring).
 
         Raises:
             RuntimeError: The served weights differ from the verified state or from the bucket's.
         """
-        statuses = self._wait(self._statuses("sync_verify"), "rehashing")
+        statuses = self.server.wait(self.server.statuses("sync_verify"), "rehashing")
         for status in statuses:
             rehash = status.rehash
             if status.rehash_error or rehash is None:
@@ -279,7 +188,7 @@ class BucketSyncClient:
             if status.prepared is None:  # up to date, or waiting for an update it can verify
                 self.step = status.step
                 break
-            self._apply_prepared(status.prepared.step)
+            self.pauses.append(self.server.apply_prepared(status.prepared.step, self.pause_mode))
             self.step = self.transfer_status()[0].step  # a prepared update found stale was dropped: prepare again
             if self.step == manifest.step:
                 break
@@ -289,4 +198,4 @@ class BucketSyncClient:
 
     def close(self) -> None:
         """Close the HTTP client."""
-        self.http.close()
+        self.server.close()

@@ -6,7 +6,7 @@ vLLM's RL weight-sync API (``init_weight_transfer_engine``, ``start_weight_updat
 ``WeightTransferEngine`` chosen by ``--weight-transfer-config '{"backend": NAME}'``
 from ``WeightTransferEngineFactory``. This module adds one named ``bucket``: inside
 each vLLM worker it runs a :class:`~rlsync.protocol.Subscriber` on the bucket, through the same code
-as the offline engine (:class:`~rlsync.vllm.worker.ModelWeights`). No tensor crosses HTTP.
+as the offline engine (:class:`~rlsync.vllm.model_weights.ModelWeights`). No tensor crosses HTTP.
 
 Prepare, then pause. vLLM calls ``update_weights`` inside its pause of generation, and has no call
 for work before it. So the worker extension adds one (``collective_rpc('sync_prepare', step)``,
@@ -22,7 +22,7 @@ refused while preparing, before any pause, and counted by the subscriber. Withou
 caller that never prepared) ``update_weights`` still fetches what it needs itself, inside the pause.
 
 The model's weights are the subscriber's state. Where a checkpoint tensor is a plain view of a
-served parameter (:meth:`~rlsync.vllm.worker.ModelWeights.views`: every module on a GPU at tensor
+served parameter (:meth:`~rlsync.vllm.model_weights.ModelWeights.views`: every module on a GPU at tensor
 parallelism 1), the subscriber copies anchors and scatters deltas straight into it, and updates the
 state hash from the changed elements alone; no second copy exists, and the pause is that scatter. The
 other modules keep the smallest copy that works, their checkpoint tensors only, reloaded through vLLM
@@ -90,12 +90,11 @@ from .plugin import BACKEND_NAME, register
 from .prepare import BackgroundJob
 from .settings import backend_defaults
 from .status import Pause, Prepared, Rehash, TransferStatus
-from .worker import ModelWeights, plan_update
+from .target import ModelTarget
 
 __all__ = ["BACKEND_NAME", "BucketInitInfo", "BucketUpdateInfo", "BucketWeightTransferEngine", "register"]
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclasses.dataclass
@@ -144,9 +143,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         self._bucket: Bucket | None = None
         self._chain = Chain.BF16
         self._workdir: str | None = None
-        self._weights: ModelWeights | None = None
-        self._views: dict[str, torch.Tensor] = {}  # the model's own tensors the subscriber writes
-        self._diverged = False
+        self.target = ModelTarget(lambda: (self.model, self.model_config))
         self._prepared: BackgroundJob[tuple[Subscriber, Update | None]] = BackgroundJob("rlsync-vllm-prepare")
         self._rehash: BackgroundJob[Rehash] = BackgroundJob("rlsync-vllm-rehash")
         self._pause = PauseRecord()
@@ -168,27 +165,14 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         self._bucket = open_bucket(url, settings=BucketSettings.from_env(Role.ROLLOUT))
         self._workdir = init_info.workdir
         self.subscriber = None
-        self._diverged = True  # the model holds the checkpoint it started from, not a bucket state
+        self.target.diverged = True  # the model holds the checkpoint it started from, not a bucket state
         logger.info("bucket weight transfer: following the %s chain of %s", chain.value, url)
 
-    def _subscriber(self, weights: ModelWeights) -> Subscriber:
-        """The subscriber, writing into the model's own tensors where they are views of checkpoint
-        tensors (:meth:`ModelWeights.views`) and into a copy only for the other modules. A model whose
-        tensors were replaced since (another loader ran) gets a new subscriber, which starts from an anchor."""
-        views = weights.views()
-        sub = self.subscriber
-        if sub is not None and views.keys() == self._views.keys() and all(
-            views[n].data_ptr() == self._views[n].data_ptr() for n in views
-        ):  # fmt: skip
-            return sub
-        if sub is not None:
-            logger.warning("bucket weight transfer: the model's tensors were replaced: starting again from an anchor")
-        assert self._bucket is not None
-        copies = weights.read([n for n in weights.checkpoint_names if n not in views])  # prepacked, sharded, quantized
-        self.subscriber = self._chain.subscriber(self._bucket, workdir=self._workdir, weights={**views, **copies})
-        self._views = views
-        self._diverged = True
-        logger.info("bucket weight transfer: %d tensors written in place, %d kept as a copy", len(views), len(copies))
+    def _subscriber(self) -> Subscriber:
+        """The subscriber, writing into the model's own tensors (:meth:`~.target.ModelTarget.subscriber`)."""
+        bucket, chain, workdir = self._bucket, self._chain, self._workdir
+        assert bucket is not None
+        self.subscriber = self.target.subscriber(self.subscriber, lambda w: chain.subscriber(bucket, workdir=workdir, weights=w))
         return self.subscriber
 
     # -- before the pause: prepare, re-hash, report ------------------------------------
@@ -212,7 +196,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
             self.init_transfer_engine(BucketInitInfo())
         if not self._prepared.running:
             held = self._prepared.take()
-            sub = self._subscriber(self._model_weights())
+            sub = self._subscriber()
             kept = held[1] if held is not None and held[0] is sub and held[1] is not None else None
             self._prepared.start(lambda: (sub, self._next_update(sub, kept, step)))
         return self.status()
@@ -228,7 +212,8 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         return None if _reached(sub, step) else sub.fetch()
 
     def verify(self) -> TransferStatus:
-        """Start re-hashing the served weights (read back in checkpoint names, :meth:`ModelWeights.lanes`)
+        """Start re-hashing the served weights (read back in checkpoint names,
+        :meth:`~rlsync.vllm.model_weights.ModelWeights.lanes`)
         against the subscriber's verified hash, off the pause: in a background thread while vLLM
         generates at tensor parallelism 1; in the calling thread above it (the read-back gathers over
         the tensor-parallel group, a collective that must not run beside the engine's own), and where the
@@ -243,7 +228,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         sub = self.subscriber
         if sub is None or sub.step is None or self._rehash.running:
             return self.status()
-        expected, step, weights = sub.state_hash, sub.step, self._model_weights()
+        expected, step, weights = sub.state_hash, sub.step, self.target.weights()
         self._rehash.start(lambda: Rehash(step, expected, weights.lanes().hexdigest()))
         if get_tensor_model_parallel_world_size() != 1 or weights.reads_through_kernels:
             self._rehash.wait()
@@ -279,7 +264,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Sync to the requested step. Unlike the base class, never calls
-        ``torch.accelerator.synchronize()`` (it raises on CPU); :meth:`ModelWeights.apply`
+        ``torch.accelerator.synchronize()`` (it raises on CPU); :meth:`~rlsync.vllm.model_weights.ModelWeights.apply`
         synchronizes CUDA itself."""
         self.receive_weights(self.parse_update_info(update_info))
 
@@ -299,14 +284,13 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
             self.init_transfer_engine(BucketInitInfo())
         self._prepared.wait()
         self._rehash.wait()
-        weights = self._model_weights()
-        sub = self._subscriber(weights)
+        sub = self._subscriber()
         target = update_info.step
         reads, t0 = sub.stats.reads, time.perf_counter()
         held = self._prepared.take()
         applied = 0
         if held is not None and held[1] is not None and held[0] is sub and _follows(sub, held[1], target):
-            self._apply(weights, sub, held[1])
+            self.target.apply(sub, held[1])
             applied += 1
         elif held is not None and held[1] is not None:
             self._pause.discarded += 1
@@ -315,53 +299,18 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
             update = sub.fetch()  # downloads and verifies inside the call: what prepare() moves out of it
             if update is None:
                 break
-            self._apply(weights, sub, update)
+            self.target.apply(sub, update)
             applied += 1
-        if self._diverged and sub.step is not None:  # a previous apply failed half-way, or a fresh start
-            weights.apply({}, self._copied(weights, sub.state))
-            self._diverged = False
+        self.target.catch_up(sub)  # a previous apply failed half-way, or a fresh start
         elapsed = time.perf_counter() - t0
         self._pause.last = Pause(elapsed, sub.stats.reads - reads, applied)
         if not update_info.prepared_only and target is not None and sub.step != target:
             raise RuntimeError(f"bucket backend: asked for step {target}, reached {sub.step}")
         logger.info("bucket weight transfer: %d updates to step %s in %.3f s", applied, sub.step, elapsed)
 
-    def _apply(self, weights: ModelWeights, sub: Subscriber, update: Update) -> None:
-        """Write one verified update: the subscriber's scatter into the viewed tensors (the model's own) and
-        the copies, then the copied modules' reload through vLLM (prepacked CPU kernels cannot be written
-        element-wise)."""
-        sub.apply(update)
-        self._diverged = True
-        if update.kind == "anchor":
-            weights.apply({}, self._copied(weights, sub.state))
-        else:
-            copied = {n: p for n, p in (update.patches or {}).items() if n not in self._views}
-            sparse, full = plan_update(weights.layout(), copied, sub.state)
-            weights.apply(sparse, full)
-        self._diverged = False
-
-    def _model_weights(self) -> ModelWeights:
-        if self._weights is None or self._weights.model is not self.model:
-            self._weights = ModelWeights(self.model, self.model_config)
-        return self._weights
-
     def memory(self) -> dict[str, int]:
-        """What the subscriber writes: tensors that are the model's own (``in_place``), and those kept
-        as a copy (``copied``, ``copied_bytes``); all 0 before the first update."""
-        sub = self.subscriber
-        copies = [t for n, t in (sub.state if sub is not None else {}).items() if n not in self._views]
-        return {
-            "in_place": len(self._views) if sub is not None else 0, "copied": len(copies),
-            "copied_bytes": sum(t.numel() * t.element_size() for t in copies),
-        }  # fmt: skip
-
-    def _copied(self, weights: ModelWeights, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The state's copies (the tensors that are not the model's own), to load into the model."""
-        names = set(weights.checkpoint_names)
-        missing = names - set(state)
-        if missing:
-            raise KeyError(f"bucket state lacks {len(missing)} tensors the model loads, e.g. {sorted(missing)[:3]}")
-        return {n: state[n] for n in names if n not in self._views}
+        """What the subscriber writes besides the model (:meth:`~.target.ModelTarget.memory`)."""
+        return self.target.memory(self.subscriber)
 
     def _drop_background(self) -> None:
         """Wait for the background jobs and drop what they hold (a prepared anchor's files, a re-hash)."""
@@ -372,8 +321,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         """Drop the subscriber, its copies and anything prepared."""
         self._drop_background()
         self.subscriber = None
-        self._weights = None
-        self._views = {}
+        self.target.reset()
 
 
 @dataclasses.dataclass

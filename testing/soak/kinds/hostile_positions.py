@@ -16,7 +16,8 @@ import torch
 
 from rlsync.codecs.classrice import MAX_RICE_K, TABLE, _kernels
 from rlsync.errors import FormatError
-from rlsync.format import Change, decode_delta, encode_delta, parse_header
+from rlsync.delta_format import Change, decode_delta, encode_delta
+from rlsync.format import parse_header
 from rlsync.hashing import state_hash
 
 from ..invariants import TrialResult

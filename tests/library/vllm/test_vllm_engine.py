@@ -169,7 +169,7 @@ def test_bucket_weight_transfer_backend(engine, followed, published, model_dir):
 
 
 def test_plan_update_splits_in_place_patches_from_whole_module_reloads():
-    from rlsync.vllm.worker import WeightLayout, plan_update
+    from rlsync.vllm.plan import WeightLayout, plan_update
     from rlsync.patch import TensorPatch
 
     attn = "model.layers.0.self_attn."

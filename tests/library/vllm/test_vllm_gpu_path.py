@@ -121,8 +121,9 @@ def test_non_float_tensors_and_quantized_modules_take_the_reload_path():
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 
-    from rlsync.vllm.worker import WeightLayout, _patchable_in_place, plan_update
     from rlsync.patch import TensorPatch
+    from rlsync.vllm.plan import WeightLayout, plan_update
+    from rlsync.vllm.served import patchable_in_place
 
     layout = WeightLayout({"a.weight": "a", "b.count": "b"}, frozenset({"a", "b"}))
     state = {"a.weight": torch.zeros(4, dtype=torch.bfloat16), "b.count": torch.zeros(4, dtype=torch.int64)}
@@ -136,4 +137,4 @@ def test_non_float_tensors_and_quantized_modules_take_the_reload_path():
     plain, quantized = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     plain.quant_method = UnquantizedLinearMethod()
     quantized.quant_method = Fp8LinearMethod.__new__(Fp8LinearMethod)
-    assert _patchable_in_place(plain) and not _patchable_in_place(quantized)
+    assert patchable_in_place(plain) and not patchable_in_place(quantized)

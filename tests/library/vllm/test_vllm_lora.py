@@ -85,7 +85,7 @@ def test_refused_adapter_versions_never_stay_loaded_in_vllm(engine, model_dir, b
     from rlsync.adapters import AdapterMetadata, LoraSpec, adapter_bucket
     from rlsync.layout import POINTER_KEY
 
-    for version in list(engine._adapters):  # from the earlier tests of this module's engine
+    for version in list(engine.adapters.requests):  # from the earlier tests of this module's engine
         engine.drop_adapter(version)
     base_hash = Publisher(bucket).publish(0, load_file(model_dir / "model.safetensors")).state_hash
     follower = AdapterFollower(bucket, engine, engine.state_hash, window=2, poll_s=0.05)
@@ -103,7 +103,7 @@ def test_refused_adapter_versions_never_stay_loaded_in_vllm(engine, model_dir, b
         follower.slot.put(follower.subscriber.fetch())
         assert follower.apply_pending() is (version not in hostile)
         assert set(engine.llm.llm_engine.list_loras()) == {v + 1 for v in follower.served}
-        assert set(engine._adapters) == set(follower.served)
+        assert set(engine.adapters.requests) == set(follower.served)
     assert follower.refused == 2 and sorted(follower.served) == [3]  # 0 out of the window of 2
     # rank 16 over the engine's max_lora_rank 8: vLLM refuses it, nothing of it stays (no LoRA, no folder)
     served = tokens(engine, greedy(3))
@@ -112,7 +112,7 @@ def test_refused_adapter_versions_never_stay_loaded_in_vllm(engine, model_dir, b
     with pytest.raises(RuntimeError, match="vLLM refused adapter 9"):  # the follower catches it (vLLM: bare Exception)
         engine.load_adapter(9, wide, AdapterChain("tiny", base_hash, LoraSpec(16, 16.0, LORA.target_modules)))
     engine.drop_adapter(9)  # as the follower does after a refusal
-    assert set(engine.llm.llm_engine.list_loras()) == {4} and not (engine._adapter_dir / "v9").exists()
+    assert set(engine.llm.llm_engine.list_loras()) == {4} and not (engine.adapters.folder / "v9").exists()
     assert tokens(engine, greedy(3)) == served  # the served version is untouched by the refused one
 
 
@@ -122,7 +122,7 @@ def test_a_lora_replica_follows_the_base_through_the_bucket_backend(engine, mode
     from rollout_space.bucket_follower import BucketFollower
     from rollout_space.replica import Replica, ReplicaConfig
 
-    for version in list(engine._adapters):  # from the earlier tests of this module's engine
+    for version in list(engine.adapters.requests):  # from the earlier tests of this module's engine
         engine.drop_adapter(version)
     base_hash = Publisher(bucket).publish(0, load_file(model_dir / "model.safetensors")).state_hash
     config = ReplicaConfig(bucket=str(bucket.root), replica_id="r", engine="vllm", model=str(model_dir), lora=True, lora_window=2)
