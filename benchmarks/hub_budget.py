@@ -18,9 +18,10 @@ prints one JSON object: versions per minute, the highest share of each limit use
 429s, the largest replica lag seen, and requests per published version, per replica per rollout
 batch (as each role's client counts them: hf_xet's own Xet token requests are not seen there; the
 ``by_kind`` totals are the stand-in's, which sees them), and per idle minute (the trainer then
-stopped and no new task batches for ``--idle-s`` seconds). The run fails (exit status 1) on any update a
-replica refused, or when a replica lagged more than ``--max-lag`` versions (sampled every 2 s; a replica
-still loading counts from version 0; ``max_lag_by_minute`` shows when).
+stopped and no new task batches for ``--idle-s`` seconds); and the seconds from each publish to each
+replica's apply of that version (``apply_delay_s``: median, 90th percentile, largest). The run fails
+(exit status 1) on any update a replica refused, or when a replica lagged more than ``--max-lag`` versions
+(sampled every 2 s; a replica still loading counts from version 0; ``max_lag_by_minute`` shows when).
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ def _max_window(times: list[float], window: float) -> int:
     for t in times:
         counts[int((t - times[0]) // window)] = counts.get(int((t - times[0]) // window), 0) + 1
     return max(counts.values())
+
+
+def _spread(values: list[float]) -> dict[str, float | None]:
+    """Median, 90th percentile and largest of ``values`` (``None`` for none)."""
+    ordered = sorted(values)
+    quantiles = {"median": 0.5, "p90": 0.9, "max": 1.0}
+    return {name: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2) if ordered else None for name, q in quantiles.items()}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -178,6 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
         "replica_api_per_batch": round(replica_api / max(1, batches), 2),
         "fleet_api_per_idle_min": round(60 * api(idle_from, idle_to) / (idle_to - idle_from), 2),
         "by_kind": dict(by_kind.most_common()),
+        "apply_delay_s": _spread([s.time - published[s.step] for r in replicas for s in r.syncs if s.time and s.step < len(published)]),
         "refused": sum(r.subscriber.stats.refused for r in replicas),
         "refusals": sorted({r.subscriber.stats.last_error for r in replicas if r.subscriber.stats.refused}),
     }  # fmt: skip

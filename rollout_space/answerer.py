@@ -91,20 +91,21 @@ class TaskAnswerer:
         plan = plan_batch([len(ids) for ids in prompt_ids], self.budget)
         if plan.dropped or plan.refused:
             self.refusals.add(task_key(batch), plan.refused or f"{len(plan.dropped)} prompts longer than {self.budget.max_prompt_tokens} tokens")
-        version = self.policy_version
-        assert version is not None
-        seed = self.sampling_seed(batch, version)
-        t0 = time.perf_counter()
-        samples = []
-        for chunk_index, chunk in enumerate(plan.chunks):
-            sampling = SamplingSettings(
-                n=self.config.samples_per_task, max_new_tokens=self.config.max_new_tokens,
-                temperature=self.config.temperature, seed=seed + chunk_index,
-                adapter=version if self.adapters is not None else None,
-            )  # fmt: skip
-            groups = self.engine.generate([tasks[i]["prompt"] for i in chunk], sampling)
-            samples += self._samples([tasks[i] for i in chunk], [prompt_ids[i] for i in chunk], groups, version)
-        elapsed = time.perf_counter() - t0
+        with self.weights.slot.holding():  # the weights' updates wait: every sample is of this version
+            version = self.policy_version
+            assert version is not None
+            seed = self.sampling_seed(batch, version)
+            t0 = time.perf_counter()
+            samples = []
+            for chunk_index, chunk in enumerate(plan.chunks):
+                sampling = SamplingSettings(
+                    n=self.config.samples_per_task, max_new_tokens=self.config.max_new_tokens,
+                    temperature=self.config.temperature, seed=seed + chunk_index,
+                    adapter=version if self.adapters is not None else None,
+                )  # fmt: skip
+                groups = self.engine.generate([tasks[i]["prompt"] for i in chunk], sampling)
+                samples += self._samples([tasks[i] for i in chunk], [prompt_ids[i] for i in chunk], groups, version)
+            elapsed = time.perf_counter() - t0
         self.gen_s += elapsed
         self.batch_gen_s = elapsed if self.batch_gen_s is None else (1 - GEN_TIME_WEIGHT) * self.batch_gen_s + GEN_TIME_WEIGHT * elapsed
         write_samples(self.bucket, rollout_key(batch, self.replica_id), samples, batch=batch, replica=self.replica_id, version=version)

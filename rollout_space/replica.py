@@ -1,8 +1,8 @@
 """One replica of the rollout fleet: builds its parts and runs its loop.
 
 A replica follows the bucket's weights (a :class:`~rollout_space.weights.Follower`: downloaded,
-decoded and verified in a background thread while the engine keeps generating, applied between
-batches, re-hashed in full in another thread; by the engine's own workers, the replica's process
+decoded and verified in a background thread while the engine keeps generating, applied by that thread
+as soon as no batch is being generated, re-hashed in full in another thread; by the engine's own workers, the replica's process
 keeping no copy of the model, when the engine follows the bucket itself:
 :class:`~rollout_space.bucket_follower.BucketFollower`) and answers the environment's task batches
 (:class:`~rollout_space.answerer.TaskAnswerer`); it writes its status
@@ -236,10 +236,10 @@ class Replica:
         self.publish_status(force=True)
 
     def _idle(self) -> None:
-        """Wait for new tasks or weights (a watched bucket: until they appear or an update is downloaded)."""
+        """Wait for new tasks (a watched bucket: until they appear; the fetch thread applies new weights itself)."""
         deadline = time.monotonic() + idle_wait_s(self.bucket, self.config.poll_s)
         since = self._since
-        while not self._stop.is_set() and self.slot.update is None and (left := deadline - time.monotonic()) > 0:
+        while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
             prefixes = (TASKS_PREFIX, ROLLOUTS_PREFIX, SCORES_PREFIX)
             if wait_for_change(self.bucket, self._stop, min(left, 1.0), prefixes, since):
                 return

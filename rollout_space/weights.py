@@ -2,8 +2,11 @@
 
 :class:`Follower` is what the replica's loops drive, whatever holds the verified state: a background
 thread downloads, decodes and verifies the next update (:meth:`~Follower.fetch_loop`) while the engine
-keeps generating; only writing it pauses generation (:meth:`~Follower.apply_pending`, between batches),
-and that pause is measured as "inference idle per sync". Another background thread
+keeps generating, and applies it as soon as no batch is being generated (a batch's samples are all of
+the version it started with, :meth:`~rollout_space.update_slot.UpdateSlot.holding`), not when the replica's
+loop next comes round: between batches a replica also claims, writes and waits for request budget, and a
+fleet sharing one token's budget would otherwise fall a version behind per trainer step. Only writing
+the update pauses generation, and that pause is measured as "inference idle per sync". Another background thread
 (:meth:`~Follower.rehash_loop`) re-hashes the engine's weights in full after every anchor and every
 ``rehash_every_s`` seconds; a mismatch is counted (``rehash_mismatches``) and the weights re-bootstrap
 from the newest anchor.
@@ -105,8 +108,8 @@ class Follower(abc.ABC):
         the engine re-bootstraps from the newest anchor."""
 
     def fetch_loop(self, stop: threading.Event) -> None:
-        """Background thread: fetch the next update while generation goes on, until ``stop``; up to date, wait
-        for news of the chain's pointer (:func:`idle_wait_s`)."""
+        """Background thread: fetch the next update while generation goes on and apply it once no batch is being
+        generated, until ``stop``; up to date, wait for news of the chain's pointer (:func:`idle_wait_s`)."""
         while not stop.is_set():
             self.slot.wait_empty(stop)
             if stop.is_set():
@@ -120,12 +123,14 @@ class Follower(abc.ABC):
                 continue
             self.slot.put(update)
             update = None  # the slot holds it until it is applied: not this loop while it fetches the next one
+            self.slot.apply_when_free(self._apply, stop)
 
     def apply_pending(self) -> bool:
-        """Apply a fetched update, pausing generation; returns whether one was applied.
+        """Apply a fetched update now (after the batch being generated, if any), pausing generation; returns
+        whether one was applied.
 
-        The fetch thread waits until this returns before it fetches the next
-        update, which is validated against the state this apply produces.
+        The fetch thread waits until the update is applied before it fetches the next
+        one, which is validated against the state this apply produces.
         """
         return self.slot.apply(self._apply)
 

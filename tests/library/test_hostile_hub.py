@@ -232,7 +232,7 @@ def test_a_feed_that_keeps_failing_falls_back_to_polling(server, monkeypatch):
         def broken(changes):
             raise RuntimeError("a batch this view cannot apply")
 
-        monkeypatch.setattr(watched, "_apply_changes", broken)
+        monkeypatch.setattr(watched._updater, "apply_changes", broken)
         hf().put("new.json", b"1")
         wait_until(lambda: watched.mode is WatchMode.POLL, timeout=10)
         wait_until(lambda: [o.key for o in watched.list()] == ["new.json"], timeout=10)

@@ -43,7 +43,7 @@ from typing import Iterable
 from ..errors import ConfigurationError, ObjectNotFoundError, ObjectTooLargeError
 from ..supervised import SupervisedThread
 from .base import Bucket, BucketWrapper, Capability, ObjectInfo, backend_of, validate_prefix
-from .watch_feed import ViewUpdater, WatchMode, change_info
+from .watch_feed import ViewUpdater, WatchMode
 
 __all__ = [
     "IDLE_WAIT_S", "WatchConfig", "WatchMode", "WatchedBucket", "generation", "listing_error", "meter_of",
@@ -140,6 +140,54 @@ class _HashCache:
             self.bytes -= len(entry[1])
 
 
+class _ChangeLog:
+    """Which keys of a view changed at which of its generations, the newest `max_changes` of them (the
+    view's lock is held by the caller).
+
+    Args:
+        max_changes: Changes kept; a wait from before the oldest one kept counts as changed.
+    """
+
+    def __init__(self, max_changes: int) -> None:
+        self.max_changes = max_changes
+        #: The view's generation: one more at each change.
+        self.generation = 0
+        self._at: collections.OrderedDict[str, int] = collections.OrderedDict()  # key -> generation, oldest first
+        self._forgotten = 0  # the newest generation whose changes the log no longer holds
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def at(self, key: str) -> int:
+        """The generation of `key`'s last change held (0: none)."""
+        return self._at.get(key, 0)
+
+    def record(self, key: str | None) -> None:
+        """A new generation, in which `key` changed (``None``: the view appeared: what changed before it is
+        not known, and a wait from before it counts as changed)."""
+        self.generation += 1
+        if key is None:
+            self._forgotten = self.generation
+            return
+        self._at.pop(key, None)
+        self._at[key] = self.generation
+        while len(self._at) > self.max_changes:
+            _, gen = self._at.popitem(last=False)
+            self._forgotten = max(self._forgotten, gen)
+
+    def changed_since(self, start: int, prefixes: tuple[str, ...], *, outside: bool = False) -> bool:
+        """Whether a key under `prefixes` (with `outside`: a key under none of them) changed after generation
+        `start`; a change older than the log holds counts."""
+        if self._forgotten > start:
+            return True
+        for key, gen in reversed(self._at.items()):
+            if gen <= start:
+                return False
+            if key.startswith(prefixes) != outside:
+                return True
+        return False
+
+
 class WatchedBucket(BucketWrapper):
     """A bucket whose listings come from a live view (see the module docstring).
 
@@ -156,10 +204,7 @@ class WatchedBucket(BucketWrapper):
         self.meter = self.backend.meter if Capability.METERED in self.backend.capabilities else None
         self._cond = threading.Condition()
         self._view: dict[str, ObjectInfo] | None = None
-        #: key -> generation of its last change, oldest first, at most `config.max_changes` of them.
-        self._changed_at: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self._forgotten = 0  # the newest generation dropped from the change log
-        self.generation = 0
+        self._log = _ChangeLog(self.config.max_changes)
         self._cache = _HashCache(self.config.cache_bytes)
         self._stop = threading.Event()
         self._poke = threading.Event()
@@ -195,7 +240,12 @@ class WatchedBucket(BucketWrapper):
     @property
     def changes_held(self) -> int:
         """Entries in the change log (at most `config.max_changes`)."""
-        return len(self._changed_at)
+        return len(self._log)
+
+    @property
+    def generation(self) -> int:
+        """The view's generation: one more at each change (pass it to :meth:`wait`)."""
+        return self._log.generation
 
     def _covers(self, key: str) -> bool:
         return key.startswith(self.config.prefixes)
@@ -213,68 +263,11 @@ class WatchedBucket(BucketWrapper):
         else:
             self._view[key] = info
         self._cache.drop(key, unless=info.etag if info is not None else None)
-        self.generation += 1
-        self._changed_at.pop(key, None)
-        self._changed_at[key] = self.generation
-        while len(self._changed_at) > self.config.max_changes:
-            _, gen = self._changed_at.popitem(last=False)
-            self._forgotten = max(self._forgotten, gen)
-
-    def _changed_since(self, start: int, prefixes: tuple[str, ...]) -> bool:
-        """Whether a key under `prefixes` changed after generation `start` (the condition is held); a
-        change older than the log holds counts."""
-        if self._forgotten > start:
-            return True
-        for key, gen in reversed(self._changed_at.items()):
-            if gen <= start:
-                return False
-            if key.startswith(prefixes):
-                return True
-        return False
-
-    def _replace(self, listing: list[ObjectInfo], complete: bool) -> bool:
-        """Bring the view to a listing of the watched prefixes; returns whether a key outside the quiet
-        prefixes changed. Keys missing from a listing cut short are kept (the feed tells their deletes)."""
-        fresh = {o.key: o for o in listing}
-        with self._cond:
-            if self._view is None:
-                self._view = fresh
-                self.generation += 1
-                self._cond.notify_all()
-                return True
-            before = self.generation
-            for key in (set(self._view) | set(fresh)) if complete else set(fresh):
-                self._set(key, fresh.get(key))
-            self._cond.notify_all()
-            quiet = self.config.quiet_prefixes
-            for key, gen in reversed(self._changed_at.items()):
-                if gen <= before:
-                    return False
-                if not key.startswith(quiet):
-                    return True
-            return self._forgotten > before
+        self._log.record(key)
 
     def _cache_put(self, key: str, etag: str, data: bytes) -> None:
         with self._cond:
             self._cache.put(key, etag, data)
-
-    def _apply_changes(self, changes) -> None:
-        """Apply a batch of the feed's changes (``BucketFileChange``); malformed ones are skipped and counted."""
-        skipped = 0
-        local_key = self.backend.local_key
-        with self._cond:
-            for change in changes:
-                try:
-                    found = change_info(change, local_key=local_key, covers=self._covers, view=self._view)
-                except ValueError as exc:
-                    skipped += 1
-                    if self.malformed_events + skipped == 1:
-                        logger.warning("watch %s: skipped a malformed feed change: %s", self.url, exc)
-                    continue
-                if found is not None:
-                    self._set(*found)
-            self.malformed_events += skipped
-            self._cond.notify_all()
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -298,17 +291,23 @@ class WatchedBucket(BucketWrapper):
 
     def wait(self, stop: threading.Event, timeout: float, prefixes: Iterable[str] = ("",), since: int | None = None) -> bool:
         """Block until a key under `prefixes` changed after generation `since` (default: now), `stop`
-        is set, or `timeout` seconds passed; returns whether something changed."""
+        is set, or `timeout` seconds passed; returns whether something changed.
+
+        Until the first listing is in, the view sees no change: a wait then lasts at most
+        `config.min_poll_s` (the caller reads the bucket itself again, as through an unready view), and
+        the view's arrival counts as a change."""
         prefixes = tuple(prefixes)
         deadline = time.monotonic() + timeout
         with self._cond:
             start = self.generation if since is None else since
-            while not self._changed_since(start, prefixes) and not stop.is_set():
+            while not self._log.changed_since(start, prefixes) and not stop.is_set():
+                if self._view is None:
+                    deadline = min(deadline, time.monotonic() + self.config.min_poll_s)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._cond.wait(min(left, 0.5))
-            return self._changed_since(start, prefixes)
+            return self._log.changed_since(start, prefixes)
 
     def get_limited(self, key: str, max_bytes: int) -> bytes:
         """:meth:`Bucket.get_limited`, answered from the cache while the view holds the same hash, refused
@@ -352,7 +351,7 @@ class WatchedBucket(BucketWrapper):
         """Record a write through this wrapper made when the view was at generation `since`: unless
         the feed announced the key meanwhile (then the view has its hash already, keep it)."""
         with self._cond:  # a key outside the watched prefixes (the role's own reports) stays out of the view
-            announced = self._view is not None and key in self._view and self._changed_at.get(key, 0) > since
+            announced = self._view is not None and key in self._view and self._log.at(key) > since
             if self._covers(key) and not announced:
                 self._set(key, ObjectInfo(key, size, None))
             self._cond.notify_all()

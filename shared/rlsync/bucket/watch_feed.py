@@ -69,7 +69,8 @@ def change_info(
 
 class ViewUpdater:
     """The background job of a watched bucket: follow the feed (when its mode is feed) until it cannot,
-    then poll; its figures (``mode``, ``polls``, ``feed_errors``) are the watched bucket's.
+    then poll, writing the view from the listings and the feed's changes; its figures (``mode``, ``polls``,
+    ``feed_errors``, ``malformed_events``) are the watched bucket's.
 
     Args:
         watched: The :class:`~rlsync.bucket.watch.WatchedBucket` whose view it keeps fresh.
@@ -79,6 +80,42 @@ class ViewUpdater:
         self.watched = watched
         self.errors_in_row = 0
         self.follower: Any = None
+
+    def replace(self, listing: list[ObjectInfo], complete: bool) -> bool:
+        """Bring the view to a listing of the watched prefixes; returns whether a key outside the quiet
+        prefixes changed. Keys missing from a listing cut short are kept (the feed tells their deletes)."""
+        watched = self.watched
+        fresh = {o.key: o for o in listing}
+        with watched._cond:
+            if watched._view is None:
+                watched._view = fresh
+                watched._log.record(None)  # a wait from before the view saw nothing: it looks again
+                watched._cond.notify_all()
+                return True
+            before = watched.generation
+            for key in (set(watched._view) | set(fresh)) if complete else set(fresh):
+                watched._set(key, fresh.get(key))
+            watched._cond.notify_all()
+            return watched._log.changed_since(before, watched.config.quiet_prefixes, outside=True)
+
+    def apply_changes(self, changes) -> None:
+        """Apply a batch of the feed's changes (``BucketFileChange``); malformed ones are skipped and counted."""
+        watched = self.watched
+        skipped = 0
+        local_key = watched.backend.local_key
+        with watched._cond:
+            for change in changes:
+                try:
+                    found = change_info(change, local_key=local_key, covers=watched._covers, view=watched._view)
+                except ValueError as exc:
+                    skipped += 1
+                    if watched.malformed_events + skipped == 1:
+                        logger.warning("watch %s: skipped a malformed feed change: %s", watched.url, exc)
+                    continue
+                if found is not None:
+                    watched._set(*found)
+            watched.malformed_events += skipped
+            watched._cond.notify_all()
 
     def run(self) -> None:
         """Follow, then poll, until the watch is closed."""
@@ -133,11 +170,11 @@ class ViewUpdater:
         def reconcile() -> None:
             found = self.list_watched()
             if found is not None:
-                watched._replace(*found)
+                self.replace(*found)
 
         def on_changes(changes) -> None:
             try:
-                watched._apply_changes(changes)
+                self.apply_changes(changes)
             except Exception as exc:  # noqa: BLE001 - the batch is replayed; in a row, the watch polls instead
                 updater.feed_failed(f"a batch of changes could not be applied: {type(exc).__name__}: {exc}"[:300])
                 raise
@@ -155,7 +192,7 @@ class ViewUpdater:
         while not watched._stop.is_set():
             found = self.list_watched()
             watched.polls += 1
-            changed = found is not None and watched._replace(*found)
+            changed = found is not None and self.replace(*found)
             interval = watched.config.min_poll_s if changed else min(watched.config.max_poll_s, interval * 2)
             watched._poke.wait(interval)
             if watched._poke.is_set():
