@@ -127,6 +127,10 @@ class HfBucket(Bucket):
         if create:
             self._writer.create_if_missing()
 
+    def feed_connection(self) -> tuple[str, str | None]:
+        """Where its live change feed is followed: ``(Hub endpoint, token or None)``."""
+        return self._api.endpoint, self._token or None
+
     @classmethod
     def from_url(cls, url: str, **kwargs) -> "HfBucket":
         """Open a bucket from a `hf://buckets/OWNER/NAME[/PREFIX]` URL.

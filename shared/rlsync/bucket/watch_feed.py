@@ -179,8 +179,9 @@ class ViewUpdater:
                 updater.feed_failed(f"a batch of changes could not be applied: {type(exc).__name__}: {exc}"[:300])
                 raise
 
+        endpoint, token = hub.feed_connection()
         self.follower = _Follower(
-            endpoint=hub._api.endpoint, bucket_id=hub.bucket_id, token=hub._token or None,
+            endpoint=endpoint, bucket_id=hub.bucket_id, token=token,
             on_changes=on_changes, on_reconcile=reconcile, is_alive=lambda: not watched._stop.is_set(),
         )  # fmt: skip
         self.follower.run()
