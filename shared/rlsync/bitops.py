@@ -57,6 +57,19 @@ def zero_count(name: str, llvm_name: str, doc: str):
     return intrinsic(typer)
 
 
+@intrinsic
+def funnel_shift_right(typingctx, high, low, shift):  # pragma: no cover - compiled
+    """The 64 bits from bit ``shift % 64`` on of the 128-bit ``high:low`` (``uint64`` each), as a ``uint64``:
+    ``low >> shift`` with the low bits of ``high`` shifted in above it (LLVM's ``llvm.fshr``; one ``shrd``)."""
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        fshr = builder.module.declare_intrinsic("llvm.fshr.i64", fnty=ir.FunctionType(i64, [i64, i64, i64]))
+        return builder.call(fshr, args)
+
+    return types.uint64(types.uint64, types.uint64, types.uint64), codegen
+
+
 lowest_bit = zero_count("lowest_bit", "llvm.cttz", "Index of the lowest set bit of a nonzero ``uint64``.")
 leading_zeros = zero_count("leading_zeros", "llvm.ctlz", "Zero bits above the highest set bit of a nonzero ``uint64``.")
 
