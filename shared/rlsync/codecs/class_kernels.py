@@ -17,6 +17,7 @@ from numba.extending import intrinsic
 
 from ..bitops import DENSE, HAS_PDEP, LANES, MASKS_IN_ORDER, SLOTS  # noqa: F401 - the codec reads the block geometry here
 from ..bitops import class_masks as _class_masks
+from ..bitops import class_members as _class_members
 from ..bitops import funnel_shift_right as _funnel_shift_right
 from ..bitops import lowest_bit as _lowest_bit
 from ..bitops import popcount as _popcount
@@ -199,7 +200,7 @@ def class_positions(  # pragma: no cover - compiled
 
     One pass over the old bits, :data:`LANES` elements at a time, against each class's coded ranks as a
     bitmap over its members (:func:`rank_bitmaps`). The block's members of each of the ``dense``
-    classes come as one bit mask (:func:`_class_masks`); the class's next bits, as many as the block
+    classes come as one bit mask (:func:`_class_members`); the class's next bits, as many as the block
     has members, are deposited at the mask's set bits (``pdep``): the block's changes of the class,
     with no branch on their number. The members of every other class are taken one at a time. A
     class whose coded ranks list its unchanged members ("inverted") has its bits flipped.
@@ -235,14 +236,13 @@ def class_positions(  # pragma: no cover - compiled
     for d in range(dense.size):
         lanes[4 * d], lanes[4 * d + 1], lanes[4 * d + 2] = cursor[dense[d]], stop[dense[d]], flip[dense[d]]
     masks = np.zeros(SLOTS, np.uint64)
-    unused = np.zeros(SLOTS, np.int64)  # the counts :func:`_class_masks` keeps, not read here
     one = np.uint64(1)
     k = 0
     limit = positions.size
     whole = bits.size - bits.size % LANES if dense.size else 0  # elements read a block of masks at a time
     for block in range(0, bits.size, LANES):
         if block < whole:
-            _class_masks(bits, block, shift, mask, dense, masks, unused)
+            _class_members(bits, block, shift, mask, dense, masks)
             events = np.uint64(0)
             for d in range(DENSE):
                 at = lanes[4 * d]
