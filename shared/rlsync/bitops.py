@@ -16,7 +16,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .cpu import CpuFeature, has_feature
+from .cpu import has_fast_pdep
 
 #: Elements per block: one bit each in a ``uint64`` mask.
 LANES = 64
@@ -27,9 +27,9 @@ SLOTS = 16
 #: Whether a vector of comparisons cast to an integer puts its first element in the lowest bit
 #: (little-endian targets); elsewhere the callers take every element one at a time.
 MASKS_IN_ORDER = sys.byteorder == "little"
-#: Whether the compiled code runs on this machine's x86-64 CPU with BMI2, whose ``pdep`` picks a mask's k-th set
-#: bit in one instruction; elsewhere a branch-free binary search does.
-HAS_PDEP = numba.config.CPU_NAME in (None, "host") and has_feature(CpuFeature.BMI2)
+#: Whether the compiled code runs on this machine's x86-64 CPU with a fast BMI2 ``pdep`` (:func:`~rlsync.cpu.has_fast_pdep`),
+#: which picks a mask's k-th set bit, or deposits bits at a mask's, in one instruction; elsewhere a search does.
+HAS_PDEP = numba.config.CPU_NAME in (None, "host") and has_fast_pdep()
 
 
 @intrinsic
