@@ -69,3 +69,17 @@ def test_both_ways_of_depositing_bits_into_a_mask_agree() -> None:
             expected = sum(1 << members[j] for j in range(len(members)) if x >> j & 1)
             for deposit in ways:
                 assert int(deposit(np.uint64(x), mask)) == expected, (deposit, hex(int(mask)), hex(x))
+
+
+def test_rank_bitmaps_refuse_ranks_that_do_not_increase_before_writing_past_their_class() -> None:
+    """A class's bitmap is sized from its last rank: a rank beyond it (ranks not increasing) is refused before
+    it is written, whatever the Rice decoder gave (it gives increasing ranks; the kernel does not rely on it)."""
+    from rlsync.codecs import class_kernels as kernels
+
+    starts, ends = np.array([0], np.int64), np.array([3], np.int64)
+    words = np.zeros(32, np.uint64)  # class 0's span: 1 word for ranks below 8, 2 zero ones after
+    assert not kernels.rank_bitmaps(starts, ends, np.array([5, 1000, 7], np.int64), np.array([0], np.int64), words)
+    assert not words[3:].any()
+    words[:] = 0
+    assert kernels.rank_bitmaps(starts, ends, np.array([1, 5, 7], np.int64), np.array([0], np.int64), words)
+    assert int(words[0]) == (1 << 1) | (1 << 5) | (1 << 7) and not words[1:].any()

@@ -145,13 +145,15 @@ def rank_bitmaps(starts, ends, coded, first_word, words):  # pragma: no cover - 
         words: Out, zeroed.
 
     Returns:
-        Whether every class's ranks strictly increase (nothing is written past its last rank's word).
+        Whether every class's ranks strictly increase to its last (nothing is written past the last
+        rank's word, whatever ``coded`` holds).
     """
     for c in range(starts.size):
         prev = np.int64(-1)
+        last = coded[ends[c] - 1] if ends[c] > starts[c] else np.int64(-1)
         for p in range(starts[c], ends[c]):
             r = coded[p]
-            if r <= prev:
+            if r <= prev or r > last:
                 return False
             words[first_word[c] + (r >> 6)] |= np.uint64(1) << np.uint64(r & 63)
             prev = r
