@@ -131,8 +131,6 @@ def class_ranks(bits, shift, mask, dense, index, ranks, classes, members):  # pr
         members[c] += 1
 
 
-
-
 @numba.njit(**_JIT)
 def rank_bitmaps(starts, ends, coded, first_word, words):  # pragma: no cover - compiled
     """Every class's coded ranks as a bitmap over its members: rank ``r`` of class ``c`` is bit ``r % 64`` of
