@@ -8,20 +8,25 @@ by several ulps. ``--lr`` sets the share that changes (3e-7: 1.21%, 6.4 MB with 
 is encoded once with the codec (``delta_format.encode_delta``, as the publisher does), then
 ``delta_format.decode_delta`` (the replica's decode, on the library's worker threads) runs ``--repeat``
 times against the state; each run prints its wall time and the CPU time of all the process's
-threads (``RLSYNC_THREADS`` sets how many decode tensors at once). ``--profile`` adds one
-single-threaded run under cProfile, timed in CPU time.
+threads (``RLSYNC_THREADS`` sets how many decode tensors at once). ``--threads 1 2`` instead times
+the encode (``delta_format.encode_delta`` of the decoded changes, as the publisher calls it) and the decode
+with thread pools of each size in turn, ``--repeat`` rounds alternating them, and prints each one's
+best wall time and its speedup over one thread (the outputs are checked equal, bit for bit).
+``--profile`` adds one single-threaded run under cProfile, timed in CPU time.
 
 The state and the delta are cached in ``--cache`` (1.2 GB), so that several library versions can be
 timed against the same files, alternating, on a shared machine (``PYTHONPATH`` picking the version;
 building them takes a few minutes and 3.3 GB, a decode run 1.8 GB):
 
     python -m benchmarks.decode_speed --codec classrice --repeat 3
+    python -m benchmarks.decode_speed --lr 5e-7 --threads 1 2 --repeat 5
     python -m benchmarks.decode_speed --profile --repeat 0
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import cProfile
 import pstats
 import resource
@@ -32,6 +37,7 @@ import numpy as np
 import torch
 
 from benchmarks.qwen3 import MODELS, qwen3_shapes
+from rlsync.dtypes import bits_to_numpy, int_view
 
 CHUNK = 1 << 22  # elements generated at a time
 INIT_STD = 0.02
@@ -53,7 +59,6 @@ def build(cache: Path, lr: float, codec: str, seed: int) -> None:
     """Write the state and the delta of one step into ``cache``."""
     import safetensors.torch
 
-    from rlsync.dtypes import bits_to_numpy
     from rlsync.delta_format import Change, encode_delta
 
     g = torch.Generator().manual_seed(seed)
@@ -97,6 +102,49 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def same_delta(a: bytes, b: bytes) -> bool:
+    """Whether two delta files hold the same header, metadata and entries (bit for bit; the metadata's key
+    order aside)."""
+    import safetensors.torch
+
+    from rlsync.format import parse_header
+
+    if parse_header(a) != parse_header(b):
+        return False
+    entries_a, entries_b = safetensors.torch.load(a), safetensors.torch.load(b)
+    return entries_a.keys() == entries_b.keys() and all(torch.equal(entries_a[k], entries_b[k]) for k in entries_a)
+
+
+def thread_scaling(data: bytes, state: dict[str, torch.Tensor], threads: list[int], repeat: int) -> None:
+    """Print the best wall time of encode and decode with pools of each of ``threads`` workers, and the speedup."""
+    import rlsync.delta_format as fmt
+
+    delta = fmt.decode_delta(data, state)
+    changes = {
+        name: fmt.Change(
+            index=patch.index.numpy(), old_bits=delta.old_bits[name], new_bits=bits_to_numpy(int_view(patch.values)),
+            dtype=state[name].dtype, shape=tuple(state[name].shape), base=state[name],
+        )  # fmt: skip
+        for name, patch in delta.patches.items()
+    }
+    meta = dict(step=1, base_step=0, base_hash="0" * 64, state_hash="1" * 64, total=delta.total, codec=delta.codec)
+    best: dict[tuple[str, int], float] = {}
+    for _ in range(max(repeat, 1)):
+        for n in threads:
+            with concurrent.futures.ThreadPoolExecutor(n) as pool:
+                fmt.worker_pool = lambda pool=pool: pool
+                for stage, run in (("encode", lambda: fmt.encode_delta(changes, **meta)), ("decode", lambda: fmt.decode_delta(data, state))):
+                    t0 = time.perf_counter()
+                    out = run()
+                    best[stage, n] = min(best.get((stage, n), float("inf")), time.perf_counter() - t0)
+                    if stage == "encode" and not same_delta(out, data):
+                        raise AssertionError(f"the encode with {n} threads differs from the file")
+    print(f"{delta.changed} changed of {delta.total} ({delta.changed / delta.total:.2%}), best of {max(repeat, 1)}:")
+    for stage in ("encode", "decode"):
+        one = best[stage, threads[0]]
+        print(f"  {stage}: " + ", ".join(f"{n} threads {best[stage, n]:.3f} s ({one / best[stage, n]:.2f}x)" for n in threads))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cache", type=Path, default=Path("/tmp/rlsync-decode-speed"))
@@ -106,6 +154,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--rebuild", action="store_true", help="build the state and the delta again")
     parser.add_argument("--profile", action="store_true", help="one more run, single-threaded, under cProfile")
+    parser.add_argument("--threads", type=int, nargs="*", help="time encode and decode with pools of these sizes")
     args = parser.parse_args()
 
     import safetensors.torch
@@ -118,7 +167,9 @@ def main() -> None:
     state = safetensors.torch.load_file(str(args.cache / "state.safetensors"))
     data = delta_file.read_bytes()
     fmt.decode_delta(data, state)  # compiles (or loads) the kernels
-    for _ in range(args.repeat):
+    if args.threads:
+        thread_scaling(data, state, args.threads, args.repeat)
+    for _ in range(0 if args.threads else args.repeat):
         wall, cpu = time.perf_counter(), cpu_seconds()
         delta = fmt.decode_delta(data, state)
         wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu

@@ -16,7 +16,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .cpu import CpuFeature, has_feature
+from .cpu import has_fast_pdep
 
 #: Elements per block: one bit each in a ``uint64`` mask.
 LANES = 64
@@ -27,9 +27,9 @@ SLOTS = 16
 #: Whether a vector of comparisons cast to an integer puts its first element in the lowest bit
 #: (little-endian targets); elsewhere the callers take every element one at a time.
 MASKS_IN_ORDER = sys.byteorder == "little"
-#: Whether the compiled code runs on this machine's x86-64 CPU with BMI2, whose ``pdep`` picks a mask's k-th set
-#: bit in one instruction; elsewhere a branch-free binary search does.
-HAS_PDEP = numba.config.CPU_NAME in (None, "host") and has_feature(CpuFeature.BMI2)
+#: Whether the compiled code runs on this machine's x86-64 CPU with a fast BMI2 ``pdep`` (:func:`~rlsync.cpu.has_fast_pdep`),
+#: which picks a mask's k-th set bit, or deposits bits at a mask's, in one instruction; elsewhere a search does.
+HAS_PDEP = numba.config.CPU_NAME in (None, "host") and has_fast_pdep()
 
 
 @intrinsic
@@ -57,52 +57,91 @@ def zero_count(name: str, llvm_name: str, doc: str):
     return intrinsic(typer)
 
 
+@intrinsic
+def funnel_shift_right(typingctx, high, low, shift):  # pragma: no cover - compiled
+    """The 64 bits from bit ``shift % 64`` on of the 128-bit ``high:low`` (``uint64`` each), as a ``uint64``:
+    ``low >> shift`` with the low bits of ``high`` shifted in above it (LLVM's ``llvm.fshr``; one ``shrd``)."""
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        fshr = builder.module.declare_intrinsic("llvm.fshr.i64", fnty=ir.FunctionType(i64, [i64, i64, i64]))
+        return builder.call(fshr, args)
+
+    return types.uint64(types.uint64, types.uint64, types.uint64), codegen
+
+
 lowest_bit = zero_count("lowest_bit", "llvm.cttz", "Index of the lowest set bit of a nonzero ``uint64``.")
 leading_zeros = zero_count("leading_zeros", "llvm.ctlz", "Zero bits above the highest set bit of a nonzero ``uint64``.")
 
 
+def _contiguous(*arrays: types.Type) -> bool:
+    """Whether every one of ``arrays`` is a contiguous 1-D array (the intrinsics read vectors from the data pointers)."""
+    return all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in arrays)
+
+
+def _emit_members(context, builder, signature, args) -> list[ir.Value]:  # pragma: no cover - compiled
+    """The code of :func:`class_members` (its first six arguments); returns the :data:`DENSE` masks."""
+    bits_type, _, _, _, dense_type, out_type = signature.args[:6]
+    data = context.make_array(bits_type)(context, builder, args[0]).data
+    classes = context.make_array(dense_type)(context, builder, args[4]).data
+    masks = context.make_array(out_type)(context, builder, args[5]).data
+    lane, i32, i64 = ir.IntType(bits_type.dtype.bitwidth), ir.IntType(32), ir.IntType(64)
+    wide, narrow = ir.VectorType(lane, LANES), ir.VectorType(ir.IntType(8), LANES)
+
+    def splat(value, vector):
+        one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(i32, 0))
+        first = ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
+        return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), first)
+
+    block = builder.load(builder.bitcast(builder.gep(data, [args[1]]), wide.as_pointer()), align=1)
+    block = builder.lshr(block, splat(builder.trunc(args[2], lane), wide))
+    block = builder.and_(block, splat(builder.trunc(args[3], lane), wide))
+    block = builder.trunc(block, narrow)
+    found, anyone = [], ir.Constant(i64, 0)
+    for k in range(DENSE):
+        cls = builder.load(builder.gep(classes, [ir.Constant(i64, k)]))
+        found.append(builder.bitcast(builder.icmp_unsigned("==", block, splat(cls, narrow)), i64))
+        builder.store(found[-1], builder.gep(masks, [ir.Constant(i64, k)]))
+        anyone = builder.or_(anyone, found[-1])
+    builder.store(builder.not_(anyone), builder.gep(masks, [ir.Constant(i64, DENSE)]))
+    return found
+
+
 @intrinsic
-def class_masks(typingctx, bits, start, shift, mask, dense, out, left):  # pragma: no cover - compiled
+def class_members(typingctx, bits, start, shift, mask, dense, out):  # pragma: no cover - compiled
     """The members of the :data:`DENSE` classes ``dense`` (``mask <= 0xFF``) among the :data:`LANES` elements
-    from ``start``, their counts taken from ``left``, and which counts fell below zero.
+    from ``start``: ``out[k]`` gets bit ``j`` set where the class ``(bits[start + j] >> shift) & mask`` is
+    ``dense[k]``, and ``out[DENSE]`` the elements of no dense class.
 
-    ``out[k]`` gets bit ``j`` set where the class ``(bits[start + j] >> shift) & mask`` is ``dense[k]``,
-    and ``out[DENSE]`` the elements of no dense class; ``left[k]`` (``int64``) loses the members of
-    ``dense[k]``. Returns a mask of the ``k`` whose ``left[k]`` is now below zero. ``out`` and ``left``
-    hold :data:`SLOTS` entries, the last ones zero.
-
-    One vector load, shift and mask of the block, one vector comparison per class, then the counts as one
-    vector: what a compiled loop over the elements did not vectorize.
+    One vector load, shift and mask of the block, one vector comparison per class: what a compiled loop
+    over the elements did not vectorize.
     """
-    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in (bits, dense, out, left)):
-        return None  # the vectors are read from the data pointers: contiguous arrays only
+    if not _contiguous(bits, dense, out):
+        return None
 
     def codegen(context, builder, signature, args):
-        bits_type, _, _, _, dense_type, out_type, left_type = signature.args
-        data = context.make_array(bits_type)(context, builder, args[0]).data
-        classes = context.make_array(dense_type)(context, builder, args[4]).data
-        masks = context.make_array(out_type)(context, builder, args[5]).data
-        counts = context.make_array(left_type)(context, builder, args[6]).data
-        lane, i32, i64 = ir.IntType(bits_type.dtype.bitwidth), ir.IntType(32), ir.IntType(64)
-        wide, narrow, slots = ir.VectorType(lane, LANES), ir.VectorType(ir.IntType(8), LANES), ir.VectorType(i64, SLOTS)
+        _emit_members(context, builder, signature, args)
+        return context.get_dummy_value()
 
-        def splat(value, vector):
-            one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(i32, 0))
-            first = ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
-            return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), first)
+    return types.void(bits, types.intp, types.intp, types.intp, dense, out), codegen
 
-        block = builder.load(builder.bitcast(builder.gep(data, [args[1]]), wide.as_pointer()), align=1)
-        block = builder.lshr(block, splat(builder.trunc(args[2], lane), wide))
-        block = builder.and_(block, splat(builder.trunc(args[3], lane), wide))
-        block = builder.trunc(block, narrow)
-        members, anyone = ir.Constant(slots, [0] * SLOTS), ir.Constant(i64, 0)
-        for k in range(DENSE):
-            cls = builder.load(builder.gep(classes, [ir.Constant(i64, k)]))
-            found = builder.bitcast(builder.icmp_unsigned("==", block, splat(cls, narrow)), i64)
+
+@intrinsic
+def class_masks(typingctx, bits, start, shift, mask, dense, out, left):  # pragma: no cover - compiled
+    """:func:`class_members`, and the members' counts taken from ``left``: ``left[k]`` (``int64``) loses the
+    members of ``dense[k]``. Returns a mask of the ``k`` whose ``left[k]`` is now below zero. ``out`` and
+    ``left`` hold :data:`SLOTS` entries, the last ones zero. The counts are one vector.
+    """
+    if not _contiguous(bits, dense, out, left):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        slots = ir.VectorType(i64, SLOTS)
+        members = ir.Constant(slots, [0] * SLOTS)
+        for k, found in enumerate(_emit_members(context, builder, signature, args)):
             members = builder.insert_element(members, found, ir.Constant(i32, k))
-            anyone = builder.or_(anyone, found)
-        builder.store(members, builder.bitcast(masks, slots.as_pointer()), align=8)
-        builder.store(builder.not_(anyone), builder.gep(masks, [ir.Constant(i64, DENSE)]))
+        counts = context.make_array(signature.args[6])(context, builder, args[6]).data
         ctpop = builder.module.declare_intrinsic(f"llvm.ctpop.v{SLOTS}i64", fnty=ir.FunctionType(slots, [slots]))
         left_at = builder.bitcast(counts, slots.as_pointer())
         now = builder.sub(builder.load(left_at, align=8), builder.call(ctpop, [members]))
@@ -117,8 +156,8 @@ def class_masks(typingctx, bits, start, shift, mask, dense, out, left):  # pragm
 def differ_mask(typingctx, old, new, start):  # pragma: no cover - compiled
     """Bit ``j`` set where ``old[start + j] != new[start + j]``, for the :data:`LANES` elements from
     ``start`` of two contiguous integer arrays of one dtype: one vector comparison, as ``uint64``."""
-    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in (old, new)) or old.dtype != new.dtype:
-        return None  # the vectors are read from the data pointers: contiguous arrays of one dtype only
+    if not _contiguous(old, new) or old.dtype != new.dtype:
+        return None  # contiguous arrays of one dtype only
 
     def codegen(context, builder, signature, args):
         old_type, new_type, _ = signature.args

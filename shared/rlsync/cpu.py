@@ -20,7 +20,7 @@ import functools
 import platform
 from pathlib import Path
 
-__all__ = ["CpuFeature", "cpu_features", "cpu_name", "has_feature", "is_x86_64", "missing_features"]
+__all__ = ["CpuFeature", "cpu_features", "cpu_name", "has_fast_pdep", "has_feature", "is_x86_64", "missing_features"]
 
 
 class CpuFeature(str, enum.Enum):
@@ -84,6 +84,21 @@ def has_feature(feature: CpuFeature) -> bool:
     import torch
 
     return bool(getattr(torch.cpu, _TORCH_CHECKS[feature], lambda: False)())
+
+
+#: LLVM's names of the x86-64 CPUs with BMI2 whose ``pdep`` is microcoded (AMD before Zen 3: hundreds of cycles).
+SLOW_PDEP_CPUS = frozenset({"bdver4", "znver1", "znver2"})
+
+
+@functools.cache
+def has_fast_pdep() -> bool:
+    """Whether this CPU has BMI2 (:attr:`CpuFeature.BMI2`) with a ``pdep`` of a few cycles (not one of
+    :data:`SLOW_PDEP_CPUS`, as LLVM names the host, which numba compiles for)."""
+    if not has_feature(CpuFeature.BMI2):
+        return False
+    from llvmlite import binding as llvm
+
+    return llvm.get_host_cpu_name() not in SLOW_PDEP_CPUS
 
 
 def cpu_features() -> frozenset[CpuFeature]:

@@ -50,16 +50,36 @@ def test_any_dense_classes_decode_the_same(monkeypatch, numel: int, dense: str) 
     assert np.array_equal(got_new, new_bits[index]) and np.array_equal(got_old, old_bits[index])
 
 
-def test_both_ways_of_selecting_a_masks_kth_member_agree() -> None:
-    """The block kernel picks a class's k-th member in a mask with ``pdep`` where the CPU has it, by a binary
-    search elsewhere: both give the k-th set bit, for the first, middle and last members of random masks."""
+def test_both_ways_of_depositing_bits_into_a_mask_agree() -> None:
+    """The block kernel deposits a class's next changes at its members in a block with ``pdep`` where the CPU
+    has it, by a binary search per change elsewhere: both put the low bits of ``x``, in order, at the set bits
+    of the mask, for full, empty and random masks and any number of bits."""
+    import numba
+
     from rlsync.codecs import class_kernels as kernels
 
     rng = np.random.default_rng(0)
     masks = [np.uint64(1), np.uint64(1 << 63), ~np.uint64(0)] + [np.uint64(m) for m in rng.integers(1, 2**63, 200, dtype=np.uint64)]
-    ways = [kernels._select_by_search] + ([kernels._select_by_deposit] if kernels.HAS_PDEP else [])
+    ways = [kernels._deposit_by_search]
+    if kernels.HAS_PDEP:
+        ways.append(numba.njit(lambda x, m: kernels._deposit_by_pdep(x, m)))
     for mask in masks:
         members = [bit for bit in range(64) if int(mask) >> bit & 1]
-        for k in sorted({0, len(members) // 2, len(members) - 1}):
-            for select in ways:
-                assert int(select(mask, np.int64(k))) == 1 << members[k], (select, hex(int(mask)), k)
+        for x in (0, (1 << len(members)) - 1, int(rng.integers(0, 2**63)) & ((1 << len(members)) - 1)):
+            expected = sum(1 << members[j] for j in range(len(members)) if x >> j & 1)
+            for deposit in ways:
+                assert int(deposit(np.uint64(x), mask)) == expected, (deposit, hex(int(mask)), hex(x))
+
+
+def test_rank_bitmaps_refuse_ranks_that_do_not_increase_before_writing_past_their_class() -> None:
+    """A class's bitmap is sized from its last rank: a rank beyond it (ranks not increasing) is refused before
+    it is written, whatever the Rice decoder gave (it gives increasing ranks; the kernel does not rely on it)."""
+    from rlsync.codecs import class_kernels as kernels
+
+    starts, ends = np.array([0], np.int64), np.array([3], np.int64)
+    words = np.zeros(32, np.uint64)  # class 0's span: 1 word for ranks below 8, 2 zero ones after
+    assert not kernels.rank_bitmaps(starts, ends, np.array([5, 1000, 7], np.int64), np.array([0], np.int64), words)
+    assert not words[3:].any()
+    words[:] = 0
+    assert kernels.rank_bitmaps(starts, ends, np.array([1, 5, 7], np.int64), np.array([0], np.int64), words)
+    assert int(words[0]) == (1 << 1) | (1 << 5) | (1 << 7) and not words[1:].any()

@@ -42,6 +42,21 @@ def test_the_processors_features_are_read(features):
     assert cpu.missing_features(CpuFeature.AMX_TILE, CpuFeature.AVX2, CpuFeature.BMI2) == [CpuFeature.AMX_TILE]
 
 
+
+@pytest.mark.parametrize(("host", "bmi2", "fast"), [("znver2", True, False), ("znver3", True, True), ("skylake", True, True), ("znver3", False, False)])
+def test_pdep_counts_as_fast_only_where_it_is_not_microcoded(features, monkeypatch, host, bmi2, fast):
+    """AMD before Zen 3 has BMI2 but a microcoded ``pdep`` (hundreds of cycles): the classrice decoder, which
+    deposits a dozen masks per 64 elements, then takes its search instead (``rlsync.bitops.HAS_PDEP``)."""
+    from llvmlite import binding as llvm
+
+    features(EVERY_FEATURE if bmi2 else EVERY_FEATURE - {CpuFeature.BMI2})
+    monkeypatch.setattr(llvm, "get_host_cpu_name", lambda: host)
+    cpu.has_fast_pdep.cache_clear()
+    try:
+        assert cpu.has_fast_pdep() is fast
+    finally:
+        cpu.has_fast_pdep.cache_clear()
+
 @pytest.mark.parametrize(
     ("found", "missing"),
     [(EVERY_FEATURE, None), (NO_AMX, ["AMX tiles"]), (AVX2_ONLY, ["AMX tiles", "AVX-512 BF16"])],

@@ -17,11 +17,12 @@ from numba.extending import intrinsic
 
 from ..bitops import DENSE, HAS_PDEP, LANES, MASKS_IN_ORDER, SLOTS  # noqa: F401 - the codec reads the block geometry here
 from ..bitops import class_masks as _class_masks
+from ..bitops import class_members as _class_members
+from ..bitops import funnel_shift_right as _funnel_shift_right
 from ..bitops import lowest_bit as _lowest_bit
 from ..bitops import popcount as _popcount
 
 _JIT = dict(cache=True, nogil=True, boundscheck=False)
-NEVER = np.int64(1) << 62  # "no further coded rank in this class"
 
 
 @numba.njit(**_JIT, inline="always")
@@ -37,8 +38,21 @@ def _select_by_search(members, k):  # pragma: no cover - compiled
     return np.uint64(1) << np.uint64(at)
 
 
+@numba.njit(**_JIT, inline="always")
+def _deposit_by_search(x, m):  # pragma: no cover - compiled
+    """BMI2's ``pdep`` without it: the low bits of ``x`` placed, in order, at the set bits of ``m`` (as many
+    as ``m`` has; the others are ignored), one :func:`_select_by_search` per set bit of ``x`` placed."""
+    count = np.uint64(_popcount(m))
+    x &= ((np.uint64(1) << (count & np.uint64(63))) - np.uint64(1)) | (np.uint64(0) - (count >> np.uint64(6)))
+    out = np.uint64(0)
+    while x:
+        out |= _select_by_search(m, _lowest_bit(x))
+        x &= x - np.uint64(1)
+    return out
+
+
 @intrinsic
-def _deposit(typingctx, x, m):  # pragma: no cover - compiled
+def _deposit_by_pdep(typingctx, x, m):  # pragma: no cover - compiled
     """BMI2's ``pdep``: the low bits of ``x`` placed, in order, at the set bits of ``m`` (both ``uint64``)."""
 
     def codegen(context, builder, signature, args):
@@ -48,13 +62,7 @@ def _deposit(typingctx, x, m):  # pragma: no cover - compiled
     return types.uint64(types.uint64, types.uint64), codegen
 
 
-@numba.njit(**_JIT, inline="always")
-def _select_by_deposit(members, k):  # pragma: no cover - compiled
-    """:func:`_select_by_search` in one instruction, where the CPU has ``pdep``."""
-    return _deposit(np.uint64(1) << np.uint64(k), members)
-
-
-_select = _select_by_deposit if HAS_PDEP else _select_by_search
+_deposit = _deposit_by_pdep if HAS_PDEP else _deposit_by_search
 
 
 @numba.njit(**_JIT, inline="always")
@@ -123,123 +131,88 @@ def class_ranks(bits, shift, mask, dense, index, ranks, classes, members):  # pr
         members[c] += 1
 
 
-@numba.njit(**_JIT, inline="always")
-def _next_gap(coded, nxt, ends, c):  # pragma: no cover - compiled
-    """Move class ``c`` (not inverted) past its current coded rank; returns the members to pass before
-    its next one (:data:`NEVER` after its last), or -1 when its ranks do not increase."""
-    p = nxt[c] + 1
-    nxt[c] = p
-    if p < ends[c]:
-        return coded[p] - coded[p - 1] - 1  # -1 or less: not increasing
-    return NEVER
+@numba.njit(**_JIT)
+def rank_bitmaps(starts, ends, coded, first_word, words):  # pragma: no cover - compiled
+    """Every class's coded ranks as a bitmap over its members: rank ``r`` of class ``c`` is bit ``r % 64`` of
+    ``words[first_word[c] + r // 64]``.
+
+    Args:
+        starts, ends: Per class, the slice of ``coded`` holding its ranks.
+        coded: The ranks, increasing within a class.
+        first_word: Per class, its first word: room for ``ceil((last rank + 1) / 64)`` words and 2 more.
+        words: Out, zeroed.
+
+    Returns:
+        Whether every class's ranks strictly increase to its last (nothing is written past the last
+        rank's word, whatever ``coded`` holds).
+    """
+    for c in range(starts.size):
+        prev = np.int64(-1)
+        last = coded[ends[c] - 1] if ends[c] > starts[c] else np.int64(-1)
+        for p in range(starts[c], ends[c]):
+            r = coded[p]
+            if r <= prev or r > last:
+                return False
+            words[first_word[c] + (r >> 6)] |= np.uint64(1) << np.uint64(r & 63)
+            prev = r
+    return True
 
 
 @numba.njit(**_JIT, inline="always")
-def _record(c, bit, changed, event_class, event_ordinal):  # pragma: no cover - compiled
-    """Note a change of class ``c`` at ``bit`` of the block (its ordinal: the class's changes before it)."""
-    event_class[bit] = c
-    event_ordinal[bit] = changed[c]
-    changed[c] += 1
+def _bitmap_at(words, at, stop):  # pragma: no cover - compiled
+    """The 64 bits of ``words`` from bit ``at`` on (low bit first; ``uint64``), zeros from word ``stop`` on
+    (a class's bitmap is followed by two zero words, where every read past its last rank lands)."""
+    word = min(at >> np.uint64(6), stop)
+    return _funnel_shift_right(words[word + np.uint64(1)], words[word], at)
 
 
 @numba.njit(**_JIT, inline="always")
-def _changes_of_class(members, todo, c, coded, nxt, ends, changed, event_class, event_ordinal):  # pragma: no cover
-    """The changed ones among ``members`` (a block's members of class ``c``, not inverted), the first
-    after ``todo`` others; returns them and the members to pass after the block (-1: ranks not increasing)."""
-    found = np.uint64(0)
-    count = _popcount(members)
-    while todo < count:
-        member = _select(members, todo)
-        members &= ~(member - np.uint64(1))  # it and the members after it
-        members ^= member
-        found |= member
-        _record(c, _lowest_bit(member), changed, event_class, event_ordinal)
-        todo = _next_gap(coded, nxt, ends, c)
-        if todo < 0:
-            return found, np.int64(-1)
-        count = _popcount(members)
-    return found, todo - count
-
-
-@numba.njit(**_JIT, inline="always")
-def _changes_of_inverted(members, c, seen, coded, nxt, ends, changed, event_class, event_ordinal):  # pragma: no cover
-    """The changed ones among ``members`` (a block's members of class ``c``, inverted: every member but
-    the coded ranks); returns them and whether the coded ranks increase."""
-    count = _popcount(members)
-    first = seen[c]  # rank of the block's first member of the class
-    seen[c] = first + count
-    p, rank, kept = nxt[c], first, members
-    while p < ends[c] and coded[p] < first + count:  # an unchanged member in this block
-        if coded[p] < rank:
-            return np.uint64(0), False  # not increasing, or a rank already passed
-        unchanged = _select(kept, coded[p] - rank)
-        members ^= unchanged
-        kept &= ~(unchanged - np.uint64(1))  # the members after it
-        kept ^= unchanged
-        rank = coded[p] + 1
-        p += 1
-    nxt[c] = p
-    found = members
-    while members:
-        _record(c, _lowest_bit(members), changed, event_class, event_ordinal)
-        members &= members - np.uint64(1)
-    return found, True
-
-
-@numba.njit(**_JIT, inline="always")
-def _changes_one_at_a_time(  # pragma: no cover - compiled
-    todo_bits, block, bits, shift, mask, left, seen, inverted, coded, nxt, ends, changed, event_class, event_ordinal
-):
-    """The changed ones among the elements ``todo_bits`` of a block, taken one at a time; returns them,
-    and whether the coded ranks increase."""
+def _changes_one_at_a_time(todo_bits, block, bits, shift, mask, cursor, stop, flip, words):  # pragma: no cover
+    """The changed ones among the elements ``todo_bits`` of a block, taken one at a time."""
     found = np.uint64(0)
     while todo_bits:
         bit = _lowest_bit(todo_bits)
         todo_bits &= todo_bits - np.uint64(1)
-        c = (bits[block + bit] >> shift) & mask
-        todo = left[c]
-        if todo > 0:
-            left[c] = todo - 1
-            continue
-        if inverted[c] != 0:  # a coded rank is an unchanged member, any other member changed
-            r = seen[c]
-            seen[c] = r + 1
-            p = nxt[c]
-            if p < ends[c] and coded[p] == r:
-                nxt[c] = p + 1
-                continue
-        else:  # the class's next coded rank
-            todo = _next_gap(coded, nxt, ends, c)
-            if todo < 0:
-                return found, False
-            left[c] = todo
-        found |= np.uint64(1) << np.uint64(bit)
-        _record(c, bit, changed, event_class, event_ordinal)
-    return found, True
+        c = _class_of(bits, block + bit, shift, mask)
+        at = cursor[c]
+        cursor[c] = at + np.uint64(1)
+        found |= ((_bitmap_at(words, at, stop[c]) ^ flip[c]) & np.uint64(1)) << np.uint64(bit)
+    return found
+
+
+@numba.njit(**_JIT, inline="always")
+def _write_change(at, bits, shift, mask, k, positions, olds, classes, slots, changed, real):  # pragma: no cover
+    """Write the ``k``-th change, at flat position ``at``: its position, old bits, class and ordinal in its
+    class (counted only where ``real``: a slot written ahead of a change leaves the counts as they were)."""
+    c = _class_of(bits, at, shift, mask)
+    positions[k] = at
+    olds[k] = bits[at]
+    classes[k] = c
+    slots[k] = changed[c]
+    changed[c] += np.int64(real)
 
 
 @numba.njit(**_JIT)
 def class_positions(  # pragma: no cover - compiled
-    bits, shift, mask, dense, starts, ends, coded, inverted, positions, olds, classes, slots, changed
+    bits, shift, mask, dense, bound, inverted, words, first_word, positions, olds, classes, slots, changed
 ):
     """Inverse of :func:`class_ranks`: flat positions of the changed elements, in flat order.
 
-    One pass over the old bits, :data:`LANES` elements at a time. The block's members of each of
-    the ``dense`` classes come as one bit mask (:func:`_class_masks`), so a class whose next coded
-    rank is not in the block costs one count of its members; the members of every other class are
-    taken one at a time. Per class, ``left`` counts the members still to pass before its next
-    coded rank; a class whose coded ranks list its unchanged members ("inverted") makes every
-    other member a change.
+    One pass over the old bits, :data:`LANES` elements at a time, against each class's coded ranks as a
+    bitmap over its members (:func:`rank_bitmaps`). The block's members of each of the ``dense``
+    classes come as one bit mask (:func:`_class_members`); the class's next bits, as many as the block
+    has members, are deposited at the mask's set bits (``pdep``): the block's changes of the class,
+    with no branch on their number. The members of every other class are taken one at a time. A
+    class whose coded ranks list its unchanged members ("inverted") has its bits flipped.
 
     Args:
         bits: The old bit patterns of the whole tensor (signed ints).
         shift, mask: The dtype's exponent field.
         dense: :data:`DENSE` distinct classes (``uint8``; speed only: any distinct classes give the
             same result), or an empty array to take every element one at a time (``mask > 0xFF``).
-        starts, ends: Per class, the slice of ``coded`` holding its strictly increasing ranks.
-        coded: Per class the ranks of its changed elements, or of its unchanged ones where
-            ``inverted`` is set.
-        inverted: Per class, 1 when ``coded`` lists the unchanged elements.
+        bound: Per class, its last coded rank plus one (0 for none).
+        inverted: Per class, 1 when its coded ranks are its unchanged members.
+        words, first_word: The classes' rank bitmaps (:func:`rank_bitmaps`).
         positions: Out: flat positions, increasing.
         olds: Out: the old bit pattern at each position.
         classes: Out: work space, one per position.
@@ -249,70 +222,42 @@ def class_positions(  # pragma: no cover - compiled
 
     Returns:
         The number of positions written, or -1 when the ranks do not fit the tensor (a rank
-        beyond its class, ranks not increasing, or more changed elements than ``positions`` holds).
+        beyond its class, or more changed elements than ``positions`` holds).
     """
-    n_classes = starts.size
-    left = np.full(n_classes, NEVER, np.int64)  # members to pass before the class's next change
-    seen = np.zeros(n_classes, np.int64)  # members seen, kept for inverted classes only
-    nxt = starts.copy()
+    n_classes = bound.size
+    # per class: the bit of ``words`` of its next member, the word its bitmap's zeros start at, and its flip
+    cursor, stop, flip = np.empty(n_classes, np.uint64), np.empty(n_classes, np.uint64), np.empty(n_classes, np.uint64)
     for c in range(n_classes):
-        if inverted[c] != 0:
-            left[c] = 0  # every member of an inverted class is a change, but for its coded ranks
-        elif starts[c] < ends[c]:
-            left[c] = coded[starts[c]]
-    # a dense class's ``left`` is kept by its slot in ``dense`` while whole blocks are read; an
-    # inverted one's is below zero whatever the block, so that every block looks at its members
-    dense_left = np.zeros(SLOTS, np.int64)
+        cursor[c] = np.uint64(first_word[c]) << np.uint64(6)
+        stop[c] = np.uint64(first_word[c] + ((bound[c] + 63) >> 6))
+        flip[c] = ~np.uint64(0) if inverted[c] != 0 else np.uint64(0)
+    # the same for the dense classes, by their slot, while whole blocks are read
+    lanes = np.zeros(4 * SLOTS, np.uint64)  # cursor, stop and flip of slot d from 4 * d
     for d in range(dense.size):
-        dense_left[d] = -NEVER if inverted[dense[d]] != 0 else left[dense[d]]
+        lanes[4 * d], lanes[4 * d + 1], lanes[4 * d + 2] = cursor[dense[d]], stop[dense[d]], flip[dense[d]]
     masks = np.zeros(SLOTS, np.uint64)
-    event_class = np.zeros(LANES, np.int64)  # per bit of a block's changes: class and ordinal in it
-    event_ordinal = np.zeros(LANES, np.int64)
     one = np.uint64(1)
     k = 0
     limit = positions.size
     whole = bits.size - bits.size % LANES if dense.size else 0  # elements read a block of masks at a time
     for block in range(0, bits.size, LANES):
         if block < whole:
-            # the common case: the dense classes' members counted, no change among them
-            hits = _class_masks(bits, block, shift, mask, dense, masks, dense_left)
-            others = masks[DENSE]
+            _class_members(bits, block, shift, mask, dense, masks)
             events = np.uint64(0)
-            while hits:
-                d = _lowest_bit(hits)
-                hits &= hits - one
-                c = np.int64(dense[d])
-                if inverted[c] == 0:
-                    todo = dense_left[d] + _popcount(masks[d])
-                    found, todo = _changes_of_class(
-                        masks[d], todo, c, coded, nxt, ends, changed, event_class, event_ordinal
-                    )
-                    if todo < 0:
-                        return -1
-                    dense_left[d] = todo
-                else:
-                    found, ok = _changes_of_inverted(
-                        masks[d], c, seen, coded, nxt, ends, changed, event_class, event_ordinal
-                    )
-                    if not ok:
-                        return -1
-                    dense_left[d] = -NEVER
-                events |= found
-            if block + LANES == whole:  # the last whole block: the classes' state leaves the slots
+            for d in range(DENSE):
+                at = lanes[4 * d]
+                members = masks[d]
+                events |= _deposit(_bitmap_at(words, at, lanes[4 * d + 1]) ^ lanes[4 * d + 2], members)
+                lanes[4 * d] = at + np.uint64(_popcount(members))
+            others = masks[DENSE]
+            if block + LANES == whole:  # the last whole block: the classes' cursors leave the slots
                 for d in range(DENSE):
-                    if inverted[dense[d]] == 0:
-                        left[dense[d]] = dense_left[d]
+                    cursor[dense[d]] = lanes[4 * d]
         else:
             others = (one << np.uint64(bits.size - block)) - one if bits.size - block < LANES else ~np.uint64(0)
             events = np.uint64(0)
         if others:
-            found, ok = _changes_one_at_a_time(
-                others, block, bits, shift, mask, left, seen, inverted, coded, nxt, ends, changed,
-                event_class, event_ordinal,
-            )  # fmt: skip
-            if not ok:
-                return -1
-            events |= found
+            events |= _changes_one_at_a_time(others, block, bits, shift, mask, cursor, stop, flip, words)
         # the block's changes, in flat order: mostly none, one or two, written without a branch on their
         # number (a slot past the last change is written and then overwritten), then any others
         if _popcount(events) > limit - k:
@@ -320,23 +265,16 @@ def class_positions(  # pragma: no cover - compiled
         if limit - k >= 2:
             for _ in range(2):
                 bit = _lowest_bit(events) & (LANES - 1)
-                positions[k] = block + bit
-                olds[k] = bits[block + bit]
-                classes[k] = event_class[bit]
-                slots[k] = event_ordinal[bit]
+                _write_change(block + bit, bits, shift, mask, k, positions, olds, classes, slots, changed, events != 0)
                 k += np.int64(events != 0)
                 events &= events - one
         while events:
-            bit = _lowest_bit(events)
-            events &= events - one
-            positions[k] = block + bit
-            olds[k] = bits[block + bit]
-            classes[k] = event_class[bit]
-            slots[k] = event_ordinal[bit]
+            _write_change(block + _lowest_bit(events), bits, shift, mask, k, positions, olds, classes, slots, changed, True)
             k += 1
+            events &= events - one
     for c in range(n_classes):
-        if nxt[c] != ends[c]:
-            return -1
+        if np.int64(cursor[c] - (np.uint64(first_word[c]) << np.uint64(6))) < bound[c]:  # members seen
+            return -1  # a coded rank beyond the class's members
     first_slot = np.cumsum(changed) - changed  # a class's first slot: the changes of the classes before it
     for i in range(k):
         slots[i] += first_slot[classes[i]]

@@ -215,9 +215,19 @@ class ClassRiceCodec(ClassGapCodec):
             index, slots = self._positions_on_device(name, coded, starts, ends, inverted, field, count, base)
             return index, target.bits_at(index), slots
         bits = int_view(base.detach()).numpy() if base is not None else _old_bits(target)
+        bound = np.zeros(mask + 1, np.int64)  # per class, its last coded rank plus one
+        present = ends > starts
+        bound[present] = coded[ends[present] - 1] + 1
+        if int(bound.sum()) > target.numel:  # the classes' members are the tensor's elements: a rank beyond its class
+            raise FormatError(f"{name}: the coded ranks do not fit the tensor's classes")
+        kernels = _class_kernels()
+        span = (bound + 63) // 64 + 2  # each class's bitmap words, and 2 zero ones after them
+        first_word, words = np.cumsum(span) - span, np.zeros(int(span.sum()), np.uint64)
+        if not kernels.rank_bitmaps(starts, ends, coded, first_word, words):
+            raise FormatError(f"{name}: the coded ranks of a class do not increase")
         positions, olds, slots = np.empty(count, np.int64), np.empty(count, bits.dtype), np.empty(count, np.int64)
-        written = _class_kernels().class_positions(
-            bits, shift, mask, _dense_classes(bits, field), starts, ends, coded, inverted,
+        written = kernels.class_positions(
+            bits, shift, mask, _dense_classes(bits, field), bound, inverted, words, first_word,
             positions, olds, np.empty(count, np.int16), slots, np.zeros(mask + 1, np.int64),
         )  # fmt: skip
         if written != count:

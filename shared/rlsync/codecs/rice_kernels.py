@@ -241,7 +241,8 @@ def rice_decode(unary, unary_bit, rem, rem_bit, k, count, bound, out):  # pragma
     """Read ``count`` Rice-coded gaps (see :func:`rice_encode`) into ``out`` as increasing ranks.
 
     Quotients and remainders are read from 64-bit windows (:func:`_window`; a quotient's zeros
-    counted by the window's leading zeros). A quotient above ``bound >> k`` codes a rank beyond
+    counted by the window's leading zeros); the unary window is kept while its bits last, so most
+    quotients cost a count of leading zeros and a shift, not a read. A quotient above ``bound >> k`` codes a rank beyond
     ``bound`` whatever its remainder, so it is refused before ``q << k`` is formed: with
     ``k <= MAX_K`` and ``bound < 2**62`` every value stays in range, and a hostile
     stream costs time linear in its size.
@@ -257,22 +258,33 @@ def rice_decode(unary, unary_bit, rem, rem_bit, k, count, bound, out):  # pragma
     last = np.int64(-1)
     qmax = bound >> k
     low = (np.int64(1) << k) - 1
+    window, fresh = np.uint64(0), np.int64(0)  # the unary bits from ``unary_bit`` on; how many were read
     for i in range(count):
-        q = np.int64(0)
-        while True:
-            if unary_bit >= n_unary:
-                return -1, -1
-            window = _window(unary, unary_bit)
-            if window == 0:  # the window's bits read from the stream are all zeros
-                q += 64 - (unary_bit & 7)
-                unary_bit += 64 - (unary_bit & 7)
-                if q > qmax:
-                    return -1, -1
-                continue
-            zeros = _leading_zeros(window)  # a one read from the stream ends the quotient
-            q += zeros
+        zeros = _leading_zeros(window | np.uint64(1))  # the window's zeros before its first one
+        if window != 0 and zeros < fresh:  # the common case: the quotient ends in the window
+            q = np.int64(zeros)
             unary_bit += zeros + 1
-            break
+            window = (window << np.uint64(zeros)) << np.uint64(1)
+            fresh -= zeros + 1
+        else:  # read on from the stream, 64 bits at a time
+            q = np.int64(0)
+            while True:
+                if unary_bit >= n_unary:
+                    return -1, -1
+                window = _window(unary, unary_bit)
+                fresh = 64 - (unary_bit & 7)
+                if window == 0:  # the window's bits read from the stream are all zeros
+                    q += fresh
+                    unary_bit += fresh
+                    if q > qmax:
+                        return -1, -1
+                    continue
+                zeros = _leading_zeros(window)  # a one read from the stream ends the quotient
+                q += zeros
+                unary_bit += zeros + 1
+                window = (window << np.uint64(zeros)) << np.uint64(1)
+                fresh -= zeros + 1
+                break
         if q > qmax or rem_bit + k > n_rem:
             return -1, -1
         r = np.int64(0)
