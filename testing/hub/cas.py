@@ -128,7 +128,7 @@ def _fetch_entry(span: Span, url: str, version: int) -> dict:
 def _fetch(handler, xorb_hash: str) -> None:
     requested = _range(handler.headers.get("Range"))
     first, end = requested or (0, None)
-    data = handler.hub.xet.read(xorb_hash, first, (end or 1 << 62) - 1)
+    data = handler.hub.xet.read(xorb_hash, first, None if end is None else end - 1)
     if data is None:
         return handler._error(404, "xorb not found")
     if requested is None:

@@ -9,11 +9,13 @@ the byte range of the xorb that holds them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
 import threading
 from pathlib import Path
+from typing import Iterator
 
 from testing.hub.xet_formats import Term, XorbChunks, shard_files, xorb_chunks
 
@@ -61,24 +63,27 @@ class XetStorage:
     def put_xorb(self, xorb_hash: str, data: bytes) -> bool:
         """Store a serialized xorb; whether it was new. A malformed one is a :class:`ValueError`."""
         chunks = xorb_chunks(data)
-        if not _create(self.root / "xorbs" / xorb_hash, data):
-            return False  # the first upload of a hash stays (its offsets are the ones indexed)
-        with self._lock:
+        path = self.root / "xorbs" / xorb_hash
+        with _staged(path, data) as staged, self._lock:
+            if xorb_hash in self._xorbs:
+                return False  # the first upload of a hash stays (its offsets are the ones indexed)
+            os.replace(staged, path)  # whole, and indexed at once: a shard naming it may come next
             self._xorbs[xorb_hash] = chunks
-        return True
+            return True
 
     def put_shard(self, data: bytes) -> bool:
         """Store a shard and index its files; whether it was new. A malformed shard, or one whose terms name
         xorbs, chunks or lengths this storage does not hold, is a :class:`ValueError`."""
         files = shard_files(data)
-        with self._lock:
+        path = self.root / "shards" / f"{hashlib.sha256(data).hexdigest()}.mdb"
+        with _staged(path, data) as staged, self._lock:
             for file_hash, terms in files.items():
                 for term in terms:
                     self._check(file_hash, term)
-        new = _create(self.root / "shards" / f"{hashlib.sha256(data).hexdigest()}.mdb", data)
-        with self._lock:
+            new = not path.exists()
+            os.replace(staged, path)
             self._files.update(files)
-        return new
+            return new
 
     def file_size(self, file_hash: str) -> int | None:
         """The size of file `file_hash`, or None when no shard records it."""
@@ -110,14 +115,18 @@ class XetStorage:
                 pos += term.length
             return Reconstruction(offset, tuple(needed), self._spans(needed))
 
-    def read(self, xorb_hash: str, first: int, last: int) -> bytes | None:
-        """Bytes ``[first, last]`` of xorb `xorb_hash` (fewer at its end), or None for an unknown xorb."""
+    def read(self, xorb_hash: str, first: int = 0, last: int | None = None) -> bytes | None:
+        """Bytes ``[first, last]`` of xorb `xorb_hash` (to its end: `last` None or past it), or None for an unknown
+        xorb; :class:`RangeNotSatisfiable` when `first` is not within it."""
         with self._lock:
             if xorb_hash not in self._xorbs:
                 return None
         with open(self.root / "xorbs" / xorb_hash, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if first >= size:
+                raise RangeNotSatisfiable(f"range starts at {first}, the xorb has {size} bytes")
             f.seek(first)
-            return f.read(max(0, last + 1 - first))
+            return f.read(min(size - 1, size if last is None else last) + 1 - first)
 
     def _check(self, file_hash: str, term: Term) -> None:
         chunks = self._xorbs.get(term.xorb)
@@ -154,14 +163,12 @@ class XetStorage:
                 for xorb, merged in runs.items()}  # fmt: skip
 
 
-def _create(path: Path, data: bytes) -> bool:
-    """Write `path` whole, unless it exists (then nothing: whether it was written); a reader never sees half of it."""
-    partial = path.with_name(f".{path.name}.{threading.get_ident()}.part")
-    partial.write_bytes(data)
+@contextlib.contextmanager
+def _staged(path: Path, data: bytes) -> Iterator[Path]:
+    """`data` written next to `path` under a name of its own (moved into place by the caller, or removed)."""
+    staged = path.with_name(f".{path.name}.{threading.get_ident()}.part")
+    staged.write_bytes(data)
     try:
-        os.link(partial, path)
-        return True
-    except FileExistsError:
-        return False
+        yield staged
     finally:
-        partial.unlink()
+        staged.unlink(missing_ok=True)

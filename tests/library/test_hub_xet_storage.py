@@ -199,6 +199,9 @@ def test_xet_storage_refuses_what_the_hubs_refuses_and_serves_both_reconstructio
     assert v2["xorbs"][xorb] == [{"url": fetch["url"], "ranges": ranges}]
     status, data = call(fetch["url"], headers={"Range": "bytes=1008-3015"})  # presigned: no token
     assert status == 206 and data == _xorb([b"b" * 2000])  # chunk 1, its header included
+    assert call(fetch["url"], headers={"Range": f"bytes=6000-{1 << 62}"}) == (206, b"c" * 24)  # to its end, no further
+    assert call(fetch["url"], headers={"Range": "bytes=6024-6030"})[0] == 416
+    assert call(fetch["url"], headers={"Range": "bytes=5-1"})[0] == 400
     assert call(f"{cas}/v2/reconstructions/{file_hash}", token, headers={"Range": "bytes=8000-8100"})[0] == 416
     assert call(f"{cas}/v2/reconstructions/{hash_hex(bytes(32))}", token)[0] == 404
     server.xet_token_ttl = 0
