@@ -104,7 +104,7 @@ def watch(
                 first_version_s = time.time() - launched
             env = read_metrics(bucket, EnvMetrics) or EnvMetrics()
         except BucketError:
-            continue  # the stand-in's store: a read racing the Spaces' uploads can fail (the roles retry theirs)
+            continue  # read again at the next poll
         rows.update({(r.time, r.version): (r.mean_reward, r.count) for r in env.rows if r.time is not None})
         base, risen = rise_time(rows, rise)
         alive()

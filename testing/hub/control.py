@@ -21,7 +21,7 @@ PREFIX = "/_standin/"
 
 
 def serve(handler, path: str, body: bytes) -> None:
-    """Answer one control request on ``handler`` (a :class:`testing.hub.server._Handler`)."""
+    """Answer one control request on ``handler`` (a :class:`testing.hub.handler.Handler`)."""
     hub = handler.hub
     doc = json.loads(body or b"{}") if handler.command == "POST" else {}
     if path == f"{PREFIX}users" and handler.command == "POST":

@@ -16,7 +16,7 @@ import time
 
 
 def serve_events(handler, bucket_id: str, query: dict) -> None:
-    """Serve one live-follow session on `handler` (a :class:`testing.hub.server._Handler`)."""
+    """Serve one live-follow session on `handler` (a :class:`testing.hub.handler.Handler`)."""
     hub = handler.hub
     if not hub.feed_enabled:
         return handler._error(404, "live-follow is not enabled", {"X-Error-Code": "EntryNotFound"})

@@ -86,7 +86,7 @@ class OpenIdProvider:
 
 
 def serve(handler, path: str, query: dict, body: bytes) -> None:
-    """Answer one provider request on ``handler`` (a :class:`testing.hub.server._Handler`)."""
+    """Answer one provider request on ``handler`` (a :class:`testing.hub.handler.Handler`)."""
     hub, provider = handler.hub, handler.hub.openid
     if path == "/.well-known/openid-configuration":
         return handler._send(200, metadata(hub.url))

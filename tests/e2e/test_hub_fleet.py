@@ -1,8 +1,7 @@
 """The fleet within the Hub's request budget: ``python app.py --bucket hf://...`` (the trainer, TRL
 AsyncGRPOTrainer, the environment and two replicas, as a new user runs it) on the rate-limited Hub
 stand-in (free tier, the window shortened to 30 s with the limits scaled to match), every role
-sharing one token, as a deployment does. (One process: the stand-in's ``local://`` Xet storage is a
-database that only one process may open at a time.)
+sharing one token, as a deployment does.
 
 Every role follows the events feed and paces itself to its share, so the Hub never answers 429,
 no request goes to a telemetry endpoint, and every replica ends within 2 versions of the trainer.
@@ -73,8 +72,8 @@ def test_trainer_env_and_two_replicas_stay_within_the_free_tier(hub, tmp_path):
         cwd=ROOT, env={**env, "GRADIO_SERVER_NAME": "127.0.0.1"}, stdout=log.open("w"), stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        # Read only the stand-in's own metadata and the app's log while the app runs (downloading here
-        # would open the Xet storage the app holds): the trainer is done once its final checkpoint is
+        # Read only the stand-in's own metadata and the app's log while the app runs (no request of the
+        # test's own in the window): the trainer is done once its final checkpoint is
         # there and it logged its end, which comes after its final publish (coalesced steps) and metrics.
         deadline = time.time() + 500
         while time.time() < deadline and app.poll() is None and not (trained(hub) and FINISHED in log.read_text()):

@@ -170,8 +170,7 @@ def open_hub_bucket(hub: HubProcess, bucket_id: str, token: str):
 
 
 def retried(read: Callable[[], object]) -> object:
-    """``read()``, or ``None`` on a bucket error: the stand-in's storage is xet-core's ``local://`` store, whose index
-    one process at a time may open, so a read racing the Spaces' uploads can fail (the roles retry theirs)."""
+    """``read()``, or ``None`` on a bucket error (a read made while the Spaces start: the caller polls again)."""
     from rlsync.errors import BucketError
 
     try:

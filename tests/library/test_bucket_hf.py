@@ -1,7 +1,7 @@
 """HfBucket with the real huggingface_hub + hf_xet client against the local Hub stand-in server.
 
 The ``hub`` fixture (conftest.py, testing/hub/server.py) is a local HTTP server implementing the Hub's
-bucket API and Xet token endpoint; Xet storage is xet-core's own file-backed CAS (``local://``), and
+bucket API, Xet token endpoint and Xet storage (the CAS protocol hf_xet speaks to the Hub's), and
 injected storage faults are real HTTP answers from the server. So every request below goes through
 the real client code: ``HfApi`` bucket methods, ``http_backoff``, hf_xet's chunking, upload,
 reconstruction and token refresh. No fault in the issue needed the old recording ``HfApi`` stand-in.
@@ -22,7 +22,7 @@ import pytest
 from rlsync.bucket import ObjectInfo, RetryingBucket, open_bucket
 from rlsync.bucket.hf import HfBucket
 from rlsync.errors import BucketError, InvalidKeyError, ObjectNotFoundError, TransientBucketError
-from testing.hub.server import Fault
+from testing.hub.faults import Fault
 from tests.conftest import HUB_TIMEOUT_SECONDS
 
 TOKEN = "hf_TESTsecretTOKEN0123456789abcdefXYZ"
@@ -316,11 +316,11 @@ def test_storage_failures_are_transient_and_retried(bucket, server, fault, tmp_p
     payload = b"\x01\x02" * 100_000
     bucket.put("k", payload)
     server.inject("storage", fault)
-    started = time.monotonic()
+    started, before = time.monotonic(), server.count("storage")
     with pytest.raises(TransientBucketError):
         bucket.get("k")
     assert time.monotonic() - started < HUB_TIMEOUT_SECONDS + 1.5
-    storage_requests = server.count("storage")
+    storage_requests = server.count("storage") - before
     assert 1 <= storage_requests <= 2  # hf_xet made one attempt (a v2 reconstruction may fall back to v1)
     server.inject("storage", fault)
     assert retrying(bucket).get("k") == payload

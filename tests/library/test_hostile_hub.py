@@ -116,7 +116,7 @@ def test_a_taken_over_trainer_is_fenced_even_while_the_feed_fails(server):
         lock = acquire(hf(), "old-trainer", ttl_s=0.0)  # the watched trainer's lock, announced by the feed
         wait_until(lambda: watched.list("lock.json")[0].etag is not None)  # the feed announced it
         watched.get_limited("lock.json", 65536)  # cached from now on
-        from testing.hub.server import Fault
+        from testing.hub.faults import Fault
 
         server.inject("api", *[Fault(503, path="/events$") for _ in range(3)])
         server.feed(False)  # ends the session; every reconnect now fails: the view goes stale
@@ -193,7 +193,7 @@ def test_an_absurd_retry_after_holds_a_role_no_longer_than_the_window(headers):
 
 
 def test_an_absurd_retry_after_from_the_stand_in_holds_the_role_for_one_window_at_most(server):
-    from testing.hub.server import Fault
+    from testing.hub.faults import Fault
     from rlsync.bucket import RetryingBucket
     from rlsync.errors import BucketError
 
@@ -241,7 +241,7 @@ def test_a_feed_that_keeps_failing_falls_back_to_polling(server, monkeypatch):
 
 
 def test_a_feed_whose_sessions_keep_failing_falls_back_to_polling(server):
-    from testing.hub.server import Fault
+    from testing.hub.faults import Fault
 
     server.inject("api", *[Fault(503, path="/events$") for _ in range(5)])
     watched = WatchedBucket(hf(), WatchConfig(min_poll_s=0.1, max_poll_s=0.2, feed_failures=3))
@@ -294,7 +294,7 @@ def test_an_unusable_ratelimit_number_is_ignored_by_the_retry_and_the_meter(head
 @pytest.mark.parametrize("headers", _UNUSABLE[:2], ids=["t", "q"])
 def test_a_503_with_an_unusable_ratelimit_header_is_retried_as_usual(server, headers):
     from rlsync.bucket.retry import RetryingBucket
-    from testing.hub.server import Fault
+    from testing.hub.faults import Fault
 
     writer = hf(RequestMeter(BudgetConfig()))
     writer.put("latest.json", b"{}")

@@ -315,7 +315,7 @@ def test_a_closed_role_stops_watching_and_its_bucket_answers_directly(server, mo
 def test_a_failed_background_listing_is_shown_until_one_succeeds(server):
     """A watch whose listing fails keeps its last view; the panel says so instead of showing it as fresh."""
     from rlsync.spaces.snapshots import read_snapshot
-    from testing.hub.server import Fault
+    from testing.hub.faults import Fault
 
     server.feed(False)
     watched = watch(hf(), WatchConfig(feed=False, min_poll_s=0.2, max_poll_s=0.2))
@@ -340,7 +340,7 @@ def test_local_buckets_are_not_wrapped(tmp_path):
 
 def test_429_through_a_watched_bucket_is_retried_without_losing_the_write(server):
     from rlsync.bucket import RetryingBucket
-    from testing.hub.server import Fault
+    from testing.hub.faults import Fault
 
     watched = watch(RetryingBucket(hf(), base_delay=0.05))
     try:

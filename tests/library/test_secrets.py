@@ -27,7 +27,8 @@ from rlsync.bucket import open_bucket
 from rlsync.bucket.hf import HfBucket
 from rlsync.errors import BucketError
 from rlsync.protocol import FixedInterval, Publisher, Subscriber
-from testing.hub.server import Fault, HubServer
+from testing.hub.faults import Fault
+from testing.hub.server import HubServer
 from tests.helpers import master_state, rl_step
 
 TOKEN = "hf_TESTsecretTOKEN0123456789abcdefXYZ"

@@ -16,7 +16,7 @@ from rlsync.bucket.budget import BudgetConfig, RequestClass, RequestMeter
 from rlsync.bucket.hf import HfBucket
 from rlsync.bucket.hf_xet_grants import REFRESH_BEFORE_S, XetGrants
 from rlsync.errors import BucketError, TransientBucketError
-from testing.hub.server import Fault
+from testing.hub.faults import Fault
 
 TOKEN = "hf_REUSEtoken0123456789abcdefXYZ"
 BUCKET = "someone/reuse"
@@ -87,7 +87,7 @@ def test_an_expiring_token_is_fetched_again_and_the_transfer_succeeds(server):
     time.sleep(2.5)  # now less than REFRESH_BEFORE_S is left: fetched again before the next transfer
     hub.put("c", b"\x03" * 10_000)
     assert token_requests(server, "write") == 2
-    server.xet_token_ttl = 0  # the stand-in grants tokens that are expired already: one fetch per transfer
+    server.xet_token_ttl = REFRESH_BEFORE_S / 2  # valid, but too short-lived to keep: one fetch per transfer
     for key, byte in (("a", 1), ("b", 2), ("c", 3)):
         assert hub.get(key) == bytes([byte]) * 10_000
     assert token_requests(server, "read") == 3

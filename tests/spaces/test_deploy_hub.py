@@ -13,7 +13,7 @@ import pytest
 from huggingface_hub import HfApi
 
 from rlsync.spaces import deploy, deploy_hub, deploy_plan
-from testing.hub.server import Fault
+from testing.hub.faults import Fault
 
 TOKEN = "hf_DEPLOYsecretTOKEN0123456789abcdef"
 

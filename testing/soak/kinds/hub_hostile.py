@@ -33,7 +33,8 @@ from pathlib import Path
 from rlsync.errors import FencedError, ObjectTooLargeError
 from rlsync.protocol import Subscriber
 
-from ...hub.server import Fault, HubServer
+from ...hub.faults import Fault
+from ...hub.server import HubServer
 from ..invariants import Ledger, TrialResult, check_verified
 from ..processes import CHILD_TIMEOUT_S
 from ..toy import PublisherThread, follow_until_converged
