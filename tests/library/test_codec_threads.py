@@ -17,7 +17,7 @@ from rlsync.detect import CPU_CHUNK_ELEMENTS, ChangeDetector
 from rlsync.dtypes import int_view
 from rlsync.delta_format import decode_delta, encode_delta
 from rlsync.format import parse_header
-from rlsync.protocol.publisher import lanes_of_changes
+from rlsync.protocol.published import lanes_of_changes
 
 
 def _states() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -6,54 +6,33 @@ always complete before the pointer names them, so a crash at any moment leaves
 the bucket readable at the previous version. Writing a version is its
 :class:`~rlsync.protocol.writer.ChainWriter`'s job; the run's lifecycle (lock,
 fencing, new runs, resume, checkpoint pins) its :class:`~rlsync.protocol.ownership.RunOwnership`'s.
+Its two bases: :class:`~rlsync.protocol.publisher_run.PublisherRun` holds those two and the checks
+before each publish; :class:`~rlsync.protocol.published.PublishedState` the published state, a
+version's changes and its hash.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import functools
 import logging
-import math
-import socket
-import threading
 import time
-from typing import Any, Callable, Iterable, Mapping, TypeVar
+from typing import Callable, Iterable, Mapping
 
-import numpy as np
 import torch
 
 from ..aliases import split_aliases
 from ..bucket import Bucket
 from ..codecs import DEFAULT_CODEC, get_codec
-from ..detect import DEFAULT_CHUNK_ELEMENTS, ChangeDetector, PatchedState, serving_copy
-from ..errors import SyncError
+from ..detect import DEFAULT_CHUNK_ELEMENTS, PatchedState, serving_copy
 from ..anchor_format import DEFAULT_MAX_SHARD_BYTES
 from ..delta_format import Change
-from ..hashing import StateLanes, changes_lanes
-from .finite import check_finite_changes
 from .lock import DEFAULT_LOCK_TTL_S
-from .manifest import Manifest
-from .ownership import RunOwnership
-from .policy import AnchorPolicy, FixedInterval
+from .policy import AnchorPolicy
+from .published import PublishedState
+from .publisher_run import PublisherRun, _serialized
 from .retention import DEFAULT_KEEP_ANCHORS
-from .writer import ChainWriter
 
 logger = logging.getLogger(__name__)
-
-_Method = TypeVar("_Method", bound=Callable[..., Any])
-
-
-def _serialized(method: _Method) -> _Method:
-    """Run ``method`` under the publisher's lock: a background publish and a checkpoint pin from
-    another thread never interleave their reads and writes of the chain."""
-
-    @functools.wraps(method)
-    def locked(self: "Publisher", *args: Any, **kwargs: Any) -> Any:
-        with self._mutex:
-            return method(self, *args, **kwargs)
-
-    return locked  # type: ignore[return-value]
 
 
 @dataclasses.dataclass
@@ -79,14 +58,16 @@ class PublishRecord:
         return self.changed / self.total if self.total else 0.0
 
 
-class Publisher:
+class Publisher(PublisherRun, PublishedState):
     """Publishes a trainer's weights to a bucket as anchors and deltas.
 
-    It decides each version (anchor or delta), finds its changes and its state hash, and keeps the published
-    state; its :attr:`writer` (:class:`~rlsync.protocol.writer.ChainWriter`) encodes and uploads the version,
-    then commits the pointer. The run lock, fencing, the run's identity, new runs, resume and checkpoint
-    pins are its :attr:`ownership`'s (:class:`~rlsync.protocol.ownership.RunOwnership`: ``ownership.lock``,
-    ``ownership.owner``).
+    It decides each version (anchor or delta). Its base :class:`~rlsync.protocol.published.PublishedState`
+    finds the version's changes and state hash and keeps the published state; its :attr:`writer`
+    (:class:`~rlsync.protocol.writer.ChainWriter`) encodes and uploads the version, then commits the pointer.
+    The run lock, fencing, the run's identity, new runs, resume and checkpoint pins are its :attr:`ownership`'s
+    (:class:`~rlsync.protocol.ownership.RunOwnership`: ``ownership.lock``, ``ownership.owner``); both are
+    built by its base :class:`~rlsync.protocol.publisher_run.PublisherRun`, with the run's calls
+    (:meth:`heartbeat`, :meth:`start_new_run`, :meth:`pin_checkpoint`) and the checks before each publish.
 
     Args:
         bucket: Where to publish.
@@ -94,14 +75,12 @@ class Publisher:
             while running.
         keep_anchors: Anchors retained (with the deltas after the oldest kept one).
         codec: Delta codec name.
-        dtype: Serving dtype for floating-point tensors (``None``: as given).
         max_shard_bytes: Largest anchor shard.
-        chunk_elements: Elements compared at once by change detection.
+        dtype, chunk_elements, allow_non_finite: The serving dtype, change detection's chunk and the refusal of
+            non-finite values: see :class:`~rlsync.protocol.published.PublishedState`.
         run_id, owner, lock_ttl_s: The run's name in the pointer, this trainer's stable id for the run
             lock (default: the host name; a Space passes its ``SPACE_ID``, which survives restarts) and
             the lock's takeover age: see :class:`~rlsync.protocol.ownership.RunOwnership`.
-        allow_non_finite: Publish states that turn finite values into NaN or Inf (refused with
-            :class:`NonFiniteError` by default).
         new_run: On a bucket that already holds a run which this publisher does not :meth:`resume`,
             start a new run (:meth:`start_new_run`) at the first publish instead of refusing with
             :class:`RunExistsError`.
@@ -128,53 +107,12 @@ class Publisher:
         metadata: Mapping[str, str] | None = None,
     ) -> None:
         get_codec(codec)
+        PublishedState.__init__(self, dtype=dtype, chunk_elements=chunk_elements, allow_non_finite=allow_non_finite)
         self.metadata = dict(metadata or {})
-        self.bucket = bucket
-        self.policy = policy or FixedInterval()
-        self.dtype = dtype
-        self.detector = ChangeDetector(dtype, chunk_elements)
-        self._lanes: StateLanes | None = None  # the published state's hash, per tensor
-        self.allow_non_finite = allow_non_finite
-        self.refused: collections.Counter[str] = collections.Counter()  # invalid bucket objects ignored, by key
-        self.ownership = RunOwnership(
-            bucket, owner=owner or socket.gethostname(), lock_ttl_s=lock_ttl_s,
-            new_run=new_run, refused=self.refused, run_id=run_id,
+        PublisherRun.__init__(
+            self, bucket, policy=policy, keep_anchors=keep_anchors, codec=codec, max_shard_bytes=max_shard_bytes,
+            run_id=run_id, owner=owner, lock_ttl_s=lock_ttl_s, new_run=new_run,
         )  # fmt: skip
-        self.writer = ChainWriter(
-            bucket, self.ownership, codec=codec, max_shard_bytes=max_shard_bytes, keep_anchors=keep_anchors
-        )
-        self._mutex = threading.RLock()  # see _serialized
-        #: Tied names of the published state: alias -> published name (see :mod:`rlsync.aliases`).
-        self.aliases: dict[str, str] = {}
-
-    @property
-    def manifest(self) -> Manifest | None:
-        """The pointer published (or resumed) last; ``None`` before the first publish."""
-        return self.writer.manifest
-
-    @property
-    def step(self) -> int | None:
-        """The last published step, or ``None``."""
-        return self.manifest.step if self.manifest else None
-
-    @property
-    def next_step(self) -> int:
-        """The version the next publish should have (:meth:`RunOwnership.next_step`)."""
-        return self.ownership.next_step(self.step)
-
-    @property
-    def replaced_step(self) -> int | None:
-        """The newest version of the run this new run replaced (``None``: not a new run over one)."""
-        return self.ownership.floor
-
-    def heartbeat(self) -> None:
-        """Refresh the run lock's heartbeat (while training without publishing; never waits for a publish)."""
-        self.ownership.heartbeat()
-
-    @_serialized
-    def start_new_run(self) -> Manifest | None:
-        """Replace the bucket's run (if any) by a new one at the next publish (:meth:`RunOwnership.start_new_run`)."""
-        return self.ownership.start_new_run()
 
     @_serialized
     def resume(self) -> dict[str, torch.Tensor] | None:
@@ -189,22 +127,8 @@ class Publisher:
             return None
         manifest, sub = resumed
         self.writer.adopt(manifest)
-        self.detector.published = {n: t.clone() for n, t in sub.state.items()}
-        self._lanes, self.aliases = sub.lanes, dict(sub.aliases)
+        self.take_anchor({n: t.clone() for n, t in sub.state.items()}, sub.lanes, sub.aliases)
         return {n: t.clone() for n, t in sub.state.items()}
-
-    @_serialized
-    def pin_checkpoint(self, step: int, weights_hash: str) -> None:
-        """Record a training checkpoint's weights hash in the pointer (:meth:`RunOwnership.pinned`),
-        so a restart can tell it from a planted one.
-
-        Raises:
-            SyncError: nothing is published yet.
-            FencedError, BucketError: as :meth:`publish`.
-        """
-        if self.manifest is None:
-            raise SyncError("pin_checkpoint before the first publish")
-        self.writer.commit(self.ownership.pinned(self.manifest, step, weights_hash))
 
     @_serialized
     def publish(
@@ -237,23 +161,15 @@ class Publisher:
                 retried.
         """
         state, aliases = split_aliases(state)
-        anchor = self._prepare(step) or not self.detector.compatible(state) or aliases != self.aliases
-        if anchor:
+        if self._prepare(step) or not self.continued_by(state, aliases):
             if release is not None:
                 release(True)
             return self._publish_anchor(step, state, owned=release is not None, aliases=aliases)
         t0 = time.perf_counter()
-        changes, total = self.detector.diff(state), sum(t.numel() for t in state.values())
-        check_finite_changes(changes, allowed=self.allow_non_finite)
+        changes, total = self.changes(state), sum(t.numel() for t in state.values())
         if release is not None:
             release(False)
         return self._publish_delta(step, changes, total, t0)
-
-    def _prepare(self, step: int) -> bool:
-        """The run's checks before every publish (:meth:`RunOwnership.check_publish`); whether the policy,
-        an empty chain or a full pointer (:attr:`ChainWriter.pointer_full`) asks for an anchor."""
-        self.ownership.check_publish(self.manifest, step)
-        return self.manifest is None or self.policy.wants_anchor(self.manifest) or self.writer.pointer_full
 
     @_serialized
     def publish_stream(self, step: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishRecord:
@@ -274,21 +190,18 @@ class Publisher:
         if self.manifest is None or self.detector.published is None:
             return self._publish_anchor(step, {name: serving_copy(t, self.dtype) for name, t in tensors}, owned=True)
         t0 = time.perf_counter()
-        changes = self.detector.diff_stream(tensors, what=f"the publish of step {step}")
-        check_finite_changes(changes, allowed=self.allow_non_finite)
+        changes = self.stream_changes(tensors, what=f"the publish of step {step}")
         if wants_anchor:
             return self._publish_anchor(step, PatchedState(self.detector.published, changes), owned=True)
         return self._publish_delta(step, changes, sum(t.numel() for t in self.detector.published.values()), t0)
 
     def _publish_delta(self, step: int, changes: dict[str, Change], total: int, t0: float) -> PublishRecord:
         """Hash the delta of ``changes`` (found since ``t0``) and have it written (:meth:`ChainWriter.delta`)."""
-        assert self._lanes is not None
         t1 = time.perf_counter()
-        lanes = self._lanes.updated(lanes_of_changes(changes))  # the new state's hash, from the changes alone
+        lanes = self.delta_lanes(changes)
         t2 = time.perf_counter()
         written = self.writer.delta(step, changes, state_hash=lanes.hexdigest(), total=total)
-        self._lanes = lanes
-        self.detector.commit(changes)
+        self.take_delta(changes, lanes)
         t3 = time.perf_counter()
         [entry] = written.deltas
         return PublishRecord(
@@ -302,16 +215,11 @@ class Publisher:
         self, step: int, state: Mapping[str, torch.Tensor], owned: bool = False, aliases: Mapping[str, str] | None = None
     ) -> PublishRecord:
         """Hash a full anchor and have it written (:meth:`ChainWriter.anchor`: with a companion delta when the
-        state continues the published one).
-        ``owned``: ``state`` holds contiguous serving-dtype tensors nobody else modifies, kept without a copy.
+        state continues the published one); ``owned``: as :meth:`PublishedState.anchor_state`;
         ``aliases``: the tied names of ``state`` (``None``: those of the published state)."""
-        aliases = self.aliases if aliases is None else dict(aliases)
+        aliases = self.aliases if aliases is None else aliases
         t0 = time.perf_counter()
-        serving = dict(state) if owned else {n: serving_copy(t, self.dtype) for n, t in state.items()}
-        continues = self.manifest is not None and self.detector.compatible(serving)
-        changes = self.detector.diff(serving) if continues else None
-        check_finite_changes(changes or {}, allowed=self.allow_non_finite)
-        lanes = StateLanes.of(serving)
+        serving, changes, lanes = self.anchor_state(state, owned=owned, continues=self.manifest is not None)
         result_hash = lanes.hexdigest()
         t1 = time.perf_counter()
         total = sum(t.numel() for t in serving.values())
@@ -319,17 +227,10 @@ class Publisher:
             step, serving, changes, state_hash=result_hash, total=total, aliases=aliases, metadata=self.metadata
         )
         t2 = time.perf_counter()
-        self._lanes, self.detector.published, self.aliases = lanes, serving, aliases
+        self.take_anchor(serving, lanes, aliases)
         return PublishRecord(
             step, "anchor", written.nbytes, total, total, result_hash,
             encode_s=written.encode_s, hash_s=t1 - t0, upload_s=t2 - t1 - written.encode_s,
             catchup_bytes=written.manifest.catchup_bytes(), keys=written.keys,
         )  # fmt: skip
 
-
-def lanes_of_changes(changes: Mapping[str, Change]) -> dict[str, np.ndarray]:
-    """What each tensor's changes add to its state-hash lanes (:func:`rlsync.hashing.change_lanes`).
-
-    The indices are each change's own (a whole tensor's, or a slice's mapped to the whole tensor by
-    the caller)."""
-    return changes_lanes({n: (c.new_bits.itemsize, math.prod(c.shape), c.index, c.old_bits, c.new_bits) for n, c in changes.items()})

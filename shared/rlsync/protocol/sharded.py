@@ -65,7 +65,9 @@ from ..shards import LocalSlice, local_slices
 from .collective import collective_round, gather_owned
 from .finite import check_finite_changes
 from .manifest import AnchorEntry, DeltaEntry, FileEntry, Manifest
-from .publisher import Publisher, PublishRecord, _serialized, lanes_of_changes
+from .published import lanes_of_changes
+from .publisher import Publisher, PublishRecord
+from .publisher_run import _serialized
 from .subscriber import SCRATCH_PREFIX
 
 logger = logging.getLogger(__name__)
