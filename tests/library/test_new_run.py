@@ -59,7 +59,7 @@ def test_new_run_gets_a_new_id_and_replicas_rebootstrap_logging_it_once(bucket, 
     assert rec.kind == "anchor" and manifest.step == 3 and [a.step for a in manifest.anchors] == [3]
     assert manifest.deltas == () and manifest.run_id not in ("", "first-run")
     assert not [o.key for o in bucket.list("deltas/")]  # the old run's chain is deleted
-    caplog.set_level(logging.INFO, "rlsync.protocol.subscriber")
+    caplog.set_level(logging.INFO, "rlsync.protocol.chooser")
     for _ in range(2):
         sub.sync()
     changes = [r.getMessage() for r in caplog.records if "run changed" in r.getMessage()]

@@ -420,7 +420,7 @@ def test_pointer_going_back_is_refused_counted_and_logged(bucket, caplog):
     with pytest.raises(ChainError):
         sub.fetch()
     assert sub.stats.refused == 2  # every refusal counts
-    assert [r.getMessage() for r in caplog.records if r.name == "rlsync.protocol.subscriber"][-1] == (
+    assert [r.getMessage() for r in caplog.records if r.name == "rlsync.protocol.chooser"][-1] == (
         "refused update: pointer went back from 2 to 1; keeping step 2 until a pointer it can verify"
     )
 
@@ -588,7 +588,7 @@ def test_refused_anchor_is_counted_logged_and_its_download_removed(bucket, tmp_p
             sub.fetch()
         assert sub.stats.refused == attempt and sub.stats.last_error == str(info.value)
     assert not any((tmp_path / "scratch").iterdir())  # the download folder is removed
-    logged = [r.getMessage() for r in caplog.records if r.name == "rlsync.protocol.subscriber"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "rlsync.protocol.chooser"]
     assert logged[-1] == f"refused anchor 0: {info.value}"
     assert sub.step is None and sub.state == {}
 

@@ -64,7 +64,7 @@ class HeldState:
         state_hash: Its hash.
         run_id: The run it belongs to.
         lanes: Its hash, per tensor, as the verified updates made it.
-        resync: An update was refused: only a verified update (see :mod:`rlsync.protocol.subscriber`)
+        resync: An update was refused: only a verified update (see :mod:`rlsync.protocol.chooser`)
             clears it.
         rebootstrap: The weights differ from the verified state: only an anchor repairs them.
         lock: Held by whoever reads or writes the above.

@@ -27,16 +27,9 @@ A sharded trainer's update has one file per rank: the files download
 concurrently (at most ``max_parallel_downloads`` at a time) and are validated
 and merged in the pointer's order.
 
-An update whose object is gone because retention dropped it after the subscriber read
-the pointer (a reader slowed by pacing or retries while the trainer published on) is
-not refused: the subscriber reads the pointer again and, when it no longer names that
-version, continues from it (the newer anchor). On a missing object the pointer still
-names, a truncated or corrupt delta, or a hash mismatch, the subscriber
-refuses the update, keeps its last good state, and resynchronises from the next
-pointer it can verify: an anchor newer than its state, or, once the pointer has
-changed since the refusal (e.g. a replayed old pointer was replaced by the genuine
-one), a delta based on exactly its state (base and result hashes checked). Applying
-a delta twice is refused.
+Which update comes next, what is refused before a download, and how a
+refused subscriber resynchronises is :mod:`rlsync.protocol.chooser`'s job.
+Applying a delta twice is refused.
 """
 
 from __future__ import annotations
@@ -50,13 +43,13 @@ import torch
 
 from ..aliases import with_aliases
 from ..bucket import Bucket
-from ..errors import ChainError, FormatError, MissingUpdateError, SyncError
-from ..format import check_version
+from ..errors import ChainError
 from ..hashing import StateLanes
 from .applier import UpdateApplier
+from .chooser import UpdateChooser
 from .fetcher import SCRATCH_PREFIX, UpdateFetcher
 from .held import HeldField, HeldState, SubscriberStats
-from .manifest import AnchorEntry, DeltaEntry, Manifest
+from .manifest import Manifest
 from .rehash import WeightsRehash
 from .update import Update
 
@@ -70,9 +63,11 @@ logger = logging.getLogger(__name__)
 class Subscriber:
     """Follows a bucket and keeps a state (its own, or an engine's weights) bit-exact to the published one.
 
-    It chooses the next update and refuses what does not follow; its parts do the work, over one
-    :class:`~.held.HeldState`: an :class:`~.fetcher.UpdateFetcher` before the pause, an
-    :class:`~.applier.UpdateApplier` in it, a :class:`~.rehash.WeightsRehash` in the background.
+    It orders the work (fetch, then apply in the pause) under one lock; its parts do it, over one
+    :class:`~.held.HeldState`: an :class:`~.chooser.UpdateChooser` picks the next update and refuses
+    what does not follow, an :class:`~.fetcher.UpdateFetcher` downloads and verifies it before the
+    pause, an :class:`~.applier.UpdateApplier` writes it in the pause, a :class:`~.rehash.WeightsRehash`
+    re-hashes the weights in the background.
 
     Args:
         bucket: The bucket to follow (read access is enough).
@@ -107,18 +102,16 @@ class Subscriber:
         check_values: Callable[[str, torch.Tensor], None] | None = None,
         max_state_bytes: int | None = None,
     ) -> None:
-        self.expect_metadata = dict(expect_metadata or {})
         self.stats = SubscriberStats()
-        self.manifest: Manifest | None = None
         self._held = held = HeldState()
         self._fetcher = UpdateFetcher(
             bucket, held, self.stats, workdir=workdir, max_parallel_downloads=max_parallel_downloads,
             weights=weights, check_values=check_values, max_state_bytes=max_state_bytes,
         )  # fmt: skip
+        #: Chooses the next update and refuses what does not follow (fetches a given entry for a replay).
+        self.chooser = UpdateChooser(self._fetcher, held, self.stats, expect_metadata)
         self._rehash = WeightsRehash(held, self.stats)
         self._applier = UpdateApplier(held, self.stats, self._rehash, weights=weights, device=torch.device(device))
-        self._announced_run: str | None = None
-        self._refused_at: tuple[int, str] | None = None  # the pointer (step, hash) when an update was refused
 
     @property
     def bucket(self) -> Bucket:
@@ -128,6 +121,20 @@ class Subscriber:
     @bucket.setter
     def bucket(self, bucket: Bucket) -> None:
         self._fetcher.bucket = bucket
+
+    @property
+    def expect_metadata(self) -> dict[str, str]:
+        """Pointer metadata entries the chain must carry (see the class's arguments); may be replaced."""
+        return self.chooser.expect_metadata
+
+    @expect_metadata.setter
+    def expect_metadata(self, expect: dict[str, str]) -> None:
+        self.chooser.expect_metadata = expect
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """The pointer last read (``None`` before the first one)."""
+        return self.chooser.manifest
 
     @property
     def max_state_bytes(self) -> int | None:
@@ -155,14 +162,12 @@ class Subscriber:
 
     @property
     def needs_resync(self) -> bool:
-        """True after a refused update, until a verified update (see the module docstring) is applied."""
+        """True after a refused update, until a verified update (see :mod:`rlsync.protocol.chooser`) is applied."""
         return self._held.resync
 
     def read_manifest(self) -> Manifest | None:
         """Read the pointer; ``None`` before the first publish."""
-        if (manifest := self._fetcher.read_manifest()) is not None:
-            self.manifest = manifest
-        return manifest
+        return self.chooser.read_manifest()
 
     def fetch(self) -> Update | None:
         """Download and validate the next update toward the newest version.
@@ -178,91 +183,7 @@ class Subscriber:
             BucketError: the bucket failed; retry later.
         """
         with self._held.lock:
-            return self._fetch()
-
-    def _fetch(self, again: bool = True) -> Update | None:
-        """:meth:`fetch`; with `again`, an update retention dropped meanwhile is looked for again in the new pointer."""
-        manifest, held = self.read_manifest(), self._held
-        if manifest is None:
-            return None
-        wrong = {k: manifest.metadata.get(k) for k, v in self.expect_metadata.items() if manifest.metadata.get(k) != v}
-        if wrong:
-            raise self._refuse(ChainError(f"the chain's metadata {wrong} differs from this subscriber's {self.expect_metadata}"))
-        try:
-            check_version(manifest.format_version, "chain")
-        except FormatError as exc:
-            raise self._refuse(exc) from None
-        if held.rebootstrap:  # the weights are not the verified state: only an anchor can repair them
-            return self._fetch_anchor(manifest.anchors[-1], again)
-        if manifest.step == held.step:
-            if manifest.state_hash == held.state_hash:
-                held.resync = False  # the pointer names exactly this state again
-            elif not held.resync:  # same step, other state: a fork
-                raise self._refuse(ChainError(f"the pointer names step {held.step} with another state than this one"))
-            return None
-        if held.step is not None and manifest.step < held.step:
-            raise self._refuse(ChainError(f"pointer went back from {held.step} to {manifest.step}"))
-        run_changed = held.step is not None and manifest.run_id != held.run_id
-        if run_changed and self._announced_run != manifest.run_id:  # one line per new run, not per poll
-            self._announced_run = manifest.run_id
-            logger.warning(
-                "the bucket's run changed from %r (version %d) to %r (version %d): re-bootstrapping from its newest anchor",
-                held.run_id, held.step, manifest.run_id, manifest.step,
-            )  # fmt: skip
-        entry = manifest.delta_after(held.step) if held.step is not None and not run_changed else None
-        if entry is not None and not held.resync:
-            return self._fetch_delta(entry, again)
-        newer = [a for a in manifest.anchors if held.step is None or a.step > held.step]
-        if newer:
-            return self._fetch_anchor(newer[-1], again)
-        if not held.resync:
-            raise self._refuse(ChainError(f"no retained delta or anchor continues step {held.step}"))
-        if entry is not None and self._refused_at != (manifest.step, manifest.state_hash):
-            # a pointer changed since the refusal: verified by its base and result hashes
-            return self._fetch_delta(entry, again)
-        return None
-
-    def _fetch_delta(self, entry: DeltaEntry, again: bool = False) -> Update | None:
-        try:
-            return self._fetcher.delta(entry)
-        except SyncError as exc:
-            if again and isinstance(exc, MissingUpdateError) and self._dropped(entry):
-                return self._fetch(again=False)
-            raise self._refuse(exc) from None
-
-    def _dropped(self, entry: DeltaEntry | AnchorEntry) -> bool:
-        """Whether the pointer, read again, no longer names `entry`: retention dropped it while it was being
-        read (one pointer read; an object the pointer still names is missing for real)."""
-        manifest = self.read_manifest()
-        if manifest is None or entry in (manifest.deltas if isinstance(entry, DeltaEntry) else manifest.anchors):
-            return False
-        logger.info("%s %d was dropped by retention while it was read: continuing from the pointer of step %d",
-                    "delta" if isinstance(entry, DeltaEntry) else "anchor", entry.step, manifest.step)  # fmt: skip
-        return True
-
-    def _fetch_anchor(self, entry: AnchorEntry, again: bool = False) -> Update | None:
-        try:
-            self._fetcher.check_size("anchor", entry.step, entry.nbytes)
-        except FormatError as exc:
-            raise self._refuse(exc, wait=False)
-        try:
-            return self._fetcher.anchor(entry, self.manifest.run_id if self.manifest else "")
-        except SyncError as exc:
-            if again and isinstance(exc, MissingUpdateError) and self._dropped(entry):
-                return self._fetch(again=False)
-            logger.error("refused anchor %d: %s", entry.step, exc)
-            raise self._refuse(exc, wait=False)
-
-    def _refuse(self, error: SyncError, *, wait: bool = True) -> SyncError:
-        """Count ``error``; with ``wait``, log it and wait for a pointer it can verify (see the module docstring)."""
-        if wait:
-            self._held.resync = True
-            if self.manifest is not None:
-                self._refused_at = (self.manifest.step, self.manifest.state_hash)
-            logger.error("refused update: %s; keeping step %s until a pointer it can verify", error, self._held.step)
-        self.stats.refused += 1
-        self.stats.last_error = str(error)
-        return error
+            return self.chooser.next()
 
     def apply(self, update: Update) -> None:
         """Write a fetched (already verified) update into :attr:`state`: the only step that needs
@@ -289,7 +210,7 @@ class Subscriber:
         if delta.base_step != held.step:  # replayed or out of order: the state is still good
             raise ChainError(f"delta {delta.base_step}->{delta.step} does not apply to step {held.step}")
         if delta.base_hash != held.state_hash:  # same step, another state: a fork, resync from the next anchor
-            raise self._refuse(ChainError(f"delta {delta.step} is based on another state than step {held.step}"))
+            raise self.chooser.refuse(ChainError(f"delta {delta.step} is based on another state than step {held.step}"))
 
     def verify_weights(self) -> bool | None:
         """Re-hash the state (the engine's actual weights) in full and compare it with the state

@@ -106,7 +106,7 @@ def _replay(bucket: Bucket, manifest: Manifest, on_checked: Callable[[int, int],
         if on_checked is not None:
             on_checked(done, total)
     sub = Subscriber(bucket)
-    sub.manifest = manifest
+    sub.chooser.manifest = manifest
 
     def checked(keys: list[str], action: Callable[[], object]) -> None:
         try:
@@ -119,9 +119,9 @@ def _replay(bucket: Bucket, manifest: Manifest, on_checked: Callable[[int, int],
     def anchor(entry: AnchorEntry, apply: bool = True) -> None:
         keys = [f.key for f in entry.files]
         if apply:
-            checked(keys, lambda: sub.apply(sub._fetch_anchor(entry)))
+            checked(keys, lambda: sub.apply(sub.chooser.anchor(entry)))
         else:
-            checked(keys, lambda: Subscriber(bucket)._fetch_anchor(entry))
+            checked(keys, lambda: Subscriber(bucket).chooser.anchor(entry))
         report.anchors_checked += 1
         count(entry.nbytes)
 
@@ -139,7 +139,7 @@ def _replay(bucket: Bucket, manifest: Manifest, on_checked: Callable[[int, int],
             if entry.base_step != sub.step:
                 report.errors.append(f"gap: delta {entry.step} is based on {entry.base_step}, replay is at {sub.step}")
                 return report
-            checked([f.key for f in entry.files], lambda entry=entry: sub.apply(sub._fetch_delta(entry)))
+            checked([f.key for f in entry.files], lambda entry=entry: sub.apply(sub.chooser.delta(entry)))
             report.deltas_checked += 1
             count(entry.nbytes)
             replayed[entry.step] = sub.state_hash or ""
