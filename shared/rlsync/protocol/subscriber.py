@@ -103,6 +103,8 @@ class Subscriber:
         max_state_bytes: int | None = None,
     ) -> None:
         self.stats = SubscriberStats()
+        #: The largest state accepted before the first one (see the class's arguments; its fetcher checks it).
+        self.max_state_bytes = max_state_bytes
         self._held = held = HeldState()
         self._fetcher = UpdateFetcher(
             bucket, held, self.stats, workdir=workdir, max_parallel_downloads=max_parallel_downloads,
@@ -135,11 +137,6 @@ class Subscriber:
     def manifest(self) -> Manifest | None:
         """The pointer last read (``None`` before the first one)."""
         return self.chooser.manifest
-
-    @property
-    def max_state_bytes(self) -> int | None:
-        """The largest state accepted before the first one (see the class's arguments)."""
-        return self._fetcher.max_state_bytes
 
     #: The published state: each tensor once, under the name the state hash covers.
     state: HeldField[dict[str, torch.Tensor]] = HeldField()
