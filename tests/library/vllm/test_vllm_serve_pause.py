@@ -68,6 +68,20 @@ def _wait_running(url: str, futures: list) -> bool:
     raise AssertionError(f"the server never generated {len(futures)} requests at once")
 
 
+def _sync_under_a_running_batch(client: BucketSyncClient, url: str, model: str, prompt_ids: list[int], step: int) -> list[dict]:
+    """Send :data:`REQUESTS` completions, sync to ``step`` once the server generates them all at once, and
+    return their choices (each has sampled tokens with the old weights when the sync pauses)."""
+    with ThreadPoolExecutor(REQUESTS) as pool:
+        for _ in range(3):
+            futures = [pool.submit(_generate, url, model, prompt_ids, seed) for seed in range(REQUESTS)]
+            if _wait_running(url, futures):
+                break
+        else:
+            raise AssertionError(f"{REQUESTS} requests never ran at once in 3 tries")
+        assert client.sync() == step and len(client.pauses) == 1
+        return [f.result() for f in futures]
+
+
 def test_the_pause_keeps_requests_in_flight_which_span_the_update_and_wait_drains_them(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
@@ -83,21 +97,21 @@ def test_the_pause_keeps_requests_in_flight_which_span_the_update_and_wait_drain
         client = BucketSyncClient(url, str(bucket_dir))
         try:
             assert client.pause_mode is PauseMode.KEEP and client.sync() == 0
-            for step, mode in ((1, PauseMode.KEEP), (2, PauseMode.WAIT)):
-                sparse_rl_step(master, seed=60 + step)
-                record = publisher.publish(step, master)
-                client.pause_mode = mode
-                assert client.prepare() == step  # downloaded and decoded now: the sync pauses at once
-                with ThreadPoolExecutor(REQUESTS) as pool:
-                    for _ in range(3):  # each has sampled tokens with the old weights when the sync pauses
-                        futures = [pool.submit(_generate, url, str(model), prompt_ids, seed) for seed in range(REQUESTS)]
-                        if _wait_running(url, futures):
-                            break
-                    else:
-                        raise AssertionError(f"{REQUESTS} requests never ran at once in 3 tries")
-                    assert client.sync() == step and len(client.pauses) == 1
-                    choices = [f.result() for f in futures]
-                versions = [completion_versions(c["weight_versions"]) for c in choices]
+            step = 0
+            for mode in (PauseMode.KEEP, PauseMode.WAIT):
+                for _ in range(3):  # kept: again when a loaded machine finished a request before the pause took it
+                    step += 1
+                    sparse_rl_step(master, seed=60 + step)
+                    record = publisher.publish(step, master)
+                    client.pause_mode = mode
+                    assert client.prepare() == step  # downloaded and decoded now: the sync pauses at once
+                    choices = _sync_under_a_running_batch(client, url, str(model), prompt_ids, step)
+                    versions = [completion_versions(c["weight_versions"]) for c in choices]
+                    if mode is PauseMode.WAIT or all(v.last == step for v in versions):
+                        break
+                    assert all((v.first, v.last) in ((step - 1, step), (step - 1, step - 1)) for v in versions), versions
+                else:
+                    raise AssertionError("3 kept pauses and a request finished before each: the pause drains?")
                 last = step if mode is PauseMode.KEEP else step - 1  # kept: generated on after the update; drained: not
                 assert {(v.first, v.last) for v in versions} == {(step - 1, last)}, [c["weight_versions"] for c in choices]
                 assert all(len(c["token_ids"]) == TOKENS for c in choices)
@@ -110,4 +124,5 @@ def test_the_pause_keeps_requests_in_flight_which_span_the_update_and_wait_drain
     sample = Sample("t", PROMPT, "", prompt_ids, choice["token_ids"], logprobs, versions.first, last_version=versions.last)
     write_samples(LocalBucket(bucket_dir), rollout_key(0, "r0"), [sample])
     _, [read] = read_samples(LocalBucket(bucket_dir), rollout_key(0, "r0"))
-    assert (read.version, read.last_version, read.logprobs) == (0, 1, logprobs)
+    assert (read.version, read.last_version, read.logprobs) == (versions.first, versions.last, logprobs)
+    assert versions.last == versions.first + 1
