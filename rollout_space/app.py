@@ -79,7 +79,7 @@ def build_panel(runner: role_control.RoleRunner, config: ReplicaConfig, place: P
         gr.Markdown("### Fleet")
         fleet = fleet_table(live, prefix=prefix)
         summary_line(live, frames.hub_requests_summary, elem_id=f"{prefix}hub-requests")
-    return {**controls, "form": form, "replicas": form["replicas"], "own": mine, "apply": apply, "fleet": fleet, "live": live}
+    return {**controls, "form": form, "own": mine, "apply": apply, "fleet": fleet, "live": live}
 
 
 #: The rollout Space's page: a Start (and a resume at boot) runs ``ReplicaConfig.replicas`` replicas.
