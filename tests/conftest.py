@@ -176,11 +176,15 @@ def s3_server():
 @pytest.fixture
 def s3(s3_server, monkeypatch):
     """:class:`rlsync.bucket.s3.S3Settings` reaching the S3 stand-in, with made-up credentials in the environment
-    (boto3's chain reads them), none of this machine's AWS configuration read."""
+    (boto3's chain reads them), none of this machine's AWS configuration or ``S3_*`` variables read."""
+    import dataclasses
+
     from rlsync.bucket.s3 import S3Settings
 
     for name in ("PROFILE", "SESSION_TOKEN", "ENDPOINT_URL", "ENDPOINT_URL_S3", "REGION", "DEFAULT_REGION"):
         monkeypatch.delenv(f"AWS_{name}", raising=False)
+    for field in dataclasses.fields(S3Settings):
+        monkeypatch.delenv(f"S3_{field.name.upper()}", raising=False)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/aws-config")
