@@ -16,8 +16,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from rlsync.codecs.classgap import EXPONENT_FIELDS
-from rlsync.dtypes import bits_to_numpy, dtype_name, int_view
+from rlsync.dtypes import EXPONENT_FIELDS, bits_to_numpy, dtype_name, int_view
 
 
 def _binary_bits(changed: np.ndarray, total: np.ndarray) -> float:

@@ -30,6 +30,16 @@ _ST_NAMES: dict[torch.dtype, str] = {
 }
 _FROM_ST = {v: k for k, v in _ST_NAMES.items()}
 
+#: Exponent field (shift, mask) of each float dtype, by safetensors name.
+EXPONENT_FIELDS: dict[str, tuple[int, int]] = {
+    "BF16": (7, 0xFF),
+    "F16": (10, 0x1F),
+    "F32": (23, 0xFF),
+    "F64": (52, 0x7FF),
+    "F8_E4M3": (3, 0xF),
+    "F8_E5M2": (2, 0x1F),
+}
+
 _INT_BY_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _UINT_NP_BY_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 

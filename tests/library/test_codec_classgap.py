@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 
 import rlsync.codecs.classgap as classgap
 from rlsync.codecs import DecodeTarget, get_codec
-from rlsync.codecs.classgap import EXPONENT_FIELDS, ClassOrder
+from rlsync.codecs.classgap import ClassOrder
 from rlsync.detect import ChangeDetector
-from rlsync.dtypes import dtype_name
+from rlsync.dtypes import EXPONENT_FIELDS, dtype_name
 from rlsync.delta_format import Change, encode_delta
 from rlsync.format import parse_header
 from tests.library.test_codecs import FLOAT_DTYPES, _rl_deltas, bits_of, from_bits, mutate, publish_and_follow, random_bits

@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlsync.codecs import DecodeTarget, EncodedTensor, get_codec
-from rlsync.codecs.classgap import EXPONENT_FIELDS
+from rlsync.dtypes import EXPONENT_FIELDS
 from rlsync.codecs.classrice import INVERTED, TABLE, ClassRiceCodec, _class_ranks
 from rlsync.detect import ChangeDetector
 from rlsync.dtypes import dtype_name

@@ -32,7 +32,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import torch
 
-from ..dtypes import dtype_name, int_view
+from ..dtypes import EXPONENT_FIELDS, dtype_name, int_view
 from ..errors import FormatError
 from ..registry import Kind, register
 from .base import DecodeTarget
@@ -41,17 +41,6 @@ from .gapzz import GapZigzagCodec, join_planes
 
 #: Elements per class-ordering chunk; part of the format (changing it needs a new version).
 CHUNK = 1 << 20
-
-#: Exponent field (shift, mask) of each float dtype, by safetensors name.
-EXPONENT_FIELDS: dict[str, tuple[int, int]] = {
-    "BF16": (7, 0xFF),
-    "F16": (10, 0x1F),
-    "F32": (23, 0xFF),
-    "F64": (52, 0x7FF),
-    "F8_E4M3": (3, 0xF),
-    "F8_E5M2": (2, 0x1F),
-}
-
 
 def signed_view(bits: np.ndarray) -> np.ndarray:
     """Unsigned bit patterns as signed ints of the same width (torch has no wide unsigned arithmetic)."""

@@ -31,12 +31,12 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from ..dtypes import dtype_name, int_view, uint_dtype
+from ..dtypes import EXPONENT_FIELDS, dtype_name, int_view, uint_dtype
 from ..errors import FormatError
 from ..registry import Kind, register
 from .base import Decoded, DecodeTarget, EncodedTensor
 from .checks import require_entry
-from .classgap import CHUNK, EXPONENT_FIELDS, ClassGapCodec, ClassOrder, ValueFault, signed_view, value_error
+from .classgap import CHUNK, ClassGapCodec, ClassOrder, ValueFault, signed_view, value_error
 
 def _kernels():
     """The compiled Rice kernels, imported (and numba with them) on first use."""

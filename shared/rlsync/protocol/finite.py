@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Mapping
 
+import numpy as np
 import torch
 
-from ..dtypes import numpy_to_values
+from ..dtypes import EXPONENT_FIELDS, dtype_name, numpy_to_values
 from ..errors import NonFiniteError
 from ..delta_format import Change
 from ..workers import worker_pool
@@ -38,8 +39,12 @@ def check_finite_changes(changes: Mapping[str, Change], *, allowed: bool = False
 
 def _introduced(change: Change) -> int:
     """How many of a change's finite old values become NaN or Inf."""
-    new = numpy_to_values(change.new_bits, change.dtype)
+    field = EXPONENT_FIELDS.get(dtype_name(change.dtype))
+    if change.dtype.itemsize > 1 and field is not None:  # IEEE: NaN and Inf are the values whose exponent bits are all set
+        shift, mask = field
+        top = change.new_bits.dtype.type(mask << shift)
+        return int(np.count_nonzero(((change.new_bits & top) == top) & ((change.old_bits & top) != top)))
+    new = numpy_to_values(change.new_bits, change.dtype)  # fp8 (E4M3 has no Inf, and exponent bits set are finite there)
     old = numpy_to_values(change.old_bits, change.dtype)
-    if change.dtype.itemsize == 1:  # torch has no isfinite for the fp8 dtypes; fp32 holds every fp8 value
-        new, old = new.float(), old.float()
+    new, old = new.float(), old.float()  # torch has no isfinite for the fp8 dtypes; fp32 holds every fp8 value
     return int((~torch.isfinite(new) & torch.isfinite(old)).sum())
