@@ -70,6 +70,25 @@ def funnel_shift_right(typingctx, high, low, shift):  # pragma: no cover - compi
     return types.uint64(types.uint64, types.uint64, types.uint64), codegen
 
 
+@intrinsic
+def load_be64(typingctx, stream, at):  # pragma: no cover - compiled
+    """The 8 bytes of a contiguous ``uint8`` array from byte ``at`` on (``at + 8`` within it; not checked), read
+    as a big-endian ``uint64``: one unaligned load (and a byte swap on little-endian CPUs), where a
+    compiled loop over the bytes stays 8 loads, shifts and ors."""
+    if not _contiguous(stream) or stream.dtype != types.uint8:
+        return None
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        word = builder.load(builder.bitcast(builder.gep(data, [args[1]]), i64.as_pointer()), align=1)
+        if sys.byteorder == "little":
+            word = builder.call(builder.module.declare_intrinsic("llvm.bswap", [i64]), [word])
+        return word
+
+    return types.uint64(stream, types.intp), codegen
+
+
 lowest_bit = zero_count("lowest_bit", "llvm.cttz", "Index of the lowest set bit of a nonzero ``uint64``.")
 leading_zeros = zero_count("leading_zeros", "llvm.ctlz", "Zero bits above the highest set bit of a nonzero ``uint64``.")
 

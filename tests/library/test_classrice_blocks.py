@@ -71,15 +71,31 @@ def test_both_ways_of_depositing_bits_into_a_mask_agree() -> None:
                 assert int(deposit(np.uint64(x), mask)) == expected, (deposit, hex(int(mask)), hex(x))
 
 
-def test_rank_bitmaps_refuse_ranks_that_do_not_increase_before_writing_past_their_class() -> None:
-    """A class's bitmap is sized from its last rank: a rank beyond it (ranks not increasing) is refused before
-    it is written, whatever the Rice decoder gave (it gives increasing ranks; the kernel does not rely on it)."""
-    from rlsync.codecs import class_kernels as kernels
+def test_rice_bitmaps_lay_out_each_class_and_refuse_a_rank_past_the_words_before_writing_it() -> None:
+    """The Rice ranks go straight into one bitmap per class, one after the other, each followed by two words
+    where reads past its last rank land (zeros, or ones for a class coded inverted, whose bitmap is flipped:
+    a set bit is a changed member). A rank whose word would not fit the array is refused before it is
+    written, and the last two words, which the classes without ranks read, stay zero."""
+    from rlsync.codecs import rice_kernels
+    from rlsync.codecs.classrice import INVERTED, ClassRiceCodec
 
-    starts, ends = np.array([0], np.int64), np.array([3], np.int64)
-    words = np.zeros(32, np.uint64)  # class 0's span: 1 word for ranks below 8, 2 zero ones after
-    assert not kernels.rank_bitmaps(starts, ends, np.array([5, 1000, 7], np.int64), np.array([0], np.int64), words)
-    assert not words[3:].any()
-    words[:] = 0
-    assert kernels.rank_bitmaps(starts, ends, np.array([1, 5, 7], np.int64), np.array([0], np.int64), words)
+    def streams(groups):
+        table, unary, rem = ClassRiceCodec._encode_classes(groups)
+        return (unary, rem, (table["flags"] & 0x3F).astype(np.int64), table["count"].astype(np.int64),
+                table["cls"].astype(np.int64), (table["flags"] & INVERTED) != 0)  # fmt: skip
+
+    # class 3: 2 of 100 members changed; class 5: 5 of 6 changed, coded inverted as its one unchanged member
+    unary, rem, ks, counts, classes, inverted = streams([(3, np.array([0, 2]), 100), (5, np.array([0, 1, 2, 3, 5]), 6)])
+    assert inverted.tolist() == [False, True] and counts.tolist() == [2, 1]
+    words, first_word, ends = np.zeros(9, np.uint64), np.full(8, 7, np.int64), np.zeros(8, np.int64)
+    at_unary, at_rem = rice_kernels.rice_bitmaps(unary, rem, ks, counts, classes, inverted, 1000, words, first_word, ends)
+    assert (at_unary + 7) // 8 == unary.size and (at_rem + 7) // 8 == rem.size
+    full = 2**64 - 1
+    assert [int(w) for w in words] == [0b101, 0, 0, full ^ (1 << 4), full, full, 0, 0, 0]
+    assert first_word.tolist() == [7, 7, 7, 0, 7, 3, 7, 7] and ends.tolist() == [0, 0, 0, 3, 0, 5, 0, 0]
+
+    # a rank far past the words: refused, and nothing written from its word on
+    unary, rem, ks, counts, classes, inverted = streams([(0, np.array([1, 5, 7, 1000]), 2000)])
+    words, first_word, ends = np.zeros(8, np.uint64), np.full(1, 6, np.int64), np.zeros(1, np.int64)
+    assert rice_kernels.rice_bitmaps(unary, rem, ks, counts, classes, inverted, 2000, words, first_word, ends) == (-1, -1)
     assert int(words[0]) == (1 << 1) | (1 << 5) | (1 << 7) and not words[1:].any()

@@ -131,43 +131,16 @@ def class_ranks(bits, shift, mask, dense, index, ranks, classes, members):  # pr
         members[c] += 1
 
 
-@numba.njit(**_JIT)
-def rank_bitmaps(starts, ends, coded, first_word, words):  # pragma: no cover - compiled
-    """Every class's coded ranks as a bitmap over its members: rank ``r`` of class ``c`` is bit ``r % 64`` of
-    ``words[first_word[c] + r // 64]``.
-
-    Args:
-        starts, ends: Per class, the slice of ``coded`` holding its ranks.
-        coded: The ranks, increasing within a class.
-        first_word: Per class, its first word: room for ``ceil((last rank + 1) / 64)`` words and 2 more.
-        words: Out, zeroed.
-
-    Returns:
-        Whether every class's ranks strictly increase to its last (nothing is written past the last
-        rank's word, whatever ``coded`` holds).
-    """
-    for c in range(starts.size):
-        prev = np.int64(-1)
-        last = coded[ends[c] - 1] if ends[c] > starts[c] else np.int64(-1)
-        for p in range(starts[c], ends[c]):
-            r = coded[p]
-            if r <= prev or r > last:
-                return False
-            words[first_word[c] + (r >> 6)] |= np.uint64(1) << np.uint64(r & 63)
-            prev = r
-    return True
-
-
 @numba.njit(**_JIT, inline="always")
 def _bitmap_at(words, at, stop):  # pragma: no cover - compiled
-    """The 64 bits of ``words`` from bit ``at`` on (low bit first; ``uint64``), zeros from word ``stop`` on
-    (a class's bitmap is followed by two zero words, where every read past its last rank lands)."""
+    """The 64 bits of ``words`` from bit ``at`` on (low bit first; ``uint64``), those of word ``stop`` on
+    from the two words there (after a class's bitmap, where every read past its last rank lands)."""
     word = min(at >> np.uint64(6), stop)
     return _funnel_shift_right(words[word + np.uint64(1)], words[word], at)
 
 
 @numba.njit(**_JIT, inline="always")
-def _changes_one_at_a_time(todo_bits, block, bits, shift, mask, cursor, stop, flip, words):  # pragma: no cover
+def _changes_one_at_a_time(todo_bits, block, bits, shift, mask, cursor, stop, words):  # pragma: no cover
     """The changed ones among the elements ``todo_bits`` of a block, taken one at a time."""
     found = np.uint64(0)
     while todo_bits:
@@ -176,7 +149,7 @@ def _changes_one_at_a_time(todo_bits, block, bits, shift, mask, cursor, stop, fl
         c = _class_of(bits, block + bit, shift, mask)
         at = cursor[c]
         cursor[c] = at + np.uint64(1)
-        found |= ((_bitmap_at(words, at, stop[c]) ^ flip[c]) & np.uint64(1)) << np.uint64(bit)
+        found |= (_bitmap_at(words, at, stop[c]) & np.uint64(1)) << np.uint64(bit)
     return found
 
 
@@ -194,16 +167,16 @@ def _write_change(at, bits, shift, mask, k, positions, olds, classes, slots, cha
 
 @numba.njit(**_JIT)
 def class_positions(  # pragma: no cover - compiled
-    bits, shift, mask, dense, bound, inverted, words, first_word, positions, olds, classes, slots, changed
+    bits, shift, mask, dense, bound, words, first_word, positions, olds, classes, slots, changed
 ):
     """Inverse of :func:`class_ranks`: flat positions of the changed elements, in flat order.
 
-    One pass over the old bits, :data:`LANES` elements at a time, against each class's coded ranks as a
-    bitmap over its members (:func:`rank_bitmaps`). The block's members of each of the ``dense``
-    classes come as one bit mask (:func:`_class_members`); the class's next bits, as many as the block
-    has members, are deposited at the mask's set bits (``pdep``): the block's changes of the class,
-    with no branch on their number. The members of every other class are taken one at a time. A
-    class whose coded ranks list its unchanged members ("inverted") has its bits flipped.
+    One pass over the old bits, :data:`LANES` elements at a time, against each class's changed
+    members as a bitmap over its members (:func:`~.rice_kernels.rice_bitmaps`). The block's members of
+    each of the ``dense`` classes come as one bit mask (:func:`_class_members`); the class's next
+    bits, as many as the block has members, are deposited at the mask's set bits (``pdep``): the
+    block's changes of the class, with no branch on their number. The members of every other class
+    are taken one at a time.
 
     Args:
         bits: The old bit patterns of the whole tensor (signed ints).
@@ -211,8 +184,7 @@ def class_positions(  # pragma: no cover - compiled
         dense: :data:`DENSE` distinct classes (``uint8``; speed only: any distinct classes give the
             same result), or an empty array to take every element one at a time (``mask > 0xFF``).
         bound: Per class, its last coded rank plus one (0 for none).
-        inverted: Per class, 1 when its coded ranks are its unchanged members.
-        words, first_word: The classes' rank bitmaps (:func:`rank_bitmaps`).
+        words, first_word: The classes' bitmaps (:func:`~.rice_kernels.rice_bitmaps`).
         positions: Out: flat positions, increasing.
         olds: Out: the old bit pattern at each position.
         classes: Out: work space, one per position.
@@ -225,16 +197,15 @@ def class_positions(  # pragma: no cover - compiled
         beyond its class, or more changed elements than ``positions`` holds).
     """
     n_classes = bound.size
-    # per class: the bit of ``words`` of its next member, the word its bitmap's zeros start at, and its flip
-    cursor, stop, flip = np.empty(n_classes, np.uint64), np.empty(n_classes, np.uint64), np.empty(n_classes, np.uint64)
+    # per class: the bit of ``words`` of its next member, and the word its bitmap's last two start at
+    cursor, stop = np.empty(n_classes, np.uint64), np.empty(n_classes, np.uint64)
     for c in range(n_classes):
         cursor[c] = np.uint64(first_word[c]) << np.uint64(6)
         stop[c] = np.uint64(first_word[c] + ((bound[c] + 63) >> 6))
-        flip[c] = ~np.uint64(0) if inverted[c] != 0 else np.uint64(0)
     # the same for the dense classes, by their slot, while whole blocks are read
-    lanes = np.zeros(4 * SLOTS, np.uint64)  # cursor, stop and flip of slot d from 4 * d
+    lanes = np.zeros(2 * SLOTS, np.uint64)  # cursor and stop of slot d from 2 * d
     for d in range(dense.size):
-        lanes[4 * d], lanes[4 * d + 1], lanes[4 * d + 2] = cursor[dense[d]], stop[dense[d]], flip[dense[d]]
+        lanes[2 * d], lanes[2 * d + 1] = cursor[dense[d]], stop[dense[d]]
     masks = np.zeros(SLOTS, np.uint64)
     one = np.uint64(1)
     k = 0
@@ -245,19 +216,19 @@ def class_positions(  # pragma: no cover - compiled
             _class_members(bits, block, shift, mask, dense, masks)
             events = np.uint64(0)
             for d in range(DENSE):
-                at = lanes[4 * d]
+                at = lanes[2 * d]
                 members = masks[d]
-                events |= _deposit(_bitmap_at(words, at, lanes[4 * d + 1]) ^ lanes[4 * d + 2], members)
-                lanes[4 * d] = at + np.uint64(_popcount(members))
+                events |= _deposit(_bitmap_at(words, at, lanes[2 * d + 1]), members)
+                lanes[2 * d] = at + np.uint64(_popcount(members))
             others = masks[DENSE]
             if block + LANES == whole:  # the last whole block: the classes' cursors leave the slots
                 for d in range(DENSE):
-                    cursor[dense[d]] = lanes[4 * d]
+                    cursor[dense[d]] = lanes[2 * d]
         else:
             others = (one << np.uint64(bits.size - block)) - one if bits.size - block < LANES else ~np.uint64(0)
             events = np.uint64(0)
         if others:
-            events |= _changes_one_at_a_time(others, block, bits, shift, mask, cursor, stop, flip, words)
+            events |= _changes_one_at_a_time(others, block, bits, shift, mask, cursor, stop, words)
         # the block's changes, in flat order: mostly none, one or two, written without a branch on their
         # number (a slot past the last change is written and then overwritten), then any others
         if _popcount(events) > limit - k:

@@ -26,7 +26,7 @@ all elements in flat order (``"order": "flat"``).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -50,6 +50,17 @@ def _class_kernels():
     import rlsync.codecs.class_kernels as kernels
 
     return kernels
+
+
+class _ClassTable(NamedTuple):
+    """A tensor's class table (:data:`TABLE` rows) and Rice streams, checked; the rows' fields as ``int64``."""
+
+    rows: np.ndarray
+    classes: np.ndarray
+    ks: np.ndarray
+    counts: np.ndarray
+    unary: np.ndarray
+    rem: np.ndarray
 
 
 #: One row of the class table: class, Rice parameter (bits 0-5) with the "inverted" flag (bit 7),
@@ -144,16 +155,21 @@ class ClassRiceCodec(ClassGapCodec):
         if order not in ("flat", "exponent") or (order == "exponent" and field is None):
             raise FormatError(f"{name}: invalid order {order!r} for dtype {dtype!r}")
         n_classes = 1 if order == "flat" else field[1] + 1
-        table, coded, starts, ends = self._decode_classes(name, entries, params, n_classes=n_classes, numel=target.numel)
+        table = self._class_table(name, entries, params, n_classes=n_classes, numel=target.numel)
         planes, signs = self._value_streams(name, entries, target)
         if order == "flat":
-            if table.size and table["flags"][0] & INVERTED:
+            if table.rows.size and table.rows["flags"][0] & INVERTED:
                 raise FormatError(f"{name}: a flat order cannot be inverted")
+            coded, _, _ = self._ranks(name, table, n_classes=1, numel=target.numel)
             if coded.size != target.count:
                 raise FormatError(f"{name}: {coded.size} positions, the metadata declares {target.count}")
             index, old, slots = coded, target.bits_at(coded), np.arange(coded.size, dtype=np.int64)
+        elif target.tensor is not None and not self._use_kernel(target.tensor):
+            coded, starts, ends = self._ranks(name, table, n_classes=n_classes, numel=target.numel)
+            index, slots = self._positions_on_device(name, table, coded, starts, ends, field, target.count, target.tensor)
+            old = target.bits_at(index)
         else:
-            index, old, slots = self._positions(name, table, coded, starts, ends, field, target)
+            index, old, slots = self._positions(name, table, field, target)
         new = np.empty(index.size, uint_dtype(target.itemsize))
         fault = _kernels().add_differences(planes, signs, old, slots, new)
         if fault:
@@ -161,10 +177,10 @@ class ClassRiceCodec(ClassGapCodec):
         return Decoded(index, new, old)
 
     @staticmethod
-    def _decode_classes(
+    def _class_table(
         name: str, entries: Mapping[str, torch.Tensor], params: Mapping[str, Any], *, n_classes: int, numel: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The class table and every class's coded ranks, checked against the tensor's size."""
+    ) -> _ClassTable:
+        """The class table and the Rice streams of a tensor's ``.pos`` entry, checked against the tensor's size."""
         rows, unary_bytes = params.get("classes"), params.get("unary_bytes")
         if type(rows) is not int or not 0 <= rows <= n_classes or type(unary_bytes) is not int or unary_bytes < 0:
             raise FormatError(f"{name}: invalid class table size {rows!r} or unary size {unary_bytes!r}")
@@ -182,53 +198,55 @@ class ClassRiceCodec(ClassGapCodec):
             raise FormatError(f"{name}: invalid class table (classes not increasing or out of range, or a bad parameter)")
         if int(counts.sum()) > min(numel, 8 * unary_bytes):  # every coded rank is distinct and ends a unary code
             raise FormatError(f"{name}: the class table codes more ranks than the tensor or the stream holds")
-        coded = np.empty(int(counts.sum()), np.int64)
-        at_unary, at_rem = _kernels().rice_decode_classes(unary, rem, k.astype(np.int64), counts, numel, coded)
+        return _ClassTable(table, cls, k.astype(np.int64), counts, unary, rem)
+
+    @staticmethod
+    def _check_streams_end(name: str, table: _ClassTable, at_unary: int, at_rem: int) -> None:
+        """Refuse Rice streams that ended early, or that have bytes or set padding bits after their last code."""
         if at_unary < 0:
             raise FormatError(f"{name}: the Rice streams end early or code a rank beyond the tensor")
-        starts, ends = np.zeros(n_classes, np.int64), np.zeros(n_classes, np.int64)
-        ends[cls] = np.cumsum(counts)
-        starts[cls] = ends[cls] - counts
-        if (at_unary + 7) // 8 != unary.size or (at_rem + 7) // 8 != rem.size:
+        if (at_unary + 7) // 8 != table.unary.size or (at_rem + 7) // 8 != table.rem.size:
             raise FormatError(f"{name}: bytes left after the Rice streams")
-        for stream, used in ((unary, at_unary), (rem, at_rem)):
+        for stream, used in ((table.unary, at_unary), (table.rem, at_rem)):
             if used % 8 and stream[-1] & ((1 << (8 - used % 8)) - 1):
                 raise FormatError(f"{name}: padding bits after the Rice streams are set")
-        return table, coded, starts, ends
+
+    def _ranks(self, name: str, table: _ClassTable, *, n_classes: int, numel: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every class's coded ranks, one class after the other, and each class's slice of them."""
+        coded = np.empty(int(table.counts.sum()), np.int64)
+        at_unary, at_rem = _kernels().rice_decode_classes(table.unary, table.rem, table.ks, table.counts, numel, coded)
+        self._check_streams_end(name, table, at_unary, at_rem)
+        starts, ends = np.zeros(n_classes, np.int64), np.zeros(n_classes, np.int64)
+        ends[table.classes] = np.cumsum(table.counts)
+        starts[table.classes] = ends[table.classes] - table.counts
+        return coded, starts, ends
 
     def _positions(
-        self,
-        name: str,
-        table: np.ndarray,
-        coded: np.ndarray,
-        starts: np.ndarray,
-        ends: np.ndarray,
-        field: tuple[int, int],
-        target: DecodeTarget,
+        self, name: str, table: _ClassTable, field: tuple[int, int], target: DecodeTarget
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Flat positions (increasing) of the changed elements, their old bits, and the slot of each one's value."""
+        """Flat positions (increasing) of the changed elements, their old bits, and the slot of each one's
+        value, from every class's changed members as a bitmap (:func:`~.rice_kernels.rice_bitmaps`) and
+        one pass over the old bits (:func:`~.class_kernels.class_positions`)."""
         shift, mask = field
         count, base = target.count, target.tensor
-        inverted = np.zeros(mask + 1, np.int8)
-        inverted[table["cls"].astype(np.int64)] = (table["flags"] & INVERTED) != 0
-        if base is not None and not self._use_kernel(base):
-            index, slots = self._positions_on_device(name, coded, starts, ends, inverted, field, count, base)
-            return index, target.bits_at(index), slots
         bits = int_view(base.detach()).numpy() if base is not None else _old_bits(target)
+        rows = table.classes.size
+        words = np.zeros(target.numel // 64 + 3 * rows + 3, np.uint64)  # the bitmaps of ranks that fit the tensor
+        first_word = np.full(mask + 1, words.size - 2, np.int64)  # a class with no coded ranks reads the last two zeros
         bound = np.zeros(mask + 1, np.int64)  # per class, its last coded rank plus one
-        present = ends > starts
-        bound[present] = coded[ends[present] - 1] + 1
+        inverted = (table.rows["flags"] & INVERTED) != 0
+        at_unary, at_rem = _kernels().rice_bitmaps(
+            table.unary, table.rem, table.ks, table.counts, table.classes, inverted, target.numel, words, first_word, bound
+        )  # fmt: skip
+        self._check_streams_end(name, table, at_unary, at_rem)
         if int(bound.sum()) > target.numel:  # the classes' members are the tensor's elements: a rank beyond its class
             raise FormatError(f"{name}: the coded ranks do not fit the tensor's classes")
         kernels = _class_kernels()
-        span = (bound + 63) // 64 + 2  # each class's bitmap words, and 2 zero ones after them
-        first_word, words = np.cumsum(span) - span, np.zeros(int(span.sum()), np.uint64)
-        if not kernels.rank_bitmaps(starts, ends, coded, first_word, words):
-            raise FormatError(f"{name}: the coded ranks of a class do not increase")
-        positions, olds, slots = np.empty(count, np.int64), np.empty(count, bits.dtype), np.empty(count, np.int64)
+        positions, olds = np.empty(count, np.int64), np.empty(count, bits.dtype)
+        slots = np.empty(count, np.int32 if count < 2**31 else np.int64)  # work space, as narrow as it can be
         written = kernels.class_positions(
-            bits, shift, mask, _dense_classes(bits, field), bound, inverted, words, first_word,
-            positions, olds, np.empty(count, np.int16), slots, np.zeros(mask + 1, np.int64),
+            bits, shift, mask, _dense_classes(bits, field), bound, words, first_word,
+            positions, olds, np.empty(count, np.uint8 if mask <= 0xFF else np.uint16), slots, np.zeros(mask + 1, np.int64),
         )  # fmt: skip
         if written != count:
             raise FormatError(f"{name}: the coded ranks do not fit the tensor's classes, or do not make {count} changes")
@@ -236,10 +254,12 @@ class ClassRiceCodec(ClassGapCodec):
 
     @staticmethod
     def _positions_on_device(
-        name: str, coded: np.ndarray, starts: np.ndarray, ends: np.ndarray, inverted: np.ndarray,
+        name: str, table: _ClassTable, coded: np.ndarray, starts: np.ndarray, ends: np.ndarray,
         field: tuple[int, int], count: int, base: torch.Tensor,
     ) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`_positions` with the class order built on the base tensor's device (no kernel)."""
+        inverted = np.zeros(field[1] + 1, np.int8)
+        inverted[table.classes] = (table.rows["flags"] & INVERTED) != 0
         order = ClassOrder.of_tensor(base, field)
         members = order.upto_chunk[-1].cpu().numpy()
         ranks = []

@@ -12,6 +12,7 @@ import numba
 import numpy as np
 
 from ..bitops import leading_zeros as _leading_zeros
+from ..bitops import load_be64 as _load_be64
 
 _JIT = dict(cache=True, nogil=True, boundscheck=False)
 #: The largest Rice parameter the decoder reads: a remainder of up to 56 bits at any bit offset fits one 64-bit window.
@@ -226,8 +227,7 @@ def _window(stream, bit):  # pragma: no cover - compiled
     at = bit >> 3
     word = np.uint64(0)
     if at + 8 <= stream.size:
-        for j in range(8):  # one load and a byte swap, once compiled
-            word = (word << np.uint64(8)) | np.uint64(stream[at + j])
+        word = _load_be64(stream, at)
     else:
         for j in range(8):
             word <<= np.uint64(8)
@@ -236,16 +236,58 @@ def _window(stream, bit):  # pragma: no cover - compiled
     return word << np.uint64(bit & 7)
 
 
+@numba.njit(**_JIT, inline="always")
+def _read_gap(unary, unary_bit, window, fresh, rem, rem_bit, k, qmax):  # pragma: no cover - compiled
+    """One Rice-coded gap (see :func:`rice_encode`) read on from bit ``unary_bit`` of ``unary`` and bit
+    ``rem_bit`` of ``rem``; ``window`` holds the unary bits from ``unary_bit`` on, ``fresh`` of them read.
+
+    The quotient's zeros are counted by the window's leading zeros, and the window is kept while its
+    bits last, so most quotients cost a count and a shift, not a read. A quotient above ``qmax`` is
+    refused before ``q << k`` is formed, so every value stays in range and a hostile stream costs time
+    linear in its size.
+
+    Returns:
+        ``(gap, unary_bit, window, fresh, rem_bit)`` after the gap; ``gap`` is -1 when the streams end
+        early or the quotient is above ``qmax``.
+    """
+    zeros = _leading_zeros(window | np.uint64(1))  # the window's zeros before its first one
+    if window != 0 and zeros < fresh:  # the common case: the quotient ends in the window
+        q = np.int64(zeros)
+        unary_bit += zeros + 1
+        window = (window << np.uint64(zeros)) << np.uint64(1)
+        fresh -= zeros + 1
+    else:  # read on from the stream, 64 bits at a time
+        q = np.int64(0)
+        while True:
+            if unary_bit >= unary.size * 8:
+                return np.int64(-1), unary_bit, window, fresh, rem_bit
+            window = _window(unary, unary_bit)
+            fresh = 64 - (unary_bit & 7)
+            if window == 0:  # the window's bits read from the stream are all zeros
+                q += fresh
+                unary_bit += fresh
+                if q > qmax:
+                    return np.int64(-1), unary_bit, window, fresh, rem_bit
+                continue
+            zeros = _leading_zeros(window)  # a one read from the stream ends the quotient
+            q += zeros
+            unary_bit += zeros + 1
+            window = (window << np.uint64(zeros)) << np.uint64(1)
+            fresh -= zeros + 1
+            break
+    if q > qmax or rem_bit + k > rem.size * 8:
+        return np.int64(-1), unary_bit, window, fresh, rem_bit
+    r = np.int64(0)
+    if k:
+        r = np.int64(_window(rem, rem_bit) >> np.uint64(64 - k)) & ((np.int64(1) << k) - 1)
+        rem_bit += k
+    return (q << k) | r, unary_bit, window, fresh, rem_bit
+
+
 @numba.njit(**_JIT)
 def rice_decode(unary, unary_bit, rem, rem_bit, k, count, bound, out):  # pragma: no cover - compiled
-    """Read ``count`` Rice-coded gaps (see :func:`rice_encode`) into ``out`` as increasing ranks.
-
-    Quotients and remainders are read from 64-bit windows (:func:`_window`; a quotient's zeros
-    counted by the window's leading zeros); the unary window is kept while its bits last, so most
-    quotients cost a count of leading zeros and a shift, not a read. A quotient above ``bound >> k`` codes a rank beyond
-    ``bound`` whatever its remainder, so it is refused before ``q << k`` is formed: with
-    ``k <= MAX_K`` and ``bound < 2**62`` every value stays in range, and a hostile
-    stream costs time linear in its size.
+    """Read ``count`` Rice-coded gaps (:func:`_read_gap`) into ``out`` as increasing ranks below ``bound``
+    (with ``k <= MAX_K`` and ``bound < 2**62``, every value stays in range).
 
     Returns:
         ``(unary_bit, rem_bit)`` after the last gap, or ``(-1, -1)`` when the streams end early,
@@ -253,45 +295,13 @@ def rice_decode(unary, unary_bit, rem, rem_bit, k, count, bound, out):  # pragma
     """
     if k < 0 or k > MAX_K:
         return -1, -1
-    n_unary = unary.size * 8
-    n_rem = rem.size * 8
     last = np.int64(-1)
-    qmax = bound >> k
-    low = (np.int64(1) << k) - 1
-    window, fresh = np.uint64(0), np.int64(0)  # the unary bits from ``unary_bit`` on; how many were read
+    window, fresh = np.uint64(0), np.int64(0)
     for i in range(count):
-        zeros = _leading_zeros(window | np.uint64(1))  # the window's zeros before its first one
-        if window != 0 and zeros < fresh:  # the common case: the quotient ends in the window
-            q = np.int64(zeros)
-            unary_bit += zeros + 1
-            window = (window << np.uint64(zeros)) << np.uint64(1)
-            fresh -= zeros + 1
-        else:  # read on from the stream, 64 bits at a time
-            q = np.int64(0)
-            while True:
-                if unary_bit >= n_unary:
-                    return -1, -1
-                window = _window(unary, unary_bit)
-                fresh = 64 - (unary_bit & 7)
-                if window == 0:  # the window's bits read from the stream are all zeros
-                    q += fresh
-                    unary_bit += fresh
-                    if q > qmax:
-                        return -1, -1
-                    continue
-                zeros = _leading_zeros(window)  # a one read from the stream ends the quotient
-                q += zeros
-                unary_bit += zeros + 1
-                window = (window << np.uint64(zeros)) << np.uint64(1)
-                fresh -= zeros + 1
-                break
-        if q > qmax or rem_bit + k > n_rem:
+        gap, unary_bit, window, fresh, rem_bit = _read_gap(unary, unary_bit, window, fresh, rem, rem_bit, k, bound >> k)
+        if gap < 0:
             return -1, -1
-        r = np.int64(0)
-        if k:
-            r = np.int64(_window(rem, rem_bit) >> np.uint64(64 - k)) & low
-            rem_bit += k
-        last = last + 1 + ((q << k) | r)
+        last = last + 1 + gap
         if last >= bound:
             return -1, -1
         out[i] = last
@@ -313,4 +323,60 @@ def rice_decode_classes(unary, rem, ks, counts, bound, out):  # pragma: no cover
         if unary_bit < 0:
             return -1, -1
         offset += counts[c]
+    return unary_bit, rem_bit
+
+
+@numba.njit(**_JIT)
+def rice_bitmaps(unary, rem, ks, counts, classes, inverted, bound, words, first_word, ends):  # pragma: no cover - compiled
+    """:func:`rice_decode_classes` straight into one bitmap per class, over its members: the coded rank
+    ``r`` of class ``c`` is bit ``r % 64`` of ``words[first_word[c] + r // 64]``, read flipped where the
+    class is coded inverted (so a set bit is always a changed member).
+
+    The classes' bitmaps follow each other in ``words``, each as many words as its last rank needs and
+    two more, zero (ones where inverted), where every read past its last rank lands. A rank that would
+    be written past ``words.size - 2`` is refused before it is written: the last two words stay zero,
+    for the classes with no coded ranks (``first_word`` points there, set by the caller).
+
+    Args:
+        ks, counts, classes, inverted: Per row of the class table: its Rice parameter, number of
+            coded ranks, class and whether it is inverted.
+        bound: The tensor's size: every rank is below it.
+        words: Out, zeroed.
+        first_word: Out, per class: its bitmap's first word (left as given for a class not in the table).
+        ends: Out, zeroed, per class: its last coded rank plus one (0 for none).
+
+    Returns:
+        ``(unary_bit, rem_bit)`` after the last class, or ``(-1, -1)`` as :func:`rice_decode`, or when
+        the bitmaps would not fit ``words``.
+    """
+    unary_bit = rem_bit = np.int64(0)
+    at = np.int64(0)  # the next class's first word
+    room = words.size - 2
+    for j in range(ks.size):
+        k = ks[j]
+        if k < 0 or k > MAX_K:
+            return -1, -1
+        c = classes[j]
+        last = np.int64(-1)
+        window, fresh = np.uint64(0), np.int64(0)
+        word, held = at, np.uint64(0)  # the word of the last rank, and its bits so far (stored at every rank)
+        for _ in range(counts[j]):
+            gap, unary_bit, window, fresh, rem_bit = _read_gap(unary, unary_bit, window, fresh, rem, rem_bit, k, bound >> k)
+            if gap < 0:
+                return -1, -1
+            last = last + 1 + gap
+            if last >= bound or at + (last >> 6) + 3 > room:  # the rank's word and the two after it
+                return -1, -1
+            held = (held if at + (last >> 6) == word else np.uint64(0)) | (np.uint64(1) << np.uint64(last & 63))
+            word = at + (last >> 6)
+            words[word] = held  # no load: a word's bits are held until the ranks move past it
+        span = (last + 64) >> 6  # words up to the last rank's
+        if at + span + 2 > room:
+            return -1, -1
+        if inverted[j]:
+            for w in range(at, at + span + 2):
+                words[w] = ~words[w]
+        first_word[c] = at
+        ends[c] = last + 1
+        at += span + 2
     return unary_bit, rem_bit
