@@ -177,7 +177,7 @@ class Publisher(PublisherRun, PublishedState):
 
         For a trainer that yields its parameters one at a time (e.g. gathered from shards): each tensor
         is cast, compared with the shadow copy and hashed, then released, so no second copy of the model
-        is built. Memory above the shadow is about one tensor plus the changed elements for a delta; an
+        is built. Memory above the shadow is about two tensors plus the changed elements for a delta; an
         anchor (first publish, or as the policy decides) builds the new serving state, one shadow's
         worth. The pairs must name every published tensor once.
 
