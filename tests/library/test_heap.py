@@ -42,19 +42,22 @@ def test_trim_heap_returns_freed_heap_pages_to_the_system():
 
 
 def test_the_subscriber_trims_before_an_update_once_a_large_decoded_delta_is_freed(bucket, monkeypatch):
+    """A trim before a delta that needs less than half of the freed one (AdamW's first dense deltas, then
+    sparser ones); none before one that reuses the freed pages (as large), none after tiny deltas."""
     import rlsync.heap as heap
 
     calls = []
     monkeypatch.setattr(heap, "trim_heap", lambda: calls.append(1) or trim_heap())
     state = {"w": torch.zeros(64, dtype=torch.bfloat16)}
     pub = Publisher(bucket, policy=FixedInterval(100))
-    for step in range(4):
-        state["w"][step] = 1.0
+    pub.publish(0, state)
+    for step, changed in ((1, 40), (2, 2), (3, 2), (4, 5)):
+        state["w"][:changed] += 1.0
         pub.publish(step, state)
-    assert [u.kind for u in Subscriber(bucket).sync()] == ["anchor", "delta", "delta", "delta"] and calls == []  # tiny deltas
+    assert [u.kind for u in Subscriber(bucket).sync()] == ["anchor", "delta", "delta", "delta", "delta"] and calls == []  # tiny
     monkeypatch.setattr(heap, "TRIM_AFTER_BYTES", 1)
     sub = Subscriber(bucket)
     sub.sync()
-    assert len(calls) == 2  # before the second and the third delta: each after a decoded delta was freed
+    assert len(calls) == 1  # before the second delta (2 changed after 40), not the third (2 after 2) or fourth (5 after 2)
     sub.sync()  # up to date: nothing decoded, nothing trimmed
-    assert len(calls) == 2
+    assert len(calls) == 1

@@ -84,6 +84,7 @@ class UpdateFetcher:
         self.check_values = check_values
         self.max_state_bytes = max_state_bytes
         self._decoded_bytes = 0  # of the last delta decoded: a trim before the next update (rlsync.heap)
+        self._decoded_changed = 0  # its changed elements: the next delta's decoded bytes are estimated from them
         self._downloads = concurrent.futures.ThreadPoolExecutor(max(1, max_parallel_downloads), thread_name_prefix="rlsync-get")
         self._stats_lock = threading.Lock()  # the download threads share the counters
         age_out(self.workdir or tempfile.gettempdir(), max_age_s=SCRATCH_MAX_AGE_S, pattern=f"{SCRATCH_PREFIX}*")
@@ -139,8 +140,9 @@ class UpdateFetcher:
                 corrupt, or does not make the published state from the held one.
             BucketError: the bucket failed; retry later.
         """
-        trim_heap_after(self._decoded_bytes)  # the last update's decoded tensors are freed: their pages go first
-        self._decoded_bytes = 0
+        # the last update's decoded tensors are freed: their pages go first, unless this one reuses them
+        trim_heap_after(self._decoded_bytes, needed_bytes=self._decoded_bytes * entry.changed // max(self._decoded_changed, 1))
+        self._decoded_bytes = self._decoded_changed = 0
         t0 = time.perf_counter()
         self.check_size("delta", entry.step, entry.nbytes)
         try:
@@ -163,6 +165,7 @@ class UpdateFetcher:
         staged = {name: _on_device(patch, state[name].device) for name, patch in patches.items()}
         undo = {name: numpy_to_values(old[name], state[name].dtype).to(state[name].device) for name in patches}
         self._decoded_bytes = sum(p.index.nbytes + p.values.nbytes + undo[n].nbytes for n, p in patches.items())
+        self._decoded_changed = changed
         return Update(
             "delta", entry.step, entry.base_step, self.held.state_hash, entry.state_hash, sum(map(len, blobs)),
             patches=staged, old=undo, lanes=lanes, changed=changed, download_s=t1 - t0, decode_s=time.perf_counter() - t1,
@@ -214,7 +217,7 @@ class UpdateFetcher:
             BucketError: the bucket failed; retry later.
         """
         trim_heap_after(self._decoded_bytes)
-        self._decoded_bytes = 0
+        self._decoded_bytes = self._decoded_changed = 0
         t0 = time.perf_counter()
         folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=self.workdir))
         try:
