@@ -1,6 +1,6 @@
 """The S3-compatible backend (rlsync/bucket/s3.py) against moto's S3 server (the ``s3`` fixture, conftest.py),
 through boto3 and HTTP as against a real store: a run carried bit-exactly, conditional writes, oversized and
-replaced objects refused before download, errors mapped, hostile listings and answers refused, and opening
+objects refused within one ranged read, errors mapped, hostile listings and answers refused, and opening
 ``s3://`` without boto3 (the backend is an optional extra). The contract every backend keeps:
 test_bucket_contract.py."""
 
@@ -132,30 +132,56 @@ def test_a_conditional_write_wins_once(s3):
     assert bucket.get("lock.json") == b"first"
 
 
-def test_an_oversized_object_is_refused_before_its_bytes_are_asked_for(s3, client, tmp_path):
+class Ranges(list):
+    """The ``Range`` header of each request a boto3 client sends (``None``: none), in order."""
+
+    def __init__(self, client) -> None:
+        super().__init__()
+        client.meta.events.register("before-send.s3.*", lambda request, **_: self.append(request.headers.get("Range")))
+
+
+def test_an_oversized_object_is_refused_in_one_ranged_read_of_one_byte_more_than_allowed(s3, client, tmp_path):
     bucket = S3Bucket(fresh(), settings=s3, create=True, client=client)
     bucket.put("pointer.json", b"x" * 1000)
-    requests = Requests(client)
-    with pytest.raises(ObjectTooLargeError):
+    requests, ranges = Requests(client), Ranges(client)
+    with pytest.raises(ObjectTooLargeError, match="1,000 bytes"):
         bucket.get_limited("pointer.json", 999)
-    with pytest.raises(ObjectTooLargeError):
+    with pytest.raises(ObjectTooLargeError, match="1,000 bytes"):
         bucket.get_file_limited("pointer.json", tmp_path / "pointer.json", 999)
-    assert requests == ["HeadObject", "HeadObject"] and list(tmp_path.iterdir()) == []
-    assert bucket.refused_too_large == 2
+    assert requests == ["GetObject", "GetObject"] and ranges == [b"bytes=0-999"] * 2
+    assert list(tmp_path.iterdir()) == [] and bucket.refused_too_large == 2
 
 
-def test_an_object_replaced_by_a_larger_one_after_its_size_was_checked_is_refused(s3, client):
-    name = fresh()
-    bucket = S3Bucket(name, settings=s3, create=True, client=client)
-    bucket.put("pointer.json", b"small")
-    other = s3.client()
+@pytest.mark.parametrize("limit", [0, 1, 100])
+@pytest.mark.parametrize("size", [0, "limit", "limit+1"])
+def test_a_limited_read_is_one_request_at_each_edge_of_its_limit(s3, client, tmp_path, limit, size):
+    """Empty (S3 and moto answer a range on it with 416), exactly the limit, one byte over; each one ``GetObject``."""
+    size = {0: 0, "limit": limit, "limit+1": limit + 1}[size]
+    bucket = S3Bucket(fresh(), settings=s3, create=True, client=client)
+    data = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
+    bucket.put("k", data)
+    requests = Requests(client)
+    if size > limit:
+        with pytest.raises(ObjectTooLargeError, match=f"{size:,} bytes"):
+            bucket.get_limited("k", limit)
+        with pytest.raises(ObjectTooLargeError):
+            bucket.get_file_limited("k", tmp_path / "k", limit)
+        assert list(tmp_path.iterdir()) == [] and bucket.refused_too_large == 2
+    else:
+        assert bucket.get_limited("k", limit) == data
+        bucket.get_file_limited("k", tmp_path / "k", limit)
+        assert (tmp_path / "k").read_bytes() == data and bucket.refused_too_large == 0
+    assert requests == ["GetObject", "GetObject"]
 
-    def replace(**_):
-        other.put_object(Bucket=name, Key="pointer.json", Body=b"L" * 5000)
 
-    client.meta.events.register_first("before-call.s3.GetObject", replace)
-    with pytest.raises(ObjectTooLargeError, match="5,000 bytes"):
-        bucket.get_limited("pointer.json", 100)
+def test_a_limited_read_of_a_missing_object_is_one_request(s3, client, tmp_path):
+    bucket = S3Bucket(fresh(), settings=s3, create=True, client=client)
+    requests = Requests(client)
+    with pytest.raises(ObjectNotFoundError):
+        bucket.get_limited("missing", 10)
+    with pytest.raises(ObjectNotFoundError):
+        bucket.get_file_limited("missing", tmp_path / "missing", 10)
+    assert requests == ["GetObject", "GetObject"] and list(tmp_path.iterdir()) == []
 
 
 class Stub:
@@ -242,10 +268,29 @@ class Body:
 @pytest.mark.parametrize("length", [None, -1, "10"])
 def test_an_answer_without_a_valid_size_is_refused(length):
     body = Body(b"0123456789")
-    stub = Stub(get_object={"Body": body, "ContentLength": length}, head_object={"ContentLength": length})
+    stub = Stub(get_object={"Body": body, "ContentLength": length})
     for read in (lambda b: b.get("k"), lambda b: b.get_limited("k", 100)):
         with pytest.raises(BucketError, match="no valid size"):
             read(S3Bucket("some-bucket", client=stub))
+
+
+@pytest.mark.parametrize(
+    ("answer", "error", "message"),
+    [
+        ({"ContentLength": 1000}, ObjectTooLargeError, "1,000 bytes"),  # a server that ignores ranges: the whole object
+        ({"ContentLength": 101, "ContentRange": "bytes 0-100/*"}, ObjectTooLargeError, "101 bytes"),  # total not said
+        ({"ContentLength": 10, "ContentRange": "bytes 0-9/50"}, BucketError, "10 of its 50 bytes"),  # stops short
+        ({"ContentLength": 10, "ContentRange": "bytes 5-14/50"}, BucketError, "'bytes 5-14/50' for 10 bytes"),
+        ({"ContentLength": 10, "ContentRange": "items 0-9/10"}, BucketError, "answered 'items"),
+        ({"ContentLength": 10, "ContentRange": "bytes 0-9/" + "9" * 5000}, BucketError, "answered 'bytes 0-9/999"),
+    ],
+)
+def test_a_ranged_answer_that_is_too_large_or_not_the_range_asked_is_refused_unread(answer, error, message):
+    body = Body(b"x" * answer["ContentLength"])
+    bucket = S3Bucket("some-bucket", client=Stub(get_object={"Body": body, **answer}))
+    with pytest.raises(error, match=message) as info:
+        bucket.get_limited("k", 100)
+    assert type(info.value) is error and body.closed and len(body.sent) == answer["ContentLength"]  # not one byte read
 
 
 def test_a_download_cut_short_is_transient_and_leaves_no_file(tmp_path):

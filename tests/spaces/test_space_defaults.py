@@ -91,6 +91,22 @@ def test_a_bucket_of_another_namespace_fails_naming_the_variable(hub):
     assert hub.count("api", "/api/buckets") == 0  # refused before any bucket call
 
 
+def test_the_token_check_of_a_start_is_counted_by_the_roles_meter(hub, monkeypatch):
+    """A Start's ``whoami`` goes through the meter of the role's bucket (paced by it, counted in the panel's totals)."""
+    from rlsync.bucket.watch import meter_of
+    from rlsync.spaces.exchange import open_role_bucket
+
+    hub.add_user("alice", "hf_alice")
+    monkeypatch.setenv("HF_TOKEN", "hf_alice")
+    watched = open_role_bucket(Role.ROLLOUT, "hf://buckets/alice/rl-sync")
+    try:
+        meter = meter_of(watched)
+        assert hub.count("api", "/api/whoami-v2") == 1
+        assert meter.totals["GET whoami"] == 1, meter.totals
+    finally:
+        watched.close()
+
+
 def test_racing_bucket_creates_get_one_create_and_409s(hub):
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError

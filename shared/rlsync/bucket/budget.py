@@ -81,6 +81,7 @@ _KINDS = (
     (re.compile(r"/xet-read-token"), "xet-read-token"),
     (re.compile(r"/xet-write-token"), "xet-write-token"),
     (re.compile(r"/api/buckets/[^/]+/[^/]+/(tree|paths-info|batch|events)\b"), None),
+    (re.compile(r"/api/whoami"), "whoami"),
     (re.compile(r"/api/telemetry"), "telemetry"),
     (re.compile(r"/api/agent-harnesses"), "agent-registry"),
     (re.compile(r"/api/buckets/[^/]+/[^/]+$"), "bucket"),

@@ -6,9 +6,10 @@ opened, and opening one without boto3 is a :class:`ConfigurationError` that says
 - A write is one ``PutObject``: S3 makes an object visible whole, so a reader sees the old object or the new one
   (one request holds up to S3's 5 GiB).
 - :meth:`S3Bucket.put_if_absent` writes with ``If-None-Match: *``, the ``conditional_writes`` capability.
-- A read with a limit asks ``HeadObject`` for the size and refuses an oversized object before any byte is downloaded
-  (``size_limited_reads``); the ``GetObject`` after it reads no more than the size its own answer announces, checked
-  against the limit again (an object replaced by a larger one in between is refused too).
+- A read with a limit is one ranged ``GetObject`` of its first ``max_bytes + 1`` bytes (``size_limited_reads``): an
+  answer whose ``Content-Range`` total (or, from a server that ignores ranges, whose length) is over the limit is
+  refused and its body closed unread, so at most ``max_bytes + 1`` bytes ever come; S3's 416 ``InvalidRange`` to a
+  range on an empty object reads as the empty object.
 - Listings are ``ListObjectsV2`` pages; :meth:`S3Bucket.list_limited` fetches no page past the one it needs, and a
   server that hands back a continuation token twice is refused, never followed round in a circle.
 - Requests are not ``metered``: S3 has no per-token request window like the Hub's.
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import logging
 import re
 from pathlib import Path
@@ -90,6 +92,8 @@ _PAGE = 1000
 _CHUNK = 8 << 20
 #: How much of a server's error message goes into ours.
 _MESSAGE_CHARS = 200
+#: A ranged answer's ``Content-Range``: first and last byte sent, and the object's size (``*``: not said).
+_CONTENT_RANGE = re.compile(r"bytes (\d{1,19})-(\d{1,19})/(\d{1,19}|\*)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,26 +257,56 @@ class S3Bucket(Bucket):
 
     # -- reads -------------------------------------------------------------------------------------------
 
-    def _check_size(self, key: str, size: int, max_bytes: int | None) -> None:
-        if max_bytes is not None and size > max_bytes:
-            self.refused_too_large += 1
-            raise ObjectTooLargeError(f"{key}: {size:,} bytes in {self.url}, more than the {max_bytes:,} allowed")
-
     @contextlib.contextmanager
     def _opened(self, key: str, max_bytes: int | None) -> Iterator[tuple[Any, int]]:
-        """``(body, size)`` of ``key``'s ``GetObject``, refused over ``max_bytes`` (asked with ``HeadObject`` first)."""
-        remote = self._remote(key)
+        """``(body, size)`` of ``key``'s ``GetObject``; with ``max_bytes``, one ranged ``GetObject`` of at most
+        ``max_bytes + 1`` bytes, refused (its body closed unread) when the object is larger."""
+        options = {"Bucket": self.name, "Key": self._remote(key)}
         if max_bytes is not None:
-            head = self._call("get", key, lambda: self._client.head_object(Bucket=self.name, Key=remote))
-            self._check_size(key, _size(head, self._what("get", key)), max_bytes)
-        answer = self._call("get", key, lambda: self._client.get_object(Bucket=self.name, Key=remote))
+            options["Range"] = f"bytes=0-{max_bytes}"
+
+        def get() -> dict | None:
+            try:
+                return self._client.get_object(**options)
+            except botocore.exceptions.ClientError as err:
+                if "Range" in options and _answer(err)[1] == 416:  # no byte 0 to send: the object is empty
+                    return None
+                raise
+
+        answer = self._call("get", key, get)
+        if answer is None:
+            yield io.BytesIO(), 0
+            return
         body = answer["Body"]
         try:
             size = _size(answer, self._what("get", key))
-            self._check_size(key, size, max_bytes)  # replaced by a larger object since the HEAD
+            if max_bytes is not None:
+                self._check_range(key, answer.get("ContentRange"), size, max_bytes)
             yield body, size
         finally:
             body.close()
+
+    def _check_range(self, key: str, content_range: Any, size: int, max_bytes: int) -> None:
+        """Refuse a ranged answer of ``size`` bytes over ``max_bytes``: its ``Content-Range`` total (none: a server
+        that ignored the range sent the whole object), or its length where the total is not said; or a part that
+        stops short of an object within the limit.
+
+        Raises:
+            ObjectTooLargeError: the object is larger than ``max_bytes``.
+            BucketError: the ``Content-Range`` is not one, or the part sent is not the whole object.
+        """
+        total = size
+        if content_range is not None:
+            found = _CONTENT_RANGE.fullmatch(str(content_range))
+            if found is None or int(found[1]) != 0 or int(found[2]) != size - 1:
+                what = f"{self._what('get', key)}: the server answered {str(content_range)[:80]!r}"
+                raise BucketError(f"{what} for {size:,} bytes from byte 0")
+            total = size if found[3] == "*" else int(found[3])
+        if max(total, size) > max_bytes:
+            self.refused_too_large += 1
+            raise ObjectTooLargeError(f"{key}: {total:,} bytes in {self.url}, more than the {max_bytes:,} allowed")
+        if total != size:
+            raise BucketError(f"{self._what('get', key)}: {size:,} of its {total:,} bytes came in a range asking for all")
 
     def _read(self, key: str, max_bytes: int | None) -> bytes:
         with self._opened(key, max_bytes) as (body, size):

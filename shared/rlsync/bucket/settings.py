@@ -108,6 +108,10 @@ class BucketSettings:
     budget: BudgetConfig = dataclasses.field(default_factory=BudgetConfig)
     watch: WatchConfig = dataclasses.field(default_factory=WatchConfig)
     role: Role | None = None
+    _meter: RequestMeter = dataclasses.field(init=False, repr=False, compare=False, metadata={"env": None})
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_meter", RequestMeter(self.budget, role=self.role))
 
     @classmethod
     def from_env(cls, role: Role | None = None, environ: Mapping[str, str] | None = None) -> "BucketSettings":
@@ -138,5 +142,6 @@ class BucketSettings:
         )
 
     def meter(self) -> RequestMeter:
-        """A new [`RequestMeter`] with this budget, for one bucket."""
-        return RequestMeter(self.budget, role=self.role)
+        """The [`RequestMeter`] with this budget: one per settings, so that the Hub requests of what a role opens
+        with its settings (its bucket, and the token check before it) are counted and paced together."""
+        return self._meter

@@ -6,6 +6,8 @@ replica showing "running" while following someone else's run). So before a role 
 ``whoami`` call tells the token's user, its organisations and, for a fine-grained token, the namespaces it may write;
 a bucket in any other namespace is refused with a :class:`~rlsync.errors.BucketAccessError` that names the variable
 to change. When the Hub cannot say (offline, a token it does not know), nothing is refused here: the writes decide.
+The call is one of the role's Hub requests: made with its bucket settings' timeouts, it waits for the budget of their
+meter and is counted there (the meter the role's bucket then uses, so the panel's totals include it).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from ..bucket.hf_transport import install, metering
+from ..bucket.settings import BucketSettings
 from ..errors import BucketAccessError
 from ..roles import Role
 from .settings import SPACE_BUCKET_NAME
@@ -57,13 +61,15 @@ def writable_namespaces(info: Mapping[str, Any]) -> tuple[str, frozenset[str]] |
     return user, frozenset({user} | {o.get("name") for o in orgs if isinstance(o, dict) and isinstance(o.get("name"), str)})
 
 
-def check_write_access(role: Role, url: str, api: Any | None = None) -> None:
+def check_write_access(role: Role, url: str, api: Any | None = None, settings: BucketSettings | None = None) -> None:
     """Refuse a Hub bucket the role's token cannot write (one ``whoami`` call; local buckets pass).
 
     Args:
         role: The role (its bucket variable, ``<ROLE>_BUCKET``, is named in the message).
         url: The bucket URL the role was given.
         api: An :class:`~huggingface_hub.HfApi` (default: a new one, with the process's token).
+        settings: The settings the role opens its bucket with: the call has their timeouts, waits for the budget of
+            their meter and is counted there (default: the library's defaults, a meter of its own).
 
     Raises:
         BucketAccessError: the bucket is in a namespace the token may not write.
@@ -71,12 +77,15 @@ def check_write_access(role: Role, url: str, api: Any | None = None) -> None:
     namespace = bucket_namespace(url)
     if namespace is None:
         return
+    settings = settings if settings is not None else BucketSettings()
+    install(settings.transfer, replace=False)  # the transport that meters (the role's bucket would install it next)
     try:
         if api is None:
             from huggingface_hub import HfApi
 
             api = HfApi()
-        found = writable_namespaces(api.whoami())
+        with metering(settings.meter()):
+            found = writable_namespaces(api.whoami())
     except Exception as exc:  # noqa: BLE001 - offline, no token, a Hub that cannot say: the writes decide
         logger.info("could not check the token's access to %s before starting: %s", url, type(exc).__name__)
         return

@@ -74,7 +74,7 @@ def open_role_bucket(role: Role, url: str, bucket: Bucket | None = None) -> Buck
     reads = ROLE_READS[role]
     settings = BucketSettings.from_env(role)
     if bucket is None:
-        check_write_access(role, url)
+        check_write_access(role, url, settings=settings)  # counted and paced by the meter the bucket gets
     opened = bucket if bucket is not None else open_bucket(url, settings=settings)
     return watch(opened, dataclasses.replace(settings.watch, prefixes=reads, quiet_prefixes=REPORT_PREFIXES))
 
