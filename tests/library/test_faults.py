@@ -278,6 +278,19 @@ def test_pointer_declaring_a_huge_size_is_refused_without_allocating_it(bucket):
     _assert_untouched(sub, *before)
 
 
+def test_a_pointer_may_promise_up_to_three_models_plus_headers_and_not_a_byte_more(bucket):
+    """The bound on what a pointer may promise, at its edge: three times the held state's bytes (a delta's
+    positions and values, or an anchor) plus the headers' allowance; one byte more is refused before any read."""
+    from rlsync.limits import MAX_HEADERS_BYTES
+
+    _, sub, _ = _published(bucket)
+    model = sum(t.numel() * t.element_size() for t in sub.state.values())
+    limit = 3 * model + MAX_HEADERS_BYTES
+    sub._fetcher.check_size("delta", 1, limit)
+    with pytest.raises(FormatError, match=f"delta 1: the pointer promised {limit + 1:,} bytes"):
+        sub._fetcher.check_size("delta", 1, limit + 1)
+
+
 def test_deeply_nested_pointer_is_a_format_error(bucket):
     _, sub, master = _published(bucket)
     before = (sub.step, sub.state_hash)
