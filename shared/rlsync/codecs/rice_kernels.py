@@ -359,7 +359,6 @@ def rice_bitmaps(unary, rem, ks, counts, classes, inverted, bound, words, first_
         c = classes[j]
         last = np.int64(-1)
         window, fresh = np.uint64(0), np.int64(0)
-        word, held = at, np.uint64(0)  # the word of the last rank, and its bits so far (stored at every rank)
         for _ in range(counts[j]):
             gap, unary_bit, window, fresh, rem_bit = _read_gap(unary, unary_bit, window, fresh, rem, rem_bit, k, bound >> k)
             if gap < 0:
@@ -367,9 +366,7 @@ def rice_bitmaps(unary, rem, ks, counts, classes, inverted, bound, words, first_
             last = last + 1 + gap
             if last >= bound or at + (last >> 6) + 3 > room:  # the rank's word and the two after it
                 return -1, -1
-            held = (held if at + (last >> 6) == word else np.uint64(0)) | (np.uint64(1) << np.uint64(last & 63))
-            word = at + (last >> 6)
-            words[word] = held  # no load: a word's bits are held until the ranks move past it
+            words[at + (last >> 6)] |= np.uint64(1) << np.uint64(last & 63)
         span = (last + 64) >> 6  # words up to the last rank's
         if at + span + 2 > room:
             return -1, -1
